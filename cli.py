@@ -1,0 +1,66 @@
+"""The ``autopar`` command: parse arguments, call one function per verb, print.
+
+Each verb lives in the part of autopar it belongs to; this file only registers them.  A verb
+module exposes ``add_arguments(parser)`` and ``main(args) -> int`` and is imported only when
+its verb runs, so ``autopar inspect`` never pays for OR-Tools.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import textwrap
+
+# verb -> (module, one-line help)
+VERBS = {
+    "inspect": ("autopar.core.inspect_cli", "capture a model on the meta device and show its layers, parameters and FLOPs"),
+    "simulate": ("autopar.simulator.simulate_cli", "predict step time and memory of a configuration or a plan.json"),
+    "plan": ("autopar.planner.plan_cli", "search for the fastest plan that fits the cluster and write plan.json"),
+    "run": ("autopar.runtime.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters)"),
+    "profile": ("autopar.profiling.profile_cli", "measure op and collective costs on this machine into a profile file"),
+    "report": ("autopar.profiling.report_cli", "compare a plan's prediction with a measured run; calibrate the profile"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="Automatic parallelization planner for PyTorch training: capture, simulate, plan, run, report.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb, (module, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from autopar.core.errors import UserError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"autopar {args.verb}: this verb is not available in this installation.", file=sys.stderr)
+        return 2
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except UserError as e:
+        print(_paragraph(f"autopar {args.verb}: error: {e}"), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"autopar {args.verb}: interrupted.", file=sys.stderr)
+        return 130
+
+
+def _paragraph(text: str) -> str:
+    return "\n".join(textwrap.fill(part, width=100) for part in str(text).split("\n"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""The plan: frozen, versioned, human-readable JSON (DESIGN.md, "Plan").
+
+A plan says how to train one model on one cluster:
+
+* ``Mesh``        -- dp x pp x tp ranks (tp innermost, so a tensor-parallel group is a run of
+                     consecutive ranks and stays inside a node), plus sequence parallelism on
+                     the tp axis.
+* ``Pipeline``    -- stages as layer ranges, the schedule and the micro-batch count (with
+                     ``pp == 1`` the micro-batches are gradient-accumulation steps).
+* ``LayerPlan``   -- per layer: tensor-parallel style per module (the SOAP parameter split,
+                     mapped by the runtime onto DTensor ``ColwiseParallel`` / ``RowwiseParallel``),
+                     data-parallel flavour (ZeRO stage), recompute and offload.
+* ``predicted``   -- what the simulator said the plan costs; ``provenance`` -- where it came from.
+
+Nothing here searches, simulates or touches torch.distributed: the plan is data.
+Serialisation is JSON only (never pickle); ``save_plan`` writes atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from autopar.core.errors import PlanFileError
+
+PLAN_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
+OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
+TP_STYLES = ("colwise", "rowwise")  # Megatron column / row split of a Linear's weight
+PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False   # shard activations on the sequence dim between TP regions
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def axis_names(self) -> tuple[str, str, str]:
+        return ("dp", "pp", "tp")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.dp, self.pp, self.tp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) coordinates of a global rank; ranks = arange(world).view(dp, pp, tp)."""
+        d, rest = divmod(rank, self.pp * self.tp)
+        p, t = divmod(rest, self.tp)
+        return d, p, t
+
+    def rank(self, d: int, p: int, t: int) -> int:
+        return (d * self.pp + p) * self.tp + t
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int                 # position in the pipeline (0 .. num_stages-1)
+    start: int                 # first layer (inclusive)
+    end: int                   # last layer (exclusive)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str = "1f1b"
+    num_microbatches: int = 1
+    stages: tuple[Stage, ...] = ()
+
+    def stage_rank(self, stage_index: int, pp: int) -> int:
+        """pp coordinate that runs a stage: stage i on pp rank i % pp (looped for interleaved)."""
+        return stage_index % pp
+
+    def stages_per_rank(self, pp: int) -> int:
+        return max(1, len(self.stages) // pp)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    tp: tuple[tuple[str, str], ...] = ()   # (module qualified name, "colwise" | "rowwise")
+    zero: int = 0
+    recompute: str = "none"
+    offload: str = "none"
+
+    @property
+    def tp_styles(self) -> dict[str, str]:
+        return dict(self.tp)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    file: str
+    args: Mapping[str, Any]
+    name: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    mesh: Mesh
+    global_batch: int
+    micro_batch: int                       # samples per micro-batch on one data-parallel rank
+    pipeline: Pipeline
+    layers: tuple[LayerPlan, ...]
+    precision: str = "fp32"
+    cluster: str = ""                      # cluster name, and the file it came from
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def zero(self) -> int:
+        """The largest ZeRO stage of any layer (decides DDP / ZeRO-1 / FSDP at run time)."""
+        return max((lp.zero for lp in self.layers), default=0)
+
+    def with_predicted(self, predicted: Mapping[str, Any], **provenance: Any) -> "Plan":
+        return replace(self, predicted=dict(predicted), provenance={**self.provenance, **provenance})
+
+    # -------------------------------------------------------------- checks
+    def validate(self, num_layers: int | None = None) -> None:
+        """Raise PlanFileError naming the field when the plan is inconsistent."""
+        m = self.mesh
+        for axis in ("dp", "tp", "pp"):
+            if getattr(m, axis) < 1:
+                _bad(f"mesh.{axis}", getattr(m, axis), "a positive integer")
+        if m.sequence_parallel and m.tp == 1:
+            _bad("mesh.sequence_parallel", True, "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)")
+        p = self.pipeline
+        if p.schedule not in SCHEDULES:
+            _bad("pipeline.schedule", p.schedule, f"one of {', '.join(SCHEDULES)}")
+        if p.num_microbatches < 1:
+            _bad("pipeline.num_microbatches", p.num_microbatches, "a positive integer")
+        if self.micro_batch < 1:
+            _bad("micro_batch", self.micro_batch, "a positive integer")
+        if self.global_batch != m.dp * self.micro_batch * p.num_microbatches:
+            _bad("global_batch", self.global_batch,
+                 f"mesh.dp * micro_batch * pipeline.num_microbatches = {m.dp} * {self.micro_batch} * "
+                 f"{p.num_microbatches} = {m.dp * self.micro_batch * p.num_microbatches}")
+        if not p.stages:
+            _bad("pipeline.stages", [], "at least one stage")
+        if len(p.stages) % m.pp:
+            _bad("pipeline.stages", len(p.stages), f"a multiple of mesh.pp = {m.pp} stages")
+        if len(p.stages) > m.pp and p.schedule != "interleaved":
+            _bad("pipeline.schedule", p.schedule, f"'interleaved' for {len(p.stages)} stages on {m.pp} pipeline ranks")
+        expected_start = 0
+        for i, s in enumerate(p.stages):
+            if s.index != i or s.start != expected_start or s.end <= s.start:
+                _bad(f"pipeline.stages[{i}]", [s.start, s.end],
+                     f"a non-empty layer range starting at layer {expected_start} (stages must be contiguous)")
+            expected_start = s.end
+        n = num_layers if num_layers is not None else len(self.layers)
+        if expected_start != n:
+            _bad("pipeline.stages", f"ends at layer {expected_start}", f"stages covering all {n} layers")
+        if [lp.layer for lp in self.layers] != list(range(len(self.layers))):
+            _bad("layers", "layer indices", "one entry per layer, in order 0, 1, 2, ...")
+        if num_layers is not None and len(self.layers) != num_layers:
+            _bad("layers", len(self.layers), f"{num_layers} entries (one per layer of the model)")
+        zeros = {lp.zero for lp in self.layers}
+        for lp in self.layers:
+            where = f"layers[{lp.layer}]"
+            if lp.zero not in ZERO_STAGES:
+                _bad(f"{where}.zero", lp.zero, "0, 1, 2 or 3")
+            if lp.recompute not in RECOMPUTE:
+                _bad(f"{where}.recompute", lp.recompute, f"one of {', '.join(RECOMPUTE)}")
+            if lp.offload not in OFFLOAD:
+                _bad(f"{where}.offload", lp.offload, f"one of {', '.join(OFFLOAD)}")
+            if lp.offload != "none" and lp.zero < 2:
+                _bad(f"{where}.offload", lp.offload, "'none' unless zero is 2 or 3 (offload runs through FSDP)")
+            for mod, style in lp.tp:
+                if style not in TP_STYLES:
+                    _bad(f"{where}.tp[{mod!r}]", style, f"one of {', '.join(TP_STYLES)}")
+            if lp.tp and m.tp == 1:
+                _bad(f"{where}.tp", dict(lp.tp), "empty when mesh.tp is 1")
+        if zeros & {0, 1} and len(zeros) > 1:
+            _bad("layers[*].zero", sorted(zeros),
+                 "one value for every layer when DDP (0) or ZeRO-1 (1) is used; only 2 and 3 may be mixed")
+        if self.precision not in PRECISIONS:
+            _bad("precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+
+    # ------------------------------------------------------------ JSON form
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "model": {"file": self.model.file, "args": dict(self.model.args), "name": self.model.name,
+                      "fingerprint": self.model.fingerprint},
+            "cluster": self.cluster,
+            "mesh": {"dp": self.mesh.dp, "tp": self.mesh.tp, "pp": self.mesh.pp,
+                     "sequence_parallel": self.mesh.sequence_parallel,
+                     "world_size": self.mesh.world_size,
+                     "layout": "ranks = arange(world_size).view(dp, pp, tp)"},
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "precision": self.precision,
+            "pipeline": {"schedule": self.pipeline.schedule,
+                         "num_microbatches": self.pipeline.num_microbatches,
+                         "stages": [{"index": s.index, "layers": [s.start, s.end]} for s in self.pipeline.stages]},
+            "layers": [{"layer": lp.layer, "tp": dict(lp.tp), "zero": lp.zero,
+                        "recompute": lp.recompute, "offload": lp.offload} for lp in self.layers],
+            "predicted": dict(self.predicted),
+            "provenance": dict(self.provenance),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "plan") -> "Plan":
+        try:
+            version = int(d.get("version", -1))
+            if version != PLAN_VERSION:
+                _bad("version", d.get("version"), f"{PLAN_VERSION} (this autopar reads plan version {PLAN_VERSION})")
+            md, me, pl = d["model"], d["mesh"], d["pipeline"]
+            plan = cls(
+                version=version,
+                model=ModelRef(file=str(md["file"]), args=dict(md.get("args", {})), name=str(md.get("name", "")),
+                               fingerprint=str(md["fingerprint"])),
+                cluster=str(d.get("cluster", "")),
+                mesh=Mesh(dp=int(me["dp"]), tp=int(me["tp"]), pp=int(me["pp"]),
+                          sequence_parallel=bool(me.get("sequence_parallel", False))),
+                global_batch=int(d["global_batch"]),
+                micro_batch=int(d["micro_batch"]),
+                precision=str(d.get("precision", "fp32")),
+                pipeline=Pipeline(schedule=str(pl["schedule"]), num_microbatches=int(pl["num_microbatches"]),
+                                  stages=tuple(Stage(int(s["index"]), int(s["layers"][0]), int(s["layers"][1]))
+                                               for s in pl["stages"])),
+                layers=tuple(LayerPlan(layer=int(x["layer"]), tp=tuple(sorted((str(k), str(v)) for k, v in x.get("tp", {}).items())),
+                                       zero=int(x.get("zero", 0)), recompute=str(x.get("recompute", "none")),
+                                       offload=str(x.get("offload", "none")))
+                             for x in d["layers"]),
+                predicted=dict(d.get("predicted", {})),
+                provenance=dict(d.get("provenance", {})),
+            )
+        except PlanFileError as e:
+            raise PlanFileError(f"{source}: {e}") from None
+        except KeyError as e:
+            raise PlanFileError(f"{source}: the plan lacks the field {e.args[0]!r}. Plans are written by "
+                                f"'autopar plan'; regenerate it rather than editing by hand.") from None
+        except (TypeError, ValueError, IndexError, AttributeError) as e:
+            raise PlanFileError(f"{source}: a field has the wrong type ({e}). Plans are written by "
+                                f"'autopar plan'; regenerate it rather than editing by hand.") from None
+        try:
+            plan.validate()
+        except PlanFileError as e:
+            raise PlanFileError(f"{source}: {e}") from None
+        return plan
+
+
+def _bad(field_name: str, value: Any, allowed: str) -> None:
+    raise PlanFileError(f"field {field_name} is {value!r}; it must be {allowed}.")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(f"cannot write {type(o).__name__} to a plan")
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanFileError(f"plan file {p} does not exist. Create one with 'autopar plan MODEL.py --cluster CLUSTER -o {p}'.")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanFileError(f"plan file {p} is not valid JSON ({e}). Plans are JSON written by 'autopar plan'.") from None
+    if not isinstance(d, dict):
+        raise PlanFileError(f"plan file {p} holds a {type(d).__name__}, not a plan object.")
+    return Plan.from_dict(d, source=f"plan file {p}")
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write the plan atomically: a crash never leaves a half-written file behind."""
+    write_text_atomic(path, plan.to_json())
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1,
+                 micro_batch: int = 1, num_microbatches: int = 1, schedule: str = "1f1b",
+                 virtual_stages: int = 1, tp_styles_per_layer: Mapping[int, Mapping[str, str]] | None = None,
+                 sequence_parallel: bool = False, zero: int = 0, recompute: str = "none",
+                 offload: str = "none", precision: str = "fp32", cluster: str = "",
+                 stage_bounds: list[int] | None = None) -> Plan:
+    """A Megatron-style plan: the same choice on every layer, stages of (nearly) equal size.
+
+    ``stage_bounds`` (``[0, b1, ..., num_layers]``) overrides the equal split.
+    """
+    num_stages = pp * virtual_stages
+    if stage_bounds is None:
+        base, extra = divmod(num_layers, num_stages)
+        stage_bounds = [0]
+        for i in range(num_stages):
+            stage_bounds.append(stage_bounds[-1] + base + (1 if i < extra else 0))
+    stages = tuple(Stage(i, stage_bounds[i], stage_bounds[i + 1]) for i in range(len(stage_bounds) - 1))
+    styles = tp_styles_per_layer or {}
+    layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if tp > 1 else (),
+                             zero=zero, recompute=recompute, offload=offload) for i in range(num_layers))
+    return Plan(model=model, mesh=Mesh(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel),
+                global_batch=dp * micro_batch * num_microbatches, micro_batch=micro_batch,
+                pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
+                layers=layers, precision=precision, cluster=cluster)
