@@ -101,6 +101,8 @@ class OpGraph:
     seq_len: int | None = None               # tokens per sample where the model has a sequence
     capture_method: str = "symbolic_trace"   # "symbolic_trace", "export" or "leaf_fallback"
     leaf_modules: tuple[str, ...] = ()       # modules kept opaque by the fallback
+    sequential_layers: bool = False          # forward is layer 0 -> 1 -> ... with one activation
+                                             # tensor crossing each boundary (pipeline-cuttable)
     notes: list[str] = field(default_factory=list)
     capture_s: float = 0.0
 
@@ -187,6 +189,7 @@ class OpGraph:
             "capture_method": self.capture_method,
             "capture_s": round(self.capture_s, 3),
             "leaf_modules": list(self.leaf_modules),
+            "sequential_layers": self.sequential_layers,
             "notes": list(self.notes),
             "fingerprint": self.fingerprint,
             "layers": [

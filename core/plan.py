@@ -28,6 +28,11 @@ from autopar.core.errors import PlanFileError
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Recompute: "full" keeps only each layer's input and reruns its forward inside backward
+# (Chen et al. 2016; Megatron "full"); "selective" keeps the outputs of the matmul-class ops
+# (linear, matmul, attention) and recomputes the cheap ones between them (norms, activations,
+# softmax, dropout) -- the op-level policy torchtitan applies with
+# torch.utils.checkpoint.create_selective_checkpoint_contexts.
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
 OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
