@@ -1,7 +1,7 @@
 """Cluster description (cluster.yaml): node groups of GPUs and the links between them.
 
-Data classes only in this part of the file; ``load_cluster`` (below) reads and validates a
-YAML file.  Units are spelled in the names: ``*_GBps`` is 10^9 bytes per second in one
+Data classes only; ``load_cluster`` (in cluster_file.py, also importable from here) reads and
+validates a YAML file.  Units are spelled in the names: ``*_GBps`` is 10^9 bytes per second in one
 direction, ``*_us`` microseconds, ``*_bytes`` bytes.
 
 Ranks are numbered group by group, node by node, GPU by GPU: rank r sits on node
@@ -123,3 +123,12 @@ class Cluster:
         if nodes < 1:
             raise ClusterFileError(f"--nodes is {nodes}; it must be a positive number of nodes.")
         return replace(self, groups=(replace(self.groups[0], nodes=nodes),), name=f"{self.name}@{nodes}nodes")
+
+
+def __getattr__(name: str):
+    """``from autopar.core.cluster import load_cluster`` etc.: the YAML reader lives in cluster_file.py."""
+    if name in ("load_cluster", "available_clusters", "add_cluster_arguments", "cluster_from_args", "parse_cluster"):
+        from autopar.core import cluster_file
+
+        return getattr(cluster_file, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

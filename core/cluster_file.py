@@ -1,0 +1,279 @@
+"""Reading and validating cluster files (cluster.yaml) into a ``Cluster``.
+
+Schema (docs/cluster-file.md has the long version)::
+
+    name: dgx-a100-1x8            # optional; default: the file name without .yaml
+    backend: nccl                 # optional; nccl | gloo; default gloo for CPU profiles, else nccl
+    inter_node: {bandwidth_GBps: 25, latency_us: 5}   # per GPU share of the node's network
+    groups:                       # one or more node groups; ranks are numbered group by group
+      - name: a100
+        gpu: a100-80gb-sxm        # a bundled profile name, or a path to a profile .json
+                                  # (relative to this file)
+        nodes: 1
+        gpus_per_node: 8
+        gpu_memory_GB: 80         # optional; default: the profile's memory_bytes
+        intra_node: {bandwidth_GBps: 300, latency_us: 3}   # optional; default: profile nvlink_*
+        host_memory_GB: 2048      # per node
+        host_to_device: {bandwidth_GBps: 32, latency_us: 10} # optional; default: profile pcie_*
+
+``GB`` and ``GBps`` are decimal (10^9 bytes, 10^9 bytes/s); bandwidths are per GPU and per
+direction.  Every problem raises ``ClusterFileError`` naming the file, the field path (e.g.
+``groups[0].intra_node.bandwidth_GBps``), its line, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from autopar.core.cluster import BACKENDS, Cluster, Link, NodeGroup
+from autopar.core.errors import ClusterFileError
+
+_PACKAGE = "autopar.examples.clusters"
+
+TOP_REQUIRED = ("inter_node", "groups")
+TOP_OPTIONAL = ("name", "backend")
+GROUP_REQUIRED = ("name", "gpu", "nodes", "gpus_per_node", "host_memory_GB")
+GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device")
+LINK_REQUIRED = ("bandwidth_GBps", "latency_us")
+
+_DOCS = "See docs/cluster-file.md for the schema."
+
+
+def available_clusters() -> list[str]:
+    """Names of the bundled cluster files in autopar/examples/clusters (without .yaml), sorted."""
+    return sorted(p.name[:-len(".yaml")] for p in resources.files(_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_cluster(path_or_name: str, *, nodes: int | None = None) -> Cluster:
+    """Read a cluster file (a path, or the name of a bundled cluster) and validate it.
+
+    ``nodes`` rescales a single-group cluster to that many nodes (``Cluster.scaled``).
+    An existing file wins over a bundled name.
+    """
+    text, source, base_dir, stem = _read(str(path_or_name))
+    cluster = parse_cluster(text, source=source, base_dir=base_dir, default_name=stem)
+    return cluster if nodes is None else cluster.scaled(nodes)
+
+
+def add_cluster_arguments(parser, *, required: bool = True) -> None:
+    """``--cluster PATH_OR_NAME`` and ``--nodes N`` on an argparse parser (see cluster_from_args)."""
+    names = ", ".join(available_clusters())
+    parser.add_argument("--cluster", metavar="PATH_OR_NAME", required=required,
+                        default=None if required else "local-cpu",
+                        help=f"cluster file (YAML, docs/cluster-file.md) or a bundled cluster: {names}"
+                             + ("" if required else " (default: local-cpu)"))
+    parser.add_argument("--nodes", metavar="N", type=int, default=None,
+                        help="scale a single-group cluster to N nodes (what-if; the file stays as it is)")
+
+
+def cluster_from_args(args) -> Cluster:
+    """The cluster named by the arguments ``add_cluster_arguments`` added."""
+    return load_cluster(args.cluster, nodes=args.nodes)
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _read(path_or_name: str) -> tuple[str, str, Path | None, str]:
+    path = Path(path_or_name).expanduser()
+    bundled = path_or_name[:-len(".yaml")] if path_or_name.endswith(".yaml") else path_or_name
+    if path.is_file():
+        file, source, base_dir = path, str(path), path.parent
+    elif "/" not in path_or_name and bundled in available_clusters():
+        file = resources.files(_PACKAGE) / f"{bundled}.yaml"
+        source, base_dir = f"{bundled} (bundled: {file})", None
+    else:
+        what = "is a directory, not a file" if path.is_dir() else "is neither a file nor a bundled cluster name"
+        raise ClusterFileError(
+            f"cluster {path_or_name!r} {what}. Bundled clusters: {', '.join(available_clusters())}. "
+            f"Pass one of these names or the path of a YAML cluster file. {_DOCS}")
+    try:
+        return file.read_text(encoding="utf-8"), source, base_dir, Path(file.name).stem
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClusterFileError(f"cluster file {source} cannot be read: {e}.") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _lines(node: yaml.Node | None, prefix: str, out: dict[str, int]) -> dict[str, int]:
+    """Field path -> 1-based line number, for every mapping key and list item below ``node``."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+            out[path] = key_node.start_mark.line + 1
+            _lines(value_node, path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = f"{prefix}[{i}]"
+            out[path] = item.start_mark.line + 1
+            _lines(item, path, out)
+    return out
+
+
+def parse_cluster(text: str, *, source: str = "<text>", base_dir: Path | None = None,
+                  default_name: str = "cluster") -> Cluster:
+    """A validated Cluster from the YAML ``text`` of a cluster file (``source`` names it in errors)."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ClusterFileError(f"cluster file {source} is not valid YAML{where}: {problem}. Fix the syntax "
+                               f"(indentation, a missing ':' or an unclosed bracket are the usual causes). "
+                               f"{_DOCS}") from None
+    finally:
+        loader.dispose()
+    return _Validator(source, _lines(node, "", {}), base_dir).cluster(data, default_name)
+
+
+# -------------------------------------------------------------------------- validation
+
+class _Validator:
+    def __init__(self, source: str, lines: dict[str, int], base_dir: Path | None):
+        self.source, self.lines, self.base_dir = source, lines, base_dir
+
+    def fail(self, path: str, message: str) -> None:
+        line = self.lines.get(path)
+        at = f" (line {line})" if line else ""
+        raise ClusterFileError(f"cluster file {self.source}, field {path or '(top level)'}{at}: {message} {_DOCS}")
+
+    def bad_value(self, path: str, value: object, allowed: str) -> None:
+        self.fail(path, f"the value is {value!r}; it must be {allowed}.")
+
+    def mapping(self, value: object, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+        allowed = required + optional
+        if not isinstance(value, dict):
+            self.bad_value(path, value, "a mapping with the keys " + ", ".join(allowed))
+        for key in value:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                self.fail(f"{path}.{key}" if path else str(key),
+                          f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
+        missing = [k for k in required if k not in value]
+        if missing:
+            self.fail(path, f"the required key {missing[0]!r} is missing"
+                      + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
+                      + f". Required keys here: {', '.join(required)}.")
+        return value
+
+    def text(self, value: object, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            self.bad_value(path, value, "a non-empty text")
+        return value
+
+    def number(self, value: object, path: str, *, positive: bool) -> float:
+        if isinstance(value, str):
+            hint = " (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else ""
+            self.bad_value(path, value, f"a number, not text{hint}")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (value <= 0 if positive else value < 0):
+            self.bad_value(path, value, "a number > 0" if positive else "a number >= 0")
+        return float(value)
+
+    def whole(self, value: object, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self.bad_value(path, value, "a whole number >= 1")
+        return value
+
+    def link(self, value: object, path: str) -> Link:
+        d = self.mapping(value, path, LINK_REQUIRED, ())
+        return Link(bandwidth_GBps=self.number(d["bandwidth_GBps"], f"{path}.bandwidth_GBps", positive=True),
+                    latency_us=self.number(d["latency_us"], f"{path}.latency_us", positive=False))
+
+    def profile(self, value: object, path: str) -> tuple[str, dict]:
+        from autopar.profiles import ProfileError, available_profiles, load_profile
+
+        name = self.text(value, path)
+        if name.endswith(".json"):
+            file = Path(name).expanduser()
+            if not file.is_absolute() and self.base_dir is not None:
+                file = self.base_dir / file
+            if not file.is_file():
+                self.bad_value(path, name, f"an existing profile file (looked for {file}) or one of the bundled "
+                                           f"profiles: {', '.join(available_profiles())}")
+            name = str(file.resolve())
+        elif name not in available_profiles():
+            close = difflib.get_close_matches(name, available_profiles(), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            self.fail(path, f"unknown GPU type {name!r}.{hint} Known profiles: {', '.join(available_profiles())}; "
+                            f"or give the path of a profile .json written by `autopar profile`.")
+        try:
+            return name, load_profile(name)
+        except ProfileError as e:
+            self.fail(path, f"the profile {name!r} is invalid: {e}")
+        raise AssertionError("unreachable")
+
+    def link_or_default(self, group: dict, key: str, path: str, profile: dict, gpu: str,
+                        bandwidth_key: str, latency_key: str) -> Link:
+        if key in group:
+            return self.link(group[key], f"{path}.{key}")
+        if bandwidth_key not in profile or latency_key not in profile:
+            self.fail(path, f"{key} is not given and profile {gpu!r} has no {bandwidth_key}/{latency_key} to "
+                            f"default to; add '{key}: {{bandwidth_GBps: ..., latency_us: ...}}' to the group.")
+        return Link(float(profile[bandwidth_key]), float(profile[latency_key]))
+
+    def group(self, value: object, path: str) -> tuple[NodeGroup, dict]:
+        g = self.mapping(value, path, GROUP_REQUIRED, GROUP_OPTIONAL)
+        gpu, prof = self.profile(g["gpu"], f"{path}.gpu")
+        if "gpu_memory_GB" in g:
+            memory_bytes = round(self.number(g["gpu_memory_GB"], f"{path}.gpu_memory_GB", positive=True) * 1e9)
+        else:
+            memory_bytes = int(prof["memory_bytes"])
+        group = NodeGroup(
+            name=self.text(g["name"], f"{path}.name"),
+            gpu=gpu,
+            nodes=self.whole(g["nodes"], f"{path}.nodes"),
+            gpus_per_node=self.whole(g["gpus_per_node"], f"{path}.gpus_per_node"),
+            gpu_memory_bytes=memory_bytes,
+            intra_node=self.link_or_default(g, "intra_node", path, prof, gpu, "nvlink_GBps", "nvlink_latency_us"),
+            host_memory_bytes=round(self.number(g["host_memory_GB"], f"{path}.host_memory_GB", positive=True) * 1e9),
+            host_to_device=self.link_or_default(g, "host_to_device", path, prof, gpu, "pcie_GBps", "pcie_latency_us"),
+        )
+        return group, prof
+
+    def cluster(self, data: object, default_name: str) -> Cluster:
+        if data is None:
+            self.fail("", "the file is empty; a cluster file needs at least inter_node and groups.")
+        top = self.mapping(data, "", TOP_REQUIRED, TOP_OPTIONAL)
+        name = self.text(top["name"], "name") if "name" in top else default_name
+        inter_node = self.link(top["inter_node"], "inter_node")
+        if not isinstance(top["groups"], list) or not top["groups"]:
+            self.bad_value("groups", top["groups"], "a non-empty list of node groups")
+        groups, profiles = [], []
+        for i, value in enumerate(top["groups"]):
+            group, prof = self.group(value, f"groups[{i}]")
+            if any(g.name == group.name for g in groups):
+                self.bad_value(f"groups[{i}].name", group.name, "a name no other group uses")
+            groups.append(group)
+            profiles.append(prof)
+        on_cpu = [g.name for g, p in zip(groups, profiles) if p["device"] == "cpu"]
+        backend = top.get("backend", "gloo" if len(on_cpu) == len(groups) else "nccl")
+        if backend not in BACKENDS:
+            self.bad_value("backend", backend, "one of " + ", ".join(BACKENDS))
+        if backend == "nccl" and on_cpu:
+            self.fail("backend", f"nccl needs CUDA GPUs, but group {on_cpu[0]!r} uses a CPU profile; "
+                                 f"use 'backend: gloo'.")
+        return Cluster(name=name, groups=tuple(groups), inter_node=inter_node, backend=backend, source=self.source)

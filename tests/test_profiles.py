@@ -1,0 +1,124 @@
+"""Profiles: every bundled file loads, carries the datasheet peaks, cites every figure, and a
+malformed profile is rejected with the offending key named."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.profiles import (DTYPES, EFFICIENCY_KINDS, ProfileError, available_profiles, load_profile,
+                              profile_path)
+
+# Datasheet figures, dense (no structured sparsity): FLOP/s per dtype, HBM bytes/s.
+# A100 80GB SXM: NVIDIA A100 datasheet.  H100 SXM: H100 datasheet / whitepaper (FP32 66.9, rounded
+# to 67 on the datasheet).  H200: H200 datasheet (H100 compute, 4.8 TB/s, 141 GB).
+DATASHEET = {
+    "a100-80gb-sxm": ({"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12),
+    "h100-sxm": ({"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}, 3.35e12),
+    "h200": ({"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}, 4.8e12),
+}
+LINKS_GBps = {  # per direction: NVLink3 600/2, NVLink4 900/2; PCIe Gen4 64/2, Gen5 128/2; NIC / 8 bits
+    "a100-80gb-sxm": (300, 32, 25), "h100-sxm": (450, 64, 50), "h200": (450, 64, 50)}
+LINK_KEYS = ("nvlink_GBps", "nvlink_latency_us", "pcie_GBps", "pcie_latency_us", "network_GBps_per_gpu")
+
+
+def test_bundled_names():
+    assert available_profiles() == ["a100-80gb-sxm", "h100-sxm", "h200", "local-cpu"]
+
+
+@pytest.mark.parametrize("name", ["a100-80gb-sxm", "h100-sxm", "h200", "local-cpu"])
+def test_profile_loads_and_cites_every_figure(name):
+    prof = load_profile(name)
+    assert prof["name"] == name and profile_path(name).name == f"{name}.json"
+    assert load_profile(str(profile_path(name))) == prof
+    assert prof["device"] == ("cpu" if name == "local-cpu" else "gpu")
+    cited = [f"peak_flops.{d}" for d in DTYPES] + [f"efficiency.{k}" for k in EFFICIENCY_KINDS]
+    cited += ["collective_efficiency.intra", "collective_efficiency.inter", "memory_bytes", "memory_bandwidth_Bps",
+              *LINK_KEYS]
+    missing = [k for k in cited if not prof["sources"].get(k, "").strip()]
+    assert not missing, f"{name}: no source for {missing}"
+    for key in LINK_KEYS:
+        assert key in prof
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEET))
+def test_peaks_match_the_datasheet(name):
+    prof = load_profile(name)
+    flops, bandwidth = DATASHEET[name]
+    for dtype, value in flops.items():
+        assert prof["peak_flops"][dtype] == pytest.approx(value, rel=0.005), dtype
+    assert prof["memory_bandwidth_Bps"] == pytest.approx(bandwidth, rel=1e-3)
+    nvlink, pcie, network = LINKS_GBps[name]
+    assert (prof["nvlink_GBps"], prof["pcie_GBps"], prof["network_GBps_per_gpu"]) == (nvlink, pcie, network)
+
+
+def test_memory_sizes():
+    assert load_profile("a100-80gb-sxm")["memory_bytes"] == pytest.approx(80e9, rel=0.08)   # 80 GB (80 GiB)
+    assert load_profile("h100-sxm")["memory_bytes"] == pytest.approx(80e9, rel=0.08)
+    assert load_profile("h200")["memory_bytes"] == pytest.approx(141e9, rel=0.01)
+
+
+def test_local_cpu_peak_is_a_plausible_measurement():
+    # 1 thread of a Zen 3 core: 2 FMA pipes x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle at 2-3.7 GHz
+    # (AMD Zen 3 microarchitecture), i.e. 64-118 GFLOP/s; the measured figure must sit below the
+    # top of that range and not far under its bottom.
+    fp32 = load_profile("local-cpu")["peak_flops"]["fp32"]
+    assert 40e9 < fp32 < 32 * 3.7e9
+
+
+@pytest.fixture
+def good():
+    return json.loads(profile_path("h100-sxm").read_text())
+
+
+def _reject(tmp_path, prof, *words):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    with pytest.raises(ProfileError) as info:
+        load_profile(str(path))
+    message = str(info.value)
+    assert str(path) in message
+    for w in words:
+        assert w in message, (w, message)
+    with pytest.raises(ProfileError):       # the same check on a dict (what `autopar profile` calls)
+        load_profile(prof)
+
+
+def test_bad_profiles_name_the_key(tmp_path, good):
+    _reject(tmp_path, {**good, "peak_flop": good["peak_flops"]}, "peak_flop", "'peak_flops'")
+    _reject(tmp_path, {k: v for k, v in good.items() if k != "memory_bytes"}, "memory_bytes", "missing")
+    _reject(tmp_path, {**good, "memory_bandwidth_Bps": -1}, "memory_bandwidth_Bps", "-1", "> 0")
+    _reject(tmp_path, {**good, "memory_bytes": "80GB"}, "memory_bytes", "'80GB'")
+    _reject(tmp_path, {**good, "device": "tpu"}, "device", "gpu, cpu")
+    _reject(tmp_path, {**good, "peak_flops": {**good["peak_flops"], "bf16": 0}}, "peak_flops.bf16", "> 0")
+    _reject(tmp_path, {**good, "peak_flops": {k: v for k, v in good["peak_flops"].items() if k != "tf32"}},
+            "peak_flops.tf32", "missing")
+    _reject(tmp_path, {**good, "efficiency": {**good["efficiency"], "linear": 1.5}}, "efficiency.linear", "(0, 1]")
+    _reject(tmp_path, {**good, "efficiency": {**good["efficiency"], "lineer": 0.5}}, "efficiency.lineer", "'linear'")
+    _reject(tmp_path, {**good, "nvlink_GBps": 0}, "nvlink_GBps", "> 0")
+    _reject(tmp_path, {**good, "gemm_tile": [256]}, "gemm_tile")
+    _reject(tmp_path, {**good, "op_table": [{"kind": "linear", "dtype": "bf16", "flops": 1e9, "bytes": 1e6,
+                                             "seconds": 0, "shape": [8, 8]}]}, "op_table[0].seconds", "> 0")
+    _reject(tmp_path, {**good, "collective_table": [{"op": "all_reduce", "bytes": 1024, "group_size": 8,
+                                                     "level": "rack", "seconds": 1e-5}]},
+            "collective_table[0].level", "intra, inter")
+    _reject(tmp_path, {**good, "collective_table": [{"op": "all_reduce", "bytes": 1024, "level": "intra",
+                                                     "seconds": 1e-5}]}, "collective_table[0].group_size", "missing")
+
+
+def test_measured_rows_with_extra_keys_are_accepted(good):
+    row = {"kind": "linear", "variant": "nn", "dtype": "bf16", "flops": 2e9, "bytes": 3e6, "seconds": 1e-5,
+           "shape": [1024, 1024, 1024], "num_samples": 5}
+    coll = {"op": "all_reduce", "bytes": 2**20, "group_size": 8, "level": "intra", "seconds": 2e-5, "backend": "nccl"}
+    prof = load_profile({**good, "op_table": [row], "collective_table": [coll], "measured_by": "autopar profile"})
+    assert prof["op_table"][0]["seconds"] == 1e-5
+
+
+def test_unknown_name_and_missing_file_list_the_profiles(tmp_path):
+    with pytest.raises(ProfileError, match="a100-80gb-sxm, h100-sxm, h200, local-cpu"):
+        load_profile("b200")
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(str(tmp_path / "none.json"))
+    (tmp_path / "broken.json").write_text('{"name": "x",\n "device": }')
+    with pytest.raises(ProfileError, match="line 2"):
+        load_profile(str(tmp_path / "broken.json"))
