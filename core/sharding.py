@@ -1,0 +1,291 @@
+"""Tensor-parallel sharding of one layer: which Linear is split how, and what that costs.
+
+Two pure graph analyses, shared by the simulator and the planner:
+
+* ``megatron_styles(graph, layer_index)`` finds the column -> row pairs of Linear modules in a
+  layer (Shoeybi et al. 2019, "Megatron-LM", Sec. 3: the first GEMM of the MLP and the QKV
+  projection are split by columns, the GEMM that follows is split by rows, so a whole block
+  needs one all-reduce in forward and one in backward).  A Linear whose input is reached from
+  one or more earlier Linears only through element-wise, view, attention, matmul, softmax and
+  dropout ops is "rowwise" and those earlier Linears are "colwise" (for SwiGLU: w1 and w3
+  colwise, w2 rowwise).  Outside such pairs: the largest embedding table is split by rows
+  (vocabulary-parallel embedding, Megatron-LM Sec. 3) and a Linear that feeds the loss is split
+  by columns with a vocabulary-parallel loss (Megatron-LM Sec. 3, "parallelize the output
+  embedding GEMM ... fuse with the cross entropy loss").
+* ``propagate(graph, layer_index, styles, tp, sequence_parallel)`` follows those styles
+  through the layer: the divisor of each op's FLOPs, activations and parameters, and the
+  tensor-parallel collectives (kind, bytes, forward or backward) the split implies.  Without
+  sequence parallelism the collectives are all-reduces (Megatron's f and g operators); with
+  it, all-gather / reduce-scatter pairs and the ops between regions run on 1/tp of the
+  sequence (Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4.2.2).
+
+Byte counts are at the graph's capture batch size and dtype; callers scale them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.core.graph import OpGraph, OpNode
+
+#: Ops that keep a tensor-parallel split on the hidden/head dimension when their input has it.
+PASS_THROUGH_KINDS = frozenset({"elementwise", "view", "attention", "matmul", "softmax", "dropout"})
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+                "bool": 1, "uint8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    kind: str        # "all_reduce" | "all_gather" | "reduce_scatter"
+    bytes: float     # the full (unsharded) tensor, at capture batch size and dtype
+    pass_: str       # "fwd" | "bwd"
+    at: str          # op name it belongs to
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """The effect of a tensor-parallel split on one layer (divisors are 1 or tp)."""
+    tp: int
+    sequence_parallel: bool
+    compute_shard: dict[str, int]   # op -> divisor of its FLOPs and bytes moved
+    saved_shard: dict[str, int]     # op -> divisor of the activations it keeps for backward
+    output_shard: dict[str, int]    # op -> divisor of its output tensor
+    param_shard: dict[str, int]     # op -> divisor of its parameters
+    collectives: tuple[TPCollective, ...]
+
+
+# ----------------------------------------------------------------------------- detection
+def _layer_index(graph: OpGraph, layer_index: int) -> tuple[list[OpNode], dict[str, OpNode], dict[str, list[str]]]:
+    ops = graph.layer_ops(layer_index)
+    by_name = {o.name: o for o in ops}
+    consumers: dict[str, list[str]] = {o.name: [] for o in ops}
+    for o in ops:
+        for src in o.inputs:
+            if src in consumers:
+                consumers[src].append(o.name)
+    return ops, by_name, consumers
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str]) -> tuple[set[str], set[str], bool]:
+    """From a Linear's data input, walk back through pass-through ops.
+
+    Returns (linears reached, pass-through ops crossed, whether a full-size replicated
+    activation joins the path).  Such a "leaf" is an op of another kind in this layer or an
+    op of another layer (the residual stream) whose tensor is as large as the op reading it;
+    smaller operands (rotary tables, masks broadcast over heads) and graph inputs do not
+    break the split.  Attention is followed through q, k and v only (its mask is broadcast).
+    """
+    linears: set[str] = set()
+    crossed: set[str] = set()
+    hit_leaf = False
+    stack: list[tuple[str, OpNode, int]] = [(op.inputs[0], op, 0)] if op.inputs else []
+    seen: set[str] = set()
+    while stack:
+        name, reader, idx = stack.pop()
+        node = by_name.get(name)
+        if node is not None and node.kind in PASS_THROUGH_KINDS | {"linear"}:
+            if name in seen:
+                continue
+            seen.add(name)
+            if node.kind == "linear":
+                linears.add(name)
+                continue
+            crossed.add(name)
+            inputs = node.inputs[:3] if node.kind == "attention" else node.inputs
+            stack.extend((src, node, i) for i, src in enumerate(inputs))
+            continue
+        if name not in graph_kind or (node is None and graph_kind.get(name) == "other") or \
+                (node is not None and node.kind == "other"):
+            continue                                   # graph input, constant, mask or position table
+        shape = reader.input_shapes[idx] if idx < len(reader.input_shapes) else ()
+        if reader is op or _numel(shape) >= _numel(reader.output_shape):
+            hit_leaf = True
+    return linears, crossed, hit_leaf
+
+
+def _pairs(graph: OpGraph, layer_index: int):
+    """[(colwise linear op names, pass-through op names, rowwise linear op name)] in topological order."""
+    ops, by_name, _ = _layer_index(graph, layer_index)
+    graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
+    order = {o.name: i for i, o in enumerate(ops)}
+    role: dict[str, str] = {}
+    pairs = []
+    for o in ops:
+        if o.kind != "linear" or not o.inputs:
+            continue
+        linears, crossed, hit_leaf = _walk_back(o, by_name, graph_kind)
+        if not linears or hit_leaf or any(role.get(n) == "rowwise" for n in linears):
+            continue
+        if o.name in role:
+            continue
+        for n in linears:
+            role[n] = "colwise"
+        role[o.name] = "rowwise"
+        pairs.append((tuple(sorted(linears, key=order.__getitem__)), tuple(crossed), o.name))
+    return pairs, role, ops, by_name
+
+
+def _loss_feeders(ops: list[OpNode], by_name: dict[str, OpNode], consumers: dict[str, list[str]],
+                  role: dict[str, str], all_consumed: set[str]) -> list[tuple[str, tuple[str, ...], str | None]]:
+    """Linears outside any pair whose output reaches a loss op (through views and its log-softmax) or is a model output."""
+    found = []
+    for o in ops:
+        if o.kind != "linear" or o.name in role:
+            continue
+        output_reached = False
+        path: list[str] = []
+        frontier = [o.name]
+        loss = None
+        ok = True
+        while frontier and ok:
+            name = frontier.pop()
+            users = consumers.get(name, [])
+            if not users and name not in all_consumed:
+                output_reached = True                  # a model output: the loss function reads it
+                continue
+            for user in users:
+                node = by_name[user]
+                if node.kind == "loss":
+                    loss = user
+                elif node.kind in ("view", "softmax"):   # reshapes and the loss's log-softmax
+                    path.append(user)
+                    frontier.append(user)
+                else:
+                    ok = False
+        if ok and (loss is not None or output_reached):
+            found.append((o.name, tuple(path), loss))
+    return found
+
+
+def _consumed(graph: OpGraph) -> set[str]:
+    """Names of ops whose output some op reads (the rest are model outputs)."""
+    cached = graph.__dict__.get("_consumed_names")
+    if cached is None or graph.__dict__.get("_consumed_len") != len(graph.ops):
+        cached = {src for o in graph.ops for src in o.inputs}
+        graph.__dict__["_consumed_names"] = cached
+        graph.__dict__["_consumed_len"] = len(graph.ops)
+    return cached
+
+
+def megatron_styles(graph: OpGraph, layer_index: int) -> dict[str, str]:
+    """Module path -> "colwise" | "rowwise" for the Megatron split of one layer."""
+    pairs, role, ops, by_name = _pairs(graph, layer_index)
+    _, _, consumers = _layer_index(graph, layer_index)
+    styles: dict[str, str] = {}
+    for op_name, style in role.items():
+        styles[by_name[op_name].module_path] = style
+    for lin, _path, _loss in _loss_feeders(ops, by_name, consumers, role, _consumed(graph)):
+        styles[by_name[lin].module_path] = "colwise"
+    emb = _largest_embedding(ops)
+    if emb is not None:
+        styles[emb.module_path] = "rowwise"
+    return styles
+
+
+def _largest_embedding(ops: list[OpNode]) -> OpNode | None:
+    embs = [o for o in ops if o.kind == "embedding" and o.param_numel > 0]
+    return max(embs, key=lambda o: o.param_numel) if embs else None
+
+
+# ---------------------------------------------------------------------------- propagation
+def _tensor_bytes(name: str, reader: OpNode, by_graph: dict[str, OpNode]) -> float:
+    node = by_graph.get(name)
+    if node is not None:
+        return float(node.output_bytes)
+    idx = reader.inputs.index(name)
+    shape = reader.input_shapes[idx] if idx < len(reader.input_shapes) else ()
+    return float(_numel(shape) * dtype_bytes(reader.dtype))
+
+
+def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
+              sequence_parallel: bool = False) -> TPLayout:
+    """Shard factors and collectives of one layer under the given tensor-parallel styles.
+
+    ``styles`` maps module paths to "colwise" / "rowwise" (a LayerPlan's tp field).  A style
+    that does not form a valid Megatron pair in this layer is ignored (the op stays
+    replicated), so a plan can never be priced cheaper than it can run.
+    """
+    ops, by_name, consumers = _layer_index(graph, layer_index)
+    sp = bool(sequence_parallel and tp > 1)
+    outside = tp if sp else 1
+    compute = {o.name: outside for o in ops}
+    saved = {o.name: outside for o in ops}
+    output = {o.name: outside for o in ops}
+    param = {o.name: 1 for o in ops}
+    colls: list[TPCollective] = []
+    if tp <= 1:
+        return TPLayout(tp, False, compute, saved, output, param, ())
+    graph_by_name = graph._ops_by_name()
+    pairs, _role, _, _ = _pairs(graph, layer_index)
+
+    def style_of(op_name: str) -> str | None:
+        return styles.get(by_name[op_name].module_path)
+
+    for cols, crossed, row in pairs:
+        if style_of(row) != "rowwise" or any(style_of(c) != "colwise" for c in cols):
+            continue
+        # Megatron splits attention by heads, the MLP by its hidden dim: both must divide.
+        if any(by_name[c].output_shape and by_name[c].output_shape[-1] % tp for c in cols):
+            continue
+        region_inputs: dict[str, float] = {}
+        for c in cols:
+            node = by_name[c]
+            compute[c] = param[c] = output[c] = tp
+            saved[c] = tp if sp else 1          # keeps its (replicated) input; sharded under SP
+            region_inputs.setdefault(node.inputs[0], _tensor_bytes(node.inputs[0], node, graph_by_name))
+        for n in crossed:
+            compute[n] = saved[n] = output[n] = tp
+        compute[row] = param[row] = saved[row] = tp
+        output[row] = tp if sp else 1
+        out_bytes = float(by_name[row].output_bytes)
+        for src, nbytes in region_inputs.items():
+            if sp:   # g-bar / g operators of Korthikanti et al. 2022, Fig. 5
+                colls.append(TPCollective("all_gather", nbytes, "fwd", src))
+                colls.append(TPCollective("reduce_scatter", nbytes, "bwd", src))
+            else:    # f operator of Shoeybi et al. 2019, Fig. 3: identity fwd, all-reduce bwd
+                colls.append(TPCollective("all_reduce", nbytes, "bwd", src))
+        if sp:
+            colls.append(TPCollective("reduce_scatter", out_bytes, "fwd", row))
+            colls.append(TPCollective("all_gather", out_bytes, "bwd", row))
+        else:        # g operator: all-reduce fwd, identity bwd
+            colls.append(TPCollective("all_reduce", out_bytes, "fwd", row))
+
+    for lin, path, loss in _loss_feeders(ops, by_name, consumers, {}, _consumed(graph)):
+        node = by_name[lin]
+        if styles.get(node.module_path) != "colwise" or (node.output_shape and node.output_shape[-1] % tp):
+            continue
+        compute[lin] = param[lin] = output[lin] = tp
+        saved[lin] = tp if sp else 1
+        for n in path:
+            compute[n] = saved[n] = output[n] = tp
+        if loss is not None:
+            compute[loss] = saved[loss] = tp
+        in_bytes = _tensor_bytes(node.inputs[0], node, graph_by_name)
+        if sp:
+            colls.append(TPCollective("all_gather", in_bytes, "fwd", lin))
+            colls.append(TPCollective("reduce_scatter", in_bytes, "bwd", lin))
+        else:
+            colls.append(TPCollective("all_reduce", in_bytes, "bwd", lin))
+        # Vocabulary-parallel cross entropy: all-reduces of the max, the sum of exponentials
+        # and the target logit, one fp32 value per token each (Megatron-LM Sec. 3).
+        vocab = node.output_shape[-1] if node.output_shape else 1
+        tokens = node.output_bytes / max(1, dtype_bytes(node.dtype)) / max(1, vocab)
+        colls.append(TPCollective("all_reduce", 3 * 4 * tokens, "fwd", loss or lin))
+
+    emb = _largest_embedding(ops)
+    if emb is not None and styles.get(emb.module_path) == "rowwise":
+        compute[emb.name] = param[emb.name] = tp
+        # vocabulary-parallel lookup: partial rows, summed across tp (reduce-scattered under SP)
+        colls.append(TPCollective("reduce_scatter" if sp else "all_reduce", float(emb.output_bytes), "fwd", emb.name))
+    return TPLayout(tp, sp, compute, saved, output, param, tuple(colls))

@@ -1,0 +1,286 @@
+"""The cost model: seconds for an op, a collective or a host transfer on one GPU type.
+
+Built from a profile (profiles/<gpu>.json, DESIGN.md "Profiles").  Measured tables win where
+they cover the question; otherwise an analytic model answers:
+
+* ops: a roofline, max(FLOPs / (peak * efficiency[kind]), bytes / (bandwidth * efficiency
+  [memory_bound])) (Williams et al. 2009, "Roofline", CACM 52(4)).  A measured op table is
+  interpolated in log-log space on FLOPs per (kind, dtype) and made non-decreasing with a
+  running maximum, so a larger op never costs less than a smaller one.
+* collectives: alpha-beta (Hockney 1994) per link level.  Ring algorithms (Thakur et al. 2005,
+  "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1); Patarasuk &
+  Yuan 2009, "Bandwidth optimal all-reduce algorithms", JPDC 69(2)): all-reduce sends
+  2(N-1)/N * M bytes per rank in 2(N-1) steps, reduce-scatter and all-gather (N-1)/N * M in
+  N-1 steps; a tree all-reduce pays 2 log2 N latencies and about 2M bytes.  Measured
+  collective tables are interpolated on message size per (op, group size, level).
+* host <-> device copies: latency + bytes / bandwidth of the host link.
+
+Every public ``*_ex`` method returns (seconds, measured) so callers can count which figures
+came from measurements and which were estimated.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from autopar.core.cluster import Link
+from autopar.core.errors import UserError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
+
+# Op kind -> efficiency key of the profile; kinds not listed are memory-bound.
+_COMPUTE_KINDS = {"linear": "linear", "matmul": "matmul", "attention": "attention", "conv": "conv"}
+_DTYPE_KEY = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
+              "float16": "fp16", "fp16": "fp16", "float64": "fp32"}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "tf32": 4}
+
+
+def dtype_key(dtype: str) -> str:
+    return _DTYPE_KEY.get(dtype.replace("torch.", ""), "fp32")
+
+
+@dataclass
+class _Curve:
+    """log-log interpolation of seconds on a size axis, non-decreasing (running max)."""
+    log_x: np.ndarray
+    log_y: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+
+    @classmethod
+    def build(cls, xs: list[float], ys: list[float]) -> "_Curve":
+        best: dict[float, float] = {}
+        for x, y in zip(xs, ys):           # a size measured twice: keep the slower figure
+            best[x] = max(y, best.get(x, 0.0))
+        x = np.maximum(np.asarray(sorted(best), dtype=float), 1e-30)
+        y = np.maximum.accumulate(np.maximum([best[k] for k in sorted(best)], 1e-30))  # cummax
+        return cls(np.log(x), np.log(y), x, y)
+
+    def __call__(self, size: float) -> float:
+        if size <= self.x[0]:
+            # below the table: scale the smallest entry down linearly (never below zero)
+            return float(self.y[0] * max(size, 0.0) / self.x[0]) if size > 0 else 0.0
+        if size >= self.x[-1]:
+            # above the table: constant throughput of the largest measured entry
+            return float(self.y[-1] * size / self.x[-1])
+        return float(math.exp(np.interp(math.log(size), self.log_x, self.log_y)))
+
+
+@dataclass
+class CostModel:
+    """Seconds for ops and collectives on one GPU type (built from a profile dict)."""
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bandwidth_Bps: float
+    efficiency: Mapping[str, float]
+    collective_efficiency: Mapping[str, float]
+    memory_bytes: float = 0.0
+    host_adam_params_per_s: float = 1.0e9
+    num_sms: int = 0                      # streaming multiprocessors (0: no wave model)
+    gemm_tile: tuple[int, int] = (256, 128)
+    profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    _op_curves: dict = field(default_factory=dict, repr=False)
+    _coll_curves: dict = field(default_factory=dict, repr=False)
+
+    # --------------------------------------------------------------- construction
+    @classmethod
+    def from_profile(cls, name_or_dict: str | Mapping[str, Any]) -> "CostModel":
+        prof = _load_profile(name_or_dict) if isinstance(name_or_dict, (str, Path)) else dict(name_or_dict)
+        try:
+            cm = cls(
+                name=str(prof["name"]),
+                peak_flops={k: float(v) for k, v in prof["peak_flops"].items()},
+                memory_bandwidth_Bps=float(prof["memory_bandwidth_Bps"]),
+                efficiency={k: float(v) for k, v in prof.get("efficiency", {}).items()},
+                collective_efficiency={k: float(v) for k, v in prof.get("collective_efficiency", {}).items()},
+                memory_bytes=float(prof.get("memory_bytes", 0)),
+                host_adam_params_per_s=float(prof.get("host_adam_params_per_s", 1.0e9)),
+                num_sms=int(prof.get("num_sms", 0) or 0),
+                gemm_tile=tuple(int(x) for x in prof.get("gemm_tile", (256, 128))),
+                profile=prof,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UserError(f"profile {prof.get('name', name_or_dict)!r}: field {e} is missing or malformed; a "
+                            f"profile needs name, peak_flops{{fp32,bf16,...}}, memory_bandwidth_Bps, efficiency "
+                            f"and collective_efficiency (see profiles/README or 'autopar profile').") from None
+        groups: dict[tuple[str, str], tuple[list, list]] = {}
+        for row in prof.get("op_table", []) or []:
+            key = (str(row["kind"]), dtype_key(str(row.get("dtype", "fp32"))))
+            xs, ys = groups.setdefault(key, ([], []))
+            xs.append(float(row["flops"]) if float(row.get("flops", 0)) > 0 else float(row.get("bytes", 0)))
+            ys.append(float(row["seconds"]))
+        cm._op_curves = {k: _Curve.build(*v) for k, v in groups.items() if v[0]}
+        cgroups: dict[tuple[str, int, str], tuple[list, list]] = {}
+        for row in prof.get("collective_table", []) or []:
+            key = (str(row["op"]), int(row["group_size"]), str(row["level"]))
+            xs, ys = cgroups.setdefault(key, ([], []))
+            xs.append(float(row["bytes"]))
+            ys.append(float(row["seconds"]))
+        cm._coll_curves = {k: _Curve.build(*v) for k, v in cgroups.items() if v[0]}
+        return cm
+
+    # ------------------------------------------------------------------------ ops
+    def peak(self, dtype: str) -> float:
+        key = dtype_key(dtype)
+        if key in self.peak_flops:
+            return self.peak_flops[key]
+        return self.peak_flops.get("fp32", max(self.peak_flops.values()))
+
+    def wave_efficiency(self, m: float, n: float, batch: float = 1.0) -> float:
+        """Fraction of the GPU a GEMM with an m x n output keeps busy over its waves.
+
+        A GEMM runs as ceil(m/tm) * ceil(n/tn) output tiles, scheduled on the SMs in waves;
+        the last wave is partly empty (NVIDIA, "Matrix Multiplication Background User's
+        Guide", Deep Learning Performance docs, sections "Tile Quantization" and "Wave
+        Quantization").  Useful work / work issued = (m n) / (tiles_in_full_waves tm tn).
+        """
+        if self.num_sms <= 0 or m <= 0 or n <= 0:
+            return 1.0
+        tm, tn = self.gemm_tile
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * max(1.0, math.ceil(batch))
+        waves = math.ceil(tiles / self.num_sms)
+        return min(1.0, (m * n * max(1.0, batch)) / (waves * self.num_sms * tm * tn))
+
+    def compute_time_ex(self, kind: str, flops: float, bytes_moved: float, dtype: str,
+                        gemm_mnb: tuple[float, float, float] | None = None) -> tuple[float, bool]:
+        """Seconds of one op of ``kind`` doing ``flops`` and moving ``bytes_moved``; measured?
+
+        ``gemm_mnb`` = (m, n, batch) of a matmul's output enables the wave-quantisation
+        factor on top of the kind's efficiency (which is measured at full waves).
+        """
+        dkey = dtype_key(dtype)
+        curve = self._op_curves.get((kind, dkey))
+        if curve is not None:
+            size = flops if flops > 0 else bytes_moved
+            return curve(size), True
+        eff_key = _COMPUTE_KINDS.get(kind)
+        mem_s = bytes_moved / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        if eff_key is None:
+            # memory-bound kinds: vector units at the dtype's peak bound the arithmetic side
+            return max(flops / self.peak(dkey), mem_s), False
+        eff = self.efficiency.get(eff_key, self.efficiency.get("matmul", 1.0))
+        if gemm_mnb is not None:
+            eff *= self.wave_efficiency(*gemm_mnb)
+        return max(flops / (self.peak(dkey) * eff), mem_s), False
+
+    def op_time_ex(self, op, dtype: str, shard: int = 1, *, backward: bool = False,
+                   scale: float = 1.0, bytes_scale: float = 1.0, out_shard: int = 1) -> tuple[float, bool]:
+        """Seconds of an OpNode on 1/shard of its data, ``scale`` x its captured batch.
+
+        Backward moves about twice the forward's bytes (it reads the saved activations and the
+        output gradient and writes the input gradient, plus the weight gradient for linears).
+        """
+        flops = (op.bwd_flops if backward else op.fwd_flops) * scale / shard
+        nbytes = op.bytes_moved * bytes_scale * scale / shard * (2.0 if backward else 1.0)
+        if flops <= 0 and nbytes <= 0:
+            return 0.0, False
+        return self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward))
+
+    def op_time(self, op, dtype: str, shard: int = 1, *, backward: bool = False, scale: float = 1.0) -> float:
+        return self.op_time_ex(op, dtype, shard, backward=backward, scale=scale)[0]
+
+    # ---------------------------------------------------------------- collectives
+    def collective_time_ex(self, kind: str, message_bytes: float, group_size: int, link: Link,
+                           level: str = "intra", algorithm: str = "ring") -> tuple[float, bool]:
+        """Seconds for one collective over ``group_size`` ranks; ``message_bytes`` = M.
+
+        M is the full buffer: the all-reduced tensor, the gathered output of all-gather, the
+        input of reduce-scatter, the broadcast tensor, the whole all-to-all buffer of one
+        rank, or the sent tensor for p2p.
+        """
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
+        n = int(group_size)
+        if message_bytes <= 0 or (n <= 1 and kind != "p2p"):
+            return 0.0, False
+        curve = self._coll_curves.get((kind, n, level))
+        if curve is not None:
+            return curve(message_bytes), True
+        alpha = link.latency_s
+        beta = 1.0 / (link.bandwidth_Bps * self.collective_efficiency.get(level, 1.0))
+        m = float(message_bytes)
+        if kind == "p2p":
+            return alpha + m * beta, False
+        if algorithm == "tree" and kind in ("all_reduce", "broadcast"):
+            # binary-tree reduce + broadcast, pipelined: log2 N latencies each way
+            steps = math.ceil(math.log2(n))
+            factor = 2.0 if kind == "all_reduce" else 1.0
+            return factor * steps * alpha + factor * m * beta, False
+        if kind == "all_reduce":          # ring: reduce-scatter then all-gather
+            return 2 * (n - 1) * alpha + 2.0 * (n - 1) / n * m * beta, False
+        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            return (n - 1) * alpha + (n - 1) / n * m * beta, False
+        # broadcast, pipelined along a ring: (N-1) latencies, each rank receives M once
+        return (n - 1) * alpha + m * beta, False
+
+    def collective_time(self, kind: str, message_bytes: float, group_size: int, link: Link,
+                        level: str = "intra", algorithm: str = "ring") -> float:
+        return self.collective_time_ex(kind, message_bytes, group_size, link, level, algorithm)[0]
+
+    # -------------------------------------------------------------- host transfers
+    def h2d_time(self, nbytes: float, link: Link) -> float:
+        """Host <-> device copy of ``nbytes`` over the PCIe link (either direction)."""
+        if nbytes <= 0:
+            return 0.0
+        return link.latency_s + nbytes / link.bandwidth_Bps
+
+    def host_optimizer_time(self, num_params: float) -> float:
+        """CPU Adam on ``num_params`` fp32 parameters (profile's host_adam_params_per_s)."""
+        return num_params / self.host_adam_params_per_s if num_params > 0 else 0.0
+
+    def optimizer_time(self, num_params: float) -> float:
+        """Adam step on the device: memory-bound over the per-parameter state.
+
+        Adam (Kingma & Ba 2015, Alg. 1) reads parameter, gradient, m and v and writes
+        parameter, m and v: 7 fp32 words = 28 bytes per parameter.
+        """
+        if num_params <= 0:
+            return 0.0
+        return num_params * 28.0 / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+
+
+def gemm_shape(op, scale: float, shard: int, out_shard: int, backward: bool) -> tuple[float, float, float] | None:
+    """(m, n, batch) of the output GEMM of a linear / matmul op on its shard, or None.
+
+    The batch dims scale with the micro-batch; a split of the output's last dim (colwise) or
+    of the heads (batched matmul) shrinks n or the batch; a rowwise split shrinks k only.
+    Backward runs two GEMMs of the same size class; the forward's output shape stands for them.
+    """
+    shape = op.output_shape
+    if op.kind not in ("linear", "matmul") or len(shape) < 2:
+        return None
+    if op.kind == "linear":
+        m = scale
+        for d in shape[:-1]:
+            m *= d
+        return (m, shape[-1] / out_shard, 1.0)
+    batch = scale / (shard if out_shard > 1 else 1)
+    for d in shape[:-2]:
+        batch *= d
+    return (float(shape[-2]), float(shape[-1]), batch)
+
+
+def _load_profile(name: str | Path) -> dict[str, Any]:
+    """A profile by name (autopar.profiles.load_profile) or by path to a JSON file."""
+    p = Path(str(name))
+    if p.suffix == ".json" and p.is_file():
+        return json.loads(p.read_text())
+    try:
+        from autopar.profiles import load_profile   # type: ignore[attr-defined]
+    except ImportError:
+        load_profile = None
+    if load_profile is not None:
+        return dict(load_profile(str(name)))
+    import autopar.profiles as _pkg
+
+    f = Path(_pkg.__file__).parent / f"{name}.json"
+    if not f.is_file():
+        known = sorted(x.stem for x in f.parent.glob("*.json"))
+        raise UserError(f"profile {name!r} not found in {f.parent}; known profiles: {', '.join(known) or 'none'}. "
+                        f"Measure one with 'autopar profile' or name a JSON file.")
+    return json.loads(f.read_text())

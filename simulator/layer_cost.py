@@ -1,0 +1,211 @@
+"""The cost of one layer under one layer plan: times and bytes per device, per micro-batch.
+
+This is the unit the fast path caches and the planner's ILP reads.  Times come from the cost
+model (measured or roofline), the tensor-parallel split from ``autopar.core.sharding`` and
+the state bytes from ``autopar.simulator.memory``.
+
+Conventions: FLOPs and bytes of the captured graph scale linearly with the micro-batch
+(``micro_batch / graph.batch_size``); activations and parameters captured in fp32 take
+``precision`` bytes per element when training in bf16/fp16.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+
+from autopar.core.graph import OpGraph
+from autopar.core.plan import LayerPlan, Mesh
+from autopar.core.sharding import TPLayout, dtype_bytes
+from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
+from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
+from autopar.simulator.topology import MeshLinks
+
+MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer on one device: seconds per micro-batch, bytes per device."""
+    fwd_s: float                 # forward compute
+    bwd_s: float                 # backward compute (input + weight gradients)
+    recompute_s: float           # extra forward inside backward, with its tp collectives
+    tp_comm_fwd_s: float         # tensor-parallel collectives in forward (on the critical path)
+    tp_comm_bwd_s: float         # ... in backward
+    dp_allreduce_s: float        # DDP / ZeRO-1 gradient all-reduce (once per step)
+    dp_allgather_s: float        # FSDP parameter all-gather (per micro-batch, per use)
+    dp_reducescatter_s: float    # FSDP gradient reduce-scatter (per micro-batch)
+    h2d_s: float                 # offload: sharded parameters host -> device, per use
+    d2h_s: float                 # offload: sharded gradients device -> host, per micro-batch
+    optimizer_s: float           # Adam on this device's share (device or host)
+    param_numel: float           # parameters on this device after the tp split (before ZeRO)
+    param_bytes: float           # on the device after ZeRO (0 when offloaded)
+    grad_bytes: float
+    optimizer_bytes: float
+    host_bytes: float            # offloaded state in host memory
+    activation_bytes: float      # kept for backward per micro-batch (after recompute policy)
+    transient_bytes: float       # extra during this layer's backward when recomputed
+    fsdp_param_buffer_bytes: float   # unsharded parameters while the layer runs (ZeRO-3 / offload)
+    fsdp_grad_buffer_bytes: float    # unsharded gradients before reduce-scatter (ZeRO-2/3)
+    output_bytes: float          # activation sent to the next stage, per micro-batch
+    dp_grad_bytes: float         # gradient bytes synchronised across data parallel
+    fwd_flops: float             # per micro-batch on this device
+    hw_flops: float              # fwd + bwd + recompute per micro-batch on this device
+    tp_wire_bytes: float         # sent per micro-batch by this device for tp collectives (incl. recompute)
+    dp_wire_bytes_per_mb: float  # sent per micro-batch for FSDP all-gather / reduce-scatter
+    dp_wire_bytes_per_step: float    # sent once per step for DDP / ZeRO-1
+    num_measured: int = 0
+    num_estimated: int = 0
+
+    @property
+    def grad_bytes_per_param(self) -> float:
+        return self.dp_grad_bytes / self.param_numel if self.param_numel else 0.0
+
+
+LAYER_COST_FIELDS = tuple(f.name for f in fields(LayerCost))
+
+
+def layer_cost_row(c: LayerCost) -> tuple[float, ...]:
+    return astuple(c)
+
+
+def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring collective (Patarasuk & Yuan 2009): all-reduce
+    2(N-1)/N M, all-gather / reduce-scatter / all-to-all (N-1)/N M, broadcast and p2p M."""
+    n = group_size
+    if n <= 1 and kind != "p2p":
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * message_bytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * message_bytes
+    return float(message_bytes)
+
+
+def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
+                       micro_batch: int, precision: str, cm: CostModel, links: MeshLinks) -> LayerCost:
+    layer = graph.layers[layer_index]
+    ops = graph.layer_ops(layer_index)
+    scale = micro_batch / max(1, graph.batch_size)
+    prec_bytes = PRECISION_BYTES.get(precision, 4)
+    act_scale = prec_bytes / dtype_bytes(graph.param_dtype)
+    tp = mesh.tp
+    sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
+    measured = estimated = 0
+
+    fwd_s = bwd_s = cheap_fwd_s = 0.0
+    fwd_flops = bwd_flops = cheap_fwd_flops = 0.0
+    param_numel = 0.0
+    saved = 0.0
+    matmul_outputs = 0.0
+    for op in ops:
+        shard = layout.compute_shard.get(op.name, 1)
+        floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
+        bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
+        if op.fwd_flops > 0 or op.bytes_moved > 0:
+            osh = layout.output_shard.get(op.name, 1)
+            t, m = cm.op_time_ex(op, precision, shard, scale=scale, bytes_scale=bscale, out_shard=osh)
+            fwd_s += t
+            measured += m
+            estimated += not m
+            if op.kind not in MATMUL_KINDS:
+                cheap_fwd_s += t
+                cheap_fwd_flops += op.fwd_flops * scale / shard
+            t, m = cm.op_time_ex(op, precision, shard, backward=True, scale=scale, bytes_scale=bscale, out_shard=osh)
+            bwd_s += t
+            measured += m
+            estimated += not m
+        fwd_flops += op.fwd_flops * scale / shard
+        bwd_flops += op.bwd_flops * scale / shard
+        param_numel += op.param_numel / layout.param_shard.get(op.name, 1)
+        saved += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
+        if op.kind in MATMUL_KINDS:
+            matmul_outputs += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
+
+    tp_fwd = tp_bwd = 0.0
+    tp_wire_fwd = tp_wire_bwd = 0.0
+    for c in layout.collectives:
+        wire = ring_wire_bytes(c.kind, c.bytes * scale * act_scale, tp)
+        if c.pass_ == "fwd":
+            tp_wire_fwd += wire
+        else:
+            tp_wire_bwd += wire
+        t, m = cm.collective_time_ex(c.kind, c.bytes * scale * act_scale, tp, links.tp.link, links.tp.level)
+        measured += m
+        estimated += not m
+        if c.pass_ == "fwd":
+            tp_fwd += t
+        else:
+            tp_bwd += t
+
+    layer_input = layer.input_bytes * scale * act_scale / sp_div
+    if lp.recompute == "full":
+        recompute_s = fwd_s + tp_fwd
+        recompute_flops = fwd_flops
+        activation = min(saved, layer_input) if saved > 0 else layer_input
+        transient = saved
+    elif lp.recompute == "selective":
+        recompute_s = cheap_fwd_s
+        recompute_flops = cheap_fwd_flops
+        activation = min(saved, layer_input + matmul_outputs)
+        transient = max(0.0, saved - activation)
+    else:
+        recompute_s = recompute_flops = 0.0
+        activation = saved
+        transient = 0.0
+
+    dp = mesh.dp
+    pcls = precision_class(precision)
+    p_b, g_b, _ = STATE_BYTES[pcls]
+    params_b, grads_b, opt_b = state_bytes(param_numel, precision, lp.zero, dp)
+    host = 0.0
+    offload = lp.offload == "cpu"
+    if offload:
+        host = params_b + grads_b + opt_b
+        params_b = grads_b = opt_b = 0.0
+    grad_sync_bytes = param_numel * g_b
+    param_full_bytes = param_numel * p_b
+    fsdp_param_buf = param_full_bytes if (lp.zero >= 3 or offload) else 0.0
+    fsdp_grad_buf = grad_sync_bytes if lp.zero >= 2 else 0.0
+
+    dpl = links.dp
+    ar = ag = rs = h2d = d2h = 0.0
+    if dp > 1 or lp.zero >= 2:
+        if lp.zero <= 1:
+            ar, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level)
+            measured += m
+            estimated += not m
+            if lp.zero == 1:   # updated parameter shards gathered after the step
+                ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level)
+                measured += m
+                estimated += not m
+        else:
+            ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level)
+            rs, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link, dpl.level)
+            measured += m + m2
+            estimated += (not m) + (not m2)
+    if lp.zero <= 1:
+        dp_wire_mb = 0.0
+        dp_wire_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
+            (ring_wire_bytes("all_gather", param_full_bytes, dp) if lp.zero == 1 else 0.0)
+    else:
+        gathers = 2 if lp.zero >= 3 else 1
+        dp_wire_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
+            ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
+        dp_wire_step = 0.0
+    shard_params = param_numel / (dp if lp.zero >= 1 else 1)
+    if offload:
+        h2d = cm.h2d_time(param_full_bytes / dp, links.host)
+        d2h = cm.h2d_time(grad_sync_bytes / dp, links.host)
+        optimizer_s = cm.host_optimizer_time(shard_params)
+    else:
+        optimizer_s = cm.optimizer_time(shard_params)
+    out_bytes = layer.output_bytes * scale * act_scale / sp_div
+    return LayerCost(
+        fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tp_fwd, tp_comm_bwd_s=tp_bwd,
+        dp_allreduce_s=ar, dp_allgather_s=ag, dp_reducescatter_s=rs, h2d_s=h2d, d2h_s=d2h,
+        optimizer_s=optimizer_s, param_numel=param_numel, param_bytes=params_b, grad_bytes=grads_b,
+        optimizer_bytes=opt_b, host_bytes=host, activation_bytes=activation, transient_bytes=transient,
+        fsdp_param_buffer_bytes=fsdp_param_buf, fsdp_grad_buffer_bytes=fsdp_grad_buf, output_bytes=out_bytes,
+        dp_grad_bytes=grad_sync_bytes, fwd_flops=fwd_flops, hw_flops=fwd_flops + bwd_flops + recompute_flops,
+        tp_wire_bytes=tp_wire_fwd + tp_wire_bwd + (tp_wire_fwd if lp.recompute == "full" else 0.0),
+        dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step,
+        num_measured=measured, num_estimated=estimated)

@@ -1,0 +1,99 @@
+"""Per-device memory: model state by precision and ZeRO stage, activations by schedule.
+
+Model state (Rajbhandari et al. 2020, "ZeRO", Sec. 3.1 and 5): mixed-precision Adam keeps
+2 bytes of fp16/bf16 parameters, 2 bytes of gradients and 12 bytes of optimizer state (fp32
+master copy, momentum and variance) per parameter; fp32 training keeps 4 + 4 + 8.  ZeRO-1
+divides the optimizer state by the data-parallel degree, ZeRO-2 also the gradients, ZeRO-3
+also the parameters.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Sec. 4-5): what each layer keeps for backward, per micro-batch, times the micro-batches
+in flight on the stage: GPipe keeps all m (Huang et al. 2019); 1F1B keeps at most p - r on
+pipeline rank r (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", Sec. 2.2.1); the interleaved schedule keeps
+min(2(p - r - 1) + (v - 1)p + 1, m v) model chunks in flight on rank r (the warm-up depth of
+its schedule, Sec. 2.2.2), i.e. p + (p - 1)/v stages' worth on the first rank.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: bytes per parameter (params, grads, optimizer) -- ZeRO Sec. 3.1 (mixed) and Adam in fp32.
+STATE_BYTES = {"mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+
+#: PyTorch DDP default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25);
+#: two buckets are in flight at once (one reducing, one filling).
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+DDP_BUCKETS_IN_FLIGHT = 2
+
+
+def precision_class(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "mixed"
+
+
+def state_bytes(num_params: float, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes on one device for ``num_params`` tp-local parameters."""
+    p, g, o = STATE_BYTES[precision_class(precision)]
+    dp = max(1, dp)
+    return (num_params * p / (dp if zero >= 3 else 1),
+            num_params * g / (dp if zero >= 2 else 1),
+            num_params * o / (dp if zero >= 1 else 1))
+
+
+def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatches: int,
+                          virtual_stages: int = 1) -> int:
+    """Micro-batches (model chunks for 'interleaved') whose activations rank ``stage_rank`` holds at peak."""
+    m, p, r, v = num_microbatches, pp, stage_rank, max(1, virtual_stages)
+    if p == 1:
+        return 1                     # no pipeline: micro-batches are accumulation steps, one at a time
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    return min(p - r, m)                                   # 1F1B
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device of a pipeline stage at its peak (host_bytes: offloaded state)."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    comm_buffer_bytes: float
+    total_bytes: float
+    host_bytes: float = 0.0
+
+    @classmethod
+    def of(cls, params: float, grads: float, optimizer: float, activations: float, buffers: float,
+           host: float = 0.0) -> "MemoryBreakdown":
+        return cls(params, grads, optimizer, activations, buffers,
+                   params + grads + optimizer + activations + buffers, host)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transient_max, inflight,
+                 num_chunks: int, ddp_active, grad_bytes_total, fsdp_param_buffer_max, fsdp_grad_buffer_max,
+                 p2p_bytes) -> list[MemoryBreakdown]:
+    """Assemble each pipeline rank's breakdown from sums over its layers (numpy arrays, one entry per rank).
+
+    ``activation_per_chunk`` (chunks x ranks): bytes one micro-batch keeps in each model chunk;
+    ``inflight`` is in chunk units for interleaved schedules, so the mean chunk stands for
+    each.  ``transient_max``: the largest extra a recomputed layer materialises during its
+    backward (its full activations).
+    """
+    acts = np.asarray(activation_per_chunk, dtype=float)
+    per_mb = acts.mean(axis=0) if num_chunks > 1 else acts[0]
+    activations = per_mb * np.asarray(inflight, dtype=float) + transient_max
+    buffers = np.where(ddp_active, np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grad_bytes_total), 0.0)
+    # FSDP: the layer being computed and the one prefetched are unsharded, plus the unsharded
+    # gradient of the layer being reduce-scattered (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3);
+    # pipeline: send and receive buffers of one micro-batch's boundary activation.
+    buffers = buffers + 2.0 * fsdp_param_buffer_max + fsdp_grad_buffer_max + 2.0 * p2p_bytes
+    total = params + grads + optimizer + activations + buffers
+    return [MemoryBreakdown(*row) for row in
+            zip(*(np.asarray(x, dtype=float).tolist() for x in (params, grads, optimizer, activations, buffers, total, host)))]

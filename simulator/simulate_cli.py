@@ -1,0 +1,161 @@
+"""``autopar simulate``: predict step time, throughput and memory of a configuration or a plan.json.
+
+    autopar simulate examples/gpt.py --model-arg size=gpt3-1.3b --cluster CLUSTER --dp 8 --tp 1
+    autopar simulate plan.json --cluster CLUSTER --trace trace.json --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from autopar.core.errors import UserError
+
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", metavar="MODEL_FILE|PLAN_JSON",
+                        help="a model .py file (then give the configuration flags) or a plan.json to evaluate")
+    parser.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+                        help="argument for build_model / make_batch (repeatable)")
+    try:
+        from autopar.core.cluster import add_cluster_arguments   # type: ignore[attr-defined]
+    except ImportError:
+        add_cluster_arguments = None
+    if add_cluster_arguments is not None:
+        add_cluster_arguments(parser)
+    else:
+        parser.add_argument("--cluster", required=False, help="cluster name or cluster.yaml")
+        parser.add_argument("--nodes", type=int, default=None, help="scale a homogeneous cluster to N nodes")
+    g = parser.add_argument_group("configuration (ignored for a plan.json)")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the devices left)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron column/row pairs)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    g.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data-parallel rank")
+    g.add_argument("--global-batch", type=int, default=None, help="samples per step (default dp x micro-batch x pp)")
+    g.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b")
+    g.add_argument("--virtual-stages", type=int, default=2, help="model chunks per pipeline rank (interleaved only)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    g.add_argument("--offload", choices=("none", "cpu"), default="none")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters")
+    g.add_argument("--sequence-parallel", action="store_true", help="split activations over tp between regions")
+    parser.add_argument("--profile", default=None, help="profile name or JSON (default: the cluster's GPU type)")
+    parser.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (open in Perfetto)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _load_cluster(args):
+    try:
+        from autopar.core.cluster import load_cluster   # type: ignore[attr-defined]
+    except ImportError:
+        raise UserError("this installation has no cluster loader (autopar.core.cluster.load_cluster); "
+                        "install a complete autopar.") from None
+    if not getattr(args, "cluster", None):
+        raise UserError("simulate needs --cluster NAME_OR_FILE (see examples/clusters/).")
+    return load_cluster(args.cluster, nodes=getattr(args, "nodes", None))
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.core.capture import capture_model_file
+    from autopar.core.errors import InfeasibleError
+    from autopar.core.plan import load_plan
+    from autopar.simulator.configure import config_plan
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.simulate import simulate
+    from autopar.simulator.timeline import write_chrome_trace
+
+    t0 = time.perf_counter()
+    target = Path(args.target)
+    cluster = _load_cluster(args)
+    cms = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
+    if target.suffix == ".json":
+        plan = load_plan(target)
+        model_file = plan.model.file
+        graph = capture_model_file(model_file, dict(plan.model.args), plan.micro_batch)
+        if graph.fingerprint != plan.model.fingerprint:
+            raise UserError(f"plan file {target} was made for a different model (fingerprint "
+                            f"{plan.model.fingerprint}, {model_file} now gives {graph.fingerprint}); re-plan it.")
+    else:
+        from autopar.core.modelfile import parse_model_args
+
+        model_args = parse_model_args(args.model_args)
+        graph = capture_model_file(str(target), model_args, args.micro_batch)
+        precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
+        dp = args.dp
+        if dp is None:
+            dp = max(1, cluster.world_size // (args.tp * args.pp))
+        plan = config_plan(graph, dp=dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
+                           global_batch=args.global_batch, schedule=args.schedule,
+                           virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
+                           offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
+                           cluster_name=cluster.name)
+    capture_s = time.perf_counter() - t0
+    if plan.world_size > cluster.world_size:
+        raise UserError(f"the configuration needs dp x tp x pp = {plan.world_size} devices; cluster {cluster.name} "
+                        f"has {cluster.world_size}. Lower a degree or add nodes with --nodes.")
+    try:
+        plan.validate(len(graph.layers))
+        result = simulate(graph, plan, cluster, cms, timeline=bool(args.trace))
+    except InfeasibleError as e:
+        raise UserError(f"cannot simulate this configuration: {e}") from None
+    sim_s = time.perf_counter() - t0 - capture_s
+    if args.trace:
+        names = {d: f"rank {d} (pipeline rank {plan.mesh.coords(d)[1]})" for d in {e['device'] for e in result.timeline}}
+        write_chrome_trace(args.trace, result.timeline, names)
+    if args.json:
+        out = result.to_dict()
+        out.update(cluster=cluster.name, world_size=plan.world_size, capture_s=capture_s, simulate_s=sim_s,
+                   plan={"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp,
+                         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
+                         "num_microbatches": plan.pipeline.num_microbatches, "schedule": plan.pipeline.schedule,
+                         "precision": plan.precision})
+        if args.trace:
+            out["trace"] = str(args.trace)
+        json.dump(out, sys.stdout, indent=2, default=float)
+        print()
+        return 0
+    _print_rich(graph, plan, cluster, result, capture_s, sim_s, args.trace)
+    return 0
+
+
+def _gb(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m = plan.mesh
+    con.print(f"[bold]{graph.model_name}[/] ({graph.params_total / 1e9:.2f}B parameters) on [bold]{cluster.name}[/] "
+              f"({cluster.world_size} devices): dp {m.dp} x tp {m.tp} x pp {m.pp}"
+              f"{' + sequence parallel' if m.sequence_parallel else ''}, {plan.pipeline.schedule} with "
+              f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
+              f"{plan.micro_batch}, global batch {plan.global_batch}, {plan.precision}")
+    t = Table(title="Predicted step", show_header=False)
+    t.add_row("step time", f"{r.step_time_s:.4g} s")
+    t.add_row("throughput", f"{r.samples_per_s:.4g} samples/s, {r.tokens_per_s:.4g} tokens/s")
+    t.add_row("model TFLOP/s per GPU (MFU)", f"{r.tflops_per_gpu:.1f} ({100 * r.mfu:.1f}% of {r.peak_flops_per_gpu / 1e12:.0f})")
+    t.add_row("hardware TFLOP/s per GPU (with recompute)", f"{r.hw_tflops_per_gpu:.1f}")
+    t.add_row("pipeline bubble", f"{100 * r.bubble_fraction:.1f}%")
+    t.add_row("communication per step", f"intra-node {r.comm_bytes['intra'] / 1e9:.1f} GB, inter-node {r.comm_bytes['inter'] / 1e9:.1f} GB")
+    t.add_row("cost figures", f"{r.sources['measured']} measured, {r.sources['estimated']} estimated")
+    con.print(t)
+    mt = Table(title=f"Memory per device (GiB), capacity {_gb(r.capacity_bytes)}")
+    for col in ("pipeline rank", "params", "grads", "optimizer", "activations", "comm buffers", "total", "host"):
+        mt.add_column(col, justify="right")
+    for i, b in enumerate(r.memory):
+        style = "red" if b.total_bytes > r.capacity_bytes else None
+        mt.add_row(str(i), _gb(b.params_bytes), _gb(b.grads_bytes), _gb(b.optimizer_bytes), _gb(b.activations_bytes),
+                   _gb(b.comm_buffer_bytes), _gb(b.total_bytes), _gb(b.host_bytes), style=style)
+    con.print(mt)
+    con.print("[green]fits in memory[/]" if r.fits else "[red]does NOT fit in memory on every device[/]")
+    if trace:
+        con.print(f"Chrome trace written to {trace} (open in https://ui.perfetto.dev)")
+    con.print(f"[dim]capture {capture_s:.1f} s, simulate {sim_s:.2f} s[/]")

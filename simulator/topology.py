@@ -1,0 +1,65 @@
+"""Which link each parallel group of a mesh crosses on a cluster.
+
+Ranks are laid out as ``arange(world).view(dp, pp, tp)`` (core/plan.py), so a tensor-parallel
+group is a run of consecutive ranks, a pipeline pair is ``tp`` ranks apart and a data-parallel
+group strides by ``pp * tp``.  A group on one node uses the node's link (the slowest GPU's
+link in a heterogeneous node group); a group that spans nodes pays the inter-node link, which
+then sets the pace of the whole ring (DESIGN.md, "Collectives").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.core.cluster import Cluster, Link
+from autopar.core.errors import InfeasibleError
+from autopar.core.plan import Mesh
+
+
+@dataclass(frozen=True)
+class GroupLink:
+    link: Link
+    level: str          # "intra" | "inter"
+    size: int
+
+
+@dataclass(frozen=True)
+class MeshLinks:
+    tp: GroupLink
+    dp: GroupLink
+    pp: GroupLink
+    host: Link          # host <-> device (PCIe), slowest in the cluster
+
+
+def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
+    nodes = {cluster.device(r).node for r in ranks}
+    level = "inter" if len(nodes) > 1 else "intra"
+    return GroupLink(cluster.link(ranks), level, len(ranks))
+
+
+def _slowest(links: list[GroupLink]) -> GroupLink:
+    return min(links, key=lambda g: (g.level != "inter", g.link.bandwidth_GBps))
+
+
+def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
+    """The slowest link of each kind of group over the whole mesh."""
+    if mesh.world_size > cluster.world_size:
+        raise InfeasibleError(f"mesh dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp} = {mesh.world_size} ranks "
+                              f"exceeds the cluster's {cluster.world_size} devices")
+    # On a homogeneous cluster every group of a kind is a translate of the first one, except
+    # that groups may straddle node boundaries differently; checking the first of each pipeline
+    # rank (and dp replica for tp) covers every distinct placement when gpus_per_node divides
+    # the strides, and a bounded sample otherwise.
+    dps = range(mesh.dp) if not cluster.homogeneous or mesh.dp * mesh.pp <= 64 else range(0, mesh.dp, max(1, mesh.dp // 8))
+    tp_groups = [_group(cluster, [mesh.rank(d, p, t) for t in range(mesh.tp)]) for d in dps for p in range(mesh.pp)]
+    dp_groups = [_group(cluster, [mesh.rank(d, p, 0) for d in range(mesh.dp)]) for p in range(mesh.pp)]
+    pp_groups = ([_group(cluster, [mesh.rank(0, p, 0), mesh.rank(0, p + 1, 0)]) for p in range(mesh.pp - 1)]
+                 or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
+    host = min((g.host_to_device for g in cluster.groups), key=lambda link: link.bandwidth_GBps)
+    return MeshLinks(_slowest(tp_groups), _slowest(dp_groups), _slowest(pp_groups), host)
+
+
+def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:
+    """Indices of the cluster's node groups holding ranks of pipeline rank ``pp_rank``."""
+    if cluster.homogeneous:
+        return {0}
+    return {cluster.device(mesh.rank(d, pp_rank, t)).group for d in range(mesh.dp) for t in range(mesh.tp)}

@@ -1,0 +1,52 @@
+"""`autopar simulate`: --json keys, a plan.json priced the same as the flags that made it, --nodes."""
+import json
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main as cli_main
+
+GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+MODEL = ["--model-arg", "layers=4", "--model-arg", "hidden=256", "--model-arg", "heads=8", "--model-arg", "seq=128",
+         "--model-arg", "vocab=1000"]
+
+
+def _run(capsys, argv):
+    assert cli_main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_json_and_plan_file(capsys, tmp_path):
+    pytest.importorskip("autopar.core.cluster_file")
+    argv = ["simulate", GPT, *MODEL, "--cluster", "dgx-a100-1x8", "--dp", "2", "--tp", "2", "--pp", "2",
+            "--micro-batch", "2", "--global-batch", "16", "--recompute", "selective", "--json",
+            "--trace", str(tmp_path / "t.json")]
+    out = _run(capsys, argv)
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "max_memory_bytes", "samples_per_s", "tokens_per_s",
+                "memory_breakdown", "hw_tflops_per_gpu"):
+        assert key in out
+    assert out["plan"]["num_microbatches"] == 4 and out["plan"]["precision"] == "bf16"
+    assert out["tokens_per_s"] == pytest.approx(out["samples_per_s"] * 128)
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+    # the same configuration written as a plan.json is priced identically
+    from autopar.core.capture import capture_model_file
+    from autopar.core.modelfile import parse_model_args
+    from autopar.core.plan import save_plan
+    from autopar.simulator.configure import config_plan
+
+    g = capture_model_file(GPT, parse_model_args(MODEL[1::2]), 2)
+    plan = config_plan(g, dp=2, tp=2, pp=2, micro_batch=2, global_batch=16, schedule="1f1b", virtual_stages=1,
+                       zero=0, recompute="selective", offload="none", precision="bf16", sequence_parallel=False)
+    save_plan(plan, tmp_path / "plan.json")
+    again = _run(capsys, ["simulate", str(tmp_path / "plan.json"), "--cluster", "dgx-a100-1x8", "--json"])
+    assert again["step_time_s"] == pytest.approx(out["step_time_s"], rel=1e-9)
+
+
+def test_nodes_scales_cluster(capsys):
+    pytest.importorskip("autopar.core.cluster_file")
+    base = ["simulate", GPT, *MODEL, "--cluster", "dgx-a100-1x8", "--tp", "8", "--json"]
+    one = _run(capsys, base)
+    four = _run(capsys, base + ["--nodes", "4"])
+    assert one["world_size"] == 8 and four["world_size"] == 32
+    assert four["plan"]["dp"] == 4
