@@ -1,0 +1,258 @@
+"""Load a user's model file: a plain ``.py`` file with ``build_model`` and ``make_batch``.
+
+The contract (DESIGN.md, "Model file")::
+
+    def build_model(**model_args) -> torch.nn.Module      # called under torch.device("meta")
+    def make_batch(batch_size: int, **model_args) -> (inputs, target)
+    def loss_fn(output, target) -> scalar Tensor          # optional
+
+``load_model_file`` imports the file by path under a module name of its own (so two model
+files with the same stem never collide), checks the functions, and returns a ``ModelFile``
+whose methods call them and turn every failure into a ``ModelFileError``: one paragraph
+naming the file, the function and what to do -- never a bare traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from autopar.core.errors import ModelFileError, UserError
+
+REQUIRED_FUNCTIONS = ("build_model", "make_batch")
+LOSS_FUNCTION = "loss_fn"
+
+
+# ---------------------------------------------------------------------------- arguments
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every verb that reads a model file shares (inspect, simulate, plan)."""
+    parser.add_argument("model_file", metavar="MODEL_FILE",
+                        help="a .py file defining build_model(**args) and make_batch(batch_size, **args)")
+    parser.add_argument("--model-arg", dest="model_args", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="argument passed to build_model and make_batch (repeatable); "
+                             "values are parsed as int, float, bool (true/false) or string")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="N",
+                        help="samples per step the model is captured with (default: 8)")
+
+
+def parse_model_args(items: list[str] | None) -> dict[str, Any]:
+    """``["size=gpt2-small", "layers=4"]`` -> ``{"size": "gpt2-small", "layers": 4}``."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UserError(
+                f"--model-arg {item!r} is not of the form KEY=VALUE with KEY a Python identifier; "
+                f"write for example --model-arg size=gpt2-small.")
+        out[key] = _parse_value(raw.strip())
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+# ---------------------------------------------------------------------------- the file
+@dataclass
+class ModelFile:
+    """An imported model file and checked access to its functions."""
+
+    path: Path
+    module: ModuleType
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    @property
+    def has_loss(self) -> bool:
+        return callable(getattr(self.module, LOSS_FUNCTION, None))
+
+    # ------------------------------------------------------------------ model args
+    def accepted_args(self) -> tuple[list[str], bool]:
+        """(names build_model accepts, whether it also takes **kwargs)."""
+        return _signature_names(self.module.build_model)
+
+    def check_args(self, model_args: dict[str, Any]) -> None:
+        names, var_kw = self.accepted_args()
+        unknown = sorted(k for k in model_args if k not in names)
+        if unknown and not var_kw:
+            accepted = ", ".join(names) if names else "none"
+            raise ModelFileError(
+                f"{self.path}: build_model does not accept the model argument"
+                f"{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}. "
+                f"It accepts: {accepted}. Fix the --model-arg names, or add the argument to "
+                f"build_model's signature.")
+
+    # ------------------------------------------------------------------ calls
+    def build(self, **model_args: Any):
+        """Call ``build_model(**model_args)``; checks the arguments and the result type."""
+        import torch
+
+        self.check_args(model_args)
+        model = self._call("build_model", self.module.build_model, (), model_args)
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(
+                f"{self.path}: build_model returned {type(model).__name__}, not a torch.nn.Module. "
+                f"Return the model instance from build_model.")
+        return model
+
+    def make_batch(self, batch_size: int, **model_args: Any) -> tuple[tuple, Any]:
+        """Call ``make_batch``; returns (inputs as a tuple, target)."""
+        import torch
+
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be a positive integer, got {batch_size}.")
+        fn = self.module.make_batch
+        names, var_kw = _signature_names(fn)
+        kwargs = model_args if var_kw else {k: v for k, v in model_args.items() if k in names}
+        result = self._call("make_batch", fn, (batch_size,), kwargs)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise ModelFileError(
+                f"{self.path}: make_batch returned {type(result).__name__}; it must return a pair "
+                f"(inputs, target) where inputs is a Tensor or a tuple of Tensors.")
+        inputs, target = result
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        elif isinstance(inputs, list):
+            inputs = tuple(inputs)
+        if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ModelFileError(
+                f"{self.path}: make_batch's inputs must be a Tensor or a tuple of Tensors, "
+                f"got {type(inputs).__name__}.")
+        return inputs, target
+
+    def loss(self, output: Any, target: Any):
+        """``loss_fn(output, target)`` if the file defines one, else the default loss."""
+        if self.has_loss:
+            return self._call(LOSS_FUNCTION, self.module.loss_fn, (output, target), {})
+        return default_loss(output, target)
+
+    def _call(self, fname: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError:
+            raise
+        except Exception as e:  # the user's code failed: say where, without a traceback
+            where = _line_in_file(e, self.path)
+            raise ModelFileError(
+                f"{self.path}: {fname}({_fmt_args(args, kwargs)}) raised "
+                f"{type(e).__name__}: {e}{where}. Fix the model file or the --model-arg values "
+                f"and try again.") from None
+
+
+def default_loss(output: Any, target: Any):
+    """Cross-entropy for integer targets (logits flattened to [N, classes]), MSE otherwise."""
+    import torch
+    import torch.nn.functional as F
+
+    if hasattr(output, "logits") and not isinstance(output, torch.Tensor):
+        output = output.logits
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    if not target.is_floating_point():
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    return F.mse_loss(output, target)
+
+
+def load_model_file(path: str | os.PathLike) -> ModelFile:
+    """Import a model file by path and check that it defines the required functions."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        hint = " (it is a directory)" if p.is_dir() else ""
+        raise ModelFileError(
+            f"model file {p} does not exist{hint}. Give the path to a .py file that defines "
+            f"build_model(**model_args) and make_batch(batch_size, **model_args), e.g. "
+            f"examples/gpt.py.")
+    p = p.resolve()
+    digest = hashlib.sha1(str(p).encode()).hexdigest()[:10]
+    module_name = f"autopar_model_{_identifier(p.stem)}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"model file {p} cannot be imported as Python; give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(module_name, None)
+        raise ModelFileError(
+            f"model file {p} has a syntax error at line {e.lineno}: {e.msg}. "
+            f"Fix the file so that `python {p}` runs.") from None
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ModelFileError(
+            f"model file {p} failed to import: {type(e).__name__}: {e}{_line_in_file(e, p)}. "
+            f"Fix the file (or install what it imports) so that `python {p}` runs.") from None
+    for fname in REQUIRED_FUNCTIONS:
+        fn = getattr(module, fname, None)
+        if fn is None:
+            raise ModelFileError(
+                f"model file {p} does not define {fname}. A model file needs "
+                f"build_model(**model_args) -> nn.Module and make_batch(batch_size, **model_args) "
+                f"-> (inputs, target); add {fname}.")
+        if not callable(fn):
+            raise ModelFileError(
+                f"model file {p}: {fname} is a {type(fn).__name__}, not a function; "
+                f"define it with `def {fname}(...)`.")
+    loss = getattr(module, LOSS_FUNCTION, None)
+    if loss is not None and not callable(loss):
+        raise ModelFileError(f"model file {p}: {LOSS_FUNCTION} is not a function; define it with "
+                             f"`def {LOSS_FUNCTION}(output, target)` or remove it.")
+    return ModelFile(path=p, module=module)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _signature_names(fn: Callable) -> tuple[list[str], bool]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return [], True
+    names, var_kw = [], False
+    for prm in sig.parameters.values():
+        if prm.kind is inspect.Parameter.VAR_KEYWORD:
+            var_kw = True
+        elif prm.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            names.append(prm.name)
+    return names, var_kw
+
+
+def _line_in_file(exc: BaseException, path: Path) -> str:
+    """' (at line N)' for the deepest traceback frame inside ``path``, or ''."""
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        try:
+            if Path(frame.filename).resolve() == path:
+                line = frame.lineno
+        except OSError:
+            continue
+    return f" (at line {line} of {path.name})" if line is not None else ""
+
+
+def _identifier(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def _fmt_args(args: tuple, kwargs: dict) -> str:
+    parts = [repr(a) if not hasattr(a, "shape") else type(a).__name__ for a in args]
+    parts += [f"{k}={v!r}" for k, v in kwargs.items()]
+    text = ", ".join(parts)
+    return text if len(text) < 120 else text[:117] + "..."

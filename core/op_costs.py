@@ -1,0 +1,458 @@
+"""Per-op cost rules: FLOPs, bytes moved and the activations autograd keeps for backward.
+
+Pure rules over shapes; no tracing here.  ``autopar.core.capture`` turns every traced node into
+an ``OpFacts`` (canonical op name, tensor operands in a canonical order, outputs, a few scalar
+attributes) and calls ``cost(facts)``.
+
+Conventions and sources
+-----------------------
+* A multiply-add is 2 FLOPs.  Matmul-class forward = 2*m*n*k (Kaplan et al. 2020, Table 1;
+  Narayanan et al. 2021, Sec. 5.1 / Appendix).  Backward = 2x forward: one matmul for the
+  input gradient and one for the weight gradient (same references); an operand that does
+  not require grad skips its half (the first Linear on raw data only computes dW).
+* Attention (fused scaled_dot_product_attention): forward 2*b*h*s_q*s_k*d for Q K^T plus
+  2*b*h*s_q*s_k*d_v for A V -- the full square, not halved for causal masking, as Megatron's
+  count does (Narayanan et al. 2021, Appendix); backward 2x forward.
+* Convolution: 2 * out_numel * (C_in / groups) * prod(kernel) (+ out_numel for the bias).
+* Everything else is memory bound; we count one FLOP per elementary arithmetic operation per
+  element, with the number of operations each op evaluates in ``FLOPS_PER_ELEMENT``.  Their
+  backward is ``BWD_FACTOR`` x forward: 2 for norms and softmax (a reduction for the mean of
+  the gradient plus the recomputed normalised value), 1 for pointwise ops (one multiply by
+  the local derivative, which costs about what the op did).  These ops are < 1 % of a
+  transformer's FLOPs; they matter for bytes, which is what the roofline uses for them.
+* Saved activations follow what autograd keeps (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", Sec. 4.1, and PyTorch's
+  tools/autograd/derivatives.yaml): Linear keeps its input; a matmul of two activations keeps
+  both; softmax keeps its output; dropout keeps a 1-byte mask (p > 0); GeLU/SiLU keep their
+  input; ReLU/sigmoid/tanh keep their output; layer norm keeps its input plus per-row mean
+  and rstd (fp32); residual adds and views keep nothing; fused attention keeps q, k, v, the
+  output and the logsumexp (fp32, b*h*s_q).  Parameters, buffers and tensors derived only
+  from them are not activations and are never counted.  Keys let the caller deduplicate:
+  a tensor kept by two ops is counted once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# ----------------------------------------------------------------------------- vocabulary
+# Map every traced name (torch function __name__, Tensor method, aten overload packet,
+# nn.Module class) to a canonical op.  Leading/trailing underscores are stripped first
+# ("_softmax" -> "softmax", "add_" -> "add").
+CANONICAL: dict[str, str] = {
+    # matmul class
+    "linear": "linear", "Linear": "linear", "NonDynamicallyQuantizableLinear": "linear",
+    "addmm": "addmm", "mm": "matmul", "bmm": "matmul", "matmul": "matmul", "baddbmm": "baddbmm",
+    "Conv1D": "addmm_conv1d",  # transformers' Conv1D: y = x @ W + b with W [in, out]
+    "scaled_dot_product_attention": "sdpa",
+    "scaled_dot_product_flash_attention": "sdpa", "scaled_dot_product_flash_attention_for_cpu": "sdpa",
+    "scaled_dot_product_efficient_attention": "sdpa", "scaled_dot_product_cudnn_attention": "sdpa",
+    "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
+    "Conv1d": "conv", "Conv2d": "conv", "Conv3d": "conv",
+    "embedding": "embedding", "Embedding": "embedding",
+    # norms
+    "layer_norm": "layer_norm", "native_layer_norm": "layer_norm", "LayerNorm": "layer_norm",
+    "rms_norm": "rms_norm", "fused_rms_norm": "rms_norm", "RMSNorm": "rms_norm",
+    "batch_norm": "batch_norm", "native_batch_norm": "batch_norm", "native_batch_norm_legit": "batch_norm",
+    "native_batch_norm_legit_functional": "batch_norm", "native_batch_norm_legit_no_training": "batch_norm",
+    "BatchNorm1d": "batch_norm", "BatchNorm2d": "batch_norm", "BatchNorm3d": "batch_norm",
+    "group_norm": "group_norm", "native_group_norm": "group_norm", "GroupNorm": "group_norm",
+    # softmax
+    "softmax": "softmax", "Softmax": "softmax", "safe_softmax": "softmax",
+    "log_softmax": "log_softmax", "LogSoftmax": "log_softmax",
+    # dropout
+    "dropout": "dropout", "native_dropout": "dropout", "Dropout": "dropout", "Dropout1d": "dropout",
+    "Dropout2d": "dropout", "Dropout3d": "dropout", "feature_dropout": "dropout",
+    # activations
+    "gelu": "gelu", "GELU": "gelu", "NewGELUActivation": "gelu", "GELUActivation": "gelu",
+    "silu": "silu", "SiLU": "silu", "relu": "relu", "ReLU": "relu", "relu6": "relu",
+    "sigmoid": "sigmoid", "Sigmoid": "sigmoid", "tanh": "tanh", "Tanh": "tanh",
+    # pointwise arithmetic
+    "add": "add", "iadd": "add", "radd": "add", "sub": "sub", "isub": "sub", "rsub": "sub",
+    "mul": "mul", "imul": "mul", "rmul": "mul", "div": "div", "truediv": "div", "itruediv": "div",
+    "rtruediv": "div", "floordiv": "div", "neg": "neg", "pow": "pow", "square": "pow",
+    "rsqrt": "rsqrt", "sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos",
+    "abs": "abs", "clamp": "clamp", "clip": "clamp", "masked_fill": "masked_fill", "where": "where",
+    "minimum": "minimum", "maximum": "maximum", "outer": "mul", "diff": "sub",
+    # comparisons and logic (no gradient)
+    "eq": "compare", "ne": "compare", "lt": "compare", "le": "compare", "gt": "compare",
+    "ge": "compare", "logical_not": "compare", "logical_and": "compare", "logical_or": "compare",
+    "bitwise_not": "compare", "bitwise_and": "compare", "bitwise_or": "compare", "isinf": "compare",
+    "isnan": "compare", "invert": "compare", "and_": "compare", "or_": "compare",
+    "and": "compare", "or": "compare", "xor": "compare",
+    # dtype casts
+    "to": "cast", "type": "cast", "type_as": "cast", "float": "cast", "half": "cast",
+    "bfloat16": "cast", "double": "cast", "long": "cast", "int": "cast", "bool": "cast",
+    "to_copy": "cast", "to_dtype": "cast",
+    # reductions and pooling
+    "sum": "sum", "mean": "mean", "amax": "amax", "amin": "amax", "max": "amax", "min": "amax",
+    "argmax": "argmax", "argmin": "argmax", "cumsum": "sum", "var": "mean", "std": "mean",
+    "max_pool1d": "max_pool", "max_pool2d": "max_pool", "max_pool3d": "max_pool",
+    "max_pool2d_with_indices": "max_pool", "MaxPool1d": "max_pool", "MaxPool2d": "max_pool",
+    "MaxPool3d": "max_pool",
+    "avg_pool1d": "avg_pool", "avg_pool2d": "avg_pool", "avg_pool3d": "avg_pool",
+    "AvgPool1d": "avg_pool", "AvgPool2d": "avg_pool", "AvgPool3d": "avg_pool",
+    "adaptive_avg_pool1d": "avg_pool", "adaptive_avg_pool2d": "avg_pool", "adaptive_avg_pool3d": "avg_pool",
+    "AdaptiveAvgPool1d": "avg_pool", "AdaptiveAvgPool2d": "avg_pool", "AdaptiveAvgPool3d": "avg_pool",
+    # losses
+    "cross_entropy": "cross_entropy", "CrossEntropyLoss": "cross_entropy",
+    "nll_loss": "nll_loss", "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss",
+    "mse_loss": "mse_loss", "MSELoss": "mse_loss",
+    # views (no arithmetic, no data movement)
+    "view": "view", "reshape": "view", "unsafe_view": "view", "transpose": "view", "t": "view",
+    "permute": "view", "expand": "view", "expand_as": "view", "unsqueeze": "view",
+    "squeeze": "view", "flatten": "view", "unflatten": "view", "view_as": "view",
+    "Flatten": "view", "Unflatten": "view", "Identity": "view", "alias": "view", "detach": "view",
+    "getitem": "view", "slice": "view", "select": "view", "narrow": "view", "unbind": "view",
+    "split": "view", "split_with_sizes": "view", "chunk": "view", "tensor_split": "view",
+    "contiguous": "view", "lift_fresh_copy": "view", "view_as_real": "view",
+    "view_as_complex": "view", "movedim": "view", "swapaxes": "view", "as_strided": "view",
+    "diagonal": "view",
+    # copies (bytes, no arithmetic)
+    "cat": "copy", "concat": "copy", "stack": "copy", "clone": "copy", "repeat": "copy",
+    "repeat_interleave": "copy", "roll": "copy", "flip": "copy", "index_select": "copy",
+    "gather": "copy", "index": "copy", "pad": "copy", "constant_pad_nd": "copy",
+    # tensors created from shapes only (masks, positions): not activations
+    "arange": "create", "ones": "create", "zeros": "create", "full": "create", "empty": "create",
+    "new_ones": "create", "new_zeros": "create", "new_full": "create", "new_empty": "create",
+    "ones_like": "create", "zeros_like": "create", "full_like": "create", "empty_like": "create",
+    "scalar_tensor": "create", "tensor": "create",
+    "tril": "tri", "triu": "tri",
+}
+
+# Kinds by canonical op (OP_KINDS in autopar.core.graph).
+KIND: dict[str, str] = {
+    "linear": "linear", "addmm": "linear", "addmm_conv1d": "linear",
+    "matmul": "matmul", "baddbmm": "matmul",
+    "sdpa": "attention", "conv": "conv", "embedding": "embedding",
+    "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "group_norm": "norm",
+    "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
+    "sum": "reduction", "mean": "reduction", "amax": "reduction", "argmax": "reduction",
+    "max_pool": "reduction", "avg_pool": "reduction",
+    "cross_entropy": "loss", "nll_loss": "loss", "mse_loss": "loss",
+    "view": "view", "copy": "view", "create": "other", "leaf": "leaf", "other": "other",
+}
+
+# Elementary operations per output element, forward (our counting convention, see above):
+# gelu tanh form 0.5x(1+tanh(c(x+0.044715x^3))) ~ 8; silu x*sigmoid(x) ~ 4 (exp, add,
+# divide, multiply); sigmoid/tanh ~ 4; layer norm: mean, subtract, square, mean, rsqrt-scale,
+# weight, bias ~ 7 (5 without affine); rms norm: square, mean, rsqrt-scale, weight ~ 4;
+# softmax: max, subtract, exp, sum, divide = 5; dropout: draw/compare and scale = 2;
+# cross entropy on logits: log-softmax 5 + pick 1 = 6; mse: subtract, square, mean = 3.
+FLOPS_PER_ELEMENT: dict[str, float] = {
+    "gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "relu": 1,
+    "layer_norm": 7, "rms_norm": 4, "batch_norm": 7, "group_norm": 7,
+    "softmax": 5, "log_softmax": 5, "dropout": 2, "cross_entropy": 6, "nll_loss": 1, "mse_loss": 3,
+    "add": 1, "sub": 1, "mul": 1, "div": 1, "neg": 1, "pow": 1, "rsqrt": 1, "sqrt": 1, "exp": 1,
+    "log": 1, "sin": 1, "cos": 1, "abs": 1, "clamp": 1, "masked_fill": 1, "where": 1,
+    "minimum": 1, "maximum": 1, "compare": 1, "tri": 1,
+}
+BWD_FACTOR: dict[str, float] = {
+    "layer_norm": 2, "rms_norm": 2, "batch_norm": 2, "group_norm": 2,
+    "softmax": 2, "log_softmax": 2, "cross_entropy": 2,
+}
+POINTWISE = frozenset(FLOPS_PER_ELEMENT) - {"layer_norm", "rms_norm", "batch_norm", "group_norm",
+                                            "softmax", "log_softmax", "dropout", "cross_entropy",
+                                            "nll_loss", "mse_loss", "compare", "tri"}
+for _name in POINTWISE | {"compare", "tri"}:
+    KIND.setdefault(_name, "elementwise")
+KIND["cast"] = "elementwise"
+
+FP32_BYTES = 4       # mean/rstd/logsumexp are kept in fp32 whatever the activation dtype
+MASK_BYTES = 1       # dropout mask: one bool per element (aten native_dropout)
+INDEX_BYTES = 8      # int64 indices (max pooling)
+
+
+def canonical(name: str) -> str:
+    """Canonical op for a traced name; "other" when unknown."""
+    stripped = name.strip("_")
+    return CANONICAL.get(name) or CANONICAL.get(stripped) or "other"
+
+
+# ----------------------------------------------------------------------------- facts
+@dataclass(frozen=True)
+class TensorFacts:
+    key: str                      # identity for deduplication (views collapse onto their base)
+    shape: tuple[int, ...]
+    itemsize: int                 # bytes per element
+    role: str                     # "act" (depends on the batch), "param", "const"
+    requires_grad: bool
+    is_float: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass
+class OpFacts:
+    name: str                                   # node name (unique)
+    canon: str                                  # canonical op name (see CANONICAL)
+    inputs: list[TensorFacts]                   # tensor operands, canonical order per op
+    outputs: list[TensorFacts]                  # tensor results (first = main output)
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def out(self) -> TensorFacts:
+        return self.outputs[0]
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.outputs)
+
+
+@dataclass
+class OpCost:
+    kind: str
+    fwd_flops: float
+    bwd_flops: float
+    bytes_moved: float
+    saved: list[tuple[str, int]]                # (key, bytes) of activations kept for backward
+
+
+# ----------------------------------------------------------------------------- rules
+def cost(f: OpFacts) -> OpCost:
+    rule = _RULES.get(f.canon, _pointwise if f.canon in FLOPS_PER_ELEMENT else _other)
+    kind, fwd, bwd, saved = rule(f)
+    if not f.requires_grad:
+        bwd, saved = 0.0, []
+    in_bytes = sum(t.nbytes for t in f.inputs)
+    out_bytes = sum(t.nbytes for t in f.outputs)
+    moved = 0.0 if f.canon == "view" else float(in_bytes + out_bytes)
+    if f.canon == "embedding":    # a gather reads only the rows it returns
+        moved = float(2 * out_bytes + f.inputs[0].nbytes)
+    kept = [(k, b) for k, b in saved if b > 0]
+    return OpCost(kind=kind, fwd_flops=float(fwd), bwd_flops=float(bwd), bytes_moved=moved, saved=kept)
+
+
+def _act(t: TensorFacts) -> list[tuple[str, int]]:
+    """A tensor kept for backward counts only if it is an activation."""
+    return [(t.key, t.nbytes)] if t.role == "act" else []
+
+
+def _synthetic(f: OpFacts, tag: str, nbytes: int) -> list[tuple[str, int]]:
+    return [(f"{f.name}:{tag}", int(nbytes))]
+
+
+def _matmul_bwd(a: TensorFacts, b: TensorFacts, fwd: float) -> float:
+    # dA = dY B^T and dB = A^T dY each cost one forward matmul (Narayanan et al. 2021, App.)
+    return fwd * (int(a.requires_grad) + int(b.requires_grad))
+
+
+def _linear(f: OpFacts):
+    # inputs: x [..., k], W [n, k], optional bias [n]
+    x, w = f.inputs[0], f.inputs[1]
+    n, k = (w.shape[0], w.shape[-1]) if len(w.shape) == 2 else (w.shape[0], 1)
+    rows = x.numel // max(k, 1)
+    fwd = 2.0 * rows * n * k
+    bwd = _matmul_bwd(x, w, fwd)
+    if len(f.inputs) > 2:                                    # bias add, and its gradient (a sum)
+        fwd += rows * n
+        bwd += rows * n if f.inputs[2].requires_grad else 0
+    saved = _act(x) if w.requires_grad else []
+    if x.requires_grad and w.role == "act":
+        saved += _act(w)
+    return "linear", fwd, bwd, saved
+
+
+def _addmm(f: OpFacts):
+    # inputs: bias [n], x [m, k], W [k, n]  (aten.addmm; transformers' Conv1D has the same shapes)
+    if f.canon == "addmm_conv1d":
+        x, w = f.inputs[0], f.inputs[1]
+        bias = f.inputs[2] if len(f.inputs) > 2 else None
+    else:
+        bias, x, w = f.inputs[0], f.inputs[1], f.inputs[2]
+    k, n = w.shape[0], w.shape[-1]
+    rows = x.numel // max(k, 1)
+    fwd = 2.0 * rows * n * k
+    bwd = _matmul_bwd(x, w, fwd)
+    if bias is not None:
+        fwd += rows * n
+        bwd += rows * n if bias.requires_grad else 0
+    saved = (_act(x) if w.requires_grad else []) + (_act(w) if x.requires_grad else [])
+    kind = "linear" if "param" in (x.role, w.role) else "matmul"
+    return kind, fwd, bwd, saved
+
+
+def _matmul(f: OpFacts):
+    a, b = f.inputs[-2], f.inputs[-1]
+    k = a.shape[-1] if a.shape else 1
+    fwd = 2.0 * f.out.numel * k
+    bwd = _matmul_bwd(a, b, fwd)
+    if f.canon == "baddbmm":                                  # + beta * C
+        fwd += f.out.numel
+    saved = (_act(a) if b.requires_grad else []) + (_act(b) if a.requires_grad else [])
+    kind = "linear" if "param" in (a.role, b.role) else "matmul"
+    return kind, fwd, bwd, saved
+
+
+def _sdpa(f: OpFacts):
+    # q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v]
+    q, k, v = f.inputs[0], f.inputs[1], f.inputs[2]
+    *batch, s_q, d = q.shape
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    bh = math.prod(batch)
+    fwd = 2.0 * bh * s_q * s_k * d + 2.0 * bh * s_q * s_k * d_v
+    bwd = 2.0 * fwd
+    saved = _act(q) + _act(k) + _act(v) + _act(f.out) + _synthetic(f, "logsumexp", bh * s_q * FP32_BYTES)
+    return "attention", fwd, bwd, saved
+
+
+def _conv(f: OpFacts):
+    x, w = f.inputs[0], f.inputs[1]
+    fwd = 2.0 * f.out.numel * math.prod(w.shape[1:])          # w: [C_out, C_in/groups, *kernel]
+    bwd = _matmul_bwd(x, w, fwd)
+    if len(f.inputs) > 2:
+        fwd += f.out.numel
+        bwd += f.out.numel if f.inputs[2].requires_grad else 0
+    return "conv", fwd, bwd, (_act(x) if w.requires_grad else [])
+
+
+def _embedding(f: OpFacts):
+    # inputs: indices, weight.  Forward is a gather (no FLOPs); backward scatter-adds the
+    # output gradient into the table (one add per output element).
+    idx = f.inputs[0]
+    return "embedding", 0.0, float(f.out.numel), _act(idx)
+
+
+def _norm(f: OpFacts):
+    x = f.inputs[0]
+    fwd = FLOPS_PER_ELEMENT[f.canon] * x.numel
+    bwd = BWD_FACTOR[f.canon] * fwd
+    normalized = f.attrs.get("normalized_numel") or (x.shape[-1] if x.shape else 1)
+    rows = x.numel // max(int(normalized), 1)
+    if f.canon == "layer_norm":
+        stats = 2 * rows * FP32_BYTES                         # mean and rstd per row
+    elif f.canon == "rms_norm":
+        stats = rows * FP32_BYTES                             # rstd per row
+    elif f.canon == "batch_norm":
+        stats = 2 * (x.shape[1] if len(x.shape) > 1 else 1) * FP32_BYTES
+    else:                                                     # group norm: per (sample, group)
+        stats = 2 * (x.shape[0] if x.shape else 1) * int(f.attrs.get("groups", 1)) * FP32_BYTES
+    return "norm", fwd, bwd, _act(x) + _synthetic(f, "stats", stats)
+
+
+def _softmax(f: OpFacts):
+    fwd = FLOPS_PER_ELEMENT[f.canon] * f.out.numel
+    return "softmax", fwd, BWD_FACTOR[f.canon] * fwd, _act(f.out)
+
+
+def _dropout(f: OpFacts):
+    p = float(f.attrs.get("p", 0.0))
+    if p <= 0.0 or not f.attrs.get("train", True):
+        return "dropout", 0.0, 0.0, []                        # identity: nothing kept
+    fwd = FLOPS_PER_ELEMENT["dropout"] * f.out.numel
+    saved = _synthetic(f, "mask", f.out.numel * MASK_BYTES) if f.inputs[0].role == "act" else []
+    return "dropout", fwd, f.out.numel, saved                 # backward: grad * mask * scale
+
+
+# which tensors pointwise ops keep (derivatives.yaml): "in" the input, "out" the output
+_POINTWISE_KEEPS = {"gelu": "in", "silu": "in", "log": "in", "sin": "in", "cos": "in",
+                    "abs": "in", "clamp": "in", "pow": "in",
+                    "relu": "out", "sigmoid": "out", "tanh": "out", "exp": "out",
+                    "rsqrt": "out", "sqrt": "out"}
+
+
+def _pointwise(f: OpFacts):
+    fwd = FLOPS_PER_ELEMENT.get(f.canon, 1) * f.out.numel
+    bwd = fwd * BWD_FACTOR.get(f.canon, 1)
+    saved: list[tuple[str, int]] = []
+    ins = f.inputs
+    keeps = _POINTWISE_KEEPS.get(f.canon)
+    if keeps == "in" and ins:
+        saved = _act(ins[0])
+    elif keeps == "out":
+        saved = _act(f.out)
+    elif f.canon == "mul" and len(ins) == 2:                  # d(a*b): keeps the other operand
+        a, b = ins
+        saved = (_act(b) if a.requires_grad else []) + (_act(a) if b.requires_grad else [])
+    elif f.canon == "div" and len(ins) == 2:                  # d(a/b): b for a; a and b for b
+        a, b = ins
+        saved = _act(b) if (a.requires_grad or b.requires_grad) else []
+        saved += _act(a) if b.requires_grad else []
+    elif f.canon in ("masked_fill", "where") and ins:         # keeps the boolean mask
+        saved = [(t.key, t.nbytes) for t in ins if not t.is_float and t.role == "act"]
+    elif f.canon in ("minimum", "maximum"):
+        saved = [s for t in ins for s in _act(t)]
+    if f.canon in ("compare", "tri"):
+        bwd = 0.0
+    return KIND.get(f.canon, "elementwise"), fwd, bwd, saved
+
+
+def _reduction(f: OpFacts):
+    x = f.inputs[0] if f.inputs else f.out
+    fwd = float(x.numel)
+    saved: list[tuple[str, int]] = []
+    if f.canon == "amax":
+        saved = _act(x) + _act(f.out)
+    elif f.canon == "max_pool":
+        saved = _act(x) + _synthetic(f, "indices", f.out.numel * INDEX_BYTES)
+    elif f.canon == "avg_pool":
+        saved = _act(x)
+    bwd = 0.0 if f.canon == "argmax" else float(x.numel)
+    return "reduction", fwd, bwd, saved
+
+
+def _loss(f: OpFacts):
+    x = f.inputs[0]
+    fwd = FLOPS_PER_ELEMENT[f.canon] * x.numel
+    if f.canon == "cross_entropy":                            # keeps log-softmax output + target
+        saved = _synthetic(f, "log_probs", x.nbytes) + [s for t in f.inputs[1:] for s in _act(t)]
+    else:
+        saved = [s for t in f.inputs for s in _act(t)]
+    return "loss", fwd, BWD_FACTOR.get(f.canon, 1) * fwd, saved
+
+
+def _view(f: OpFacts):
+    return "view", 0.0, 0.0, []
+
+
+def _copy(f: OpFacts):
+    return "view", 0.0, 0.0, []
+
+
+def _create(f: OpFacts):
+    return "other", 0.0, 0.0, []
+
+
+def _cast(f: OpFacts):
+    return "elementwise", 0.0, 0.0, []
+
+
+def _leaf(f: OpFacts):
+    """A module no tracer could enter: costed as a dense layer from its parameters.
+
+    Forward 2 FLOPs per parameter per input row (a Linear's count generalised), or one per
+    output element for a parameter-free module; backward 2x forward; keeps its inputs and
+    output (conservative: the module's internals are unknown).
+    """
+    params = int(f.attrs.get("param_numel", 0))
+    first = next((t for t in f.inputs if t.role != "param"), f.out)
+    rows = first.numel // max(first.shape[-1] if first.shape else 1, 1)
+    fwd = 2.0 * rows * params if params else float(f.out.numel)
+    saved = [s for t in f.inputs for s in _act(t)] + [s for t in f.outputs for s in _act(t)]
+    return "leaf", fwd, 2.0 * fwd, saved
+
+
+def _other(f: OpFacts):
+    """Unknown op: one FLOP per output element; keeps its activation inputs (conservative)."""
+    fwd = float(sum(t.numel for t in f.outputs))
+    return "other", fwd, fwd, [s for t in f.inputs for s in _act(t)]
+
+
+_RULES: dict[str, Callable] = {
+    "linear": _linear, "addmm": _addmm, "addmm_conv1d": _addmm, "matmul": _matmul,
+    "baddbmm": _matmul, "sdpa": _sdpa, "conv": _conv, "embedding": _embedding,
+    "layer_norm": _norm, "rms_norm": _norm, "batch_norm": _norm, "group_norm": _norm,
+    "softmax": _softmax, "log_softmax": _softmax, "dropout": _dropout,
+    "sum": _reduction, "mean": _reduction, "amax": _reduction, "argmax": _reduction,
+    "max_pool": _reduction, "avg_pool": _reduction,
+    "cross_entropy": _loss, "nll_loss": _loss, "mse_loss": _loss,
+    "view": _view, "copy": _copy, "create": _create, "cast": _cast, "leaf": _leaf,
+    "other": _other,
+}

@@ -1,0 +1,234 @@
+"""Capture paths 1 and 3: ``torch.fx.symbolic_trace`` plus a shape-propagating meta run.
+
+``trace_symbolic`` traces with torch.nn modules (and any chosen submodules) kept as
+``call_module`` leaves, runs the graph on meta tensors (memoising repeated ops, so 96
+identical blocks cost about one), and walks it into a ``Walk``.  ``leaf_fallback`` retries
+with the submodules that defeated the tracer kept opaque; such a leaf that cannot run on
+meta is run once on CPU on zeros to learn its output shape.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import ModelFileError
+from autopar.core.op_costs import canonical
+from autopar.core.trace_walk import (ParamIndex, Val, Walk, attr_val, call_attrs, class_name,
+                                     flatten_tensors, fn_module, module_attrs, order_operands,
+                                     owner_path, param_val, short_error)
+
+MAX_LEAF_RETRIES = 16
+CPU_LEAF_LIMIT_BYTES = 2 << 30      # a leaf run for real on CPU must fit in 2 GiB
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that keeps chosen submodules opaque and remembers where tracing failed."""
+
+    def __init__(self, leaves: tuple[str, ...] = ()):
+        super().__init__()
+        self.leaf_paths = set(leaves)
+        self.failed_path: str | None = None
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return qualname in self.leaf_paths or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_path is None:          # the innermost module sees the error first
+                self.failed_path = self.path_of_module(m)
+            raise
+
+
+class _MetaRunner(fx.Interpreter):
+    """Runs the traced graph on meta tensors and keeps every node's result."""
+
+    def __init__(self, gm: fx.GraphModule, leaves: set[str], walk: Walk):
+        super().__init__(gm, garbage_collect_values=False)
+        self.leaves, self.walk = leaves, walk
+        self.results: dict[str, Any] = {}
+        self.memo: dict[Any, Any] = {}
+        self.failed_node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        key = None
+        if n.op in ("call_function", "call_method", "call_module"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            key = self._memo_key(n, args, kwargs)
+            if key is not None and key in self.memo:
+                self.results[n.name] = self.memo[key]
+                return self.memo[key]
+        try:
+            result = super().run_node(n)
+        except Exception:
+            if self.failed_node is None:
+                self.failed_node = n
+            raise
+        if key is not None:
+            self.memo[key] = result
+        self.results[n.name] = result
+        return result
+
+    def _memo_key(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
+        """Same op on same shapes -> same meta result: repeated blocks are computed once.
+
+        Meta tensors carry no data, so reusing a result only shares shape, dtype and strides.
+        Opaque (leaf) modules and ops whose arguments are not plain values are not memoised.
+        """
+        if n.op == "call_module":
+            if n.target in self.leaves:
+                return None
+            mod = self.module.get_submodule(n.target)
+            if not type(mod).__module__.startswith("torch.nn"):
+                return None
+            target: Any = (type(mod), repr(mod), mod.training,
+                           tuple((k, tuple(p.shape), p.dtype) for k, p in mod.named_parameters()))
+        else:
+            target = n.target
+        try:
+            key = (n.op, target, _shape_key(args), _shape_key(kwargs))
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def call_module(self, target, args, kwargs):
+        try:
+            return super().call_module(target, args, kwargs)
+        except Exception:
+            if target not in self.leaves:
+                raise
+        return _run_leaf_on_cpu(self.module.get_submodule(target), target, args, kwargs, self.walk)
+
+
+def _shape_key(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype, tuple(obj.stride()), obj.device.type)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, tuple(_shape_key(o) for o in obj))
+    if isinstance(obj, dict):
+        return ("D", tuple((k, _shape_key(v)) for k, v in obj.items()))
+    if obj is None or isinstance(obj, (int, float, bool, str, slice, torch.dtype, torch.device,
+                                       torch.memory_format, torch.layout, type(Ellipsis))):
+        return (type(obj).__name__, obj if not isinstance(obj, slice) else (obj.start, obj.stop, obj.step))
+    raise TypeError("not memoisable")
+
+
+def trace_symbolic(module: torch.nn.Module, inputs: tuple, params: ParamIndex,
+              leaves: tuple[str, ...]) -> Walk:
+    tracer = _Tracer(leaves)
+    try:
+        graph = tracer.trace(module)
+    except Exception as e:
+        e._autopar_failed_path = tracer.failed_path      # type: ignore[attr-defined]
+        raise
+    gm = fx.GraphModule(module, graph)
+    walk = Walk(leaves=list(leaves))
+    runner = _MetaRunner(gm, set(leaves), walk)
+    try:
+        with torch.no_grad():
+            walk.output_value = runner.run(*inputs)
+    except Exception as e:
+        n = runner.failed_node
+        e._autopar_failed_path = (n.target if n is not None and n.op == "call_module" else  # type: ignore[attr-defined]
+                                  _innermost_module(n) if n is not None else None)
+        raise
+    _walk_symbolic(gm, module, runner.results, params, walk, set(leaves))
+    return walk
+
+
+def _innermost_module(n: fx.Node) -> str | None:
+    stack = n.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def _walk_symbolic(gm: fx.GraphModule, root: torch.nn.Module, results: dict[str, Any],
+                   params: ParamIndex, walk: Walk, leaves: set[str]) -> None:
+    for n in gm.graph.nodes:
+        res = results.get(n.name)
+        if n.op == "placeholder":
+            if isinstance(res, torch.Tensor):
+                v = Val(ref=n.name, producer=f"input:{n.name}", shape=tuple(res.shape),
+                         dtype=res.dtype, role="act", requires_grad=False, key=f"input:{n.name}")
+                walk.vals[n.name] = v
+                walk.graph_inputs.append(v)
+            continue
+        if n.op == "get_attr":
+            walk.vals[n.name] = attr_val(n.name, str(n.target), res, params)
+            continue
+        if n.op == "output":
+            walk.graph_outputs = walk.tensors_in(n.args)
+            continue
+        ins = walk.tensors_in((n.args, n.kwargs))
+        if n.op == "call_module":
+            mod = root.get_submodule(n.target)
+            cls = type(mod)
+            canon = "leaf" if n.target in leaves else canonical(cls.__name__)
+            if canon == "other":
+                canon = "leaf"                        # an nn module we have no rule for
+            prm = [param_val(f"{n.target}.{pn}", p, params) for pn, p in mod.named_parameters()]
+            attrs = module_attrs(mod, canon)
+            attrs["param_numel"] = sum(p.numel() for _, p in mod.named_parameters())
+            if canon == "embedding":
+                ins = ins[:1]
+            walk.add_op(n.name, canon, class_name(cls), n.target, ins, res, attrs, prm)
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and \
+                isinstance(walk.vals.get(getattr(n.args[0], "name", None)), tuple):
+            walk.vals[n.name] = walk.vals[n.args[0].name][n.args[1]]    # element of a tuple
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+        canon = canonical(name)
+        if canon == "cast" and isinstance(res, torch.Tensor) and ins and ins[0].dtype == res.dtype:
+            canon = "view"                             # .to()/.float() on the same dtype: no copy
+        ins = order_operands(canon, ins)
+        target = f"Tensor.{name}" if n.op == "call_method" else f"{fn_module(n.target)}{name}"
+        walk.add_op(n.name, canon, target, owner_path(n), ins, res, call_attrs(canon, n.args, n.kwargs))
+
+
+def leaf_fallback(module, inputs, params, first_failed, sym_err, exp_err, where) -> Walk:
+    leaves: list[str] = []
+    failed, err = first_failed, sym_err
+    for _ in range(MAX_LEAF_RETRIES):
+        if not failed or failed in leaves:
+            break
+        leaves.append(failed)
+        try:
+            return trace_symbolic(module, inputs, params, leaves=tuple(leaves))
+        except Exception as e:
+            failed, err = getattr(e, "_autopar_failed_path", None), e
+    culprit = f" in module '{failed}'" if failed else " in the model's own forward"
+    raise ModelFileError(
+        f"{where}: the module returned by build_model cannot be traced{culprit}: "
+        f"fx.symbolic_trace: {short_error(sym_err)}; torch.export: {short_error(exp_err)}"
+        + (f"; with {', '.join(leaves)} kept opaque: {short_error(err)}" if leaves else "")
+        + ". Move data-dependent Python control flow (if/for on tensor values, .item()) into a "
+          "submodule, or make the forward traceable.") from None
+
+
+def _run_leaf_on_cpu(mod: torch.nn.Module, path: str, args, kwargs, walk: Walk):
+    """Learn an opaque module's output shape by running a CPU copy on zeros."""
+    import copy
+
+    numel = sum(p.numel() * p.element_size() for p in mod.parameters())
+    numel += sum(t.numel() * t.element_size() for t in flatten_tensors(list(args)))
+    if numel > CPU_LEAF_LIMIT_BYTES:
+        raise ModelFileError(
+            f"module '{path}' cannot be traced and is too large ({numel / 2**30:.1f} GiB) to run on "
+            f"CPU to learn its output shape; make its forward traceable.")
+    cpu_mod = copy.deepcopy(mod).to_empty(device="cpu")
+    with torch.no_grad():
+        for p in cpu_mod.parameters():
+            p.zero_()
+
+    def to_cpu(a):
+        return torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+
+    out = cpu_mod(*fx.node.map_aggregate(args, to_cpu), **fx.node.map_aggregate(kwargs, to_cpu))
+    walk.notes.append(f"leaf '{path}' could not run on meta; its output shape came from a CPU run on zeros")
+    return fx.node.map_aggregate(
+        out, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t)

@@ -1,0 +1,243 @@
+"""The values and ops a trace walk collects, shared by the fx and torch.export paths.
+
+A ``Walk`` records, node by node, what each tensor value is (an activation that depends on
+the batch, a parameter, or a constant), whether it requires grad, and its deduplication key
+(views collapse onto their base); each op becomes a ``TracedOp`` holding the ``OpFacts`` that
+``autopar.core.op_costs`` prices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.core.op_costs import OpFacts, TensorFacts
+
+
+class ParamIndex:
+    """Parameter names -> tensor identity, so tied weights are counted once."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.by_name: dict[str, torch.nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
+        canonical_by_id: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            canonical_by_id[id(p)] = name
+        self.canonical = {n: canonical_by_id[id(p)] for n, p in self.by_name.items()}
+        self.total = sum(p.numel() for p in module.parameters())
+        dtypes = {p.dtype for p in module.parameters()}
+        self.dtype = dtype_name(next(iter(dtypes))) if len(dtypes) == 1 else \
+            ("mixed" if dtypes else "float32")
+
+
+# ============================================================================ the walk
+@dataclass
+class Val:
+    """What the walk knows about one tensor value."""
+    ref: str                       # value id: producing node name (+ "#i" for tuple outputs)
+    producer: str                  # op name for OpNode.inputs ("input:x" for graph inputs; "" none)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: str                      # "act", "param", "const"
+    requires_grad: bool
+    key: str                       # deduplication key (views collapse onto their base)
+    fqn: str = ""                  # parameter name when role == "param"
+
+    def facts(self) -> TensorFacts:
+        return TensorFacts(key=self.key, shape=self.shape, itemsize=itemsize(self.dtype),
+                           role=self.role, requires_grad=self.requires_grad,
+                           is_float=self.dtype.is_floating_point or self.dtype.is_complex)
+
+
+@dataclass
+class TracedOp:
+    facts: OpFacts
+    target: str
+    module_path: str
+    ins: list[Val]
+    outs: list[Val]
+    params: list[str]
+
+
+@dataclass
+class Walk:
+    ops: list[TracedOp] = field(default_factory=list)
+    vals: dict[str, Any] = field(default_factory=dict)     # fx node name -> Val | tuple | None
+    graph_inputs: list[Val] = field(default_factory=list)
+    graph_outputs: list[Val] = field(default_factory=list)
+    output_value: Any = None                               # the forward's result (meta tensors)
+    leaves: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # ---------------------------------------------------------------- values
+    def tensors_in(self, obj: Any) -> list[Val]:
+        found: list[Val] = []
+
+        def visit(a):
+            if isinstance(a, fx.Node):
+                v = self.vals.get(a.name)
+                if isinstance(v, Val):
+                    found.append(v)
+            return a
+
+        fx.node.map_aggregate(obj, visit)
+        return found
+
+    def add_op(self, name: str, canon: str, target: str, module_path: str, ins: list[Val],
+               result: Any, attrs: dict | None = None, extra_params: list[Val] = ()) -> None:
+        """Record one op whose (meta) result is ``result``; skip non-tensor results."""
+        ins = list(ins) + list(extra_params)
+        tensors = flatten_tensors(result)
+        if not tensors:
+            self.vals[name] = None
+            return
+        act = any(v.role == "act" for v in ins) and canon != "create"
+        grad = canon not in ("create", "compare", "argmax") and any(v.requires_grad for v in ins)
+        single = len(tensors) == 1 and isinstance(result, torch.Tensor)
+        outs = []
+        for i, t in enumerate(tensors):
+            ref = name if single else f"{name}#{i}"
+            shape, dtype = tuple(int(d) for d in t.shape), t.dtype
+            key = ref
+            base = ins[0] if ins else None
+            passthrough = canon == "view" or (canon == "dropout" and not dropout_active(attrs))
+            if single and passthrough and base is not None and base.dtype == dtype \
+                    and math.prod(base.shape) == math.prod(shape):
+                key = base.key
+            role = "act" if act else "const"
+            fqn = ""
+            if not act and base is not None and base.role == "param" and canon in ("view", "cast") \
+                    and len(ins) == 1:
+                role, fqn = "param", base.fqn
+            is_float = dtype.is_floating_point or dtype.is_complex
+            outs.append(Val(ref=ref, producer=name, shape=shape, dtype=dtype, role=role,
+                             requires_grad=grad and is_float, key=key, fqn=fqn))
+        self.vals[name] = outs[0] if single else tuple(outs)
+        param_names = list(dict.fromkeys(v.fqn for v in ins if v.role == "param" and v.fqn))
+        if all(o.role == "param" for o in outs):
+            param_names = []                 # a view of a weight: its consumer owns the weight
+        facts = OpFacts(name=name, canon=canon, inputs=[v.facts() for v in ins],
+                        outputs=[o.facts() for o in outs], attrs=dict(attrs or {}))
+        self.ops.append(TracedOp(facts=facts, target=target, module_path=module_path, ins=ins,
+                            outs=outs, params=param_names))
+
+
+def flatten_tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        out = [r for r in result if isinstance(r, torch.Tensor)]
+        return out if len(out) == len(result) else []
+    return []
+
+
+def dropout_active(attrs: dict | None) -> bool:
+    attrs = attrs or {}
+    return float(attrs.get("p", 0.0)) > 0.0 and bool(attrs.get("train", True))
+
+
+def owner_path(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]
+    return path if isinstance(path, str) else ""
+
+
+def attr_val(name: str, fqn: str, res: Any, params: ParamIndex) -> Val | None:
+    if not isinstance(res, torch.Tensor):
+        return None
+    if fqn in params.by_name:
+        return param_val(fqn, res, params)
+    return Val(ref=name, producer="", shape=tuple(res.shape), dtype=res.dtype, role="const",
+                requires_grad=False, key=f"const:{fqn}")
+
+
+def param_val(fqn: str, p: torch.Tensor, params: ParamIndex) -> Val:
+    canon = params.canonical.get(fqn, fqn)
+    return Val(ref=f"param:{canon}", producer="", shape=tuple(p.shape), dtype=p.dtype, role="param",
+                requires_grad=bool(p.requires_grad), key=f"param:{canon}", fqn=fqn)
+
+
+def order_operands(canon: str, ins: list[Val]) -> list[Val]:
+    if canon == "embedding":      # (indices, weight) whatever the call's order
+        return sorted(ins, key=lambda v: v.dtype.is_floating_point)
+    return ins
+
+
+def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
+    if canon == "dropout":
+        return {"p": float(getattr(mod, "p", 0.0)), "train": mod.training}
+    if canon in ("layer_norm", "rms_norm"):
+        shape = getattr(mod, "normalized_shape", None)
+        return {"normalized_numel": math.prod(shape)} if shape else {}
+    if canon == "group_norm":
+        return {"groups": getattr(mod, "num_groups", 1)}
+    return {}
+
+
+def call_attrs(canon: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if canon == "dropout":
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        return {"p": float(p) if isinstance(p, (int, float)) else 0.5, "train": bool(train)}
+    if canon in ("layer_norm", "rms_norm"):
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+        if isinstance(shape, int):
+            return {"normalized_numel": shape}
+        if isinstance(shape, (tuple, list)) and all(isinstance(s, int) for s in shape):
+            return {"normalized_numel": math.prod(shape)}
+    if canon == "group_norm":
+        groups = kwargs.get("num_groups", args[1] if len(args) > 1 else 1)
+        return {"groups": groups if isinstance(groups, int) else 1}
+    return {}
+
+
+def class_name(cls: type) -> str:
+    mod = cls.__module__ or ""
+    if mod.startswith("torch.nn"):
+        return f"torch.nn.{cls.__name__}"
+    if mod.startswith("autopar_model_"):          # the model file: its path must not leak in
+        return cls.__qualname__
+    return f"{mod}.{cls.__qualname__}"
+
+
+def fn_module(fn: Any) -> str:
+    mod = getattr(fn, "__module__", None) or ""
+    if mod.startswith("autopar_model_"):          # defined in the model file: no path in names
+        return ""
+    if mod.startswith("torch.nn.functional"):
+        return "F."
+    if mod in ("_operator", "operator"):
+        return "operator."
+    if mod.startswith("torch") or getattr(fn, "__self__", None) is torch or mod == "":
+        return "torch."
+    return f"{mod}."
+
+
+
+
+def nbytes(v: Val) -> int:
+    return math.prod(v.shape) * itemsize(v.dtype)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size() if dtype not in ITEMSIZE \
+        else ITEMSIZE[dtype]
+
+
+ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8,
+             torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: 1,
+             torch.bool: 1, torch.complex64: 8}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def short_error(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    text = text if len(text) < 160 else text[:157] + "..."
+    return f"{type(e).__name__}: {text}"
