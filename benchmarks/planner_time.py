@@ -1,0 +1,43 @@
+"""How long the planner takes on gpt3-175b over 1024 H100s (goal: under 60 s on a 2-core machine).
+
+Prints the capture time, the search time by phase and the plans priced, and the predicted
+step time of the plan found; the reference is the 60 s goal.
+
+    python benchmarks/planner_time.py [--time-budget 40] [--algo auto]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from autopar.core.capture import capture_model_file
+from autopar.core.cluster import load_cluster
+from autopar.planner.search import PlanOptions, search
+from autopar.simulator.cost_model import CostModel
+
+GOAL_S = 60.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--time-budget", type=float, default=40.0)
+    ap.add_argument("--algo", default="auto")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    graph = capture_model_file("examples/gpt.py", {"size": "gpt3-175b"}, 1)
+    cluster = load_cluster("h100-128x8")
+    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    t1 = time.perf_counter()
+    res = search(graph, cluster, cms, PlanOptions(global_batch=1536, time_budget_s=args.time_budget, algo=args.algo))
+    t2 = time.perf_counter()
+    p = res.best.plan
+    print(f"capture {t1 - t0:.1f} s; search {t2 - t1:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in res.phase_s.items())}); "
+          f"{res.num_settings} settings, {res.num_evaluated} plans priced, {res.num_infeasible} infeasible")
+    print(f"plan: dp{p.mesh.dp} tp{p.mesh.tp} pp{p.mesh.pp} sp={p.mesh.sequence_parallel} mb{p.micro_batch} "
+          f"{p.pipeline.schedule}; step {res.best.step_time_s:.3f} s, MFU {100 * p.predicted['mfu']:.1f}%")
+    total = t2 - t0
+    print(f"total {total:.1f} s vs goal {GOAL_S:.0f} s: ratio {total / GOAL_S:.2f} ({'met' if total < GOAL_S else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Per-layer cost tables for one setting (mesh, micro-batching, ZeRO family): the ILP's inputs.
+
+For every layer and every strategy of the setting, the simulator's ``LayerCost`` (priced once
+per distinct layer signature -- identical blocks cost the same) is folded into three numbers
+the solvers read:
+
+* ``time_mb_s``   seconds the layer keeps its device busy per micro-batch: forward, backward,
+  recompute and the tensor-parallel collectives, which sit on the critical path (Shoeybi et
+  al. 2019, Sec. 3: the f/g all-reduces are synchronous);
+* ``step_s``      seconds per step that do not repeat with micro-batches and are not hidden
+  (data-parallel synchronisation beyond the backward it overlaps -- DDP overlaps its bucketed
+  all-reduce with the backward of the last micro-batch (Li et al. 2020, "PyTorch Distributed",
+  Sec. 3.2.3); FSDP prefetches the next all-gather behind the current layer's compute (Zhao et
+  al. 2023, Sec. 3.3), so only what exceeds that compute shows -- plus the optimizer step);
+* ``static_bytes`` parameters, gradients and optimizer state on the device, and
+  ``activation_bytes`` kept for backward per micro-batch (times the micro-batches in flight).
+
+These are the ILP's node costs and memory (ilp.py eq. 1, 1b); the simulator prices the
+assembled plan exactly afterwards, so the folding only has to rank strategies well.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autopar.core.plan import LayerPlan, Mesh
+from autopar.planner.space import LayerChoice
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    choices: tuple[LayerChoice, ...]     # the setting's strategies (shared index space)
+    time_mb_s: np.ndarray                # (L, C) per micro-batch
+    step_s: np.ndarray                   # (L, C) once per step
+    static_bytes: np.ndarray             # (L, C)
+    activation_bytes: np.ndarray         # (L, C) per micro-batch in flight
+    reserve_bytes: np.ndarray            # (L, C) transient peak terms (max, not sum, over layers)
+    output_bytes: np.ndarray             # (L,) boundary activation per micro-batch (pipeline sends)
+    valid: np.ndarray                    # (L, C) bool: the choice is a real option for the layer
+
+    @property
+    def num_layers(self) -> int:
+        return self.time_mb_s.shape[0]
+
+    def step_time(self, num_microbatches: int) -> np.ndarray:
+        """(L, C) seconds per step of each layer's strategies when it runs alone."""
+        return num_microbatches * self.time_mb_s + self.step_s
+
+
+def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tuple[float, float]:
+    """(time per micro-batch, exposed time per step) of one LayerCost (module docstring).
+
+    Per micro-batch the FSDP traffic of a layer hides behind its compute and shows only where
+    longer (forward: all-gather and the offload copy in; backward: ZeRO-3's second all-gather,
+    the reduce-scatter and the copy out) -- the overlap the simulator's evaluator assumes.
+    """
+    fwd_comm = (lc.dp_allgather_s if zero >= 2 else 0.0) + (lc.h2d_s if offload else 0.0)
+    bwd_comm = 0.0
+    if zero >= 3:
+        bwd_comm += lc.dp_allgather_s + (lc.h2d_s if offload else 0.0)
+    if zero >= 2:
+        bwd_comm += lc.dp_reducescatter_s + (lc.d2h_s if offload else 0.0)
+    fwd = max(lc.fwd_s + lc.tp_comm_fwd_s, fwd_comm)
+    bwd = max(lc.recompute_s + lc.bwd_s + lc.tp_comm_bwd_s, bwd_comm)
+    exposed = 0.0
+    if zero <= 1:
+        # once per step, behind the last micro-batch's backward; ZeRO-1 gathers parameters after
+        exposed = max(0.0, lc.dp_allreduce_s - bwd) + (lc.dp_allgather_s if zero == 1 else 0.0)
+    return fwd + bwd, exposed + lc.optimizer_s
+
+
+def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: list[str],
+                       choices: list[LayerChoice], mesh: Mesh, micro_batch: int, num_microbatches: int,
+                       precision: str, cost_model=None) -> LayerTables:
+    """Price every (layer, choice) of a setting through ``evaluator.layer_cost``."""
+    L, C = len(styles), len(choices)
+    time_mb = np.zeros((L, C))
+    step = np.zeros((L, C))
+    static = np.zeros((L, C))
+    act = np.zeros((L, C))
+    reserve = np.zeros((L, C))
+    out = np.zeros(L)
+    valid = np.ones((L, C), dtype=bool)
+    memo: dict[tuple, tuple] = {}
+    for i in range(L):
+        can_split = bool(styles[i]) and mesh.tp > 1
+        for c, ch in enumerate(choices):
+            eff = ch if (can_split or not ch.tp) else replace(ch, tp=False)
+            valid[i, c] = eff == ch
+            key = (signatures[i], eff)
+            if key not in memo:
+                lp = LayerPlan(layer=i, tp=tuple(sorted(styles[i].items())) if eff.tp else (),
+                               zero=eff.zero, recompute=eff.recompute, offload=eff.offload)
+                lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
+                t_mb, t_step = fold_layer_cost(lc, eff.zero, eff.offload == "cpu", num_microbatches)
+                memo[key] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
+                             lc.activation_bytes,
+                             lc.transient_bytes + 2.0 * lc.fsdp_param_buffer_bytes + lc.fsdp_grad_buffer_bytes,
+                             lc.output_bytes)
+            time_mb[i, c], step[i, c], static[i, c], act[i, c], reserve[i, c], out[i] = memo[key]
+    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid)

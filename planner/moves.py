@@ -1,0 +1,202 @@
+"""Random local moves over ``Candidate`` plans: the MCMC proposal (FlexFlow, Jia et al. 2019, Sec. 5.2).
+
+FlexFlow proposes by changing the configuration of one randomly chosen operator.  Here a
+move is one of: change one layer's choice (its tensor-parallel split, ZeRO stage within the
+family, recompute or offload), apply one knob to every layer of a stage, move a stage boundary,
+switch the ZeRO family of the whole model, change the micro-batch size, the schedule or the
+number of virtual stages, toggle sequence parallelism, or change the mesh (trade a factor of
+two between dp, tp and pp), re-deriving what the new mesh forces (micro-batch count, equal
+stages).  Every move returns a candidate that satisfies the plan rules (Plan.validate());
+memory is left to the cost function, which returns ``inf`` for a plan that does not fit.
+The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings assumes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autopar.core.plan import Mesh
+from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.planner.space import (RECOMPUTE_CHOICES, ZERO_FAMILIES, LayerChoice, microbatch_candidates,
+                                   schedule_candidates, zero_family_of)
+
+
+@dataclass(frozen=True)
+class MoveSpace:
+    meshes: tuple[Mesh, ...]              # meshes the search admits
+    can_split: tuple[bool, ...]           # per layer: has a tensor-parallel split
+    num_layers: int
+    global_batch: int
+    max_micro_batch: int | None = None
+    max_virtual_stages: int = 4
+    allow_offload: bool = True
+    recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
+    zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
+
+
+def propose(c: Candidate, rng: np.random.Generator, space: MoveSpace) -> Candidate:
+    """One random local move; falls back to another kind when a kind does not apply."""
+    kinds = [_layer_move, _stage_knob_move, _boundary_move, _zero_family_move, _microbatch_move,
+             _schedule_move, _sequence_parallel_move, _mesh_move]
+    weights = np.array([4, 2, 2, 1, 1, 1, 1, 1], dtype=float)
+    for _ in range(8):
+        move = kinds[rng.choice(len(kinds), p=weights / weights.sum())]
+        out = move(c, rng, space)
+        if out is not None and out != c:
+            return out
+    return c
+
+
+# ------------------------------------------------------------------------ per layer
+def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerChoice]:
+    family = zero_family_of(c.choices[layer].zero)
+    out = []
+    splits = (True, False) if c.mesh.tp > 1 and space.can_split[layer] else (False,)
+    for split in splits:
+        for zero in ZERO_FAMILIES[family]:
+            for rc in space.recompute_choices:
+                for off in ("none", "cpu") if (space.allow_offload and zero >= 2) else ("none",):
+                    out.append(LayerChoice(tp=split, zero=zero, recompute=rc, offload=off))
+    return out
+
+
+def _layer_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    layer = int(rng.integers(space.num_layers))
+    options = [o for o in _choice_options(c, layer, space) if o != c.choices[layer]]
+    if not options:
+        return None
+    new = options[int(rng.integers(len(options)))]
+    choices = list(c.choices)
+    choices[layer] = new
+    return replace(c, choices=tuple(choices))
+
+
+def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    """Set one knob (recompute / offload / zero / tp split) on every layer of a stage."""
+    s = int(rng.integers(c.num_stages))
+    lo, hi = c.bounds[s], c.bounds[s + 1]
+    knob = ["recompute", "offload", "zero", "tp"][int(rng.integers(4))]
+    family = zero_family_of(c.choices[lo].zero)
+    if knob == "recompute":
+        value = space.recompute_choices[int(rng.integers(len(space.recompute_choices)))]
+    elif knob == "offload":
+        if family != "fsdp" or not space.allow_offload:
+            return None
+        value = ["none", "cpu"][int(rng.integers(2))]
+    elif knob == "zero":
+        if family != "fsdp":
+            return None
+        value = [2, 3][int(rng.integers(2))]
+    else:
+        if c.mesh.tp == 1:
+            return None
+        value = bool(rng.integers(2))
+    choices = list(c.choices)
+    for i in range(lo, hi):
+        if knob == "tp" and not space.can_split[i]:
+            continue
+        choices[i] = replace(choices[i], **{knob: value})
+    return replace(c, choices=tuple(choices))
+
+
+def _zero_family_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    current = zero_family_of(c.choices[0].zero)
+    families = [f for f in space.zero_families if f != current and not (f == "zero1" and c.mesh.dp == 1)]
+    if not families:
+        return None
+    family = families[int(rng.integers(len(families)))]
+    return replace(c, choices=tuple(_to_family(ch, family) for ch in c.choices))
+
+
+def _to_family(ch: LayerChoice, family: str) -> LayerChoice:
+    if family == "fsdp":
+        return replace(ch, zero=ch.zero if ch.zero >= 2 else 3)
+    return replace(ch, zero=ZERO_FAMILIES[family][0], offload="none")
+
+
+# ------------------------------------------------------------------------ pipeline
+def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    if c.num_stages == 1:
+        return None
+    k = 1 + int(rng.integers(c.num_stages - 1))          # an inner boundary
+    step = int(rng.choice([-2, -1, 1, 2]))
+    b = list(c.bounds)
+    b[k] += step
+    if not b[k - 1] < b[k] < b[k + 1]:
+        return None
+    return replace(c, bounds=tuple(b))
+
+
+def _microbatch_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    options = microbatch_candidates(space.global_batch, c.mesh.dp, max_micro_batch=space.max_micro_batch)
+    idx = [mb for mb, _ in options].index(c.micro_batch) if c.micro_batch in [mb for mb, _ in options] else 0
+    j = idx + int(rng.choice([-1, 1]))
+    if not 0 <= j < len(options):
+        return None
+    mb, m = options[j]
+    return _fix_schedule(replace(c, micro_batch=mb, num_microbatches=m), space, rng)
+
+
+def _schedule_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    options = schedule_candidates(c.mesh.pp, space.num_layers, c.num_microbatches,
+                                  max_virtual_stages=space.max_virtual_stages)
+    options = [o for o in options if o != (c.schedule, c.virtual_stages)]
+    if not options:
+        return None
+    schedule, v = options[int(rng.integers(len(options)))]
+    bounds = c.bounds if v == c.virtual_stages else equal_bounds(space.num_layers, c.mesh.pp * v)
+    return replace(c, schedule=schedule, bounds=bounds)
+
+
+def _fix_schedule(c: Candidate, space: MoveSpace, rng) -> Candidate:
+    """Keep the schedule if still valid for the micro-batch count, else fall back to 1F1B."""
+    options = schedule_candidates(c.mesh.pp, space.num_layers, c.num_microbatches,
+                                  max_virtual_stages=space.max_virtual_stages)
+    if (c.schedule, c.virtual_stages) in options:
+        return c
+    return replace(c, schedule="1f1b", bounds=equal_bounds(space.num_layers, c.mesh.pp))
+
+
+# ------------------------------------------------------------------------ mesh
+def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    mesh = replace(c.mesh, sequence_parallel=not c.mesh.sequence_parallel)
+    if mesh not in space.meshes:
+        return None
+    return replace(c, mesh=mesh)
+
+
+def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    """Another admitted mesh, preferring neighbours (one axis doubled, another halved)."""
+    cur = c.mesh
+    near = [m for m in space.meshes if m != cur and m.sequence_parallel == (cur.sequence_parallel and m.tp > 1)
+            and sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp]).round(6).tolist()) in
+            ([-1.0, 0.0, 1.0],)]
+    pool = near if near and rng.random() < 0.8 else [m for m in space.meshes if m != cur]
+    if not pool:
+        return None
+    mesh = pool[int(rng.integers(len(pool)))]
+    return rebase(c, mesh, space, rng)
+
+
+def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | None:
+    """``c`` moved onto another mesh: keep the micro-batch if it divides, split stages equally."""
+    options = microbatch_candidates(space.global_batch, mesh.dp, max_micro_batch=space.max_micro_batch)
+    if not options:
+        return None
+    mb, m = min(options, key=lambda o: (abs(np.log2(o[0] / c.micro_batch)), -o[0]))
+    schedule, v = c.schedule, c.virtual_stages
+    valid = schedule_candidates(mesh.pp, space.num_layers, m, max_virtual_stages=space.max_virtual_stages)
+    if (schedule, v) not in valid:
+        schedule, v = valid[0]
+    if mesh.pp == c.mesh.pp and v == c.virtual_stages:
+        bounds = c.bounds
+    else:
+        bounds = equal_bounds(space.num_layers, mesh.pp * v)
+    choices = c.choices
+    if mesh.dp == 1 and choices[0].zero == 1:
+        choices = tuple(_to_family(ch, "ddp") for ch in choices)
+    if mesh.tp > 1 and c.mesh.tp == 1:
+        choices = tuple(replace(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
+    return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
+                     choices=choices)

@@ -1,0 +1,119 @@
+"""``autopar plan``: search for the fastest plan that fits the cluster and write plan.json.
+
+    autopar plan examples/gpt.py --model-arg size=gpt3-175b --cluster h100-128x8 \\
+        --global-batch 1536 -o plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from autopar.core.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autopar.core.cluster import add_cluster_arguments
+    from autopar.core.modelfile import add_model_arguments
+
+    add_model_arguments(parser)
+    add_cluster_arguments(parser)
+    parser.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per training step")
+    parser.add_argument("--algo", choices=("auto", "ilp", "mcmc"), default="auto",
+                        help="auto: ILP + stage DP, then MCMC refinement (default); ilp: the first only; "
+                             "mcmc: Metropolis-Hastings alone")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the search (default 0): same seed, same plan")
+    parser.add_argument("--time-budget", type=float, default=40.0, metavar="SECONDS",
+                        help="wall-clock budget of the search (default 40)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="training precision (default bf16 on GPU clusters, fp32 on CPU/gloo clusters)")
+    parser.add_argument("--profile", default=None,
+                        help="profile name or JSON for every GPU (default: each group's GPU type)")
+    parser.add_argument("--top-k", type=int, default=3, metavar="K", help="runner-up plans to show (default 3)")
+    parser.add_argument("-o", "--output", default="plan.json", metavar="PATH", help="plan file to write (default plan.json)")
+    parser.add_argument("--json", action="store_true", help="print the plan and its runner-ups as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.core.modelfile import parse_model_args
+    from autopar.core.plan import save_plan
+    from autopar.planner.search import PlanOptions, search
+    from autopar.simulator.cost_model import CostModel
+
+    t0 = time.perf_counter()
+    model_args = parse_model_args(args.model_args)
+    cluster = load_cluster(args.cluster, nodes=args.nodes)
+    cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
+    precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
+    if args.top_k < 0:
+        raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
+    options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
+                          time_budget_s=args.time_budget, precision=precision, top_k=args.top_k)
+    options.check()
+    graph = capture_model_file(args.model_file, model_args, args.batch_size)
+    capture_s = time.perf_counter() - t0
+    console = _console()
+    if args.json or console is None:
+        result = search(graph, cluster, cost_models, options)
+    else:
+        result = _search_with_progress(console, graph, cluster, cost_models, options)
+    plan = result.best.plan
+    save_plan(plan, args.output)
+    command = torchrun_command(cluster, args.output)
+    if args.json:
+        out = {"plan": plan.to_dict(), "output": str(args.output), "torchrun": command,
+               "capture_s": round(capture_s, 3),
+               "runner_ups": [{"predicted": dict(ev.plan.predicted), "mesh": ev.plan.to_dict()["mesh"],
+                               "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
+        json.dump(out, sys.stdout, indent=2, default=float)
+        print()
+        return 0
+    from autopar.planner.plan_report import print_plan
+
+    print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s)
+    return 0
+
+
+def torchrun_command(cluster, plan_path: str) -> str:
+    """The torchrun line that runs the plan on every node (c10d rendezvous across nodes)."""
+    per_node = {g.gpus_per_node for g in cluster.groups}
+    nproc = cluster.groups[0].gpus_per_node if len(per_node) == 1 else "GPUS_ON_THIS_NODE"
+    parts = ["torchrun", f"--nproc-per-node {nproc}"]
+    if cluster.num_nodes > 1:
+        parts += [f"--nnodes {cluster.num_nodes}", "--rdzv-backend c10d", "--rdzv-endpoint HOST:PORT"]
+    parts += ["-m autopar.runtime", plan_path]
+    return " ".join(parts)
+
+
+def _difference(best, ev) -> str:
+    from autopar.planner.candidate import describe_difference
+
+    return describe_difference(best.candidate, ev.candidate)
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(stderr=False)
+
+
+def _search_with_progress(console, graph, cluster, cost_models, options):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from autopar.planner.search import search
+
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=max(1, total))
+            bar.update(tasks[phase], completed=min(done, total), total=max(1, total))
+
+        return search(graph, cluster, cost_models, options, progress=progress)

@@ -1,0 +1,79 @@
+"""Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
+from __future__ import annotations
+
+from autopar.planner.candidate import describe_difference
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def fold_layers(plan) -> list[tuple[int, int, str]]:
+    """(first, last, description) for runs of consecutive layers with the same choice."""
+    runs: list[tuple[int, int, str]] = []
+    for lp in plan.layers:
+        tp = ("tp " + ", ".join(f"{k.split('.', 2)[-1] if k.count('.') >= 2 else k}:{v[0]}" for k, v in lp.tp)
+              if lp.tp else "replicated")
+        zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[lp.zero]
+        text = f"{tp}; {zero}; recompute {lp.recompute}" + (f"; offload {lp.offload}" if lp.offload != "none" else "")
+        if runs and runs[-1][2] == text and runs[-1][1] == lp.layer - 1:
+            runs[-1] = (runs[-1][0], lp.layer, text)
+        else:
+            runs.append((lp.layer, lp.layer, text))
+    return runs
+
+
+def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    best = result.best
+    plan, pred = best.plan, best.plan.predicted
+    m = plan.mesh
+    console.print(f"[bold]autopar plan[/bold]  {graph.model_name}  on  {cluster.name} "
+                  f"({cluster.world_size} devices)  global batch {plan.global_batch}, {plan.precision}")
+    console.print(escape(f"  searched {result.num_settings} settings, priced {result.num_evaluated} plans "
+                         f"({result.num_infeasible} did not fit or run) in {plan.provenance.get('search_s', 0):.1f} s "
+                         f"[{result.method}, seed {plan.provenance.get('seed')}]; capture {capture_s:.1f} s"))
+    sp = ", sequence parallel" if m.sequence_parallel else ""
+    console.print(f"\n[bold]mesh[/bold]        dp {m.dp} x tp {m.tp} x pp {m.pp}{sp}  "
+                  f"(ranks = arange({m.world_size}).view(dp, pp, tp))")
+    pl = plan.pipeline
+    v = len(pl.stages) // m.pp
+    sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule == "interleaved" else "")
+    console.print(f"[bold]batching[/bold]    micro-batch {plan.micro_batch} x {pl.num_microbatches} micro-batches "
+                  f"x dp {m.dp} = {plan.global_batch}")
+    if m.pp > 1 or v > 1:
+        sizes = [s.end - s.start for s in pl.stages]
+        console.print(f"[bold]pipeline[/bold]    {sched}; {len(pl.stages)} stages of "
+                      f"{'/'.join(map(str, sizes))} layers")
+    t = Table(title="per-layer choices", show_edge=False)
+    t.add_column("layers", justify="right")
+    t.add_column("names")
+    t.add_column("choice")
+    for a, b, text in fold_layers(plan):
+        names = graph.layers[a].name + ("" if a == b else f" .. {graph.layers[b].name}")
+        t.add_row(f"{a}" if a == b else f"{a}-{b}", names, text)
+    console.print(t)
+    console.print(f"[bold]predicted[/bold]   step {pred['step_time_s']:.3f} s, {pred['tokens_per_s']:,.0f} tokens/s, "
+                  f"{pred['samples_per_s']:,.1f} samples/s, {pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+                  f"MFU {100 * pred['mfu']:.1f}%, bubble {100 * pred.get('bubble_fraction', 0):.1f}%")
+    mt = Table(title="memory per device (each pipeline rank)", show_edge=False)
+    for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
+        mt.add_column(col, justify="right")
+    for r, mb in enumerate(pred.get("memory_per_stage", [])):
+        mt.add_row(str(r), _gib(mb["params_bytes"]), _gib(mb["grads_bytes"]), _gib(mb["optimizer_bytes"]),
+                   _gib(mb["activations_bytes"]), _gib(mb["comm_buffer_bytes"]), _gib(mb["total_bytes"]),
+                   _gib(pred["capacity_bytes"]))
+    console.print(mt)
+    if result.runner_ups:
+        rt = Table(title="runner-ups", show_edge=False)
+        rt.add_column("#")
+        rt.add_column("step", justify="right")
+        rt.add_column("vs winner", justify="right")
+        rt.add_column("what differs")
+        for k, ev in enumerate(result.runner_ups, 1):
+            rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"+{100 * (ev.step_time_s / best.step_time_s - 1):.1f}%",
+                       describe_difference(best.candidate, ev.candidate))
+        console.print(rt)
+    console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

@@ -1,0 +1,429 @@
+"""``plan(graph, cluster, cost_model, options) -> Plan``: the planner's two searches.
+
+1. **Structured** (Alpa style, Zheng et al. 2022): for every setting -- mesh (dp x tp x pp,
+   sequence parallelism), ZeRO family, micro-batch size and count, schedule -- the per-layer
+   costs come from the simulator's ``layer_cost``; the stage DP splits the layers (pp > 1) and
+   the ILP picks each device's per-layer strategies under its memory budget
+   (structured.py).  Settings are first ranked by the DP's predicted latency (a screen that
+   costs no simulation); the best of them are assembled and priced by the simulator.
+2. **MCMC** (FlexFlow style, Jia et al. 2019): Metropolis-Hastings over whole plans with the
+   simulator as the cost and random local moves (moves.py), started from the best structured
+   plans (``algo="auto"``) or from the plain data-parallel corner of the space
+   (``algo="mcmc"``), within a time and an iteration budget.
+
+Every plan returned fits memory on every device (the simulator's ``fits``); when none does,
+NoFeasiblePlanError says what would make one fit (feasibility.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from autopar.core.cluster import Cluster
+from autopar.core.errors import InfeasibleError, UserError
+from autopar.core.graph import OpGraph
+from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan
+from autopar.core.sharding import megatron_styles
+from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.planner.layer_tables import LayerTables, build_layer_tables
+from autopar.planner.mcmc import metropolis_hastings
+from autopar.planner.moves import MoveSpace, propose
+from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices, mesh_candidates,
+                                   microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
+from autopar.planner.structured import Setting, range_costs, solve_setting
+from autopar.planner.stage_dp import partition_stages
+from autopar.simulator.memory import inflight_microbatches
+from autopar.simulator.topology import stage_groups
+
+ALGOS = ("auto", "ilp", "mcmc")
+
+Progress = Callable[[str, int, int], None]     # (phase, done, total)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    global_batch: int
+    algo: str = "auto"                   # "ilp": structured only; "mcmc": MCMC only; "auto": both
+    seed: int = 0
+    time_budget_s: float = 30.0          # for the whole search; MCMC gets what the structured phase leaves
+    precision: str = "bf16"
+    max_tp: int | None = None            # largest tensor-parallel degree (default: GPUs per node)
+    tp_inside_node: bool = True
+    top_k: int = 3                       # runner-up plans kept
+    max_micro_batch: int | None = 16
+    max_virtual_stages: int = 4
+    sequence_parallel: bool = True
+    allow_offload: bool = True
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")   # gpipe: dominated by 1F1B (same bubble,
+    # more activations: Narayanan et al. 2021, Sec. 2.2.1); MCMC still proposes it
+    num_screened: int = 24               # settings the structured phase assembles and simulates
+    mcmc_iterations: int = 4000
+    mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
+    mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
+
+    def check(self) -> None:
+        if self.global_batch < 1:
+            raise UserError(f"--global-batch is {self.global_batch}; it must be a positive number of samples.")
+        if self.algo not in ALGOS:
+            raise UserError(f"--algo is {self.algo!r}; it must be one of {', '.join(ALGOS)}.")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"--precision is {self.precision!r}; it must be one of {', '.join(PRECISIONS)}.")
+        if self.time_budget_s <= 0:
+            raise UserError(f"--time-budget is {self.time_budget_s}; it must be a positive number of seconds.")
+        bad = [s for s in self.schedules if s not in SCHEDULES]
+        if bad:
+            raise UserError(f"schedule {bad[0]!r} is not one of {', '.join(SCHEDULES)}.")
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    plan: Plan
+    result: Any                          # SimResult
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.result.step_time_s)
+
+
+@dataclass
+class SearchResult:
+    best: Evaluated
+    runner_ups: list[Evaluated]
+    num_evaluated: int
+    num_infeasible: int
+    num_settings: int
+    phase_s: dict[str, float] = field(default_factory=dict)
+    method: str = ""
+
+    @property
+    def plan(self) -> Plan:
+        return self.best.plan
+
+
+class Planner:
+    """One search: the graph, the cluster and the simulator's evaluator, with caches."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
+                 evaluator=None, progress: Progress | None = None):
+        from autopar.simulator.evaluator import PlanEvaluator
+
+        options.check()
+        self.graph, self.cluster, self.cost_model, self.options = graph, cluster, cost_model, options
+        self.evaluator = evaluator or PlanEvaluator(graph, cluster, cost_model)
+        self.progress = progress or (lambda phase, done, total: None)
+        self.num_layers = len(graph.layers)
+        self.styles = [megatron_styles(graph, i) for i in range(self.num_layers)]
+        # identical layers: same structure and the same split relative to the layer's own path
+        self.signatures = [f"{layer.signature}|{_relative_styles(layer.name, self.styles[i])}"
+                           for i, layer in enumerate(graph.layers)]
+        self.model = ModelRef(file=graph.model_file, args=dict(graph.model_args), name=graph.model_name,
+                              fingerprint=graph.fingerprint)
+        self.cluster_label = f"{cluster.name} ({cluster.source})" if cluster.source else cluster.name
+        self.meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+                                      num_layers=self.num_layers, global_batch=options.global_batch,
+                                      max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
+                                      tp_inside_node=options.tp_inside_node,
+                                      sequence_parallel=options.sequence_parallel)
+        self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
+                               num_layers=self.num_layers, global_batch=options.global_batch,
+                               max_micro_batch=options.max_micro_batch,
+                               max_virtual_stages=options.max_virtual_stages,
+                               allow_offload=options.allow_offload, recompute_choices=tuple(options.recompute),
+                               zero_families=tuple(options.zero_families))
+        self.seen: dict[Candidate, Evaluated | None] = {}
+        self.num_unscreened = 0
+        self.num_infeasible = 0
+        self.ilp_cache: dict = {}
+        self.table_cache: dict = {}
+
+    # ------------------------------------------------------------------ pricing
+    def to_plan(self, c: Candidate) -> Plan:
+        return c.to_plan(model=self.model, styles=self.styles, precision=self.options.precision,
+                         cluster=self.cluster_label)
+
+    def price(self, c: Candidate) -> Evaluated | None:
+        """Simulate a candidate (cached); None when it does not fit or cannot run."""
+        if c in self.seen:
+            return self.seen[c]
+        out = None
+        try:
+            plan = self.to_plan(c)
+            plan.validate(self.num_layers)
+            res = self.evaluator.evaluate(plan)
+            if res.fits and math.isfinite(res.step_time_s):
+                out = Evaluated(c, plan, res)
+        except (InfeasibleError, UserError):
+            out = None
+        if out is None:
+            self.num_infeasible += 1
+        self.seen[c] = out
+        return out
+
+    def capacity(self, mesh: Mesh) -> list[float]:
+        """Usable bytes per device for each pipeline rank (the smallest GPU among its ranks)."""
+        out = []
+        for r in range(mesh.pp):
+            groups = stage_groups(self.cluster, mesh, r)
+            out.append(float(min(self.cluster.groups[g].gpu_memory_bytes for g in groups)))
+        return out
+
+    # ------------------------------------------------------------------ settings
+    def settings(self) -> list[Setting]:
+        """The settings the structured phase screens, ordered round-robin over meshes.
+
+        Two cuts keep the count down (MCMC still reaches what they leave out): micro-batch
+        sizes are powers of two (per-sample costs change slowly between them), and with
+        tp > 1 only sequence-parallel meshes are screened -- sequence parallelism moves the same
+        bytes as the all-reduces it replaces and divides activations and element-wise work by
+        tp (Korthikanti et al. 2022, Sec. 4.2.2), so it does not lose under this cost model.
+        """
+        o = self.options
+        per_mesh = []
+        for mesh in self.meshes:
+            if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
+                continue
+            rows = []
+            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
+            for family in zero_families(mesh.dp):
+                if family not in o.zero_families:
+                    continue
+                for mb, m in pow2 or mbs:
+                    for schedule, v in schedule_candidates(mesh.pp, self.num_layers, m,
+                                                           max_virtual_stages=o.max_virtual_stages):
+                        if mesh.pp > 1 and schedule not in o.schedules:
+                            continue
+                        rows.append(Setting(mesh, mb, m, schedule, v, family))
+            per_mesh.append(rows)
+        out = []
+        for k in range(max((len(r) for r in per_mesh), default=0)):
+            out += [r[k] for r in per_mesh if k < len(r)]
+        return out
+
+    def tables(self, s: Setting) -> tuple[list[LayerTables], np.ndarray | None]:
+        """Per pipeline rank, the layer tables of the setting (shared between ranks of one GPU type)."""
+        o = self.options
+        key = (s.mesh, s.micro_batch, s.zero_family)
+        hit = self.table_cache.get(key)
+        if hit is not None:
+            return hit
+        choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
+                                allow_offload=o.allow_offload)
+        choices = [c for c in choices if c.recompute in o.recompute]
+        by_cm: dict[str, LayerTables] = {}
+        per_rank = []
+        for cm in self.evaluator._rank_cms(s.mesh):
+            if cm.name not in by_cm:
+                by_cm[cm.name] = build_layer_tables(
+                    self.evaluator, styles=self.styles, signatures=self.signatures, choices=choices, mesh=s.mesh,
+                    micro_batch=s.micro_batch, num_microbatches=s.num_microbatches, precision=o.precision,
+                    cost_model=cm)
+            per_rank.append(by_cm[cm.name])
+        allowed = None
+        if s.mesh.sequence_parallel:
+            # under sequence parallelism the layer boundary is split on the sequence: a layer
+            # that can be split runs split (a replicated one would need the whole sequence)
+            split = np.array([bool(st) for st in self.styles])
+            allowed = np.array([[ch.tp or not split[i] for ch in choices] for i in range(self.num_layers)])
+        self.table_cache[key] = (per_rank, allowed)
+        return per_rank, allowed
+
+    def screen(self, s: Setting, tables: list[LayerTables], allowed) -> float:
+        """Predicted step latency of the setting's DP partition, before any simulation."""
+        cap = self.capacity(s.mesh)
+        m, p, v = s.num_microbatches, s.mesh.pp, s.virtual_stages
+        if p == 1 or s.schedule == "interleaved":
+            # equal chunks; each of a rank's v chunks gets 1/v of its memory and in-flight count,
+            # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
+            bounds = equal_bounds(self.num_layers, p * v)
+            inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
+            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight)
+            lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
+            if not all(map(math.isfinite, lat)):
+                return math.inf
+            return float(m * max(lat) + (sum(lat) - max(lat)) / v)
+        try:
+            return partition_stages(range_costs(tables, s, cap, allowed), p, m).step_latency_s
+        except InfeasibleError:
+            return math.inf
+
+    def structured(self, deadline: float) -> list[Evaluated]:
+        settings = self.settings()
+        t0 = time.perf_counter()
+        screen_deadline = t0 + 0.7 * (deadline - t0)
+        self.num_settings = len(settings)
+        scored: list[tuple[float, int, Setting]] = []
+        for k, s in enumerate(settings):
+            self.progress("screening settings", k, len(settings))
+            if time.perf_counter() > screen_deadline:
+                self.num_unscreened = len(settings) - k
+                break
+            try:
+                t, allowed = self.tables(s)
+                score = self.screen(s, t, allowed)
+            except InfeasibleError:
+                score = math.inf
+            if math.isfinite(score):
+                scored.append((score, k, s))
+        self.progress("screening settings", len(settings), len(settings))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        out: list[Evaluated] = []
+        top = scored[: self.options.num_screened]
+        for n, (_, _, s) in enumerate(top):
+            self.progress("ILP + stage DP", n, len(top))
+            if time.perf_counter() > deadline and out:
+                break
+            t, allowed = self.tables(s)
+            try:
+                c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
+                                  allowed=allowed, ilp_cache=self.ilp_cache)
+            except InfeasibleError:
+                self.num_infeasible += 1
+                continue
+            ev = self.price(c)
+            if ev is not None:
+                out.append(ev)
+        self.progress("ILP + stage DP", len(top), len(top))
+        return out
+
+    # ------------------------------------------------------------------ MCMC
+    def start_candidates(self) -> list[Candidate]:
+        """Plain starts for MCMC alone: every mesh, fewest micro-batches, its smallest-memory corner too."""
+        o = self.options
+        out = []
+        for mesh in self.meshes:
+            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            if not mbs:
+                continue
+            for family, rc, off in (("ddp", "none", "none"), ("fsdp", "full", "cpu" if o.allow_offload else "none")):
+                if family not in o.zero_families:
+                    continue
+                mb, m = mbs[-1] if family == "ddp" else mbs[0]
+                zero = 0 if family == "ddp" else 3
+                choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
+                                            recompute=rc if rc in o.recompute else o.recompute[-1],
+                                            offload=off) for i in range(self.num_layers))
+                out.append(Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule="1f1b",
+                                     bounds=equal_bounds(self.num_layers, mesh.pp), choices=choices))
+        return out
+
+    def refine(self, starts: list[Evaluated], deadline: float) -> list[Evaluated]:
+        o = self.options
+        found: list[Evaluated] = []
+        for n, start in enumerate(starts):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            budget_s = remaining / (len(starts) - n)
+            ref = start.step_time_s
+
+            def cost(c: Candidate) -> float:
+                ev = self.price(c)
+                return ev.step_time_s / ref if ev is not None else math.inf
+
+            def step(c: Candidate, rng) -> Candidate:
+                return propose(c, rng, self.moves)
+
+            done = [0]
+
+            def tick(c: Candidate, rng) -> Candidate:
+                done[0] += 1
+                if done[0] % 50 == 0:
+                    self.progress(f"MCMC refine {n + 1}/{len(starts)}", done[0], o.mcmc_iterations)
+                return step(c, rng)
+
+            res = metropolis_hastings(start.candidate, tick, cost, beta=o.mcmc_beta, seed=o.seed + n,
+                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, keep_trace=False)
+            best = self.seen.get(res.best_state)
+            if best is not None:
+                found.append(best)
+        return found
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> SearchResult:
+        o = self.options
+        t0 = time.perf_counter()
+        deadline = t0 + o.time_budget_s
+        phase: dict[str, float] = {}
+        self.num_settings = 0
+        pool: list[Evaluated] = []
+        if o.algo in ("ilp", "auto"):
+            # the structured phase may use most of the budget, MCMC the rest
+            share = 1.0 if o.algo == "ilp" else 0.6
+            pool += self.structured(t0 + share * o.time_budget_s)
+            phase["structured_s"] = time.perf_counter() - t0
+        if o.algo in ("mcmc", "auto"):
+            t1 = time.perf_counter()
+            starts = _distinct_best(pool, o.mcmc_starts)
+            if not starts:       # MCMC alone, or nothing structured fitted: start from plain corners
+                starts = [ev for c in self.start_candidates() if (ev := self.price(c)) is not None]
+                starts = _distinct_best(starts, max(1, o.mcmc_starts))
+            pool += self.refine(starts, deadline)
+            phase["mcmc_s"] = time.perf_counter() - t1
+        fitting = [ev for ev in self.seen.values() if ev is not None]
+        if not fitting:
+            from autopar.planner.feasibility import explain_infeasible
+
+            raise explain_infeasible(self.graph, self.cluster, self.cost_model, o, searched=len(self.seen))
+        ranked = _distinct_best(fitting, o.top_k + 1)
+        method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
+        result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
+                              num_infeasible=self.num_infeasible, num_settings=self.num_settings,
+                              phase_s=phase, method=method)
+        elapsed = time.perf_counter() - t0
+        result.best = self._finish(result.best, result, elapsed)
+        result.runner_ups = [self._finish(ev, result, elapsed) for ev in result.runner_ups]
+        return result
+
+    def _finish(self, ev: Evaluated, result: SearchResult, elapsed_s: float) -> Evaluated:
+        cm = self.cost_model
+        profile = getattr(cm, "name", None) or ",".join(sorted(getattr(cm, "keys", lambda: [])()))
+        plan = ev.plan.with_predicted(
+            ev.result.predicted_dict(),
+            graph_fingerprint=self.graph.fingerprint,
+            cluster=self.cluster.name, cluster_file=self.cluster.source, profile=profile,
+            method=result.method, seed=self.options.seed, search_s=round(elapsed_s, 3),
+            num_evaluated=result.num_evaluated, num_infeasible=result.num_infeasible,
+            num_settings=result.num_settings, virtual_stages=ev.candidate.virtual_stages)
+        return Evaluated(ev.candidate, plan, ev.result)
+
+
+def _relative_styles(layer_name: str, styles: dict[str, str]) -> list[tuple[str, str]]:
+    prefix = layer_name + "."
+    return sorted((k[len(prefix):] if k.startswith(prefix) else k, v) for k, v in styles.items())
+
+
+def _setting_key(c: Candidate) -> tuple:
+    return (c.mesh, c.micro_batch, c.schedule, c.virtual_stages, zero_family_of(c.choices[0].zero))
+
+
+def _distinct_best(evs: list[Evaluated], k: int) -> list[Evaluated]:
+    """The k fastest plans, at most one per setting (mesh, micro-batch, schedule, ZeRO family)."""
+    out, keys = [], set()
+    for ev in sorted(evs, key=lambda e: (e.step_time_s, repr(e.candidate))):
+        key = _setting_key(ev.candidate)
+        if key in keys:
+            continue
+        keys.add(key)
+        out.append(ev)
+        if len(out) == k:
+            break
+    return out
+
+
+def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,
+           progress: Progress | None = None, evaluator=None) -> SearchResult:
+    """The best plan, its runner-ups and the search's statistics."""
+    return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
+
+
+def plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:
+    """The fastest plan found that fits memory on every device (NoFeasiblePlanError if none)."""
+    return search(graph, cluster, cost_model, options).best.plan

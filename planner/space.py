@@ -1,0 +1,149 @@
+"""The plan space the planner searches: meshes, micro-batching, schedules and per-layer choices.
+
+The space is FlexFlow's SOAP (Jia et al. 2019, Sec. 4) -- Sample (data-parallel degree),
+Operator (pipeline stage boundaries), Attribute (sequence parallelism: activations split on
+the sequence dim across the tp axis, Korthikanti et al. 2022 Sec. 4.2.2) and Parameter
+(tensor-parallel column/row splits of weights, Shoeybi et al. 2019) -- plus the memory knobs
+(ZeRO stage, Rajbhandari et al. 2020; recompute, Chen et al. 2016; offload, Ren et al. 2021)
+and the pipeline knobs (micro-batch size and count, GPipe / 1F1B / interleaved 1F1B,
+Narayanan et al. 2021).
+
+Topology: ranks are ``arange(world).view(dp, pp, tp)`` (core/plan.py), so a tp group is a run
+of ``tp`` consecutive ranks; it stays inside a node when tp divides the GPUs per node.  On a
+heterogeneous cluster (node groups of different GPUs, ranks numbered group by group) the
+pipeline coordinate sits between dp and tp, so different stages may land on different
+groups: the stage DP prices each stage position on its own devices.
+
+Pure enumeration: no torch, no simulator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.core.plan import LayerPlan, Mesh
+
+#: ZeRO "families": DDP (0) and ZeRO-1 (1) apply to the whole model; stages 2 and 3 may be
+#: mixed per layer (FSDP wraps layers one by one) -- the rule of core/plan.py Plan.validate().
+ZERO_FAMILIES: dict[str, tuple[int, ...]] = {"ddp": (0,), "zero1": (1,), "fsdp": (2, 3)}
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer's strategy: tensor-parallel split on or off, ZeRO stage, recompute, offload."""
+
+    tp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    offload: str = "none"
+
+    def label(self) -> str:
+        parts = ["tp" if self.tp else "rep", f"z{self.zero}", self.recompute]
+        if self.offload != "none":
+            parts.append(f"offload-{self.offload}")
+        return "/".join(parts)
+
+    def to_layer_plan(self, layer: int, styles: dict[str, str]) -> LayerPlan:
+        return LayerPlan(layer=layer, tp=tuple(sorted(styles.items())) if self.tp else (),
+                         zero=self.zero, recompute=self.recompute, offload=self.offload)
+
+
+def powers_of_two_up_to(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, global_batch: int,
+                    max_tp: int | None = None, tp_inside_node: bool = True,
+                    sequence_parallel: bool = True) -> list[Mesh]:
+    """Every dp x tp x pp = world_size the cluster and the batch admit.
+
+    tp is a power of two (head and hidden counts are) and at most ``max_tp`` and, unless
+    ``tp_inside_node`` is False, at most the GPUs per node and a divisor of it, so a tp group
+    never crosses a node; pp is at most the number of layers; dp divides the global batch.
+    With tp > 1 each mesh comes with and without sequence parallelism.
+    """
+    limit = max_tp or world_size
+    tps = [t for t in powers_of_two_up_to(min(limit, world_size)) if world_size % t == 0]
+    if tp_inside_node:
+        tps = [t for t in tps if t <= gpus_per_node and gpus_per_node % t == 0]
+    out: list[Mesh] = []
+    for tp in tps:
+        for pp in divisors(world_size // tp):
+            if pp > num_layers:
+                continue
+            dp = world_size // (tp * pp)
+            if global_batch % dp:
+                continue
+            out.append(Mesh(dp=dp, tp=tp, pp=pp))
+            if tp > 1 and sequence_parallel:
+                out.append(Mesh(dp=dp, tp=tp, pp=pp, sequence_parallel=True))
+    return out
+
+
+def microbatch_candidates(global_batch: int, dp: int, *, max_micro_batch: int | None = None) -> list[tuple[int, int]]:
+    """(micro_batch, num_microbatches) with dp * micro_batch * num_microbatches = global_batch."""
+    if global_batch % dp:
+        return []
+    per_replica = global_batch // dp
+    return [(mb, per_replica // mb) for mb in divisors(per_replica)
+            if max_micro_batch is None or mb <= max_micro_batch]
+
+
+def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
+                        *, max_virtual_stages: int = 4) -> list[tuple[str, int]]:
+    """(schedule, virtual stages per pipeline rank) for a pipeline of ``pp`` ranks.
+
+    pp == 1 has no pipeline ("1f1b" with one stage is plain gradient accumulation).  The
+    interleaved schedule needs at least v * pp layers and a micro-batch count that is a
+    multiple of pp (Narayanan et al. 2021, Sec. 2.2.2).
+    """
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1)]
+    if num_microbatches % pp == 0:
+        for v in range(2, max_virtual_stages + 1):
+            if v * pp <= num_layers:
+                out.append(("interleaved", v))
+    return out
+
+
+def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
+                  allow_offload: bool = True) -> list[LayerChoice]:
+    """Every strategy of one layer on a mesh for a ZeRO family.
+
+    ``can_split``: the layer has a Megatron split (core.sharding.megatron_styles is not empty).
+    Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()).
+    """
+    zeros = ZERO_FAMILIES[zero_family]
+    if dp == 1 and zero_family != "fsdp":
+        zeros = (0,) if zero_family == "ddp" else ()
+    splits = (True, False) if tp > 1 and can_split else (False,)
+    out = []
+    for split in splits:
+        for zero in zeros:
+            for recompute in RECOMPUTE_CHOICES:
+                for offload in ("none", "cpu") if (allow_offload and zero >= 2) else ("none",):
+                    out.append(LayerChoice(tp=split, zero=zero, recompute=recompute, offload=offload))
+    return out
+
+
+def zero_families(dp: int) -> list[str]:
+    """ZeRO-1 with one data-parallel rank shards nothing: it is DDP; FSDP still offloads."""
+    return ["ddp", "fsdp"] if dp == 1 else ["ddp", "zero1", "fsdp"]
+
+
+def zero_family_of(zero: int) -> str:
+    return {0: "ddp", 1: "zero1", 2: "fsdp", 3: "fsdp"}[zero]
+
+
+def with_sequence_parallel(mesh: Mesh, on: bool) -> Mesh:
+    return replace(mesh, sequence_parallel=bool(on and mesh.tp > 1))

@@ -1,0 +1,125 @@
+"""Pipeline stages by dynamic programming over layer ranges (Alpa, Zheng et al. 2022, Sec. 5.2).
+
+With ``m`` micro-batches and stages of latency t_1 .. t_S, a synchronous pipeline step takes
+(Alpa eq. 2; TeraPipe, Li et al. 2021, eq. 1)::
+
+    T = sum_i t_i + (m - 1) * max_i t_i
+
+Alpa's eq. 3 minimises T by enumerating the bound ``t_max`` on the slowest stage: for each
+candidate (every distinct feasible stage latency, ascending), a DP finds the least sum of
+stage latencies over partitions whose stages all stay within ``t_max``::
+
+    F(s, j) = min_{i < j, c(s, i, j) <= t_max}  F(s - 1, i) + c(s, i, j),    F(0, 0) = 0
+
+and T(t_max) = F(S, L) + (m - 1) * t_max; the optimum is the least T over all t_max.  The
+enumeration stops early once (the least unconstrained stage sum) + (m - 1) * t_max reaches
+the best T found, since no larger bound can do better (Alpa's early pruning, Sec. 5.2); and
+it starts at the least bound that admits any partition, found by bisection since feasibility
+is monotone in the bound.
+
+Stages may be unequal.  ``cost[s, i, j]`` is the latency of layers i..j-1 as the s-th stage
+(so costs may depend on the position, e.g. the in-flight micro-batches of 1F1B change a stage's
+memory and so its best choice); ``inf`` marks a range that does not fit on a stage's devices.
+A 2-D ``cost[i, j]`` applies to every position.  Pure numpy, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.core.errors import InfeasibleError
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    bounds: tuple[int, ...]        # [0, b_1, ..., L]: stage s holds layers bounds[s]..bounds[s+1]-1
+    stage_latency_s: tuple[float, ...]
+    step_latency_s: float          # sum_i t_i + (m - 1) * max_i t_i  (eq. 2)
+    num_bounds_tried: int
+
+    @property
+    def max_stage_s(self) -> float:
+        return max(self.stage_latency_s)
+
+
+def pipeline_latency(stage_latency_s, num_microbatches: int) -> float:
+    """Eq. 2: sum of stage latencies + (m - 1) * the slowest stage."""
+    t = np.asarray(stage_latency_s, dtype=float)
+    return float(t.sum() + (num_microbatches - 1) * t.max())
+
+
+def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -> StagePartition:
+    """The partition of layers 0..L-1 into ``num_stages`` contiguous stages minimising eq. 2.
+
+    ``cost`` has shape (L, L + 1) or (num_stages, L, L + 1); entries with j <= i are ignored.
+    Raises InfeasibleError when no partition has a finite cost.
+    """
+    cost = np.asarray(cost, dtype=float)
+    if cost.ndim == 2:
+        cost = np.broadcast_to(cost, (num_stages,) + cost.shape)
+    S, L, L1 = cost.shape
+    if S != num_stages or L1 != L + 1:
+        raise ValueError(f"cost must have shape ({num_stages}, L, L+1); got {cost.shape}")
+    if not 1 <= num_stages <= L:
+        raise InfeasibleError(f"{num_stages} stages cannot split {L} layers (each stage needs a layer)")
+    if num_microbatches < 1:
+        raise ValueError("num_microbatches must be >= 1")
+    # only ranges i < j are stages
+    valid = np.triu(np.ones((L, L + 1), dtype=bool), k=1)
+    c = np.where(valid[None], cost, np.inf)                          # (S, L, L+1)
+
+    # least stage sum with no bound: the lower bound used for pruning
+    unbounded = _min_sum(c, np.inf)
+    if not np.isfinite(unbounded[0]):
+        raise InfeasibleError(f"no split of {L} layers into {num_stages} stages fits (every partition "
+                              f"has a stage that does not fit)")
+    candidates = np.unique(c[np.isfinite(c)])
+    # bounds below the least achievable bottleneck admit no partition: find it by bisection
+    # (feasibility is monotone in t_max), then enumerate upwards from it
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if np.isfinite(_min_sum(c, candidates[mid])[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best_T, best_bound, tried = np.inf, None, 0
+    for t_max in candidates[lo:]:                                  # ascending
+        if unbounded[0] + (num_microbatches - 1) * t_max >= best_T:
+            break
+        tried += 1
+        total, _ = _min_sum(c, t_max)
+        if not np.isfinite(total):
+            continue
+        T = total + (num_microbatches - 1) * t_max
+        if T < best_T:
+            best_T, best_bound = T, t_max
+    assert best_bound is not None
+    _, bounds = _min_sum(c, best_bound, want_bounds=True)
+    lat = tuple(float(c[s, bounds[s], bounds[s + 1]]) for s in range(num_stages))
+    return StagePartition(bounds=tuple(bounds), stage_latency_s=lat,
+                          step_latency_s=pipeline_latency(lat, num_microbatches), num_bounds_tried=tried)
+
+
+def _min_sum(c: np.ndarray, t_max: float, want_bounds: bool = False):
+    """F(S, L): least sum of stage latencies with every stage <= t_max (and the bounds)."""
+    S, L, _ = c.shape
+    allowed = np.where(c <= t_max, c, np.inf)
+    F = np.full(L + 1, np.inf)
+    F[0] = 0.0
+    choice = np.zeros((S, L + 1), dtype=np.int64)
+    for s in range(S):
+        # G[j] = min_i F[i] + allowed[s, i, j]
+        cand = F[:L, None] + allowed[s]                              # (L, L+1)
+        choice[s] = np.argmin(cand, axis=0)
+        G = cand[choice[s], np.arange(L + 1)]
+        G[0] = np.inf
+        F = G
+    if not want_bounds:
+        return float(F[L]), None
+    bounds = [L]
+    for s in range(S - 1, -1, -1):
+        bounds.append(int(choice[s, bounds[-1]]))
+    bounds.reverse()
+    return float(F[L]), bounds

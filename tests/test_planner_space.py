@@ -1,0 +1,56 @@
+"""The plan space: enumeration against hand counts, and every MCMC move yields a valid plan."""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.core.plan import ModelRef
+from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.planner.moves import MoveSpace, propose
+from autopar.planner.space import (LayerChoice, layer_choices, mesh_candidates, microbatch_candidates,
+                                   schedule_candidates)
+
+
+def test_mesh_candidates_match_a_hand_enumeration():
+    meshes = mesh_candidates(32, gpus_per_node=8, num_layers=10, global_batch=64, sequence_parallel=False)
+    want = {(dp, tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16, 32) for dp in (1, 2, 4, 8, 16, 32)
+            if dp * tp * pp == 32 and pp <= 10 and 64 % dp == 0}
+    assert {(m.dp, m.tp, m.pp) for m in meshes} == want
+    with_sp = mesh_candidates(32, gpus_per_node=8, num_layers=10, global_batch=64)
+    assert len(with_sp) == len(meshes) + sum(1 for m in meshes if m.tp > 1)
+    # tp never crosses a node of 4 GPUs
+    assert max(m.tp for m in mesh_candidates(16, gpus_per_node=4, num_layers=8, global_batch=16)) == 4
+
+
+def test_microbatches_and_schedules():
+    assert microbatch_candidates(24, 4) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert microbatch_candidates(24, 5) == []
+    assert schedule_candidates(1, 10, 8) == [("1f1b", 1)]
+    assert ("interleaved", 2) in schedule_candidates(4, 10, 8)
+    assert all(s != "interleaved" for s, _ in schedule_candidates(4, 10, 6))   # m not a multiple of p
+    assert ("interleaved", 3) not in schedule_candidates(4, 10, 8)            # 12 > 10 layers
+
+
+def test_layer_choices_respect_the_plan_rules():
+    ch = layer_choices(tp=2, dp=4, zero_family="fsdp", can_split=True)
+    assert len(ch) == 2 * 2 * 3 * 2                     # split x zero{2,3} x recompute x offload
+    assert all(c.offload == "none" or c.zero >= 2 for c in ch)
+    assert {c.zero for c in layer_choices(tp=1, dp=4, zero_family="zero1", can_split=True)} == {1}
+    assert layer_choices(tp=1, dp=1, zero_family="zero1", can_split=True) == []
+
+
+def test_every_move_gives_a_valid_plan():
+    from autopar.core.plan import Mesh
+
+    L = 6
+    meshes = tuple(mesh_candidates(16, gpus_per_node=8, num_layers=L, global_batch=32))
+    space = MoveSpace(meshes=meshes, can_split=(True,) * L, num_layers=L, global_batch=32)
+    styles = [{f"l{i}.a": "colwise", f"l{i}.b": "rowwise"} for i in range(L)]
+    model = ModelRef("m.py", {}, "m", "0" * 16)
+    c = Candidate(Mesh(dp=16), 2, 1, "1f1b", equal_bounds(L, 1), tuple(LayerChoice() for _ in range(L)))
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for _ in range(3000):
+        c = propose(c, rng, space)
+        c.to_plan(model=model, styles=styles, precision="bf16", cluster="x").validate(L)
+        kinds.add((c.mesh.pp > 1, c.schedule, c.choices[0].zero))
+    assert len(kinds) > 6                                 # the chain moves across the space
