@@ -217,27 +217,31 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
     replicated), so a plan can never be priced cheaper than it can run.
     """
     ops, by_name, consumers = _layer_index(graph, layer_index)
-    sp = bool(sequence_parallel and tp > 1)
+    if tp <= 1:
+        ones = {o.name: 1 for o in ops}
+        return TPLayout(tp, False, ones, dict(ones), dict(ones), dict(ones), ())
+    pairs, _role, _, _ = _pairs(graph, layer_index)
+
+    def style_of(op_name: str) -> str | None:
+        return styles.get(by_name[op_name].module_path)
+
+    # Megatron splits attention by heads, the MLP by its hidden dim: both must divide.
+    applied = [(cols, crossed, row) for cols, crossed, row in pairs
+               if style_of(row) == "rowwise" and all(style_of(c) == "colwise" for c in cols)
+               and not any(by_name[c].output_shape and by_name[c].output_shape[-1] % tp for c in cols)]
+    # Sequence parallelism covers only the layers that hold a column/row pair (the runtime
+    # applies it the same way, runtime/apply_tp.py); a layer without one runs replicated on
+    # full activations even on a sequence-parallel mesh.
+    sp = bool(sequence_parallel and applied)
     outside = tp if sp else 1
     compute = {o.name: outside for o in ops}
     saved = {o.name: outside for o in ops}
     output = {o.name: outside for o in ops}
     param = {o.name: 1 for o in ops}
     colls: list[TPCollective] = []
-    if tp <= 1:
-        return TPLayout(tp, False, compute, saved, output, param, ())
     graph_by_name = graph._ops_by_name()
-    pairs, _role, _, _ = _pairs(graph, layer_index)
 
-    def style_of(op_name: str) -> str | None:
-        return styles.get(by_name[op_name].module_path)
-
-    for cols, crossed, row in pairs:
-        if style_of(row) != "rowwise" or any(style_of(c) != "colwise" for c in cols):
-            continue
-        # Megatron splits attention by heads, the MLP by its hidden dim: both must divide.
-        if any(by_name[c].output_shape and by_name[c].output_shape[-1] % tp for c in cols):
-            continue
+    for cols, crossed, row in applied:
         region_inputs: dict[str, float] = {}
         for c in cols:
             node = by_name[c]

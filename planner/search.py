@@ -219,7 +219,7 @@ class Planner:
         choices = [c for c in choices if c.recompute in o.recompute]
         by_cm: dict[str, LayerTables] = {}
         per_rank = []
-        for cm in self.evaluator._rank_cms(s.mesh):
+        for cm in self.evaluator.rank_cost_models(s.mesh):
             if cm.name not in by_cm:
                 by_cm[cm.name] = build_layer_tables(
                     self.evaluator, styles=self.styles, signatures=self.signatures, choices=choices, mesh=s.mesh,

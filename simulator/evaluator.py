@@ -121,7 +121,8 @@ class PlanEvaluator:
             self._links_cache[mesh] = links
         return links
 
-    def _rank_cms(self, mesh: Mesh) -> list[CostModel]:
+    def rank_cost_models(self, mesh: Mesh) -> list[CostModel]:
+        """The cost model that prices each pipeline rank (its slowest device type)."""
         out = []
         for r in range(mesh.pp):
             cms = [self._cms[self.cluster.groups[g].gpu] for g in stage_groups(self.cluster, mesh, r)]
@@ -132,7 +133,7 @@ class PlanEvaluator:
     def layer_cost(self, layer_index: int, layer_plan: LayerPlan, mesh: Mesh, micro_batch: int,
                    precision: str, cost_model: CostModel | None = None) -> LayerCost:
         """Cost of one layer under one choice, per device and micro-batch (cached)."""
-        cm = cost_model or self._rank_cms(mesh)[0]
+        cm = cost_model or self.rank_cost_models(mesh)[0]
         key = (self._relative_key(layer_index, layer_plan), mesh, micro_batch, precision, cm.name)
         cost = self._cost_cache.get(key)
         if cost is None:
@@ -179,7 +180,7 @@ class PlanEvaluator:
         ends = np.array([s.end for s in stages])
         layer_stage = np.repeat(np.arange(len(stages)), ends - starts)
         links = self.links(mesh)
-        rank_cm = self._rank_cms(mesh)
+        rank_cm = self.rank_cost_models(mesh)
         capacity = np.array([min(self.cluster.groups[g].gpu_memory_bytes for g in stage_groups(self.cluster, mesh, r))
                              for r in range(p)], dtype=float)
         inflight = np.array([inflight_microbatches(pl.schedule, p, r, pl.num_microbatches, v) for r in range(p)], dtype=float)
