@@ -1,0 +1,102 @@
+"""Data parallelism: DDP (ZeRO-0), DDP + ZeroRedundancyOptimizer (ZeRO-1), FSDP2 (ZeRO-2/3).
+
+ZeRO stages (Rajbhandari et al. 2020, Sec. 5): 1 shards the optimizer state, 2 also the
+gradients, 3 also the parameters.  FSDP2's ``fully_shard`` always shards parameters at rest;
+``reshard_after_forward=False`` keeps a layer's gathered parameters from forward to backward
+(no second all-gather: the ZeRO-2 communication pattern), ``True`` frees them (ZeRO-3).
+Offload goes through ``CPUOffloadPolicy`` (parameters, gradients and optimizer step on the
+host), mixed precision through ``MixedPrecisionPolicy`` (bf16/fp16 compute, fp32 master
+weights and fp32 gradient reduction).
+
+The moments differ: ``apply_fsdp`` / ``apply_replicate`` run on the meta model (before
+materialisation, so no rank ever holds a full layer), ``apply_ddp`` after it (DDP broadcasts
+real parameters at construction).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    if precision in LOW_PRECISION:
+        return MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
+    if offload == "cpu":
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")   # pinning needs an accelerator
+    return OffloadPolicy()
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[tuple[list[str], int, str]],
+               root_zero: int, root_offload: str, precision: str, device: torch.device) -> None:
+    """``fully_shard`` each layer unit, then ``module`` itself as the root (its leftover params).
+
+    ``units``: (module paths of one layer inside ``module``, its ZeRO stage 2|3, its offload).
+    A multi-module layer (pre/post) is one FSDP group holding all its modules.
+    """
+    mp = mixed_precision_policy(precision)
+    for paths, zero, offload in units:
+        mods = [module.get_submodule(p) for p in paths]
+        fully_shard(mods if len(mods) > 1 else mods[0], mesh=dp_mesh, reshard_after_forward=zero == 3,
+                    mp_policy=mp, offload_policy=offload_policy(offload, device))
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp,
+                offload_policy=offload_policy(root_offload, device))
+
+
+def apply_replicate(module: nn.Module, dp_mesh: DeviceMesh, units: list[list[str]], precision: str) -> None:
+    """DDP semantics for a tensor-parallel model: ``replicate`` (the FSDP2-based DDP, which
+    takes DTensor parameters; ``DistributedDataParallel`` does not) per layer unit and root.
+    Gradients are all-reduced over the dp axis; nothing is sharded.  On meta, like ``apply_fsdp``."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    mp = mixed_precision_policy(precision)
+    for paths in units:
+        mods = [module.get_submodule(p) for p in paths]
+        replicate(mods if len(mods) > 1 else mods[0], mesh=dp_mesh, mp_policy=mp)
+    replicate(module, mesh=dp_mesh, mp_policy=mp)
+
+
+def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Wrap in ``DistributedDataParallel`` over the dp axis (after materialisation)."""
+    return DistributedDataParallel(module, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def data_parallel_kind(zero: int, dp: int, tp: int, pp: int) -> str:
+    """Which native part runs the plan's data parallelism.
+
+    ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  With
+    tensor or pipeline parallelism, ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
+    machinery: it takes DTensor parameters, which ``DistributedDataParallel`` does not, and
+    the pipeline schedules drive its gradient sync per micro-batch, which DDP's reducer does
+    not survive) and ZeRO-1 as FSDP2 without reshard (ZeRO-2; ``ZeroRedundancyOptimizer``
+    cannot broadcast DTensor parameters) -- the same arithmetic, with the gradients sharded as
+    well.  ``none``: one dp rank and nothing to shard or offload.
+    """
+    if zero >= 2:
+        return "fsdp"
+    if dp == 1:
+        return "none"
+    if tp > 1 or pp > 1:
+        return "fsdp" if zero == 1 else "replicate"
+    return "zero1" if zero == 1 else "ddp"
+
+
+def build_optimizer(params: list[nn.Parameter], zero: int, dp_mesh: DeviceMesh, lr: float,
+                    betas: tuple[float, float], eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019); ZeRO-1 partitions its state over the dp ranks."""
+    if zero == 1 and dp_mesh.size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=dp_mesh.get_group(), lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

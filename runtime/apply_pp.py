@@ -1,0 +1,167 @@
+"""Pipeline parallelism through ``torch.distributed.pipelining``.
+
+Stages are cut from the layer list: the model's forward is traced with ``torch.fx`` keeping
+each layer's top-level modules (the blocks, the embeddings, the head) as opaque calls; every
+traced node is given the stage of the layer that owns it (plain functions between modules
+take the latest stage among their inputs), and ``torch.fx.passes.split_module`` cuts the graph
+into one ``GraphModule`` per stage.  Each stage module keeps the model's own module names
+("blocks.3.attn.qkv"), so tensor parallelism, recompute, FSDP and checkpoints address
+parameters by the same FQNs as in the unsplit model.  The "pre" layer (embeddings) lands on
+the first stage and the "post" layer (final norm, head) on the last; the loss runs on the last
+stage through the schedule's ``loss_fn``.
+
+A stage may receive only what the previous stage sends: a forward whose stages need a value
+from an earlier, non-adjacent stage (or a non-tensor value) cannot be pipelined, and the
+runtime says so.
+
+Schedules: GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021, PipeDream-Flush),
+interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), with ``scale_grads=True`` so gradients are
+averaged over the micro-batches.  Stage i runs on pp rank i % pp.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.fx.passes.split_module import split_module
+
+from autopar.core.errors import PlanFileError
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class _LayerLeafTracer(fx.Tracer):
+    def __init__(self, leaves: set[str]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+
+def split_into_stages(model: nn.Module, layer_paths: list[tuple[str, ...]], stage_of_layer: list[int],
+                      num_stages: int) -> list[nn.Module]:
+    """One ``GraphModule`` per pipeline stage, cut from ``model``'s forward at layer boundaries."""
+    module_names = {n for n, _ in model.named_modules()}
+    owner: dict[str, int] = {}          # module or attribute path -> layer
+    for layer, paths in enumerate(layer_paths):
+        for p in paths:
+            owner[p] = layer
+    leaves = {p for p in owner if p in module_names}
+    try:
+        graph = _LayerLeafTracer(leaves).trace(model)
+    except Exception as e:  # noqa: BLE001 - fx raises many kinds; report one clear error
+        raise PlanFileError(f"pipeline stages: the model's forward cannot be traced with torch.fx to cut it "
+                            f"into stages ({type(e).__name__}: {e}). Plan with pp = 1 for this model.") from None
+    gm = fx.GraphModule(model, graph)
+    stage_of = _assign_stages(gm.graph, owner, stage_of_layer)
+    split = split_module(gm, model, lambda node: stage_of[node.name], keep_original_order=True)
+    return [_restore_names(stage, model) for stage in _check_chain(split, num_stages)]
+
+
+def _layer_of(path: str, owner: dict[str, int]) -> int | None:
+    while path:
+        if path in owner:
+            return owner[path]
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _assign_stages(graph: fx.Graph, owner: dict[str, int], stage_of_layer: list[int]) -> dict[str, int]:
+    stage: dict[str, int] = {}
+    unplaced: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        layer = _layer_of(str(node.target), owner) if node.op in ("call_module", "get_attr") else None
+        inputs = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
+        if layer is not None:
+            stage[node.name] = stage_of_layer[layer]
+        elif inputs:
+            stage[node.name] = max(inputs)
+        elif any(a.op == "placeholder" for a in node.all_input_nodes):
+            stage[node.name] = 0
+        else:
+            unplaced.append(node)          # constants: placed with their first consumer
+    for node in reversed(unplaced):
+        users = [stage[u.name] for u in node.users if u.name in stage]
+        stage[node.name] = min(users) if users else 0
+    return stage
+
+
+def _check_chain(split: fx.GraphModule, num_stages: int) -> list[nn.Module]:
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    if len(calls) != num_stages:
+        raise PlanFileError(f"pipeline stages: cutting the forward gave {len(calls)} pieces for {num_stages} stages.")
+    placeholders = [n for n in split.graph.nodes if n.op == "placeholder"]
+    prev_outputs: list[fx.Node] = placeholders
+    for i, call in enumerate(calls):
+        srcs = [a.args[0] if a.op == "call_function" and a.args and isinstance(a.args[0], fx.Node)
+                and a.args[0].op == "call_module" else a for a in call.args]
+        ok = all(isinstance(a, fx.Node) for a in call.args) and not call.kwargs
+        if i == 0:
+            ok = ok and list(call.args) == placeholders
+        else:
+            ok = ok and all(s is calls[i - 1] for s in srcs) and _in_order(call.args, calls[i - 1])
+        if not ok:
+            raise PlanFileError(
+                f"pipeline stages: stage {i} needs values that the previous stage does not send "
+                f"(the forward passes something other than one chain of activations between layers). "
+                f"Plan with pp = 1 for this model, or move the stage boundary.")
+        prev_outputs = [call]
+    if [a for n in split.graph.nodes if n.op == "output" for a in n.all_input_nodes
+            if a is not calls[-1] and not (a.op == "call_function" and calls[-1] in a.all_input_nodes)]:
+        raise PlanFileError("pipeline stages: the model's output is not produced by the last stage alone; "
+                            "plan with pp = 1 for this model.")
+    return [getattr(split, c.target) for c in calls]
+
+
+def _restore_names(stage: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """``split_module`` flattens names ("blocks.0" -> "blocks_0"); put the model's own back."""
+    by_id = {id(m): n for n, m in model.named_modules()}
+    by_id.update({id(t): n for n, t in model.named_parameters(remove_duplicate=False)})
+    by_id.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
+    graph = stage.graph
+    attrs: dict[str, object] = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            obj = stage.get_submodule(node.target) if node.op == "call_module" else _get_attr(stage, node.target)
+            name = by_id.get(id(obj))
+            if name is None:
+                raise PlanFileError(f"pipeline stages: cannot find {node.target!r} in the model after the split.")
+            node.target = name
+            attrs[name] = obj
+    return fx.GraphModule(attrs, graph, class_name=f"Stage")
+
+
+def _get_attr(module: nn.Module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _in_order(args, prev_call: fx.Node) -> bool:
+    """The next stage's arguments are the previous stage's outputs in their order."""
+    if len(args) == 1 and args[0] is prev_call:
+        return True
+    idx = [a.args[1] for a in args if a.op == "call_function" and len(a.args) == 2]
+    return idx == list(range(len(args)))
+
+
+def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh: DeviceMesh,
+                   device: torch.device, schedule: str, num_microbatches: int,
+                   loss_fn: Callable) -> tuple[object, list[PipelineStage]]:
+    """``PipelineStage`` per local stage and the plan's schedule over them."""
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(mod, index, num_stages, device, group=group)
+              for index, mod in sorted(stage_modules.items())]
+    cls = SCHEDULE_CLASSES[schedule]
+    if schedule == "interleaved":
+        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages
+    if len(stages) != 1:
+        raise PlanFileError(f"pipeline schedule {schedule!r} runs one stage per pp rank; use 'interleaved'.")
+    return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages

@@ -1,0 +1,144 @@
+"""Tensor (and sequence) parallelism through DTensor's ``parallelize_module``.
+
+The plan gives, per layer, ``{module FQN: "colwise" | "rowwise"}`` (Megatron-LM's column /
+row split of a Linear's weight; Shoeybi et al. 2019, Sec. 3).  FQNs are the model's own names
+("blocks.0.attn.qkv"); a name relative to its layer ("attn.qkv" in layer "blocks.0") is
+accepted too.
+
+Pairing: a column-wise module whose parent also holds a row-wise module (attn.qkv -> attn.proj,
+mlp.fc -> mlp.proj) keeps its output sharded on the feature dim, so the pair costs one
+all-reduce.  A column-wise module without such a partner (e.g. the LM head) gathers its output
+(``output_layouts=Replicate()``); a row-wise module without a column-wise partner shards its
+replicated input itself (``input_layouts=Replicate()``).
+
+Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) applies to the layers that hold a
+column/row pair: between the TP regions the activations are sharded on the sequence dim
+(``Shard(1)``): norms run under ``SequenceParallel``, the sequence is all-gathered on entry to
+each column-wise module's parent (the attention or MLP module, whose forward may read the
+sequence length from its input) and each row-wise module reduce-scatters back into it
+(``output_layouts=Shard(1)``).  At the edges of a run of such layers the activation is cut
+(``Replicate -> Shard(1)``, no communication) on entry and all-gathered on exit, so the layers
+outside the run, and pipeline stage boundaries, see ordinary full tensors.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from autopar.core.errors import PlanFileError
+
+SEQ_DIM = 1      # activations are [batch, seq, hidden]
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def resolve_tp_styles(module: nn.Module, layer_name: str, styles: dict[str, str], where: str) -> dict[str, str]:
+    """Plan FQNs -> FQNs inside ``module``, checked to name an ``nn.Linear`` or ``nn.Embedding``."""
+    names = dict(module.named_modules())
+    out = {}
+    for fqn, style in styles.items():
+        target = fqn if fqn in names else f"{layer_name}.{fqn}" if f"{layer_name}.{fqn}" in names else None
+        if target is None:
+            raise PlanFileError(f"{where}: tp names module {fqn!r}, which the model does not have. "
+                                f"Use module names from 'autopar inspect' (e.g. {layer_name}.attn.qkv).")
+        if not isinstance(names[target], (nn.Linear, nn.Embedding)):
+            raise PlanFileError(f"{where}: tp module {fqn!r} is a {type(names[target]).__name__}; only "
+                                f"nn.Linear and nn.Embedding can be split column- or row-wise.")
+        out[target] = style
+    return out
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[str, dict[str, str]]],
+             sequence_parallel: bool) -> None:
+    """Parallelise ``module`` (the whole model or one pipeline stage) over ``tp_mesh``.
+
+    ``layer_styles``: for each layer held by ``module``, in forward order, (the layer's module
+    path or "" for layers that are not one module, its resolved {FQN: style}).
+    """
+    if tp_mesh.size() == 1:
+        return
+    plan: dict[str, object] = {}
+    sp_layers = [sequence_parallel and _has_pair(styles) and bool(path) for path, styles in layer_styles]
+    for (path, styles), sp in zip(layer_styles, sp_layers):
+        parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise"}
+        parents_with_col = {_parent(f) for f, s in styles.items() if s == "colwise"}
+        for fqn, style in styles.items():
+            paired = _parent(fqn) in (parents_with_row if style == "colwise" else parents_with_col)
+            # the sequence is all-gathered where the TP region starts: at the colwise module's
+            # parent (attn, mlp), whose forward may read the sequence length from its input
+            gather_at_parent = sp and style == "colwise" and _parent(fqn) not in ("", path)
+            plan[fqn] = _style(style, paired, sp and not gather_at_parent, sp)
+            if gather_at_parent:
+                plan[_parent(fqn)] = _gather_sequence(module.get_submodule(_parent(fqn)))
+        if sp:
+            for name, sub in module.get_submodule(path).named_modules():
+                if isinstance(sub, _NORM_TYPES):
+                    plan[f"{path}.{name}"] = SequenceParallel(use_local_output=True)
+    # enter / leave each run of sequence-parallel layers with full activations
+    for i, ((path, _), sp) in enumerate(zip(layer_styles, sp_layers)):
+        if not sp:
+            continue
+        first = i == 0 or not sp_layers[i - 1]
+        last = i == len(sp_layers) - 1 or not sp_layers[i + 1]
+        enter = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(SEQ_DIM),), use_local_input=True)
+        leave = dict(output_layouts=(Shard(SEQ_DIM),), desired_output_layouts=(Replicate(),), use_local_output=True)
+        if first and last:
+            plan[path] = PrepareModuleInputOutput(**enter, **leave)
+        elif first:
+            enter["use_local_output"] = enter.pop("use_local_input")
+            plan[path] = PrepareModuleInput(**enter)
+        elif last:
+            plan[path] = PrepareModuleOutput(**leave)
+    for fqn, style in plan.items():
+        parallelize_module(module.get_submodule(fqn), tp_mesh, style)
+    _divide_head_counts(module, plan, tp_mesh.size())
+
+
+def _gather_sequence(parent: nn.Module) -> PrepareModuleInput:
+    """All-gather the first positional input's sequence dim on entry to ``parent``."""
+    num_positional = sum(1 for p in inspect.signature(parent.forward).parameters.values()
+                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    rest = (None,) * max(0, num_positional - 1)
+    return PrepareModuleInput(input_layouts=(Shard(SEQ_DIM), *rest), desired_input_layouts=(Replicate(), *rest),
+                              use_local_output=True)
+
+
+def _style(style: str, paired: bool, sp_input: bool, sp_output: bool | None = None):
+    sp_output = sp_input if sp_output is None else sp_output
+    if style == "colwise":
+        return ColwiseParallel(input_layouts=Shard(SEQ_DIM) if sp_input else Replicate(),
+                               output_layouts=Shard(-1) if paired else Replicate())
+    return RowwiseParallel(input_layouts=Shard(-1) if paired else Replicate(),
+                           output_layouts=Shard(SEQ_DIM) if sp_output else Replicate())
+
+
+def _has_pair(styles: dict[str, str]) -> bool:
+    return "colwise" in styles.values() and "rowwise" in styles.values()
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+# Attributes that hold a head count which the forward uses to reshape; with the heads split
+# over tp ranks each rank runs heads / tp of them (torchtitan adjusts the same way).
+_HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
+                     "num_key_value_heads", "heads")
+
+
+def _divide_head_counts(module: nn.Module, plan: dict, tp: int) -> None:
+    parents = {_parent(f) for f, s in plan.items() if isinstance(s, ColwiseParallel)}
+    for p in parents:
+        owner = module.get_submodule(p)
+        for attr in _HEAD_COUNT_ATTRS:
+            value = owner.__dict__.get(attr)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % tp:
+                    raise PlanFileError(f"{p}.{attr} = {value} heads do not divide over tp = {tp} ranks; "
+                                        f"plan a tp degree that divides the head count.")
+                setattr(owner, attr, value // tp)

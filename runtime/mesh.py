@@ -1,0 +1,102 @@
+"""Process group and DeviceMesh from a plan's mesh.
+
+The backend follows the device: NCCL when CUDA is available, gloo otherwise.  The mesh is
+``init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))``, whose rank
+layout is ``arange(world).view(dp, pp, tp)`` -- the layout ``autopar.core.plan.Mesh`` defines,
+so ``Mesh.coords(rank)`` and the DeviceMesh agree.  Size-1 axes stay in the mesh (a size-1
+sub-mesh is harmless) and every ``apply_*`` function receives the 1-D sub-mesh it needs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.core.plan import Mesh
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where this process sits: global rank, device, and its (dp, pp, tp) coordinates."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    mesh: DeviceMesh
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        return self.mesh[axis]
+
+
+def device_for_local_rank(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE from the launcher (torchrun sets it); 1 for a plain ``python -m`` run."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(plan_mesh: Mesh) -> RankContext:
+    """Start the process group (if the launcher has not) and build the 3-D DeviceMesh."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = device_for_local_rank(local_rank)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:      # a plain single-process run
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=PROCESS_GROUP_TIMEOUT, store=_attempt_store(),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                device_id=device if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, plan_mesh.shape, mesh_dim_names=plan_mesh.axis_names)
+    rank = dist.get_rank()
+    d, p, t = plan_mesh.coords(rank)
+    return RankContext(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank, device=device,
+                       dp_rank=d, pp_rank=p, tp_rank=t, mesh=mesh)
+
+
+def _attempt_store() -> dist.Store | None:
+    """Under torchrun, the agent's store with a prefix per restart attempt.
+
+    torchrun keeps one rendezvous store across ``--max-restarts`` attempts; without a prefix,
+    a restarted rank can read the previous attempt's gloo addresses and fail to connect.
+    ``None`` (plain ``env://``) outside torchrun.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"autopar/attempt_{attempt}", store)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

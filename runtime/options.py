@@ -1,0 +1,76 @@
+"""The runtime's command-line options, shared by ``python -m autopar.runtime`` and ``autopar run``.
+
+``RunOptions`` is the narrow, typed config the trainer receives (STYLE.md: no global job
+object); ``add_run_arguments`` declares the flags once for both entry points.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+# AdamW defaults.  beta2 = 0.95 and weight decay 0.1 are the GPT-3 training settings
+# (Brown et al. 2020, Appendix B); the learning rate is a small-model value and is a flag.
+DEFAULT_LR = 1e-3
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+WEIGHT_DECAY = 0.1
+DEFAULT_SEED = 1234
+DEFAULT_WARMUP_STEPS = 2     # steps left out of the step-time median (allocator and caches warm up)
+INIT_MODES = ("auto", "host", "per-module")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    plan_path: Path
+    steps: int = 10
+    lr: float = DEFAULT_LR
+    seed: int = DEFAULT_SEED
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0                 # 0: only at the end of the run (when a dir is given)
+    profile: bool = False
+    measured_path: Path | None = None         # default: measured.json beside the plan
+    init: str = "auto"                        # see autopar.runtime.materialize
+    log_every: int = 1
+
+    @property
+    def measured_file(self) -> Path:
+        return self.measured_path or self.plan_path.with_name("measured.json")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN_JSON", help="a plan written by 'autopar plan'")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default: 10)")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default: {DEFAULT_LR})")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="seed of the initial weights and of the batches (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
+                        help="steps left out of the median step time (default: %(default)s)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save torch.distributed.checkpoint checkpoints here and resume from the latest")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                        help="checkpoint every K steps (default: only at the end of the run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="record a torch.profiler trace and a forward/backward/communication/optimizer breakdown")
+    parser.add_argument("--measured", type=Path, default=None, metavar="PATH",
+                        help="where to write the measurements (default: measured.json beside the plan)")
+    parser.add_argument("--init", choices=INIT_MODES, default="auto",
+                        help="initial weights: 'host' builds the full model on the CPU with the model file's "
+                             "own init; 'per-module' never builds it whole (reset_parameters seeded per module); "
+                             "'auto' picks host when the model fits in host memory (default)")
+    parser.add_argument("--log-every", type=int, default=1, help="print loss and step time every N steps")
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    from autopar.core.errors import UserError
+
+    for name in ("steps", "log_every"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} is {getattr(args, name)}; it must be a positive integer.")
+    if args.checkpoint_every < 0 or args.warmup_steps < 0:
+        raise UserError("--checkpoint-every and --warmup-steps must not be negative.")
+    return RunOptions(plan_path=Path(args.plan), steps=args.steps, lr=args.lr, seed=args.seed,
+                      warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, profile=args.profile,
+                      measured_path=args.measured, init=args.init, log_every=args.log_every)

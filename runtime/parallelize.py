@@ -1,0 +1,139 @@
+"""Turn a checked plan into this rank's model parts, optimizers and pipeline schedule.
+
+The order (one place, the same for every plan; torchtitan's order):
+
+1. build the model on the meta device (no memory);
+2. pipeline: cut it into stage modules at the plan's layer boundaries and keep this rank's
+   stages (stage i on pp rank i % pp) -- ``apply_pp.split_into_stages``;
+3. tensor (+ sequence) parallelism on each local stage -- ``apply_tp.apply_tp``;
+4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
+   forward is the parallel one);
+5. FSDP2 per layer + root for ZeRO-2/3 (+ CPU offload, mixed precision) -- ``apply_dp.apply_fsdp``
+   (still on meta: every rank only ever allocates its shards); with tensor parallelism, ZeRO-0
+   runs as ``replicate`` here and ZeRO-1 as FSDP2 without reshard, and the same under pipelining
+   (``apply_dp.data_parallel_kind``);
+6. materialise: ``to_empty`` on the device, values from the init source -- ``materialize``;
+7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters);
+8. AdamW per part (ZeroRedundancyOptimizer for ZeRO-1) and the pipeline schedule.
+
+Mixed precision without FSDP (DDP, ZeRO-1, TP alone) runs the forward under ``torch.autocast``
+with fp32 master weights (FSDP2's ``MixedPrecisionPolicy`` is FSDP-only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from autopar.core.plan import Plan
+from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
+                                      data_parallel_kind)
+from autopar.runtime.apply_pp import build_schedule, split_into_stages
+from autopar.runtime.apply_tp import apply_tp, resolve_tp_styles
+from autopar.runtime.materialize import build_meta_model, choose_source, materialize
+from autopar.runtime.mesh import RankContext
+from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
+from autopar.runtime.plan_check import CheckedPlan, LayerSpec
+from autopar.runtime.recompute import apply_recompute
+
+
+@dataclass
+class ParallelModel:
+    parts: list[nn.Module]                       # this rank's stage modules (or the whole model)
+    stage_indices: list[int]
+    optimizers: list[torch.optim.Optimizer]
+    schedule: object | None                      # a pipelining schedule when pp > 1
+    init_mode: str
+    uses_fsdp: bool
+    uses_ddp: bool
+    autocast_dtype: torch.dtype | None
+    dp_kind: str = "ddp"
+    num_stages: int = 1
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def stage_of_layers(plan: Plan) -> list[int]:
+    out = [0] * len(plan.layers)
+    for s in plan.pipeline.stages:
+        for layer in s.layers:
+            out[layer] = s.index
+    return out
+
+
+def _modules_of(part: nn.Module, layer: LayerSpec) -> list[str]:
+    names = {n for n, _ in part.named_modules()}
+    return [p for p in layer.module_paths if p and p in names]
+
+
+def _with_params(part: nn.Module, paths: list[str]) -> list[str]:
+    return [p for p in paths if any(True for _ in part.get_submodule(p).parameters())]
+
+
+def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
+                     dp_kind: str) -> nn.Module:
+    """Steps 3-5 on one stage module (or the whole model); returns it still on meta."""
+    plan = checked.plan
+    # 3. tensor / sequence parallelism
+    if plan.mesh.tp > 1:
+        styles = []
+        for layer in held:
+            mods = _modules_of(part, layer)
+            path = mods[0] if len(layer.module_paths) == 1 and mods else ""
+            where = f"plan file {checked.plan_path}: layers[{layer.index}].tp"
+            styles.append((path, resolve_tp_styles(part, layer.name, layer.plan.tp_styles, where)))
+        apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
+    # 4. recompute
+    apply_recompute(part, [(_modules_of(part, layer), layer.plan.recompute) for layer in held])
+    # 5. FSDP2 (ZeRO-2/3), or replicate (DDP of a TP model)
+    units = [(_with_params(part, _modules_of(part, layer)), layer.plan.zero, layer.plan.offload) for layer in held]
+    units = [u for u in units if u[0]]
+    if dp_kind == "fsdp":
+        root = held[0].plan
+        apply_fsdp(part, ctx.submesh("dp"), units, root_zero=root.zero, root_offload=root.offload,
+                   precision=plan.precision, device=ctx.device)
+    elif dp_kind == "replicate":
+        apply_replicate(part, ctx.submesh("dp"), [u[0] for u in units], plan.precision)
+    return part
+
+
+def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOptions,
+                         loss_fn: Callable) -> ParallelModel:
+    plan = checked.plan
+    args = dict(plan.model.args)
+    meta = build_meta_model(checked.model_file, args)                               # 1
+    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
+    stage_of = stage_of_layers(plan)
+    num_stages = len(plan.pipeline.stages)
+    if plan.mesh.pp > 1:                                                            # 2
+        stage_mods = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages)
+        local = {i: stage_mods[i] for i in range(num_stages)
+                 if plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank}
+    else:
+        local = {0: meta}
+    parts, dp_mesh = [], ctx.submesh("dp")
+    dp_kind = data_parallel_kind(plan.zero, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp)
+    use_ddp = dp_kind in ("ddp", "zero1")
+    for index, part in sorted(local.items()):
+        held = [l for l in checked.layers if stage_of[l.index] == index]
+        part = parallelize_part(part, held, checked, ctx, dp_kind)  # 3-5
+        materialize(part, ctx.device, source)                                       # 6
+        if use_ddp:
+            part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
+        parts.append(part)
+    del source
+    optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
+                                  ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY) for p in parts]  # 8
+    schedule = None
+    if plan.mesh.pp > 1:
+        schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
+                                     plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn)
+    low = LOW_PRECISION.get(plan.precision)
+    return ParallelModel(parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+                         init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
+                         autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
+                         num_stages=num_stages,
+                         has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local)

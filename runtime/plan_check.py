@@ -1,0 +1,78 @@
+"""Load what a plan refers to and refuse a plan that does not fit the model or the launch.
+
+Checks, each a ``PlanFileError`` (exit code 2) naming the field and what to do:
+malformed plan (``load_plan`` validates every field), model file missing, world size of
+the launch different from the plan's mesh, graph fingerprint of the model file (captured with
+the plan's model arguments) different from the one the plan was made for, and a layer count
+that differs from the captured graph's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar.core.errors import PlanFileError
+from autopar.core.graph import OpGraph
+from autopar.core.modelfile import ModelFile, load_model_file
+from autopar.core.plan import LayerPlan, Plan, load_plan
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer as the runtime needs it: its name, its top-level modules and its plan."""
+    index: int
+    name: str                         # "pre", "blocks.3", "post"
+    module_paths: tuple[str, ...]
+    plan: LayerPlan
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    plan: Plan
+    plan_path: Path
+    model_file: ModelFile
+    graph: OpGraph
+    layers: tuple[LayerSpec, ...]
+
+
+def resolve_model_path(plan: Plan, plan_path: Path) -> Path:
+    """The plan's model file as given, else relative to the plan file's folder."""
+    given = Path(plan.model.file).expanduser()
+    if given.is_absolute() or given.is_file():
+        return given
+    beside = plan_path.parent / given
+    return beside if beside.is_file() else given
+
+
+def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
+    """Everything that can be checked before any process group exists."""
+    plan = load_plan(plan_path)
+    if world_size is not None and world_size != plan.world_size:
+        m = plan.mesh
+        raise PlanFileError(
+            f"plan file {plan_path} is for {plan.world_size} ranks (mesh dp={m.dp} x pp={m.pp} x tp={m.tp}) "
+            f"but this launch has {world_size}. Start it with 'torchrun --nproc-per-node {plan.world_size} "
+            f"-m autopar.runtime {plan_path}' (or nodes x processes per node = {plan.world_size}), "
+            f"or plan again for {world_size} ranks.")
+    model_path = resolve_model_path(plan, plan_path)
+    model_file = load_model_file(model_path)
+    from autopar.core.capture import capture_model_file
+
+    graph = capture_model_file(str(model_path), dict(plan.model.args), plan.micro_batch)
+    if graph.fingerprint != plan.model.fingerprint:
+        raise PlanFileError(
+            f"plan file {plan_path} was made for a model whose graph fingerprint is {plan.model.fingerprint}, "
+            f"but {model_path} with model args {dict(plan.model.args)} captures to {graph.fingerprint}: the "
+            f"model file or its arguments changed since planning. Plan again with 'autopar plan {model_path} ...'.")
+    try:
+        plan.validate(num_layers=len(graph.layers))
+    except PlanFileError as e:
+        raise PlanFileError(f"plan file {plan_path}: {e}") from None
+    if plan.mesh.pp > 1 and not graph.sequential_layers:
+        raise PlanFileError(
+            f"plan file {plan_path} has pp = {plan.mesh.pp}, but the captured forward of {model_path} does not "
+            f"pass one activation from layer to layer, so it cannot be cut into pipeline stages. "
+            f"Plan with pp = 1 for this model.")
+    layers = tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
+                   for i, g in enumerate(graph.layers))
+    return CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)

@@ -1,0 +1,90 @@
+"""``autopar run plan.json``: start torchrun for a plan (one node), or print the per-node commands.
+
+Single node (the plan's world size fits on this machine): checks the plan here first (so a
+bad plan fails once, with exit code 2, before any process starts), then runs
+``python -m torch.distributed.run --nproc-per-node W -m autopar.runtime PLAN ...`` and returns
+its exit code.  With ``--nnodes N`` (N > 1) nothing is started: it prints the torchrun
+command every node runs, with a c10d rendezvous at ``--rdzv-endpoint`` (host:port of node 0).
+The processes themselves are torchrun's; autopar launches none of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from autopar.core.errors import UserError
+from autopar.runtime.options import add_run_arguments, options_from_args
+
+_FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
+              "log_every")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser)
+    g = parser.add_argument_group("launch")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the plan runs on (default 1: start it here)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="c10d rendezvous address (node 0); default 127.0.0.1:<free port> on one node")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts after a rank fails (resumes from the latest checkpoint)")
+    g.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+
+
+def runtime_arguments(args: argparse.Namespace) -> list[str]:
+    out = [str(args.plan)]
+    for name in _FORWARDED:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    if args.profile:
+        out.append("--profile")
+    return out
+
+
+def torchrun_command(args: argparse.Namespace, nproc_per_node: int, rdzv_endpoint: str) -> list[str]:
+    launch = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(nproc_per_node),
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--max-restarts", str(args.max_restarts)]
+    if args.nnodes > 1:
+        launch += ["--rdzv-id", f"autopar-{Path(args.plan).stem}"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "autopar.runtime",
+            *runtime_arguments(args)]
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.runtime.plan_check import check_plan
+
+    options_from_args(args)                           # argument errors before anything starts
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
+    checked = check_plan(Path(args.plan), None)
+    world = checked.plan.world_size
+    if world % args.nnodes:
+        raise UserError(f"plan file {args.plan} needs {world} ranks, which do not divide over --nnodes "
+                        f"{args.nnodes}; use a node count that divides {world}.")
+    per_node = world // args.nnodes
+    if args.nnodes > 1:
+        endpoint = args.rdzv_endpoint or "NODE0_HOST:29500"
+        cmd = torchrun_command(args, per_node, endpoint)
+        print(f"# run this on each of the {args.nnodes} nodes ({per_node} processes each); "
+              f"the rendezvous is node 0 at {endpoint}:")
+        print(shlex.join(cmd))
+        return 0
+    endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    cmd = torchrun_command(args, per_node, endpoint)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    print(f"autopar run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
