@@ -265,27 +265,17 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         else:        # g operator: all-reduce fwd, identity bwd
             colls.append(TPCollective("all_reduce", out_bytes, "fwd", row))
 
-    for lin, path, loss in _loss_feeders(ops, by_name, consumers, {}, _consumed(graph)):
+    for lin, _path, _loss in _loss_feeders(ops, by_name, consumers, {}, _consumed(graph)):
         node = by_name[lin]
         if styles.get(node.module_path) != "colwise" or (node.output_shape and node.output_shape[-1] % tp):
             continue
-        compute[lin] = param[lin] = output[lin] = tp
-        saved[lin] = tp if sp else 1
-        for n in path:
-            compute[n] = saved[n] = output[n] = tp
-        if loss is not None:
-            compute[loss] = saved[loss] = tp
-        in_bytes = _tensor_bytes(node.inputs[0], node, graph_by_name)
-        if sp:
-            colls.append(TPCollective("all_gather", in_bytes, "fwd", lin))
-            colls.append(TPCollective("reduce_scatter", in_bytes, "bwd", lin))
-        else:
-            colls.append(TPCollective("all_reduce", in_bytes, "bwd", lin))
-        # Vocabulary-parallel cross entropy: all-reduces of the max, the sum of exponentials
-        # and the target logit, one fp32 value per token each (Megatron-LM Sec. 3).
-        vocab = node.output_shape[-1] if node.output_shape else 1
-        tokens = node.output_bytes / max(1, dtype_bytes(node.dtype)) / max(1, vocab)
-        colls.append(TPCollective("all_reduce", 3 * 4 * tokens, "fwd", loss or lin))
+        # A column-wise head without a row-wise partner computes 1/tp of the logits and the
+        # runtime gathers them (ColwiseParallel(output_layouts=Replicate()), runtime/apply_tp.py):
+        # all-gather of the logits forward, all-reduce of the input gradient backward
+        # (Shoeybi et al. 2019, Fig. 3 "f" operator); the loss then runs on full logits.
+        compute[lin] = param[lin] = tp
+        colls.append(TPCollective("all_gather", float(node.output_bytes), "fwd", lin))
+        colls.append(TPCollective("all_reduce", _tensor_bytes(node.inputs[0], node, graph_by_name), "bwd", lin))
 
     emb = _largest_embedding(ops)
     if emb is not None and styles.get(emb.module_path) == "rowwise":

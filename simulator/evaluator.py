@@ -35,7 +35,7 @@ from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.sharding import dtype_bytes, propagate
 from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
-from autopar.simulator.layer_cost import (LAYER_COST_FIELDS, MATMUL_KINDS, LayerCost, compute_layer_cost,
+from autopar.simulator.layer_cost import (LAYER_COST_FIELDS, MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero,
                                           layer_cost_row)
 from autopar.simulator.memory import inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult
@@ -151,7 +151,7 @@ class PlanEvaluator:
         row = self._row_cache.get(key)
         if row is None:
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
-            row = layer_cost_row(c) + (float(lp.zero), 1.0 if lp.offload == "cpu" else 0.0,
+            row = layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)), 1.0 if lp.offload == "cpu" else 0.0,
                                        float(_RECOMPUTE_CODE[lp.recompute]))
             self._row_cache[key] = row
         return row
@@ -187,7 +187,9 @@ class PlanEvaluator:
         # activation send between stages, per micro-batch: the largest boundary tensor
         scale = plan.micro_batch / max(1, self.graph.batch_size)
         act_scale = PRECISION_BYTES.get(plan.precision, 4) / dtype_bytes(self.graph.param_dtype)
-        sp_div = mesh.tp if mesh.sequence_parallel and mesh.tp > 1 else 1
+        # stage boundaries carry full (not sequence-sharded) activations: the runtime gathers
+        # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py)
+        sp_div = 1
         boundary = max((self.graph.layers[s.end - 1].output_bytes for s in stages[:-1]), default=0)
         p2p_s, p2p_m = (0.0, False)
         if len(stages) > 1:

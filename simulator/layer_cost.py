@@ -153,9 +153,10 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         transient = 0.0
 
     dp = mesh.dp
+    zero = effective_zero(lp.zero, mesh)
     pcls = precision_class(precision)
     p_b, g_b, _ = STATE_BYTES[pcls]
-    params_b, grads_b, opt_b = state_bytes(param_numel, precision, lp.zero, dp)
+    params_b, grads_b, opt_b = state_bytes(param_numel, precision, zero, dp)
     host = 0.0
     offload = lp.offload == "cpu"
     if offload:
@@ -163,17 +164,17 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         params_b = grads_b = opt_b = 0.0
     grad_sync_bytes = param_numel * g_b
     param_full_bytes = param_numel * p_b
-    fsdp_param_buf = param_full_bytes if (lp.zero >= 3 or offload) else 0.0
-    fsdp_grad_buf = grad_sync_bytes if lp.zero >= 2 else 0.0
+    fsdp_param_buf = param_full_bytes if (zero >= 3 or offload) else 0.0
+    fsdp_grad_buf = grad_sync_bytes if zero >= 2 else 0.0
 
     dpl = links.dp
     ar = ag = rs = h2d = d2h = 0.0
-    if dp > 1 or lp.zero >= 2:
-        if lp.zero <= 1:
+    if dp > 1 or zero >= 2:
+        if zero <= 1:
             ar, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level)
             measured += m
             estimated += not m
-            if lp.zero == 1:   # updated parameter shards gathered after the step
+            if zero == 1:   # updated parameter shards gathered after the step
                 ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level)
                 measured += m
                 estimated += not m
@@ -182,16 +183,16 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             rs, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link, dpl.level)
             measured += m + m2
             estimated += (not m) + (not m2)
-    if lp.zero <= 1:
+    if zero <= 1:
         dp_wire_mb = 0.0
         dp_wire_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
-            (ring_wire_bytes("all_gather", param_full_bytes, dp) if lp.zero == 1 else 0.0)
+            (ring_wire_bytes("all_gather", param_full_bytes, dp) if zero == 1 else 0.0)
     else:
-        gathers = 2 if lp.zero >= 3 else 1
+        gathers = 2 if zero >= 3 else 1
         dp_wire_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
         dp_wire_step = 0.0
-    shard_params = param_numel / (dp if lp.zero >= 1 else 1)
+    shard_params = param_numel / (dp if zero >= 1 else 1)
     if offload:
         h2d = cm.h2d_time(param_full_bytes / dp, links.host)
         d2h = cm.h2d_time(grad_sync_bytes / dp, links.host)
@@ -209,3 +210,13 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         tp_wire_bytes=tp_wire_fwd + tp_wire_bwd + (tp_wire_fwd if lp.recompute == "full" else 0.0),
         dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step,
         num_measured=measured, num_estimated=estimated)
+
+
+def effective_zero(zero: int, mesh: Mesh) -> int:
+    """The ZeRO stage that will run.
+
+    With tensor or pipeline parallelism the runtime runs ZeRO-1 as FSDP2 without reshard
+    (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; runtime/apply_dp.py,
+    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run.
+    """
+    return 2 if zero == 1 and (mesh.tp > 1 or mesh.pp > 1) else zero
