@@ -144,7 +144,9 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     t.add_row("model TFLOP/s per GPU (MFU)", f"{r.tflops_per_gpu:.1f} ({100 * r.mfu:.1f}% of {r.peak_flops_per_gpu / 1e12:.0f})")
     t.add_row("hardware TFLOP/s per GPU (with recompute)", f"{r.hw_tflops_per_gpu:.1f}")
     t.add_row("pipeline bubble", f"{100 * r.bubble_fraction:.1f}%")
-    t.add_row("communication per step", f"intra-node {r.comm_bytes['intra'] / 1e9:.1f} GB, inter-node {r.comm_bytes['inter'] / 1e9:.1f} GB")
+    world = max(1, plan.mesh.world_size)
+    t.add_row("sent per device per step (mean)", f"intra-node {r.comm_bytes['intra'] / world / 1e9:.2f} GB, "
+              f"inter-node {r.comm_bytes['inter'] / world / 1e9:.2f} GB")
     t.add_row("cost figures", f"{r.sources['measured']} measured, {r.sources['estimated']} estimated")
     con.print(t)
     mt = Table(title=f"Memory per device (GiB), capacity {_gb(r.capacity_bytes)}")
