@@ -1,0 +1,286 @@
+"""Accuracy here: simulated against measured for plans of a small GPT on the local-cpu cluster.
+
+    OMP_NUM_THREADS=1 python benchmarks/accuracy_local_cpu.py [--steps 10] [--profile local-cpu]
+
+For each configuration below (2 and 4 gloo ranks, one thread each: DDP, ZeRO-1/3, tensor
+parallel, pipeline, recompute, gradient accumulation and mixes) it builds the plan, prices it
+with the simulator, runs it with ``python -m torch.distributed.run ... -m autopar.runtime
+plan.json`` and reads the measured.json it writes.  It prints, per plan, simulated and measured
+step time and peak memory with their errors; then the median and worst step-time error and
+Kendall's tau between simulated and measured step times (scipy.stats.kendalltau); then it
+calibrates the profile on every other plan and prints the median step-time error of the
+held-back plans before and after (and of the fitted ones).
+
+Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
+the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
+the process's peak RSS (runtime/measure.py), which also holds the Python heap, gloo's buffers
+and allocator slack; the simulator models tensors only, so the memory error is printed
+for information.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_FILE = REPO / "examples" / "gpt.py"
+MODEL_ARGS = {"layers": 4, "hidden": 128, "heads": 4, "seq": 64, "vocab": 512}
+MICRO_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+CONFIGS = [
+    Config("ddp-2", dp=2),
+    Config("zero3-2", dp=2, zero=3),
+    Config("tp-2", tp=2),
+    Config("pp-2 1f1b m4", pp=2, num_microbatches=4),
+    Config("ddp-2 recompute", dp=2, recompute="full"),
+    Config("ddp-2 accum-2", dp=2, num_microbatches=2),
+    Config("zero1-2", dp=2, zero=1),
+    Config("ddp-4", dp=4),
+    Config("dp2 x tp2", dp=2, tp=2),
+    Config("dp2 x pp2 gpipe m2", dp=2, pp=2, num_microbatches=2, schedule="gpipe"),
+    Config("zero3-4 selective", dp=4, zero=3, recompute="selective"),
+    Config("tp2 sp x pp2", tp=2, pp=2, num_microbatches=2, sequence_parallel=True),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per plan (2 warm-up steps left out)")
+    ap.add_argument("--profile", default="local-cpu", help="profile name or file to simulate with")
+    ap.add_argument("--out", default=None, help="directory for plans and measurements (default: a temp dir)")
+    ap.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="run with the runtime's --profile and print forward/backward/communication/optimizer "
+                         "errors too (the profiler slows the measured steps a little)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a measured.json already in --out for a plan whose file is unchanged (re-analysis)")
+    ap.add_argument("--save", default=None, help="write the figures as JSON here (e.g. benchmarks/results/...)")
+    args = ap.parse_args()
+
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster_file import load_cluster
+    from autopar.core.plan import save_plan
+    from autopar.profiling.resimulate import PlanContext, load_profile_dict, simulate_figures
+    from autopar.simulator.configure import config_plan
+
+    cluster = load_cluster("local-cpu")
+    profile = load_profile_dict(args.profile)
+    graph = capture_model_file(MODEL_FILE, MODEL_ARGS, batch_size=MICRO_BATCH)
+    ctx = PlanContext(graph=graph, cluster=cluster, profile=profile, profile_name=str(args.profile))
+    out = Path(args.out or tempfile.mkdtemp(prefix="autopar-accuracy-"))
+    configs = [c for c in CONFIGS if args.only is None or c.name in args.only.split(",")]
+    print(f"model {MODEL_FILE.name} {MODEL_ARGS}, micro-batch {MICRO_BATCH}; cluster {cluster.name}; "
+          f"profile {args.profile}; {len(configs)} plans; runs in {out}", flush=True)
+
+    rows = []
+    for cfg in configs:
+        plan = config_plan(graph, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, micro_batch=MICRO_BATCH,
+                           global_batch=cfg.dp * MICRO_BATCH * cfg.num_microbatches, schedule=cfg.schedule,
+                           virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
+                           precision="fp32", sequence_parallel=cfg.sequence_parallel, cluster_name=cluster.name)
+        sim, _ = simulate_figures(ctx, plan, timeline=True)
+        plan = plan.with_predicted(dict(sim),
+                                   profile=str(args.profile), cluster_file=cluster.source)
+        run_dir = out / cfg.name.replace(" ", "_")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        old = (run_dir / "plan.json").read_text() if (run_dir / "plan.json").is_file() else None
+        save_plan(plan, run_dir / "plan.json")
+        t0 = time.perf_counter()
+        if args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json"):
+            measured = json.loads((run_dir / "measured.json").read_text())
+        else:
+            measured = _run(run_dir / "plan.json", cfg.world_size, args.steps, args.timeout, args.breakdown)
+        wall_s = time.perf_counter() - t0
+        if measured is None:
+            print(f"  {cfg.name}: the run failed (see {run_dir}/run.log); left out", flush=True)
+            continue
+        rows.append({"name": cfg.name, "world_size": cfg.world_size, "plan": plan, "sim": sim, "measured": measured,
+                     "sim_step_s": sim["step_time_s"], "meas_step_s": measured["step_time_s"],
+                     "sim_mem_bytes": sim["max_memory_bytes"], "meas_mem_bytes": measured["max_memory_bytes"]})
+        print(f"  {cfg.name:<22} ranks {cfg.world_size}  simulated {sim['step_time_s'] * 1e3:8.2f} ms  measured "
+              f"{measured['step_time_s'] * 1e3:8.2f} ms  error {_err(sim['step_time_s'], measured['step_time_s']):+7.1%}"
+              f"   (run {wall_s:.0f} s)", flush=True)
+    if len(rows) < 2:
+        print("fewer than two plans ran; nothing to summarise")
+        return 1
+    _print_table(rows)
+    _print_breakdown(rows)
+    summary = _summary(rows)
+    summary["model_state"] = _model_state(rows)
+    calib = _calibration(rows, ctx, profile)
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps({
+            "command": " ".join(["OMP_NUM_THREADS=1", "python", *sys.argv]),
+            "model": MODEL_ARGS, "micro_batch": MICRO_BATCH, "profile": str(args.profile), "steps": args.steps,
+            "plans": [{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
+                                         "meas_mem_bytes")} for r in rows],
+            "summary": summary, "calibration": calib}, indent=1) + "\n")
+        print(f"wrote {args.save}")
+    return 0
+
+
+def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> dict | None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
+    log = plan_path.with_name("run.log")
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.write_text(f"timed out after {timeout_s} s: {' '.join(cmd)}\n")
+        return None
+    log.write_text(proc.stdout + proc.stderr)
+    measured = plan_path.with_name("measured.json")
+    if proc.returncode != 0 or not measured.is_file():
+        return None
+    return json.loads(measured.read_text())
+
+
+def _same_plan(old_text: str | None, new_path: Path) -> bool:
+    """Same model, mesh, batch, pipeline and layers (the predicted block may differ)."""
+    if old_text is None:
+        return False
+    old, new = json.loads(old_text), json.loads(new_path.read_text())
+    keys = ("model", "mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")
+    return all(old.get(k) == new.get(k) for k in keys)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _err(sim: float, meas: float) -> float:
+    return (sim - meas) / meas
+
+
+def _print_table(rows) -> None:
+    print()
+    print(f"{'plan':<22} {'ranks':>5} {'sim step':>10} {'meas step':>10} {'error':>8}   {'sim mem':>10} "
+          f"{'meas mem':>10} {'error':>8}")
+    for r in rows:
+        print(f"{r['name']:<22} {r['world_size']:>5} {r['sim_step_s'] * 1e3:>8.2f}ms {r['meas_step_s'] * 1e3:>8.2f}ms "
+              f"{_err(r['sim_step_s'], r['meas_step_s']):>+8.1%}   {r['sim_mem_bytes'] / 2**20:>7.1f}MiB "
+              f"{r['meas_mem_bytes'] / 2**20:>7.1f}MiB {_err(r['sim_mem_bytes'], r['meas_mem_bytes']):>+8.1%}")
+
+
+def _print_breakdown(rows) -> None:
+    keys = ("fwd_s", "bwd_s", "comm_s", "optimizer_s")
+    have = [r for r in rows if all(k in r["measured"] for k in keys)]
+    if not have:
+        return
+    print(f"\n{'plan (ms: simulated / measured)':<32}" + "".join(f"{k[:-2]:>22}" for k in keys))
+    for r in have:
+        cells = "".join(f"{r['sim'][k] * 1e3:>8.1f} /{r['measured'][k] * 1e3:>7.1f} {_err(r['sim'][k], r['measured'][k]):>+5.0%}"
+                        if r["measured"][k] > 0 else f"{'-':>22}" for k in keys)
+        print(f"{r['name']:<32}{cells}")
+
+
+def _summary(rows) -> dict:
+    from scipy.stats import kendalltau
+
+    errs = [abs(_err(r["sim_step_s"], r["meas_step_s"])) for r in rows]
+    mem_errs = [abs(_err(r["sim_mem_bytes"], r["meas_mem_bytes"])) for r in rows]
+    tau = kendalltau([r["sim_step_s"] for r in rows], [r["meas_step_s"] for r in rows])
+    s = {"num_plans": len(rows), "median_abs_step_error": statistics.median(errs), "worst_abs_step_error": max(errs),
+         "kendall_tau": float(tau.statistic), "kendall_p": float(tau.pvalue),
+         "median_abs_memory_error": statistics.median(mem_errs)}
+    print(f"\nstep time: median |error| {s['median_abs_step_error']:.1%} (target <= 10%), worst "
+          f"{s['worst_abs_step_error']:.1%}; Kendall tau {s['kendall_tau']:.3f} (target >= 0.8, p = {s['kendall_p']:.3g}) "
+          f"over {len(rows)} plans")
+    print(f"peak memory (RSS growth, for information): median |error| {s['median_abs_memory_error']:.1%}")
+    return s
+
+
+def _model_state(rows) -> dict | None:
+    """Parameter / gradient / optimizer bytes per rank, simulated against what the runtime counted.
+
+    Needs measured.json's ``model_state_bytes_per_rank`` (one {params_bytes, grads_bytes,
+    optimizer_bytes} per rank: the bytes of the local shards of the parameters, their
+    gradients and the optimizer state); runs without it are skipped.
+    """
+    worst = 0.0
+    checked = 0
+    for r in rows:
+        per_rank = r["measured"].get("model_state_bytes_per_rank")
+        if not per_rank:
+            continue
+        stages = r["sim"].get("memory_per_stage") or []
+        for rank, meas in enumerate(per_rank):
+            stage = stages[min(r["plan"].mesh.coords(rank)[1], len(stages) - 1)]
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+                if meas.get(key):
+                    worst = max(worst, abs(_err(stage[key], meas[key])))
+                    checked += 1
+    if not checked:
+        print("model state memory: measured.json holds no model_state_bytes_per_rank; not checked")
+        return None
+    print(f"model state memory (params, grads, optimizer per rank): worst |error| {worst:.2%} over {checked} "
+          f"figures (target: exact)")
+    return {"checked": checked, "worst_abs_error": worst}
+
+
+def _calibration(rows, ctx, profile) -> dict:
+    from autopar.profiling.calibrate import Observation, calibrate
+    from autopar.profiling.resimulate import simulate_figures
+
+    fit, held = rows[0::2], rows[1::2]
+
+    def observation(r):
+        return Observation(name=r["name"], measured=r["measured"],
+                           predict=lambda prof, plan=r["plan"]: simulate_figures(ctx, plan, prof, timeline=True)[0])
+
+    t0 = time.perf_counter()
+    res = calibrate(profile, [observation(r) for r in fit])
+    fit_s = time.perf_counter() - t0
+
+    def median_err(subset, prof) -> float:
+        return statistics.median(abs(_err(simulate_figures(ctx, r["plan"], prof, timeline=False)[0]["step_time_s"],
+                                          r["meas_step_s"])) for r in subset)
+
+    out = {"fitted_on": [r["name"] for r in fit], "held_back": [r["name"] for r in held],
+           "fitted_before": median_err(fit, profile), "fitted_after": median_err(fit, res.profile),
+           "held_before": median_err(held, profile), "held_after": median_err(held, res.profile),
+           "changes": {c.factor: {"old": c.old_efficiency, "new": c.new_efficiency, "time_scale": c.time_scale}
+                       for c in res.changes}, "fit_s": fit_s}
+    print(f"\ncalibration on {len(fit)} plans ({fit_s:.1f} s): " +
+          (", ".join(f"{c.factor} {c.old_efficiency:.3g} -> {c.new_efficiency:.3g} (time x{c.time_scale:.2f})"
+                     for c in res.changes) or "no change"))
+    print(f"  fitted half   median |step error| {out['fitted_before']:.1%} -> {out['fitted_after']:.1%}")
+    print(f"  held-back half median |step error| {out['held_before']:.1%} -> {out['held_after']:.1%} "
+          f"(target: no worse)")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``autopar profile``: measure op and collective costs on this machine into a profile file.
+
+    autopar profile -o profiles/my-machine.json [--quick] [--dtypes fp32,bf16]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m autopar.cli profile -o profiles/local-cpu.json
+
+Alone it times the op sweep on this machine's device (the first CUDA GPU, else the CPU).
+Under torchrun (WORLD_SIZE > 1) every rank times the op sweep at the same time -- as ranks
+compute during training, sharing the machine -- the rows hold the mean over ranks, and then
+the collectives are timed over the process group (NCCL on CUDA, gloo on CPU); rank 0 writes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from autopar.core.errors import UserError
+
+DTYPE_CHOICES = ("fp32", "tf32", "bf16", "fp16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="profile file to write (merged into it if it exists)")
+    p.add_argument("--quick", action="store_true", help="a few small shapes and short repeats (seconds, for tests)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated compute dtypes to sweep (fp32, tf32, bf16, fp16); "
+                        "default fp32 on CPU, fp32,tf32,bf16 on CUDA")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to profile (default: auto)")
+    p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
+    p.add_argument("--target-s", type=float, default=None, metavar="S",
+                   help="seconds of timed samples per point (default 0.05, --quick 0.01); raise it on a busy machine")
+    p.add_argument("--skip-ops", action="store_true", help="time only the collectives; keep the file's op table")
+    p.add_argument("--skip-collectives", action="store_true", help="time only the ops; keep the file's collective table")
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.profiling.profile_run import ProfileOptions, run_profile
+
+    dtypes = _parse_dtypes(args.dtypes)
+    if args.target_s is not None and args.target_s <= 0:
+        raise UserError(f"--target-s {args.target_s}: give a positive number of seconds.")
+    device = _pick_device(args.device)
+    if dtypes is None:
+        dtypes = ["fp32", "tf32", "bf16"] if device.type == "cuda" else ["fp32"]
+    if device.type != "cuda" and "tf32" in dtypes:
+        dtypes = [d for d in dtypes if d != "tf32"]
+        print("autopar profile: TF32 is a CUDA matmul mode; skipped on the CPU.", file=sys.stderr)
+    out = Path(args.output)
+    if out.exists() and out.is_dir():
+        raise UserError(f"-o {out} is a directory; give a file path such as {out}/my-machine.json.")
+    opts = ProfileOptions(output=out, quick=args.quick, dtypes=dtypes, device=device,
+                          name=args.name or out.stem, measure_ops=not args.skip_ops,
+                          measure_collectives=not args.skip_collectives, argv=tuple(_canonical_args(args)),
+                          target_s=args.target_s)
+    t0 = time.perf_counter()
+    prof = run_profile(opts)
+    if prof is not None:
+        from autopar.profiling.profile_summary import print_summary
+
+        print_summary(prof, out, time.perf_counter() - t0)
+    return 0
+
+
+def _canonical_args(args: argparse.Namespace) -> list[str]:
+    out = ["-o", str(args.output)]
+    for flag in ("quick", "skip_ops", "skip_collectives"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
+    for opt in ("dtypes", "name", "target_s"):
+        if getattr(args, opt) is not None:
+            out += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
+    if args.device != "auto":
+        out += ["--device", args.device]
+    return out
+
+
+def _parse_dtypes(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPE_CHOICES]
+    if bad or not dtypes:
+        raise UserError(f"--dtypes {text!r}: unknown dtype {', '.join(bad) or '(empty)'}; "
+                        f"give a comma-separated list of {', '.join(DTYPE_CHOICES)}.")
+    return dtypes
+
+
+def _pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda, but torch sees no CUDA GPU here; use --device cpu or run on a GPU machine.")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

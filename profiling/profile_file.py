@@ -1,0 +1,122 @@
+"""Assemble a profile (the schema of ``autopar.profiles``) from measured tables and write it.
+
+When the output file already exists, the new measurement is merged into it: table rows
+measured again replace the old rows of the same sweep -- (kind, variant, dtype) for ops,
+(op, group size, level) for collectives -- and the figures estimated from the tables are
+re-estimated; everything else (a memory size from a datasheet, collectives over 4 ranks
+from an earlier run, the efficiency of a kind not measured) is kept, ``sources`` says which
+is which and ``measured_by`` lists every command whose rows remain.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+from autopar.core.errors import UserError
+from autopar.core.plan import write_text_atomic
+from autopar.profiling import estimate
+
+DEFAULT_EFFICIENCY = {"linear": 1.0, "matmul": 1.0, "attention": 1.0, "conv": 1.0, "memory_bound": 1.0}
+DEFAULT_COLLECTIVE_EFFICIENCY = {"intra": 1.0, "inter": 1.0}
+
+
+def read_profile_json(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"profile file {p} is not valid JSON ({e}); fix it or choose another -o path.") from None
+    if not isinstance(d, dict):
+        raise UserError(f"profile file {p} holds a {type(d).__name__}, not a profile object.")
+    return d
+
+
+def build_profile(*, base: dict | None, name: str, device_kind: str, description: str, machine: dict, measured_by: str,
+                  op_rows: list[dict] | None, collective_rows: list[dict] | None,
+                  memory_bytes: int | None) -> dict:
+    """A profile dict: ``base`` (an existing profile or None) updated with what was measured."""
+    prof = json.loads(json.dumps(base)) if base else {}
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    sources = dict(prof.get("sources", {}))
+    prof.setdefault("name", name)
+    prof.setdefault("device", device_kind)                  # "gpu" or "cpu" (autopar.profiles.DEVICE_KINDS)
+    prof.setdefault("description", description)
+    if memory_bytes and not prof.get("memory_bytes"):
+        prof["memory_bytes"] = int(memory_bytes)
+        sources["memory_bytes"] = f"measured: device memory reported on this machine ({stamp})"
+    prof.setdefault("peak_flops", {})
+    prof["efficiency"] = {**DEFAULT_EFFICIENCY, **prof.get("efficiency", {})}
+    prof["collective_efficiency"] = {**DEFAULT_COLLECTIVE_EFFICIENCY, **prof.get("collective_efficiency", {})}
+
+    commands = []
+    if op_rows is not None:
+        new_keys = {_op_key(r) for r in op_rows}
+        kept = [r for r in prof.get("op_table", []) if _op_key(r) not in new_keys]
+        op_rows = kept + op_rows
+        prof["op_table"] = op_rows
+        sources["op_table"] = _table_source(sources.get("op_table") if kept else None, measured_by, stamp)
+        if kept:
+            commands.append(prof.get("measured_by"))
+        peaks = estimate.peak_flops(op_rows)
+        for dt, (rate, why) in peaks.items():
+            prof["peak_flops"][dt] = rate
+            sources[f"peak_flops.{dt}"] = why
+        if "fp32" in peaks and "tf32" not in peaks and machine.get("device_type") == "cpu":
+            prof["peak_flops"]["tf32"] = peaks["fp32"][0]
+            sources["peak_flops.tf32"] = "CPU: no TF32 mode, equal to the measured fp32 peak"
+        bw = estimate.memory_bandwidth(op_rows)
+        if bw is not None:
+            prof["memory_bandwidth_Bps"] = bw[0]
+            sources["memory_bandwidth_Bps"] = bw[1]
+        effs = estimate.efficiency(op_rows, {k: v[0] for k, v in peaks.items()}, bw[0] if bw else None)
+        for kind, (value, why) in effs.items():
+            prof["efficiency"][kind] = value
+            sources[f"efficiency.{kind}"] = why
+    elif prof.get("op_table"):
+        commands.append(prof.get("measured_by"))          # the old op table stays
+    if collective_rows is not None:
+        new_keys = {_coll_key(r) for r in collective_rows}
+        kept = [r for r in prof.get("collective_table", []) if _coll_key(r) not in new_keys]
+        collective_rows = kept + collective_rows
+        prof["collective_table"] = collective_rows
+        sources["collective_table"] = _table_source(sources.get("collective_table") if kept else None, measured_by, stamp)
+        if kept:
+            commands.append(prof.get("measured_by"))
+        links = estimate.fitted_links(collective_rows)
+        if links:
+            prof["fitted_links"] = links
+    elif prof.get("collective_table"):
+        commands.append(prof.get("measured_by"))          # the old collective table stays
+    for key in ("fp32", "tf32", "bf16", "fp16"):
+        if key not in prof["peak_flops"] and "fp32" in prof["peak_flops"]:
+            prof["peak_flops"][key] = prof["peak_flops"]["fp32"]
+            sources[f"peak_flops.{key}"] = f"not measured ({key}): assumed equal to fp32"
+    prof.setdefault("op_table", [])
+    prof.setdefault("collective_table", [])
+    prof["sources"] = sources
+    prof["machine"] = machine
+    # every command whose rows the tables still hold, in the order they ran
+    parts = [c for cmd in commands if cmd for c in cmd.split(" ; ")] + [measured_by]
+    prof["measured_by"] = " ; ".join(dict.fromkeys(parts))
+    prof["measured_at"] = stamp
+    return prof
+
+
+def _op_key(row: dict) -> tuple:
+    """Rows of one sweep: a new measurement of (kind, variant, dtype) replaces the old one."""
+    return row["kind"], row.get("variant"), row["dtype"]
+
+
+def _coll_key(row: dict) -> tuple:
+    return row["op"], row["group_size"], row["level"]
+
+
+def _table_source(old: str | None, measured_by: str, stamp: str) -> str:
+    new = f"measured by `{measured_by}` ({stamp})"
+    return f"{old}; rows not re-measured kept; then {new}" if old else new
+
+
+def write_profile(prof: dict, path: str | Path) -> None:
+    """Atomic write; the result is checked by the profile loader when it is available."""
+    write_text_atomic(path, json.dumps(prof, indent=1, sort_keys=False) + "\n")

@@ -1,0 +1,116 @@
+"""Re-simulate a plan for the report: find its model, cluster and profile, run the simulator.
+
+The plan records where it came from: the model file and arguments (``plan.model``), the
+cluster file (``provenance.cluster_file``, or the ``"name (file)"`` label in ``plan.cluster``)
+and the profile (``provenance.profile``).  Each can be overridden from the command line.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from autopar.core.errors import UserError
+from autopar.core.graph import OpGraph
+from autopar.core.plan import Plan
+from autopar.profiling.timelines import simulated_breakdown
+
+
+@dataclass
+class PlanContext:
+    graph: OpGraph
+    cluster: Any                     # autopar.core.cluster.Cluster
+    profile: dict                    # the profile dict the cost model is built from
+    profile_name: str
+
+
+def load_context(plan: Plan, plan_path: str | Path, *, cluster_path: str | None = None,
+                 profile: str | None = None) -> PlanContext:
+    from autopar.core.capture import capture_model_file
+
+    model_file = Path(plan.model.file)
+    if not model_file.is_file():
+        alt = Path(plan_path).parent / model_file
+        if alt.is_file():
+            model_file = alt
+        else:
+            raise UserError(f"{plan_path}: the plan's model file {plan.model.file} does not exist here; run the report "
+                            f"from the directory the plan was made in, or where that path resolves.")
+    graph = capture_model_file(model_file, dict(plan.model.args), batch_size=plan.micro_batch)
+    cluster = _load_cluster(plan, plan_path, cluster_path)
+    name = profile or plan.provenance.get("profile") or cluster.groups[0].gpu
+    return PlanContext(graph=graph, cluster=cluster, profile=load_profile_dict(str(name)), profile_name=str(name))
+
+
+def load_profile_dict(name_or_path: str) -> dict:
+    """A profile as a dict: a JSON file path, or a name in profiles/."""
+    p = Path(name_or_path)
+    if p.suffix == ".json":
+        if not p.is_file():
+            raise UserError(f"profile file {p} does not exist; give a profile name (see profiles/) or an existing file.")
+        return json.loads(p.read_text())
+    try:
+        from autopar.profiles import load_profile      # the validating loader, when installed
+    except ImportError:
+        load_profile = None
+    if load_profile is not None:
+        return dict(load_profile(name_or_path))
+    import autopar.profiles as pkg
+
+    f = Path(pkg.__file__).parent / f"{name_or_path}.json"
+    if not f.is_file():
+        known = sorted(x.stem for x in f.parent.glob("*.json"))
+        raise UserError(f"profile {name_or_path!r} not found in {f.parent}; known: {', '.join(known) or 'none'}.")
+    return json.loads(f.read_text())
+
+
+def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = None, *,
+                     timeline: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The simulated figures (predicted block + breakdown + memory per rank) and the events."""
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.simulate import simulate
+
+    from autopar.core.errors import InfeasibleError
+
+    cm = CostModel.from_profile(dict(profile if profile is not None else ctx.profile))
+    try:
+        res = simulate(ctx.graph, plan, ctx.cluster, cm, timeline=timeline)
+    except InfeasibleError as e:
+        raise UserError(f"the plan cannot be simulated on cluster {ctx.cluster.name}: {e}. Pass the cluster it was "
+                        f"made for with --cluster.") from None
+    figs = dict(res.predicted_dict())
+    events = list(res.timeline or [])
+    if events:
+        figs.update(simulated_breakdown(events, device=0))
+    per_stage = [float(m.total_bytes) for m in res.memory]
+    if per_stage:
+        figs["memory_per_rank_bytes"] = [per_stage[min(plan.mesh.coords(r)[1], len(per_stage) - 1)]
+                                         for r in range(plan.world_size)]
+    return figs, events
+
+
+def _load_cluster(plan: Plan, plan_path: str | Path, cluster_path: str | None):
+    """--cluster, else the plan's cluster file, else its cluster label ("name (file)" or a bundled name)."""
+    from autopar.core.cluster_file import load_cluster
+
+    candidates = [cluster_path] if cluster_path else []
+    if plan.provenance.get("cluster_file"):
+        candidates.append(str(plan.provenance["cluster_file"]))
+    m = re.match(r"^(.*?)\s*\((.+)\)\s*$", plan.cluster or "")
+    if m:
+        candidates += [m.group(2), m.group(1)]
+    elif plan.cluster:
+        candidates.append(plan.cluster)
+    tried = []
+    for c in candidates:
+        rel = Path(plan_path).parent / c
+        try:
+            return load_cluster(str(rel) if not Path(c).is_file() and rel.is_file() else c)
+        except UserError as e:
+            if cluster_path and c == cluster_path:
+                raise
+            tried.append(f"{c} ({str(e)[:80]}...)")
+    raise UserError(f"{plan_path}: cannot find the plan's cluster (tried {'; '.join(tried) or 'nothing: the plan names none'}); "
+                    f"pass --cluster CLUSTER.yaml or a bundled cluster name.")
