@@ -40,6 +40,9 @@ from autopar.simulator.memory import inflight_microbatches
 from autopar.simulator.topology import stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
+# A plan with uniform layer choices is preferred to the best one when it is at most this much
+# slower (0.2%: below what the simulator can tell apart; see Planner.tidy).
+TIDY_TOLERANCE = 0.002
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total)
 
@@ -373,6 +376,7 @@ class Planner:
 
             raise explain_infeasible(self.graph, self.cluster, self.cost_model, o, searched=len(self.seen))
         ranked = _distinct_best(fitting, o.top_k + 1)
+        ranked[0] = self.tidy(ranked[0])
         method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
         result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
                               num_infeasible=self.num_infeasible, num_settings=self.num_settings,
@@ -381,6 +385,28 @@ class Planner:
         result.best = self._finish(result.best, result, elapsed)
         result.runner_ups = [self._finish(ev, result, elapsed) for ev in result.runner_ups]
         return result
+
+    def tidy(self, best: Evaluated) -> Evaluated:
+        """Prefer uniform per-layer choices among plans within ``TIDY_TOLERANCE`` of the best.
+
+        The searches leave incidental variety behind (ZeRO-2 on one block, ZeRO-3 on its
+        neighbours) that costs nothing measurable but makes a plan harder to read and to run.
+        For each field of the layer choice, try giving every layer the value most layers
+        have; keep the change when the simulator prices the result within the tolerance.
+        """
+        limit = best.step_time_s * (1.0 + TIDY_TOLERANCE)
+        current = best
+        for field_name in ("zero", "recompute", "offload", "tp"):
+            values = [getattr(ch, field_name) for ch in current.candidate.choices]
+            for value in sorted(set(values), key=values.count, reverse=True):
+                if all(v == value for v in values):
+                    break
+                choices = tuple(replace(ch, **{field_name: value}) for ch in current.candidate.choices)
+                ev = self.price(replace(current.candidate, choices=choices))
+                if ev is not None and ev.step_time_s <= limit:
+                    current = ev
+                    break
+        return current
 
     def _finish(self, ev: Evaluated, result: SearchResult, elapsed_s: float) -> Evaluated:
         cm = self.cost_model

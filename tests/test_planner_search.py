@@ -138,3 +138,24 @@ def test_cli_exit_code_3_and_plan_json(tmp_path, tiny_gpt):
     assert d["mesh"]["dp"] * d["mesh"]["tp"] * d["mesh"]["pp"] == 8
     assert d["predicted"]["step_time_s"] > 0 and d["predicted"]["max_memory_bytes"] > 0
     assert d["model"]["fingerprint"] == tiny_gpt.fingerprint
+
+
+def test_tidy_prefers_uniform_choices_within_tolerance(tiny_gpt):
+    """The returned plan is within TIDY_TOLERANCE of the fastest plan the search priced, and a
+    mixed plan whose uniform version is as fast comes back uniform."""
+    from autopar.planner.search import TIDY_TOLERANCE
+
+    cluster, cm = _cluster(2), _cost_model()
+    options = PlanOptions(global_batch=8, seed=0, time_budget_s=5, **SMALL)
+    planner = Planner(tiny_gpt, cluster, cm, options)
+    result = planner.run()
+    fastest = min(ev.step_time_s for ev in planner.seen.values() if ev is not None)
+    assert result.best.step_time_s <= fastest * (1 + TIDY_TOLERANCE) + 1e-12
+    # a deliberately mixed recompute choice on a layer whose recompute costs ~nothing (pre):
+    best = result.best.candidate
+    mixed = replace(best, choices=(replace(best.choices[0], recompute="full"),) + best.choices[1:])
+    ev = planner.price(mixed)
+    assert ev is not None
+    tidied = planner.tidy(ev)
+    uniform = len({ch.recompute for ch in tidied.candidate.choices}) == 1
+    assert uniform and tidied.step_time_s <= ev.step_time_s * (1 + TIDY_TOLERANCE)
