@@ -11,8 +11,9 @@ Modules, in the order a run uses them:
 * ``parallelize``    -- the one documented order that applies a plan:
   ``apply_pp`` (stages) -> ``apply_tp`` (TP / SP) -> ``recompute`` -> ``apply_dp`` (FSDP2 /
   replicate) -> ``materialize`` (shards only) -> ``apply_dp`` (DDP, ZeRO-1) -> optimizers;
-* ``train``          -- the loop: batches, steps, loss, checkpoints (``checkpointing``, DCP),
-  measurements (``measure``, ``profile_breakdown``) into measured.json;
+* ``train``          -- the loop (``Trainer``: setup, one ``step`` per step, ``finish``): batches,
+  steps, loss, checkpoints (``checkpointing``, DCP), measurements (``measure``,
+  ``profile_breakdown``, ``model_state``) into measured.json;
 * ``reference``      -- the single-process trainer the parity tests compare against;
 * ``run_cli``        -- the ``autopar run`` verb (starts torchrun, or prints per-node commands).
 

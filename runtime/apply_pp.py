@@ -17,6 +17,12 @@ runtime says so.
 Schedules: GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021, PipeDream-Flush),
 interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), with ``scale_grads=True`` so gradients are
 averaged over the micro-batches.  Stage i runs on pp rank i % pp.
+
+Profiler regions: the schedules label their actions inconsistently (1F1B not at all; GPipe's
+"Forward i" and the interleaved runtime's "PP:0F3" also hold the wait for the received
+activation), so each stage labels its own compute -- ``autopar.forward`` around a micro-batch's
+forward (and the loss on the last stage), ``autopar.backward`` around its backward -- the names
+the non-pipelined loop uses (``autopar.runtime.profile_breakdown``).
 """
 from __future__ import annotations
 
@@ -28,10 +34,41 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.fx.passes.split_module import split_module
+from torch.profiler import record_function
 
 from autopar.core.errors import PlanFileError
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+FORWARD_REGION = "autopar.forward"
+BACKWARD_REGION = "autopar.backward"
+
+
+class LabelledStage(PipelineStage):
+    """A ``PipelineStage`` whose forward and backward compute run inside profiler regions.
+
+    The regions cover only this stage's compute for one micro-batch: the schedule waits for
+    received activations and gradients before calling these methods, and sends after them.
+    """
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with record_function(FORWARD_REGION):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with record_function(BACKWARD_REGION):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with record_function(BACKWARD_REGION):
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+def labelled_loss(loss_fn: Callable) -> Callable:
+    """The last stage's loss, counted as forward (as in the non-pipelined loop)."""
+    def loss(output, target, **kwargs):
+        with record_function(FORWARD_REGION):
+            return loss_fn(output, target, **kwargs)
+    return loss
 
 
 class _LayerLeafTracer(fx.Tracer):
@@ -152,14 +189,30 @@ def _in_order(args, prev_call: fx.Node) -> bool:
     return idx == list(range(len(args)))
 
 
+def runnable_schedule(schedule: str, num_microbatches: int, num_stages: int) -> str:
+    """The schedule torch runs for the plan's: 1F1B with fewer micro-batches than stages runs
+    as GPipe.
+
+    ``Schedule1F1B`` refuses m < p.  PipeDream-Flush's warm-up runs min(m, p - s) forwards on
+    stage s before its first backward (Narayanan et al. 2021, Sec. 2.2), so with m < p every
+    stage but the last m - 1 runs GPipe's fill-drain order exactly; the last m - 1 stages run
+    theirs with at most p - s instead of m micro-batches in flight.  The critical path, hence
+    the bubble (p - 1) / (m + p - 1), and the gradients are the same.
+    """
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        return "gpipe"
+    return schedule
+
+
 def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, schedule: str, num_microbatches: int,
                    loss_fn: Callable) -> tuple[object, list[PipelineStage]]:
     """``PipelineStage`` per local stage and the plan's schedule over them."""
     group = pp_mesh.get_group()
-    stages = [PipelineStage(mod, index, num_stages, device, group=group)
+    stages = [LabelledStage(mod, index, num_stages, device, group=group)
               for index, mod in sorted(stage_modules.items())]
-    cls = SCHEDULE_CLASSES[schedule]
+    cls = SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)]
+    loss_fn = labelled_loss(loss_fn)
     if schedule == "interleaved":
         return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages
     if len(stages) != 1:

@@ -8,6 +8,8 @@
   peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``) over the resident size measured
   just before the model was materialised -- parameters, gradients, optimizer state,
   activations and communication buffers, plus allocator slack.  ``memory_kind`` says which.
+* ``model_state_bytes_per_rank``: per rank, the bytes of its parameter, gradient and
+  optimizer-state shards after the last step (``autopar.runtime.model_state``).
 * ``samples_per_s`` = global batch / step time; ``tokens_per_s`` multiplies by the sequence
   length when the graph knows it.
 """
@@ -88,7 +90,8 @@ def gather_per_rank(value: int) -> list[int]:
 def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batch: int, seq_len: int | None,
                     memory_per_rank_bytes: list[int], memory_kind: str, losses: list[float], fingerprint: str,
                     world_size: int, device: torch.device, plan_file: str, first_step: int,
-                    breakdown: dict | None, trace_file: str | None, init_mode: str) -> dict:
+                    breakdown: dict | None, trace_file: str | None, init_mode: str,
+                    model_state_bytes_per_rank: list[dict] | None = None) -> dict:
     step_time_s = median_after_warmup(step_times_s, warmup_steps)
     samples_per_s = global_batch / step_time_s if step_time_s > 0 else 0.0
     out = {
@@ -110,6 +113,8 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
         "init": init_mode,
         "plan": plan_file,
     }
+    if model_state_bytes_per_rank is not None:
+        out["model_state_bytes_per_rank"] = model_state_bytes_per_rank
     if breakdown is not None:
         out["breakdown"] = breakdown
         out.update(breakdown)

@@ -30,7 +30,7 @@ import torch.nn as nn
 from autopar.core.plan import Plan
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
-from autopar.runtime.apply_pp import build_schedule, split_into_stages
+from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
 from autopar.runtime.apply_tp import apply_tp, resolve_tp_styles
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
@@ -131,8 +131,14 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     if plan.mesh.pp > 1:
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn)
+    notes = []
+    runs_as = runnable_schedule(plan.pipeline.schedule, plan.pipeline.num_microbatches, num_stages)
+    if plan.mesh.pp > 1 and runs_as != plan.pipeline.schedule:
+        notes.append(f"schedule {plan.pipeline.schedule} with {plan.pipeline.num_microbatches} micro-batches for "
+                     f"{num_stages} stages runs as {runs_as} (torch's Schedule1F1B needs at least one micro-batch "
+                     f"per stage; the order differs only on the last stages, the bubble is the same)")
     low = LOW_PRECISION.get(plan.precision)
-    return ParallelModel(parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+    return ParallelModel(notes=notes, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages,

@@ -1,14 +1,18 @@
 """``--profile``: a torch.profiler trace and a forward/backward/communication/optimizer split.
 
-The training loop labels its phases with ``record_function``: ``autopar.forward``,
-``autopar.backward``, ``autopar.optimizer``.  Under pipelining the schedule labels its own
-actions ("Forward 3", "Backward 3" for GPipe/1F1B; "PP:0F3", "PP:1B2", "PP:0SEND_F1" ... for the
-interleaved runtime), which are counted as forward, backward and communication.
-Communication is every profiler event of a collective or point-to-point call (names starting
-``c10d::``, ``nccl:``, ``gloo:``, ``record_param_comms``) and the pipeline send/recv actions.
+The runtime labels its phases with ``record_function``: ``autopar.forward``,
+``autopar.backward``, ``autopar.optimizer`` -- the training loop around each micro-batch's
+forward and backward, and under pipelining each stage around its own compute
+(``autopar.runtime.apply_pp.LabelledStage``).  The schedules' own labels ("Forward 3" in GPipe,
+"PP:0F3" in the interleaved runtime) are not used for compute: they also hold the wait for the
+previous stage's activation.  Communication is every profiler event of a collective or
+point-to-point call (names starting ``c10d::``, ``nccl:``, ``gloo:``, ``record_param_comms``)
+and the interleaved runtime's send/recv actions.
 
 Each figure is the length of the union of its events' time intervals (so nested events are
-not counted twice), divided by the number of profiled steps: seconds per step, keys
+not counted twice), clipped to the profiled steps (each step runs inside an ``autopar.step``
+region, so a checkpoint's collectives between steps, or a barrier at the end, is not counted),
+divided by the number of profiled steps: seconds per step, keys
 ``fwd_s``, ``bwd_s``, ``comm_s``, ``optimizer_s`` (named as in the plan's ``predicted`` block).
 Communication overlaps compute, so the four need not add up to the step time.
 """
@@ -21,9 +25,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 _COMM = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
-_FWD = re.compile(r"^(autopar\.forward|Forward \d+)$|^PP:\d+F\d+$")
-_BWD = re.compile(r"^(autopar\.backward|Backward \d+)$|^PP:\d+(B|I|W)\d+$")
+_FWD = re.compile(r"^autopar\.forward$")
+_BWD = re.compile(r"^autopar\.backward$")
 _OPT = re.compile(r"^autopar\.optimizer$")
+STEP_REGION = "autopar.step"
 
 
 def start_profiler(device: torch.device) -> profile:
@@ -38,24 +43,44 @@ def stop_profiler(prof: profile, num_steps: int, trace_path: Path) -> dict:
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
     spans: dict[str, list[tuple[float, float]]] = {"fwd_s": [], "bwd_s": [], "comm_s": [], "optimizer_s": []}
+    step_spans: list[tuple[float, float]] = []
     for ev in prof.events():
         start_us, end_us = ev.time_range.start, ev.time_range.end
+        if ev.name == STEP_REGION:
+            step_spans.append((start_us, end_us))
         for key, pattern in (("comm_s", _COMM), ("fwd_s", _FWD), ("bwd_s", _BWD), ("optimizer_s", _OPT)):
             if pattern.search(ev.name):
                 spans[key].append((start_us, end_us))
     steps = max(1, num_steps)
-    return {key: _union_us(iv) * 1e-6 / steps for key, iv in spans.items()} | {"profiled_steps": num_steps}
+    window = union(step_spans)
+    return ({key: _length_us(intersect(union(iv), window)) * 1e-6 / steps for key, iv in spans.items()}
+            | {"profiled_steps": num_steps})
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time as ``intervals``."""
+    out: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
         else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+            out.append((s, e))
+    return out
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time covered by both of two disjoint, sorted interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length_us(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)

@@ -7,6 +7,13 @@ the model file's loss (a mean over its samples) divided by the number of micro-b
 the data-parallel gradient reduction averages over the dp ranks, so every layout computes
 the gradient of the mean loss over the global batch -- the single-process reference's
 (``autopar.runtime.reference``).  The logged loss is that global mean.
+
+Per step the loop does only the step's own work: no ``.item()``, no collective of its own (on
+CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
+they are logged (every ``--log-every`` steps), before a checkpoint and at the end
+(``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
+overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
+the report.
 """
 from __future__ import annotations
 
@@ -24,10 +31,11 @@ from autopar.core.plan import write_text_atomic
 from autopar.runtime import checkpointing
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
+from autopar.runtime.model_state import gather_model_state_bytes, model_state_bytes
 from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
-from autopar.runtime.profile_breakdown import start_profiler, stop_profiler
+from autopar.runtime.profile_breakdown import STEP_REGION, start_profiler, stop_profiler
 
 # Testing hook: "RANK:STEP" makes that rank exit abruptly after finishing STEP, on the first
 # attempt only (TORCHELASTIC_RESTART_COUNT == 0) -- how the tests kill a rank mid-run.
@@ -64,7 +72,8 @@ def _autocast(pm: ParallelModel, device: torch.device):
 
 
 def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs, target) -> torch.Tensor:
-    """One optimizer step; returns this rank's mean loss over its samples (0 off the last stage)."""
+    """Forward, backward and optimizer step; returns this rank's mean loss over its samples (0 off
+    the last stage).  The gradients are left in place: the caller clears them (``zero_grad``)."""
     nmb = checked.plan.pipeline.num_microbatches
     loss_fn = checked.model_file.loss
     if pm.schedule is not None:
@@ -73,32 +82,47 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
         with _autocast(pm, ctx.device):
             pm.schedule.step(*(inputs if pm.has_first_stage else ()), **kwargs)
         local_loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+    elif nmb == 1:
+        part = pm.parts[0]
+        with record_function("autopar.forward"), _autocast(pm, ctx.device):
+            loss = loss_fn(part(*inputs), target)
+        with record_function("autopar.backward"):
+            loss.backward()
+        local_loss = loss.detach()
     else:
         part = pm.parts[0]
         in_chunks = [x.chunk(nmb) for x in inputs]
         tgt_chunks = target.chunk(nmb)
-        local_loss = torch.zeros((), device=ctx.device)
+        mb_losses = []
         for i in range(nmb):
             with _grad_sync(part, i == nmb - 1, pm):
                 with record_function("autopar.forward"), _autocast(pm, ctx.device):
                     loss = loss_fn(part(*(c[i] for c in in_chunks)), tgt_chunks[i]) / nmb
                 with record_function("autopar.backward"):
                     loss.backward()
-            local_loss += loss.detach().float()
+            mb_losses.append(loss.detach())
+        local_loss = torch.stack(mb_losses).sum()
     with record_function("autopar.optimizer"):
         for opt in pm.optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=True)
     return local_loss
 
 
-def global_loss(local_loss: torch.Tensor, pm: ParallelModel, ctx: RankContext, dp: int) -> float:
-    """The global-batch mean: the last stage's tp-rank-0 losses, averaged over dp."""
-    value = local_loss.detach().float().reshape(()).to(ctx.device)
+def zero_grad(pm: ParallelModel) -> None:
+    for opt in pm.optimizers:
+        opt.zero_grad(set_to_none=True)
+
+
+def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int) -> list[float]:
+    """The global-batch mean of each step: the last stage's tp-rank-0 losses, averaged over dp
+    (one all-reduce for all the steps given)."""
+    if not local_losses:
+        return []
+    values = torch.stack([l.detach().float().reshape(()).to(ctx.device) for l in local_losses])
     if not (pm.has_last_stage and ctx.tp_rank == 0):
-        value = torch.zeros((), device=ctx.device)
-    dist.all_reduce(value)
-    return float(value) / dp
+        values = torch.zeros_like(values)
+    dist.all_reduce(values)
+    return [v / dp for v in values.tolist()]
 
 
 def _maybe_fault(rank: int, step: int) -> None:
@@ -111,64 +135,104 @@ def _maybe_fault(rank: int, step: int) -> None:
             os._exit(17)
 
 
-def run(opts: RunOptions) -> dict:
-    checked = check_plan(opts.plan_path, launched_world_size())
-    plan = checked.plan
-    ctx = init_distributed(plan.mesh)
-    log = (lambda msg: print(f"[autopar] {msg}", flush=True)) if ctx.is_logging_rank else (lambda msg: None)
-    memory = MemoryProbe(ctx.device)
-    memory.start()
-    torch.manual_seed(opts.seed)
-    pm = build_parallel_model(checked, ctx, opts, checked.model_file.loss)
-    log(f"plan {opts.plan_path}: mesh dp={plan.mesh.dp} pp={plan.mesh.pp} tp={plan.mesh.tp}, "
-        f"zero {plan.zero} ({pm.dp_kind}), "
-        f"{len(plan.pipeline.stages)} stage(s) {plan.pipeline.schedule}, {plan.pipeline.num_microbatches} "
-        f"micro-batch(es), init {pm.init_mode}, device {ctx.device.type}")
-    first_step, losses = 0, []
-    if opts.checkpoint_dir is not None:
-        found = checkpointing.latest_checkpoint(opts.checkpoint_dir)
-        if found is not None:
-            first_step, path = found
-            checkpointing.load_checkpoint(path, pm.parts, pm.optimizers)
-            losses = list(json.loads((opts.checkpoint_dir / checkpointing.LATEST).read_text()).get("losses", []))
-            log(f"resumed from {path} (step {first_step})")
-    rows = plan.micro_batch * plan.pipeline.num_microbatches
-    clock, prof, profiled = StepClock(ctx.device), None, 0
-    for step in range(first_step, opts.steps):
-        if opts.profile and step - first_step == opts.warmup_steps:
-            prof = start_profiler(ctx.device)
-        clock.start()
-        inputs, target = global_batch(checked, opts.seed, step)
-        inputs = tuple(local_slice(x, ctx.dp_rank, rows, ctx.device) for x in inputs)
-        target = local_slice(target, ctx.dp_rank, rows, ctx.device)
-        local_loss = train_step(pm, checked, ctx, inputs, target)
-        dt = clock.stop()
-        profiled += prof is not None
-        losses.append(global_loss(local_loss, pm, ctx, plan.mesh.dp))
-        if (step + 1) % opts.log_every == 0 or step + 1 == opts.steps:
-            log(f"step {step + 1}/{opts.steps} loss {losses[-1]:.6f} step_time {dt * 1e3:.1f} ms")
-        _maybe_fault(ctx.rank, step + 1)
-        done = step + 1
-        if opts.checkpoint_dir is not None and ((opts.checkpoint_every and done % opts.checkpoint_every == 0)
-                                                or done == opts.steps):
-            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, pm.parts, pm.optimizers,
-                                                 extra={"losses": losses})
-            log(f"checkpoint {path}")
-    breakdown, trace = None, None
-    if prof is not None:
-        trace_path = opts.measured_file.with_name(f"{opts.measured_file.stem}.trace.rank{ctx.rank}.json")
-        breakdown = stop_profiler(prof, profiled, trace_path)
-        trace = str(trace_path.with_name(f"{opts.measured_file.stem}.trace.rank0.json"))
-    report = measured_report(
-        step_times_s=clock.times_s, warmup_steps=opts.warmup_steps, global_batch=plan.global_batch,
-        seq_len=checked.graph.seq_len, memory_per_rank_bytes=gather_per_rank(memory.peak_bytes()),
-        memory_kind=memory.kind, losses=losses, fingerprint=plan.model.fingerprint, world_size=ctx.world_size,
-        device=ctx.device, plan_file=str(opts.plan_path), first_step=first_step, breakdown=breakdown,
-        trace_file=trace, init_mode=pm.init_mode)
-    if ctx.is_logging_rank:
-        write_text_atomic(opts.measured_file, json.dumps(report, indent=2) + "\n")
-        log(f"wrote {opts.measured_file}: step_time_s {report['step_time_s']:.4f}, "
-            f"max_memory_bytes {report['max_memory_bytes']}")
-    dist.barrier()
-    return report
+class Trainer:
+    """One run of a plan: setup in the constructor, then ``step(i)`` for i in
+    ``range(first_step, opts.steps)``, then ``finish()`` for the measured report."""
 
+    def __init__(self, opts: RunOptions):
+        self.opts = opts
+        self.checked = check_plan(opts.plan_path, launched_world_size())
+        plan = self.plan = self.checked.plan
+        self.ctx = ctx = init_distributed(plan.mesh)
+        self.memory = MemoryProbe(ctx.device)
+        self.memory.start()
+        torch.manual_seed(opts.seed)
+        self.pm = pm = build_parallel_model(self.checked, ctx, opts, self.checked.model_file.loss)
+        self.log(f"plan {opts.plan_path}: mesh dp={plan.mesh.dp} pp={plan.mesh.pp} tp={plan.mesh.tp}, "
+                 f"zero {plan.zero} ({pm.dp_kind}), "
+                 f"{len(plan.pipeline.stages)} stage(s) {plan.pipeline.schedule}, {plan.pipeline.num_microbatches} "
+                 f"micro-batch(es), init {pm.init_mode}, device {ctx.device.type}")
+        for note in pm.notes:
+            self.log(f"note: {note}")
+        self.first_step, self.losses = 0, []
+        if opts.checkpoint_dir is not None:
+            found = checkpointing.latest_checkpoint(opts.checkpoint_dir)
+            if found is not None:
+                self.first_step, path = found
+                checkpointing.load_checkpoint(path, pm.parts, pm.optimizers)
+                self.losses = list(json.loads((opts.checkpoint_dir / checkpointing.LATEST).read_text())
+                                   .get("losses", []))
+                self.log(f"resumed from {path} (step {self.first_step})")
+        self.rows = plan.micro_batch * plan.pipeline.num_microbatches
+        self.clock, self.prof, self.profiled = StepClock(ctx.device), None, 0
+        self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
+        self.state_bytes: dict | None = None        # model_state_bytes of the last step
+
+    def log(self, msg: str) -> None:
+        if self.ctx.is_logging_rank:
+            print(f"[autopar] {msg}", flush=True)
+
+    def flush_losses(self) -> None:
+        self.losses += global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp)
+        self.pending = []
+
+    def step(self, step: int) -> None:
+        opts, ctx = self.opts, self.ctx
+        if opts.profile and step - self.first_step == opts.warmup_steps:
+            self.prof = start_profiler(ctx.device)
+        done = step + 1
+        self.clock.start()
+        with record_function(STEP_REGION) if self.prof is not None else contextlib.nullcontext():
+            inputs, target = global_batch(self.checked, opts.seed, step)
+            inputs = tuple(local_slice(x, ctx.dp_rank, self.rows, ctx.device) for x in inputs)
+            target = local_slice(target, ctx.dp_rank, self.rows, ctx.device)
+            local_loss = train_step(self.pm, self.checked, ctx, inputs, target)
+        dt = self.clock.stop()
+        if done == opts.steps:               # after the backward and the step, before zero_grad
+            self.state_bytes = model_state_bytes(self.pm.parts, self.pm.optimizers)
+        zero_grad(self.pm)
+        self.profiled += self.prof is not None
+        self.pending.append(local_loss)
+        checkpoint_now = opts.checkpoint_dir is not None and (
+            (opts.checkpoint_every and done % opts.checkpoint_every == 0) or done == opts.steps)
+        if done % opts.log_every == 0 or done == opts.steps or checkpoint_now:
+            self.flush_losses()
+            if done % opts.log_every == 0 or done == opts.steps:
+                self.log(f"step {done}/{opts.steps} loss {self.losses[-1]:.6f} step_time {dt * 1e3:.1f} ms")
+        _maybe_fault(ctx.rank, done)
+        if checkpoint_now:
+            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
+                                                 extra={"losses": self.losses})
+            self.log(f"checkpoint {path}")
+
+    def finish(self) -> dict:
+        opts, ctx, plan = self.opts, self.ctx, self.plan
+        self.flush_losses()
+        breakdown, trace = None, None
+        if self.prof is not None:
+            trace_path = opts.measured_file.with_name(f"{opts.measured_file.stem}.trace.rank{ctx.rank}.json")
+            breakdown = stop_profiler(self.prof, self.profiled, trace_path)
+            trace = str(trace_path.with_name(f"{opts.measured_file.stem}.trace.rank0.json"))
+        if self.state_bytes is None:                 # no step ran (resumed at the end): measure at rest
+            self.state_bytes = model_state_bytes(self.pm.parts, self.pm.optimizers)
+        state_per_rank = gather_model_state_bytes(self.state_bytes)
+        report = measured_report(
+            step_times_s=self.clock.times_s, warmup_steps=opts.warmup_steps, global_batch=plan.global_batch,
+            seq_len=self.checked.graph.seq_len, memory_per_rank_bytes=gather_per_rank(self.memory.peak_bytes()),
+            memory_kind=self.memory.kind, losses=self.losses, fingerprint=plan.model.fingerprint,
+            world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),
+            first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
+            model_state_bytes_per_rank=state_per_rank)
+        if ctx.is_logging_rank:
+            write_text_atomic(opts.measured_file, json.dumps(report, indent=2) + "\n")
+            self.log(f"wrote {opts.measured_file}: step_time_s {report['step_time_s']:.4f}, "
+                     f"max_memory_bytes {report['max_memory_bytes']}")
+        dist.barrier()
+        return report
+
+
+def run(opts: RunOptions) -> dict:
+    trainer = Trainer(opts)
+    for step in range(trainer.first_step, opts.steps):
+        trainer.step(step)
+    return trainer.finish()

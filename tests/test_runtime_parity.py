@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_support import assert_matches_reference, make_plan, reference, run_cases
+from runtime_support import ROOT, assert_matches_reference, make_plan, reference, run_cases
 
 # name -> uniform_plan arguments (dp * micro_batch * num_microbatches = 4)
 TWO_RANK_CASES = {
@@ -21,6 +21,8 @@ TWO_RANK_CASES = {
     "tp2_sp": dict(tp=2, micro_batch=4, sequence_parallel=True),
     "pp2_gpipe": dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe"),
     "pp2_1f1b": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="1f1b"),
+    # fewer micro-batches than stages: torch's Schedule1F1B refuses it; it runs as GPipe
+    "pp2_1f1b_one_microbatch": dict(pp=2, micro_batch=4, num_microbatches=1, schedule="1f1b"),
     "pp2_interleaved": dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2),
     "recompute_full": dict(dp=2, micro_batch=2, zero=3, recompute="full"),
     "recompute_selective": dict(dp=2, micro_batch=2, recompute="selective"),
@@ -30,7 +32,12 @@ TWO_RANK_CASES = {
     # the "never build the full model" init path (each rank fills only its half of every TP layer)
     "tp2_per_module_init": dict(tp=2, micro_batch=4),
 }
-RUN_OPTIONS = {"tp2_per_module_init": {"init": "per-module"}, "ddp": {"profile": True}}
+RUN_OPTIONS = {"tp2_per_module_init": {"init": "per-module"}, "ddp": {"profile": True},
+               "pp2_1f1b": {"profile": True}, "pp2_interleaved": {"profile": True}}
+# ZeRO-3 of a model whose every parameter has an odd dim 0 (uneven FSDP2 shards); checked for
+# its model-state bytes only
+MLP = ROOT / "examples" / "mlp.py"
+MLP_ARGS = {"layers": 2, "hidden": 33, "inputs": 7, "outputs": 5}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +48,8 @@ def two_rank_runs(tmp_path_factory):
         cases.append({"name": name, "plan": str(make_plan(tmp / f"{name}.json", **kw)),
                       "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
                       **RUN_OPTIONS.get(name, {})})
+    cases.append({"name": "zero3_uneven_mlp", "plan": str(_mlp_plan(tmp / "zero3_uneven_mlp.json")),
+                  "measured": str(tmp / "zero3_uneven_mlp.measured.json"), "steps": 2})
     run_cases(2, cases, tmp, timeout_s=240)
     return {c["name"]: c for c in cases}
 
@@ -86,3 +95,100 @@ def test_measured_json_fields_and_profile_breakdown(two_rank_runs):
     assert m["comm_s"] <= mean_step_s * 1.05
     trace = Path(m["trace_file"])
     assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
+
+
+def _mlp_plan(path):
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = capture_model_file(str(MLP), dict(MLP_ARGS), 1)
+    save_plan(uniform_plan(model=ModelRef(str(MLP), dict(MLP_ARGS), "mlp", g.fingerprint), num_layers=len(g.layers),
+                           dp=2, micro_batch=1, zero=3), path)
+    return path
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["pp2_1f1b", "pp2_interleaved"])
+def test_pipeline_profile_breakdown(two_rank_runs, name):
+    """Pipeline stages label their own forward and backward compute: the breakdown is not 0,
+    and forward, backward and optimizer (disjoint on one rank) fit in the step."""
+    import json
+    from pathlib import Path
+
+    m = json.loads(Path(two_rank_runs[name]["measured"]).read_text())
+    profiled = m["step_times_s"][m["warmup_steps"]:]
+    assert m["profiled_steps"] == len(profiled)
+    for key in ("fwd_s", "bwd_s", "comm_s", "optimizer_s"):
+        assert m[key] > 0, (key, m)
+    mean_step_s = sum(profiled) / len(profiled)
+    assert m["fwd_s"] + m["bwd_s"] + m["optimizer_s"] <= mean_step_s * 1.05, (m, mean_step_s)
+
+
+# ---------------------------------------------------------------- model state per rank
+FP32_BYTES = 4
+ADAMW_STATE_PER_ELEMENT = 2      # exp_avg and exp_avg_sq (Loshchilov & Hutter 2019, Alg. 2)
+
+
+def _state(two_rank_runs, name):
+    import json
+    from pathlib import Path
+
+    rows = json.loads(Path(two_rank_runs[name]["measured"]).read_text())["model_state_bytes_per_rank"]
+    assert [r["rank"] for r in rows] == [0, 1], rows
+    return rows
+
+
+def _fsdp_shard_numel(shape, rank: int, world: int) -> int:
+    """FSDP2 shards dim 0 like ``torch.chunk``: ceil(dim0 / world) rows per rank, the last ranks
+    taking what is left (possibly none)."""
+    rows_per_rank = -(-shape[0] // world)
+    rows = max(0, min(rows_per_rank, shape[0] - rank * rows_per_rank))
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return rows * rest
+
+
+@pytest.mark.multiproc
+def test_model_state_bytes_ddp_is_full_on_every_rank(two_rank_runs):
+    shapes = [p.shape for p in reference().params.values()]
+    numel = sum(p.numel() for p in reference().params.values())
+    for r in _state(two_rank_runs, "ddp"):
+        assert r["params_bytes"] == FP32_BYTES * numel, r
+        assert r["grads_bytes"] == FP32_BYTES * numel, r
+        assert r["optimizer_bytes"] == ADAMW_STATE_PER_ELEMENT * FP32_BYTES * numel, r
+        # AdamW's step counter: one 0-d fp32 tensor per parameter tensor, reported apart
+        assert r["optimizer_step_bytes"] == FP32_BYTES * len(shapes), r
+
+
+@pytest.mark.multiproc
+def test_model_state_bytes_zero1_partitions_only_the_optimizer(two_rank_runs):
+    numel = sum(p.numel() for p in reference().params.values())
+    rows = _state(two_rank_runs, "zero1")
+    for r in rows:
+        assert r["params_bytes"] == r["grads_bytes"] == FP32_BYTES * numel, r
+        assert 0 < r["optimizer_bytes"] < ADAMW_STATE_PER_ELEMENT * FP32_BYTES * numel, r
+    assert sum(r["optimizer_bytes"] for r in rows) == ADAMW_STATE_PER_ELEMENT * FP32_BYTES * numel
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["zero3", "zero3_uneven_mlp"])
+def test_model_state_bytes_zero3_shards_everything(two_rank_runs, name):
+    if name == "zero3":
+        shapes = [p.shape for p in reference().params.values()]
+    else:
+        import torch
+
+        from autopar.core.modelfile import load_model_file
+
+        with torch.device("meta"):
+            shapes = [p.shape for p in load_model_file(MLP).build(**MLP_ARGS).parameters()]
+        assert all(s[0] % 2 for s in shapes)           # every shard really is uneven
+    rows = _state(two_rank_runs, name)
+    for rank, r in enumerate(rows):
+        shard = sum(_fsdp_shard_numel(s, rank, 2) for s in shapes)
+        assert r["params_bytes"] == FP32_BYTES * shard, (rank, r, shard)
+        assert r["grads_bytes"] == FP32_BYTES * shard, (rank, r, shard)
+        assert r["optimizer_bytes"] == ADAMW_STATE_PER_ELEMENT * FP32_BYTES * shard, (rank, r, shard)
+    total = sum(s.numel() for s in shapes)
+    assert sum(r["params_bytes"] for r in rows) == FP32_BYTES * total
