@@ -1,6 +1,6 @@
 """Accuracy here: simulated against measured for plans of a small GPT on the local-cpu cluster.
 
-    OMP_NUM_THREADS=1 python benchmarks/accuracy_local_cpu.py [--steps 10] [--profile local-cpu]
+    OMP_NUM_THREADS=1 python benchmarks/accuracy_local_cpu.py [--steps 10] [--repeats 2] [--profile local-cpu]
 
 For each configuration below (2 and 4 gloo ranks, one thread each: DDP, ZeRO-1/3, tensor
 parallel, pipeline, recompute, gradient accumulation and mixes) it builds the plan, prices it
@@ -10,6 +10,14 @@ step time and peak memory with their errors; then the median and worst step-time
 Kendall's tau between simulated and measured step times (scipy.stats.kendalltau); then it
 calibrates the profile on every other plan and prints the median step-time error of the
 held-back plans before and after (and of the fitted ones).
+
+The machine is shared: before each run the script waits (up to --idle-wait-s) until the CPU
+is idle, and it runs each plan --repeats times and keeps the run with the lowest median step
+time -- the one least disturbed by other work, as ``timeit`` keeps the best of its repeats
+(Python docs, timeit, "Note": higher values are caused by other processes interfering).
+The CPU busy fraction seen before each kept run is recorded.  When measured.json holds the
+runtime's ``model_state_bytes_per_rank``, the parameter, gradient and optimizer-state bytes
+of every rank are compared with the simulator's per-stage breakdown.
 
 Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
 the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
@@ -83,6 +91,9 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse a measured.json already in --out for a plan whose file is unchanged (re-analysis)")
     ap.add_argument("--save", default=None, help="write the figures as JSON here (e.g. benchmarks/results/...)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per plan; the fastest median step time is kept")
+    ap.add_argument("--idle-wait-s", type=float, default=60.0,
+                    help="wait up to this long before each run for the CPU to be idle (< 25%% busy)")
     args = ap.parse_args()
 
     from autopar.core.capture import capture_model_file
@@ -117,7 +128,13 @@ def main() -> int:
         if args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json"):
             measured = json.loads((run_dir / "measured.json").read_text())
         else:
-            measured = _run(run_dir / "plan.json", cfg.world_size, args.steps, args.timeout, args.breakdown)
+            measured = None
+            for _ in range(max(1, args.repeats)):
+                busy = _wait_for_idle(args.idle_wait_s)
+                m = _run(run_dir / "plan.json", cfg.world_size, args.steps, args.timeout, args.breakdown)
+                if m is not None and (measured is None or m["step_time_s"] < measured["step_time_s"]):
+                    measured = {**m, "cpu_busy_before_run": busy}
+                    (run_dir / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
         wall_s = time.perf_counter() - t0
         if measured is None:
             print(f"  {cfg.name}: the run failed (see {run_dir}/run.log); left out", flush=True)
@@ -141,8 +158,10 @@ def main() -> int:
         Path(args.save).write_text(json.dumps({
             "command": " ".join(["OMP_NUM_THREADS=1", "python", *sys.argv]),
             "model": MODEL_ARGS, "micro_batch": MICRO_BATCH, "profile": str(args.profile), "steps": args.steps,
-            "plans": [{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
-                                         "meas_mem_bytes")} for r in rows],
+            "repeats": args.repeats,
+            "plans": [{**{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
+                                            "meas_mem_bytes")},
+                       "cpu_busy_before_run": r["measured"].get("cpu_busy_before_run")} for r in rows],
             "summary": summary, "calibration": calib}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
@@ -163,6 +182,29 @@ def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: boo
     if proc.returncode != 0 or not measured.is_file():
         return None
     return json.loads(measured.read_text())
+
+
+def _cpu_busy_fraction(interval_s: float = 1.0) -> float:
+    """Fraction of the CPU time not idle over ``interval_s`` (/proc/stat: idle + iowait columns)."""
+    def read():
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]
+    total0, idle0 = read()
+    time.sleep(interval_s)
+    total1, idle1 = read()
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def _wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float | None:
+    """Wait until the CPU is less than ``busy_below`` busy (or ``max_wait_s`` passed); the last reading."""
+    if not Path("/proc/stat").is_file():
+        return None
+    deadline = time.monotonic() + max_wait_s
+    busy = _cpu_busy_fraction()
+    while busy >= busy_below and time.monotonic() < deadline:
+        time.sleep(1.0)
+        busy = _cpu_busy_fraction()
+    return busy
 
 
 def _same_plan(old_text: str | None, new_path: Path) -> bool:
@@ -230,7 +272,8 @@ def _model_state(rows) -> dict | None:
     gradients and the optimizer state); runs without it are skipped.
     """
     worst = 0.0
-    checked = 0
+    checked = exact = 0
+    mismatches = []
     for r in rows:
         per_rank = r["measured"].get("model_state_bytes_per_rank")
         if not per_rank:
@@ -239,15 +282,29 @@ def _model_state(rows) -> dict | None:
         for rank, meas in enumerate(per_rank):
             stage = stages[min(r["plan"].mesh.coords(rank)[1], len(stages) - 1)]
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-                if meas.get(key):
-                    worst = max(worst, abs(_err(stage[key], meas[key])))
-                    checked += 1
+                if key not in meas:
+                    continue
+                checked += 1
+                if float(stage[key]) == float(meas[key]):
+                    exact += 1
+                    continue
+                err = _err(stage[key], meas[key]) if meas[key] else float("inf")
+                worst = max(worst, abs(err))
+                mismatches.append({"plan": r["name"], "rank": rank, "figure": key, "simulated": stage[key],
+                                   "measured": meas[key], "error": err})
     if not checked:
         print("model state memory: measured.json holds no model_state_bytes_per_rank; not checked")
         return None
-    print(f"model state memory (params, grads, optimizer per rank): worst |error| {worst:.2%} over {checked} "
-          f"figures (target: exact)")
-    return {"checked": checked, "worst_abs_error": worst}
+    print(f"model state memory (params, grads, optimizer per rank): {exact} of {checked} figures exact, worst "
+          f"|error| {worst:.2%} (target: exact)")
+    seen = set()
+    for m in mismatches:
+        if (m["plan"], m["figure"]) in seen:
+            continue
+        seen.add((m["plan"], m["figure"]))
+        print(f"  {m['plan']:<22} rank {m['rank']} {m['figure']:<16} simulated {m['simulated']:>12.0f}  measured "
+              f"{m['measured']:>12.0f}  ({m['error']:+.2%})")
+    return {"checked": checked, "exact": exact, "worst_abs_error": worst, "mismatches": mismatches}
 
 
 def _calibration(rows, ctx, profile) -> dict:

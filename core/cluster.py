@@ -39,6 +39,10 @@ class NodeGroup:
     intra_node: Link          # GPU <-> GPU inside a node (NVLink / NVSwitch, or shared memory for CPU)
     host_memory_bytes: int    # per node
     host_to_device: Link      # per GPU (PCIe), for offload
+    # devices of one node that can compute at the same time; 0 = all of them (a GPU each).
+    # A CPU group whose "devices" are processes sharing the node's cores sets
+    # physical cores / threads per process: more busy devices than this share the cores.
+    compute_slots: int = 0
 
     @property
     def num_devices(self) -> int:

@@ -37,7 +37,7 @@ _PACKAGE = "autopar.examples.clusters"
 TOP_REQUIRED = ("inter_node", "groups")
 TOP_OPTIONAL = ("name", "backend")
 GROUP_REQUIRED = ("name", "gpu", "nodes", "gpus_per_node", "host_memory_GB")
-GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device")
+GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slots")
 LINK_REQUIRED = ("bandwidth_GBps", "latency_us")
 
 _DOCS = "See docs/cluster-file.md for the schema."
@@ -235,6 +235,18 @@ class _Validator:
                             f"default to; add '{key}: {{bandwidth_GBps: ..., latency_us: ...}}' to the group.")
         return Link(float(profile[bandwidth_key]), float(profile[latency_key]))
 
+    def compute_slots(self, group: dict, path: str) -> int:
+        """Optional ``compute_slots``: 1 <= slots <= gpus_per_node; 0 (absent) = every device."""
+        if "compute_slots" not in group:
+            return 0
+        slots = self.whole(group["compute_slots"], f"{path}.compute_slots")
+        per_node = group.get("gpus_per_node")
+        if slots < 1 or (isinstance(per_node, int) and slots > per_node):
+            self.bad_value(f"{path}.compute_slots", slots,
+                           f"a whole number from 1 to gpus_per_node ({per_node}): how many devices of a node can "
+                           f"compute at once (CPU: physical cores / threads per process)")
+        return slots
+
     def group(self, value: object, path: str) -> tuple[NodeGroup, dict]:
         g = self.mapping(value, path, GROUP_REQUIRED, GROUP_OPTIONAL)
         gpu, prof = self.profile(g["gpu"], f"{path}.gpu")
@@ -251,6 +263,7 @@ class _Validator:
             intra_node=self.link_or_default(g, "intra_node", path, prof, gpu, "nvlink_GBps", "nvlink_latency_us"),
             host_memory_bytes=round(self.number(g["host_memory_GB"], f"{path}.host_memory_GB", positive=True) * 1e9),
             host_to_device=self.link_or_default(g, "host_to_device", path, prof, gpu, "pcie_GBps", "pcie_latency_us"),
+            compute_slots=self.compute_slots(g, path),
         )
         return group, prof
 

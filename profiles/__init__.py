@@ -50,6 +50,9 @@ OPTIONAL_KEYS = {
     "machine": "object",
     "measured_at": "text",
     "fitted_links": "any",
+    # per-call framework costs in seconds (profiling/overheads.py; simulator/cost_model.py
+    # OVERHEAD_KEYS): op dispatch, DTensor module, FSDP unit, optimizer parameter tensor
+    "framework_overheads": "overheads",
 }
 PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)
 
@@ -159,6 +162,11 @@ def _check_optional(value: object, kind: str, source: str, key: str) -> None:
             _fail(source, key, value, "a list of two whole numbers >= 1 (tile rows, tile columns)")
     elif kind == "object" and not isinstance(value, dict):
         _fail(source, key, value, "a JSON object")
+    elif kind == "overheads":
+        if not isinstance(value, dict):
+            _fail(source, key, value, "an object mapping an overhead name (op_launch_s, ...) to seconds >= 0")
+        for name, seconds in value.items():
+            _check_number(seconds, source, f"{key}.{name}", positive=False)
 
 
 def _check_row(row: object, row_keys: dict[str, str], source: str, path: str) -> None:

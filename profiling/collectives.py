@@ -16,6 +16,14 @@ reduce-scatter (N-1)/N * bytes (Patarasuk & Yuan 2009; Thakur et al. 2005).
 ``send_recv`` is half a ping-pong between the group's first two ranks (one-way time).
 
 The level is ``intra`` when every rank of the group runs on one host, ``inter`` otherwise.
+
+On a CPU the "devices" are processes sharing the machine's cores, and a collective's time
+depends on how many processes are busy beside it (each ring step waits for a process to be
+scheduled).  So on a CPU every disjoint block of ``g`` consecutive ranks runs the same
+collective at the same time -- as the tensor-, data- and pipeline-parallel groups of a
+training step do -- and a row records ``processes``, how many processes took part at once
+(the group's own ranks on a GPU).  The cost model prices a plan from the rows measured with
+as many processes as the plan keeps busy on a node.
 """
 from __future__ import annotations
 
@@ -71,8 +79,17 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
     sizes = message_sizes(device.type, quick)
     rows = []
     for g in group_sizes(world):
-        members = list(range(g))
-        group = dist.new_group(members) if g < world else dist.group.WORLD
+        # every disjoint block of g ranks on a CPU (all create every group, in one order)
+        starts = range(0, world - g + 1, g) if device.type == "cpu" else range(0, 1)
+        group = members = None
+        for start in starts:
+            block = list(range(start, start + g))
+            grp = dist.new_group(block) if g < world else dist.group.WORLD
+            if rank in block:
+                group, members = grp, block
+        if members is None:
+            group, members = None, list(range(g))
+        processes = g * len(starts)
         level = "intra" if len({hosts[r] for r in members}) == 1 else "inter"
         for op in COLLECTIVE_OPS:
             if op == "send_recv" and g != 2:
@@ -80,7 +97,7 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
             for size_bytes in sizes:
                 if on_case is not None:
                     on_case(f"{op} {size_bytes} B over {g} ranks")
-                if rank in members:
+                if group is not None:
                     fn = _make_call(op, size_bytes, g, members, rank, group, device)
                     seconds, num_samples = _time_collective(fn, device, policy, group)
                     if op == "send_recv":
@@ -88,21 +105,25 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
                     del fn
                     rows.append({"op": op, "bytes": size_bytes, "group_size": g, "level": level,
                                  "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
-                                 "backend": dist.get_backend()})
+                                 "processes": processes, "backend": dist.get_backend()})
                 dist.barrier()
-        if g < world:
-            dist.destroy_process_group(group)
+        dist.barrier()
     # ranks outside the largest group hold fewer rows: everyone takes rank 0's
     box = [rows]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
+def row_processes(row: dict) -> int:
+    """Processes busy at once when the row was measured (rows without the key: the group's ranks)."""
+    return int(row.get("processes", row["group_size"]))
+
+
 def make_monotone(rows: list[dict]) -> list[dict]:
     """Sorted by bytes within (op, group_size, level); ``seconds`` non-decreasing (isotonic fit)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["op"], r["group_size"], r["level"]), []).append(dict(r))
+        groups.setdefault((r["op"], r["group_size"], r["level"], row_processes(r)), []).append(dict(r))
     out = []
     for key in sorted(groups):
         grp = sorted(groups[key], key=lambda r: r["bytes"])

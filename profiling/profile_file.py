@@ -34,7 +34,7 @@ def read_profile_json(path: str | Path) -> dict:
 
 def build_profile(*, base: dict | None, name: str, device_kind: str, description: str, machine: dict, measured_by: str,
                   op_rows: list[dict] | None, collective_rows: list[dict] | None,
-                  memory_bytes: int | None) -> dict:
+                  memory_bytes: int | None, overheads: dict[str, float] | None = None) -> dict:
     """A profile dict: ``base`` (an existing profile or None) updated with what was measured."""
     prof = json.loads(json.dumps(base)) if base else {}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -75,6 +75,10 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
             sources[f"efficiency.{kind}"] = why
     elif prof.get("op_table"):
         commands.append(prof.get("measured_by"))          # the old op table stays
+    if overheads is not None:
+        prof["framework_overheads"] = {k: float(v) for k, v in overheads.items()}
+        sources["framework_overheads"] = (f"measured by `{measured_by}` ({stamp}): tiny plain vs framework "
+                                          f"closures, per call (profiling/overheads.py)")
     if collective_rows is not None:
         new_keys = {_coll_key(r) for r in collective_rows}
         kept = [r for r in prof.get("collective_table", []) if _coll_key(r) not in new_keys]
@@ -109,7 +113,8 @@ def _op_key(row: dict) -> tuple:
 
 
 def _coll_key(row: dict) -> tuple:
-    return row["op"], row["group_size"], row["level"]
+    """Rows of one sweep: (op, group size, level, processes busy at once)."""
+    return row["op"], row["group_size"], row["level"], int(row.get("processes", row["group_size"]))
 
 
 def _table_source(old: str | None, measured_by: str, stamp: str) -> str:

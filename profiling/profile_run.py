@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopar.profiling import collectives, machine, ops
+from autopar.profiling import collectives, machine, ops, overheads
 from autopar.profiling.op_sweeps import op_cases
 from autopar.profiling.profile_file import build_profile, read_profile_json, write_profile
 from autopar.profiling.timing import RepeatPolicy
@@ -61,9 +61,9 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     console = Console(file=sys.stderr)
     progress = Progress(TextColumn("[bold]{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=rank != 0, transient=False)
-    op_rows = coll_rows = None
+    op_rows = coll_rows = overhead_s = None
     with progress:
-        task = progress.add_task("ops", total=len(cases) + num_coll)
+        task = progress.add_task("ops", total=len(cases) + num_coll + (1 if cases else 0))
 
         def step(label: str) -> None:
             progress.update(task, description=label[:44])
@@ -76,6 +76,12 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
             if world > 1:
                 op_rows = _mean_over_ranks(op_rows, world)
             op_rows = ops.make_monotone(op_rows)
+            step("framework overheads")
+            if world > 1:
+                dist.barrier()
+            overhead_s = overheads.measure_overheads(opts.device, policy)
+            if world > 1:
+                overhead_s = _mean_dict_over_ranks(overhead_s, world)
         if num_coll:
             coll_rows = collectives.make_monotone(
                 collectives.measure_collectives(opts.device, policy, opts.quick, on_case=step))
@@ -90,7 +96,7 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     prof = build_profile(base=base, name=opts.name, device_kind="gpu" if opts.device.type == "cuda" else "cpu",
                          description=label, machine=desc,
                          measured_by=machine.command_line(["profile", *opts.argv]), op_rows=op_rows, collective_rows=coll_rows,
-                         memory_bytes=mem)
+                         memory_bytes=mem, overheads=overhead_s)
     _check_with_loader(prof, opts.output)
     write_profile(prof, opts.output)
     return prof
@@ -106,6 +112,12 @@ def _mean_over_ranks(rows: list[dict], world: int) -> list[dict]:
         out.append({**r, "seconds": statistics.fmean(per_rank), "measured_seconds": statistics.fmean(per_rank),
                     "ranks": len(per_rank)})
     return out
+
+
+def _mean_dict_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, values)
+    return {k: statistics.fmean(g[k] for g in gathered if g is not None) for k in values}
 
 
 def _check_with_loader(prof: dict, path: Path) -> None:

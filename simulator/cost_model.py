@@ -5,14 +5,22 @@ they cover the question; otherwise an analytic model answers:
 
 * ops: a roofline, max(FLOPs / (peak * efficiency[kind]), bytes / (bandwidth * efficiency
   [memory_bound])) (Williams et al. 2009, "Roofline", CACM 52(4)).  A measured op table is
-  interpolated in log-log space on FLOPs per (kind, dtype) and made non-decreasing with a
-  running maximum, so a larger op never costs less than a smaller one.
+  interpolated in log-log space per (kind, variant, dtype) -- compute kinds on FLOPs,
+  memory-bound kinds on bytes -- and made non-decreasing with a running maximum, so a larger
+  op never costs less than a smaller one.  The variant (layer_norm / rms_norm, gelu / add)
+  comes from the op's traced target (``op_variant``).
+* framework overheads (``overhead``): no op takes less than one eager dispatch
+  (``op_launch_s``; its autograd node ``op_backward_launch_s`` in backward); a tensor-parallel
+  module, an FSDP unit and every optimizer parameter tensor add their measured fixed costs
+  (profiling/overheads.py measures them; GPU profiles without them use ``GPU_OVERHEADS``).
 * collectives: alpha-beta (Hockney 1994) per link level.  Ring algorithms (Thakur et al. 2005,
   "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1); Patarasuk &
   Yuan 2009, "Bandwidth optimal all-reduce algorithms", JPDC 69(2)): all-reduce sends
   2(N-1)/N * M bytes per rank in 2(N-1) steps, reduce-scatter and all-gather (N-1)/N * M in
   N-1 steps; a tree all-reduce pays 2 log2 N latencies and about 2M bytes.  Measured
-  collective tables are interpolated on message size per (op, group size, level).
+  collective tables are interpolated on message size per (op, group size, level), from the
+  rows measured with as many processes busy at once as the plan keeps on a node (a row's
+  ``processes``; on a CPU the processes share the cores, profiling/collectives.py).
 * host <-> device copies: latency + bytes / bandwidth of the host link.
 
 Every public ``*_ex`` method returns (seconds, measured) so callers can count which figures
@@ -38,6 +46,37 @@ _COMPUTE_KINDS = {"linear": "linear", "matmul": "matmul", "attention": "attentio
 _DTYPE_KEY = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
               "float16": "fp16", "fp16": "fp16", "float64": "fp32"}
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "tf32": 4}
+#: kinds whose measured rows are looked up by FLOPs; every other kind by bytes moved
+FLOPS_AXIS_KINDS = frozenset({"linear", "matmul", "attention", "attention_math", "conv"})
+#: the profiler's default variant of each kind (profiling/op_sweeps.py), used when a captured
+#: op's target names no measured variant
+DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "conv": "conv2d_3x3",
+                   "norm": "layer_norm", "softmax": "softmax", "elementwise": "add", "embedding": "embedding"}
+#: framework overheads in seconds (keys of a profile's ``framework_overheads``).  Defaults for a
+#: GPU profile that did not measure them: a CUDA kernel launch costs about 5 us of host time
+#: (NVIDIA Developer Blog, "Getting Started with CUDA Graphs", 2019: "a few microseconds" per
+#: launch), the floor of any kernel; the other host-side costs (DTensor dispatch, FSDP hooks,
+#: per-tensor optimizer work) overlap the GPU's queue while it runs ahead, so they default to 0.
+#: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
+OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
+                 "fsdp_unit_bwd_s", "optimizer_tensor_s", "optimizer_dtensor_tensor_s")
+GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
+#: collective names of the profiler's table -> the cost model's
+_COLLECTIVE_ALIASES = {"send_recv": "p2p"}
+#: one AdamW parameter tensor of the profiler's optimizer rows holds at most this many elements
+#: (profiling/op_sweeps.py, OPTIMIZER_TENSOR_NUMEL)
+_OPTIMIZER_ROW_TENSOR_NUMEL = 1 << 20
+
+
+def op_variant(kind: str, target: str) -> str | None:
+    """The profiler variant that prices a captured op of ``kind`` traced as ``target``."""
+    t = target.lower()
+    if kind == "norm":
+        return "rms_norm" if "rms" in t else "layer_norm"
+    if kind == "elementwise":
+        # transcendental activations cost like gelu; arithmetic, masks and copies like add
+        return "gelu" if any(a in t for a in ("gelu", "silu", "swish", "tanh", "sigmoid", "erf", "exp")) else "add"
+    return DEFAULT_VARIANT.get(kind)
 
 
 def dtype_key(dtype: str) -> str:
@@ -84,6 +123,9 @@ class CostModel:
     num_sms: int = 0                      # streaming multiprocessors (0: no wave model)
     gemm_tile: tuple[int, int] = (256, 128)
     profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    overheads: Mapping[str, float] = field(default_factory=dict)
+    host_dispatch_bound: bool = False     # CPU: the device is the host thread, views cost a dispatch too
+    optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
 
@@ -108,20 +150,33 @@ class CostModel:
             raise UserError(f"profile {prof.get('name', name_or_dict)!r}: field {e} is missing or malformed; a "
                             f"profile needs name, peak_flops{{fp32,bf16,...}}, memory_bandwidth_Bps, efficiency "
                             f"and collective_efficiency (see profiles/README or 'autopar profile').") from None
-        groups: dict[tuple[str, str], tuple[list, list]] = {}
+        gpu = prof.get("device", "gpu") != "cpu"
+        measured = {k: float(v) for k, v in (prof.get("framework_overheads") or {}).items() if k in OVERHEAD_KEYS}
+        cm.overheads = {**(GPU_OVERHEADS if gpu else {}), **measured}
+        cm.host_dispatch_bound = not gpu
+        groups: dict[tuple[str, str | None, str], tuple[list, list]] = {}
         for row in prof.get("op_table", []) or []:
-            key = (str(row["kind"]), dtype_key(str(row.get("dtype", "fp32"))))
-            xs, ys = groups.setdefault(key, ([], []))
-            xs.append(float(row["flops"]) if float(row.get("flops", 0)) > 0 else float(row.get("bytes", 0)))
+            kind = str(row["kind"])
+            variant = row.get("variant") or DEFAULT_VARIANT.get(kind)
+            x = float(row["flops"]) if kind in FLOPS_AXIS_KINDS else float(row.get("bytes", 0))
+            if x <= 0:
+                x = float(row.get("bytes", 0)) or float(row.get("flops", 0))
+            xs, ys = groups.setdefault((kind, variant, dtype_key(str(row.get("dtype", "fp32")))), ([], []))
+            xs.append(x)
             ys.append(float(row["seconds"]))
         cm._op_curves = {k: _Curve.build(*v) for k, v in groups.items() if v[0]}
-        cgroups: dict[tuple[str, int, str], tuple[list, list]] = {}
+        cm.optimizer_element_s = _optimizer_element_s(prof.get("op_table", []) or [],
+                                                      cm.overheads.get("optimizer_tensor_s", 0.0))
+        cgroups: dict[tuple[str, int, str, int], tuple[list, list]] = {}
         for row in prof.get("collective_table", []) or []:
-            key = (str(row["op"]), int(row["group_size"]), str(row["level"]))
+            op = _COLLECTIVE_ALIASES.get(str(row["op"]), str(row["op"]))
+            key = (op, int(row["group_size"]), str(row["level"]), int(row.get("processes", row["group_size"])))
             xs, ys = cgroups.setdefault(key, ([], []))
             xs.append(float(row["bytes"]))
             ys.append(float(row["seconds"]))
-        cm._coll_curves = {k: _Curve.build(*v) for k, v in cgroups.items() if v[0]}
+        for (op, n, level, procs), v in cgroups.items():
+            if v[0]:
+                cm._coll_curves.setdefault((op, n, level), {})[procs] = _Curve.build(*v)
         return cm
 
     # ------------------------------------------------------------------------ ops
@@ -146,17 +201,32 @@ class CostModel:
         waves = math.ceil(tiles / self.num_sms)
         return min(1.0, (m * n * max(1.0, batch)) / (waves * self.num_sms * tm * tn))
 
+    def overhead(self, key: str) -> float:
+        """A framework overhead in seconds (``OVERHEAD_KEYS``; 0 when neither measured nor defaulted)."""
+        return float(self.overheads.get(key, 0.0))
+
+    def _curve(self, kind: str, variant: str | None, dkey: str):
+        curve = self._op_curves.get((kind, variant, dkey))
+        if curve is None and variant != DEFAULT_VARIANT.get(kind):
+            curve = self._op_curves.get((kind, DEFAULT_VARIANT.get(kind), dkey))
+        return curve
+
     def compute_time_ex(self, kind: str, flops: float, bytes_moved: float, dtype: str,
-                        gemm_mnb: tuple[float, float, float] | None = None) -> tuple[float, bool]:
+                        gemm_mnb: tuple[float, float, float] | None = None,
+                        variant: str | None = None) -> tuple[float, bool]:
         """Seconds of one op of ``kind`` doing ``flops`` and moving ``bytes_moved``; measured?
 
         ``gemm_mnb`` = (m, n, batch) of a matmul's output enables the wave-quantisation
-        factor on top of the kind's efficiency (which is measured at full waves).
+        factor on top of the kind's efficiency (which is measured at full waves).  ``variant``
+        picks the measured rows (``op_variant``); compute kinds are looked up by FLOPs, the
+        others by bytes.
         """
         dkey = dtype_key(dtype)
-        curve = self._op_curves.get((kind, dkey))
+        curve = self._curve(kind, variant if variant is not None else DEFAULT_VARIANT.get(kind), dkey)
         if curve is not None:
-            size = flops if flops > 0 else bytes_moved
+            size = flops if kind in FLOPS_AXIS_KINDS else bytes_moved
+            if size <= 0:
+                size = bytes_moved or flops
             return curve(size), True
         eff_key = _COMPUTE_KINDS.get(kind)
         mem_s = bytes_moved / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
@@ -177,28 +247,42 @@ class CostModel:
         """
         flops = (op.bwd_flops if backward else op.fwd_flops) * scale / shard
         nbytes = op.bytes_moved * bytes_scale * scale / shard * (2.0 if backward else 1.0)
+        floor = self.overhead("op_backward_launch_s" if backward else "op_launch_s")
         if flops <= 0 and nbytes <= 0:
-            return 0.0, False
-        return self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward))
+            # a view or a metadata op: no kernel, but on a CPU the host thread still dispatches it
+            return (floor if self.host_dispatch_bound else 0.0), False
+        t, m = self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
+                                    variant=op_variant(op.kind, str(getattr(op, "target", ""))))
+        return max(t, floor), m
 
     def op_time(self, op, dtype: str, shard: int = 1, *, backward: bool = False, scale: float = 1.0) -> float:
         return self.op_time_ex(op, dtype, shard, backward=backward, scale=scale)[0]
 
     # ---------------------------------------------------------------- collectives
+    def _collective_curve(self, kind: str, n: int, level: str, processes: int | None):
+        by_procs = self._coll_curves.get((kind, n, level))
+        if not by_procs:
+            return None
+        want = n if processes is None else processes
+        # the rows measured with the nearest number of busy processes (fewer on a tie)
+        return by_procs[min(by_procs, key=lambda p: (abs(p - want), p))]
+
     def collective_time_ex(self, kind: str, message_bytes: float, group_size: int, link: Link,
-                           level: str = "intra", algorithm: str = "ring") -> tuple[float, bool]:
+                           level: str = "intra", algorithm: str = "ring",
+                           processes: int | None = None) -> tuple[float, bool]:
         """Seconds for one collective over ``group_size`` ranks; ``message_bytes`` = M.
 
         M is the full buffer: the all-reduced tensor, the gathered output of all-gather, the
         input of reduce-scatter, the broadcast tensor, the whole all-to-all buffer of one
-        rank, or the sent tensor for p2p.
+        rank, or the sent tensor for p2p.  ``processes``: how many processes of the plan are
+        busy on the node at once (picks the measured rows taken under the same sharing).
         """
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
         n = int(group_size)
         if message_bytes <= 0 or (n <= 1 and kind != "p2p"):
             return 0.0, False
-        curve = self._coll_curves.get((kind, n, level))
+        curve = self._collective_curve(kind, n, level, processes)
         if curve is not None:
             return curve(message_bytes), True
         alpha = link.latency_s
@@ -219,8 +303,8 @@ class CostModel:
         return (n - 1) * alpha + m * beta, False
 
     def collective_time(self, kind: str, message_bytes: float, group_size: int, link: Link,
-                        level: str = "intra", algorithm: str = "ring") -> float:
-        return self.collective_time_ex(kind, message_bytes, group_size, link, level, algorithm)[0]
+                        level: str = "intra", algorithm: str = "ring", processes: int | None = None) -> float:
+        return self.collective_time_ex(kind, message_bytes, group_size, link, level, algorithm, processes)[0]
 
     # -------------------------------------------------------------- host transfers
     def h2d_time(self, nbytes: float, link: Link) -> float:
@@ -233,15 +317,40 @@ class CostModel:
         """CPU Adam on ``num_params`` fp32 parameters (profile's host_adam_params_per_s)."""
         return num_params / self.host_adam_params_per_s if num_params > 0 else 0.0
 
-    def optimizer_time(self, num_params: float) -> float:
-        """Adam step on the device: memory-bound over the per-parameter state.
+    def optimizer_time(self, num_params: float, num_tensors: float = 0.0, num_dtensor_tensors: float = 0.0) -> float:
+        """AdamW step on the device over ``num_params`` elements in that many parameter tensors.
 
-        Adam (Kingma & Ba 2015, Alg. 1) reads parameter, gradient, m and v and writes
-        parameter, m and v: 7 fp32 words = 28 bytes per parameter.
+        Per element: the measured optimizer rows' rate (``optimizer_element_s``), else memory
+        bound over the state -- Adam (Kingma & Ba 2015, Alg. 1) reads parameter, gradient, m
+        and v and writes parameter, m and v: 7 fp32 words = 28 bytes per parameter.  Per
+        tensor: the measured fixed cost of one more plain (``optimizer_tensor_s``) or DTensor
+        (``optimizer_dtensor_tensor_s``) parameter.
         """
         if num_params <= 0:
             return 0.0
-        return num_params * 28.0 / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        per_element = self.optimizer_element_s or \
+            28.0 / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        return (num_params * per_element + num_tensors * self.overhead("optimizer_tensor_s")
+                + num_dtensor_tensors * self.overhead("optimizer_dtensor_tensor_s"))
+
+
+def _optimizer_element_s(op_rows: list, tensor_s: float) -> float:
+    """Seconds per parameter element of the measured AdamW rows, their per-tensor cost taken out.
+
+    Each row of n elements holds ceil(n / 2^20) tensors (profiling/op_sweeps.py); the median
+    over the rows of at least 2^18 elements (where the per-element work dominates) of
+    (seconds - tensors * tensor_s) / n.  0 when the profile has no such rows.
+    """
+    rates = []
+    for row in op_rows:
+        if row.get("kind") != "optimizer":
+            continue
+        n = float(row["shape"][0]) if row.get("shape") else float(row.get("bytes", 0)) / 28.0
+        if n < (1 << 18):
+            continue
+        tensors = math.ceil(n / _OPTIMIZER_ROW_TENSOR_NUMEL)
+        rates.append(max(0.0, float(row["seconds"]) - tensors * tensor_s) / n)
+    return float(np.median(rates)) if rates else 0.0
 
 
 def gemm_shape(op, scale: float, shard: int, out_shard: int, backward: bool) -> tuple[float, float, float] | None:

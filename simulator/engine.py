@@ -18,6 +18,10 @@ starts when its stream is free and its inputs have arrived:
 * after the last backward: the optimizer step (host Adam for offloaded layers) and ZeRO-1's
   parameter all-gather.
 
+When communication cannot overlap compute (``ctx.serial_comm``: CPU processes on every core,
+topology.serial_communication), every communication task blocks the compute stream until it
+ends: prefetches, reduce-scatters, all-reduces and sends take turns with the layers.
+
 Schedules: GPipe (all forwards, then all backwards; Huang et al. 2019), 1F1B (p - r - 1
 warm-up forwards on rank r, then one forward one backward; Narayanan et al. 2021 Sec. 2.2.1)
 and interleaved 1F1B (v model chunks per rank, 2(p - r - 1) + (v - 1)p warm-up steps,
@@ -76,6 +80,7 @@ def simulate_step(ctx: _Context, rows: np.ndarray, timeline: Timeline, device_of
     ag, rs, ar, h2d, d2h, opt, zero, off = (x.tolist() for x in (ag, rs, ar, h2d, d2h, opt, zero, off))
     starts, ends = ctx.starts.tolist(), ctx.ends.tolist()
     p2p = ctx.p2p_s
+    serial = ctx.serial_comm
     tasks = [schedule_tasks(ctx.schedule, p, r, m, v) for r in range(p)]
     ptr = [0] * p
     compute_free = [0.0] * p
@@ -124,6 +129,8 @@ def simulate_step(ctx: _Context, rows: np.ndarray, timeline: Timeline, device_of
                         s0 = max(dp_free[r], t)
                         tl.add(dev, "dp", f"all_gather L{order[j + 1]}", s0, comms[j + 1], micro_batch=mb)
                         dp_free[r] = gathered[j + 1] = s0 + comms[j + 1]
+                        if serial:
+                            t = dp_free[r]
                     if kind == "F":
                         tl.add(dev, "compute", f"fwd L{k}", t, fwd_s[k], micro_batch=mb)
                         t += fwd_s[k]
@@ -144,10 +151,14 @@ def simulate_step(ctx: _Context, rows: np.ndarray, timeline: Timeline, device_of
                         s0 = max(dp_free[r], t)
                         tl.add(dev, "dp", f"reduce_scatter L{k}", s0, comm, micro_batch=mb)
                         dp_free[r] = s0 + comm
+                        if serial:
+                            t = dp_free[r]
                     elif mb == last_mb and ar[k] > 0:
                         s0 = max(dp_free[r], t)
                         tl.add(dev, "dp", f"all_reduce L{k}", s0, ar[k])
                         dp_free[r] = s0 + ar[k]
+                        if serial:
+                            t = dp_free[r]
                 compute_free[r] = t
                 # send the activation / gradient to the neighbouring stage
                 if (kind == "F" and g < G - 1) or (kind == "B" and g > 0):
@@ -155,6 +166,8 @@ def simulate_step(ctx: _Context, rows: np.ndarray, timeline: Timeline, device_of
                     tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", s0, p2p)
                     pp_free[r] = s0 + p2p
                     done[(kind, mb, g)] = s0 + p2p
+                    if serial:
+                        compute_free[r] = pp_free[r]
                 else:
                     done[(kind, mb, g)] = t
                 ptr[r] += 1

@@ -39,7 +39,8 @@ from autopar.simulator.layer_cost import (LAYER_COST_FIELDS, MATMUL_KINDS, Layer
                                           layer_cost_row)
 from autopar.simulator.memory import inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult
-from autopar.simulator.topology import MeshLinks, mesh_links, stage_groups
+from autopar.simulator.topology import (MeshLinks, busy_devices_per_node, compute_stretch, mesh_links,
+                                        serial_communication, stage_groups)
 
 _COL = {name: i for i, name in enumerate(LAYER_COST_FIELDS)}
 _NF = len(LAYER_COST_FIELDS)
@@ -71,6 +72,7 @@ class _Context:
     rank_onehot: np.ndarray     # (p, L): 1 where layer l runs on pipeline rank r
     p2p_s: float
     p2p_measured: bool
+    serial_comm: bool = False   # communication takes turns with compute (topology.serial_communication)
 
 
 class PlanEvaluator:
@@ -139,7 +141,8 @@ class PlanEvaluator:
         if cost is None:
             layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
             cost = compute_layer_cost(self.graph, layer_index, layout, layer_plan, mesh, micro_batch,
-                                      precision, cm, self.links(mesh))
+                                      precision, cm, self.links(mesh), compute_stretch(self.cluster, mesh),
+                                      busy_devices_per_node(self.cluster, mesh))
             self._cost_cache[key] = cost
             self.num_layer_costs_computed += 1
         return cost
@@ -194,13 +197,15 @@ class PlanEvaluator:
         p2p_s, p2p_m = (0.0, False)
         if len(stages) > 1:
             p2p_s, p2p_m = rank_cm[0].collective_time_ex("p2p", boundary * scale * act_scale / sp_div, 2,
-                                                         links.pp.link, links.pp.level)
+                                                         links.pp.link, links.pp.level,
+                                                         processes=busy_devices_per_node(self.cluster, mesh))
         ctx = _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
                        layer_rank=layer_stage % p, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
-                       capacity=capacity, inflight=inflight, p2p_s=p2p_s, p2p_measured=p2p_m)
+                       capacity=capacity, inflight=inflight, p2p_s=p2p_s, p2p_measured=p2p_m,
+                       serial_comm=serial_communication(self.cluster, mesh))
         self._ctx_cache[key] = ctx
         return ctx, key
 
@@ -283,27 +288,54 @@ class PlanEvaluator:
             stage_step_s=[float(x) for x in step_r], world_size=world, peak_flops_per_gpu=peak)
 
 
-def layer_effective_times(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer and micro-batch: forward and backward time with FSDP traffic overlapped."""
+def layer_effective_times(rows: np.ndarray, starts: np.ndarray | None = None,
+                          serial: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer and micro-batch: forward and backward time with FSDP traffic overlapped.
+
+    FSDP prefetches one layer ahead: while layer k computes, layer k+1's all-gather (and
+    offload copy) runs, so a layer takes max(its compute, the next layer's gather) -- and the
+    first layer of each model chunk (``starts``) waits for its own gather, which nothing
+    precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3; engine.py plays the same out).  In
+    backward the communication stream carries the next gather and this layer's
+    reduce-scatter; the chunk's first backward layer (its last layer) waits for its gather.
+    ``serial``: communication and compute take turns (no spare core), so they add up.
+    """
     c = _COL
     zero, off = rows[:, _ZERO], rows[:, _OFF]
     fwd_comm = rows[:, c["dp_allgather_s"]] * (zero >= 2) + rows[:, c["h2d_s"]] * off
-    bwd_comm = ((rows[:, c["dp_allgather_s"]] + rows[:, c["h2d_s"]] * off) * (zero >= 3)
-                + (rows[:, c["dp_reducescatter_s"]] + rows[:, c["d2h_s"]] * off) * (zero >= 2))
-    fwd = np.maximum(rows[:, c["fwd_s"]] + rows[:, c["tp_comm_fwd_s"]], fwd_comm)
-    bwd = np.maximum(rows[:, c["recompute_s"]] + rows[:, c["bwd_s"]] + rows[:, c["tp_comm_bwd_s"]], bwd_comm)
+    bwd_gather = (rows[:, c["dp_allgather_s"]] + rows[:, c["h2d_s"]] * off) * (zero >= 3)
+    bwd_comm = bwd_gather + (rows[:, c["dp_reducescatter_s"]] + rows[:, c["d2h_s"]] * off) * (zero >= 2)
+    fwd_c = rows[:, c["fwd_s"]] + rows[:, c["tp_comm_fwd_s"]]
+    bwd_c = rows[:, c["recompute_s"]] + rows[:, c["bwd_s"]] + rows[:, c["tp_comm_bwd_s"]]
+    if serial:
+        return fwd_c + fwd_comm, bwd_c + bwd_comm
+    if starts is None:
+        return np.maximum(fwd_c, fwd_comm), np.maximum(bwd_c, bwd_comm)
+    n = len(rows)
+    head = np.zeros(n, dtype=bool)
+    head[starts] = True
+    tail = np.zeros(n, dtype=bool)
+    tail[np.asarray(starts)[1:] - 1] = True
+    tail[n - 1] = True
+    next_comm = np.append(fwd_comm[1:], 0.0) * ~tail         # the gather prefetched while k runs
+    fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
+    bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
     return fwd, bwd
 
 
 def closed_form_step(ctx: _Context, rows: np.ndarray) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction)."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
-    fwd, bwd = layer_effective_times(rows)
+    fwd, bwd = layer_effective_times(rows, ctx.starts, ctx.serial_comm)
     f_g = np.add.reduceat(fwd, ctx.starts)
     b_g = np.add.reduceat(bwd, ctx.starts)
+    if ctx.serial_comm and len(ctx.starts) > 1:
+        # each chunk's send (activation forward, gradient backward) blocks its compute
+        f_g[:-1] += ctx.p2p_s
+        b_g[1:] += ctx.p2p_s
     t_r = (f_g + b_g).reshape(v, p).sum(axis=0)
     t_max = float(t_r.max())
-    c = ctx.p2p_s
+    c = 0.0 if ctx.serial_comm else ctx.p2p_s   # serial: the sends are inside the chunk times
     if v == 1:
         pipe = float(t_r.sum()) + (m - 1) * t_max + 2 * (p - 1) * c
     else:
@@ -317,7 +349,10 @@ def closed_form_step(ctx: _Context, rows: np.ndarray) -> tuple[np.ndarray, float
     ar = rows[:, col["dp_allreduce_s"]] * (zero <= 1)
     layer_rank = ctx.layer_rank
     excess = np.zeros(p)
-    if ar.any():
+    if ar.any() and ctx.serial_comm:
+        # the all-reduces take turns with the last backward: all of them add up
+        excess = np.bincount(layer_rank, weights=ar, minlength=p)
+    elif ar.any():
         # time before the end of its chunk's last backward at which a layer's gradient is ready
         cum = np.cumsum(bwd)
         before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
@@ -339,6 +374,8 @@ def closed_form_step(ctx: _Context, rows: np.ndarray) -> tuple[np.ndarray, float
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
     first = ctx.starts[:p]
     fsdp_tail = (rows[first, col["dp_reducescatter_s"]] + rows[first, col["d2h_s"]] * rows[first, _OFF]) * (rows[first, _ZERO] >= 2)
+    if ctx.serial_comm:
+        fsdp_tail = np.zeros(p)             # already inside the serial backward
     sync = end_r + np.maximum(excess, fsdp_tail)
     opt = np.bincount(layer_rank, weights=rows[:, col["optimizer_s"]], minlength=p)
     ag1 = np.bincount(layer_rank, weights=rows[:, col["dp_allgather_s"]] * (zero == 1), minlength=p)

@@ -81,7 +81,12 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 
 
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
-                       micro_batch: int, precision: str, cm: CostModel, links: MeshLinks) -> LayerCost:
+                       micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
+                       compute_stretch: float = 1.0, node_processes: int | None = None) -> LayerCost:
+    """``compute_stretch`` (>= 1) slows the device's own work -- compute, framework overheads,
+    the optimizer step -- when more devices of a node compute than it has compute slots
+    (``compute_stretch``); collectives are priced from the rows measured with ``node_processes``
+    processes busy at once, the plan's busy devices per node (the same sharing)."""
     layer = graph.layers[layer_index]
     ops = graph.layer_ops(layer_index)
     scale = micro_batch / max(1, graph.batch_size)
@@ -96,7 +101,19 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     param_numel = 0.0
     saved = 0.0
     matmul_outputs = 0.0
+    param_names: set[str] = set()          # parameter tensors of the layer
+    dtensor_params: set[str] = set()       # ... held as DTensors by tensor parallelism
+    num_tp_modules = 0
+    sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
+    styles = lp.tp_styles
     for op in ops:
+        param_names.update(op.params)
+        # a module tensor parallelism turned into DTensor: a sharded linear, or (sequence
+        # parallel) a norm whose input and weight are DTensors (runtime/apply_tp.py)
+        if (tp > 1 and op.kind == "linear" and layout.param_shard.get(op.name, 1) > 1) or \
+                (sequence_parallel and op.kind == "norm"):
+            num_tp_modules += 1
+            dtensor_params.update(op.params)
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
@@ -115,11 +132,14 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             estimated += not m
         fwd_flops += op.fwd_flops * scale / shard
         bwd_flops += op.bwd_flops * scale / shard
-        param_numel += op.param_numel / layout.param_shard.get(op.name, 1)
+        param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
         saved += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
         if op.kind in MATMUL_KINDS:
             matmul_outputs += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
 
+    # framework overheads of the modules the runtime wraps (profiling/overheads.py)
+    fwd_s += num_tp_modules * cm.overhead("tp_module_fwd_s")
+    bwd_s += num_tp_modules * cm.overhead("tp_module_bwd_s")
     tp_fwd = tp_bwd = 0.0
     tp_wire_fwd = tp_wire_bwd = 0.0
     for c in layout.collectives:
@@ -128,7 +148,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             tp_wire_fwd += wire
         else:
             tp_wire_bwd += wire
-        t, m = cm.collective_time_ex(c.kind, c.bytes * scale * act_scale, tp, links.tp.link, links.tp.level)
+        t, m = cm.collective_time_ex(c.kind, c.bytes * scale * act_scale, tp, links.tp.link, links.tp.level,
+                                     processes=node_processes)
         measured += m
         estimated += not m
         if c.pass_ == "fwd":
@@ -154,6 +175,9 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
 
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
+    if zero >= 2 and param_names:          # one FSDP unit per layer with parameters
+        fwd_s += cm.overhead("fsdp_unit_fwd_s")
+        bwd_s += cm.overhead("fsdp_unit_bwd_s")
     pcls = precision_class(precision)
     p_b, g_b, _ = STATE_BYTES[pcls]
     params_b, grads_b, opt_b = state_bytes(param_numel, precision, zero, dp)
@@ -171,16 +195,25 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ar = ag = rs = h2d = d2h = 0.0
     if dp > 1 or zero >= 2:
         if zero <= 1:
-            ar, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level)
+            ar, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level,
+                                           processes=node_processes)
             measured += m
             estimated += not m
-            if zero == 1:   # updated parameter shards gathered after the step
-                ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level)
+            if zero == 1 and param_names:
+                # updated parameters sent from their owners after the step: ZeroRedundancyOptimizer
+                # broadcasts each parameter tensor from the rank that owns it (torch.distributed.
+                # optim.ZeroRedundancyOptimizer, parameters_as_bucket_view=False, the default)
+                n_t = len(param_names)
+                ag, m = cm.collective_time_ex("broadcast", param_full_bytes / n_t, dp, dpl.link, dpl.level,
+                                               processes=node_processes)
+                ag *= n_t
                 measured += m
                 estimated += not m
         else:
-            ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level)
-            rs, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link, dpl.level)
+            ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level,
+                                          processes=node_processes)
+            rs, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link, dpl.level,
+                                           processes=node_processes)
             measured += m + m2
             estimated += (not m) + (not m2)
     if zero <= 1:
@@ -198,8 +231,20 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         d2h = cm.h2d_time(grad_sync_bytes / dp, links.host)
         optimizer_s = cm.host_optimizer_time(shard_params)
     else:
-        optimizer_s = cm.optimizer_time(shard_params)
+        # FSDP2 holds every parameter as a DTensor; tensor parallelism those of its modules;
+        # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank
+        n_tensors = float(len(param_names))
+        n_dtensor = n_tensors if zero >= 2 else float(len(dtensor_params))
+        owned = 1.0 / dp if zero == 1 else 1.0
+        optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
     out_bytes = layer.output_bytes * scale * act_scale / sp_div
+    # the device's own work shares the node's compute slots (the host optimizer runs on the host)
+    fwd_s *= compute_stretch
+    bwd_s *= compute_stretch
+    recompute_s = (recompute_s - tp_fwd) * compute_stretch + tp_fwd if lp.recompute == "full" \
+        else recompute_s * compute_stretch
+    if not offload:
+        optimizer_s *= compute_stretch
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tp_fwd, tp_comm_bwd_s=tp_bwd,
         dp_allreduce_s=ar, dp_allgather_s=ag, dp_reducescatter_s=rs, h2d_s=h2d, d2h_s=d2h,
@@ -210,6 +255,23 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         tp_wire_bytes=tp_wire_fwd + tp_wire_bwd + (tp_wire_fwd if lp.recompute == "full" else 0.0),
         dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step,
         num_measured=measured, num_estimated=estimated)
+
+
+def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:
+    """Parameters of ``op`` on one tensor-parallel rank.
+
+    A row-wise linear (weight split on its input dim, output not split) keeps its bias
+    replicated: every rank adds it after the all-reduce (Shoeybi et al. 2019, Megatron-LM,
+    Sec. 3; torch.distributed.tensor.parallel.RowwiseParallel distributes the bias as
+    Replicate).
+    """
+    shard = layout.param_shard.get(op.name, 1)
+    if shard <= 1:
+        return float(op.param_numel)
+    if op.kind == "linear" and style == "rowwise" and op.output_shape and any(p.endswith(".bias") for p in op.params):
+        bias = float(op.output_shape[-1])
+        return (op.param_numel - bias) / shard + bias
+    return op.param_numel / shard
 
 
 def effective_zero(zero: int, mesh: Mesh) -> int:

@@ -63,3 +63,64 @@ def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:
     if cluster.homogeneous:
         return {0}
     return {cluster.device(mesh.rank(d, pp_rank, t)).group for d in range(mesh.dp) for t in range(mesh.tp)}
+
+
+def busy_devices_per_node(cluster: Cluster, mesh: Mesh) -> int:
+    """The most ranks of the mesh on one node (ranks fill the cluster's devices in order)."""
+    if cluster.homogeneous:
+        return min(mesh.world_size, cluster.groups[0].gpus_per_node)
+    busy: dict[int, int] = {}
+    for r in range(mesh.world_size):
+        node = cluster.device(r).node
+        busy[node] = busy.get(node, 0) + 1
+    return max(busy.values())
+
+
+def compute_stretch(cluster: Cluster, mesh: Mesh) -> float:
+    """How much slower a device computes because its node has fewer compute slots than busy devices.
+
+    The mesh's ranks fill the cluster's devices in order; on every node, ``busy`` of them
+    compute at once.  A node group with ``compute_slots`` s (CPU processes sharing s cores'
+    worth of threads) runs ``busy`` single-threaded processes at s / busy of their speed when
+    busy > s -- the operating system time-slices the cores fairly (Linux CFS, "CFS Scheduler",
+    Documentation/scheduler/sched-design-CFS.rst).  The slowest node sets the pace: 1.0 when no
+    node is oversubscribed.
+    """
+    if not any(g.compute_slots > 0 for g in cluster.groups):
+        return 1.0
+    busy: dict[int, int] = {}
+    for r in range(mesh.world_size):
+        node = cluster.device(r).node
+        busy[node] = busy.get(node, 0) + 1
+    worst = 1.0
+    for r in range(mesh.world_size):
+        d = cluster.device(r)
+        slots = cluster.groups[d.group].compute_slots
+        if slots > 0:
+            worst = max(worst, busy[d.node] / slots)
+    return worst
+
+
+def serial_communication(cluster: Cluster, mesh: Mesh) -> bool:
+    """True when communication cannot overlap computation: a node group with compute slots
+    exactly as many as the plan's busy devices per node (one CPU process per core).
+
+    On a CPU "device" a collective is work of the same cores -- gloo copies, reduces and
+    moves loopback TCP data on the CPU -- and while a process waits for its peers its core
+    has nothing else to run; with no core to spare, its communication and its compute take
+    turns.  With fewer busy processes than cores the communication thread finds a free core
+    (overlap, as on a GPU).  With more (oversubscribed), a process blocked in a collective
+    yields its core to another process's compute -- the waits overlap the others' work, whose
+    sharing ``compute_stretch`` already counts -- so the streams overlap as well.
+    """
+    if not any(g.compute_slots > 0 for g in cluster.groups):
+        return False
+    busy = busy_devices_per_node(cluster, mesh)
+    return any(cluster.groups[g].compute_slots == busy for g in stage_groups_all(cluster, mesh))
+
+
+def stage_groups_all(cluster: Cluster, mesh: Mesh) -> set[int]:
+    """Indices of the node groups holding any rank of the mesh."""
+    if cluster.homogeneous:
+        return {0}
+    return {cluster.device(r).group for r in range(mesh.world_size)}

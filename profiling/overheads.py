@@ -1,0 +1,204 @@
+"""Framework overheads: the fixed cost of running an op, a DTensor module, an FSDP unit, an
+optimizer parameter -- what a roofline over FLOPs and bytes cannot see.
+
+Each figure is a difference of two timed closures that do the same arithmetic on tiny tensors,
+one plain and one through the framework feature, so the bytes and FLOPs cancel and what is
+left is the feature's per-call cost (dispatch, hooks, bookkeeping):
+
+* ``op_launch_s``: one eager op (``torch.add`` on 4 elements), per op of a chain of 64;
+* ``op_backward_launch_s``: the autograd cost one such op adds to a backward pass (a chain of
+  64 adds with gradients, forward + backward, minus the forward, per op);
+* ``tp_module_fwd_s`` / ``tp_module_bwd_s``: what ``ColwiseParallel`` adds to a tiny
+  ``nn.Linear`` (input and weight as DTensors, the output back to a local tensor) in forward
+  and in backward, on a one-rank mesh (no communication; collectives are priced from the
+  collective table);
+* ``fsdp_unit_fwd_s`` / ``fsdp_unit_bwd_s``: what ``fully_shard`` (resharding after forward)
+  adds to one tiny module per forward and per backward beyond its collectives, on a one-rank
+  mesh: the plain module's time and the time of the same all-gather (forward; again in
+  backward) and reduce-scatter (backward) called directly on that mesh are taken out -- the
+  collective table prices those.  (On a mesh of several gloo processes the same difference
+  swings from 0.1 to 2 ms between runs on this shared machine, too noisy to keep.);
+* ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: what one more parameter tensor adds
+  to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors.
+
+One-rank meshes come from ``dist.new_group([rank])`` for every rank (under torchrun, so every
+rank measures at the same time, sharing the machine as in training) or from a one-process
+gloo group started here.  Timed with ``autopar.profiling.timing.time_call`` (medians).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.profiling.timing import RepeatPolicy, time_call
+
+CHAIN_OPS = 64           # ops per timed chain
+TINY_NUMEL = 4           # elements of a tiny op's operands
+OPT_TENSORS = 64         # parameter tensors of the optimizer probe
+OPT_TENSOR_NUMEL = 16
+OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
+                 "fsdp_unit_bwd_s", "optimizer_tensor_s", "optimizer_dtensor_tensor_s")
+
+
+def measure_overheads(device: torch.device, policy: RepeatPolicy) -> dict[str, float]:
+    """The figures of ``OVERHEAD_KEYS`` in seconds (each >= 0)."""
+    out: dict[str, float] = {}
+    t = lambda fn: time_call(fn, device, policy).median_s   # noqa: E731
+    a = torch.randn(TINY_NUMEL, device=device)
+    b = torch.randn(TINY_NUMEL, device=device)
+
+    def chain():
+        z = a
+        for _ in range(CHAIN_OPS):
+            z = torch.add(z, b)
+        return z
+
+    a_grad = a.clone().requires_grad_(True)
+
+    def chain_fwd():
+        z = a_grad
+        for _ in range(CHAIN_OPS):
+            z = torch.add(z, b)
+        return z
+
+    def chain_fwd_bwd():
+        chain_fwd().backward(torch.ones_like(a))
+
+    out["op_launch_s"] = t(chain) / CHAIN_OPS
+    out["op_backward_launch_s"] = max(0.0, t(chain_fwd_bwd) - t(chain_fwd)) / CHAIN_OPS
+    with _one_rank_mesh(device) as mesh:
+        out.update(_tp_module(mesh, device, t))
+        out.update(_fsdp_unit(mesh, device, t))
+        out.update(_optimizer(mesh, device, t))
+    return {k: max(0.0, float(out[k])) for k in OVERHEAD_KEYS}
+
+
+def _linear_pair(device):
+    torch.manual_seed(0)
+    return nn.Linear(8, 8, device=device), torch.randn(2, 8, device=device)
+
+
+def _fwd_bwd_times(module, x, t) -> tuple[float, float]:
+    def fwd():
+        with torch.no_grad():
+            return module(x)
+
+    def fwd_bwd():
+        module(x).sum().backward()
+    f = t(fwd)
+    return f, max(0.0, t(fwd_bwd) - f)
+
+
+def _tp_module(mesh, device, t) -> dict[str, float]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    plain, x = _linear_pair(device)
+    tp, _ = _linear_pair(device)
+    parallelize_module(tp, mesh, ColwiseParallel())
+    pf, pb = _fwd_bwd_times(plain, x, t)
+    tf, tb = _fwd_bwd_times(tp, x, t)
+    return {"tp_module_fwd_s": tf - pf, "tp_module_bwd_s": tb - pb}
+
+
+def _lockstep_timer(group):
+    """Seconds per call, median of 9 samples of 20 calls each, the same counts on every rank
+    and the slowest rank's time (closures that communicate must be called in step)."""
+    import statistics
+    import time
+
+    def timer(fn) -> float:
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(9):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            elapsed = torch.tensor([(time.perf_counter() - t0) / 20], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            samples.append(float(elapsed))
+        return statistics.median(samples)
+    return timer
+
+
+def _fsdp_unit(mesh, device, t) -> dict[str, float]:
+    from torch.distributed.fsdp import fully_shard
+
+    t = _lockstep_timer(mesh.get_group())
+
+    plain, x = _linear_pair(device)
+    wrapped, _ = _linear_pair(device)
+    fully_shard(wrapped, mesh=mesh, reshard_after_forward=True)
+    pf, pb = _fwd_bwd_times(plain, x, t)
+
+    # FSDP's forward and backward hooks run in training mode only: time both with gradients
+    def fwd():
+        return wrapped(x)
+
+    def fwd_bwd():
+        wrapped(x).sum().backward()
+    f = t(fwd)
+    b = max(0.0, t(fwd_bwd) - f)
+    # the unit's own collectives, called directly: its flat parameter (weight + bias of the
+    # tiny linear) all-gathered, its gradient reduce-scattered, padded to the mesh size
+    group, n = mesh.get_group(), mesh.size()
+    numel = -(-sum(p.numel() for p in plain.parameters()) // n) * n
+    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
+    gather = t(lambda: dist.all_gather_into_tensor(full, shard, group=group))
+    scatter = t(lambda: dist.reduce_scatter_tensor(shard, full, group=group))
+    return {"fsdp_unit_fwd_s": f - pf - gather, "fsdp_unit_bwd_s": b - pb - gather - scatter}
+
+
+def _optimizer(mesh, device, t) -> dict[str, float]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def step_time(params_per_group: int, as_dtensor: bool) -> float:
+        torch.manual_seed(0)
+        params = []
+        for _ in range(params_per_group):
+            data = torch.randn(OPT_TENSOR_NUMEL, device=device)
+            if as_dtensor:
+                data = distribute_tensor(data, mesh, [Shard(0)])
+            p = nn.Parameter(data)
+            p.grad = torch.randn_like(p)
+            params.append(p)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        return t(opt.step)
+    # per tensor: the slope between OPT_TENSORS and 2 * OPT_TENSORS tensors (a fixed per-step cost cancels)
+    plain = (step_time(2 * OPT_TENSORS, False) - step_time(OPT_TENSORS, False)) / OPT_TENSORS
+    dt = (step_time(2 * OPT_TENSORS, True) - step_time(OPT_TENSORS, True)) / OPT_TENSORS
+    return {"optimizer_tensor_s": plain, "optimizer_dtensor_tensor_s": dt}
+
+
+@contextlib.contextmanager
+def _one_rank_mesh(device: torch.device):
+    """A DeviceMesh of this rank alone (a one-process gloo/nccl group when none is running)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    started = False
+    if not dist.is_initialized():
+        store_file = tempfile.NamedTemporaryFile(prefix="autopar-overheads-", delete=False)
+        store_file.close()
+        store = dist.FileStore(store_file.name, 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+        started = True
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = None
+        for r in range(world):                        # every rank creates every group, in the same order
+            g = dist.new_group([r], backend="nccl" if device.type == "cuda" else "gloo") if world > 1 else dist.group.WORLD
+            if r == rank:
+                mine = g
+        yield DeviceMesh.from_group(mine, device.type)
+    finally:
+        if started:
+            dist.destroy_process_group()
+            with contextlib.suppress(OSError):
+                os.unlink(store_file.name)
+

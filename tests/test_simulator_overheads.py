@@ -1,0 +1,196 @@
+"""Framework overheads, measured-table variants, the optimizer's per-tensor cost and shared
+compute slots, each against its closed form on a synthetic profile with known figures."""
+import math
+
+import pytest
+
+from autopar.core.cluster import Cluster, Link, NodeGroup
+from autopar.core.cluster_file import parse_cluster
+from autopar.core.errors import ClusterFileError
+from autopar.core.graph import OpNode
+from autopar.core.plan import LayerPlan, Mesh
+from autopar.simulator.configure import config_plan
+from autopar.simulator.cost_model import CostModel
+from autopar.simulator.evaluator import PlanEvaluator
+from autopar.simulator.simulate import simulate
+from autopar.simulator.topology import compute_stretch
+from sim_graphs import gpt_graph
+
+OVERHEADS = {"op_launch_s": 2e-6, "op_backward_launch_s": 5e-6, "tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4,
+             "fsdp_unit_fwd_s": 2e-4, "fsdp_unit_bwd_s": 4e-4, "optimizer_tensor_s": 3e-5,
+             "optimizer_dtensor_tensor_s": 3e-4}
+BASE = dict(name="cpu-t", device="cpu", memory_bandwidth_Bps=1e10, peak_flops={"fp32": 1e11, "bf16": 1e11},
+            efficiency={"linear": 1.0, "matmul": 1.0, "memory_bound": 1.0},
+            collective_efficiency={"intra": 1.0, "inter": 1.0})
+
+
+def _profile(overheads=None, **extra):
+    return {**BASE, **({"framework_overheads": overheads} if overheads is not None else {}), **extra}
+
+
+def _op(kind, target, fwd_flops=0.0, bytes_moved=0.0):
+    return OpNode(name="x", kind=kind, target=target, module_path="m", layer=0, inputs=(), input_shapes=((4,),),
+                  output_shape=(4,), dtype="float32", fwd_flops=fwd_flops, bwd_flops=2 * fwd_flops,
+                  bytes_moved=bytes_moved)
+
+
+def _cluster(gpus=4, slots=0):
+    g = NodeGroup("n", "cpu-t", 1, gpus, 2**34, Link(1.0, 100.0), 2**36, Link(5.0, 1.0), compute_slots=slots)
+    return Cluster("c", (g,), Link(1.0, 100.0))
+
+
+def test_op_dispatch_floor():
+    cm = CostModel.from_profile(_profile(OVERHEADS))
+    view = _op("view", "Tensor.view")
+    assert cm.op_time(view, "fp32") == pytest.approx(2e-6)                   # no work: one dispatch
+    assert cm.op_time(view, "fp32", backward=True) == pytest.approx(5e-6)
+    tiny = _op("elementwise", "operator.add", 4.0, 48.0)                     # 4.8 ns of roofline
+    assert cm.op_time(tiny, "fp32") == pytest.approx(2e-6)
+    big = _op("elementwise", "operator.add", 1e6, 1.2e7)                     # 1.2 ms of roofline
+    assert cm.op_time(big, "fp32") == pytest.approx(1.2e7 / 1e10)
+    # a GPU profile without measurements: a kernel-launch floor, views free
+    gpu = CostModel.from_profile({**BASE, "device": "gpu"})
+    assert gpu.op_time(view, "fp32") == 0.0
+    assert gpu.op_time(tiny, "fp32") == pytest.approx(5e-6)
+
+
+def test_memory_bound_rows_by_variant_on_bytes():
+    rows = []
+    for nbytes in (1e4, 1e5, 1e6):
+        # layer norm: 1 s per 1e9 bytes; RMS norm twice as slow; FLOPs deliberately equal
+        rows.append(dict(kind="norm", variant="layer_norm", dtype="fp32", shape=[1], flops=1e3, bytes=nbytes,
+                         seconds=nbytes * 1e-9))
+        rows.append(dict(kind="norm", variant="rms_norm", dtype="fp32", shape=[1], flops=1e3, bytes=nbytes,
+                         seconds=nbytes * 2e-9))
+    cm = CostModel.from_profile(_profile(op_table=rows))
+    ln = _op("norm", "torch.nn.LayerNorm", 1e3, 1e5)
+    rms = _op("norm", "torch.nn.RMSNorm", 1e3, 1e5)
+    assert cm.op_time_ex(ln, "fp32") == (pytest.approx(1e-4), True)
+    assert cm.op_time_ex(rms, "fp32") == (pytest.approx(2e-4), True)
+    mid = _op("norm", "F.layer_norm", 1e3, math.sqrt(1e5 * 1e6))             # log-log midpoint
+    assert cm.op_time(mid, "fp32") == pytest.approx(math.sqrt(1e5 * 1e6) * 1e-9, rel=1e-9)
+
+
+def test_send_recv_rows_price_p2p():
+    rows = [dict(op="send_recv", bytes=b, group_size=2, level="intra", seconds=1e-4 + b * 1e-9) for b in (1e3, 1e6)]
+    cm = CostModel.from_profile(_profile(collective_table=rows))
+    t, measured = cm.collective_time_ex("p2p", 1e6, 2, Link(1.0, 1.0))
+    assert measured and t == pytest.approx(1e-4 + 1e6 * 1e-9)
+
+
+def test_optimizer_time_closed_form():
+    # rows obeying seconds = n * 2 ns + tensors * 30 us (tensors of at most 2^20 elements)
+    rows = [dict(kind="optimizer", variant="adamw", dtype="fp32", shape=[n], flops=12.0 * n, bytes=28.0 * n,
+                 seconds=n * 2e-9 + math.ceil(n / 2**20) * 3e-5) for n in (2**18, 2**20, 2**22)]
+    cm = CostModel.from_profile(_profile(OVERHEADS, op_table=rows))
+    assert cm.optimizer_element_s == pytest.approx(2e-9)
+    assert cm.optimizer_time(1e6, 10, 5) == pytest.approx(1e6 * 2e-9 + 10 * 3e-5 + 5 * 3e-4)
+    # without rows: 28 bytes per element at the memory bandwidth
+    assert CostModel.from_profile(_profile()).optimizer_time(1e6) == pytest.approx(28e6 / 1e10)
+
+
+def _layer_costs(mesh, lp, overheads, cluster=None):
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    ev = PlanEvaluator(g, cluster or _cluster(), CostModel.from_profile(_profile(overheads)))
+    return g, ev.layer_cost(1, lp, mesh, 2, "fp32")
+
+
+def test_tp_and_fsdp_module_overheads_add_per_module():
+    zero_ov = {k: 0.0 for k in OVERHEADS}
+    only = {**zero_ov, **{k: OVERHEADS[k] for k in ("tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
+                                                     "fsdp_unit_bwd_s")}}
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    layer = g.layers[1]
+    styles = {}
+    for o in g.layer_ops(1):
+        if o.kind == "linear":
+            styles[o.module_path] = "rowwise" if ("proj" in o.module_path or "fc2" in o.module_path) else "colwise"
+    lp = LayerPlan(1, tuple(sorted(styles.items())), zero=3)
+    mesh = Mesh(dp=2, pp=1, tp=2)
+    _, plain = _layer_costs(mesh, lp, zero_ov)
+    _, with_ov = _layer_costs(mesh, lp, only)
+    num_linear = sum(1 for o in g.layer_ops(1) if o.kind == "linear" and o.module_path in styles)
+    assert num_linear >= 2 and layer.param_numel > 0
+    assert with_ov.fwd_s - plain.fwd_s == pytest.approx(num_linear * 1e-4 + 2e-4)
+    assert with_ov.bwd_s - plain.bwd_s == pytest.approx(num_linear * 3e-4 + 4e-4)
+
+
+def test_optimizer_counts_plain_and_dtensor_tensors():
+    ov = {**{k: 0.0 for k in OVERHEADS}, "optimizer_tensor_s": 3e-5, "optimizer_dtensor_tensor_s": 3e-4}
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    tensors = {p for o in g.layer_ops(1) for p in o.params}
+    base = {k: 0.0 for k in OVERHEADS}
+    for zero, per_tensor, mesh in ((0, 3e-5, Mesh(2, 1, 1)), (3, 3e-4, Mesh(2, 1, 1)), (1, 3e-5 / 2, Mesh(2, 1, 1))):
+        lp = LayerPlan(1, (), zero=zero)
+        _, a = _layer_costs(mesh, lp, ov)
+        _, b = _layer_costs(mesh, lp, base)
+        assert a.optimizer_s - b.optimizer_s == pytest.approx(len(tensors) * per_tensor), zero
+
+
+def test_compute_slots_stretch_device_work():
+    cl = _cluster(gpus=4, slots=2)
+    assert compute_stretch(cl, Mesh(dp=2, pp=1, tp=1)) == 1.0
+    assert compute_stretch(cl, Mesh(dp=4, pp=1, tp=1)) == 2.0
+    assert compute_stretch(_cluster(gpus=4, slots=0), Mesh(dp=4, pp=1, tp=1)) == 1.0
+    lp = LayerPlan(1, (), zero=0)
+    _, two = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl)
+    _, four = _layer_costs(Mesh(dp=4, pp=1, tp=1), lp, OVERHEADS, cl)
+    assert four.fwd_s == pytest.approx(2 * two.fwd_s)
+    assert four.bwd_s == pytest.approx(2 * two.bwd_s)
+    assert four.optimizer_s == pytest.approx(2 * two.optimizer_s)
+
+
+def test_cluster_file_compute_slots():
+    text = """
+name: t
+inter_node: {bandwidth_GBps: 1, latency_us: 100}
+groups:
+  - {name: cpu, gpu: local-cpu, nodes: 1, gpus_per_node: 4, gpu_memory_GB: 1, host_memory_GB: 8,
+     intra_node: {bandwidth_GBps: 1, latency_us: 100}, host_to_device: {bandwidth_GBps: 5, latency_us: 1},
+     compute_slots: SLOTS}
+"""
+    assert parse_cluster(text.replace("SLOTS", "2"), source="t.yaml").groups[0].compute_slots == 2
+    for bad in ("0", "5", "1.5"):
+        with pytest.raises(ClusterFileError, match="compute_slots"):
+            parse_cluster(text.replace("SLOTS", bad), source="t.yaml")
+
+
+@pytest.mark.parametrize("zero,offload,v", [(3, "cpu", 3), (3, "none", 2), (2, "cpu", 3)])
+def test_interleaved_fsdp_offload_engine_and_closed_form_agree(zero, offload, v):
+    """The first gather of every model chunk is exposed in both (FSDP prefetch starts afresh)."""
+    g = gpt_graph(6, 512, 8, 256, 1000)
+    cm = CostModel.from_profile(_profile(OVERHEADS))
+    cl = _cluster(gpus=4, slots=2)
+    plan = config_plan(g, dp=1, tp=1, pp=2, micro_batch=1, global_batch=4, schedule="interleaved", virtual_stages=v,
+                       zero=zero, recompute="none", offload=offload, precision="fp32", sequence_parallel=False)
+    a = simulate(g, plan, cl, cm)
+    b = PlanEvaluator(g, cl, cm).evaluate(plan)
+    assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.05)
+
+
+def test_collective_rows_by_busy_processes():
+    rows = [dict(op="all_reduce", bytes=b, group_size=2, level="intra", seconds=s * b, processes=p)
+            for b in (1e3, 1e6) for p, s in ((2, 1e-9), (4, 3e-9))]
+    cm = CostModel.from_profile(_profile(collective_table=rows))
+    link = Link(1.0, 1.0)
+    assert cm.collective_time("all_reduce", 1e5, 2, link, processes=2) == pytest.approx(1e-4)
+    assert cm.collective_time("all_reduce", 1e5, 2, link, processes=4) == pytest.approx(3e-4)
+    assert cm.collective_time("all_reduce", 1e5, 2, link) == pytest.approx(1e-4)      # default: the group's own
+
+
+def test_serial_communication_adds_ddp_allreduce():
+    """One process per core: the gradient all-reduces add to compute instead of hiding under it."""
+    g = gpt_graph(4, 256, 4, 128, 1000, batch=2)
+    cm = CostModel.from_profile(_profile(OVERHEADS))
+    plan = config_plan(g, dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+                       zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
+    serial_cl, overlap_cl = _cluster(gpus=4, slots=2), _cluster(gpus=4, slots=0)
+    ev = PlanEvaluator(g, serial_cl, cm)
+    ctx, rows = ev.prepare(plan)
+    assert ctx.serial_comm
+    from autopar.simulator.evaluator import _COL
+    total = sum(float(rows[:, _COL[k]].sum()) for k in ("fwd_s", "bwd_s", "dp_allreduce_s", "optimizer_s"))
+    for res in (ev.evaluate(plan), simulate(g, plan, serial_cl, cm)):
+        assert res.step_time_s == pytest.approx(total, rel=1e-9)
+    assert not PlanEvaluator(g, overlap_cl, cm).prepare(plan)[0].serial_comm
+    assert PlanEvaluator(g, overlap_cl, cm).evaluate(plan).step_time_s < total
