@@ -30,8 +30,10 @@ COMM_STREAMS = ("tp", "dp", "pp")
 
 # the runtime's labels (runtime/profile_breakdown.py) and torch.distributed's profiler names
 _M_COMM = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
-_M_FWD = re.compile(r"^(autopar\.forward|Forward \d+)$|^PP:\d+F\d+$")
-_M_BWD = re.compile(r"^(autopar\.backward|Backward \d+)$|^PP:\d+(B|I|W)\d+$")
+# Only the runtime's own regions count as compute: the pipelining schedules' labels
+# ("Forward 3", "PP:0F3") also hold the wait for the neighbouring stage (runtime/profile_breakdown.py).
+_M_FWD = re.compile(r"^autopar\.forward$")
+_M_BWD = re.compile(r"^autopar\.backward$")
 _M_OPT = re.compile(r"^autopar\.optimizer$")
 
 
