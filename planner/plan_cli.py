@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 from autopar.core.errors import UserError
 
@@ -60,7 +62,11 @@ def main(args: argparse.Namespace) -> int:
         result = search(graph, cluster, cost_models, options)
     else:
         result = _search_with_progress(console, graph, cluster, cost_models, options)
-    plan = result.best.plan
+    # how to load this cluster again (autopar report / simulate re-price the plan with it)
+    cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
+    plan = result.best.plan.with_predicted(result.best.plan.predicted, cluster_ref=cluster_ref,
+                                           cluster_nodes=args.nodes)
+    result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
     command = torchrun_command(cluster, args.output)
     if args.json:

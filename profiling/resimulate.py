@@ -95,6 +95,11 @@ def _load_cluster(plan: Plan, plan_path: str | Path, cluster_path: str | None):
     """--cluster, else the plan's cluster file, else its cluster label ("name (file)" or a bundled name)."""
     from autopar.core.cluster_file import load_cluster
 
+    if not cluster_path and plan.provenance.get("cluster_ref"):
+        try:   # what 'autopar plan' was given: --cluster and --nodes
+            return load_cluster(str(plan.provenance["cluster_ref"]), nodes=plan.provenance.get("cluster_nodes"))
+        except UserError:
+            pass
     candidates = [cluster_path] if cluster_path else []
     if plan.provenance.get("cluster_file"):
         candidates.append(str(plan.provenance["cluster_file"]))
