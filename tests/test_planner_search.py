@@ -159,3 +159,18 @@ def test_tidy_prefers_uniform_choices_within_tolerance(tiny_gpt):
     tidied = planner.tidy(ev)
     uniform = len({ch.recompute for ch in tidied.candidate.choices}) == 1
     assert uniform and tidied.step_time_s <= ev.step_time_s * (1 + TIDY_TOLERANCE)
+
+
+def test_plan_remembers_rescaled_cluster_for_report(tmp_path):
+    """A plan made with --nodes is re-priced by 'autopar report' on the same rescaled cluster."""
+    from autopar.cli import main
+    from autopar.core.plan import load_plan
+    from autopar.profiling.resimulate import _load_cluster
+
+    out = tmp_path / "plan.json"
+    args = [GPT, "--model-arg", "layers=2", "--model-arg", "hidden=256", "--model-arg", "heads=8",
+            "--model-arg", "seq=128", "--model-arg", "vocab=1024", "--global-batch", "32", "--time-budget", "3"]
+    assert main(["plan", *args, "--cluster", "dgx-a100-1x8", "--nodes", "2", "-o", str(out), "--json"]) == 0
+    plan = load_plan(out)
+    assert plan.world_size == 16
+    assert _load_cluster(plan, out, None).world_size == 16
