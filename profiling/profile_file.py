@@ -51,13 +51,7 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
 
     commands = []
     if op_rows is not None:
-        new_keys = {_op_key(r) for r in op_rows}
-        kept = [r for r in prof.get("op_table", []) if _op_key(r) not in new_keys]
-        op_rows = kept + op_rows
-        prof["op_table"] = op_rows
-        sources["op_table"] = _table_source(sources.get("op_table") if kept else None, measured_by, stamp)
-        if kept:
-            commands.append(prof.get("measured_by"))
+        op_rows = _merge_table(prof, sources, "op_table", op_rows, _op_key, measured_by, stamp, commands)
         peaks = estimate.peak_flops(op_rows)
         for dt, (rate, why) in peaks.items():
             prof["peak_flops"][dt] = rate
@@ -80,13 +74,8 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         sources["framework_overheads"] = (f"measured by `{measured_by}` ({stamp}): tiny plain vs framework "
                                           f"closures, per call (profiling/overheads.py)")
     if collective_rows is not None:
-        new_keys = {_coll_key(r) for r in collective_rows}
-        kept = [r for r in prof.get("collective_table", []) if _coll_key(r) not in new_keys]
-        collective_rows = kept + collective_rows
-        prof["collective_table"] = collective_rows
-        sources["collective_table"] = _table_source(sources.get("collective_table") if kept else None, measured_by, stamp)
-        if kept:
-            commands.append(prof.get("measured_by"))
+        collective_rows = _merge_table(prof, sources, "collective_table", collective_rows, _coll_key,
+                                       measured_by, stamp, commands)
         links = estimate.fitted_links(collective_rows)
         if links:
             prof["fitted_links"] = links
@@ -125,3 +114,16 @@ def _table_source(old: str | None, measured_by: str, stamp: str) -> str:
 def write_profile(prof: dict, path: str | Path) -> None:
     """Atomic write; the result is checked by the profile loader when it is available."""
     write_text_atomic(path, json.dumps(prof, indent=1, sort_keys=False) + "\n")
+
+
+def _merge_table(prof: dict, sources: dict, table: str, rows: list, key, measured_by: str, stamp: str,
+                 commands: list) -> list:
+    """Replace the re-measured rows of ``prof[table]``, keep the others; note whose rows stay."""
+    new_keys = {key(r) for r in rows}
+    kept = [r for r in prof.get(table, []) if key(r) not in new_keys]
+    merged = kept + rows
+    prof[table] = merged
+    sources[table] = _table_source(sources.get(table) if kept else None, measured_by, stamp)
+    if kept:
+        commands.append(prof.get("measured_by"))
+    return merged
