@@ -19,6 +19,17 @@ sequence length from its input) and each row-wise module reduce-scatters back in
 (``output_layouts=Shard(1)``).  At the edges of a run of such layers the activation is cut
 (``Replicate -> Shard(1)``, no communication) on entry and all-gathered on exit, so the layers
 outside the run, and pipeline stage boundaries, see ordinary full tensors.
+
+Gradients keep their parameter's sharding.  DTensor's backward of an embedding lookup has no
+vocab-sharded (row-wise) strategy: with the indices and the incoming gradient replicated it
+computes the weight gradient ``Replicate()``, the full ``[vocab, hidden]`` on every tp rank
+(``embedding_dense_backward`` in torch/distributed/tensor/_ops/_embedding_ops.py).  Megatron-LM's
+vocab-parallel embedding keeps only this rank's ``vocab / tp`` rows of it (Shoeybi et al. 2019,
+Sec. 3), and so does FSDP2 when it wraps the TP parameters (it redistributes each gradient to
+the parameter's TP placements before reducing).  Without FSDP2 a hook after accumulation
+(``keep_embedding_grads_sharded``) brings such a gradient to its parameter's placements
+(``Replicate -> Shard``: a local slice, no communication) and keeps only the slice, so the
+full gradient lives only during the embedding's backward, not until the step.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ import inspect
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
@@ -97,6 +108,31 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
     for fqn, style in plan.items():
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
     _divide_head_counts(module, plan, tp_mesh.size())
+
+
+def keep_embedding_grads_sharded(module: nn.Module) -> None:
+    """Hook every row-wise (vocab-sharded) embedding weight of ``module`` so its gradient keeps
+    the weight's placements.  Call it on the materialised module (``to_empty`` swaps the
+    parameter tensors, and their hooks with them), and only without FSDP2, which does the same
+    itself."""
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if isinstance(sub, nn.Embedding) and isinstance(weight, DTensor) and Shard(0) in weight.placements:
+            weight.register_post_accumulate_grad_hook(_shard_grad_like_param)
+
+
+def _shard_grad_like_param(param: nn.Parameter) -> None:
+    """Bring ``param.grad`` to ``param``'s placements, holding only this rank's part."""
+    grad = param.grad
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor) or grad.placements == param.placements:
+        return
+    sharded = grad.redistribute(param.device_mesh, param.placements)
+    local = sharded.to_local()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # the slice is a view that would keep the full gradient's storage alive
+        sharded = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                     shape=param.shape, stride=param.stride())
+    param.grad = sharded
 
 
 def _gather_sequence(parent: nn.Module) -> PrepareModuleInput:

@@ -31,7 +31,7 @@ from autopar.core.plan import Plan
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
-from autopar.runtime.apply_tp import apply_tp, resolve_tp_styles
+from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
@@ -121,6 +121,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         held = [l for l in checked.layers if stage_of[l.index] == index]
         part = parallelize_part(part, held, checked, ctx, dp_kind)  # 3-5
         materialize(part, ctx.device, source)                                       # 6
+        if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
+            keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
         if use_ddp:
             part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
         parts.append(part)

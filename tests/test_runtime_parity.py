@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_support import ROOT, assert_matches_reference, make_plan, reference, run_cases
+from runtime_support import ROOT, TP_STYLES, assert_matches_reference, make_plan, reference, run_cases
 
 # name -> uniform_plan arguments (dp * micro_batch * num_microbatches = 4)
 TWO_RANK_CASES = {
@@ -31,6 +31,10 @@ TWO_RANK_CASES = {
     "grad_accum2_fsdp": dict(dp=2, micro_batch=1, num_microbatches=2, zero=2),
     # the "never build the full model" init path (each rank fills only its half of every TP layer)
     "tp2_per_module_init": dict(tp=2, micro_batch=4),
+    # the vocabulary split too: token embedding row-wise, LM head column-wise
+    "tp2_vocab": dict(tp=2, micro_batch=4, tp_styles_per_layer={
+        0: {"tok_emb": "rowwise"}, **{i: {f"blocks.{i - 1}.{k}": v for k, v in TP_STYLES.items()} for i in range(1, 5)},
+        5: {"head": "colwise"}}),
 }
 RUN_OPTIONS = {"tp2_per_module_init": {"init": "per-module"}, "ddp": {"profile": True},
                "pp2_1f1b": {"profile": True}, "pp2_interleaved": {"profile": True}}
@@ -192,3 +196,14 @@ def test_model_state_bytes_zero3_shards_everything(two_rank_runs, name):
         assert r["optimizer_bytes"] == ADAMW_STATE_PER_ELEMENT * FP32_BYTES * shard, (rank, r, shard)
     total = sum(s.numel() for s in shapes)
     assert sum(r["params_bytes"] for r in rows) == FP32_BYTES * total
+
+
+@pytest.mark.multiproc
+def test_model_state_bytes_tp_holds_gradients_at_their_parameters_shard(two_rank_runs):
+    """Under TP every gradient is held at its parameter's shard -- the row-wise token embedding
+    too, whose DTensor backward computes the full [vocab, hidden] gradient -- and the shards are
+    smaller than the whole model."""
+    numel = sum(p.numel() for p in reference().params.values())
+    for r in _state(two_rank_runs, "tp2_vocab"):
+        assert r["grads_bytes"] == r["params_bytes"] < FP32_BYTES * numel, r
+        assert r["optimizer_bytes"] == ADAMW_STATE_PER_ELEMENT * r["params_bytes"], r
