@@ -20,21 +20,18 @@ built the same way from rank 0's events, so the two are comparable:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from autopar.profiling.figures import Lanes, Span
+# The runtime's own phase regions (only those count as compute: the pipelining schedules'
+# labels such as "Forward 3" or "PP:0F3" also hold the wait for the neighbouring stage).
+from autopar.runtime.profile_breakdown import BACKWARD_PATTERN as _M_BWD
+from autopar.runtime.profile_breakdown import COMM_PATTERN as _M_COMM
+from autopar.runtime.profile_breakdown import FORWARD_PATTERN as _M_FWD
+from autopar.runtime.profile_breakdown import OPTIMIZER_PATTERN as _M_OPT
 
 COMM_STREAMS = ("tp", "dp", "pp")
-
-# the runtime's labels (runtime/profile_breakdown.py) and torch.distributed's profiler names
-_M_COMM = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
-# Only the runtime's own regions count as compute: the pipelining schedules' labels
-# ("Forward 3", "PP:0F3") also hold the wait for the neighbouring stage (runtime/profile_breakdown.py).
-_M_FWD = re.compile(r"^autopar\.forward$")
-_M_BWD = re.compile(r"^autopar\.backward$")
-_M_OPT = re.compile(r"^autopar\.optimizer$")
 
 
 def _category(name: str, stream: str) -> str:

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-_COMM = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
-_FWD = re.compile(r"^autopar\.forward$")
-_BWD = re.compile(r"^autopar\.backward$")
-_OPT = re.compile(r"^autopar\.optimizer$")
+# Profiler event names by phase (also read by autopar.profiling.timelines for the report).
+COMM_PATTERN = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
+FORWARD_PATTERN = re.compile(r"^autopar\.forward$")
+BACKWARD_PATTERN = re.compile(r"^autopar\.backward$")
+OPTIMIZER_PATTERN = re.compile(r"^autopar\.optimizer$")
 STEP_REGION = "autopar.step"
 
 
@@ -48,7 +49,8 @@ def stop_profiler(prof: profile, num_steps: int, trace_path: Path) -> dict:
         start_us, end_us = ev.time_range.start, ev.time_range.end
         if ev.name == STEP_REGION:
             step_spans.append((start_us, end_us))
-        for key, pattern in (("comm_s", _COMM), ("fwd_s", _FWD), ("bwd_s", _BWD), ("optimizer_s", _OPT)):
+        for key, pattern in (("comm_s", COMM_PATTERN), ("fwd_s", FORWARD_PATTERN), ("bwd_s", BACKWARD_PATTERN),
+                             ("optimizer_s", OPTIMIZER_PATTERN)):
             if pattern.search(ev.name):
                 spans[key].append((start_us, end_us))
     steps = max(1, num_steps)
