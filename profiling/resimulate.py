@@ -6,7 +6,6 @@ and the profile (``provenance.profile``).  Each can be overridden from the comma
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,25 +44,10 @@ def load_context(plan: Plan, plan_path: str | Path, *, cluster_path: str | None 
 
 
 def load_profile_dict(name_or_path: str) -> dict:
-    """A profile as a dict: a JSON file path, or a name in profiles/."""
-    p = Path(name_or_path)
-    if p.suffix == ".json":
-        if not p.is_file():
-            raise UserError(f"profile file {p} does not exist; give a profile name (see profiles/) or an existing file.")
-        return json.loads(p.read_text())
-    try:
-        from autopar.profiles import load_profile      # the validating loader, when installed
-    except ImportError:
-        load_profile = None
-    if load_profile is not None:
-        return dict(load_profile(name_or_path))
-    import autopar.profiles as pkg
+    """A profile as a dict: a JSON file path, or a name in profiles/ (validated on load)."""
+    from autopar.profiles import load_profile
 
-    f = Path(pkg.__file__).parent / f"{name_or_path}.json"
-    if not f.is_file():
-        known = sorted(x.stem for x in f.parent.glob("*.json"))
-        raise UserError(f"profile {name_or_path!r} not found in {f.parent}; known: {', '.join(known) or 'none'}.")
-    return json.loads(f.read_text())
+    return load_profile(name_or_path)
 
 
 def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = None, *,

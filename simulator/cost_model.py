@@ -28,7 +28,6 @@ came from measurements and which were estimated.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,21 +374,7 @@ def gemm_shape(op, scale: float, shard: int, out_shard: int, backward: bool) -> 
 
 
 def _load_profile(name: str | Path) -> dict[str, Any]:
-    """A profile by name (autopar.profiles.load_profile) or by path to a JSON file."""
-    p = Path(str(name))
-    if p.suffix == ".json" and p.is_file():
-        return json.loads(p.read_text())
-    try:
-        from autopar.profiles import load_profile   # type: ignore[attr-defined]
-    except ImportError:
-        load_profile = None
-    if load_profile is not None:
-        return dict(load_profile(str(name)))
-    import autopar.profiles as _pkg
+    """A profile by name or by path to a JSON file, read and validated by autopar.profiles."""
+    from autopar.profiles import load_profile
 
-    f = Path(_pkg.__file__).parent / f"{name}.json"
-    if not f.is_file():
-        known = sorted(x.stem for x in f.parent.glob("*.json"))
-        raise UserError(f"profile {name!r} not found in {f.parent}; known profiles: {', '.join(known) or 'none'}. "
-                        f"Measure one with 'autopar profile' or name a JSON file.")
-    return json.loads(f.read_text())
+    return load_profile(str(name))
