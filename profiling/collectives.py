@@ -24,6 +24,17 @@ collective at the same time -- as the tensor-, data- and pipeline-parallel group
 training step do -- and a row records ``processes``, how many processes took part at once
 (the group's own ranks on a GPU).  The cost model prices a plan from the rows measured with
 as many processes as the plan keeps busy on a node.
+
+On a CPU a collective is also timed *in step*: in a training step every rank reaches a
+collective straight out of a burst of compute, with every core busy, and the threads that
+move and reduce gloo's data must first be woken and scheduled.  A loop of back-to-back calls
+never pays that (its ranks sit waiting in the collective); on this kind of machine it adds
+0.5-3 ms to a 128 KiB all-reduce over 2 processes (measured: 2 gloo ranks, ~7 ms of matmuls
+then the all-reduce, against the same matmuls alone).  So on a CPU a sample is ``inner``
+rounds of [``BURST_S`` of matmuls; the call] minus ``inner`` rounds of the matmuls alone,
+taken one after the other, each the slowest rank's; the row's ``timing`` says
+``"in_step"``.  On a GPU the calls are timed back to back (``"back_to_back"``): the kernels
+queue behind the compute on the device and nothing waits for a host thread.
 """
 from __future__ import annotations
 
@@ -43,6 +54,11 @@ CPU_SIZES_FULL = [1 << p for p in range(10, 27, 2)]      # 1 KiB .. 64 MiB
 CPU_SIZES_QUICK = [1 << p for p in (10, 14, 18)]
 CUDA_SIZES_FULL = [1 << p for p in range(12, 31, 2)]     # 4 KiB .. 1 GiB
 CUDA_SIZES_QUICK = [1 << p for p in (12, 18, 24)]
+#: compute between two collectives of an in-step sample on a CPU: about what a layer of a small
+#: model computes between two collectives of a tensor-parallel step (the forward of one block of
+#: the accuracy benchmark's GPT takes ~2 ms on one core)
+BURST_S = 1e-3
+BURST_MATMUL_N = 128     # the burst is a chain of N x N fp32 matmuls
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -77,6 +93,7 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     sizes = message_sizes(device.type, quick)
+    burst = _compute_burst(device) if device.type == "cpu" else None
     rows = []
     for g in group_sizes(world):
         # every disjoint block of g ranks on a CPU (all create every group, in one order)
@@ -99,13 +116,14 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
                     on_case(f"{op} {size_bytes} B over {g} ranks")
                 if group is not None:
                     fn = _make_call(op, size_bytes, g, members, rank, group, device)
-                    seconds, num_samples = _time_collective(fn, device, policy, group)
+                    seconds, num_samples = _time_collective(fn, device, policy, group, burst)
                     if op == "send_recv":
                         seconds /= 2.0                 # half a ping-pong: the one-way time
                     del fn
                     rows.append({"op": op, "bytes": size_bytes, "group_size": g, "level": level,
                                  "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
-                                 "processes": processes, "backend": dist.get_backend()})
+                                 "processes": processes, "backend": dist.get_backend(),
+                                 "timing": "in_step" if burst is not None else "back_to_back"})
                 dist.barrier()
         dist.barrier()
     # ranks outside the largest group hold fewer rows: everyone takes rank 0's
@@ -169,20 +187,50 @@ def _make_call(op: str, size_bytes: int, g: int, members: list[int], rank: int, 
     raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVE_OPS}")
 
 
-def _time_collective(fn, device: torch.device, policy: RepeatPolicy, group) -> tuple[float, int]:
+def _compute_burst(device: torch.device) -> Callable[[], None]:
+    """A chain of matmuls lasting about ``BURST_S`` on this machine, the same length on every rank
+    (the count is agreed with MAX over the world, so every rank computes the same work)."""
+    a = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
+    b = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
+    for _ in range(3):
+        torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, b)
+    one_s = (time.perf_counter() - t0) / 20
+    count = torch.tensor([max(1, round(BURST_S / max(one_s, 1e-9)))], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    n = int(count.item())
+
+    def burst() -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+    return burst
+
+
+def _time_collective(fn, device: torch.device, policy: RepeatPolicy, group,
+                     burst: Callable[[], None] | None = None) -> tuple[float, int]:
+    """Median seconds per call and the number of samples.  The stop rule counts the wall time
+    the samples took (in step: the bursts too), so a case costs about ``target_total_s``."""
     for _ in range(policy.warmup):
         fn()
-    first = _agreed_sample(fn, device, 1, group)
-    inner = 1 if first >= policy.min_sample_s else int(policy.min_sample_s / max(first, 1e-9)) + 1
+    if burst is None:
+        sample = lambda inner: (_agreed_sample(fn, device, inner, group),) * 2     # noqa: E731
+    else:
+        sample = lambda inner: _agreed_in_step_sample(fn, burst, inner, group)     # noqa: E731
+    _, first_wall = sample(1)       # batch calls when one sample is too short to time well
+    inner = 1 if first_wall >= policy.min_sample_s else int(policy.min_sample_s / max(first_wall, 1e-9)) + 1
     samples: list[float] = []
-    total = 0.0
+    wall = 0.0
     while len(samples) < policy.max_samples:
-        s = _agreed_sample(fn, device, inner, group)
+        s, s_wall = sample(inner)
         samples.append(s / inner)
-        total += s
-        if len(samples) >= policy.min_samples and total >= policy.target_total_s:
+        wall += s_wall
+        if len(samples) >= policy.min_samples and wall >= policy.target_total_s:
             break
-    return statistics.median(samples), len(samples)
+    # an in-step difference can come out below zero when the call is cheaper than the noise
+    # of the burst; the smallest positive time keeps the table's log-log interpolation defined
+    return max(statistics.median(samples), 1e-7), len(samples)
 
 
 def _agreed_sample(fn, device: torch.device, inner: int, group) -> float:
@@ -197,3 +245,22 @@ def _agreed_sample(fn, device: torch.device, inner: int, group) -> float:
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return float(elapsed.item())
+
+
+def _agreed_in_step_sample(fn, burst: Callable[[], None], inner: int, group) -> tuple[float, float]:
+    """(``inner`` rounds of [burst; call] less ``inner`` bursts alone, the wall time of both),
+    each figure the slowest rank's."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        burst()
+        fn()
+    with_calls = time.perf_counter() - t0
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        burst()
+    alone = time.perf_counter() - t0
+    elapsed = torch.tensor([with_calls, alone], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed[0] - elapsed[1]), float(elapsed[0] + elapsed[1])

@@ -212,5 +212,32 @@ def test_collectives_under_torchrun_merge_into_existing_profile(tmp_path, quick_
         # a transfer over shared memory cannot beat 1 TB/s nor take under 1 us
         for r in rows:
             assert r["seconds"] > max(1e-6, r["bytes"] / 1e12)
+            assert r["timing"] == "in_step"                     # a CPU times collectives after compute
     assert "torchrun --nproc-per-node 2" in p["measured_by"]
     assert p["measured_by"].startswith(quick_profile["measured_by"] + " ; ")   # the kept op table's command
+
+
+def test_in_step_timing_takes_the_compute_burst_out(tmp_path):
+    """A call that sleeps 3 ms, timed in step after a ~1 ms burst of matmuls, costs ~3 ms:
+    the burst is measured alone and taken out (one-process gloo group)."""
+    import time
+
+    import torch.distributed as dist
+
+    from autopar.profiling import collectives
+    from autopar.profiling.timing import RepeatPolicy
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        burst = collectives._compute_burst(torch.device("cpu"))
+        t0 = time.perf_counter()
+        burst()
+        burst_s = time.perf_counter() - t0
+        assert 2e-4 < burst_s < 2e-2                        # about BURST_S (1 ms), whatever the load
+        seconds, n = collectives._time_collective(lambda: time.sleep(3e-3), torch.device("cpu"),
+                                                  RepeatPolicy(min_samples=5, target_total_s=0.05), None, burst)
+        assert n >= 5
+        assert 2.9e-3 < seconds < 4.5e-3
+    finally:
+        dist.destroy_process_group()
