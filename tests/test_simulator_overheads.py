@@ -194,3 +194,15 @@ def test_serial_communication_adds_ddp_allreduce():
         assert res.step_time_s == pytest.approx(total, rel=1e-9)
     assert not PlanEvaluator(g, overlap_cl, cm).prepare(plan)[0].serial_comm
     assert PlanEvaluator(g, overlap_cl, cm).evaluate(plan).step_time_s < total
+
+
+def test_serial_communication_by_busy_processes_per_core():
+    """Communication overlaps compute only while a core is left free for it: fewer busy
+    processes than cores overlap, as many or more (oversubscribed) take turns."""
+    from autopar.core.plan import Mesh
+    from autopar.simulator.topology import serial_communication
+    cl = _cluster(gpus=8, slots=4)
+    assert not serial_communication(cl, Mesh(dp=2, pp=1, tp=1))       # 2 processes, 4 cores
+    assert serial_communication(cl, Mesh(dp=4, pp=1, tp=1))           # one per core
+    assert serial_communication(cl, Mesh(dp=2, pp=2, tp=2))           # 8 on 4 cores
+    assert not serial_communication(_cluster(gpus=8, slots=0), Mesh(dp=8, pp=1, tp=1))   # GPUs
