@@ -7,7 +7,14 @@ A *factor* is one knob of the cost model the profile holds:
 * ``memory_bound``: ``efficiency.memory_bound`` and the op-table rows of every other kind
   (norms, softmax, element-wise, embedding, the optimizer step, ...);
 * ``collective.intra`` / ``collective.inter``: ``collective_efficiency[level]`` and the
-  ``collective_table`` rows of that link level.
+  ``collective_table`` rows of that link level;
+* ``overhead.tp``, ``overhead.fsdp``, ``overhead.optimizer``: the profile's measured framework
+  overheads of a tensor-parallel module, an FSDP unit and an optimizer parameter tensor
+  (``framework_overheads``, profiling/overheads.py).  What a tensor-parallel or FSDP run
+  spends beyond its arithmetic and collectives is framework work that no efficiency of an
+  op describes; without these factors the fit could only stretch ops and collectives that
+  the data-parallel runs show to be right.  A profile without measured overheads leaves them
+  uninformed (a scale of zero seconds moves nothing).
 
 Refitting a factor by a time scale ``s`` divides its efficiency by ``s`` and multiplies its
 measured table rows by ``s`` (their ``measured_seconds`` stay as measured), so the cost model
@@ -34,7 +41,11 @@ from autopar.profiling.op_sweeps import COMPUTE_KINDS     # the kinds with an ef
 
 OP_FACTORS = ("linear", "matmul", "attention", "conv", "memory_bound")
 COLLECTIVE_FACTORS = ("collective.intra", "collective.inter")
-FACTORS = OP_FACTORS + COLLECTIVE_FACTORS
+#: overhead factor -> the ``framework_overheads`` keys it scales
+OVERHEAD_FACTORS = {"overhead.tp": ("tp_module_fwd_s", "tp_module_bwd_s"),
+                    "overhead.fsdp": ("fsdp_unit_fwd_s", "fsdp_unit_bwd_s"),
+                    "overhead.optimizer": ("optimizer_tensor_s", "optimizer_dtensor_tensor_s")}
+FACTORS = OP_FACTORS + COLLECTIVE_FACTORS + tuple(OVERHEAD_FACTORS)
 #: the measured figures calibration fits, when measured
 FITTED_FIGURES = ("step_time_s", "fwd_s", "bwd_s", "comm_s", "optimizer_s")
 #: weight of each figure's log error; the step time, the figure a plan is chosen by, weighs as
@@ -84,15 +95,22 @@ def scale_profile(profile: Mapping, scales: Mapping[str, float]) -> dict:
     ceff = dict(prof.get("collective_efficiency", {}))
     # efficiencies are fractions of the profile's peak / the cluster's link (<= 1 by the schema):
     # a factor cannot be made faster than that on the roofline path; its measured rows still scale
+    over = dict(prof.get("framework_overheads", {}) or {})
     for f, s in scales.items():
         if s == 1.0:
             continue
-        if f in OP_FACTORS:
+        if f in OVERHEAD_FACTORS:
+            for key in OVERHEAD_FACTORS[f]:
+                if key in over:
+                    over[key] = float(over[key]) * s
+        elif f in OP_FACTORS:
             eff[f] = min(1.0, eff.get(f, 1.0) / s)
         else:
             level = f.split(".", 1)[1]
             ceff[level] = min(1.0, ceff.get(level, 1.0) / s)
     prof["efficiency"], prof["collective_efficiency"] = eff, ceff
+    if over:
+        prof["framework_overheads"] = over
     rows = []
     for r in prof.get("op_table", []) or []:
         f = ("attention" if r["kind"] == "attention_math" else r["kind"]) if r["kind"] in COMPUTE_KINDS else "memory_bound"
@@ -161,6 +179,9 @@ def _sensitivity(predict_all, scales: dict, factors: Sequence[str], p: np.ndarra
 
 
 def _efficiency_of(profile: Mapping, factor: str) -> float:
+    """A factor's efficiency; for an overhead factor, its first overhead in seconds."""
+    if factor in OVERHEAD_FACTORS:
+        return float((profile.get("framework_overheads", {}) or {}).get(OVERHEAD_FACTORS[factor][0], 0.0))
     if factor in OP_FACTORS:
         return float(profile.get("efficiency", {}).get(factor, 1.0))
     return float(profile.get("collective_efficiency", {}).get(factor.split(".", 1)[1], 1.0))
@@ -179,6 +200,10 @@ def _describe(factor, old_prof, new_prof, scale, eqs, y, p0, sens_col) -> Change
 def _record_sources(prof: dict, changes: list[Change], names: list[str]) -> None:
     src = dict(prof.get("sources", {}))
     for c in changes:
+        if c.factor in OVERHEAD_FACTORS:
+            for key in OVERHEAD_FACTORS[c.factor]:
+                src[f"framework_overheads.{key}"] = f"calibrated on {', '.join(names)}: time x{c.time_scale:.3f}; {c.why}"
+            continue
         key = f"efficiency.{c.factor}" if c.factor in OP_FACTORS else f"collective_efficiency.{c.factor.split('.', 1)[1]}"
         src[key] = (f"calibrated on {', '.join(names)}: time x{c.time_scale:.3f} "
                     f"(efficiency {c.old_efficiency:.4g} -> {c.new_efficiency:.4g}); {c.why}")

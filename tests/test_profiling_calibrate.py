@@ -76,7 +76,10 @@ def test_refit_recovers_known_factors_and_leaves_the_rest():
     assert eff["matmul"] == BASE["efficiency"]["matmul"]
     assert eff["conv"] == BASE["efficiency"]["conv"]
     assert ceff["inter"] == BASE["collective_efficiency"]["inter"]
-    assert set(res.uninformed) == {"matmul", "conv", "collective.inter"}
+    # ... and BASE holds no framework overheads, so the overhead factors move nothing
+    assert set(res.uninformed) == {"matmul", "conv", "collective.inter", "overhead.tp", "overhead.fsdp",
+                                   "overhead.optimizer"}
+    assert "framework_overheads" not in res.profile
     assert {c.factor for c in res.changes} == {"linear", "attention", "memory_bound", "collective.intra"}
     for name, errs in res.errors_after.items():
         for key, e in errs.items():
@@ -109,6 +112,42 @@ def test_refit_scales_measured_tables_too():
         assert new["seconds"] == pytest.approx(old["seconds"] * res.scales["linear"], rel=1e-12)
         assert new["measured_seconds"] == old["measured_seconds"]          # the measurement stays on record
     assert res.profile["efficiency"]["memory_bound"] == prof["efficiency"]["memory_bound"]
+
+
+def test_refit_recovers_framework_overheads():
+    """Runs with different numbers of tensor-parallel modules and FSDP units determine the
+    per-module and per-unit overheads; compute efficiencies the runs agree with stay put."""
+    over = {"tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4, "fsdp_unit_fwd_s": 2e-4, "fsdp_unit_bwd_s": 2e-4,
+            "optimizer_tensor_s": 1e-5, "optimizer_dtensor_tensor_s": 5e-5}
+    prof = {**BASE, "framework_overheads": over}
+    truth = scale_profile(prof, {"overhead.tp": 2.5, "overhead.fsdp": 0.5})
+    assert truth["framework_overheads"]["tp_module_bwd_s"] == pytest.approx(7.5e-4)
+    assert truth["efficiency"] == prof["efficiency"]
+
+    def predictor(num_tp: int, num_fsdp: int):
+        ops, _ = _workload(1.0)
+
+        def predict(profile):
+            cm = CostModel.from_profile(profile)
+            fwd = sum(cm.compute_time_ex(k, f, b, "fp32")[0] for k, f, b in ops) + \
+                num_tp * cm.overhead("tp_module_fwd_s") + num_fsdp * cm.overhead("fsdp_unit_fwd_s")
+            bwd = sum(cm.compute_time_ex(k, 2 * f, 2 * b, "fp32")[0] for k, f, b in ops) + \
+                num_tp * cm.overhead("tp_module_bwd_s") + num_fsdp * cm.overhead("fsdp_unit_bwd_s")
+            return {"fwd_s": fwd, "bwd_s": bwd, "step_time_s": fwd + bwd}
+        return predict
+    obs = []
+    for i, (n_tp, n_fsdp) in enumerate([(0, 0), (400, 0), (0, 400), (400, 400), (800, 200)]):
+        predict = predictor(n_tp, n_fsdp)
+        obs.append(Observation(f"p{i}", predict, dict(predict(truth))))
+    res = calibrate(prof, obs)
+    assert res.scales["overhead.tp"] == pytest.approx(2.5, rel=0.03)
+    assert res.scales["overhead.fsdp"] == pytest.approx(0.5, rel=0.03)
+    assert res.scales["linear"] == pytest.approx(1.0, abs=0.02)
+    assert "overhead.optimizer" in res.uninformed
+    got = res.profile["framework_overheads"]
+    assert got["optimizer_dtensor_tensor_s"] == over["optimizer_dtensor_tensor_s"]
+    assert got["tp_module_fwd_s"] == pytest.approx(2.5e-4, rel=0.03)
+    assert "calibrated on p0" in res.profile["sources"]["framework_overheads.fsdp_unit_bwd_s"]
 
 
 def test_fit_recovers_scales_of_a_linear_model():
