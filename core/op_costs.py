@@ -13,6 +13,11 @@ Conventions and sources
 * Attention (fused scaled_dot_product_attention): forward 2*b*h*s_q*s_k*d for Q K^T plus
   2*b*h*s_q*s_k*d_v for A V -- the full square, not halved for causal masking, as Megatron's
   count does (Narayanan et al. 2021, Appendix); backward 2x forward.
+* einsum: every combination of the equation's index values is one term, so
+  forward = prod(size of every index) * (operands - 1 multiplies + 1 add when an index is
+  summed) -- 2*m*n*k for "mk,kn->mn", as a matmul (the count opt_einsum uses for a
+  contraction, Smith & Gray 2018, "opt_einsum", JOSS 3(26)); backward one forward per operand
+  that requires grad, each keeping the others.
 * Convolution: 2 * out_numel * (C_in / groups) * prod(kernel) (+ out_numel for the bias).
 * Everything else is memory bound; we count one FLOP per elementary arithmetic operation per
   element, with the number of operations each op evaluates in ``FLOPS_PER_ELEMENT``.  Their
@@ -44,6 +49,7 @@ CANONICAL: dict[str, str] = {
     # matmul class
     "linear": "linear", "Linear": "linear", "NonDynamicallyQuantizableLinear": "linear",
     "addmm": "addmm", "mm": "matmul", "bmm": "matmul", "matmul": "matmul", "baddbmm": "baddbmm",
+    "einsum": "einsum",
     "Conv1D": "addmm_conv1d",  # transformers' Conv1D: y = x @ W + b with W [in, out]
     "scaled_dot_product_attention": "sdpa",
     "scaled_dot_product_flash_attention": "sdpa", "scaled_dot_product_flash_attention_for_cpu": "sdpa",
@@ -124,7 +130,7 @@ CANONICAL: dict[str, str] = {
 # Kinds by canonical op (OP_KINDS in autopar.core.graph).
 KIND: dict[str, str] = {
     "linear": "linear", "addmm": "linear", "addmm_conv1d": "linear",
-    "matmul": "matmul", "baddbmm": "matmul",
+    "matmul": "matmul", "baddbmm": "matmul", "einsum": "matmul",
     "sdpa": "attention", "conv": "conv", "embedding": "embedding",
     "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "group_norm": "norm",
     "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
@@ -291,6 +297,58 @@ def _matmul(f: OpFacts):
     return kind, fwd, bwd, saved
 
 
+def einsum_index_sizes(equation: str, shapes: list[tuple[int, ...]]) -> tuple[dict[str, int], str] | None:
+    """({index letter: size}, output indices) of an einsum equation over operands of ``shapes``;
+    None when the equation does not match them.  An ellipsis stands for the leading dims it
+    covers (each given a letter of its own, shared by every operand, broadcast to the largest)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        return None
+    n_ells = [len(shape) - (len(term) - 3) if "..." in term else 0 for term, shape in zip(terms, shapes)]
+    if min(n_ells) < 0:
+        return None
+    ell_letters = "".join(chr(0x2460 + i) for i in range(max(n_ells)))   # symbols no equation uses
+    sizes: dict[str, int] = {}
+    expanded = []
+    for term, shape, n_ell in zip(terms, shapes, n_ells):
+        # right-aligned broadcasting: an operand's ellipsis is the last n_ell of the letters
+        term = term.replace("...", ell_letters[len(ell_letters) - n_ell:])
+        if len(term) != len(shape) or not all(c.isalpha() or ord(c) >= 0x2460 for c in term):
+            return None
+        expanded.append(term)
+        for c, d in zip(term, shape):
+            sizes[c] = max(sizes.get(c, 1), int(d))
+    if arrow:
+        out = out.replace("...", ell_letters)
+    else:   # implicit output: the ellipsis, then the letters seen once, in alphabetical order
+        counts = {c: sum(t.count(c) for t in expanded) for c in sizes}
+        out = ell_letters + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell_letters))
+    if any(c not in sizes for c in out):
+        return None
+    return sizes, out
+
+
+def _einsum(f: OpFacts):
+    eq = f.attrs.get("equation")
+    parsed = einsum_index_sizes(eq, [t.shape for t in f.inputs]) if isinstance(eq, str) else None
+    if parsed is None:
+        return _other(f)
+    sizes, out = parsed
+    summed = any(c not in out for c in sizes)
+    terms = float(math.prod(sizes.values()))
+    fwd = terms * (max(len(f.inputs) - 1, 0) + (1 if summed else 0))
+    grads = [t for t in f.inputs if t.requires_grad]
+    bwd = fwd * len(grads)
+    saved = []
+    for i, t in enumerate(f.inputs):
+        if any(o.requires_grad for j, o in enumerate(f.inputs) if j != i):
+            saved += _act(t)
+    kind = "linear" if any(t.role == "param" for t in f.inputs) else "matmul"
+    return kind, fwd, bwd, saved
+
+
 def _sdpa(f: OpFacts):
     # q [b, h, s_q, d], k [b, h_kv, s_k, d], v [b, h_kv, s_k, d_v]
     q, k, v = f.inputs[0], f.inputs[1], f.inputs[2]
@@ -447,7 +505,7 @@ def _other(f: OpFacts):
 
 _RULES: dict[str, Callable] = {
     "linear": _linear, "addmm": _addmm, "addmm_conv1d": _addmm, "matmul": _matmul,
-    "baddbmm": _matmul, "sdpa": _sdpa, "conv": _conv, "embedding": _embedding,
+    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "conv": _conv, "embedding": _embedding,
     "layer_norm": _norm, "rms_norm": _norm, "batch_norm": _norm, "group_norm": _norm,
     "softmax": _softmax, "log_softmax": _softmax, "dropout": _dropout,
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "argmax": _reduction,

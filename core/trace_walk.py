@@ -179,6 +179,9 @@ def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
 
 
 def call_attrs(canon: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if canon == "einsum":
+        eq = kwargs.get("equation", args[0] if args else None)
+        return {"equation": eq} if isinstance(eq, str) else {}
     if canon == "dropout":
         p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
         train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))

@@ -109,6 +109,42 @@ def test_attention_flops_sdpa_equal_math():
     assert any(o.kind == "attention" for o in g_sdpa.ops)
 
 
+class _EinsumBlock(torch.nn.Module):
+    """A projection and an attention-score product, by einsum or by linear/matmul."""
+
+    def __init__(self, hidden: int, use_einsum: bool):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(hidden, hidden))
+        self.use_einsum = use_einsum
+
+    def forward(self, x):
+        if self.use_einsum:
+            y = torch.einsum("bsh,oh->bso", x, self.w)
+            return torch.einsum("bqh,bkh->bqk", y, y)
+        y = torch.nn.functional.linear(x, self.w)
+        return torch.matmul(y, y.transpose(1, 2))
+
+
+def test_einsum_flops_equal_the_matmuls_they_spell():
+    x = torch.randn(2, 16, 32, device="meta")
+    by_name = {}
+    for use in (True, False):
+        with torch.device("meta"):
+            m = _EinsumBlock(32, use)
+        g = capture(m, (x,), model_name="einsum" if use else "matmul")
+        by_name[use] = g
+    ein, ref = by_name[True], by_name[False]
+    assert _matmul_flops(ein) == pytest.approx(_matmul_flops(ref), rel=1e-12)
+    # forward 2*b*s*h*o + 2*b*q*k*h, the closed form of the two contractions; backward: the
+    # projection's weight gradient only (x needs none), both operands of the score product
+    proj, scores = 2 * 2 * 16 * 32 * 32, 2 * 2 * 16 * 16 * 32
+    fwd = sum(o.fwd_flops for o in ein.ops if o.kind in MATMUL_KINDS)
+    bwd = sum(o.bwd_flops for o in ein.ops if o.kind in MATMUL_KINDS)
+    assert fwd == pytest.approx(proj + scores, rel=1e-12)
+    assert bwd == pytest.approx(proj + 2 * scores, rel=1e-12)
+    assert {o.kind for o in ein.ops if "einsum" in o.target} == {"linear", "matmul"}
+
+
 # ---------------------------------------------------------------- (3) activations vs Korthikanti
 @pytest.mark.parametrize("L,h,a,s,b", [(2, 256, 8, 128, 2), (2, 512, 16, 256, 1)])
 def test_saved_activations_per_layer_match_korthikanti(L, h, a, s, b):
