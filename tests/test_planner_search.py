@@ -174,3 +174,43 @@ def test_plan_remembers_rescaled_cluster_for_report(tmp_path):
     plan = load_plan(out)
     assert plan.world_size == 16
     assert _load_cluster(plan, out, None).world_size == 16
+
+
+def _mixed(first_gpu: str = "a100-80gb-sxm", second_gpu: str = "h100-sxm"):
+    """One node of 2 A100s and one node of 2 H100s (examples/clusters/mixed-a100-h100.yaml,
+    shrunk); the second node's GPU type and NVLink replaced on request, the fabric kept."""
+    c = load_cluster("mixed-a100-h100")
+    a, h = (replace(g, nodes=1, gpus_per_node=2) for g in c.groups)
+    a = replace(a, gpu=first_gpu, intra_node=a.intra_node if first_gpu == "a100-80gb-sxm" else h.intra_node)
+    h = replace(h, gpu=second_gpu, intra_node=h.intra_node if second_gpu == "h100-sxm" else a.intra_node)
+    return replace(c, groups=(a, h))
+
+
+def test_heterogeneous_cluster_priced_by_the_slowest_device_of_each_stage(tiny_gpt):
+    """Data parallel over an A100 and an H100 node runs at the A100s' pace: the same step as on
+    two A100 nodes over the same fabric.  A 2-stage pipeline whose second stage holds the H100
+    node sits strictly between the all-A100 and the all-H100 clusters.  The planner's plan for
+    the mixed cluster fits and is no slower than either fixed layout."""
+    from autopar.simulator.configure import config_plan
+
+    mixed, all_a100, all_h100 = _mixed(), _mixed(second_gpu="a100-80gb-sxm"), _mixed(first_gpu="h100-sxm")
+    cms = {"a100-80gb-sxm": CostModel.from_profile("a100-80gb-sxm"), "h100-sxm": CostModel.from_profile("h100-sxm")}
+
+    def step(cluster, **kw):
+        plan = config_plan(tiny_gpt, micro_batch=2, schedule="1f1b", virtual_stages=1, zero=0, recompute="none",
+                           offload="none", precision="bf16", sequence_parallel=False, cluster_name=cluster.name, **kw)
+        return PlanEvaluator(tiny_gpt, cluster, cms).evaluate(plan).step_time_s
+
+    dp = dict(dp=4, tp=1, pp=1, global_batch=8)
+    t_mixed, t_a100, t_h100 = step(mixed, **dp), step(all_a100, **dp), step(all_h100, **dp)
+    assert t_mixed == pytest.approx(t_a100, rel=1e-9)
+    assert t_h100 < t_a100
+    # ranks = arange(4).view(dp=1, pp=2, tp=2): pipeline rank 0 on the A100 node, 1 on the H100 node
+    pp = dict(dp=1, tp=2, pp=2, global_batch=8)
+    p_mixed, p_a100, p_h100 = step(mixed, **pp), step(all_a100, **pp), step(all_h100, **pp)
+    assert p_h100 < p_mixed < p_a100
+
+    options = PlanOptions(global_batch=8, time_budget_s=6, seed=0, max_micro_batch=8, **SMALL)
+    got = search(tiny_gpt, mixed, cms, options)
+    assert got.best.result.fits
+    assert got.best.step_time_s <= min(t_mixed, p_mixed) * (1 + 1e-9)
