@@ -3,15 +3,19 @@ optimizer parameter -- what a roofline over FLOPs and bytes cannot see.
 
 Each figure is a difference of two timed closures that do the same arithmetic on tiny tensors,
 one plain and one through the framework feature, so the bytes and FLOPs cancel and what is
-left is the feature's per-call cost (dispatch, hooks, bookkeeping):
+left is the feature's per-call cost (dispatch, hooks, bookkeeping).  Forwards are timed with
+gradients enabled, as in training: DTensor's autograd wrappers cost there and not under
+``no_grad`` (a 2-process run of the accuracy benchmark's GPT spent ~0.5 ms per tensor-parallel
+module of forward, timed with module hooks on a one-rank mesh, where a single ``ColwiseParallel``
+linear under ``no_grad`` measured 0.16 ms):
 
 * ``op_launch_s``: one eager op (``torch.add`` on 4 elements), per op of a chain of 64;
 * ``op_backward_launch_s``: the autograd cost one such op adds to a backward pass (a chain of
   64 adds with gradients, forward + backward, minus the forward, per op);
-* ``tp_module_fwd_s`` / ``tp_module_bwd_s``: what ``ColwiseParallel`` adds to a tiny
-  ``nn.Linear`` (input and weight as DTensors, the output back to a local tensor) in forward
-  and in backward, on a one-rank mesh (no communication; collectives are priced from the
-  collective table);
+* ``tp_module_fwd_s`` / ``tp_module_bwd_s``: what tensor parallelism adds per module to a
+  tiny MLP on ``[batch, seq, hidden]`` activations -- ``ColwiseParallel`` on its first linear,
+  ``RowwiseParallel`` on its second, as the runtime pairs them -- in forward and in backward,
+  halved, on a one-rank mesh (no traffic; collectives are priced from the collective table);
 * ``fsdp_unit_fwd_s`` / ``fsdp_unit_bwd_s``: what ``fully_shard`` (resharding after forward)
   adds to one tiny module per forward and per backward beyond its collectives, on a one-rank
   mesh: the plain module's time and the time of the same all-gather (forward; again in
@@ -84,9 +88,9 @@ def _linear_pair(device):
 
 
 def _fwd_bwd_times(module, x, t) -> tuple[float, float]:
+    """(forward, backward) seconds of ``module`` on ``x``; the forward with gradients enabled."""
     def fwd():
-        with torch.no_grad():
-            return module(x)
+        return module(x)
 
     def fwd_bwd():
         module(x).sum().backward()
@@ -95,14 +99,18 @@ def _fwd_bwd_times(module, x, t) -> tuple[float, float]:
 
 
 def _tp_module(mesh, device, t) -> dict[str, float]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plain, x = _linear_pair(device)
-    tp, _ = _linear_pair(device)
-    parallelize_module(tp, mesh, ColwiseParallel())
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, device=device)          # [batch, seq, hidden], the runtime's layout
+
+    def mlp():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).to(device)
+    plain, pair = mlp(), mlp()
+    parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     pf, pb = _fwd_bwd_times(plain, x, t)
-    tf, tb = _fwd_bwd_times(tp, x, t)
-    return {"tp_module_fwd_s": tf - pf, "tp_module_bwd_s": tb - pb}
+    tf, tb = _fwd_bwd_times(pair, x, t)
+    return {"tp_module_fwd_s": (tf - pf) / 2, "tp_module_bwd_s": (tb - pb) / 2}
 
 
 def _lockstep_timer(group):
@@ -136,15 +144,7 @@ def _fsdp_unit(mesh, device, t) -> dict[str, float]:
     wrapped, _ = _linear_pair(device)
     fully_shard(wrapped, mesh=mesh, reshard_after_forward=True)
     pf, pb = _fwd_bwd_times(plain, x, t)
-
-    # FSDP's forward and backward hooks run in training mode only: time both with gradients
-    def fwd():
-        return wrapped(x)
-
-    def fwd_bwd():
-        wrapped(x).sum().backward()
-    f = t(fwd)
-    b = max(0.0, t(fwd_bwd) - f)
+    f, b = _fwd_bwd_times(wrapped, x, t)      # FSDP's hooks run with gradients enabled only
     # the unit's own collectives, called directly: its flat parameter (weight + bias of the
     # tiny linear) all-gathered, its gradient reduce-scattered, padded to the mesh size
     group, n = mesh.get_group(), mesh.size()
