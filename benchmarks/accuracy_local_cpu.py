@@ -134,7 +134,8 @@ def main() -> int:
                 m = _run(run_dir / "plan.json", cfg.world_size, args.steps, args.timeout, args.breakdown)
                 if m is not None and (measured is None or m["step_time_s"] < measured["step_time_s"]):
                     measured = {**m, "cpu_busy_before_run": busy}
-                    (run_dir / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
+            if measured is not None:     # each run rewrote measured.json: keep the kept run's on disk
+                (run_dir / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
         wall_s = time.perf_counter() - t0
         if measured is None:
             print(f"  {cfg.name}: the run failed (see {run_dir}/run.log); left out", flush=True)
