@@ -108,9 +108,10 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     styles = lp.tp_styles
     for op in ops:
         param_names.update(op.params)
-        # a module tensor parallelism turned into DTensor: a sharded linear, or (sequence
-        # parallel) a norm whose input and weight are DTensors (runtime/apply_tp.py)
-        if (tp > 1 and op.kind == "linear" and layout.param_shard.get(op.name, 1) > 1) or \
+        # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
+        # runtime splits a vocabulary table row-wise), or (sequence parallel) a norm whose input
+        # and weight are DTensors (runtime/apply_tp.py)
+        if (tp > 1 and op.kind in ("linear", "embedding") and layout.param_shard.get(op.name, 1) > 1) or \
                 (sequence_parallel and op.kind == "norm"):
             num_tp_modules += 1
             dtensor_params.update(op.params)

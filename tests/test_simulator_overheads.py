@@ -115,6 +115,21 @@ def test_tp_and_fsdp_module_overheads_add_per_module():
     assert with_ov.bwd_s - plain.bwd_s == pytest.approx(num_linear * 3e-4 + 4e-4)
 
 
+def test_row_split_embedding_is_a_tensor_parallel_module():
+    """The runtime splits a vocabulary table row-wise into a DTensor module: one module's
+    overhead in each pass, as a sharded linear."""
+    only = {**{k: 0.0 for k in OVERHEADS}, "tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4}
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    emb = [o for o in g.layer_ops(0) if o.kind == "embedding"]
+    assert emb
+    lp = LayerPlan(0, ((emb[0].module_path, "rowwise"),), zero=0)
+    mesh = Mesh(dp=1, pp=1, tp=2)
+    ev0 = PlanEvaluator(g, _cluster(), CostModel.from_profile(_profile({k: 0.0 for k in OVERHEADS})))
+    ev1 = PlanEvaluator(g, _cluster(), CostModel.from_profile(_profile(only)))
+    plain, with_ov = ev0.layer_cost(0, lp, mesh, 2, "fp32"), ev1.layer_cost(0, lp, mesh, 2, "fp32")
+    assert with_ov.fwd_s - plain.fwd_s == pytest.approx(1e-4)
+    assert with_ov.bwd_s - plain.bwd_s == pytest.approx(3e-4)
+
 def test_optimizer_counts_plain_and_dtensor_tensors():
     ov = {**{k: 0.0 for k in OVERHEADS}, "optimizer_tensor_s": 3e-5, "optimizer_dtensor_tensor_s": 3e-4}
     g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
