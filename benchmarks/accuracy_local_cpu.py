@@ -12,10 +12,13 @@ calibrates the profile on every other plan and prints the median step-time error
 held-back plans before and after (and of the fitted ones).
 
 The machine is shared: before each run the script waits (up to --idle-wait-s) until the CPU
-is idle, and it runs each plan --repeats times and keeps the run with the lowest median step
+is idle, and it runs each plan --repeats times -- in rounds, every plan once per round, the
+order reversed every other round -- and keeps the run with the lowest median step
 time -- the one least disturbed by other work, as ``timeit`` keeps the best of its repeats
 (Python docs, timeit, "Note": higher values are caused by other processes interfering).
-The CPU busy fraction seen before each kept run is recorded.  When measured.json holds the
+The CPU busy fraction seen before each kept run is recorded, and a one-process plan (no
+communication in its prediction) runs before and after the rounds as a reading of how fast the
+machine was: other tenants of the host slow every plan without showing in /proc/stat.  When measured.json holds the
 runtime's ``model_state_bytes_per_rank``, the parameter, gradient and optimizer-state bytes
 of every rank are compared with the simulator's per-stage breakdown.
 
@@ -111,7 +114,10 @@ def main() -> int:
     print(f"model {MODEL_FILE.name} {MODEL_ARGS}, micro-batch {MICRO_BATCH}; cluster {cluster.name}; "
           f"profile {args.profile}; {len(configs)} plans; runs in {out}", flush=True)
 
-    rows = []
+    # plans and predictions first; then the runs in rounds -- every plan once per round, the
+    # order reversed on every other round (as AB/BA) -- so a slow spell of the shared machine
+    # falls on different plans in different rounds instead of on all repeats of one plan
+    staged = []
     for cfg in configs:
         plan = config_plan(graph, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, micro_batch=MICRO_BATCH,
                            global_batch=cfg.dp * MICRO_BATCH * cfg.num_microbatches, schedule=cfg.schedule,
@@ -124,28 +130,44 @@ def main() -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         old = (run_dir / "plan.json").read_text() if (run_dir / "plan.json").is_file() else None
         save_plan(plan, run_dir / "plan.json")
-        t0 = time.perf_counter()
-        if args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json"):
-            measured = json.loads((run_dir / "measured.json").read_text())
-        else:
-            measured = None
-            for _ in range(max(1, args.repeats)):
-                busy = _wait_for_idle(args.idle_wait_s)
-                m = _run(run_dir / "plan.json", cfg.world_size, args.steps, args.timeout, args.breakdown)
-                if m is not None and (measured is None or m["step_time_s"] < measured["step_time_s"]):
-                    measured = {**m, "cpu_busy_before_run": busy}
-            if measured is not None:     # each run rewrote measured.json: keep the kept run's on disk
-                (run_dir / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
-        wall_s = time.perf_counter() - t0
+        reuse = args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json")
+        staged.append({"cfg": cfg, "plan": plan, "sim": sim, "dir": run_dir, "wall_s": 0.0,
+                       "measured": json.loads((run_dir / "measured.json").read_text()) if reuse else None,
+                       "reused": reuse})
+    to_run = [st for st in staged if not st["reused"]]
+    reference = _reference_run(graph, ctx, cluster, out, args) if to_run else None
+    for round_index in range(max(1, args.repeats) if to_run else 0):
+        order = to_run if round_index % 2 == 0 else to_run[::-1]
+        print(f"round {round_index + 1} of {args.repeats}: {len(order)} runs", flush=True)
+        for st in order:
+            busy = _wait_for_idle(args.idle_wait_s)
+            t0 = time.perf_counter()
+            m = _run(st["dir"] / "plan.json", st["cfg"].world_size, args.steps, args.timeout, args.breakdown)
+            st["wall_s"] += time.perf_counter() - t0
+            if m is not None and (st["measured"] is None or m["step_time_s"] < st["measured"]["step_time_s"]):
+                st["measured"] = {**m, "cpu_busy_before_run": busy}
+    for st in to_run:                  # each run rewrote measured.json: keep the kept run's on disk
+        if st["measured"] is not None:
+            (st["dir"] / "measured.json").write_text(json.dumps(st["measured"], indent=1) + "\n")
+
+    if reference is not None:
+        reference["measured_after_s"] = _reference_step(out, args)
+        print(f"reference, one process (no communication): simulated {reference['sim_s'] * 1e3:.2f} ms, measured "
+              f"{reference['measured_before_s'] * 1e3:.2f} ms before the rounds and "
+              f"{reference['measured_after_s'] * 1e3:.2f} ms after (how fast the machine was)", flush=True)
+
+    rows = []
+    for st in staged:
+        cfg, sim, measured = st["cfg"], st["sim"], st["measured"]
         if measured is None:
-            print(f"  {cfg.name}: the run failed (see {run_dir}/run.log); left out", flush=True)
+            print(f"  {cfg.name}: the run failed (see {st['dir']}/run.log); left out", flush=True)
             continue
-        rows.append({"name": cfg.name, "world_size": cfg.world_size, "plan": plan, "sim": sim, "measured": measured,
-                     "sim_step_s": sim["step_time_s"], "meas_step_s": measured["step_time_s"],
+        rows.append({"name": cfg.name, "world_size": cfg.world_size, "plan": st["plan"], "sim": sim,
+                     "measured": measured, "sim_step_s": sim["step_time_s"], "meas_step_s": measured["step_time_s"],
                      "sim_mem_bytes": sim["max_memory_bytes"], "meas_mem_bytes": measured["max_memory_bytes"]})
         print(f"  {cfg.name:<22} ranks {cfg.world_size}  simulated {sim['step_time_s'] * 1e3:8.2f} ms  measured "
               f"{measured['step_time_s'] * 1e3:8.2f} ms  error {_err(sim['step_time_s'], measured['step_time_s']):+7.1%}"
-              f"   (run {wall_s:.0f} s)", flush=True)
+              f"   (runs {st['wall_s']:.0f} s)", flush=True)
     if len(rows) < 2:
         print("fewer than two plans ran; nothing to summarise")
         return 1
@@ -163,9 +185,32 @@ def main() -> int:
             "plans": [{**{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
                                             "meas_mem_bytes")},
                        "cpu_busy_before_run": r["measured"].get("cpu_busy_before_run")} for r in rows],
-            "summary": summary, "calibration": calib}, indent=1) + "\n")
+            "summary": summary, "calibration": calib, "reference_one_process": reference}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
+
+
+def _reference_run(graph, ctx, cluster, out: Path, args) -> dict:
+    """A one-process plan, run before and after the rounds: its prediction has no communication
+    in it, so its measured step tells how fast the shared machine was at the time."""
+    from autopar.core.plan import save_plan
+    from autopar.profiling.resimulate import simulate_figures
+    from autopar.simulator.configure import config_plan
+
+    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=MICRO_BATCH, global_batch=MICRO_BATCH, schedule="1f1b",
+                       virtual_stages=1, zero=0, recompute="none", offload="none", precision="fp32",
+                       sequence_parallel=False, cluster_name=cluster.name)
+    sim, _ = simulate_figures(ctx, plan, timeline=False)
+    (out / "reference").mkdir(parents=True, exist_ok=True)
+    save_plan(plan.with_predicted(dict(sim), profile=str(args.profile), cluster_file=cluster.source),
+              out / "reference" / "plan.json")
+    return {"sim_s": sim["step_time_s"], "measured_before_s": _reference_step(out, args)}
+
+
+def _reference_step(out: Path, args) -> float:
+    _wait_for_idle(args.idle_wait_s)
+    m = _run(out / "reference" / "plan.json", 1, args.steps, args.timeout)
+    return float("nan") if m is None else m["step_time_s"]
 
 
 def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> dict | None:
