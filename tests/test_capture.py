@@ -1,7 +1,6 @@
 """Capture checks against independent references: the real module, closed forms, papers."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
