@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autopar.core.errors import PlanFileError
+from autopar.core.jsonfile import read_json_object
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -284,14 +285,9 @@ def _json_default(o: Any) -> Any:
 
 def load_plan(path: str | os.PathLike) -> Plan:
     p = Path(path)
-    if not p.is_file():
-        raise PlanFileError(f"plan file {p} does not exist. Create one with 'autopar plan MODEL.py --cluster CLUSTER -o {p}'.")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFileError(f"plan file {p} is not valid JSON ({e}). Plans are JSON written by 'autopar plan'.") from None
-    if not isinstance(d, dict):
-        raise PlanFileError(f"plan file {p} holds a {type(d).__name__}, not a plan object.")
+    d = read_json_object(p, what="plan file", error=PlanFileError,
+                         if_missing=f". Create one with 'autopar plan MODEL.py --cluster CLUSTER -o {p}'.",
+                         if_invalid=". Plans are JSON written by 'autopar plan'.")
     return Plan.from_dict(d, source=f"plan file {p}")
 
 

@@ -13,7 +13,7 @@ import datetime as _dt
 import json
 from pathlib import Path
 
-from autopar.core.errors import UserError
+from autopar.core.jsonfile import read_json_object
 from autopar.core.plan import write_text_atomic
 from autopar.profiling import estimate
 
@@ -22,14 +22,7 @@ DEFAULT_COLLECTIVE_EFFICIENCY = {"intra": 1.0, "inter": 1.0}
 
 
 def read_profile_json(path: str | Path) -> dict:
-    p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"profile file {p} is not valid JSON ({e}); fix it or choose another -o path.") from None
-    if not isinstance(d, dict):
-        raise UserError(f"profile file {p} holds a {type(d).__name__}, not a profile object.")
-    return d
+    return read_json_object(path, what="profile file", if_invalid="; fix it or choose another -o path.")
 
 
 def build_profile(*, base: dict | None, name: str, device_kind: str, description: str, machine: dict, measured_by: str,

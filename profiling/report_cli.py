@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.core.jsonfile import read_json_object
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,15 +97,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def load_measured(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"measured file {p} does not exist; 'autopar run PLAN.json' writes measured.json beside the plan.")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"measured file {p} is not valid JSON ({e}).") from None
-    if not isinstance(d, dict) or "step_time_s" not in d:
-        raise UserError(f"measured file {p} has no 'step_time_s'; it should be the measured.json a run wrote.")
+    d = read_json_object(path, what="measured file",
+                         if_missing="; 'autopar run PLAN.json' writes measured.json beside the plan.")
+    if "step_time_s" not in d:
+        raise UserError(f"measured file {path} has no 'step_time_s'; it should be the measured.json a run wrote.")
     return d
 
 
