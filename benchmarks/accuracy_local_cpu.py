@@ -18,9 +18,9 @@ time -- the one least disturbed by other work, as ``timeit`` keeps the best of i
 (Python docs, timeit, "Note": higher values are caused by other processes interfering).
 The CPU busy fraction seen before each kept run is recorded, and a one-process plan (no
 communication in its prediction) runs before and after the rounds as a reading of how fast the
-machine was: other tenants of the host slow every plan without showing in /proc/stat.  When measured.json holds the
-runtime's ``model_state_bytes_per_rank``, the parameter, gradient and optimizer-state bytes
-of every rank are compared with the simulator's per-stage breakdown.
+machine was: other tenants of the host slow every plan without showing in /proc/stat.  When
+measured.json holds the runtime's ``model_state_bytes_per_rank``, the parameter, gradient and
+optimizer-state bytes of every rank are compared with the simulator's per-stage breakdown.
 
 Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
 the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
@@ -79,6 +79,8 @@ CONFIGS = [
     Config("zero3-4 selective", dp=4, zero=3, recompute="selective"),
     Config("tp2 sp x pp2", tp=2, pp=2, num_microbatches=2, sequence_parallel=True),
 ]
+#: one process, no communication: a reading of how fast the machine is (run before and after)
+REFERENCE = Config("reference")
 
 
 def main() -> int:
@@ -101,9 +103,7 @@ def main() -> int:
 
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
-    from autopar.core.plan import save_plan
-    from autopar.profiling.resimulate import PlanContext, load_profile_dict, simulate_figures
-    from autopar.simulator.configure import config_plan
+    from autopar.profiling.resimulate import PlanContext, load_profile_dict
 
     cluster = load_cluster("local-cpu")
     profile = load_profile_dict(args.profile)
@@ -119,23 +119,20 @@ def main() -> int:
     # falls on different plans in different rounds instead of on all repeats of one plan
     staged = []
     for cfg in configs:
-        plan = config_plan(graph, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, micro_batch=MICRO_BATCH,
-                           global_batch=cfg.dp * MICRO_BATCH * cfg.num_microbatches, schedule=cfg.schedule,
-                           virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
-                           precision="fp32", sequence_parallel=cfg.sequence_parallel, cluster_name=cluster.name)
-        sim, _ = simulate_figures(ctx, plan, timeline=True)
-        plan = plan.with_predicted(dict(sim),
-                                   profile=str(args.profile), cluster_file=cluster.source)
         run_dir = out / cfg.name.replace(" ", "_")
-        run_dir.mkdir(parents=True, exist_ok=True)
         old = (run_dir / "plan.json").read_text() if (run_dir / "plan.json").is_file() else None
-        save_plan(plan, run_dir / "plan.json")
+        plan, sim = _write_plan(cfg, ctx, args.profile, run_dir)
         reuse = args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json")
         staged.append({"cfg": cfg, "plan": plan, "sim": sim, "dir": run_dir, "wall_s": 0.0,
                        "measured": json.loads((run_dir / "measured.json").read_text()) if reuse else None,
                        "reused": reuse})
     to_run = [st for st in staged if not st["reused"]]
-    reference = _reference_run(graph, ctx, cluster, out, args) if to_run else None
+    reference = None
+    if to_run:
+        # a one-process plan, run before and after the rounds: its prediction has no communication
+        # in it, so its measured step tells how fast the shared machine was at the time
+        _, ref_sim = _write_plan(REFERENCE, ctx, args.profile, out / "reference")
+        reference = {"sim_s": ref_sim["step_time_s"], "measured_before_s": _reference_step(out, args)}
     for round_index in range(max(1, args.repeats) if to_run else 0):
         order = to_run if round_index % 2 == 0 else to_run[::-1]
         print(f"round {round_index + 1} of {args.repeats}: {len(order)} runs", flush=True)
@@ -190,21 +187,22 @@ def main() -> int:
     return 0
 
 
-def _reference_run(graph, ctx, cluster, out: Path, args) -> dict:
-    """A one-process plan, run before and after the rounds: its prediction has no communication
-    in it, so its measured step tells how fast the shared machine was at the time."""
+def _write_plan(cfg: Config, ctx, profile: str, run_dir: Path):
+    """(plan, simulated figures) of ``cfg``, the plan written with its prediction to run_dir/plan.json."""
     from autopar.core.plan import save_plan
     from autopar.profiling.resimulate import simulate_figures
     from autopar.simulator.configure import config_plan
 
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=MICRO_BATCH, global_batch=MICRO_BATCH, schedule="1f1b",
-                       virtual_stages=1, zero=0, recompute="none", offload="none", precision="fp32",
-                       sequence_parallel=False, cluster_name=cluster.name)
-    sim, _ = simulate_figures(ctx, plan, timeline=False)
-    (out / "reference").mkdir(parents=True, exist_ok=True)
-    save_plan(plan.with_predicted(dict(sim), profile=str(args.profile), cluster_file=cluster.source),
-              out / "reference" / "plan.json")
-    return {"sim_s": sim["step_time_s"], "measured_before_s": _reference_step(out, args)}
+    cluster = ctx.cluster
+    plan = config_plan(ctx.graph, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, micro_batch=MICRO_BATCH,
+                       global_batch=cfg.dp * MICRO_BATCH * cfg.num_microbatches, schedule=cfg.schedule,
+                       virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
+                       precision="fp32", sequence_parallel=cfg.sequence_parallel, cluster_name=cluster.name)
+    sim, _ = simulate_figures(ctx, plan, timeline=True)
+    plan = plan.with_predicted(dict(sim), profile=str(profile), cluster_file=cluster.source)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_plan(plan, run_dir / "plan.json")
+    return plan, sim
 
 
 def _reference_step(out: Path, args) -> float:
