@@ -99,7 +99,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per plan; the fastest median step time is kept")
     ap.add_argument("--idle-wait-s", type=float, default=60.0,
                     help="wait up to this long before each run for the CPU to be idle (< 25%% busy)")
+    ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one of the GPT's arguments (default model: %s)" % MODEL_ARGS)
+    ap.add_argument("--micro-batch", type=int, default=None, help=f"micro-batch size (default: {MICRO_BATCH})")
+    ap.add_argument("--calibrate-out", default=None, metavar="PROFILE_JSON",
+                    help="also calibrate the profile on every plan of this run and write it here")
     args = ap.parse_args()
+    _set_model(args.model_arg, args.micro_batch)
 
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
@@ -173,6 +179,8 @@ def main() -> int:
     summary = _summary(rows)
     summary["model_state"] = _model_state(rows)
     calib = _calibration(rows, ctx, profile)
+    if args.calibrate_out:
+        _calibrate_all(rows, ctx, profile, Path(args.calibrate_out), sys.argv)
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save).write_text(json.dumps({
@@ -185,6 +193,15 @@ def main() -> int:
             "summary": summary, "calibration": calib, "reference_one_process": reference}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
+
+
+def _set_model(pairs: list[str], micro_batch: int | None) -> None:
+    """Apply --model-arg / --micro-batch to the module's model (a calibration run uses another shape)."""
+    global MICRO_BATCH
+    from autopar.core.modelfile import parse_model_args
+
+    MODEL_ARGS.update(parse_model_args(pairs))
+    MICRO_BATCH = micro_batch or MICRO_BATCH
 
 
 def _write_plan(cfg: Config, ctx, profile: str, run_dir: Path):
@@ -381,6 +398,30 @@ def _calibration(rows, ctx, profile) -> dict:
     print(f"  held-back half median |step error| {out['held_before']:.1%} -> {out['held_after']:.1%} "
           f"(target: no worse)")
     return out
+
+
+def _observation(r, ctx):
+    from autopar.profiling.calibrate import Observation
+    from autopar.profiling.resimulate import simulate_figures
+
+    return Observation(name=r["name"], measured=r["measured"],
+                       predict=lambda prof, plan=r["plan"]: simulate_figures(ctx, plan, prof, timeline=True)[0])
+
+
+def _calibrate_all(rows, ctx, profile, out: Path, argv) -> None:
+    """Calibrate on every plan of this run and write the profile (for use on other models)."""
+    from autopar.profiling.calibrate import calibrate
+
+    res = calibrate(profile, [_observation(r, ctx) for r in rows])
+    model = ", ".join(f"{k}={v}" for k, v in MODEL_ARGS.items())
+    src = dict(res.profile.get("sources", {}))
+    src["calibration_run"] = (f"{' '.join(['OMP_NUM_THREADS=1', 'python', *argv])}: GPT {model}, micro-batch "
+                              f"{MICRO_BATCH}, {len(rows)} plans, fitted on their median step times")
+    res.profile["sources"] = src
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res.profile, indent=1) + "\n")
+    print(f"calibrated on all {len(rows)} plans: " + (", ".join(f"{c.factor} time x{c.time_scale:.2f}"
+                                                               for c in res.changes) or "no change") + f"; wrote {out}")
 
 
 if __name__ == "__main__":

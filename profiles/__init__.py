@@ -53,6 +53,9 @@ OPTIONAL_KEYS = {
     # per-call framework costs in seconds (profiling/overheads.py; simulator/cost_model.py
     # OVERHEAD_KEYS): op dispatch, DTensor module, FSDP unit, optimizer parameter tensor
     "framework_overheads": "overheads",
+    # CPU ranks: waiting per second of compute before each meeting of the ranks, one row per
+    # number of processes (profiling/sync_wait.py; simulator/cost_model.py sync_stretch)
+    "sync_wait": "sync_rows",
 }
 PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)
 
@@ -61,6 +64,7 @@ PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)
 # carry further keys (the profiler adds variant, num_samples, spread, ...).
 OP_ROW_KEYS = {"kind": "text", "dtype": "text", "flops": "amount", "bytes": "amount", "seconds": "time",
                "shape": "shape"}
+SYNC_ROW_KEYS = {"processes": "count", "per_compute": "amount"}
 COLLECTIVE_ROW_KEYS = {"op": "text", "bytes": "amount", "group_size": "count", "level": "level", "seconds": "time"}
 
 
@@ -167,6 +171,11 @@ def _check_optional(value: object, kind: str, source: str, key: str) -> None:
             _fail(source, key, value, "an object mapping an overhead name (op_launch_s, ...) to seconds >= 0")
         for name, seconds in value.items():
             _check_number(seconds, source, f"{key}.{name}", positive=False)
+    elif kind == "sync_rows":
+        if not isinstance(value, list):
+            _fail(source, key, value, "a list of rows {processes, per_compute, ...}")
+        for i, row in enumerate(value):
+            _check_row(row, SYNC_ROW_KEYS, source, f"{key}[{i}]")
 
 
 def _check_row(row: object, row_keys: dict[str, str], source: str, path: str) -> None:

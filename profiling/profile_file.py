@@ -27,7 +27,8 @@ def read_profile_json(path: str | Path) -> dict:
 
 def build_profile(*, base: dict | None, name: str, device_kind: str, description: str, machine: dict, measured_by: str,
                   op_rows: list[dict] | None, collective_rows: list[dict] | None,
-                  memory_bytes: int | None, overheads: dict[str, float] | None = None) -> dict:
+                  memory_bytes: int | None, overheads: dict[str, float] | None = None,
+                  sync_wait: dict | None = None) -> dict:
     """A profile dict: ``base`` (an existing profile or None) updated with what was measured."""
     prof = json.loads(json.dumps(base)) if base else {}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -66,6 +67,13 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         prof["framework_overheads"] = {k: float(v) for k, v in overheads.items()}
         sources["framework_overheads"] = (f"measured by `{measured_by}` ({stamp}): tiny plain vs framework "
                                           f"closures, per call (profiling/overheads.py)")
+    if sync_wait is not None:
+        # one row per number of processes; a new measurement replaces the row of its count
+        rows = [r for r in prof.get("sync_wait", []) if r.get("processes") != sync_wait["processes"]]
+        prof["sync_wait"] = sorted(rows + [dict(sync_wait)], key=lambda r: r["processes"])
+        sources[f"sync_wait.{sync_wait['processes']}"] = (
+            f"measured by `{measured_by}` ({stamp}): extra time of a 128 KiB all-reduce after bursts of "
+            f"matmuls against the bursts alone, fitted as fixed + per_compute x burst (profiling/sync_wait.py)")
     if collective_rows is not None:
         collective_rows = _merge_table(prof, sources, "collective_table", collective_rows, _coll_key,
                                        measured_by, stamp, commands)

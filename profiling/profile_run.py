@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopar.profiling import collectives, machine, ops, overheads
+from autopar.profiling import collectives, machine, ops, overheads, sync_wait
 from autopar.profiling.op_sweeps import op_cases
 from autopar.profiling.profile_file import build_profile, read_profile_json, write_profile
 from autopar.profiling.timing import RepeatPolicy
@@ -25,6 +25,7 @@ class ProfileOptions:
     name: str
     measure_ops: bool = True
     measure_collectives: bool = True
+    measure_sync_wait: bool = True      # CPU under torchrun only (profiling/sync_wait.py)
     argv: tuple[str, ...] = ()          # the verb's arguments, for measured_by
     target_s: float | None = None       # seconds of samples per point (RepeatPolicy.target_total_s)
 
@@ -61,9 +62,10 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     console = Console(file=sys.stderr)
     progress = Progress(TextColumn("[bold]{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=rank != 0, transient=False)
-    op_rows = coll_rows = overhead_s = None
+    do_sync = opts.measure_sync_wait and world > 1 and opts.device.type == "cpu"
+    op_rows = coll_rows = overhead_s = sync_row = None
     with progress:
-        task = progress.add_task("ops", total=len(cases) + num_coll + (1 if cases else 0))
+        task = progress.add_task("ops", total=len(cases) + num_coll + (1 if cases else 0) + do_sync)
 
         def step(label: str) -> None:
             progress.update(task, description=label[:44])
@@ -85,6 +87,10 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
         if num_coll:
             coll_rows = collectives.make_monotone(
                 collectives.measure_collectives(opts.device, policy, opts.quick, on_case=step))
+        if do_sync:
+            step("meeting after compute (sync wait)")
+            dist.barrier()
+            sync_row = sync_wait.measure_sync_wait(opts.quick)
     if rank != 0:
         return None
     base = read_profile_json(opts.output) if opts.output.exists() else None
@@ -96,7 +102,7 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     prof = build_profile(base=base, name=opts.name, device_kind="gpu" if opts.device.type == "cuda" else "cpu",
                          description=label, machine=desc,
                          measured_by=machine.command_line(["profile", *opts.argv]), op_rows=op_rows, collective_rows=coll_rows,
-                         memory_bytes=mem, overheads=overhead_s)
+                         memory_bytes=mem, overheads=overhead_s, sync_wait=sync_row)
     _check_with_loader(prof, opts.output)
     write_profile(prof, opts.output)
     return prof

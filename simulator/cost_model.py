@@ -123,6 +123,9 @@ class CostModel:
     gemm_tile: tuple[int, int] = (256, 128)
     profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
     overheads: Mapping[str, float] = field(default_factory=dict)
+    #: processes busy on a node -> seconds of waiting per second of a rank's own work before
+    #: each meeting of the ranks (a profile's ``sync_wait`` rows, profiling/sync_wait.py)
+    sync_wait: Mapping[int, float] = field(default_factory=dict)
     host_dispatch_bound: bool = False     # CPU: the device is the host thread, views cost a dispatch too
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     _op_curves: dict = field(default_factory=dict, repr=False)
@@ -153,6 +156,7 @@ class CostModel:
         measured = {k: float(v) for k, v in (prof.get("framework_overheads") or {}).items() if k in OVERHEAD_KEYS}
         cm.overheads = {**(GPU_OVERHEADS if gpu else {}), **measured}
         cm.host_dispatch_bound = not gpu
+        cm.sync_wait = {int(r["processes"]): float(r["per_compute"]) for r in prof.get("sync_wait", []) or []}
         groups: dict[tuple[str, str | None, str], tuple[list, list]] = {}
         for row in prof.get("op_table", []) or []:
             kind = str(row["kind"])
@@ -199,6 +203,14 @@ class CostModel:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * max(1.0, math.ceil(batch))
         waves = math.ceil(tiles / self.num_sms)
         return min(1.0, (m * n * max(1.0, batch)) / (waves * self.num_sms * tm * tn))
+
+    def sync_stretch(self, processes: int) -> float:
+        """How much longer a rank's own work takes, meetings included, when ``processes`` ranks
+        compute on its node and meet after each stretch (1 + the measured wait per second of
+        compute; 1.0 for a single process or a count the profile did not measure)."""
+        if processes <= 1:
+            return 1.0
+        return 1.0 + float(self.sync_wait.get(int(processes), 0.0))
 
     def overhead(self, key: str) -> float:
         """A framework overhead in seconds (``OVERHEAD_KEYS``; 0 when neither measured nor defaulted)."""

@@ -102,6 +102,9 @@ def test_bad_profiles_name_the_key(tmp_path, good):
     _reject(tmp_path, {**good, "collective_table": [{"op": "all_reduce", "bytes": 1024, "group_size": 8,
                                                      "level": "rack", "seconds": 1e-5}]},
             "collective_table[0].level", "intra, inter")
+    _reject(tmp_path, {**good, "sync_wait": {"processes": 2}}, "sync_wait", "a list of rows")
+    _reject(tmp_path, {**good, "sync_wait": [{"processes": 0, "per_compute": 0.1}]}, "sync_wait[0].processes")
+    _reject(tmp_path, {**good, "sync_wait": [{"processes": 2}]}, "sync_wait[0].per_compute", "missing")
     _reject(tmp_path, {**good, "collective_table": [{"op": "all_reduce", "bytes": 1024, "level": "intra",
                                                      "seconds": 1e-5}]}, "collective_table[0].group_size", "missing")
 

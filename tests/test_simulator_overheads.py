@@ -89,9 +89,9 @@ def test_optimizer_time_closed_form():
     assert CostModel.from_profile(_profile()).optimizer_time(1e6) == pytest.approx(28e6 / 1e10)
 
 
-def _layer_costs(mesh, lp, overheads, cluster=None):
+def _layer_costs(mesh, lp, overheads, cluster=None, **extra):
     g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
-    ev = PlanEvaluator(g, cluster or _cluster(), CostModel.from_profile(_profile(overheads)))
+    ev = PlanEvaluator(g, cluster or _cluster(), CostModel.from_profile(_profile(overheads, **extra)))
     return g, ev.layer_cost(1, lp, mesh, 2, "fp32")
 
 
@@ -221,3 +221,28 @@ def test_serial_communication_by_busy_processes_per_core():
     assert serial_communication(cl, Mesh(dp=4, pp=1, tp=1))           # one per core
     assert serial_communication(cl, Mesh(dp=2, pp=2, tp=2))           # 8 on 4 cores
     assert not serial_communication(_cluster(gpus=8, slots=0), Mesh(dp=8, pp=1, tp=1))   # GPUs
+
+
+def test_sync_wait_stretches_device_work_of_ranks_that_meet():
+    """A profile's measured wait per second of compute (profiling/sync_wait.py) stretches a
+    rank's own work by 1 + per_compute for the number of busy processes it was measured with;
+    one process, or a count the profile did not measure, is left alone; collectives are not
+    stretched (their in-step rows hold their own wake-up)."""
+    sync = [{"processes": 2, "per_compute": 0.25}, {"processes": 4, "per_compute": 0.5}]
+    cl = _cluster(gpus=4, slots=2)
+    lp = LayerPlan(1, (), zero=0)
+    for mesh, factor in ((Mesh(dp=2, pp=1, tp=1), 1.25), (Mesh(dp=4, pp=1, tp=1), 2 * 1.5)):
+        _, plain = _layer_costs(mesh, lp, OVERHEADS, cl)
+        _, waited = _layer_costs(mesh, lp, OVERHEADS, cl, sync_wait=sync)
+        _, alone = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl)
+        assert waited.fwd_s == pytest.approx(factor * alone.fwd_s)
+        assert waited.bwd_s == pytest.approx(factor * alone.bwd_s)
+        assert waited.optimizer_s == pytest.approx(factor * alone.optimizer_s)
+        assert waited.dp_allreduce_s == pytest.approx(plain.dp_allreduce_s)
+    _, one = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl, sync_wait=sync)
+    _, one_plain = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl)
+    assert one.fwd_s == pytest.approx(one_plain.fwd_s)
+    unmeasured = [{"processes": 3, "per_compute": 0.25}]
+    _, two = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl, sync_wait=unmeasured)
+    _, two_plain = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl)
+    assert two.fwd_s == pytest.approx(two_plain.fwd_s)

@@ -1,0 +1,108 @@
+"""How much longer CPU ranks take when they must meet after each stretch of compute.
+
+On a CPU "device" (one process per core, gloo) a synchronising collective costs more the
+longer the ranks computed before it.  Measured on the 2-core machine of
+profiles/local-cpu.json, 2 gloo ranks, a 128 KiB all-reduce straight after a chain of
+matmuls, against the same matmuls alone: +0.6 ms after no compute, +1.3 ms after 1.2 ms,
++1.5 ms after 3 ms, +2.2 ms after 9 ms and +4.2 ms after 25 ms (a 4 MiB all-reduce: +4.1,
++4.3, +4.9, +6.9, +7.6 ms).  The per-rank burst times themselves agree to ~1% in their
+medians, so it is the meeting that costs: every rank's stretch of compute is interrupted now
+and then by the host (other tenants, the kernel, the launcher, gloo's own threads), and a
+collective waits for the rank interrupted most -- the longer the stretch, the more it has
+collected.  A training step on such a machine meets after every layer (tensor parallelism),
+every FSDP unit, every pipeline micro-batch and at the end of the backward (DDP), so its
+device work stretches by about the same share.
+
+``measure_sync_wait`` times, for a few burst lengths ``g``, rounds of [g of matmuls; a 128 KiB
+all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round is
+``fixed + per_compute * g``, fitted by least squares over the burst lengths (``fit_line``).
+``per_compute`` (seconds of waiting per second of compute) is what the simulator uses
+(simulator/cost_model.py, ``sync_stretch``): a rank's own work between two meetings is
+priced ``1 + per_compute`` times longer in plans with more than one rank.  ``fixed`` -- the
+wake-up of gloo's threads -- is already in the collective table's in-step rows
+(profiling/collectives.py) and is recorded for information only.  On a GPU nothing is
+measured: a GPU's kernels queue behind the compute and no host thread is woken.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: lengths of the compute bursts, seconds: from about a small layer's forward to about the
+#: backward of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~25 ms
+#: for the whole backward)
+BURST_LENGTHS_S = (0.5e-3, 2e-3, 6e-3, 18e-3)
+BURST_LENGTHS_S_QUICK = (0.5e-3, 4e-3)
+ROUNDS = 150
+ROUNDS_QUICK = 8
+MATMUL_N = 128
+#: the meeting: an all-reduce of a tensor-parallel block's activations in the accuracy benchmark's
+#: GPT (4 x 64 x 128 fp32)
+MEETING_BYTES = 128 * 1024
+
+
+def fit_line(gaps_s: Sequence[float], extra_s: Sequence[float]) -> tuple[float, float]:
+    """(fixed, per_compute): least-squares line ``extra = fixed + per_compute * gap``, with
+    ``per_compute`` and ``fixed`` clipped at zero (a meeting never saves time)."""
+    if len(gaps_s) != len(extra_s) or len(gaps_s) < 2:
+        raise ValueError("fit_line needs at least two (gap, extra) points of equal count")
+    slope, intercept = np.polyfit(np.asarray(gaps_s, float), np.asarray(extra_s, float), 1)
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+def measure_sync_wait(quick: bool = False) -> dict:
+    """One row ``{processes, gaps_s, extra_s, fixed_s, per_compute, rounds}``, the same on every
+    rank; every rank of the default group takes part (run under torchrun on a CPU)."""
+    world = dist.get_world_size()
+    lengths = BURST_LENGTHS_S_QUICK if quick else BURST_LENGTHS_S
+    rounds = ROUNDS_QUICK if quick else ROUNDS
+    one_mm = _agreed_matmul_seconds()
+    a = torch.randn(MATMUL_N, MATMUL_N)
+    b = torch.randn(MATMUL_N, MATMUL_N)
+    token = torch.zeros(MEETING_BYTES // 4)
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+
+    counts = [max(1, round(g / one_mm)) for g in lengths]
+    alone: dict[int, list[float]] = {n: [] for n in counts}
+    meet: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n in counts:
+            for with_collective in (False, True):
+                dist.barrier()
+                burst(2)                                   # every rank out of the barrier and computing
+                t0 = time.perf_counter()
+                burst(n)
+                if with_collective:
+                    dist.all_reduce(token)
+                (meet if with_collective else alone)[n].append(time.perf_counter() - t0)
+    gaps = [statistics.median(alone[n]) for n in counts]
+    extra = [statistics.median(meet[n]) - statistics.median(alone[n]) for n in counts]
+    # the mean over ranks (each rank sees the meeting from its side)
+    vals = torch.tensor(gaps + extra, dtype=torch.float64)
+    dist.all_reduce(vals)
+    vals /= world
+    gaps, extra = vals[:len(counts)].tolist(), vals[len(counts):].tolist()
+    fixed, per_compute = fit_line(gaps, extra)
+    return {"processes": world, "gaps_s": gaps, "extra_s": extra, "fixed_s": fixed, "per_compute": per_compute,
+            "rounds": rounds, "backend": dist.get_backend()}
+
+
+def _agreed_matmul_seconds() -> float:
+    """Seconds of one MATMUL_N^3 matmul, the largest over the ranks (so all run the same count)."""
+    a = torch.randn(MATMUL_N, MATMUL_N)
+    for _ in range(5):
+        torch.mm(a, a)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, a)
+    t = torch.tensor([(time.perf_counter() - t0) / 50], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
