@@ -16,12 +16,17 @@ linear under ``no_grad`` measured 0.16 ms):
   tiny MLP on ``[batch, seq, hidden]`` activations -- ``ColwiseParallel`` on its first linear,
   ``RowwiseParallel`` on its second, as the runtime pairs them -- in forward and in backward,
   halved, on a one-rank mesh (no traffic; collectives are priced from the collective table);
+  Under torchrun on a CPU this and the FSDP figures are re-measured on pairs of ranks, in step,
+  with their collectives (profiling/overheads_in_step.py), which is what they cost there;
 * ``fsdp_unit_fwd_s`` / ``fsdp_unit_bwd_s``: what ``fully_shard`` (resharding after forward)
   adds to one tiny module per forward and per backward beyond its collectives, on a one-rank
   mesh: the plain module's time and the time of the same all-gather (forward; again in
   backward) and reduce-scatter (backward) called directly on that mesh are taken out -- the
   collective table prices those.  (On a mesh of several gloo processes the same difference
-  swings from 0.1 to 2 ms between runs on this shared machine, too noisy to keep.);
+  swings from 0.1 to 2 ms between runs on this shared machine when timed back to back and by
+  medians; profiling/overheads_in_step.py times it in step, by trimmed means, against a
+  composite of the same collectives, and on CPU ranks under torchrun that figure, with a
+  per-byte part ``fsdp_unit_*_per_byte_s``, replaces this one);
 * ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: what one more parameter tensor adds
   to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors.
 
@@ -46,12 +51,15 @@ TINY_NUMEL = 4           # elements of a tiny op's operands
 OPT_TENSORS = 64         # parameter tensors of the optimizer probe
 OPT_TENSOR_NUMEL = 16
 OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
-                 "fsdp_unit_bwd_s", "optimizer_tensor_s", "optimizer_dtensor_tensor_s")
+                 "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
+                 "optimizer_dtensor_tensor_s")
 
 
-def measure_overheads(device: torch.device, policy: RepeatPolicy) -> dict[str, float]:
-    """The figures of ``OVERHEAD_KEYS`` in seconds (each >= 0)."""
-    out: dict[str, float] = {}
+def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
+    """The figures of ``OVERHEAD_KEYS`` in seconds (each >= 0).  Under torchrun on a CPU the
+    tensor-parallel and FSDP figures come from pairs of ranks in step
+    (profiling/overheads_in_step.py), which replace the one-rank ones."""
+    out: dict[str, float] = {"fsdp_unit_fwd_per_byte_s": 0.0, "fsdp_unit_bwd_per_byte_s": 0.0}
     t = lambda fn: time_call(fn, device, policy).median_s   # noqa: E731
     a = torch.randn(TINY_NUMEL, device=device)
     b = torch.randn(TINY_NUMEL, device=device)
@@ -79,6 +87,11 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy) -> dict[str, f
         out.update(_tp_module(mesh, device, t))
         out.update(_fsdp_unit(mesh, device, t))
         out.update(_optimizer(mesh, device, t))
+    if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2:
+        from autopar.profiling.overheads_in_step import measure_in_step_overheads
+
+        dist.barrier()
+        out.update(measure_in_step_overheads(quick))
     return {k: max(0.0, float(out[k])) for k in OVERHEAD_KEYS}
 
 

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of timed samples per point (default 0.05, --quick 0.01); raise it on a busy machine")
     p.add_argument("--skip-ops", action="store_true", help="time only the collectives; keep the file's op table")
     p.add_argument("--skip-collectives", action="store_true", help="time only the ops; keep the file's collective table")
+    p.add_argument("--skip-overheads", action="store_true",
+                   help="do not time the framework overheads (op dispatch, tensor-parallel module, FSDP unit, "
+                        "optimizer tensor); keep the file's figures")
     p.add_argument("--skip-sync-wait", action="store_true",
                    help="on a CPU under torchrun, do not time how much meeting the other ranks costs per second of "
                         "compute (profiling/sync_wait.py); keep the file's figure")
@@ -58,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
     opts = ProfileOptions(output=out, quick=args.quick, dtypes=dtypes, device=device,
                           name=args.name or out.stem, measure_ops=not args.skip_ops,
                           measure_collectives=not args.skip_collectives,
-                          measure_sync_wait=not args.skip_sync_wait, argv=tuple(_canonical_args(args)),
+                          measure_sync_wait=not args.skip_sync_wait,
+                          measure_overheads=not args.skip_overheads, argv=tuple(_canonical_args(args)),
                           target_s=args.target_s)
     t0 = time.perf_counter()
     prof = run_profile(opts)
@@ -71,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _canonical_args(args: argparse.Namespace) -> list[str]:
     out = ["-o", str(args.output)]
-    for flag in ("quick", "skip_ops", "skip_collectives", "skip_sync_wait"):
+    for flag in ("quick", "skip_ops", "skip_collectives", "skip_overheads", "skip_sync_wait"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     for opt in ("dtypes", "name", "target_s"):

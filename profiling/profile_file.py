@@ -67,6 +67,10 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         prof["framework_overheads"] = {k: float(v) for k, v in overheads.items()}
         sources["framework_overheads"] = (f"measured by `{measured_by}` ({stamp}): tiny plain vs framework "
                                           f"closures, per call (profiling/overheads.py)")
+        if machine.get("device_type") == "cpu" and int(machine.get("world_size") or 1) > 1:
+            sources["framework_overheads"] += (
+                "; tensor-parallel module and FSDP unit on pairs of ranks in step against the same arithmetic "
+                "with its collectives called directly (profiling/overheads_in_step.py)")
     if sync_wait is not None:
         # one row per number of processes; a new measurement replaces the row of its count
         rows = [r for r in prof.get("sync_wait", []) if r.get("processes") != sync_wait["processes"]]

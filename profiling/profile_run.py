@@ -26,6 +26,7 @@ class ProfileOptions:
     measure_ops: bool = True
     measure_collectives: bool = True
     measure_sync_wait: bool = True      # CPU under torchrun only (profiling/sync_wait.py)
+    measure_overheads: bool = True      # framework overheads (profiling/overheads.py)
     argv: tuple[str, ...] = ()          # the verb's arguments, for measured_by
     target_s: float | None = None       # seconds of samples per point (RepeatPolicy.target_total_s)
 
@@ -65,7 +66,7 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     do_sync = opts.measure_sync_wait and world > 1 and opts.device.type == "cpu"
     op_rows = coll_rows = overhead_s = sync_row = None
     with progress:
-        task = progress.add_task("ops", total=len(cases) + num_coll + (1 if cases else 0) + do_sync)
+        task = progress.add_task("ops", total=len(cases) + num_coll + opts.measure_overheads + do_sync)
 
         def step(label: str) -> None:
             progress.update(task, description=label[:44])
@@ -78,10 +79,11 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
             if world > 1:
                 op_rows = _mean_over_ranks(op_rows, world)
             op_rows = ops.make_monotone(op_rows)
+        if opts.measure_overheads:
             step("framework overheads")
             if world > 1:
                 dist.barrier()
-            overhead_s = overheads.measure_overheads(opts.device, policy)
+            overhead_s = overheads.measure_overheads(opts.device, policy, opts.quick)
             if world > 1:
                 overhead_s = _mean_dict_over_ranks(overhead_s, world)
         if num_coll:

@@ -3,7 +3,7 @@
 On a CPU "device" (one process per core, gloo) a synchronising collective costs more the
 longer the ranks computed before it.  Measured on the 2-core machine of
 profiles/local-cpu.json, 2 gloo ranks, a 128 KiB all-reduce straight after a chain of
-matmuls, against the same matmuls alone: +0.6 ms after no compute, +1.3 ms after 1.2 ms,
+matmuls, against the same matmuls alone (medians): +0.6 ms after no compute, +1.3 ms after 1.2 ms,
 +1.5 ms after 3 ms, +2.2 ms after 9 ms and +4.2 ms after 25 ms (a 4 MiB all-reduce: +4.1,
 +4.3, +4.9, +6.9, +7.6 ms).  The per-rank burst times themselves agree to ~1% in their
 medians, so it is the meeting that costs: every rank's stretch of compute is interrupted now
@@ -14,7 +14,8 @@ every FSDP unit, every pipeline micro-batch and at the end of the backward (DDP)
 device work stretches by about the same share.
 
 ``measure_sync_wait`` times, for a few burst lengths ``g``, rounds of [g of matmuls; a 128 KiB
-all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round is
+all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round
+(trimmed means of each, ``collectives.in_step_mean``) is
 ``fixed + per_compute * g``, fitted by least squares over the burst lengths (``fit_line``).
 ``per_compute`` (seconds of waiting per second of compute) is what the simulator uses
 (simulator/cost_model.py, ``sync_stretch``): a rank's own work between two meetings is
@@ -25,13 +26,14 @@ measured: a GPU's kernels queue behind the compute and no host thread is woken.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from autopar.profiling.collectives import in_step_mean
 
 #: lengths of the compute bursts, seconds: from about a small layer's forward to about the
 #: backward of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~25 ms
@@ -83,8 +85,9 @@ def measure_sync_wait(quick: bool = False) -> dict:
                 if with_collective:
                     dist.all_reduce(token)
                 (meet if with_collective else alone)[n].append(time.perf_counter() - t0)
-    gaps = [statistics.median(alone[n]) for n in counts]
-    extra = [statistics.median(meet[n]) - statistics.median(alone[n]) for n in counts]
+    # means, not medians: a step is a sum of such stretches (collectives.in_step_mean)
+    gaps = [in_step_mean(alone[n]) for n in counts]
+    extra = [in_step_mean(meet[n]) - in_step_mean(alone[n]) for n in counts]
     # the mean over ranks (each rank sees the meeting from its side)
     vals = torch.tensor(gaps + extra, dtype=torch.float64)
     dist.all_reduce(vals)

@@ -58,7 +58,8 @@ DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "co
 #: per-tensor optimizer work) overlap the GPU's queue while it runs ahead, so they default to 0.
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
 OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
-                 "fsdp_unit_bwd_s", "optimizer_tensor_s", "optimizer_dtensor_tensor_s")
+                 "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
+                 "optimizer_dtensor_tensor_s")
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}

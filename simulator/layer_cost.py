@@ -176,11 +176,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
 
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
-    if zero >= 2 and param_names:          # one FSDP unit per layer with parameters
-        fwd_s += cm.overhead("fsdp_unit_fwd_s")
-        bwd_s += cm.overhead("fsdp_unit_bwd_s")
     pcls = precision_class(precision)
     p_b, g_b, _ = STATE_BYTES[pcls]
+    if zero >= 2 and param_names:          # one FSDP unit per layer with parameters
+        unit_bytes = param_numel * p_b     # its full parameters (the per-byte part: flat-buffer copies)
+        fwd_s += cm.overhead("fsdp_unit_fwd_s") + cm.overhead("fsdp_unit_fwd_per_byte_s") * unit_bytes
+        bwd_s += cm.overhead("fsdp_unit_bwd_s") + cm.overhead("fsdp_unit_bwd_per_byte_s") * unit_bytes
     params_b, grads_b, opt_b = state_bytes(param_numel, precision, zero, dp)
     host = 0.0
     offload = lp.offload == "cpu"

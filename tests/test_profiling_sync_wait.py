@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 @pytest.mark.multiproc
 def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
-    """Only the sync wait (--skip-ops --skip-collectives) on 2 ranks; the row holds the bursts it
+    """Only the sync wait (--skip-ops --skip-collectives --skip-overheads) on 2 ranks; the row holds the bursts it
     timed (non-decreasing, about the lengths asked for) and a non-negative fitted line; the
     profile loads and the cost model stretches 2-rank work by it."""
     from autopar.profiles import load_profile
@@ -67,7 +67,7 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "autopar.cli", "profile", "--quick", "--skip-ops",
-           "--skip-collectives", "-o", str(out)]
+           "--skip-collectives", "--skip-overheads", "-o", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     prof = load_profile(str(out))
@@ -77,6 +77,21 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     assert row["gaps_s"][0] < row["gaps_s"][1]
     assert 1e-4 < row["gaps_s"][0] < 5e-3 and 1e-3 < row["gaps_s"][1] < 4e-2
     assert row["per_compute"] >= 0.0 and row["fixed_s"] >= 0.0
-    assert "--skip-sync-wait" not in prof["measured_by"] and "sync_wait.2" in prof["sources"]
-    assert prof["collective_table"] == json.loads((REPO / "profiles" / "local-cpu.json").read_text())["collective_table"]
+    assert prof["measured_by"].endswith("--quick --skip-ops --skip-collectives --skip-overheads")
+    assert "sync_wait.2" in prof["sources"]
+    committed = json.loads((REPO / "profiles" / "local-cpu.json").read_text())
+    assert prof["collective_table"] == committed["collective_table"]
+    assert prof["framework_overheads"] == committed["framework_overheads"]
     assert CostModel.from_profile(prof).sync_stretch(2) == pytest.approx(1.0 + row["per_compute"])
+
+
+def test_fsdp_overhead_line_is_non_negative_and_exact_on_a_line():
+    from autopar.profiling.overheads_in_step import _nonnegative_line
+
+    xs = [1.3e5, 5.3e5, 2.1e6]
+    assert _nonnegative_line(xs, [2e-4 + 1e-9 * x for x in xs]) == (pytest.approx(2e-4), pytest.approx(1e-9))
+    # falling with size: a flat line at the mean, no negative per-byte cost
+    assert _nonnegative_line(xs, [3e-3, 2e-3, 1e-3]) == (pytest.approx(2e-3), 0.0)
+    # a line below the origin at zero bytes: through the origin instead (least squares)
+    fixed, per = _nonnegative_line(xs, [1e-9 * x - 1e-4 for x in xs])
+    assert fixed == 0.0 and per == pytest.approx(sum(x * (1e-9 * x - 1e-4) for x in xs) / sum(x * x for x in xs))

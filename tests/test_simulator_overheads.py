@@ -115,6 +115,23 @@ def test_tp_and_fsdp_module_overheads_add_per_module():
     assert with_ov.bwd_s - plain.bwd_s == pytest.approx(num_linear * 3e-4 + 4e-4)
 
 
+def test_fsdp_unit_overhead_grows_with_the_units_bytes():
+    """``fsdp_unit_*_per_byte_s`` adds per byte of the unit's full parameters (fp32: 4 bytes a
+    parameter), on top of the fixed per-unit figure; ZeRO-0 layers pay neither."""
+    base = {k: 0.0 for k in OVERHEADS}
+    per = {**base, "fsdp_unit_fwd_s": 2e-4, "fsdp_unit_bwd_s": 4e-4, "fsdp_unit_fwd_per_byte_s": 1e-10,
+           "fsdp_unit_bwd_per_byte_s": 5e-10}
+    mesh = Mesh(dp=2, pp=1, tp=1)
+    g, plain = _layer_costs(mesh, LayerPlan(1, (), zero=3), base)
+    _, with_ov = _layer_costs(mesh, LayerPlan(1, (), zero=3), per)
+    unit_bytes = 4.0 * g.layers[1].param_numel
+    assert with_ov.fwd_s - plain.fwd_s == pytest.approx(2e-4 + 1e-10 * unit_bytes)
+    assert with_ov.bwd_s - plain.bwd_s == pytest.approx(4e-4 + 5e-10 * unit_bytes)
+    _, ddp0 = _layer_costs(mesh, LayerPlan(1, (), zero=0), base)
+    _, ddp1 = _layer_costs(mesh, LayerPlan(1, (), zero=0), per)
+    assert ddp1.fwd_s == pytest.approx(ddp0.fwd_s) and ddp1.bwd_s == pytest.approx(ddp0.bwd_s)
+
+
 def test_row_split_embedding_is_a_tensor_parallel_module():
     """The runtime splits a vocabulary table row-wise into a DTensor module: one module's
     overhead in each pass, as a sharded linear."""
@@ -246,3 +263,45 @@ def test_sync_wait_stretches_device_work_of_ranks_that_meet():
     _, two = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl, sync_wait=unmeasured)
     _, two_plain = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl)
     assert two.fwd_s == pytest.approx(two_plain.fwd_s)
+
+
+def _ddp_plan(g, dp=2, tp=1, zero=0):
+    return config_plan(g, dp=dp, tp=tp, pp=1, micro_batch=2, global_batch=2 * dp, schedule="1f1b", virtual_stages=1,
+                       zero=zero, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
+
+
+def test_ddp_all_reduces_its_gradients_in_buckets():
+    """A plain data-parallel plan all-reduces per DDP bucket (1 MiB first, then 25 MiB, filled from
+    the last layer), each on the layer that closes it at the bucket's size; ZeRO-1's per-tensor
+    broadcasts are one broadcast of all the parameters; with tensor parallelism (FSDP2's
+    replicate: one all-reduce per unit) the per-layer calls stay."""
+    from autopar.simulator.evaluator import _COL, DDP_FIRST_BUCKET_BYTES, PlanEvaluator as PE
+    from autopar.simulator.memory import DDP_BUCKET_BYTES
+
+    g = gpt_graph(4, 128, 4, 128, 1000, batch=2)      # ~0.8 MB of fp32 gradients a block: 2 buckets
+    cm = CostModel.from_profile(_profile(OVERHEADS))
+    cl = _cluster(gpus=4, slots=0)
+    ev = PE(g, cl, cm)
+    ctx, rows = ev.prepare(_ddp_plan(g))
+    grads = rows[:, _COL["dp_grad_bytes"]]
+    expected = [0.0] * len(rows)
+    cap, filled = DDP_FIRST_BUCKET_BYTES, 0.0
+    for k in reversed(range(len(rows))):
+        filled += grads[k]
+        if filled >= cap or k == 0:
+            expected[k] = cm.collective_time("all_reduce", filled, 2, ctx.links.dp.link, ctx.links.dp.level)
+            cap, filled = DDP_BUCKET_BYTES, 0.0
+    assert rows[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(expected)
+    assert grads.sum() > DDP_FIRST_BUCKET_BYTES and sum(1 for e in expected if e > 0) == 2
+    # ZeRO-1: one broadcast of every parameter byte, on the first layer
+    ctx1, rows1 = ev.prepare(_ddp_plan(g, zero=1))
+    bcast = rows1[:, _COL["dp_allgather_s"]]
+    params = 4.0 * rows1[:, _COL["param_numel"]].sum()
+    assert bcast[0] == pytest.approx(cm.collective_time("broadcast", params, 2, ctx1.links.dp.link, ctx1.links.dp.level))
+    assert not bcast[1:].any()
+    # dp x tp: per layer, as the layer costs price it
+    plan_tp = _ddp_plan(g, tp=2)
+    ctx2, rows2 = ev.prepare(plan_tp)
+    per_layer = [ev.layer_cost(i, lp, plan_tp.mesh, plan_tp.micro_batch, "fp32").dp_allreduce_s
+                 for i, lp in enumerate(plan_tp.layers)]
+    assert rows2[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(per_layer)
