@@ -42,7 +42,8 @@ from autopar.profiling.op_sweeps import COMPUTE_KINDS     # the kinds with an ef
 OP_FACTORS = ("linear", "matmul", "attention", "conv", "memory_bound")
 COLLECTIVE_FACTORS = ("collective.intra", "collective.inter")
 #: overhead factor -> the ``framework_overheads`` keys it scales
-OVERHEAD_FACTORS = {"overhead.tp": ("tp_module_fwd_s", "tp_module_bwd_s"),
+OVERHEAD_FACTORS = {"overhead.tp": ("tp_module_fwd_s", "tp_module_bwd_s", "dtensor_module_fwd_s",
+                                    "dtensor_module_bwd_s"),
                     "overhead.fsdp": ("fsdp_unit_fwd_s", "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s",
                                       "fsdp_unit_bwd_per_byte_s"),
                     "overhead.optimizer": ("optimizer_tensor_s", "optimizer_dtensor_tensor_s")}

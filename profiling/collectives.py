@@ -60,6 +60,12 @@ CUDA_SIZES_QUICK = [1 << p for p in (12, 18, 24)]
 #: the accuracy benchmark's GPT takes ~2 ms on one core)
 BURST_S = 1e-3
 BURST_MATMUL_N = 128     # the burst is a chain of N x N fp32 matmuls
+#: collectives a step issues as a chain of asynchronous calls waited together: on a CPU they are
+#: also timed as such (``timing: chained``), per call of a chain of CHAIN_CALLS issued straight
+#: out of a burst -- ZeroRedundancyOptimizer broadcasts every parameter tensor this way
+#: (its ``_sync_params``), and only the chain's first call finds gloo's thread asleep
+CHAINED_OPS = ("broadcast",)
+CHAIN_CALLS = 16
 #: share of in-step samples cut from each end before their mean (``in_step_mean``)
 IN_STEP_TRIM = 0.05
 
@@ -127,6 +133,14 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
                                  "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
                                  "processes": processes, "backend": dist.get_backend(),
                                  "timing": "in_step" if burst is not None else "back_to_back"})
+                    if op in CHAINED_OPS and burst is not None:
+                        fn = _make_chain(op, size_bytes, g, members, group, device)
+                        seconds, num_samples = _time_collective(fn, device, policy, group, burst)
+                        del fn
+                        seconds /= CHAIN_CALLS
+                        rows.append({"op": op, "bytes": size_bytes, "group_size": g, "level": level,
+                                     "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
+                                     "processes": processes, "backend": dist.get_backend(), "timing": "chained"})
                 dist.barrier()
         dist.barrier()
     # ranks outside the largest group hold fewer rows: everyone takes rank 0's
@@ -144,7 +158,8 @@ def make_monotone(rows: list[dict]) -> list[dict]:
     """Sorted by bytes within (op, group_size, level); ``seconds`` non-decreasing (isotonic fit)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["op"], r["group_size"], r["level"], row_processes(r)), []).append(dict(r))
+        groups.setdefault((r["op"], r["group_size"], r["level"], row_processes(r), r.get("timing", "")),
+                          []).append(dict(r))
     out = []
     for key in sorted(groups):
         grp = sorted(groups[key], key=lambda r: r["bytes"])
@@ -188,6 +203,20 @@ def _make_call(op: str, size_bytes: int, g: int, members: list[int], rank: int, 
                 dist.send(x, dst=peer)
         return ping_pong
     raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVE_OPS}")
+
+
+def _make_chain(op: str, size_bytes: int, g: int, members: list[int], group, device: torch.device):
+    """CHAIN_CALLS asynchronous calls of ``op`` on separate tensors, then a wait on each."""
+    if op != "broadcast":
+        raise ValueError(f"no chained form of {op!r}; chained ops: {CHAINED_OPS}")
+    numel = max(g, size_bytes // 4 // g * g)
+    xs = [torch.ones(numel, device=device) for _ in range(CHAIN_CALLS)]
+
+    def chain():
+        handles = [dist.broadcast(x, src=members[0], group=group, async_op=True) for x in xs]
+        for h in handles:
+            h.wait()
+    return chain
 
 
 def _compute_burst(device: torch.device) -> Callable[[], None]:

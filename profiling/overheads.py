@@ -27,6 +27,8 @@ linear under ``no_grad`` measured 0.16 ms):
   medians; profiling/overheads_in_step.py times it in step, by trimmed means, against a
   composite of the same collectives, and on CPU ranks under torchrun that figure, with a
   per-byte part ``fsdp_unit_*_per_byte_s``, replaces this one);
+* ``dtensor_module_fwd_s`` / ``dtensor_module_bwd_s``: the one-rank tensor-parallel figures, kept
+  as what a DTensor module costs with no collective of its own (a sequence-parallel norm);
 * ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: what one more parameter tensor adds
   to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors.
 
@@ -52,7 +54,7 @@ OPT_TENSORS = 64         # parameter tensors of the optimizer probe
 OPT_TENSOR_NUMEL = 16
 OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
                  "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
-                 "optimizer_dtensor_tensor_s")
+                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s")
 
 
 def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
@@ -87,6 +89,9 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
         out.update(_tp_module(mesh, device, t))
         out.update(_fsdp_unit(mesh, device, t))
         out.update(_optimizer(mesh, device, t))
+    # the one-rank pair is a DTensor module's dispatch and hooks alone: kept as such (a
+    # sequence-parallel norm's cost) before the in-step figures replace the split modules'
+    out["dtensor_module_fwd_s"], out["dtensor_module_bwd_s"] = out["tp_module_fwd_s"], out["tp_module_bwd_s"]
     if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2:
         from autopar.profiling.overheads_in_step import measure_in_step_overheads
 

@@ -107,8 +107,9 @@ def _op_key(row: dict) -> tuple:
 
 
 def _coll_key(row: dict) -> tuple:
-    """Rows of one sweep: (op, group size, level, processes busy at once)."""
-    return row["op"], row["group_size"], row["level"], int(row.get("processes", row["group_size"]))
+    """Rows of one sweep: (op, group size, level, processes busy at once, timing)."""
+    return row["op"], row["group_size"], row["level"], int(row.get("processes", row["group_size"])), \
+        row.get("timing", "")
 
 
 def _table_source(old: str | None, measured_by: str, stamp: str) -> str:

@@ -59,7 +59,7 @@ DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "co
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
 OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
                  "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
-                 "optimizer_dtensor_tensor_s")
+                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s")
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}
@@ -131,6 +131,7 @@ class CostModel:
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
+    _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
 
     # --------------------------------------------------------------- construction
     @classmethod
@@ -174,13 +175,15 @@ class CostModel:
         cgroups: dict[tuple[str, int, str, int], tuple[list, list]] = {}
         for row in prof.get("collective_table", []) or []:
             op = _COLLECTIVE_ALIASES.get(str(row["op"]), str(row["op"]))
-            key = (op, int(row["group_size"]), str(row["level"]), int(row.get("processes", row["group_size"])))
+            key = (op, int(row["group_size"]), str(row["level"]), int(row.get("processes", row["group_size"])),
+                   row.get("timing") == "chained")
             xs, ys = cgroups.setdefault(key, ([], []))
             xs.append(float(row["bytes"]))
             ys.append(float(row["seconds"]))
-        for (op, n, level, procs), v in cgroups.items():
+        for (op, n, level, procs, chained), v in cgroups.items():
             if v[0]:
-                cm._coll_curves.setdefault((op, n, level), {})[procs] = _Curve.build(*v)
+                curves = cm._chain_curves if chained else cm._coll_curves
+                curves.setdefault((op, n, level), {})[procs] = _Curve.build(*v)
         return cm
 
     # ------------------------------------------------------------------------ ops
@@ -271,8 +274,8 @@ class CostModel:
         return self.op_time_ex(op, dtype, shard, backward=backward, scale=scale)[0]
 
     # ---------------------------------------------------------------- collectives
-    def _collective_curve(self, kind: str, n: int, level: str, processes: int | None):
-        by_procs = self._coll_curves.get((kind, n, level))
+    def _collective_curve(self, kind: str, n: int, level: str, processes: int | None, chained: bool = False):
+        by_procs = (chained and self._chain_curves.get((kind, n, level))) or self._coll_curves.get((kind, n, level))
         if not by_procs:
             return None
         want = n if processes is None else processes
@@ -281,20 +284,22 @@ class CostModel:
 
     def collective_time_ex(self, kind: str, message_bytes: float, group_size: int, link: Link,
                            level: str = "intra", algorithm: str = "ring",
-                           processes: int | None = None) -> tuple[float, bool]:
+                           processes: int | None = None, chained: bool = False) -> tuple[float, bool]:
         """Seconds for one collective over ``group_size`` ranks; ``message_bytes`` = M.
 
         M is the full buffer: the all-reduced tensor, the gathered output of all-gather, the
         input of reduce-scatter, the broadcast tensor, the whole all-to-all buffer of one
         rank, or the sent tensor for p2p.  ``processes``: how many processes of the plan are
         busy on the node at once (picks the measured rows taken under the same sharing).
+        ``chained``: one call of a chain issued asynchronously and waited together (the
+        profile's ``chained`` rows where it has them, the ordinary rows otherwise).
         """
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
         n = int(group_size)
         if message_bytes <= 0 or (n <= 1 and kind != "p2p"):
             return 0.0, False
-        curve = self._collective_curve(kind, n, level, processes)
+        curve = self._collective_curve(kind, n, level, processes, chained)
         if curve is not None:
             return curve(message_bytes), True
         alpha = link.latency_s
@@ -315,8 +320,9 @@ class CostModel:
         return (n - 1) * alpha + m * beta, False
 
     def collective_time(self, kind: str, message_bytes: float, group_size: int, link: Link,
-                        level: str = "intra", algorithm: str = "ring", processes: int | None = None) -> float:
-        return self.collective_time_ex(kind, message_bytes, group_size, link, level, algorithm, processes)[0]
+                        level: str = "intra", algorithm: str = "ring", processes: int | None = None,
+                        chained: bool = False) -> float:
+        return self.collective_time_ex(kind, message_bytes, group_size, link, level, algorithm, processes, chained)[0]
 
     # -------------------------------------------------------------- host transfers
     def h2d_time(self, nbytes: float, link: Link) -> float:

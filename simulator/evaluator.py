@@ -37,7 +37,7 @@ from autopar.core.sharding import dtype_bytes, propagate
 from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
 from autopar.simulator.layer_cost import (LAYER_COST_FIELDS, MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero,
                                           layer_cost_row)
-from autopar.simulator.memory import DDP_BUCKET_BYTES, STATE_BYTES, inflight_microbatches, precision_class, stage_memory
+from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult
 from autopar.simulator.topology import (MeshLinks, busy_devices_per_node, compute_stretch, mesh_links,
                                         serial_communication, stage_groups)
@@ -235,7 +235,7 @@ class PlanEvaluator:
     # ------------------------------------------------------------------ evaluation
     def prepare(self, plan: Plan) -> tuple[_Context, np.ndarray]:
         ctx, key = self._context(plan)
-        return ctx, ddp_grouped_calls(self._rows(plan, ctx, key), ctx, busy_devices_per_node(self.cluster, ctx.mesh))
+        return ctx, ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, busy_devices_per_node(self.cluster, ctx.mesh))
 
     def evaluate(self, plan: Plan) -> SimResult:
         ctx, rows = self.prepare(plan)
@@ -300,20 +300,17 @@ class PlanEvaluator:
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 
 
-def ddp_grouped_calls(rows: np.ndarray, ctx: _Context, processes: int) -> np.ndarray:
-    """Rows whose per-layer DDP all-reduces and ZeRO-1 broadcasts are priced as the calls the
-    runtime makes: a plain data-parallel plan (no tensor or pipeline parallelism, every layer
+def ddp_bucketed_all_reduces(rows: np.ndarray, ctx: _Context, processes: int) -> np.ndarray:
+    """Rows whose per-layer DDP all-reduces are priced as the calls the runtime makes: a plain
+    data-parallel plan (no tensor or pipeline parallelism, every layer
     ZeRO-0 or 1; runtime/apply_dp.py runs it on ``DistributedDataParallel``) all-reduces its
     gradients in buckets, filled in backward order (the last layer first) and all-reduced when
     the bucket's last gradient is ready (Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3), so
     a bucket's all-reduce is priced once, on the layer that closes it, at the bucket's size
-    (the buckets are cut at layer boundaries here, at tensor boundaries in DDP).
-    ``ZeroRedundancyOptimizer`` broadcasts every parameter tensor from its owner after the step,
-    all issued asynchronously before the first wait, so they queue behind one another as one
-    stream of calls: priced as one broadcast of their total bytes, on the first such layer.
-    Where per-call latency is small (NCCL) this changes little; on a CPU, where each call that
-    must wake gloo's threads costs milliseconds (profiling/collectives.py), it is most of the
-    data-parallel cost.  Other plans are returned unchanged."""
+    (the buckets are cut at layer boundaries here, at tensor boundaries in DDP).  Where a call's
+    latency is small (NCCL) this changes little; on a CPU, where each call that must wake gloo's
+    threads costs milliseconds (profiling/collectives.py), it is most of the data-parallel
+    cost.  Other plans are returned unchanged."""
     mesh = ctx.mesh
     zero = rows[:, _ZERO]
     if mesh.dp <= 1 or mesh.tp > 1 or mesh.pp > 1 or not (zero <= 1).all():
@@ -329,14 +326,6 @@ def ddp_grouped_calls(rows: np.ndarray, ctx: _Context, processes: int) -> np.nda
             ar[k] = cm.collective_time("all_reduce", filled, mesh.dp, link, level, processes=processes)
             cap, filled = DDP_BUCKET_BYTES, 0.0
     out[:, _COL["dp_allreduce_s"]] = ar
-    owners = np.flatnonzero(zero == 1)
-    if len(owners):
-        # the full parameters, in the precision the runtime keeps them (layer_cost.py prices
-        # the same bytes, one call per tensor)
-        param_bytes = float(rows[owners, _COL["param_numel"]].sum()) * STATE_BYTES[precision_class(ctx.precision)][0]
-        out[:, _COL["dp_allgather_s"]] = np.where(zero == 1, 0.0, out[:, _COL["dp_allgather_s"]])
-        out[owners[0], _COL["dp_allgather_s"]] = cm.collective_time("broadcast", param_bytes, mesh.dp, link, level,
-                                                                   processes=processes)
     return out
 
 

@@ -104,6 +104,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     param_names: set[str] = set()          # parameter tensors of the layer
     dtensor_params: set[str] = set()       # ... held as DTensors by tensor parallelism
     num_tp_modules = 0
+    num_sp_norms = 0
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     styles = lp.tp_styles
     for op in ops:
@@ -111,9 +112,11 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
         # runtime splits a vocabulary table row-wise), or (sequence parallel) a norm whose input
         # and weight are DTensors (runtime/apply_tp.py)
-        if (tp > 1 and op.kind in ("linear", "embedding") and layout.param_shard.get(op.name, 1) > 1) or \
-                (sequence_parallel and op.kind == "norm"):
+        if tp > 1 and op.kind in ("linear", "embedding") and layout.param_shard.get(op.name, 1) > 1:
             num_tp_modules += 1
+            dtensor_params.update(op.params)
+        elif sequence_parallel and op.kind == "norm":
+            num_sp_norms += 1
             dtensor_params.update(op.params)
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
@@ -139,8 +142,16 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             matmul_outputs += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
 
     # framework overheads of the modules the runtime wraps (profiling/overheads.py)
+    # a column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
+    # cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
+    # threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
+    # and scattered by the linears around it), so it costs a DTensor module's dispatch alone
+    # (the one-rank figure; a profile without it uses the split modules')
     fwd_s += num_tp_modules * cm.overhead("tp_module_fwd_s")
     bwd_s += num_tp_modules * cm.overhead("tp_module_bwd_s")
+    if num_sp_norms:
+        fwd_s += num_sp_norms * cm.overheads.get("dtensor_module_fwd_s", cm.overhead("tp_module_fwd_s"))
+        bwd_s += num_sp_norms * cm.overheads.get("dtensor_module_bwd_s", cm.overhead("tp_module_bwd_s"))
     tp_fwd = tp_bwd = 0.0
     tp_wire_fwd = tp_wire_bwd = 0.0
     for c in layout.collectives:
@@ -204,10 +215,11 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             if zero == 1 and param_names:
                 # updated parameters sent from their owners after the step: ZeroRedundancyOptimizer
                 # broadcasts each parameter tensor from the rank that owns it (torch.distributed.
-                # optim.ZeroRedundancyOptimizer, parameters_as_bucket_view=False, the default)
+                # optim.ZeroRedundancyOptimizer, parameters_as_bucket_view=False, the default), all
+                # issued asynchronously and then waited: priced as calls of a chain
                 n_t = len(param_names)
                 ag, m = cm.collective_time_ex("broadcast", param_full_bytes / n_t, dp, dpl.link, dpl.level,
-                                               processes=node_processes)
+                                               processes=node_processes, chained=True)
                 ag *= n_t
                 measured += m
                 estimated += not m

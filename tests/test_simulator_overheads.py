@@ -293,15 +293,30 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
             cap, filled = DDP_BUCKET_BYTES, 0.0
     assert rows[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(expected)
     assert grads.sum() > DDP_FIRST_BUCKET_BYTES and sum(1 for e in expected if e > 0) == 2
-    # ZeRO-1: one broadcast of every parameter byte, on the first layer
-    ctx1, rows1 = ev.prepare(_ddp_plan(g, zero=1))
-    bcast = rows1[:, _COL["dp_allgather_s"]]
-    params = 4.0 * rows1[:, _COL["param_numel"]].sum()
-    assert bcast[0] == pytest.approx(cm.collective_time("broadcast", params, 2, ctx1.links.dp.link, ctx1.links.dp.level))
-    assert not bcast[1:].any()
     # dp x tp: per layer, as the layer costs price it
     plan_tp = _ddp_plan(g, tp=2)
     ctx2, rows2 = ev.prepare(plan_tp)
     per_layer = [ev.layer_cost(i, lp, plan_tp.mesh, plan_tp.micro_batch, "fp32").dp_allreduce_s
                  for i, lp in enumerate(plan_tp.layers)]
     assert rows2[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(per_layer)
+
+
+def test_chained_broadcast_rows_price_zero1_parameter_broadcasts():
+    """ZeroRedundancyOptimizer's per-tensor broadcasts are priced from the profile's ``chained``
+    rows (calls of an asynchronous chain), the in-step rows everywhere else; a profile without
+    chained rows prices them as ordinary calls."""
+    def rows(seconds, timing):
+        return [{"op": "broadcast", "bytes": b, "group_size": 2, "level": "intra", "seconds": seconds,
+                 "processes": 2, "timing": timing} for b in (1e3, 1e7)]
+    both = CostModel.from_profile(_profile(OVERHEADS, collective_table=rows(1e-3, "in_step") + rows(2e-4, "chained")))
+    plain = CostModel.from_profile(_profile(OVERHEADS, collective_table=rows(1e-3, "in_step")))
+    link = Link(1.0, 100.0)
+    assert both.collective_time("broadcast", 1e5, 2, link, processes=2) == pytest.approx(1e-3)
+    assert both.collective_time("broadcast", 1e5, 2, link, processes=2, chained=True) == pytest.approx(2e-4)
+    assert plain.collective_time("broadcast", 1e5, 2, link, processes=2, chained=True) == pytest.approx(1e-3)
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    tensors = len({p for o in g.layer_ops(1) for p in o.params})
+    lp = LayerPlan(1, (), zero=1)
+    for cm, per_call in ((both, 2e-4), (plain, 1e-3)):
+        cost = PlanEvaluator(g, _cluster(gpus=2), cm).layer_cost(1, lp, Mesh(dp=2, pp=1, tp=1), 2, "fp32")
+        assert cost.dp_allgather_s == pytest.approx(tensors * per_call)
