@@ -22,6 +22,10 @@ machine was: other tenants of the host slow every plan without showing in /proc/
 measured.json holds the runtime's ``model_state_bytes_per_rank``, the parameter, gradient and
 optimizer-state bytes of every rank are compared with the simulator's per-stage breakdown.
 
+``--model-arg KEY=VALUE`` and ``--micro-batch`` run the same twelve plans on another GPT shape;
+``--calibrate-out PROFILE_JSON`` also calibrates the profile on every plan of the run and writes
+it (a profile fitted on one shape, to price another with ``--profile``).
+
 Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
 the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
 the process's peak RSS (runtime/measure.py), which also holds the Python heap, gloo's buffers
@@ -369,17 +373,12 @@ def _model_state(rows) -> dict | None:
 
 
 def _calibration(rows, ctx, profile) -> dict:
-    from autopar.profiling.calibrate import Observation, calibrate
+    from autopar.profiling.calibrate import calibrate
     from autopar.profiling.resimulate import simulate_figures
 
     fit, held = rows[0::2], rows[1::2]
-
-    def observation(r):
-        return Observation(name=r["name"], measured=r["measured"],
-                           predict=lambda prof, plan=r["plan"]: simulate_figures(ctx, plan, prof, timeline=True)[0])
-
     t0 = time.perf_counter()
-    res = calibrate(profile, [observation(r) for r in fit])
+    res = calibrate(profile, [_observation(r, ctx) for r in fit])
     fit_s = time.perf_counter() - t0
 
     def median_err(subset, prof) -> float:
@@ -394,6 +393,10 @@ def _calibration(rows, ctx, profile) -> dict:
     print(f"\ncalibration on {len(fit)} plans ({fit_s:.1f} s): " +
           (", ".join(f"{c.factor} {c.old_efficiency:.3g} -> {c.new_efficiency:.3g} (time x{c.time_scale:.2f})"
                      for c in res.changes) or "no change"))
+    out["ridge"], out["cv_errors"] = res.ridge, {str(k): v for k, v in res.cv_errors.items()}
+    if res.cv_errors:
+        print(f"  ridge {res.ridge:g} chosen by leave-one-out (mean |log error| of the left-out step time: " +
+              ", ".join(f"{k:g}: {v:.1%}" for k, v in res.cv_errors.items()) + ")")
     print(f"  fitted half   median |step error| {out['fitted_before']:.1%} -> {out['fitted_after']:.1%}")
     print(f"  held-back half median |step error| {out['held_before']:.1%} -> {out['held_after']:.1%} "
           f"(target: no worse)")
@@ -401,6 +404,7 @@ def _calibration(rows, ctx, profile) -> dict:
 
 
 def _observation(r, ctx):
+    """A measured plan as a calibration observation, re-simulated with the profile it is given."""
     from autopar.profiling.calibrate import Observation
     from autopar.profiling.resimulate import simulate_figures
 

@@ -95,8 +95,7 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
     prof["sources"] = sources
     prof["machine"] = machine
     # every command whose rows the tables still hold, in the order they ran
-    parts = [c for cmd in commands if cmd for c in cmd.split(" ; ")] + [measured_by]
-    prof["measured_by"] = " ; ".join(dict.fromkeys(parts))
+    prof["measured_by"] = _commands_holding_rows(prof, commands, measured_by)
     prof["measured_at"] = stamp
     return prof
 
@@ -110,6 +109,19 @@ def _coll_key(row: dict) -> tuple:
     """Rows of one sweep: (op, group size, level, processes busy at once, timing)."""
     return row["op"], row["group_size"], row["level"], int(row.get("processes", row["group_size"])), \
         row.get("timing", "")
+
+
+def _commands_holding_rows(prof: dict, commands: list, measured_by: str) -> str:
+    """The commands whose rows the tables still hold, in the order they ran, then this one.
+
+    Every row this module writes names its command (``measured_by``); rows of older files do
+    not, and for them the file's old list is kept whole (``commands``)."""
+    rows = list(prof.get("op_table", [])) + list(prof.get("collective_table", []))
+    parts: list[str] = []
+    if any("measured_by" not in r for r in rows):
+        parts += [c for cmd in commands if cmd for c in cmd.split(" ; ")]
+    parts += [r["measured_by"] for r in rows if r.get("measured_by") and r["measured_by"] != measured_by]
+    return " ; ".join(dict.fromkeys(parts + [measured_by]))
 
 
 def _table_source(old: str | None, measured_by: str, stamp: str) -> str:
@@ -127,9 +139,13 @@ def _merge_table(prof: dict, sources: dict, table: str, rows: list, key, measure
     """Replace the re-measured rows of ``prof[table]``, keep the others; note whose rows stay."""
     new_keys = {key(r) for r in rows}
     kept = [r for r in prof.get(table, []) if key(r) not in new_keys]
-    merged = kept + rows
+    merged = kept + [{**r, "measured_by": measured_by, "measured_at": stamp} for r in rows]
     prof[table] = merged
-    sources[table] = _table_source(sources.get(table) if kept else None, measured_by, stamp)
+    if all("measured_by" in r for r in kept):
+        runs = dict.fromkeys((r["measured_by"], r.get("measured_at", "?")) for r in merged)
+        sources[table] = "; then ".join(f"measured by `{c}` ({t})" for c, t in runs)
+    else:
+        sources[table] = _table_source(sources.get(table) if kept else None, measured_by, stamp)
     if kept:
         commands.append(prof.get("measured_by"))
     return merged

@@ -206,13 +206,18 @@ def test_collectives_under_torchrun_merge_into_existing_profile(tmp_path, quick_
     assert ops == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"}
     assert {(r["group_size"], r["level"], r["backend"]) for r in p["collective_table"]} == {(2, "intra", "gloo")}
     for op in ops:
-        rows = sorted((r for r in p["collective_table"] if r["op"] == op), key=lambda r: r["bytes"])
-        assert len(rows) == 3
-        assert all(a["seconds"] <= b["seconds"] for a, b in zip(rows, rows[1:]))
-        # a transfer over shared memory cannot beat 1 TB/s nor take under 1 us
-        for r in rows:
-            assert r["seconds"] > max(1e-6, r["bytes"] / 1e12)
-            assert r["timing"] == "in_step"                     # a CPU times collectives after compute
+        for timing in ("in_step", "chained"):
+            rows = sorted((r for r in p["collective_table"] if r["op"] == op and r["timing"] == timing),
+                          key=lambda r: r["bytes"])
+            # a CPU times collectives after compute; broadcasts also as calls of a chain
+            assert len(rows) == (3 if timing == "in_step" or op == "broadcast" else 0), (op, timing)
+            assert all(a["seconds"] <= b["seconds"] for a, b in zip(rows, rows[1:]))
+            # a transfer over shared memory cannot beat 1 TB/s nor take under 1 us
+            for r in rows:
+                assert r["seconds"] > max(1e-6, r["bytes"] / 1e12)
+    # the overheads were timed on the pair of ranks in step, and the meeting wait of 2 processes
+    assert "overheads_in_step" in p["sources"]["framework_overheads"]
+    assert {r["processes"] for r in p["sync_wait"]} == {2}
     assert "torchrun --nproc-per-node 2" in p["measured_by"]
     assert p["measured_by"].startswith(quick_profile["measured_by"] + " ; ")   # the kept op table's command
 
