@@ -120,7 +120,9 @@ def _commands_holding_rows(prof: dict, commands: list, measured_by: str) -> str:
     parts: list[str] = []
     if any("measured_by" not in r for r in rows):
         parts += [c for cmd in commands if cmd for c in cmd.split(" ; ")]
-    parts += [r["measured_by"] for r in rows if r.get("measured_by") and r["measured_by"] != measured_by]
+    stamped = sorted({(r.get("measured_at", ""), r["measured_by"]) for r in rows
+                      if r.get("measured_by") and r["measured_by"] != measured_by})
+    parts += [cmd for _, cmd in stamped]          # "YYYY-MM-DD HH:MM UTC" stamps sort by time
     return " ; ".join(dict.fromkeys(parts + [measured_by]))
 
 

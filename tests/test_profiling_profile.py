@@ -246,3 +246,21 @@ def test_in_step_timing_takes_the_compute_burst_out(tmp_path):
         assert 2.9e-3 < seconds < 4.5e-3
     finally:
         dist.destroy_process_group()
+
+
+def test_measured_by_lists_only_commands_whose_rows_remain():
+    """Each row names its command; measuring a sweep again drops the command whose rows it
+    replaced from ``measured_by`` and from the table's source."""
+    from autopar.profiling.profile_file import build_profile
+
+    def run(base, cmd, processes):
+        rows = [{"op": "all_reduce", "bytes": b, "group_size": 2, "level": "intra", "seconds": 1e-3,
+                 "measured_seconds": 1e-3, "processes": processes, "timing": "in_step"} for b in (1024, 4096)]
+        return build_profile(base=base, name="x", device_kind="cpu", description="d", machine={}, measured_by=cmd,
+                             op_rows=None, collective_rows=rows, memory_bytes=None)
+
+    p = run(run(run(None, "FIRST", 4), "SECOND", 2), "THIRD", 4)     # THIRD replaces FIRST's rows
+    assert p["measured_by"] == "SECOND ; THIRD"
+    assert {r["measured_by"] for r in p["collective_table"]} == {"SECOND", "THIRD"}
+    assert "FIRST" not in p["sources"]["collective_table"]
+    assert "`SECOND`" in p["sources"]["collective_table"] and "`THIRD`" in p["sources"]["collective_table"]
