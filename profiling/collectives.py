@@ -224,20 +224,58 @@ def _compute_burst(device: torch.device) -> Callable[[], None]:
     (the count is agreed with MAX over the world, so every rank computes the same work)."""
     a = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
     b = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
-    for _ in range(3):
-        torch.mm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        torch.mm(a, b)
-    one_s = (time.perf_counter() - t0) / 20
-    count = torch.tensor([max(1, round(BURST_S / max(one_s, 1e-9)))], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    n = int(count.item())
+    # the fastest rank's time: the largest count any rank would take, as every rank must run it
+    n = max(1, round(BURST_S / max(agreed_matmul_seconds(a, b, agree=dist.ReduceOp.MIN), 1e-9)))
 
     def burst() -> None:
         for _ in range(n):
             torch.mm(a, b)
     return burst
+
+
+def agreed_matmul_seconds(a: torch.Tensor, b: torch.Tensor, warmup: int = 3, reps: int = 20,
+                          agree=dist.ReduceOp.MAX) -> float:
+    """Seconds of one ``a @ b``, reduced over the ranks of the default group with ``agree`` (the
+    slowest rank's by default), so that every rank sizes its bursts of compute alike."""
+    for _ in range(warmup):
+        torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
+    dist.all_reduce(t, op=agree)
+    return float(t.item())
+
+
+class InStepTimer:
+    """Times closures in step on a group, ``rounds`` times each, every closure of a set once per
+    round so that slow spells fall on all of them: [barrier; ``lead``; t0; ``burst``; closure].
+    A closure's figure is the ``in_step_mean`` of its samples, less that of ``burst`` alone
+    (when there is one); ``warmup`` untimed calls of each closure come first."""
+
+    def __init__(self, group, rounds: int, lead: Callable[[], None], burst: Callable[[], None] | None = None,
+                 warmup: int = 2):
+        self.group, self.rounds, self.lead, self.burst, self.warmup = group, rounds, lead, burst, warmup
+
+    def __call__(self, cases: dict) -> dict:
+        burst = self.burst
+        cases = {**cases, "_burst": lambda: None} if burst is not None else dict(cases)
+        for fn in cases.values():                   # warm-up: allocator, lazy init, first collectives
+            for _ in range(self.warmup):
+                fn()
+        samples: dict = {k: [] for k in cases}
+        for _ in range(self.rounds):
+            for k, fn in cases.items():
+                dist.barrier(group=self.group)
+                self.lead()
+                t0 = time.perf_counter()
+                if burst is not None:
+                    burst()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+        means = {k: in_step_mean(v) for k, v in samples.items()}
+        base = means.pop("_burst", 0.0)
+        return {k: v - base for k, v in means.items()}
 
 
 def _time_collective(fn, device: torch.device, policy: RepeatPolicy, group,

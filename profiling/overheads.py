@@ -85,14 +85,16 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
 
     out["op_launch_s"] = t(chain) / CHAIN_OPS
     out["op_backward_launch_s"] = max(0.0, t(chain_fwd_bwd) - t(chain_fwd)) / CHAIN_OPS
+    in_step = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2
     with _one_rank_mesh(device) as mesh:
         out.update(_tp_module(mesh, device, t))
-        out.update(_fsdp_unit(mesh, device, t))
+        if not in_step:                           # in step, overheads_in_step.py measures the unit
+            out.update(_fsdp_unit(mesh, device, t))
         out.update(_optimizer(mesh, device, t))
     # the one-rank pair is a DTensor module's dispatch and hooks alone: kept as such (a
     # sequence-parallel norm's cost) before the in-step figures replace the split modules'
     out["dtensor_module_fwd_s"], out["dtensor_module_bwd_s"] = out["tp_module_fwd_s"], out["tp_module_bwd_s"]
-    if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2:
+    if in_step:
         from autopar.profiling.overheads_in_step import measure_in_step_overheads
 
         dist.barrier()

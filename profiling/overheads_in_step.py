@@ -35,22 +35,19 @@ separately) is in both and cancels.
 """
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.profiling.collectives import in_step_mean
+from autopar.profiling.collectives import InStepTimer
 
 #: [batch, seq, hidden] of the probes' activations: one micro-batch of the accuracy benchmark's GPT
 BATCH, SEQ = 4, 64
 TP_HIDDEN = 128
 FSDP_HIDDENS = (64, 128, 256)          # 33K, 132K, 526K parameters a unit
 ROUNDS, ROUNDS_QUICK = 120, 6
-BURST_MATMULS, MATMUL_N = 8, 128       # ~1 ms of compute before each sample, as the collective rows
+BURST_MATMULS, MATMUL_N = 8, 128       # ~0.4 ms of compute before each sample (and again, timed, inside it)
 
 
 def _mlp(hidden: int) -> nn.Module:
@@ -73,7 +70,12 @@ def measure_in_step_overheads(quick: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     if mine is not None:
         mesh = DeviceMesh.from_group(mine, "cpu")
-        timer = _InStepTimer(mine, rounds)
+        a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+
+        def burst() -> None:
+            for _ in range(BURST_MATMULS):
+                torch.mm(a, b)
+        timer = InStepTimer(mine, rounds, lead=burst, burst=burst)
         out.update(_tp_pair(mesh, timer))
         out.update(_fsdp_units(mesh, timer, FSDP_HIDDENS[:2] if quick else FSDP_HIDDENS))
     keys = ("tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s", "fsdp_unit_bwd_s",
@@ -84,38 +86,7 @@ def measure_in_step_overheads(quick: bool = False) -> dict[str, float]:
     return {k: max(0.0, float(v) / measured_ranks) for k, v in zip(keys, vals[:-1].tolist())}
 
 
-class _InStepTimer:
-    """Times closures in step on a group: [barrier; burst; t0; burst; closure], less the bursts
-    alone, every closure of a set once per round so that slow spells fall on all of them."""
-
-    def __init__(self, group, rounds: int):
-        self.group, self.rounds = group, rounds
-        a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
-
-        def burst() -> None:
-            for _ in range(BURST_MATMULS):
-                torch.mm(a, b)
-        self.burst = burst
-
-    def __call__(self, cases: dict[str, Callable[[], object]]) -> dict[str, float]:
-        cases = {**cases, "_burst": lambda: None}
-        for fn in cases.values():                   # warm-up: allocator, lazy init, first collectives
-            fn()
-            fn()
-        samples: dict[str, list[float]] = {k: [] for k in cases}
-        for _ in range(self.rounds):
-            for k, fn in cases.items():
-                dist.barrier(group=self.group)
-                self.burst()
-                t0 = time.perf_counter()
-                self.burst()
-                fn()
-                samples[k].append(time.perf_counter() - t0)
-        means = {k: in_step_mean(v) for k, v in samples.items()}
-        return {k: v - means["_burst"] for k, v in means.items() if k != "_burst"}
-
-
-def _tp_pair(mesh, timer: _InStepTimer) -> dict[str, float]:
+def _tp_pair(mesh, timer: InStepTimer) -> dict[str, float]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     n, group = mesh.size(), mesh.get_group()
@@ -148,7 +119,7 @@ def _tp_pair(mesh, timer: _InStepTimer) -> dict[str, float]:
     return {"tp_module_fwd_s": fwd / 2, "tp_module_bwd_s": bwd / 2}
 
 
-def _fsdp_units(mesh, timer: _InStepTimer, hiddens) -> dict[str, float]:
+def _fsdp_units(mesh, timer: InStepTimer, hiddens) -> dict[str, float]:
     from torch.distributed.fsdp import fully_shard
 
     n, group = mesh.size(), mesh.get_group()
@@ -182,7 +153,6 @@ def _fsdp_units(mesh, timer: _InStepTimer, hiddens) -> dict[str, float]:
         sizes.append(numel * 4.0)                    # fp32 bytes of the unit's full parameters
         fwd.append(t["fsdp_f"] - t["comp_f"])
         bwd.append((t["fsdp_fb"] - t["fsdp_f"]) - (t["comp_fb"] - t["comp_f"]))
-        del unit, plain
     out = {}
     for name, ys in (("fwd", fwd), ("bwd", bwd)):
         fixed, per_byte = _nonnegative_line(sizes, ys)

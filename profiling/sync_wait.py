@@ -26,14 +26,13 @@ measured: a GPU's kernels queue behind the compute and no host thread is woken.
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.profiling.collectives import in_step_mean
+from autopar.profiling.collectives import InStepTimer, agreed_matmul_seconds
 
 #: lengths of the compute bursts, seconds: from about a small layer's forward to about the
 #: backward of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~25 ms
@@ -63,31 +62,29 @@ def measure_sync_wait(quick: bool = False) -> dict:
     world = dist.get_world_size()
     lengths = BURST_LENGTHS_S_QUICK if quick else BURST_LENGTHS_S
     rounds = ROUNDS_QUICK if quick else ROUNDS
-    one_mm = _agreed_matmul_seconds()
     a = torch.randn(MATMUL_N, MATMUL_N)
     b = torch.randn(MATMUL_N, MATMUL_N)
+    one_mm = agreed_matmul_seconds(a, a, warmup=5, reps=50)
     token = torch.zeros(MEETING_BYTES // 4)
 
     def burst(n: int) -> None:
         for _ in range(n):
             torch.mm(a, b)
 
+    def meet(n: int) -> None:
+        burst(n)
+        dist.all_reduce(token)
+
     counts = [max(1, round(g / one_mm)) for g in lengths]
-    alone: dict[int, list[float]] = {n: [] for n in counts}
-    meet: dict[int, list[float]] = {n: [] for n in counts}
-    for _ in range(rounds):
-        for n in counts:
-            for with_collective in (False, True):
-                dist.barrier()
-                burst(2)                                   # every rank out of the barrier and computing
-                t0 = time.perf_counter()
-                burst(n)
-                if with_collective:
-                    dist.all_reduce(token)
-                (meet if with_collective else alone)[n].append(time.perf_counter() - t0)
+    cases = {}
+    for n in counts:
+        cases[("alone", n)] = lambda n=n: burst(n)
+        cases[("meet", n)] = lambda n=n: meet(n)
+    # every rank out of the barrier and computing (2 matmuls) before the clock starts
+    t = InStepTimer(dist.group.WORLD, rounds, lead=lambda: burst(2), warmup=0)(cases)
     # means, not medians: a step is a sum of such stretches (collectives.in_step_mean)
-    gaps = [in_step_mean(alone[n]) for n in counts]
-    extra = [in_step_mean(meet[n]) - in_step_mean(alone[n]) for n in counts]
+    gaps = [t[("alone", n)] for n in counts]
+    extra = [t[("meet", n)] - t[("alone", n)] for n in counts]
     # the mean over ranks (each rank sees the meeting from its side)
     vals = torch.tensor(gaps + extra, dtype=torch.float64)
     dist.all_reduce(vals)
@@ -96,16 +93,3 @@ def measure_sync_wait(quick: bool = False) -> dict:
     fixed, per_compute = fit_line(gaps, extra)
     return {"processes": world, "gaps_s": gaps, "extra_s": extra, "fixed_s": fixed, "per_compute": per_compute,
             "rounds": rounds, "backend": dist.get_backend()}
-
-
-def _agreed_matmul_seconds() -> float:
-    """Seconds of one MATMUL_N^3 matmul, the largest over the ranks (so all run the same count)."""
-    a = torch.randn(MATMUL_N, MATMUL_N)
-    for _ in range(5):
-        torch.mm(a, a)
-    t0 = time.perf_counter()
-    for _ in range(50):
-        torch.mm(a, a)
-    t = torch.tensor([(time.perf_counter() - t0) / 50], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
