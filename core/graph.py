@@ -56,6 +56,7 @@ class OpNode:
     param_numel: int = 0                     # elements in those parameters (each counted once graph-wide)
     saved_bytes: int = 0                     # activation bytes kept for backward (deduplicated graph-wide)
     output_bytes: int = 0                    # bytes of its output
+    copy_bytes: float = 0.0                  # forward bytes written by copies its operands' strides force
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -219,6 +219,7 @@ class OpCost:
     bwd_flops: float
     bytes_moved: float
     saved: list[tuple[str, int]]                # (key, bytes) of activations kept for backward
+    copy_bytes: float = 0.0                     # bytes written by copies the strides force (core/copies.py)
 
 
 # ----------------------------------------------------------------------------- rules
@@ -229,11 +230,13 @@ def cost(f: OpFacts) -> OpCost:
         bwd, saved = 0.0, []
     in_bytes = sum(t.nbytes for t in f.inputs)
     out_bytes = sum(t.nbytes for t in f.outputs)
-    moved = 0.0 if f.canon == "view" else float(in_bytes + out_bytes)
+    identity = f.canon == "view" or (f.canon == "dropout" and fwd == 0.0)   # p = 0 or eval: returns its input
+    moved = 0.0 if identity else float(in_bytes + out_bytes)
     if f.canon == "embedding":    # a gather reads only the rows it returns
         moved = float(2 * out_bytes + f.inputs[0].nbytes)
     kept = [(k, b) for k, b in saved if b > 0]
-    return OpCost(kind=kind, fwd_flops=float(fwd), bwd_flops=float(bwd), bytes_moved=moved, saved=kept)
+    return OpCost(kind=kind, fwd_flops=float(fwd), bwd_flops=float(bwd), bytes_moved=moved, saved=kept,
+                  copy_bytes=float(f.attrs.get("copy_bytes", 0.0)))
 
 
 def _act(t: TensorFacts) -> list[tuple[str, int]]:

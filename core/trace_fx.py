@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import ModelFileError
+from autopar.core.copies import copied_bytes
 from autopar.core.op_costs import canonical
 from autopar.core.trace_walk import (ParamIndex, Val, Walk, attr_val, call_attrs, class_name,
                                      flatten_tensors, fn_module, module_attrs, order_operands,
@@ -187,7 +188,11 @@ def _walk_symbolic(gm: fx.GraphModule, root: torch.nn.Module, results: dict[str,
             canon = "view"                             # .to()/.float() on the same dtype: no copy
         ins = order_operands(canon, ins)
         target = f"Tensor.{name}" if n.op == "call_method" else f"{fn_module(n.target)}{name}"
-        walk.add_op(n.name, canon, target, owner_path(n), ins, res, call_attrs(canon, n.args, n.kwargs))
+        attrs = call_attrs(canon, n.args, n.kwargs)
+        copied = copied_bytes(name, n.args, n.kwargs, results)
+        if copied:
+            attrs["copy_bytes"] = copied           # strides made it copy (core/copies.py)
+        walk.add_op(n.name, canon, target, owner_path(n), ins, res, attrs)
 
 
 def leaf_fallback(module, inputs, params, first_failed, sym_err, exp_err, where) -> Walk:

@@ -54,7 +54,7 @@ OPTIONAL_KEYS = {
     # OVERHEAD_KEYS): op dispatch, DTensor module, FSDP unit, optimizer parameter tensor
     "framework_overheads": "overheads",
     # CPU ranks: waiting per second of compute before each meeting of the ranks, one row per
-    # number of processes (profiling/sync_wait.py; simulator/cost_model.py sync_stretch)
+    # number of processes (profiling/sync_wait.py; simulator/cost_model.py meeting_wait)
     "sync_wait": "sync_rows",
 }
 PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)
@@ -176,6 +176,14 @@ def _check_optional(value: object, kind: str, source: str, key: str) -> None:
             _fail(source, key, value, "a list of rows {processes, per_compute, ...}")
         for i, row in enumerate(value):
             _check_row(row, SYNC_ROW_KEYS, source, f"{key}[{i}]")
+            # the measured points the simulator reads (cost_model.meeting_wait), when present
+            gaps, extra = row.get("gaps_s"), row.get("extra_s")
+            if gaps is not None or extra is not None:
+                if not (isinstance(gaps, list) and isinstance(extra, list) and len(gaps) == len(extra) >= 2):
+                    _fail(source, f"{key}[{i}].gaps_s", gaps, "two lists gaps_s and extra_s of equal length >= 2")
+                for j, (g, e) in enumerate(zip(gaps, extra)):
+                    _check_number(g, source, f"{key}[{i}].gaps_s[{j}]", positive=True)
+                    _check_number(e, source, f"{key}[{i}].extra_s[{j}]", positive=False)
 
 
 def _check_row(row: object, row_keys: dict[str, str], source: str, path: str) -> None:

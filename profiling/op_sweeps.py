@@ -2,7 +2,8 @@
 
 An ``OpCase`` is one point of a sweep: an op kind (one of ``autopar.core.graph.OP_KINDS``,
 plus ``optimizer`` for the AdamW step and ``copy`` for the bandwidth probe), a variant (which
-implementation: ``layer_norm`` / ``rms_norm``, ``sdpa`` / ``math``, ``gelu`` / ``add``), a
+implementation: ``layer_norm`` / ``rms_norm``, ``sdpa`` / ``math``, ``gelu`` / ``add`` /
+``masked_fill``), a
 shape and the FLOPs and bytes of one call.  ``build`` allocates the operands on a device and
 returns the closure that is timed, so a sweep costs only the memory of its current case.
 
@@ -206,6 +207,10 @@ def _softmax(shape, dt):
     return [OpCase("softmax", "softmax", dt, shape, 5.0 * r * c, float(2 * r * c * es), build)]   # op_costs: 5 per element
 
 
+#: elements of the boolean mask of the masked_fill case (a 64 x 64 causal mask)
+MASK_ELEMENTS = 64 * 64
+
+
 def _elementwise(shape, dt):
     (n,) = shape
     es = ELEMENT_BYTES[dt]
@@ -218,8 +223,19 @@ def _elementwise(shape, dt):
         x = torch.randn(n, device=device, dtype=DTYPES[dt])
         y = torch.randn(n, device=device, dtype=DTYPES[dt])
         return lambda: torch.add(x, y)
+    # the in-place fill of a causal mask, the mask broadcast over the leading dimension as a
+    # (seq, seq) mask is over batch and heads; out-of-place masked_fill is a clone (priced as a
+    # copy, core/copies.py) and this kernel
+    m = min(n, MASK_ELEMENTS)
+
+    def build_masked_fill(device):
+        x = torch.randn(n // m, m, device=device, dtype=DTYPES[dt])
+        side = int(MASK_ELEMENTS ** 0.5)
+        mask = torch.ones(side, side, device=device).triu(1).bool().flatten()[:m]
+        return lambda: x.masked_fill_(mask, -1e4)
     return [OpCase("elementwise", "gelu", dt, shape, 8.0 * n, float(2 * n * es), build_gelu),   # op_costs: gelu 8, add 1
-            OpCase("elementwise", "add", dt, shape, float(n), float(3 * n * es), build_add)]
+            OpCase("elementwise", "add", dt, shape, float(n), float(3 * n * es), build_add),
+            OpCase("elementwise", "masked_fill", dt, shape, float(n), float(2 * n * es + m), build_masked_fill)]
 
 
 def _embedding(shape, dt):

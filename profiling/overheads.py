@@ -30,7 +30,15 @@ linear under ``no_grad`` measured 0.16 ms):
 * ``dtensor_module_fwd_s`` / ``dtensor_module_bwd_s``: the one-rank tensor-parallel figures, kept
   as what a DTensor module costs with no collective of its own (a sequence-parallel norm);
 * ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: what one more parameter tensor adds
-  to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors.
+  to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors;
+* ``recompute_{full,selective}_{fwd,bwd}_per_op_s``: what the runtime's checkpoint wrapper
+  (runtime/recompute.py) adds per op of the wrapped module, beyond re-running its forward: a
+  tiny pre-norm MLP block (norm, linear, GELU, linear, residual add: 5 ops) plain and wrapped,
+  forward, and backward less one forward (the recompute itself, priced from the op table).  The
+  non-reentrant wrapper packs and unpacks every saved tensor through hooks; the selective one
+  also runs its policy in a dispatch mode on every ATen op, forward and recompute -- on this
+  2-core CPU ~0.1 ms an op, more than the ops of a small block cost (a GPT block of hidden 128:
+  +4.0 ms forward on 2.3 ms, measured with time.perf_counter medians).
 
 One-rank meshes come from ``dist.new_group([rank])`` for every rank (under torchrun, so every
 rank measures at the same time, sharing the machine as in training) or from a one-process
@@ -47,14 +55,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.profiling.timing import RepeatPolicy, time_call
+from autopar.simulator.cost_model import OVERHEAD_KEYS   # the figures measured here
 
 CHAIN_OPS = 64           # ops per timed chain
 TINY_NUMEL = 4           # elements of a tiny op's operands
 OPT_TENSORS = 64         # parameter tensors of the optimizer probe
 OPT_TENSOR_NUMEL = 16
-OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
-                 "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
-                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s")
+#: ops of the recompute probe's block (norm, linear, gelu, linear, add), and its shape
+RECOMPUTE_BLOCK_OPS = 5
+RECOMPUTE_BLOCK_SHAPE = (2, 8, 16)
 
 
 def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
@@ -85,6 +94,7 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
 
     out["op_launch_s"] = t(chain) / CHAIN_OPS
     out["op_backward_launch_s"] = max(0.0, t(chain_fwd_bwd) - t(chain_fwd)) / CHAIN_OPS
+    out.update(_recompute(device, t))
     in_step = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2
     with _one_rank_mesh(device) as mesh:
         out.update(_tp_module(mesh, device, t))
@@ -116,6 +126,35 @@ def _fwd_bwd_times(module, x, t) -> tuple[float, float]:
         module(x).sum().backward()
     f = t(fwd)
     return f, max(0.0, t(fwd_bwd) - f)
+
+
+class _ProbeBlock(nn.Module):
+    """x + W2 gelu(W1 norm(x)): the ops of a transformer MLP half-block, tiny."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm, self.fc, self.act, self.proj = (nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                                   nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(self.norm(x))))
+
+
+def _recompute(device, t) -> dict[str, float]:
+    from autopar.runtime.recompute import wrap_for_recompute
+
+    torch.manual_seed(0)
+    x = torch.randn(*RECOMPUTE_BLOCK_SHAPE, device=device, requires_grad=True)
+    plain = _ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device)
+    pf, pb = _fwd_bwd_times(plain, x, t)
+    out = {}
+    for mode in ("full", "selective"):
+        wrapped = wrap_for_recompute(_ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device), mode)
+        wf, wb = _fwd_bwd_times(wrapped, x, t)
+        out[f"recompute_{mode}_fwd_per_op_s"] = (wf - pf) / RECOMPUTE_BLOCK_OPS
+        # the backward re-runs the forward (priced from the op table): only what is beyond it
+        out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - pf) / RECOMPUTE_BLOCK_OPS
+    return out
 
 
 def _tp_module(mesh, device, t) -> dict[str, float]:

@@ -77,7 +77,8 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         prof["sync_wait"] = sorted(rows + [dict(sync_wait)], key=lambda r: r["processes"])
         sources[f"sync_wait.{sync_wait['processes']}"] = (
             f"measured by `{measured_by}` ({stamp}): extra time of a 128 KiB all-reduce after bursts of "
-            f"matmuls against the bursts alone, fitted as fixed + per_compute x burst (profiling/sync_wait.py)")
+            f"matmuls against the bursts alone, per burst length (gaps_s, extra_s; the line fixed + per_compute x "
+            f"burst for information) (profiling/sync_wait.py)")
     if collective_rows is not None:
         collective_rows = _merge_table(prof, sources, "collective_table", collective_rows, _coll_key,
                                        measured_by, stamp, commands)

@@ -16,13 +16,19 @@ device work stretches by about the same share.
 ``measure_sync_wait`` times, for a few burst lengths ``g``, rounds of [g of matmuls; a 128 KiB
 all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round
 (trimmed means of each, ``collectives.in_step_mean``) is
-``fixed + per_compute * g``, fitted by least squares over the burst lengths (``fit_line``).
-``per_compute`` (seconds of waiting per second of compute) is what the simulator uses
-(simulator/cost_model.py, ``sync_stretch``): a rank's own work between two meetings is
-priced ``1 + per_compute`` times longer in plans with more than one rank.  ``fixed`` -- the
-wake-up of gloo's threads -- is already in the collective table's in-step rows
-(profiling/collectives.py) and is recorded for information only.  On a GPU nothing is
-measured: a GPU's kernels queue behind the compute and no host thread is woken.
+kept per burst length (``gaps_s``, ``extra_s``).  The wait does not grow in proportion to the
+burst: over bursts of 0.5 to 54 ms a line through the points has a slope of ~0.03 (2
+processes) and ~0.2 (4 processes, two per core), over 0.5 to 9 ms ~0.09 and ~0.45 -- a
+meeting after a long stretch waits for the rank interrupted most, not for the sum of the
+interruptions.  So the simulator reads the points themselves (simulator/cost_model.py,
+``meeting_wait``: the wait of one meeting after a given stretch of work) and prices each plan
+by how often its ranks meet (simulator/evaluator.py, ``with_meeting_waits``): a
+tensor-parallel plan meets every layer, a data-parallel one once a step.  ``fixed`` and
+``per_compute``, a least-squares line ``fixed + per_compute * g`` (``fit_line``), are kept
+for information and for profiles made before the points were read; ``fixed`` -- the wake-up of
+gloo's threads -- is already in the collective table's in-step rows
+(profiling/collectives.py).  On a GPU nothing is measured: a GPU's kernels queue behind the
+compute and no host thread is woken.
 """
 from __future__ import annotations
 
@@ -34,10 +40,10 @@ import torch.distributed as dist
 
 from autopar.profiling.collectives import InStepTimer, agreed_matmul_seconds
 
-#: lengths of the compute bursts, seconds: from about a small layer's forward to about the
-#: backward of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~25 ms
-#: for the whole backward)
-BURST_LENGTHS_S = (0.5e-3, 2e-3, 6e-3, 18e-3)
+#: lengths of the compute bursts, seconds: from about a small layer's forward to about a whole
+#: step of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~35 ms a
+#: step on one process, ~50 ms between the meetings of a data-parallel step)
+BURST_LENGTHS_S = (0.5e-3, 2e-3, 6e-3, 18e-3, 54e-3)
 BURST_LENGTHS_S_QUICK = (0.5e-3, 4e-3)
 ROUNDS = 150
 ROUNDS_QUICK = 8

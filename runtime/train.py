@@ -8,7 +8,7 @@ the data-parallel gradient reduction averages over the dp ranks, so every layout
 the gradient of the mean loss over the global batch -- the single-process reference's
 (``autopar.runtime.reference``).  The logged loss is that global mean.
 
-Per step the loop does only the step's own work: no ``.item()``, no collective of its own (on
+Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own (on
 CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
 they are logged (every ``--log-every`` steps), before a checkpoint and at the end
 (``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
@@ -181,9 +181,11 @@ class Trainer:
         if opts.profile and step - self.first_step == opts.warmup_steps:
             self.prof = start_profiler(ctx.device)
         done = step + 1
+        # the synthetic batch is drawn before the clock starts, as a data loader's workers would
+        # have it ready; the clock holds the step itself (its slice moved to the device included)
+        inputs, target = global_batch(self.checked, opts.seed, step)
         self.clock.start()
         with record_function(STEP_REGION) if self.prof is not None else contextlib.nullcontext():
-            inputs, target = global_batch(self.checked, opts.seed, step)
             inputs = tuple(local_slice(x, ctx.dp_rank, self.rows, ctx.device) for x in inputs)
             target = local_slice(target, ctx.dp_rank, self.rows, ctx.device)
             local_loss = train_step(self.pm, self.checked, ctx, inputs, target)

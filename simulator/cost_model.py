@@ -50,7 +50,8 @@ FLOPS_AXIS_KINDS = frozenset({"linear", "matmul", "attention", "attention_math",
 #: the profiler's default variant of each kind (profiling/op_sweeps.py), used when a captured
 #: op's target names no measured variant
 DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "conv": "conv2d_3x3",
-                   "norm": "layer_norm", "softmax": "softmax", "elementwise": "add", "embedding": "embedding"}
+                   "norm": "layer_norm", "softmax": "softmax", "elementwise": "add", "embedding": "embedding",
+                   "copy": "copy"}
 #: framework overheads in seconds (keys of a profile's ``framework_overheads``).  Defaults for a
 #: GPU profile that did not measure them: a CUDA kernel launch costs about 5 us of host time
 #: (NVIDIA Developer Blog, "Getting Started with CUDA Graphs", 2019: "a few microseconds" per
@@ -59,7 +60,9 @@ DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "co
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
 OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
                  "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
-                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s")
+                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s",
+                 "recompute_full_fwd_per_op_s", "recompute_full_bwd_per_op_s",
+                 "recompute_selective_fwd_per_op_s", "recompute_selective_bwd_per_op_s")
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}
@@ -74,13 +77,25 @@ def op_variant(kind: str, target: str) -> str | None:
     if kind == "norm":
         return "rms_norm" if "rms" in t else "layer_norm"
     if kind == "elementwise":
-        # transcendental activations cost like gelu; arithmetic, masks and copies like add
+        # transcendental activations cost like gelu; masked fills have their own rows (a broadcast
+        # boolean mask); arithmetic and the rest like add
+        if "masked_fill" in t:
+            return "masked_fill"
         return "gelu" if any(a in t for a in ("gelu", "silu", "swish", "tanh", "sigmoid", "erf", "exp")) else "add"
     return DEFAULT_VARIANT.get(kind)
 
 
 def dtype_key(dtype: str) -> str:
     return _DTYPE_KEY.get(dtype.replace("torch.", ""), "fp32")
+
+
+def _wait_curve(gaps_s, extra_s) -> tuple[np.ndarray, np.ndarray]:
+    """(burst lengths, wait per meeting): the extra time after each burst, non-decreasing in the
+    burst length (running max), less the extra time after the shortest burst."""
+    order = np.argsort(np.asarray(gaps_s, dtype=float))
+    gaps = np.asarray(gaps_s, dtype=float)[order]
+    extra = np.maximum.accumulate(np.asarray(extra_s, dtype=float)[order])
+    return gaps, extra - extra[0]
 
 
 @dataclass
@@ -127,6 +142,8 @@ class CostModel:
     #: processes busy on a node -> seconds of waiting per second of a rank's own work before
     #: each meeting of the ranks (a profile's ``sync_wait`` rows, profiling/sync_wait.py)
     sync_wait: Mapping[int, float] = field(default_factory=dict)
+    #: processes -> (burst lengths, wait per meeting) from the same rows (``meeting_wait``)
+    sync_curves: Mapping[int, tuple] = field(default_factory=dict)
     host_dispatch_bound: bool = False     # CPU: the device is the host thread, views cost a dispatch too
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     _op_curves: dict = field(default_factory=dict, repr=False)
@@ -159,6 +176,8 @@ class CostModel:
         cm.overheads = {**(GPU_OVERHEADS if gpu else {}), **measured}
         cm.host_dispatch_bound = not gpu
         cm.sync_wait = {int(r["processes"]): float(r["per_compute"]) for r in prof.get("sync_wait", []) or []}
+        cm.sync_curves = {int(r["processes"]): _wait_curve(r["gaps_s"], r["extra_s"])
+                          for r in prof.get("sync_wait", []) or [] if len(r.get("gaps_s") or []) >= 2}
         groups: dict[tuple[str, str | None, str], tuple[list, list]] = {}
         for row in prof.get("op_table", []) or []:
             kind = str(row["kind"])
@@ -208,13 +227,26 @@ class CostModel:
         waves = math.ceil(tiles / self.num_sms)
         return min(1.0, (m * n * max(1.0, batch)) / (waves * self.num_sms * tm * tn))
 
-    def sync_stretch(self, processes: int) -> float:
-        """How much longer a rank's own work takes, meetings included, when ``processes`` ranks
-        compute on its node and meet after each stretch (1 + the measured wait per second of
-        compute; 1.0 for a single process or a count the profile did not measure)."""
-        if processes <= 1:
-            return 1.0
-        return 1.0 + float(self.sync_wait.get(int(processes), 0.0))
+    def meeting_wait(self, processes: int, gap_s: float) -> float:
+        """Seconds a rank waits at one meeting of ranks (a blocking collective) after ``gap_s`` of
+        its own work, when ``processes`` ranks compute on its node (profiling/sync_wait.py).
+
+        From a profile's measured points (burst length, extra time of the meeting), made
+        non-decreasing (running max) and taken relative to the shortest burst -- the collective
+        table's in-step rows already hold what a meeting costs straight after a little compute
+        --, interpolated linearly; beyond the longest burst the wait keeps that burst's share of
+        the work.  A row with only a fitted line waits ``per_compute * gap_s``; one process, or a
+        count the profile did not measure, waits nothing.
+        """
+        if processes <= 1 or gap_s <= 0:
+            return 0.0
+        curve = self.sync_curves.get(int(processes))
+        if curve is None:
+            return float(self.sync_wait.get(int(processes), 0.0)) * gap_s
+        gaps, waits = curve
+        if gap_s >= gaps[-1]:
+            return float(waits[-1] * gap_s / gaps[-1])
+        return float(np.interp(gap_s, gaps, waits))
 
     def overhead(self, key: str) -> float:
         """A framework overhead in seconds (``OVERHEAD_KEYS``; 0 when neither measured nor defaulted)."""
@@ -263,11 +295,18 @@ class CostModel:
         flops = (op.bwd_flops if backward else op.fwd_flops) * scale / shard
         nbytes = op.bytes_moved * bytes_scale * scale / shard * (2.0 if backward else 1.0)
         floor = self.overhead("op_backward_launch_s" if backward else "op_launch_s")
-        if flops <= 0 and nbytes <= 0:
+        copied = 0.0 if backward else getattr(op, "copy_bytes", 0.0) * scale / shard
+        if flops <= 0 and nbytes <= 0 and copied <= 0:
             # a view or a metadata op: no kernel, but on a CPU the host thread still dispatches it
             return (floor if self.host_dispatch_bound else 0.0), False
-        t, m = self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
-                                    variant=op_variant(op.kind, str(getattr(op, "target", ""))))
+        t, m = (self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
+                                     variant=op_variant(op.kind, str(getattr(op, "target", ""))))
+                if flops > 0 or nbytes > 0 else (0.0, True))
+        if copied > 0:
+            # copies the operands' strides force (core/copies.py): a read and a write of each byte,
+            # priced like the profile's copy rows (their bytes axis counts both)
+            tc, mc = self.compute_time_ex("copy", 0.0, 2.0 * copied, dtype)
+            t, m = t + tc, m and mc
         return max(t, floor), m
 
     def op_time(self, op, dtype: str, shard: int = 1, *, backward: bool = False, scale: float = 1.0) -> float:

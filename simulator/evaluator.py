@@ -133,11 +133,9 @@ class PlanEvaluator:
         return out
 
     def _stretch(self, mesh: Mesh, cm: CostModel) -> float:
-        """The device-work stretch of ``mesh``: oversubscribed compute slots (topology.compute_stretch)
-        times the measured waiting of ranks that meet (CostModel.sync_stretch; only when more than
-        one rank runs)."""
-        busy = busy_devices_per_node(self.cluster, mesh) if mesh.world_size > 1 else 1
-        return compute_stretch(self.cluster, mesh) * cm.sync_stretch(busy)
+        """The device-work stretch of ``mesh``: oversubscribed compute slots (topology.compute_stretch);
+        the waits of ranks that meet are added per plan (``with_meeting_waits``)."""
+        return compute_stretch(self.cluster, mesh)
 
     def layer_cost(self, layer_index: int, layer_plan: LayerPlan, mesh: Mesh, micro_batch: int,
                    precision: str, cost_model: CostModel | None = None) -> LayerCost:
@@ -235,7 +233,9 @@ class PlanEvaluator:
     # ------------------------------------------------------------------ evaluation
     def prepare(self, plan: Plan) -> tuple[_Context, np.ndarray]:
         ctx, key = self._context(plan)
-        return ctx, ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, busy_devices_per_node(self.cluster, ctx.mesh))
+        busy = busy_devices_per_node(self.cluster, ctx.mesh)
+        rows = ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, busy)
+        return ctx, with_meeting_waits(rows, ctx, busy)
 
     def evaluate(self, plan: Plan) -> SimResult:
         ctx, rows = self.prepare(plan)
@@ -293,6 +293,51 @@ class PlanEvaluator:
             fits=bool((totals <= ctx.capacity).all()), comm_bytes=comm, bubble_fraction=bubble,
             sources={"measured": measured, "estimated": estimated}, timeline=timeline,
             stage_step_s=[float(x) for x in step_r], world_size=world, peak_flops_per_gpu=peak)
+
+
+#: the columns of a rank's own work, stretched by its meeting waits (``with_meeting_waits``)
+_WORK_COLS = [_COL["fwd_s"], _COL["bwd_s"], _COL["optimizer_s"]]
+
+
+def with_meeting_waits(rows: np.ndarray, ctx: _Context, processes: int) -> np.ndarray:
+    """Rows whose own work (forward, backward, recompute, optimizer) is stretched by the waits at
+    the meetings of the ranks (CostModel.meeting_wait, measured by profiling/sync_wait.py).
+
+    Per pipeline rank, per step: the work W (every micro-batch's forward, backward and recompute,
+    and the optimizer) and the meetings M -- the layers' blocking collectives (tensor-parallel,
+    FSDP) per micro-batch, a receive per micro-batch and model chunk from each neighbouring
+    pipeline stage, and one meeting at the end of the step when gradients are all-reduced (DDP,
+    ZeRO-1: the ranks wait there for the slowest) -- so the ranks meet on average every W / M
+    seconds, and each meeting costs ``meeting_wait(W / M)``: the work stretches by
+    1 + M * wait / W.  The collectives keep their in-step rows (their own wake-up).  Rows of a
+    single process, or of a profile without meeting waits, are returned unchanged."""
+    mesh = ctx.mesh
+    if mesh.world_size <= 1 or processes <= 1:
+        return rows
+    m = ctx.num_microbatches
+    rec = rows[:, _COL["recompute_s"]]
+    tp_in_rec = np.where(rows[:, _REC] == 2, rows[:, _COL["tp_comm_fwd_s"]], 0.0)   # full recompute repeats them
+    per_mb = rows[:, _COL["fwd_s"]] + rows[:, _COL["bwd_s"]] + rec - tp_in_rec
+    work = ctx.rank_onehot @ (per_mb * m + rows[:, _COL["optimizer_s"]])
+    meetings = ctx.rank_onehot @ rows[:, _COL["meetings"]] * m
+    if ctx.p > 1:
+        ends = np.array([1.0 if r in (0, ctx.p - 1) else 2.0 for r in range(ctx.p)])
+        meetings = meetings + m * ctx.v * ends
+    if mesh.dp > 1 and (rows[:, _ZERO] <= 1).any():
+        meetings = meetings + 1.0
+    scale = np.ones(ctx.p)
+    for r in range(ctx.p):
+        if meetings[r] > 0 and work[r] > 0:
+            gap = work[r] / meetings[r]
+            scale[r] = 1.0 + meetings[r] * ctx.rank_cm[r].meeting_wait(processes, gap) / work[r]
+    if np.all(scale == 1.0):
+        return rows
+    s = scale[ctx.layer_rank]
+    out = rows.copy()
+    for c in _WORK_COLS:
+        out[:, c] = rows[:, c] * s
+    out[:, _COL["recompute_s"]] = (rec - tp_in_rec) * s + tp_in_rec
+    return out
 
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES

@@ -52,6 +52,7 @@ class LayerCost:
     tp_wire_bytes: float         # sent per micro-batch by this device for tp collectives (incl. recompute)
     dp_wire_bytes_per_mb: float  # sent per micro-batch for FSDP all-gather / reduce-scatter
     dp_wire_bytes_per_step: float    # sent once per step for DDP / ZeRO-1
+    meetings: float = 0.0        # blocking collectives per micro-batch where the ranks meet (tp, FSDP)
     num_measured: int = 0
     num_estimated: int = 0
 
@@ -105,6 +106,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     dtensor_params: set[str] = set()       # ... held as DTensors by tensor parallelism
     num_tp_modules = 0
     num_sp_norms = 0
+    priced_ops = 0                         # ops that run a kernel (views and identities do not)
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     styles = lp.tp_styles
     for op in ops:
@@ -121,7 +123,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
-        if op.fwd_flops > 0 or op.bytes_moved > 0:
+        if op.fwd_flops > 0 or op.bytes_moved > 0 or op.copy_bytes > 0:
+            priced_ops += 1
             osh = layout.output_shard.get(op.name, 1)
             t, m = cm.op_time_ex(op, precision, shard, scale=scale, bytes_scale=bscale, out_shard=osh)
             fwd_s += t
@@ -184,6 +187,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         recompute_s = recompute_flops = 0.0
         activation = saved
         transient = 0.0
+    if lp.recompute in ("full", "selective"):
+        # the checkpoint wrapper's own cost per op of the layer, forward and backward, beyond the
+        # recomputed forward (profiling/overheads.py: saved-tensor hooks; the selective policy's
+        # dispatch mode on every op)
+        fwd_s += priced_ops * cm.overhead(f"recompute_{lp.recompute}_fwd_per_op_s")
+        bwd_s += priced_ops * cm.overhead(f"recompute_{lp.recompute}_bwd_per_op_s")
 
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
@@ -253,6 +262,13 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
     out_bytes = layer.output_bytes * scale * act_scale / sp_div
     # the device's own work shares the node's compute slots (the host optimizer runs on the host)
+    # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
+    # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
+    # between meetings (evaluator.with_meeting_waits)
+    tp_meet_fwd = sum(1 for c in layout.collectives if c.pass_ == "fwd") if tp > 1 else 0
+    meetings = (len(layout.collectives) if tp > 1 else 0) + (tp_meet_fwd if lp.recompute == "full" else 0)
+    if zero >= 2 and param_names and dp > 1:
+        meetings += 1 + (1 if zero >= 3 else 0) + 1
     fwd_s *= compute_stretch
     bwd_s *= compute_stretch
     recompute_s = (recompute_s - tp_fwd) * compute_stretch + tp_fwd if lp.recompute == "full" \
@@ -267,7 +283,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         fsdp_param_buffer_bytes=fsdp_param_buf, fsdp_grad_buffer_bytes=fsdp_grad_buf, output_bytes=out_bytes,
         dp_grad_bytes=grad_sync_bytes, fwd_flops=fwd_flops, hw_flops=fwd_flops + bwd_flops + recompute_flops,
         tp_wire_bytes=tp_wire_fwd + tp_wire_bwd + (tp_wire_fwd if lp.recompute == "full" else 0.0),
-        dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step,
+        dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step, meetings=float(meetings),
         num_measured=measured, num_estimated=estimated)
 
 

@@ -368,3 +368,28 @@ def test_llama_sizes_match_released_checkpoints(size, released):
         graph = capture(module, inputs, model_name=size, batch_size=1)
         assert graph.params_total == released == sum(o.param_numel for o in graph.ops)
         assert [layer.kind for layer in graph.layers].count("Block") == 32
+
+
+# ---------------------------------------------------------------- (9) copies the strides force
+def test_copied_bytes_match_the_clones_of_a_real_forward():
+    """Hand-written attention copies q, k^T and v when matmul folds their batch dimensions, the
+    masked_fill clones the scores and the head merge's reshape copies: the capture's copy_bytes
+    of a block equal the bytes of the aten::clone calls a real CPU forward of it makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = dict(layers=1, hidden=64, heads=4, seq=32, vocab=101)
+    batch = 2
+    graph = capture_model_file(GPT, args, batch_size=batch)
+    block = next(i for i, layer in enumerate(graph.layers) if layer.name == "blocks.0")
+    captured = sum(o.copy_bytes for o in graph.layer_ops(block))
+
+    model = load_model_file(GPT).module.build_model(**args)
+    x = torch.randn(batch, args["seq"], args["hidden"])
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model.blocks[0](x)
+    clones = [e.input_shapes[0] for e in prof.events() if e.name == "aten::clone"]
+    real = sum(4 * int(torch.tensor(s).prod()) for s in clones)    # float32
+    assert len(clones) == 5                     # q, k^T, scores, v, merged heads
+    assert captured == real
+    # views that stay views copy nothing: the qkv split and the transposes
+    assert all(o.copy_bytes == 0 for o in graph.layer_ops(block) if o.target in ("Tensor.view", "Tensor.transpose"))

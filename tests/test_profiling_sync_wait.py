@@ -58,7 +58,7 @@ def _free_port() -> int:
 def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     """Only the sync wait (--skip-ops --skip-collectives --skip-overheads) on 2 ranks; the row holds the bursts it
     timed (non-decreasing, about the lengths asked for) and a non-negative fitted line; the
-    profile loads and the cost model stretches 2-rank work by it."""
+    profile loads and the cost model prices a 2-rank meeting from its points."""
     from autopar.profiles import load_profile
     from autopar.simulator.cost_model import CostModel
 
@@ -82,7 +82,10 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     committed = json.loads((REPO / "profiles" / "local-cpu.json").read_text())
     assert prof["collective_table"] == committed["collective_table"]
     assert prof["framework_overheads"] == committed["framework_overheads"]
-    assert CostModel.from_profile(prof).sync_stretch(2) == pytest.approx(1.0 + row["per_compute"])
+    # the cost model reads the measured points: no wait after the shortest burst, the longest's after it
+    cm = CostModel.from_profile(prof)
+    assert cm.meeting_wait(2, row["gaps_s"][0]) == 0.0
+    assert cm.meeting_wait(2, row["gaps_s"][1]) == pytest.approx(max(0.0, row["extra_s"][1] - row["extra_s"][0]))
 
 
 def test_fsdp_overhead_line_is_non_negative_and_exact_on_a_line():

@@ -2,6 +2,8 @@
 compute slots, each against its closed form on a synthetic profile with known figures."""
 import math
 
+import numpy as np
+
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
@@ -69,6 +71,47 @@ def test_memory_bound_rows_by_variant_on_bytes():
     assert cm.op_time_ex(rms, "fp32") == (pytest.approx(2e-4), True)
     mid = _op("norm", "F.layer_norm", 1e3, math.sqrt(1e5 * 1e6))             # log-log midpoint
     assert cm.op_time(mid, "fp32") == pytest.approx(math.sqrt(1e5 * 1e6) * 1e-9, rel=1e-9)
+
+
+def test_masked_fill_rows_and_forced_copies_priced_from_their_rows():
+    rows = []
+    for nbytes in (1e4, 1e5, 1e6):
+        # add 1 s per 1e9 bytes; masked fill 4x; copy 2x (bytes axis: read + write)
+        rows += [dict(kind="elementwise", variant="add", dtype="fp32", shape=[1], flops=1.0, bytes=nbytes,
+                      seconds=nbytes * 1e-9),
+                 dict(kind="elementwise", variant="masked_fill", dtype="fp32", shape=[1], flops=1.0, bytes=nbytes,
+                      seconds=nbytes * 4e-9),
+                 dict(kind="copy", variant="copy", dtype="fp32", shape=[1], flops=0.0, bytes=nbytes,
+                      seconds=nbytes * 2e-9)]
+    cm = CostModel.from_profile(_profile(op_table=rows))
+    fill = _op("elementwise", "Tensor.masked_fill", 1e3, 1e5)
+    assert cm.op_time(fill, "fp32") == pytest.approx(4e-4)
+    # a clone of 5e4 bytes first (core/copies.py): read + write = 1e5 bytes of copy rows
+    cloned = OpNode(**{**fill.to_dict(), "copy_bytes": 5e4, "inputs": (), "input_shapes": ((4,),),
+                       "output_shape": (4,), "params": ()})
+    assert cm.op_time(cloned, "fp32") == pytest.approx(4e-4 + 2e-4)
+    assert cm.op_time(cloned, "fp32", backward=True) == cm.op_time(fill, "fp32", backward=True)
+    # a reshape that could not be a view: the copy alone; half the rows' bytes on 2 shards
+    reshape = OpNode(**{**_op("view", "Tensor.reshape").to_dict(), "copy_bytes": 5e4, "inputs": (),
+                        "input_shapes": ((4,),), "output_shape": (4,), "params": ()})
+    assert cm.op_time_ex(reshape, "fp32") == (pytest.approx(2e-4), True)
+    assert cm.op_time(reshape, "fp32", shard=2) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_wrapper_overhead_per_op(mode):
+    per_op = {f"recompute_{mode}_fwd_per_op_s": 3e-5, f"recompute_{mode}_bwd_per_op_s": 7e-5}
+    zero_ov = {k: 0.0 for k in OVERHEADS}
+    g, plain = _layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, (), recompute=mode), zero_ov)
+    _, wrapped = _layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, (), recompute=mode), {**zero_ov, **per_op})
+    kernels = sum(1 for o in g.layer_ops(1) if o.fwd_flops > 0 or o.bytes_moved > 0 or o.copy_bytes > 0)
+    views = sum(1 for o in g.layer_ops(1) if o.kind == "view" and o.copy_bytes == 0)
+    assert kernels >= 10 and views >= 1                 # the views cost the wrapper nothing
+    assert wrapped.fwd_s - plain.fwd_s == pytest.approx(kernels * 3e-5)
+    assert wrapped.bwd_s - plain.bwd_s == pytest.approx(kernels * 7e-5)
+    assert wrapped.recompute_s == pytest.approx(plain.recompute_s)     # the recomputed forward itself
+    _, none = _layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, ()), {**zero_ov, **per_op})
+    assert none.fwd_s == pytest.approx(_layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, ()), zero_ov)[1].fwd_s)
 
 
 def test_send_recv_rows_price_p2p():
@@ -240,29 +283,60 @@ def test_serial_communication_by_busy_processes_per_core():
     assert not serial_communication(_cluster(gpus=8, slots=0), Mesh(dp=8, pp=1, tp=1))   # GPUs
 
 
-def test_sync_wait_stretches_device_work_of_ranks_that_meet():
-    """A profile's measured wait per second of compute (profiling/sync_wait.py) stretches a
-    rank's own work by 1 + per_compute for the number of busy processes it was measured with;
-    one process, or a count the profile did not measure, is left alone; collectives are not
-    stretched (their in-step rows hold their own wake-up)."""
-    sync = [{"processes": 2, "per_compute": 0.25}, {"processes": 4, "per_compute": 0.5}]
+def test_meeting_wait_from_the_measured_points():
+    """The wait of one meeting after a stretch of work: the measured extra times made
+    non-decreasing, less the shortest burst's, interpolated; beyond the longest burst, that
+    burst's share of the work; a line-only row, per_compute x gap; one process or an unmeasured
+    count, nothing."""
+    sync = [{"processes": 2, "per_compute": 0.25, "gaps_s": [1e-3, 4e-3, 2e-3, 1e-2],
+             "extra_s": [1e-3, 1.5e-3, 1.6e-3, 3e-3]},          # 2 ms: 1.6 ms, 4 ms: 1.5 -> 1.6 (running max)
+            {"processes": 4, "per_compute": 0.5}]
+    cm = CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))
+    assert cm.meeting_wait(2, 0.5e-3) == 0.0
+    assert cm.meeting_wait(2, 1.5e-3) == pytest.approx(0.3e-3)   # halfway from 0 to 0.6 ms
+    assert cm.meeting_wait(2, 3e-3) == pytest.approx(0.6e-3)
+    assert cm.meeting_wait(2, 7e-3) == pytest.approx(0.6e-3 + 0.5 * 1.4e-3)
+    assert cm.meeting_wait(2, 4e-2) == pytest.approx(2e-3 * 4)   # 2 ms per 10 ms beyond the table
+    assert cm.meeting_wait(4, 4e-3) == pytest.approx(2e-3)       # the line: 0.5 x 4 ms
+    assert cm.meeting_wait(1, 4e-3) == cm.meeting_wait(3, 4e-3) == 0.0
+
+
+@pytest.mark.parametrize("dp,tp,zero", [(2, 1, 0), (4, 1, 0), (2, 1, 3), (1, 2, 0), (2, 2, 0)])
+def test_meeting_waits_stretch_each_ranks_work_by_how_often_it_meets(dp, tp, zero):
+    """A plan's ranks meet once a step when gradients are all-reduced, at every FSDP all-gather
+    and reduce-scatter and at every tensor-parallel collective; each meeting waits
+    meeting_wait(work / meetings), stretching the rank's own work by 1 + M wait / W; the
+    collectives are not stretched (their in-step rows hold their own wake-up)."""
+    from autopar.simulator.evaluator import _COL
+
+    sync = [{"processes": p, "per_compute": 0.0, "gaps_s": [1e-4, 1e-3, 1e-1], "extra_s": [0.0, 2e-4, 5e-3]}
+            for p in (2, 4)]
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
     cl = _cluster(gpus=4, slots=2)
-    lp = LayerPlan(1, (), zero=0)
-    for mesh, factor in ((Mesh(dp=2, pp=1, tp=1), 1.25), (Mesh(dp=4, pp=1, tp=1), 2 * 1.5)):
-        _, plain = _layer_costs(mesh, lp, OVERHEADS, cl)
-        _, waited = _layer_costs(mesh, lp, OVERHEADS, cl, sync_wait=sync)
-        _, alone = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl)
-        assert waited.fwd_s == pytest.approx(factor * alone.fwd_s)
-        assert waited.bwd_s == pytest.approx(factor * alone.bwd_s)
-        assert waited.optimizer_s == pytest.approx(factor * alone.optimizer_s)
-        assert waited.dp_allreduce_s == pytest.approx(plain.dp_allreduce_s)
-    _, one = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl, sync_wait=sync)
-    _, one_plain = _layer_costs(Mesh(dp=1, pp=1, tp=1), lp, OVERHEADS, cl)
-    assert one.fwd_s == pytest.approx(one_plain.fwd_s)
-    unmeasured = [{"processes": 3, "per_compute": 0.25}]
-    _, two = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl, sync_wait=unmeasured)
-    _, two_plain = _layer_costs(Mesh(dp=2, pp=1, tp=1), lp, OVERHEADS, cl)
-    assert two.fwd_s == pytest.approx(two_plain.fwd_s)
+    plan = _ddp_plan(g, dp=dp, tp=tp, zero=zero)
+    ctx, plain = PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS))).prepare(plan)
+    _, waited = PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))).prepare(plan)
+    meetings = (1 if zero <= 1 and dp > 1 else 0) + (3 * sum(1 for lay in g.layers if lay.param_numel > 0)
+                                                      if zero >= 2 else 0)
+    work = float((plain[:, _COL["fwd_s"]] + plain[:, _COL["bwd_s"]] + plain[:, _COL["optimizer_s"]]).sum())
+    measured_meetings = float(waited[:, _COL["meetings"]].sum()) + (1 if zero <= 1 and dp > 1 else 0)
+    assert measured_meetings >= 1
+    gap = work / measured_meetings
+    wait = float(np.interp(gap, [1e-4, 1e-3, 1e-1], [0.0, 2e-4, 5e-3]))
+    factor = 1 + measured_meetings * wait / work
+    assert factor > 1.0
+    for col in ("fwd_s", "bwd_s", "optimizer_s"):
+        assert waited[:, _COL[col]] == pytest.approx(plain[:, _COL[col]] * factor, rel=1e-9)
+    for col in ("dp_allreduce_s", "dp_allgather_s", "dp_reducescatter_s", "tp_comm_fwd_s"):
+        assert waited[:, _COL[col]] == pytest.approx(plain[:, _COL[col]])
+    if tp == 1:                                            # the count, by hand: FSDP 3 a unit, DDP 1
+        assert measured_meetings == meetings
+    else:   # Megatron's split block: all-reduces f and g in forward, their pair in backward (Shoeybi et al. 2019)
+        blocks = [i for i, lay in enumerate(g.layers) if lay.name.startswith("blocks.")]
+        assert blocks and all(waited[i, _COL["meetings"]] == 4 for i in blocks)
+    one = _ddp_plan(g, dp=1)
+    assert (PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))).prepare(one)[1]
+            == PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS))).prepare(one)[1]).all()
 
 
 def _ddp_plan(g, dp=2, tp=1, zero=0):
