@@ -38,7 +38,16 @@ linear under ``no_grad`` measured 0.16 ms):
   non-reentrant wrapper packs and unpacks every saved tensor through hooks; the selective one
   also runs its policy in a dispatch mode on every ATen op, forward and recompute -- on this
   2-core CPU ~0.1 ms an op, more than the ops of a small block cost (a GPT block of hidden 128:
-  +4.0 ms forward on 2.3 ms, measured with time.perf_counter medians).
+  +4.0 ms forward on 2.3 ms, measured with time.perf_counter medians);
+* ``autograd_fwd_op_s`` / ``autograd_fwd_per_byte_s``: what recording the autograd graph adds
+  to a forward beyond the same ops under ``no_grad`` (the op table's rows), per op and per byte
+  of the ops' outputs: a chain of 4 of the probe blocks at four sizes ([2, 8, 16] to
+  [4, 64, 128]), forward with and without gradients in alternation, the median of the paired
+  differences, and a least-squares line per op over (bytes per op, seconds per op).  The outputs a
+  forward keeps for its backward cannot be freed and reused, so each op writes memory that is
+  not in cache; on this CPU ~5 us an op and ~0.1 ns a byte -- on the accuracy benchmark's GPT,
+  1.8-2.0 ms on a forward of ~10 ms, which the sum of the op rows left out.  On a GPU the host's
+  bookkeeping overlaps the queued kernels: not measured there.
 
 One-rank meshes come from ``dist.new_group([rank])`` for every rank (under torchrun, so every
 rank measures at the same time, sharing the machine as in training) or from a one-process
@@ -50,6 +59,7 @@ import contextlib
 import os
 import tempfile
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -61,6 +71,7 @@ CHAIN_OPS = 64           # ops per timed chain
 TINY_NUMEL = 4           # elements of a tiny op's operands
 OPT_TENSORS = 64         # parameter tensors of the optimizer probe
 OPT_TENSOR_NUMEL = 16
+OVERHEAD_REPEATS = 3
 #: ops of the recompute probe's block (norm, linear, gelu, linear, add), and its shape
 RECOMPUTE_BLOCK_OPS = 5
 RECOMPUTE_BLOCK_SHAPE = (2, 8, 16)
@@ -94,7 +105,11 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
 
     out["op_launch_s"] = t(chain) / CHAIN_OPS
     out["op_backward_launch_s"] = max(0.0, t(chain_fwd_bwd) - t(chain_fwd)) / CHAIN_OPS
-    out.update(_recompute(device, t))
+    # the median of a few whole measurements: one swings by up to 4x between runs here
+    rec = [_recompute(device, t) for _ in range(1 if quick else OVERHEAD_REPEATS)]
+    out.update({k: float(np.median([r[k] for r in rec])) for k in rec[0]})
+    out.update(_autograd_forward(device, policy, quick) if device.type == "cpu" else
+               {"autograd_fwd_op_s": 0.0, "autograd_fwd_per_byte_s": 0.0})
     in_step = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2
     with _one_rank_mesh(device) as mesh:
         out.update(_tp_module(mesh, device, t))
@@ -155,6 +170,61 @@ def _recompute(device, t) -> dict[str, float]:
         # the backward re-runs the forward (priced from the op table): only what is beyond it
         out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - pf) / RECOMPUTE_BLOCK_OPS
     return out
+
+
+#: [batch, seq, hidden] of the autograd probe's sizes, and its chain of blocks
+# (a chain of 11.5 MB of outputs, [8, 64, 128], costs 1.2-1.8 ms alone and 4-5 ms with two ranks
+# busy -- past what the caches hold the cost is no longer a line in the bytes; left out)
+AUTOGRAD_SHAPES = ((2, 8, 16), (4, 32, 64), (4, 64, 64), (4, 64, 128))
+AUTOGRAD_BLOCKS = 4
+
+
+#: independent fits whose median is kept (one fit swings by 2-4x between runs on a shared machine)
+AUTOGRAD_FITS = 3
+
+
+def _autograd_forward(device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
+    from autopar.profiling.overheads_in_step import _nonnegative_line
+
+    chains = []
+    for shape in AUTOGRAD_SHAPES[:2] if quick else AUTOGRAD_SHAPES:
+        torch.manual_seed(0)
+        chain = nn.Sequential(*[_ProbeBlock(shape[-1]) for _ in range(AUTOGRAD_BLOCKS)]).to(device)
+        tokens, h = shape[0] * shape[1], shape[-1]
+        # outputs per block: norm h, fc 4h, gelu 4h, proj h, add h (fp32), per token
+        ops, out_bytes = AUTOGRAD_BLOCKS * RECOMPUTE_BLOCK_OPS, AUTOGRAD_BLOCKS * 11 * h * tokens * 4
+        chains.append((chain, torch.randn(*shape, device=device), ops, out_bytes))
+    fits = []
+    for _ in range(1 if quick else AUTOGRAD_FITS):
+        per_op_s = [_paired_median(lambda c=c, x=x: c(x), policy, 10 if quick else 50) / ops
+                    for c, x, ops, _ in chains]
+        fits.append(_nonnegative_line([b / ops for _, _, ops, b in chains], per_op_s))
+    fixed, per_byte = np.median(np.asarray(fits), axis=0)
+    return {"autograd_fwd_op_s": float(fixed), "autograd_fwd_per_byte_s": float(per_byte)}
+
+
+def _paired_median(fwd, policy: RepeatPolicy, min_pairs: int = 50) -> float:
+    """Median over pairs of (``fwd()`` with gradients - ``fwd()`` under ``no_grad``), the two in
+    alternation so a slow spell of the machine falls on both; at least ``min_pairs`` pairs and
+    until the pairs add up to 4 x the policy's target time."""
+    import statistics
+    import time
+
+    for _ in range(max(2, policy.warmup)):
+        fwd()
+        with torch.no_grad():
+            fwd()
+    diffs, total = [], 0.0
+    while len(diffs) < min_pairs or (total < 4 * policy.target_total_s and len(diffs) < 5000):
+        t0 = time.perf_counter()
+        fwd()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            fwd()
+        t2 = time.perf_counter()
+        diffs.append((t1 - t0) - (t2 - t1))
+        total += t2 - t0
+    return statistics.median(diffs)
 
 
 def _tp_module(mesh, device, t) -> dict[str, float]:

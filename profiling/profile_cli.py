@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
     p.add_argument("--target-s", type=float, default=None, metavar="S",
                    help="seconds of timed samples per point (default 0.05, --quick 0.01); raise it on a busy machine")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="sweep the ops N times and keep each row's fastest pass (a shared machine's slow "
+                        "spells last minutes; default 1)")
     p.add_argument("--skip-ops", action="store_true", help="time only the collectives; keep the file's op table")
     p.add_argument("--skip-collectives", action="store_true", help="time only the ops; keep the file's collective table")
     p.add_argument("--skip-overheads", action="store_true",
@@ -49,6 +52,8 @@ def main(args: argparse.Namespace) -> int:
     dtypes = _parse_dtypes(args.dtypes)
     if args.target_s is not None and args.target_s <= 0:
         raise UserError(f"--target-s {args.target_s}: give a positive number of seconds.")
+    if args.passes < 1:
+        raise UserError(f"--passes {args.passes}: give a whole number of sweeps >= 1.")
     device = _pick_device(args.device)
     if dtypes is None:
         dtypes = ["fp32", "tf32", "bf16"] if device.type == "cuda" else ["fp32"]
@@ -63,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
                           measure_collectives=not args.skip_collectives,
                           measure_sync_wait=not args.skip_sync_wait,
                           measure_overheads=not args.skip_overheads, argv=tuple(_canonical_args(args)),
-                          target_s=args.target_s)
+                          target_s=args.target_s, passes=args.passes)
     t0 = time.perf_counter()
     prof = run_profile(opts)
     if prof is not None:
@@ -78,6 +83,8 @@ def _canonical_args(args: argparse.Namespace) -> list[str]:
     for flag in ("quick", "skip_ops", "skip_collectives", "skip_overheads", "skip_sync_wait"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
+    if args.passes != 1:
+        out += ["--passes", str(args.passes)]
     for opt in ("dtypes", "name", "target_s"):
         if getattr(args, opt) is not None:
             out += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]

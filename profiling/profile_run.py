@@ -29,6 +29,7 @@ class ProfileOptions:
     measure_overheads: bool = True      # framework overheads (profiling/overheads.py)
     argv: tuple[str, ...] = ()          # the verb's arguments, for measured_by
     target_s: float | None = None       # seconds of samples per point (RepeatPolicy.target_total_s)
+    passes: int = 1                     # op sweeps; each row keeps its fastest pass (``best_of_passes``)
 
 
 def run_profile(opts: ProfileOptions) -> dict | None:
@@ -66,19 +67,21 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
     do_sync = opts.measure_sync_wait and world > 1 and opts.device.type == "cpu"
     op_rows = coll_rows = overhead_s = sync_row = None
     with progress:
-        task = progress.add_task("ops", total=len(cases) + num_coll + opts.measure_overheads + do_sync)
+        task = progress.add_task("ops", total=len(cases) * opts.passes + num_coll + opts.measure_overheads + do_sync)
 
         def step(label: str) -> None:
             progress.update(task, description=label[:44])
             progress.advance(task)
 
         if cases:
-            if world > 1:
-                dist.barrier()
-            op_rows = ops.measure_ops(cases, opts.device, policy, on_case=lambda c: step(c.label))
-            if world > 1:
-                op_rows = _mean_over_ranks(op_rows, world)
-            op_rows = ops.make_monotone(op_rows)
+            sweeps = []
+            for i in range(opts.passes):
+                if world > 1:
+                    dist.barrier()
+                tag = f"pass {i + 1}/{opts.passes} " if opts.passes > 1 else ""
+                rows = ops.measure_ops(cases, opts.device, policy, on_case=lambda c: step(tag + c.label))
+                sweeps.append(_mean_over_ranks(rows, world) if world > 1 else rows)
+            op_rows = ops.make_monotone(ops.best_of_passes(sweeps))
         if opts.measure_overheads:
             step("framework overheads")
             if world > 1:

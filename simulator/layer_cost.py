@@ -107,6 +107,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     num_tp_modules = 0
     num_sp_norms = 0
     priced_ops = 0                         # ops that run a kernel (views and identities do not)
+    autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
+    autograd_kept_s = 0.0                  # the per-byte part: outputs kept for backward
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     styles = lp.tp_styles
     for op in ops:
@@ -127,6 +129,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             priced_ops += 1
             osh = layout.output_shard.get(op.name, 1)
             t, m = cm.op_time_ex(op, precision, shard, scale=scale, bytes_scale=bscale, out_shard=osh)
+            if op.bwd_flops > 0 or op.saved_bytes > 0:
+                # recording the autograd graph, and writing outputs kept for backward into memory
+                # not in cache (profiling/overheads.py, autograd_fwd_*; the op rows run no_grad)
+                kept = autograd_byte * op.output_bytes * scale * act_scale / osh
+                t += autograd_op + kept
+                autograd_kept_s += kept
             fwd_s += t
             measured += m
             estimated += not m
@@ -137,6 +145,10 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             bwd_s += t
             measured += m
             estimated += not m
+        elif op.kind == "view" and cm.host_dispatch_bound:
+            # no kernel, but the host thread dispatches it (and autograd records it) each pass
+            fwd_s += cm.overhead("op_launch_s")
+            bwd_s += cm.overhead("op_backward_launch_s")
         fwd_flops += op.fwd_flops * scale / shard
         bwd_flops += op.bwd_flops * scale / shard
         param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
@@ -176,6 +188,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     if lp.recompute == "full":
         recompute_s = fwd_s + tp_fwd
         recompute_flops = fwd_flops
+        fwd_s -= autograd_kept_s           # the checkpointed forward keeps nothing: its outputs are freed
         activation = min(saved, layer_input) if saved > 0 else layer_input
         transient = saved
     elif lp.recompute == "selective":

@@ -264,3 +264,24 @@ def test_measured_by_lists_only_commands_whose_rows_remain():
     assert {r["measured_by"] for r in p["collective_table"]} == {"SECOND", "THIRD"}
     assert "FIRST" not in p["sources"]["collective_table"]
     assert "`SECOND`" in p["sources"]["collective_table"] and "`THIRD`" in p["sources"]["collective_table"]
+
+
+def test_best_of_passes_keeps_each_rows_fastest_pass():
+    from autopar.profiling.ops import best_of_passes
+
+    def row(kind, shape, s):
+        return {"kind": kind, "variant": kind, "dtype": "fp32", "shape": shape, "flops": 1.0, "bytes": 1.0,
+                "seconds": s, "measured_seconds": s, "num_samples": 5}
+    slow_first = [row("linear", [1], 3e-3), row("copy", [2], 1e-3)]
+    slow_second = [row("linear", [1], 2e-3), row("copy", [2], 4e-3)]
+    best = best_of_passes([slow_first, slow_second])
+    assert [r["measured_seconds"] for r in best] == [2e-3, 1e-3]
+    assert all(r["passes"] == 2 for r in best)
+    assert best_of_passes([slow_first]) == slow_first
+
+
+def test_profile_refuses_zero_passes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "profile", "--passes", "0", "-o", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--passes 0" in proc.stderr
+    assert not (tmp_path / "p.json").exists()

@@ -114,6 +114,44 @@ def test_recompute_wrapper_overhead_per_op(mode):
     assert none.fwd_s == pytest.approx(_layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, ()), zero_ov)[1].fwd_s)
 
 
+def test_autograd_recording_per_op_and_per_kept_byte():
+    """A forward with gradients costs, per op autograd records, autograd_fwd_op_s plus
+    autograd_fwd_per_byte_s per byte of its output; a fully recomputed layer's forward keeps
+    no outputs (only the per-op part), its recompute in backward pays both."""
+    a, b = 4e-6, 1e-10
+    zero_ov = {k: 0.0 for k in OVERHEADS}
+    with_ag = {**zero_ov, "autograd_fwd_op_s": a, "autograd_fwd_per_byte_s": b}
+    mesh = Mesh(dp=1, pp=1, tp=1)
+    g, plain = _layer_costs(mesh, LayerPlan(1, ()), zero_ov)
+    _, rec = _layer_costs(mesh, LayerPlan(1, ()), with_ag)
+    recorded = [o for o in g.layer_ops(1) if (o.fwd_flops > 0 or o.bytes_moved > 0 or o.copy_bytes > 0)
+                and (o.bwd_flops > 0 or o.saved_bytes > 0)]
+    # micro-batch = the graph's batch; an fp32 run of a graph captured in bf16 holds twice its bytes
+    out_bytes = sum(o.output_bytes for o in recorded) * 4 / {"bfloat16": 2, "float32": 4}[g.param_dtype]
+    assert len(recorded) >= 10 and out_bytes > 0
+    assert rec.fwd_s - plain.fwd_s == pytest.approx(len(recorded) * a + out_bytes * b)
+    assert rec.bwd_s == pytest.approx(plain.bwd_s)
+    _, full_plain = _layer_costs(mesh, LayerPlan(1, (), recompute="full"), zero_ov)
+    _, full = _layer_costs(mesh, LayerPlan(1, (), recompute="full"), with_ag)
+    assert full.fwd_s - full_plain.fwd_s == pytest.approx(len(recorded) * a)
+    assert full.recompute_s - full_plain.recompute_s == pytest.approx(len(recorded) * a + out_bytes * b)
+
+
+def test_views_cost_a_dispatch_each_pass_on_a_cpu():
+    """A CPU profile's layer pays op_launch_s per view in forward and op_backward_launch_s in
+    backward (no kernel, but the host dispatches them); a GPU profile's views are free."""
+    zero_ov = {k: 0.0 for k in OVERHEADS}
+    mesh, lp = Mesh(dp=1, pp=1, tp=1), LayerPlan(1, ())
+    g, plain = _layer_costs(mesh, lp, zero_ov)
+    _, floors = _layer_costs(mesh, lp, {**zero_ov, "op_launch_s": 1e-7, "op_backward_launch_s": 3e-7})
+    views = sum(1 for o in g.layer_ops(1) if o.kind == "view" and not (o.fwd_flops > 0 or o.bytes_moved > 0
+                                                                         or o.copy_bytes > 0))
+    assert views >= 1
+    # the kernels' own times are far above these floors: only the views add
+    assert floors.fwd_s - plain.fwd_s == pytest.approx(views * 1e-7)
+    assert floors.bwd_s - plain.bwd_s == pytest.approx(views * 3e-7)
+
+
 def test_send_recv_rows_price_p2p():
     rows = [dict(op="send_recv", bytes=b, group_size=2, level="intra", seconds=1e-4 + b * 1e-9) for b in (1e3, 1e6)]
     cm = CostModel.from_profile(_profile(collective_table=rows))
