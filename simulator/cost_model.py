@@ -228,6 +228,10 @@ class CostModel:
         waves = math.ceil(tiles / self.num_sms)
         return min(1.0, (m * n * max(1.0, batch)) / (waves * self.num_sms * tm * tn))
 
+    def waits_at_meetings(self, processes: int) -> bool:
+        """Whether the profile measured meeting waits for ``processes`` busy ranks (CPU profiles)."""
+        return int(processes) in self.sync_curves or self.sync_wait.get(int(processes), 0.0) > 0
+
     def meeting_wait(self, processes: int, gap_s: float) -> float:
         """Seconds a rank waits at one meeting of ranks (a blocking collective) after ``gap_s`` of
         its own work, when ``processes`` ranks compute on its node (profiling/sync_wait.py).

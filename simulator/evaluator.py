@@ -312,7 +312,7 @@ def with_meeting_waits(rows: np.ndarray, ctx: _Context, processes: int) -> np.nd
     1 + M * wait / W.  The collectives keep their in-step rows (their own wake-up).  Rows of a
     single process, or of a profile without meeting waits, are returned unchanged."""
     mesh = ctx.mesh
-    if mesh.world_size <= 1 or processes <= 1:
+    if mesh.world_size <= 1 or processes <= 1 or not any(cm.waits_at_meetings(processes) for cm in ctx.rank_cm):
         return rows
     m = ctx.num_microbatches
     rec = rows[:, _COL["recompute_s"]]
