@@ -28,7 +28,10 @@ linear under ``no_grad`` measured 0.16 ms):
   composite of the same collectives, and on CPU ranks under torchrun that figure, with a
   per-byte part ``fsdp_unit_*_per_byte_s``, replaces this one);
 * ``dtensor_module_fwd_s`` / ``dtensor_module_bwd_s``: the one-rank tensor-parallel figures, kept
-  as what a DTensor module costs with no collective of its own (a sequence-parallel norm);
+  as what a DTensor module costs with no collective of its own;
+* ``sp_norm_fwd_s`` / ``sp_norm_bwd_s``: what ``SequenceParallel`` (local tensors in and out, as
+  runtime/apply_tp.py applies it) adds to a LayerNorm, on a one-rank mesh -- a sequence-parallel
+  plan's norms cost this, not a split module's pair of linears and activation;
 * ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: what one more parameter tensor adds
   to an ``AdamW`` step (64 tensors of 16 elements, per tensor), plain and as DTensors;
 * ``recompute_{full,selective}_{fwd,bwd}_per_op_s``: what the runtime's checkpoint wrapper
@@ -113,6 +116,7 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
     in_step = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2
     with _one_rank_mesh(device) as mesh:
         out.update(_tp_module(mesh, device, t))
+        out.update(_sp_norm(mesh, device, t))
         if not in_step:                           # in step, overheads_in_step.py measures the unit
             out.update(_fsdp_unit(mesh, device, t))
         out.update(_optimizer(mesh, device, t))
@@ -225,6 +229,20 @@ def _paired_median(fwd, policy: RepeatPolicy, min_pairs: int = 50) -> float:
         diffs.append((t1 - t0) - (t2 - t1))
         total += t2 - t0
     return statistics.median(diffs)
+
+
+def _sp_norm(mesh, device, t) -> dict[str, float]:
+    """What ``SequenceParallel`` adds to a LayerNorm (as the runtime applies it: local tensors in and
+    out, a DTensor sharded on the sequence inside), forward and backward, on a one-rank mesh."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, device=device)          # [batch, seq, hidden]
+    plain, norm = nn.LayerNorm(8).to(device), nn.LayerNorm(8).to(device)
+    parallelize_module(norm, mesh, SequenceParallel(use_local_output=True))
+    pf, pb = _fwd_bwd_times(plain, x, t)
+    sf, sb = _fwd_bwd_times(norm, x, t)
+    return {"sp_norm_fwd_s": sf - pf, "sp_norm_bwd_s": sb - pb}
 
 
 def _tp_module(mesh, device, t) -> dict[str, float]:

@@ -63,7 +63,7 @@ OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_m
                  "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s",
                  "recompute_full_fwd_per_op_s", "recompute_full_bwd_per_op_s",
                  "recompute_selective_fwd_per_op_s", "recompute_selective_bwd_per_op_s",
-                 "autograd_fwd_op_s", "autograd_fwd_per_byte_s")
+                 "autograd_fwd_op_s", "autograd_fwd_per_byte_s", "sp_norm_fwd_s", "sp_norm_bwd_s")
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}

@@ -160,13 +160,15 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     # a column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
     # cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
     # threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
-    # and scattered by the linears around it), so it costs a DTensor module's dispatch alone
-    # (the one-rank figure; a profile without it uses the split modules')
+    # and scattered by the linears around it), so it costs what SequenceParallel adds to a norm on
+    # one rank (sp_norm_*; older profiles: a DTensor module's one-rank figure, else the split modules')
     fwd_s += num_tp_modules * cm.overhead("tp_module_fwd_s")
     bwd_s += num_tp_modules * cm.overhead("tp_module_bwd_s")
     if num_sp_norms:
-        fwd_s += num_sp_norms * cm.overheads.get("dtensor_module_fwd_s", cm.overhead("tp_module_fwd_s"))
-        bwd_s += num_sp_norms * cm.overheads.get("dtensor_module_bwd_s", cm.overhead("tp_module_bwd_s"))
+        fwd_s += num_sp_norms * cm.overheads.get(
+            "sp_norm_fwd_s", cm.overheads.get("dtensor_module_fwd_s", cm.overhead("tp_module_fwd_s")))
+        bwd_s += num_sp_norms * cm.overheads.get(
+            "sp_norm_bwd_s", cm.overheads.get("dtensor_module_bwd_s", cm.overhead("tp_module_bwd_s")))
     tp_fwd = tp_bwd = 0.0
     tp_wire_fwd = tp_wire_bwd = 0.0
     for c in layout.collectives:

@@ -196,6 +196,26 @@ def test_tp_and_fsdp_module_overheads_add_per_module():
     assert with_ov.bwd_s - plain.bwd_s == pytest.approx(num_linear * 3e-4 + 4e-4)
 
 
+def test_sequence_parallel_norms_cost_what_sequence_parallel_adds_to_a_norm():
+    """Under sequence parallelism each norm of a split block costs sp_norm_fwd_s / sp_norm_bwd_s
+    (SequenceParallel on one rank); a profile without them falls back to dtensor_module_*."""
+    g = gpt_graph(2, 256, 4, 128, 1000, batch=2)
+    styles = {o.module_path: ("rowwise" if ("proj" in o.module_path or "fc2" in o.module_path) else "colwise")
+              for o in g.layer_ops(1) if o.kind == "linear"}
+    lp = LayerPlan(1, tuple(sorted(styles.items())))
+    mesh = Mesh(dp=1, pp=1, tp=2, sequence_parallel=True)
+    norms = sum(1 for o in g.layer_ops(1) if o.kind == "norm")
+    zero_ov = {k: 0.0 for k in OVERHEADS}
+    _, plain = _layer_costs(mesh, lp, zero_ov)
+    _, sp = _layer_costs(mesh, lp, {**zero_ov, "sp_norm_fwd_s": 2e-4, "sp_norm_bwd_s": 3e-4,
+                                    "dtensor_module_fwd_s": 9e-4, "dtensor_module_bwd_s": 9e-4})
+    _, old = _layer_costs(mesh, lp, {**zero_ov, "dtensor_module_fwd_s": 5e-4, "dtensor_module_bwd_s": 7e-4})
+    assert norms == 2
+    assert sp.fwd_s - plain.fwd_s == pytest.approx(norms * 2e-4)
+    assert sp.bwd_s - plain.bwd_s == pytest.approx(norms * 3e-4)
+    assert old.fwd_s - plain.fwd_s == pytest.approx(norms * 5e-4)
+
+
 def test_fsdp_unit_overhead_grows_with_the_units_bytes():
     """``fsdp_unit_*_per_byte_s`` adds per byte of the unit's full parameters (fp32: 4 bytes a
     parameter), on top of the fixed per-unit figure; ZeRO-0 layers pay neither."""
