@@ -6,10 +6,9 @@ CPU a small case is built several times and the calls rotate over the copies, so
 call finds its operands out of the core's L2 cache, as an op in a training step does (its
 weights were last touched a pass ago, its input by another op): at least ``COLD_BYTES`` of
 operands between two uses of the same ones, at most ``MAX_COPIES`` copies.  Timed warm, in
-place, linears of a small GPT ran ~15% and small adds ~30% faster than with rotated operands
-(norms, softmax and GELU alike), and a block's forward summed from warm rows fell 15-25% short
-of the block timed in a step.  (GPU benchmark harnesses flush the L2 between samples for the
-same reason: Triton's ``do_bench`` zeroes a 256 MB buffer.)  Rows
+place, and rotated in alternation (six pairs each), linears of a small GPT ran 2-5% and adds of
+64 KiB 38% faster warm (norms, softmax and GELU within 2%).  (GPU benchmark harnesses flush the
+L2 between samples for the same reason: Triton's ``do_bench`` zeroes a 256 MB buffer.)  Rows
 are then made non-decreasing in size (``make_monotone``): within one kind, variant and dtype,
 sorted by the work the time grows with (FLOPs for compute kinds, bytes for memory-bound ones),
 ``seconds`` is the isotonic fit of the measured times (``autopar.profiling.isotonic``), so
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 from typing import Callable, Iterable
 
 import torch
@@ -61,14 +61,8 @@ def _rotating(case: OpCase, device: torch.device) -> Callable[[], object]:
     copies = 1 if device.type != "cpu" or case.bytes <= 0 else min(MAX_COPIES, -(-COLD_BYTES // int(case.bytes)))
     if copies <= 1:
         return case.build(device)
-    fns = [case.build(device) for _ in range(copies)]
-    state = {"i": 0}
-
-    def call():
-        i = state["i"]
-        state["i"] = (i + 1) % copies
-        return fns[i]()
-    return call
+    fns = itertools.cycle([case.build(device) for _ in range(copies)])
+    return lambda: next(fns)()
 
 
 def best_of_passes(sweeps: list[list[dict]]) -> list[dict]:

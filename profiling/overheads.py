@@ -48,9 +48,11 @@ linear under ``no_grad`` measured 0.16 ms):
   [4, 64, 128]), forward with and without gradients in alternation, the median of the paired
   differences, and a least-squares line per op over (bytes per op, seconds per op).  The outputs a
   forward keeps for its backward cannot be freed and reused, so each op writes memory that is
-  not in cache; on this CPU ~5 us an op and ~0.1 ns a byte -- on the accuracy benchmark's GPT,
-  1.8-2.0 ms on a forward of ~10 ms, which the sum of the op rows left out.  On a GPU the host's
-  bookkeeping overlaps the queued kernels: not measured there.
+  not in cache.  On this CPU a lone process pays ~5 us an op and ~0.1 ns a byte (the accuracy
+  benchmark's GPT: 1.8-2.8 ms on a forward of ~10 ms, which the sum of the op rows left out);
+  with two ranks busy, as the profile measures it, ~3-5 us an op and nothing per byte (the GPT
+  in a 2-rank DDP run: 0.6 ms a rank).  On a GPU the host's bookkeeping overlaps the queued
+  kernels: not measured there.
 
 One-rank meshes come from ``dist.new_group([rank])`` for every rank (under torchrun, so every
 rank measures at the same time, sharing the machine as in training) or from a one-process
@@ -60,14 +62,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.profiling.timing import RepeatPolicy, time_call
+from autopar.profiling.timing import RepeatPolicy, median_of_runs, time_call
 from autopar.simulator.cost_model import OVERHEAD_KEYS   # the figures measured here
 
 CHAIN_OPS = 64           # ops per timed chain
@@ -109,8 +113,7 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
     out["op_launch_s"] = t(chain) / CHAIN_OPS
     out["op_backward_launch_s"] = max(0.0, t(chain_fwd_bwd) - t(chain_fwd)) / CHAIN_OPS
     # the median of a few whole measurements: one swings by up to 4x between runs here
-    rec = [_recompute(device, t) for _ in range(1 if quick else OVERHEAD_REPEATS)]
-    out.update({k: float(np.median([r[k] for r in rec])) for k in rec[0]})
+    out.update(median_of_runs(lambda: _recompute(device, t), 1 if quick else OVERHEAD_REPEATS))
     out.update(_autograd_forward(device, policy, quick) if device.type == "cpu" else
                {"autograd_fwd_op_s": 0.0, "autograd_fwd_per_byte_s": 0.0})
     in_step = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() >= 2
@@ -211,9 +214,6 @@ def _paired_median(fwd, policy: RepeatPolicy, min_pairs: int = 50) -> float:
     """Median over pairs of (``fwd()`` with gradients - ``fwd()`` under ``no_grad``), the two in
     alternation so a slow spell of the machine falls on both; at least ``min_pairs`` pairs and
     until the pairs add up to 4 x the policy's target time."""
-    import statistics
-    import time
-
     for _ in range(max(2, policy.warmup)):
         fwd()
         with torch.no_grad():

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.profiling.collectives import InStepTimer
+from autopar.profiling.timing import median_of_runs
 
 #: [batch, seq, hidden] of the probes' activations: one micro-batch of the accuracy benchmark's GPT
 BATCH, SEQ = 4, 64
@@ -80,12 +81,9 @@ def measure_in_step_overheads(quick: bool = False) -> dict[str, float]:
             for _ in range(BURST_MATMULS):
                 torch.mm(a, b)
         timer = InStepTimer(mine, rounds, lead=burst, burst=burst)
-        repeats = []
-        for _ in range(1 if quick else REPEATS):
-            one = _tp_pair(mesh, timer)
-            one.update(_fsdp_units(mesh, timer, FSDP_HIDDENS[:2] if quick else FSDP_HIDDENS))
-            repeats.append(one)
-        out = {k: float(np.median([r[k] for r in repeats])) for k in repeats[0]}
+        def measure() -> dict[str, float]:
+            return {**_tp_pair(mesh, timer), **_fsdp_units(mesh, timer, FSDP_HIDDENS[:2] if quick else FSDP_HIDDENS)}
+        out = median_of_runs(measure, 1 if quick else REPEATS)
     keys = ("tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s", "fsdp_unit_bwd_s",
             "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s")
     vals = torch.tensor([out.get(k, 0.0) for k in keys] + [1.0 if out else 0.0], dtype=torch.float64)

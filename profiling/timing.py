@@ -85,3 +85,10 @@ def _sample(fn: Callable[[], object], device: torch.device, inner: int) -> float
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_of_runs(measure: Callable[[], dict[str, float]], runs: int) -> dict[str, float]:
+    """Per key, the median over ``runs`` whole calls of ``measure`` (a figure that is itself a
+    difference of timings can swing by several times between calls on a shared machine)."""
+    results = [measure() for _ in range(max(1, runs))]
+    return {k: float(statistics.median(r[k] for r in results)) for k in results[0]}

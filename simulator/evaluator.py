@@ -132,11 +132,6 @@ class PlanEvaluator:
             out.append(min(cms, key=lambda cm: cm.peak("bf16") * cm.efficiency.get("matmul", 1.0)))
         return out
 
-    def _stretch(self, mesh: Mesh, cm: CostModel) -> float:
-        """The device-work stretch of ``mesh``: oversubscribed compute slots (topology.compute_stretch);
-        the waits of ranks that meet are added per plan (``with_meeting_waits``)."""
-        return compute_stretch(self.cluster, mesh)
-
     def layer_cost(self, layer_index: int, layer_plan: LayerPlan, mesh: Mesh, micro_batch: int,
                    precision: str, cost_model: CostModel | None = None) -> LayerCost:
         """Cost of one layer under one choice, per device and micro-batch (cached)."""
@@ -146,7 +141,10 @@ class PlanEvaluator:
         if cost is None:
             layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
             cost = compute_layer_cost(self.graph, layer_index, layout, layer_plan, mesh, micro_batch,
-                                      precision, cm, self.links(mesh), self._stretch(mesh, cm),
+                                      precision, cm, self.links(mesh),
+                                      # oversubscribed compute slots; the waits of ranks that meet
+                                      # are added per plan (with_meeting_waits)
+                                      compute_stretch(self.cluster, mesh),
                                       busy_devices_per_node(self.cluster, mesh))
             self._cost_cache[key] = cost
             self.num_layer_costs_computed += 1

@@ -171,6 +171,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
             "sp_norm_bwd_s", cm.overheads.get("dtensor_module_bwd_s", cm.overhead("tp_module_bwd_s")))
     tp_fwd = tp_bwd = 0.0
     tp_wire_fwd = tp_wire_bwd = 0.0
+    tp_meet_fwd = 0                        # forward collectives: the ranks meet at each
     for c in layout.collectives:
         wire = ring_wire_bytes(c.kind, c.bytes * scale * act_scale, tp)
         if c.pass_ == "fwd":
@@ -183,6 +184,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         estimated += not m
         if c.pass_ == "fwd":
             tp_fwd += t
+            tp_meet_fwd += 1
         else:
             tp_bwd += t
 
@@ -280,8 +282,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
     # between meetings (evaluator.with_meeting_waits)
-    tp_meet_fwd = sum(1 for c in layout.collectives if c.pass_ == "fwd") if tp > 1 else 0
-    meetings = (len(layout.collectives) if tp > 1 else 0) + (tp_meet_fwd if lp.recompute == "full" else 0)
+    meetings = (len(layout.collectives) + (tp_meet_fwd if lp.recompute == "full" else 0)) if tp > 1 else 0
     if zero >= 2 and param_names and dp > 1:
         meetings += 1 + (1 if zero >= 3 else 0) + 1
     fwd_s *= compute_stretch
