@@ -16,7 +16,15 @@ is idle, and it runs each plan --repeats times -- in rounds, every plan once per
 order reversed every other round -- and keeps the run with the lowest median step
 time -- the one least disturbed by other work, as ``timeit`` keeps the best of its repeats
 (Python docs, timeit, "Note": higher values are caused by other processes interfering).
-The CPU busy fraction seen before each kept run is recorded, and a one-process plan (no
+Other tenants of the host slow every plan without showing in /proc/stat, and a one-process
+run does not notice one that holds one of the two cores; so before each run the script also
+times three of the profile's own op rows again on two processes at once
+(profiling/speed_check.py), records how many times their profiled time they took, and with
+--max-slowdown waits (up to --speed-wait-s) until it is at most that.  The check is itself
+noisy (four checks within 20 s read 1.09 to 1.34) and reads ~1.05-1.1 on a quiet machine (the
+profile keeps each row's fastest of three 0.3 s sweeps, the check one 0.1 s sweep), so it is
+off by default.
+The CPU busy fraction and that ratio seen before each kept run are recorded, and a one-process plan (no
 communication in its prediction) runs before and after the rounds as a reading of how fast the
 machine was: other tenants of the host slow every plan without showing in /proc/stat.  When
 measured.json holds the runtime's ``model_state_bytes_per_rank``, the parameter, gradient and
@@ -103,6 +111,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per plan; the fastest median step time is kept")
     ap.add_argument("--idle-wait-s", type=float, default=60.0,
                     help="wait up to this long before each run for the CPU to be idle (< 25%% busy)")
+    ap.add_argument("--max-slowdown", type=float, default=0.0,
+                    help="before each run, wait (up to --speed-wait-s) until three of the profile's op rows, timed "
+                         "again on two processes, take at most this many times their profiled time (e.g. 1.25; "
+                         "default 0: only record the ratio; profiling/speed_check.py)")
+    ap.add_argument("--speed-wait-s", type=float, default=60.0,
+                    help="longest wait for the machine to be back within --max-slowdown before a run")
     ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="override one of the GPT's arguments (default model: %s)" % MODEL_ARGS)
     ap.add_argument("--micro-batch", type=int, default=None, help=f"micro-batch size (default: {MICRO_BATCH})")
@@ -142,23 +156,24 @@ def main() -> int:
         # a one-process plan, run before and after the rounds: its prediction has no communication
         # in it, so its measured step tells how fast the shared machine was at the time
         _, ref_sim = _write_plan(REFERENCE, ctx, args.profile, out / "reference")
-        reference = {"sim_s": ref_sim["step_time_s"], "measured_before_s": _reference_step(out, args)}
+        reference = {"sim_s": ref_sim["step_time_s"], "measured_before_s": _reference_step(out, args, profile)}
     for round_index in range(max(1, args.repeats) if to_run else 0):
         order = to_run if round_index % 2 == 0 else to_run[::-1]
         print(f"round {round_index + 1} of {args.repeats}: {len(order)} runs", flush=True)
         for st in order:
             busy = _wait_for_idle(args.idle_wait_s)
+            slow = _wait_for_speed(profile, args)
             t0 = time.perf_counter()
             m = _run(st["dir"] / "plan.json", st["cfg"].world_size, args.steps, args.timeout, args.breakdown)
             st["wall_s"] += time.perf_counter() - t0
             if m is not None and (st["measured"] is None or m["step_time_s"] < st["measured"]["step_time_s"]):
-                st["measured"] = {**m, "cpu_busy_before_run": busy}
+                st["measured"] = {**m, "cpu_busy_before_run": busy, "slowdown_before_run": slow}
     for st in to_run:                  # each run rewrote measured.json: keep the kept run's on disk
         if st["measured"] is not None:
             (st["dir"] / "measured.json").write_text(json.dumps(st["measured"], indent=1) + "\n")
 
     if reference is not None:
-        reference["measured_after_s"] = _reference_step(out, args)
+        reference["measured_after_s"] = _reference_step(out, args, profile)
         print(f"reference, one process (no communication): simulated {reference['sim_s'] * 1e3:.2f} ms, measured "
               f"{reference['measured_before_s'] * 1e3:.2f} ms before the rounds and "
               f"{reference['measured_after_s'] * 1e3:.2f} ms after (how fast the machine was)", flush=True)
@@ -174,11 +189,15 @@ def main() -> int:
                      "sim_mem_bytes": sim["max_memory_bytes"], "meas_mem_bytes": measured["max_memory_bytes"]})
         print(f"  {cfg.name:<22} ranks {cfg.world_size}  simulated {sim['step_time_s'] * 1e3:8.2f} ms  measured "
               f"{measured['step_time_s'] * 1e3:8.2f} ms  error {_err(sim['step_time_s'], measured['step_time_s']):+7.1%}"
-              f"   (runs {st['wall_s']:.0f} s)", flush=True)
+              f"   (runs {st['wall_s']:.0f} s{_slow_note(measured)})", flush=True)
     if len(rows) < 2:
         print("fewer than two plans ran; nothing to summarise")
         return 1
     _print_table(rows)
+    slows = [r["measured"]["slowdown_before_run"] for r in rows if r["measured"].get("slowdown_before_run")]
+    if slows:
+        print(f"the profile's reference ops took {statistics.median(slows):.2f}x (median; {min(slows):.2f}-"
+              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/speed_check.py)")
     _print_breakdown(rows)
     summary = _summary(rows)
     summary["model_state"] = _model_state(rows)
@@ -193,7 +212,8 @@ def main() -> int:
             "repeats": args.repeats,
             "plans": [{**{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
                                             "meas_mem_bytes")},
-                       "cpu_busy_before_run": r["measured"].get("cpu_busy_before_run")} for r in rows],
+                       "cpu_busy_before_run": r["measured"].get("cpu_busy_before_run"),
+                       "slowdown_before_run": r["measured"].get("slowdown_before_run")} for r in rows],
             "summary": summary, "calibration": calib, "reference_one_process": reference}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
@@ -226,8 +246,9 @@ def _write_plan(cfg: Config, ctx, profile: str, run_dir: Path):
     return plan, sim
 
 
-def _reference_step(out: Path, args) -> float:
+def _reference_step(out: Path, args, profile: dict) -> float:
     _wait_for_idle(args.idle_wait_s)
+    _wait_for_speed(profile, args)
     m = _run(out / "reference" / "plan.json", 1, args.steps, args.timeout)
     return float("nan") if m is None else m["step_time_s"]
 
@@ -270,6 +291,25 @@ def _wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float | None:
         time.sleep(1.0)
         busy = _cpu_busy_fraction()
     return busy
+
+
+def _slow_note(measured: dict) -> str:
+    slow = measured.get("slowdown_before_run")
+    return "" if slow is None else f"; ops at {slow:.2f}x their profiled time before the kept run"
+
+
+def _wait_for_speed(profile: dict, args) -> float | None:
+    """The profile's reference op rows timed again (profiling/speed_check.py): now / profiled.
+    With ``--max-slowdown``, wait until the ratio is at most that (or ``--speed-wait-s``
+    passed); the last ratio."""
+    from autopar.profiling.speed_check import speed_ratio
+
+    deadline = time.monotonic() + args.speed_wait_s
+    ratio = speed_ratio(profile)["ratio"]
+    while args.max_slowdown and ratio is not None and ratio > args.max_slowdown and time.monotonic() < deadline:
+        time.sleep(5.0)
+        ratio = speed_ratio(profile)["ratio"]
+    return ratio
 
 
 def _same_plan(old_text: str | None, new_path: Path) -> bool:

@@ -74,7 +74,8 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
     if sync_wait is not None:
         # one row per number of processes; a new measurement replaces the row of its count
         rows = [r for r in prof.get("sync_wait", []) if r.get("processes") != sync_wait["processes"]]
-        prof["sync_wait"] = sorted(rows + [dict(sync_wait)], key=lambda r: r["processes"])
+        prof["sync_wait"] = sorted(rows + [{**sync_wait, "measured_by": measured_by, "measured_at": stamp}],
+                                   key=lambda r: r["processes"])
         sources[f"sync_wait.{sync_wait['processes']}"] = (
             f"measured by `{measured_by}` ({stamp}): extra time of a 128 KiB all-reduce after bursts of "
             f"matmuls against the bursts alone, per burst length (gaps_s, extra_s; the line fixed + per_compute x "
@@ -113,11 +114,13 @@ def _coll_key(row: dict) -> tuple:
 
 
 def _commands_holding_rows(prof: dict, commands: list, measured_by: str) -> str:
-    """The commands whose rows the tables still hold, in the order they ran, then this one.
+    """The commands whose rows the tables (and the meeting-wait rows) still hold, in the order
+    they ran, then this one.
 
     Every row this module writes names its command (``measured_by``); rows of older files do
     not, and for them the file's old list is kept whole (``commands``)."""
     rows = list(prof.get("op_table", [])) + list(prof.get("collective_table", []))
+    rows += [r for r in prof.get("sync_wait", []) if r.get("measured_by")]
     parts: list[str] = []
     if any("measured_by" not in r for r in rows):
         parts += [c for cmd in commands if cmd for c in cmd.split(" ; ")]

@@ -16,7 +16,7 @@ device work stretches by about the same share.
 ``measure_sync_wait`` times, for a few burst lengths ``g``, rounds of [g of matmuls; a 128 KiB
 all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round
 (trimmed means of each, ``collectives.in_step_mean``) is
-kept per burst length (``gaps_s``, ``extra_s``).  The wait does not grow in proportion to the
+kept per burst length (``gaps_s``, ``extra_s``): the median of ``RUNS`` whole measurements.  The wait does not grow in proportion to the
 burst: over bursts of 0.5 to 54 ms a line through the points has a slope of ~0.03 (2
 processes) and ~0.2 (4 processes, two per core), over 0.5 to 9 ms ~0.09 and ~0.45 -- a
 meeting after a long stretch waits for the rank interrupted most, not for the sum of the
@@ -39,13 +39,17 @@ import torch
 import torch.distributed as dist
 
 from autopar.profiling.collectives import InStepTimer, agreed_matmul_seconds
+from autopar.profiling.timing import median_of_runs
 
 #: lengths of the compute bursts, seconds: from about a small layer's forward to about a whole
 #: step of a small model (the accuracy benchmark's GPT: ~2 ms per block forward, ~35 ms a
-#: step on one process, ~50 ms between the meetings of a data-parallel step)
-BURST_LENGTHS_S = (0.5e-3, 2e-3, 6e-3, 18e-3, 54e-3)
+#: step on one process, ~35-70 ms between the meetings of a data-parallel step on 2-4
+#: processes); the longest keeps such a step inside the measured points instead of extrapolated
+BURST_LENGTHS_S = (0.5e-3, 2e-3, 6e-3, 18e-3, 54e-3, 150e-3)
 BURST_LENGTHS_S_QUICK = (0.5e-3, 4e-3)
-ROUNDS = 150
+ROUNDS = 100
+#: whole measurements per profile, the median kept per point
+RUNS = 3
 ROUNDS_QUICK = 8
 MATMUL_N = 128
 #: the meeting: an all-reduce of a tensor-parallel block's activations in the accuracy benchmark's
@@ -86,16 +90,25 @@ def measure_sync_wait(quick: bool = False) -> dict:
     for n in counts:
         cases[("alone", n)] = lambda n=n: burst(n)
         cases[("meet", n)] = lambda n=n: meet(n)
-    # every rank out of the barrier and computing (2 matmuls) before the clock starts
-    t = InStepTimer(dist.group.WORLD, rounds, lead=lambda: burst(2), warmup=0)(cases)
-    # means, not medians: a step is a sum of such stretches (collectives.in_step_mean)
-    gaps = [t[("alone", n)] for n in counts]
-    extra = [t[("meet", n)] - t[("alone", n)] for n in counts]
-    # the mean over ranks (each rank sees the meeting from its side)
-    vals = torch.tensor(gaps + extra, dtype=torch.float64)
-    dist.all_reduce(vals)
-    vals /= world
-    gaps, extra = vals[:len(counts)].tolist(), vals[len(counts):].tolist()
+
+    def once() -> dict[str, float]:
+        # every rank out of the barrier and computing (2 matmuls) before the clock starts
+        t = InStepTimer(dist.group.WORLD, rounds, lead=lambda: burst(2), warmup=0)(cases)
+        # means, not medians: a step is a sum of such stretches (collectives.in_step_mean)
+        gaps = [t[("alone", n)] for n in counts]
+        extra = [t[("meet", n)] - t[("alone", n)] for n in counts]
+        # the mean over ranks (each rank sees the meeting from its side)
+        vals = torch.tensor(gaps + extra, dtype=torch.float64)
+        dist.all_reduce(vals)
+        vals /= world
+        return {f"{i}": float(x) for i, x in enumerate(vals.tolist())}
+
+    # the whole measurement repeated and the median kept per point: the waits are differences
+    # of ~1 ms between timings that a slow spell of the shared machine moves by as much
+    # (two profiles made an hour apart, one measurement each, read 0.66 and 0.02 ms after 5 ms)
+    med = median_of_runs(once, 1 if quick else RUNS)
+    vals = [med[f"{i}"] for i in range(2 * len(counts))]
+    gaps, extra = vals[:len(counts)], vals[len(counts):]
     fixed, per_compute = fit_line(gaps, extra)
     return {"processes": world, "gaps_s": gaps, "extra_s": extra, "fixed_s": fixed, "per_compute": per_compute,
-            "rounds": rounds, "backend": dist.get_backend()}
+            "rounds": rounds, "runs": 1 if quick else RUNS, "backend": dist.get_backend()}

@@ -266,6 +266,28 @@ def test_measured_by_lists_only_commands_whose_rows_remain():
     assert "`SECOND`" in p["sources"]["collective_table"] and "`THIRD`" in p["sources"]["collective_table"]
 
 
+def test_measured_by_keeps_commands_that_measured_only_meeting_waits():
+    """A command that measured only a process count's meeting wait stays listed while its row
+    remains, and leaves when that count is measured again."""
+    from autopar.profiling.profile_file import build_profile
+
+    coll = [{"op": "all_reduce", "bytes": 1024, "group_size": 2, "level": "intra", "seconds": 1e-3,
+             "measured_seconds": 1e-3, "processes": 2, "timing": "in_step"}]
+
+    def sync(base, cmd, processes):
+        row = {"processes": processes, "gaps_s": [1e-3, 2e-3], "extra_s": [1e-3, 1.5e-3], "fixed_s": 5e-4,
+               "per_compute": 0.5, "rounds": 8, "backend": "gloo"}
+        return build_profile(base=base, name="x", device_kind="cpu", description="d", machine={}, measured_by=cmd,
+                             op_rows=None, collective_rows=None, memory_bytes=None, sync_wait=row)
+
+    first = build_profile(base=None, name="x", device_kind="cpu", description="d", machine={}, measured_by="COLL",
+                          op_rows=None, collective_rows=coll, memory_bytes=None)
+    p = sync(sync(first, "SYNC4", 4), "SYNC2", 2)
+    assert p["measured_by"] == "COLL ; SYNC4 ; SYNC2"
+    assert [r["measured_by"] for r in p["sync_wait"]] == ["SYNC2", "SYNC4"]
+    assert sync(p, "SYNC4-AGAIN", 4)["measured_by"] == "COLL ; SYNC2 ; SYNC4-AGAIN"
+
+
 def test_best_of_passes_keeps_each_rows_fastest_pass():
     from autopar.profiling.ops import best_of_passes
 
