@@ -25,16 +25,25 @@ from pathlib import Path
 KINDS = ("linear", "elementwise", "copy")
 
 
+def _case_key(kind: str, variant: str | None, dtype: str, shape) -> tuple:
+    """What names one op case, in the sweep (``OpCase``) and in a profile's op rows."""
+    return kind, variant, dtype, tuple(shape)
+
+
+def _sweep_cases() -> dict[tuple, object]:
+    from autopar.profiling.op_sweeps import op_cases
+
+    return {_case_key(c.kind, c.variant, c.dtype, c.shape): c for c in op_cases("cpu", ["fp32"], quick=False)}
+
+
 def reference_rows(profile: dict) -> list[dict]:
     """Per kind in ``KINDS``, the fp32 row of the profile's op table with the median work among
     those the CPU sweep still makes (so the case can be rebuilt); empty if none match."""
-    from autopar.profiling.op_sweeps import op_cases
-
-    cases = {(c.kind, c.variant, c.dtype, tuple(c.shape)) for c in op_cases("cpu", ["fp32"], quick=False)}
+    cases = _sweep_cases()
     out = []
     for kind in KINDS:
         rows = [r for r in profile.get("op_table", []) if r.get("kind") == kind and r.get("dtype") == "fp32"
-                and (r["kind"], r.get("variant"), r["dtype"], tuple(r["shape"])) in cases
+                and _case_key(r["kind"], r.get("variant"), r["dtype"], r["shape"]) in cases
                 and r.get("measured_seconds")]
         if rows:
             rows.sort(key=lambda r: r["flops"] if kind == "linear" else r["bytes"])
@@ -46,13 +55,12 @@ def _worker(keys: list[tuple], target_s: float, ready_dir: str, processes: int) 
     """Seconds per call of each case, timed once all ``processes`` workers are ready."""
     import torch
 
-    from autopar.profiling.op_sweeps import op_cases
     from autopar.profiling.ops import measure_ops
     from autopar.profiling.timing import RepeatPolicy
 
     torch.set_num_threads(1)
-    by_key = {(c.kind, c.variant, c.dtype, tuple(c.shape)): c for c in op_cases("cpu", ["fp32"], quick=False)}
-    cases = [by_key[tuple(k[:3]) + (tuple(k[3]),)] for k in keys]
+    by_key = _sweep_cases()
+    cases = [by_key[_case_key(*k)] for k in keys]
     # every process busy at once, as when profiled: start when all have imported and built
     ready = Path(ready_dir)
     (ready / f"{os.getpid()}").touch()
