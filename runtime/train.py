@@ -5,8 +5,8 @@ derived from the run seed and the step) and keeps its data-parallel slice, rows
 ``[d * micro_batch * num_microbatches, (d + 1) * ...)``.  The loss of every micro-batch is
 the model file's loss (a mean over its samples) divided by the number of micro-batches, and
 the data-parallel gradient reduction averages over the dp ranks, so every layout computes
-the gradient of the mean loss over the global batch -- the single-process reference's
-(``autopar.runtime.reference``).  The logged loss is that global mean.
+the gradient of the mean loss over the global batch -- what a single-process loop over the
+global batch computes (the parity tests' ``tests/plain_loop.py``).  The logged loss is that global mean.
 
 Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own (on
 CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
@@ -102,6 +102,8 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
                     loss.backward()
             mb_losses.append(loss.detach())
         local_loss = torch.stack(mb_losses).sum()
+    if pm.tied_grad_sum is not None:
+        pm.tied_grad_sum(pm.parts)
     with record_function("autopar.optimizer"):
         for opt in pm.optimizers:
             opt.step()

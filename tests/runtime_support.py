@@ -1,7 +1,7 @@
 """Shared pieces of the runtime tests: a small GPT, plans for it, torchrun launches, the reference.
 
 Every multi-process test is a real ``torchrun`` on gloo (OMP_NUM_THREADS=1, a free port, a
-timeout); parity is checked against ``autopar.runtime.reference`` run in the test process.
+timeout); parity is checked against ``plain_loop`` (a plain PyTorch loop) run in the test process.
 """
 from __future__ import annotations
 
@@ -97,15 +97,23 @@ def failure_summary(log: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def reference(steps: int = STEPS, init: str = "auto"):
-    """Single-process run on the same global batch (computed once per test session)."""
-    from autopar.runtime.plan_check import check_plan
-    from autopar.runtime.reference import train_reference
-    import tempfile
+    """The plain single-process PyTorch loop (``plain_loop``, which never enters the runtime) on
+    the same global batches, computed once per test session.  ``init="per-module"``: the loop
+    starts from the runtime's per-module init values (that init is the runtime's own
+    definition); it still trains them without the runtime."""
+    from plain_loop import train_plain
 
-    with tempfile.TemporaryDirectory() as d:
-        p = make_plan(Path(d) / "ref.json", dp=1, micro_batch=GLOBAL_BATCH)
-        checked = check_plan(p, 1)
-    return train_reference(checked, steps, init=init)
+    initial = None
+    if init == "per-module":
+        from autopar.core.modelfile import load_model_file
+        from autopar.runtime.materialize import per_module_source
+        from plain_loop import SEED, load
+
+        source = per_module_source(load_model_file(GPT), dict(MODEL_ARGS), SEED)
+        with torch.device("meta"):
+            names = [n for n, _ in load(GPT).build_model(**MODEL_ARGS).named_parameters()]
+        initial = {n: source(n).clone() for n in names}
+    return train_plain(GPT, dict(MODEL_ARGS), GLOBAL_BATCH, steps, initial=initial)
 
 
 def consolidated_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

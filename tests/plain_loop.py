@@ -1,0 +1,115 @@
+"""The independent reference of the parity tests: a plain single-process PyTorch training loop.
+
+It never imports ``autopar.runtime`` (nor the rest of autopar): it imports the model file by
+path, builds the model on the CPU under ``torch.manual_seed(seed)``, draws each step's global
+batch with ``make_batch(global_batch, **args)`` under the step's seed, and trains with
+``torch.optim.AdamW``.  The runtime promises the same three things in its documentation
+(README "Running a plan": initial weights are the model file's own init under the run seed;
+step ``i``'s global batch is ``make_batch`` under ``batch_seed(seed, i)``; AdamW with the
+defaults below), so a layout that matches this loop trains the model the user wrote.
+
+``chunks`` > 1 runs the forward on ``chunks`` equal row blocks of the global batch and averages
+their losses: the same gradient for models whose samples are independent, and the per-rank
+(per-micro-batch) batch statistics of BatchNorm under data parallelism.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The runtime's documented defaults (README "Running a plan"; the parity tests check that
+# autopar.runtime.options holds the same values).
+SEED = 1234
+LR = 1e-3
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
+
+
+def batch_seed(seed: int, step: int) -> int:
+    """The seed under which step ``step``'s global batch is drawn (the runtime's documented rule)."""
+    return int.from_bytes(hashlib.sha256(f"batch:{seed}:{step}".encode()).digest()[:8], "little") >> 1
+
+
+@dataclass
+class PlainRun:
+    losses: list[float]
+    params: dict[str, torch.Tensor]        # final parameters under every name they have (ties: several)
+    grad_abs_max: dict[str, torch.Tensor]  # per element, the largest |gradient| over the steps
+    model: nn.Module
+
+
+def load(path: str | Path):
+    path = Path(path).resolve()
+    name = "plain_loop_model_" + hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _accepted(fn, args: dict) -> dict:
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(args)
+    return {k: v for k, v in args.items() if k in params}
+
+
+def draw_batch(module, global_batch: int, args: dict, seed: int, step: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(batch_seed(seed, step))
+        inputs, target = module.make_batch(global_batch, **_accepted(module.make_batch, args))
+    return (inputs if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+def _loss(module, output, target):
+    if hasattr(module, "loss_fn"):
+        return module.loss_fn(output, target)
+    if not target.is_floating_point():
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    return F.mse_loss(output, target)
+
+
+def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: int, *, seed: int = SEED,
+                lr: float = LR, chunks: int = 1, initial: dict[str, torch.Tensor] | None = None) -> PlainRun:
+    """``initial``: starting values by parameter name, copied over the model file's own init
+    (the caller's choice of another init; ties are kept: the model's parameters are written
+    in place)."""
+    module = load(model_file)
+    torch.manual_seed(seed)
+    model = module.build_model(**args)
+    if initial is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(initial[name])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    named = list(model.named_parameters(remove_duplicate=False))
+    grad_abs_max = {id(p): torch.zeros_like(p) for _, p in named}
+    losses = []
+    for step in range(steps):
+        inputs, target = draw_batch(module, global_batch, args, seed, step)
+        total = 0.0
+        for i in range(chunks):
+            part = [x.chunk(chunks)[i] for x in inputs]
+            loss = _loss(module, model(*part), target.chunk(chunks)[i]) / chunks
+            loss.backward()
+            total += float(loss.detach())
+        for _, p in named:
+            if p.grad is not None:
+                torch.maximum(grad_abs_max[id(p)], p.grad.abs(), out=grad_abs_max[id(p)])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return PlainRun(losses=losses, params={n: p.detach().clone() for n, p in named},
+                    grad_abs_max={n: grad_abs_max[id(p)] for n, p in named}, model=model)
