@@ -37,19 +37,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.core.modelfile import ModelFile
+from autopar.runtime.ties import TieGroup, aliases, canonical_fqn, retie
 
-# FQN pieces that wrappers insert and that are not part of the model's own names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 GPT2_INIT_STD = 0.02   # Radford et al. 2019 (GPT-2 code release): N(0, 0.02) weights
 
 FullSource = Callable[[str], torch.Tensor]
-
-
-def canonical_fqn(name: str) -> str:
-    """The model's own name of a parameter inside wrapped modules (checkpoint wrapper, DDP)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name[len("module."):] if name.startswith("module.") else name
 
 
 def build_meta_model(model_file: ModelFile, model_args: dict) -> nn.Module:
@@ -95,16 +87,30 @@ def choose_source(mode: str, model_file: ModelFile, model_args: dict, seed: int,
     return mode, per_module_source(model_file, model_args, seed)
 
 
-def materialize(module: nn.Module, device: torch.device, source: FullSource) -> None:
-    """Allocate this rank's shards of ``module`` on ``device`` and fill them from ``source``."""
-    module.to_empty(device=device)
-    fill_from_source(module, source)
+def materialize(module: nn.Module, device: torch.device, source: FullSource, ties: list[TieGroup] = ()) -> None:
+    """Allocate this rank's shards of ``module`` on ``device`` and fill them from ``source``.
+
+    ``to_empty`` runs with ``swap_module_params_on_conversion``: each parameter object is kept
+    (its storage swapped in place), so a parameter that several modules share stays shared and
+    FSDP2 keeps the objects it manages.  ``retie`` then re-points any member of ``ties`` that an
+    earlier step gave its own object, and a tied parameter takes the value of its group's
+    canonical name (the same under every init source)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    retie(module, list(ties))
+    fill_from_source(module, source, aliases(list(ties)))
 
 
 @torch.no_grad()
-def fill_from_source(module: nn.Module, source: FullSource) -> None:
+def fill_from_source(module: nn.Module, source: FullSource, alias: dict[str, str] | None = None) -> None:
+    alias = alias or {}
     for name, tensor in _named_tensors(module):
-        full = source(canonical_fqn(name))
+        fqn = canonical_fqn(name)
+        full = source(alias.get(fqn, fqn))
         if isinstance(tensor, DTensor):
             full = full.to(device=tensor.device, dtype=tensor.dtype)
             tensor.copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None))

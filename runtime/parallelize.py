@@ -37,6 +37,7 @@ from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.ties import TieGroup, TiedGradSum, find_ties, retie, untie_across_stages
 
 
 @dataclass
@@ -54,6 +55,8 @@ class ParallelModel:
     has_first_stage: bool = True
     has_last_stage: bool = True
     notes: list[str] = field(default_factory=list)
+    # sums the gradients of tied parameters copied onto several pipeline stages (runtime.ties)
+    tied_grad_sum: Callable[[list[nn.Module]], None] | None = None
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -73,10 +76,43 @@ def _with_params(part: nn.Module, paths: list[str]) -> list[str]:
     return [p for p in paths if any(True for _ in part.get_submodule(p).parameters())]
 
 
+def layer_units(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
+    """Each held layer's modules inside ``part`` that are units of their own: a module that
+    contains another listed module (a parent such as ``model`` or ``encoder`` that capture
+    lists with the embeddings) is left out -- wrapping it would wrap its blocks twice (FSDP2
+    refuses overlapping units) --, and a module listed by two layers belongs to the first."""
+    per_layer = [_modules_of(part, layer) for layer in held]
+    every = {p for paths in per_layer for p in paths}
+    claimed: set[str] = set()
+    out = []
+    for paths in per_layer:
+        own = [p for p in paths if p not in claimed and not any(q.startswith(p + ".") for q in every)]
+        claimed.update(own)
+        out.append(own)
+    return out
+
+
+def _untie_units(part: nn.Module, units: list[list[str]], ties: list[TieGroup]) -> list[list[str]]:
+    """Leave out of each FSDP unit the modules holding a tied parameter whose other names lie
+    outside the unit: FSDP2 manages a shared parameter in one group only, so the root unit
+    (which holds every module left out of the units) takes it."""
+    def names_under(path: str) -> set[str]:
+        return {f"{path}.{n}" for n, _ in part.get_submodule(path).named_parameters(remove_duplicate=False)}
+
+    out = []
+    for paths in units:
+        inside = set().union(*(names_under(p) for p in paths)) if paths else set()
+        split = {n for g in ties if inside & set(g) and not set(g) <= inside for n in g}
+        out.append([p for p in paths if not names_under(p) & split])
+    return out
+
+
 def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                     dp_kind: str) -> nn.Module:
+                     dp_kind: str, ties: list[TieGroup] = ()) -> nn.Module:
     """Steps 3-5 on one stage module (or the whole model); returns it still on meta."""
     plan = checked.plan
+    ties = list(ties)
+    unit_paths = layer_units(part, held)
     # 3. tensor / sequence parallelism
     if plan.mesh.tp > 1:
         styles = []
@@ -86,10 +122,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
             where = f"plan file {checked.plan_path}: layers[{layer.index}].tp"
             styles.append((path, resolve_tp_styles(part, layer.name, layer.plan.tp_styles, where)))
         apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
+        retie(part, ties)             # parallelize_module gives each module its own parameter
     # 4. recompute
-    apply_recompute(part, [(_modules_of(part, layer), layer.plan.recompute) for layer in held])
+    apply_recompute(part, [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)])
     # 5. FSDP2 (ZeRO-2/3), or replicate (DDP of a TP model)
-    units = [(_with_params(part, _modules_of(part, layer)), layer.plan.zero, layer.plan.offload) for layer in held]
+    fsdp_paths = _untie_units(part, [_with_params(part, paths) for paths in unit_paths], ties)
+    units = [(paths, layer.plan.zero, layer.plan.offload) for paths, layer in zip(fsdp_paths, held)]
     units = [u for u in units if u[0]]
     if dp_kind == "fsdp":
         root = held[0].plan
@@ -105,11 +143,14 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     plan = checked.plan
     args = dict(plan.model.args)
     meta = build_meta_model(checked.model_file, args)                               # 1
+    ties = find_ties(meta)
+    cross_stage_ties = []
     init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
     if plan.mesh.pp > 1:                                                            # 2
         stage_mods = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages)
+        cross_stage_ties = untie_across_stages(stage_mods, ties)
         local = {i: stage_mods[i] for i in range(num_stages)
                  if plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank}
     else:
@@ -119,8 +160,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         held = [l for l in checked.layers if stage_of[l.index] == index]
-        part = parallelize_part(part, held, checked, ctx, dp_kind)  # 3-5
-        materialize(part, ctx.device, source)                                       # 6
+        part = parallelize_part(part, held, checked, ctx, dp_kind, ties)           # 3-5
+        materialize(part, ctx.device, source, ties)                                 # 6
         if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
             keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
         if use_ddp:
@@ -129,7 +170,10 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     del source
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY) for p in parts]  # 8
-    schedule = None
+    schedule, tied_grad_sum = None, None
+    if cross_stage_ties:
+        tied_grad_sum = TiedGradSum.build(cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
+                                          ctx.mesh.mesh, ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn)
@@ -143,5 +187,5 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     return ParallelModel(notes=notes, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
-                         num_stages=num_stages,
+                         num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local)

@@ -1,0 +1,196 @@
+"""Every zoo model under every plan kind the runtime runs for it trains like a plain PyTorch loop.
+
+For each model of ``tests/zoo`` one ``torchrun`` on 2 gloo ranks runs its plans one after
+another (``zoo_worker.py``); each plan's losses over ``STEPS`` steps must match
+``plain_loop.train_plain`` -- a single-process loop that never enters autopar's runtime, on
+the same initial weights and batches -- within ``LOSS_ATOL`` (fp32).  Plans are uniform plans
+(``core.plan.uniform_plan``) over the captured layers, global batch 4.
+
+``REFUSED`` lists the kinds a model cannot take, with the reason; each is run too and must be
+refused by the runtime with a message naming the reason (never a crash or a wrong result).
+``LEFT_OUT`` lists kinds not run at all, with the reason.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime_support import ROOT, failure_summary, torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plain_loop  # noqa: E402
+
+ZOO = ROOT / "tests" / "zoo"
+WORKER = Path(__file__).resolve().parent / "zoo_worker.py"
+GLOBAL_BATCH = 4
+MICRO_BATCH = 2        # every plan below captures the model with the same micro-batch (one capture per rank)
+STEPS = 3
+LOSS_ATOL = 1e-5
+
+# plan kinds: uniform_plan arguments (dp * micro_batch * num_microbatches = 4)
+DDP = dict(dp=2, micro_batch=2)
+ZERO1 = dict(dp=2, micro_batch=2, zero=1)
+ZERO3 = dict(dp=2, micro_batch=2, zero=3)
+RECOMPUTE = dict(dp=2, micro_batch=2, zero=2, recompute="full")
+OFFLOAD = dict(dp=2, micro_batch=2, zero=3, offload="cpu")
+TP = dict(tp=2, micro_batch=2, num_microbatches=2)
+PP = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe")
+DATA_PARALLEL = {"ddp": DDP, "zero1": ZERO1, "zero3": ZERO3, "recompute": RECOMPUTE, "offload": OFFLOAD}
+
+LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise"}
+
+# model -> (file, {kind: (plan kwargs, per-block TP styles or None, extra TP styles by layer name)})
+MODELS: dict[str, dict] = {
+    "hf_llama": dict(kinds={**DATA_PARALLEL, "tp": TP}, tp=LLAMA_TP),
+    "hf_qwen2": dict(kinds={**DATA_PARALLEL, "tp": TP, "tp_vocab": TP}, tp=LLAMA_TP,
+                     tp_vocab={"pre": {"model.embed_tokens": "rowwise"}, "post": {"lm_head": "colwise"}}),
+    "hf_bert": dict(kinds={**DATA_PARALLEL}),
+    "hf_opt": dict(kinds={**DATA_PARALLEL, "tp": TP},
+                   tp={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                       "self_attn.out_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}),
+    "hf_gpt_neox": dict(kinds={**DATA_PARALLEL, "tp": TP},
+                        tp={"attention.query_key_value": "colwise", "attention.dense": "rowwise",
+                            "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}),
+    "hf_t5": dict(kinds={**DATA_PARALLEL, "tp": TP},
+                  tp={"layer.2.DenseReluDense.wi": "colwise", "layer.2.DenseReluDense.wo": "rowwise"}),
+    "nanogpt": dict(kinds={**DATA_PARALLEL, "tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    "mha_dict": dict(kinds={**DATA_PARALLEL, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
+    "moe": dict(kinds={**DATA_PARALLEL, "pp": PP}),
+    "two_tower": dict(kinds={**DATA_PARALLEL, "tp": TP}, tp={"0": "colwise"}),
+    "cnn_bn": dict(kinds={**DATA_PARALLEL, "pp": PP}),
+}
+
+# kinds the runtime refuses for a model: (plan kwargs, a fragment of the refusal, the reason)
+REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
+    "nanogpt": {"pp": (PP, "pipeline", "forward(idx, targets): the last stage needs the targets, an input of "
+                                       "the first stage -- the layers do not pass one activation")},
+    "two_tower": {"pp": (PP, "pipeline", "two towers: the layers do not pass one activation")},
+}
+for _hf in ("hf_llama", "hf_qwen2", "hf_bert", "hf_opt", "hf_gpt_neox", "hf_t5"):
+    REFUSED[_hf] = {"pp": (PP, "pipeline", "stages are cut with torch.fx, which cannot trace transformers models")}
+
+# kinds not run, with the reason
+LEFT_OUT = {
+    ("nanogpt", "tp attention"): "c_attn's output is split with the global n_embd and viewed with the global "
+                                 "head count: a column-wise c_attn cannot run on local heads",
+    ("hf_bert", "tp"): "the column-wise projections (attention.self.*) and their row-wise partner "
+                       "(attention.output.dense) have different parents, so they are not paired",
+    ("hf_t5", "tp attention"): "the relative position bias of block 0 holds every head and is passed on to "
+                               "the next blocks",
+    ("moe", "tp"): "the experts are stacked parameters, not nn.Linear: no column/row split",
+    ("cnn_bn", "tp"): "convolutions: no column/row split of nn.Linear",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(name: str):
+    from autopar.core.capture import capture_model_file
+
+    return capture_model_file(str(ZOO / f"{name}.py"), {}, MICRO_BATCH)
+
+
+def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = _graph(name)
+    kw = dict(kw)
+    spec = MODELS[name]
+    if kw.get("tp", 1) > 1:
+        block_styles = spec.get("tp", {})
+        extra = spec.get(kind, {}) if kind.startswith("tp_") else {}
+        styles = {}
+        for i, layer in enumerate(g.layers):
+            if layer.name in extra:
+                styles[i] = dict(extra[layer.name])
+            elif layer.name not in ("pre", "post"):
+                styles[i] = {f"{layer.name}.{k}": v for k, v in block_styles.items()}
+        kw["tp_styles_per_layer"] = styles
+    ref = ModelRef(file=str(ZOO / f"{name}.py"), args={}, name=name, fingerprint=g.fingerprint)
+    plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
+    assert plan.global_batch == GLOBAL_BATCH and plan.micro_batch == MICRO_BATCH, kw
+    save_plan(plan, path)
+    return path
+
+
+def chunks_for(name: str, kw: dict) -> int:
+    """Row blocks the plain loop splits the global batch into: BatchNorm sees each rank's micro-batch."""
+    if name != "cnn_bn":
+        return 1
+    return kw.get("dp", 1) * kw.get("num_microbatches", 1)
+
+
+def run_model(name: str, tmp: Path) -> dict[str, dict]:
+    cases, kinds = [], {**MODELS[name]["kinds"], **{k: v[0] for k, v in REFUSED.get(name, {}).items()}}
+    for kind, kw in kinds.items():
+        cases.append({"kind": kind, "plan": str(_plan(name, kind, kw, tmp / f"{kind}.json")),
+                      "measured": str(tmp / f"{kind}.measured.json"), "result": str(tmp / f"{kind}.result.json"),
+                      "steps": STEPS})
+    spec = tmp / "cases.json"
+    spec.write_text(json.dumps(cases))
+    out = torchrun(2, str(WORKER), str(spec), timeout_s=300)
+    results = {c["kind"]: json.loads(Path(c["result"]).read_text()) for c in cases if Path(c["result"]).exists()}
+    results["_log"] = out.stdout + out.stderr
+    results["_rc"] = out.returncode
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def plain(name: str, chunks: int):
+    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks)
+
+
+_RUNS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def zoo_runs(tmp_path_factory):
+    def get(name: str) -> dict:
+        if name not in _RUNS:
+            _RUNS[name] = run_model(name, tmp_path_factory.mktemp(name))
+        return _RUNS[name]
+    return get
+
+
+CASES = [(m, k) for m, spec in MODELS.items() for k in spec["kinds"]]
+REFUSED_CASES = [(m, k) for m, kinds in REFUSED.items() for k in kinds]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,kind", CASES, ids=[f"{m}-{k}" for m, k in CASES])
+def test_zoo_kind_matches_plain_loop(zoo_runs, name, kind):
+    pytest.importorskip("transformers") if name.startswith("hf_") else None
+    runs = zoo_runs(name)
+    got = runs.get(kind)
+    assert got is not None, f"{name} {kind}: no result\n" + failure_summary(runs["_log"])
+    assert "losses" in got, f"{name} {kind}: {got}"
+    want = plain(name, chunks_for(name, MODELS[name]["kinds"][kind])).losses
+    diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+    assert len(got["losses"]) == STEPS and diff <= LOSS_ATOL, \
+        f"{name} {kind}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,kind", REFUSED_CASES, ids=[f"{m}-{k}" for m, k in REFUSED_CASES])
+def test_zoo_kind_refused_with_reason(zoo_runs, name, kind):
+    pytest.importorskip("transformers") if name.startswith("hf_") else None
+    runs = zoo_runs(name)
+    got = runs.get(kind)
+    assert got is not None, f"{name} {kind}: no result\n" + failure_summary(runs["_log"])
+    _, fragment, _ = REFUSED[name][kind]
+    assert "refused" in got and fragment in got["refused"], f"{name} {kind}: {got}"
+
+
+def test_plain_loop_uses_the_runtimes_documented_defaults():
+    """The plain loop hard-codes the runtime's documented seed rule and AdamW settings (it never
+    imports the runtime); this checks that they still agree."""
+    from autopar.runtime import options, train
+
+    assert (plain_loop.SEED, plain_loop.LR, plain_loop.BETAS, plain_loop.EPS, plain_loop.WEIGHT_DECAY) == \
+        (options.DEFAULT_SEED, options.DEFAULT_LR, options.ADAM_BETAS, options.ADAM_EPS, options.WEIGHT_DECAY)
+    assert all(plain_loop.batch_seed(7, s) == train.step_seed(7, s) for s in range(3))

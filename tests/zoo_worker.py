@@ -1,0 +1,57 @@
+"""torchrun worker for the zoo parity tests: one model, several plans, one process group.
+
+Each case is a full ``autopar.runtime.train.run`` of one plan; a case the runtime refuses with
+a ``UserError`` (the same on every rank, before any collective) is recorded with its message
+and the next case runs.  The captured graph is computed once per (model, args, micro-batch)
+in this process: the cases of one model share it.
+"""
+import functools
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import autopar.core.capture as capture
+from autopar.core.errors import UserError
+from autopar.runtime.mesh import shutdown
+from autopar.runtime.options import RunOptions
+from autopar.runtime.train import run
+
+_capture = capture.capture_model_file
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(path, args_json, micro_batch):
+    return _capture(path, json.loads(args_json), micro_batch)
+
+
+capture.capture_model_file = lambda path, args, micro_batch, *a, **k: (
+    _cached(path, json.dumps(args, sort_keys=True), micro_batch) if not (a or k) else _capture(path, args, micro_batch, *a, **k))
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    for case in cases:
+        result = Path(case["result"])
+        try:
+            report = run(RunOptions(plan_path=Path(case["plan"]), steps=case["steps"], warmup_steps=0,
+                                    measured_path=Path(case["measured"]), log_every=case["steps"]))
+            out = {"losses": report["losses"]}
+        except UserError as e:
+            out = {"refused": str(e)}
+        except Exception as e:  # noqa: BLE001 - recorded for the test to show; the launch fails
+            out = {"crashed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            if int(os.environ.get("RANK", "0")) == 0:
+                result.write_text(json.dumps(out))
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            result.write_text(json.dumps(out))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
