@@ -81,8 +81,11 @@ class _LayerLeafTracer(fx.Tracer):
 
 
 def split_into_stages(model: nn.Module, layer_paths: list[tuple[str, ...]], stage_of_layer: list[int],
-                      num_stages: int) -> list[nn.Module]:
-    """One ``GraphModule`` per pipeline stage, cut from ``model``'s forward at layer boundaries."""
+                      num_stages: int) -> tuple[list[nn.Module], Callable]:
+    """One ``GraphModule`` per pipeline stage, cut from ``model``'s forward at layer boundaries,
+    and the function that turns the last stage's output (a tensor or a tuple of tensors, what a
+    stage can send) back into the structure the model's forward returns (a dict, a tuple) --
+    what the model file's ``loss_fn`` expects."""
     module_names = {n for n, _ in model.named_modules()}
     owner: dict[str, int] = {}          # module or attribute path -> layer
     for layer, paths in enumerate(layer_paths):
@@ -97,7 +100,53 @@ def split_into_stages(model: nn.Module, layer_paths: list[tuple[str, ...]], stag
     gm = fx.GraphModule(model, graph)
     stage_of = _assign_stages(gm.graph, owner, stage_of_layer)
     split = split_module(gm, model, lambda node: stage_of[node.name], keep_original_order=True)
-    return [_restore_names(stage, model) for stage in _check_chain(split, num_stages)]
+    _attrs_into_stages(split)
+    stages = [_restore_names(stage, model) for stage in _check_chain(split, num_stages)]
+    return stages, _output_structure(split)
+
+
+def _output_structure(split: fx.GraphModule) -> Callable:
+    """``restore(last_stage_output)`` -> the model's output structure."""
+    last = [n for n in split.graph.nodes if n.op == "call_module"][-1]
+    structure = next(n for n in split.graph.nodes if n.op == "output").args[0]
+
+    def build(value, output):
+        if isinstance(value, fx.Node):
+            return output if value is last else output[value.args[1]]    # getitem(last, k)
+        if isinstance(value, dict):
+            return {k: build(v, output) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(build(v, output) for v in value) if type(value) in (tuple, list) \
+                else tuple(build(v, output) for v in value)
+        return value
+
+    return lambda output: build(structure, output)
+
+
+def _attrs_into_stages(split: fx.GraphModule) -> None:
+    """``split_module`` passes a tensor attribute read by the forward itself (``self.pos``, not a
+    module's) into the stage as an argument; make it the stage's own attribute instead, so a
+    parameter is trained by the stage that uses it and stages receive only activations."""
+    for call in [n for n in split.graph.nodes if n.op == "call_module"]:
+        sub = getattr(split, call.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        kept = []
+        for i, (arg, ph) in enumerate(zip(call.args, placeholders)):
+            if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+                kept.append(arg)
+                continue
+            name = f"_attr_{i}_" + str(arg.target).replace(".", "_")
+            setattr(sub, name, _get_attr(split, str(arg.target)))
+            with sub.graph.inserting_after(placeholders[-1]):
+                attr = sub.graph.get_attr(name)
+            ph.replace_all_uses_with(attr)
+            sub.graph.erase_node(ph)
+        if len(kept) != len(call.args):
+            call.args = tuple(kept)
+            sub.recompile()
+    for node in [n for n in split.graph.nodes if n.op == "get_attr" and not n.users]:
+        split.graph.erase_node(node)
+    split.recompile()
 
 
 def _layer_of(path: str, owner: dict[str, int]) -> int | None:
@@ -206,13 +255,15 @@ def runnable_schedule(schedule: str, num_microbatches: int, num_stages: int) -> 
 
 def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, schedule: str, num_microbatches: int,
-                   loss_fn: Callable) -> tuple[object, list[PipelineStage]]:
-    """``PipelineStage`` per local stage and the plan's schedule over them."""
+                   loss_fn: Callable, restore_output: Callable = lambda out: out) -> tuple[object, list[PipelineStage]]:
+    """``PipelineStage`` per local stage and the plan's schedule over them; the last stage's
+    output goes through ``restore_output`` (``split_into_stages``) before ``loss_fn``."""
     group = pp_mesh.get_group()
     stages = [LabelledStage(mod, index, num_stages, device, group=group)
               for index, mod in sorted(stage_modules.items())]
     cls = SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)]
-    loss_fn = labelled_loss(loss_fn)
+    user_loss = loss_fn
+    loss_fn = labelled_loss(lambda output, target: user_loss(restore_output(output), target))
     if schedule == "interleaved":
         return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages
     if len(stages) != 1:

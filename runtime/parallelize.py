@@ -55,6 +55,7 @@ class ParallelModel:
     has_first_stage: bool = True
     has_last_stage: bool = True
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     # sums the gradients of tied parameters copied onto several pipeline stages (runtime.ties)
     tied_grad_sum: Callable[[list[nn.Module]], None] | None = None
 
@@ -138,6 +139,22 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     return part
 
 
+def batch_norm_warnings(model: nn.Module, dp: int, num_microbatches: int, micro_batch: int) -> list[str]:
+    """BatchNorm normalises by the statistics of the batch its forward sees: under data
+    parallelism or micro-batching that is one micro-batch on one rank, not the global batch,
+    so training differs from one process over the global batch (and the running statistics
+    differ between ranks; DDP copies rank 0's at each forward)."""
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms or dp * num_microbatches == 1:
+        return []
+    return [f"the model has {len(norms)} BatchNorm module(s) ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}): "
+            f"with dp = {dp} and {num_microbatches} micro-batch(es) their batch statistics are computed per rank "
+            f"and per micro-batch ({micro_batch} samples), not over the global batch of "
+            f"{dp * num_microbatches * micro_batch}. Convert them to nn.SyncBatchNorm in build_model for "
+            f"statistics over the data-parallel ranks, or use a normalisation that does not mix samples "
+            f"(GroupNorm, LayerNorm)."]
+
+
 def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOptions,
                          loss_fn: Callable) -> ParallelModel:
     plan = checked.plan
@@ -149,7 +166,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
     if plan.mesh.pp > 1:                                                            # 2
-        stage_mods = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages)
+        stage_mods, restore_output = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of,
+                                                       num_stages)
         cross_stage_ties = untie_across_stages(stage_mods, ties)
         local = {i: stage_mods[i] for i in range(num_stages)
                  if plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank}
@@ -176,15 +194,16 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                                           ctx.mesh.mesh, ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
-                                     plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn)
+                                     plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn, restore_output)
     notes = []
     runs_as = runnable_schedule(plan.pipeline.schedule, plan.pipeline.num_microbatches, num_stages)
     if plan.mesh.pp > 1 and runs_as != plan.pipeline.schedule:
         notes.append(f"schedule {plan.pipeline.schedule} with {plan.pipeline.num_microbatches} micro-batches for "
                      f"{num_stages} stages runs as {runs_as} (torch's Schedule1F1B needs at least one micro-batch "
                      f"per stage; the order differs only on the last stages, the bubble is the same)")
+    warnings = batch_norm_warnings(meta, plan.mesh.dp, plan.pipeline.num_microbatches, plan.micro_batch)
     low = LOW_PRECISION.get(plan.precision)
-    return ParallelModel(notes=notes, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+    return ParallelModel(notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,

@@ -156,6 +156,8 @@ class Trainer:
                  f"micro-batch(es), init {pm.init_mode}, device {ctx.device.type}")
         for note in pm.notes:
             self.log(f"note: {note}")
+        for warning in pm.warnings:
+            self.log(f"warning: {warning}")
         self.first_step, self.losses = 0, []
         if opts.checkpoint_dir is not None:
             found = checkpointing.latest_checkpoint(opts.checkpoint_dir)

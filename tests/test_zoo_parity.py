@@ -39,6 +39,10 @@ RECOMPUTE = dict(dp=2, micro_batch=2, zero=2, recompute="full")
 OFFLOAD = dict(dp=2, micro_batch=2, zero=3, offload="cpu")
 TP = dict(tp=2, micro_batch=2, num_microbatches=2)
 PP = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe")
+PP_1F1B = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="1f1b")
+PP_INTERLEAVED = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2)
+PP_ZERO3 = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe", zero=3)
+PP_RECOMPUTE = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe", recompute="full")
 DATA_PARALLEL = {"ddp": DDP, "zero1": ZERO1, "zero3": ZERO3, "recompute": RECOMPUTE, "offload": OFFLOAD}
 
 LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -59,7 +63,14 @@ MODELS: dict[str, dict] = {
                             "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}),
     "hf_t5": dict(kinds={**DATA_PARALLEL, "tp": TP},
                   tp={"layer.2.DenseReluDense.wi": "colwise", "layer.2.DenseReluDense.wo": "rowwise"}),
-    "nanogpt": dict(kinds={**DATA_PARALLEL, "tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    "nanogpt": dict(kinds={**DATA_PARALLEL, "tp": TP, "tp_vocab": TP},
+                    tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"},
+                    tp_vocab={"pre": {"transformer.wte": "rowwise"}, "post": {"lm_head": "colwise"}},
+                    tp_head_only={"post": {"lm_head": "colwise"}}),
+    # the tied embedding on the first stage, the tied head on the last
+    "tied_lm": dict(kinds={**DATA_PARALLEL, "pp": PP, "pp_1f1b": PP_1F1B, "pp_interleaved": PP_INTERLEAVED,
+                           "pp_zero3": PP_ZERO3, "pp_recompute": PP_RECOMPUTE, "tp_vocab": TP},
+                    tp_vocab={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "mha_dict": dict(kinds={**DATA_PARALLEL, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
     "moe": dict(kinds={**DATA_PARALLEL, "pp": PP}),
     "two_tower": dict(kinds={**DATA_PARALLEL, "tp": TP}, tp={"0": "colwise"}),
@@ -69,7 +80,9 @@ MODELS: dict[str, dict] = {
 # kinds the runtime refuses for a model: (plan kwargs, a fragment of the refusal, the reason)
 REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
     "nanogpt": {"pp": (PP, "pipeline", "forward(idx, targets): the last stage needs the targets, an input of "
-                                       "the first stage -- the layers do not pass one activation")},
+                                       "the first stage -- the layers do not pass one activation"),
+                "tp_head_only": (TP, "split them differently", "lm_head column-wise with wte not split: one tied "
+                                                               "parameter cannot hold two layouts")},
     "two_tower": {"pp": (PP, "pipeline", "two towers: the layers do not pass one activation")},
 }
 for _hf in ("hf_llama", "hf_qwen2", "hf_bert", "hf_opt", "hf_gpt_neox", "hf_t5"):
@@ -104,6 +117,7 @@ def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
     if kw.get("tp", 1) > 1:
         block_styles = spec.get("tp", {})
         extra = spec.get(kind, {}) if kind.startswith("tp_") else {}
+        block_styles = {} if kind == "tp_head_only" else block_styles
         styles = {}
         for i, layer in enumerate(g.layers):
             if layer.name in extra:
