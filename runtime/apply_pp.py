@@ -26,6 +26,7 @@ the non-pipelined loop uses (``autopar.runtime.profile_breakdown``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -34,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_unflatten
 from torch.profiler import record_function
 
 from autopar.core.errors import PlanFileError
@@ -80,33 +82,101 @@ class _LayerLeafTracer(fx.Tracer):
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
 
+@dataclass
+class StageSplit:
+    """The stage modules, the function that restores the model's output structure from the last
+    stage's output, and how the forward was cut: ``"fx"`` (stage modules call the model's own
+    modules) or ``"export"`` (stage modules run ATen ops of the ``torch.export`` graph: the
+    layers' modules hold the parameters but are not called)."""
+    stages: list[nn.Module]
+    restore_output: Callable
+    cut_by: str
+
+
 def split_into_stages(model: nn.Module, layer_paths: list[tuple[str, ...]], stage_of_layer: list[int],
-                      num_stages: int) -> tuple[list[nn.Module], Callable]:
-    """One ``GraphModule`` per pipeline stage, cut from ``model``'s forward at layer boundaries,
-    and the function that turns the last stage's output (a tensor or a tuple of tensors, what a
-    stage can send) back into the structure the model's forward returns (a dict, a tuple) --
-    what the model file's ``loss_fn`` expects."""
+                      num_stages: int, example_inputs: tuple | None = None,
+                      device: torch.device | None = None) -> StageSplit:
+    """One ``GraphModule`` per pipeline stage, cut from ``model``'s forward at layer boundaries.
+
+    ``torch.fx`` first (the stages call the model's modules, so tensor parallelism, per-layer
+    recompute and FSDP units apply inside them); where fx cannot trace the forward (Hugging
+    Face models), the ``torch.export`` graph of the forward on ``example_inputs`` (meta tensors
+    of one micro-batch), whose ops are given the layer of the module they ran in
+    (``nn_module_stack``).  The last stage's output (a tensor or a tuple of tensors, what a stage
+    can send) is turned back into the structure the forward returns (a dict, a tuple, a
+    ``ModelOutput``) -- what the model file's ``loss_fn`` expects -- by ``restore_output``."""
     module_names = {n for n, _ in model.named_modules()}
     owner: dict[str, int] = {}          # module or attribute path -> layer
     for layer, paths in enumerate(layer_paths):
         for p in paths:
             owner[p] = layer
     leaves = {p for p in owner if p in module_names}
+    out_spec, cut_by = None, "fx"
     try:
-        graph = _LayerLeafTracer(leaves).trace(model)
-    except Exception as e:  # noqa: BLE001 - fx raises many kinds; report one clear error
-        raise PlanFileError(f"pipeline stages: the model's forward cannot be traced with torch.fx to cut it "
-                            f"into stages ({type(e).__name__}: {e}). Plan with pp = 1 for this model.") from None
-    gm = fx.GraphModule(model, graph)
+        gm = fx.GraphModule(model, _LayerLeafTracer(leaves).trace(model))
+    except Exception as fx_error:  # noqa: BLE001 - fx raises many kinds; try export, then report both
+        if example_inputs is None:
+            raise PlanFileError(f"pipeline stages: the model's forward cannot be traced with torch.fx "
+                                f"({type(fx_error).__name__}: {fx_error}). Plan with pp = 1 for this model.") from None
+        try:
+            gm, out_spec = _export_graph(model, example_inputs, device or torch.device("cpu"))
+        except Exception as e:  # noqa: BLE001
+            raise PlanFileError(
+                f"pipeline stages: the model's forward can be traced neither with torch.fx "
+                f"({type(fx_error).__name__}: {fx_error}) nor with torch.export ({type(e).__name__}: {e}), "
+                f"so it cannot be cut into stages. Plan with pp = 1 for this model.") from None
+        cut_by = "export"
     stage_of = _assign_stages(gm.graph, owner, stage_of_layer)
     split = split_module(gm, model, lambda node: stage_of[node.name], keep_original_order=True)
     _attrs_into_stages(split)
-    stages = [_restore_names(stage, model) for stage in _check_chain(split, num_stages)]
-    return stages, _output_structure(split)
+    stages = [_restore_names(stage, model, fresh=cut_by == "export") for stage in _check_chain(split, num_stages)]
+    for stage in stages[:-1]:
+        _contiguous_outputs(stage)
+    restore = _output_structure(split)
+    if out_spec is not None:
+        flat = restore
+        restore = lambda output: tree_unflatten(list(flat(output)), out_spec)  # noqa: E731
+    return StageSplit(stages, restore, cut_by)
+
+
+def _export_graph(model: nn.Module, example_inputs: tuple, device: torch.device) -> tuple[fx.GraphModule, object]:
+    """The forward as one flat ATen graph (``torch.export`` on the meta model), made runnable on
+    ``device``: the export's input guards and tensor-metadata assertions (which name the meta
+    device of the trace) are dropped and the ``device=meta`` arguments of factory ops (arange,
+    new_ones, to) become ``device``."""
+    ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    gm = ep.module()
+    for g in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(g.graph.nodes):
+            if (node.op == "call_module" and str(node.target).startswith("_guards")) or (
+                    node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default):
+                if not node.users:
+                    g.graph.erase_node(node)
+                continue
+            node.args = fx.node.map_aggregate(node.args, lambda a: _on(a, device))
+            node.kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _on(a, device))
+        g.recompile()
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    return gm, ep.call_spec.out_spec
+
+
+def _on(arg, device: torch.device):
+    return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+
+def _contiguous_outputs(stage: fx.GraphModule) -> None:
+    """A stage sends its outputs as they are; an expanded or transposed view (an attention
+    mask broadcast over heads) must be made contiguous first (gloo and NCCL send dense
+    buffers)."""
+    out = next(n for n in stage.graph.nodes if n.op == "output")
+    with stage.graph.inserting_before(out):
+        out.args = (fx.node.map_arg(out.args[0], lambda n: stage.graph.call_method("contiguous", (n,))),)
+    stage.recompile()
 
 
 def _output_structure(split: fx.GraphModule) -> Callable:
-    """``restore(last_stage_output)`` -> the model's output structure."""
+    """``restore(last_stage_output)`` -> the structure the split graph's output node builds."""
     last = [n for n in split.graph.nodes if n.op == "call_module"][-1]
     structure = next(n for n in split.graph.nodes if n.op == "output").args[0]
 
@@ -116,8 +186,7 @@ def _output_structure(split: fx.GraphModule) -> Callable:
         if isinstance(value, dict):
             return {k: build(v, output) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
-            return type(value)(build(v, output) for v in value) if type(value) in (tuple, list) \
-                else tuple(build(v, output) for v in value)
+            return tuple(build(v, output) for v in value)
         return value
 
     return lambda output: build(structure, output)
@@ -164,9 +233,14 @@ def _assign_stages(graph: fx.Graph, owner: dict[str, int], stage_of_layer: list[
         if node.op in ("placeholder", "output"):
             continue
         layer = _layer_of(str(node.target), owner) if node.op in ("call_module", "get_attr") else None
-        inputs = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
+        module_stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+        if module_stack:                 # an export graph's op: the layer of the innermost module
+            layer = _layer_of(str(list(module_stack.values())[-1][0]), owner)
+        # attributes (parameters, buffers) become each using stage's own (_attrs_into_stages):
+        # they do not order the stages
+        inputs = [stage[a.name] for a in node.all_input_nodes if a.name in stage and a.op != "get_attr"]
         if layer is not None:
-            stage[node.name] = stage_of_layer[layer]
+            stage[node.name] = max([stage_of_layer[layer], *inputs])
         elif inputs:
             stage[node.name] = max(inputs)
         elif any(a.op == "placeholder" for a in node.all_input_nodes):
@@ -206,22 +280,43 @@ def _check_chain(split: fx.GraphModule, num_stages: int) -> list[nn.Module]:
     return [getattr(split, c.target) for c in calls]
 
 
-def _restore_names(stage: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
-    """``split_module`` flattens names ("blocks.0" -> "blocks_0"); put the model's own back."""
+def _restore_names(stage: fx.GraphModule, model: nn.Module, fresh: bool = False) -> fx.GraphModule:
+    """``split_module`` flattens names ("blocks.0" -> "blocks_0"); put the model's own back.
+
+    ``fresh``: the stage gets parameters and buffers of its own (same shapes, still on meta;
+    shared ones stay shared): an export-cut stage does not hold the model's modules, and
+    materialisation swaps each parameter in place, which needs it held by this stage alone."""
     by_id = {id(m): n for n, m in model.named_modules()}
     by_id.update({id(t): n for n, t in model.named_parameters(remove_duplicate=False)})
     by_id.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
     graph = stage.graph
     attrs: dict[str, object] = {}
+    copies: dict[int, torch.Tensor] = {}
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr"):
             obj = stage.get_submodule(node.target) if node.op == "call_module" else _get_attr(stage, node.target)
             name = by_id.get(id(obj))
             if name is None:
-                raise PlanFileError(f"pipeline stages: cannot find {node.target!r} in the model after the split.")
+                if isinstance(obj, fx.GraphModule):          # a higher-order op's body (export)
+                    name = str(node.target)
+                else:
+                    raise PlanFileError(f"pipeline stages: cannot find {node.target!r} in the model after the split.")
+            if fresh and isinstance(obj, torch.Tensor):
+                if id(obj) not in copies:
+                    copies[id(obj)] = (nn.Parameter(torch.empty_like(obj), requires_grad=obj.requires_grad)
+                                       if isinstance(obj, nn.Parameter) else torch.empty_like(obj))
+                obj = copies[id(obj)]
             node.target = name
             attrs[name] = obj
-    return fx.GraphModule(attrs, graph, class_name=f"Stage")
+    out = fx.GraphModule(attrs, graph, class_name="Stage")
+    for name, obj in attrs.items():       # a plain tensor attribute is a buffer (moved and filled)
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, nn.Parameter):
+            parent, _, leaf = name.rpartition(".")
+            holder = out.get_submodule(parent) if parent else out
+            if leaf not in holder._buffers:
+                holder.__dict__.pop(leaf, None)
+                holder.register_buffer(leaf, obj)
+    return out
 
 
 def _get_attr(module: nn.Module, path: str):

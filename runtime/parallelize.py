@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from autopar.core.errors import PlanFileError
 from autopar.core.plan import Plan
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
@@ -36,7 +37,7 @@ from autopar.runtime.materialize import build_meta_model, choose_source, materia
 from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
-from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
 from autopar.runtime.ties import TieGroup, TiedGradSum, find_ties, retie, untie_across_stages
 
 
@@ -155,6 +156,30 @@ def batch_norm_warnings(model: nn.Module, dp: int, num_microbatches: int, micro_
             f"(GroupNorm, LayerNorm)."]
 
 
+def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
+                             dp_kind: str) -> nn.Module:
+    """Steps 3-5 on a pipeline stage cut from the ``torch.export`` graph (``apply_pp``): its ops
+    call no module of the model, so module-level transformations apply to the stage as a whole
+    -- recompute wraps the stage, FSDP2 shards it as one unit -- and tensor parallelism, which
+    replaces ``nn.Linear`` modules' forwards, cannot apply."""
+    plan = checked.plan
+    if plan.mesh.tp > 1:
+        raise PlanFileError(
+            f"plan file {checked.plan_path}: tp = {plan.mesh.tp} with pp = {plan.mesh.pp}, but torch.fx cannot trace "
+            f"this model's forward, so its pipeline stages are cut from the torch.export graph, whose ops call no "
+            f"nn.Linear module that tensor parallelism could split. Plan tp = 1 with pp > 1 for this model, or pp = 1.")
+    modes = {layer.plan.recompute for layer in held} - {"none"}
+    if modes:
+        part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop())
+    if dp_kind == "fsdp":
+        root = held[0].plan
+        apply_fsdp(part, ctx.submesh("dp"), [], root_zero=root.zero, root_offload=root.offload,
+                   precision=plan.precision, device=ctx.device)
+    elif dp_kind == "replicate":
+        apply_replicate(part, ctx.submesh("dp"), [], plan.precision)
+    return part
+
+
 def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOptions,
                          loss_fn: Callable) -> ParallelModel:
     plan = checked.plan
@@ -166,19 +191,25 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
     if plan.mesh.pp > 1:                                                            # 2
-        stage_mods, restore_output = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of,
-                                                       num_stages)
+        with torch.device("meta"):
+            example, _ = checked.model_file.make_batch(plan.micro_batch, **args)
+        split = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages,
+                                  example_inputs=example, device=ctx.device)
+        stage_mods, restore_output, cut_by = split.stages, split.restore_output, split.cut_by
         cross_stage_ties = untie_across_stages(stage_mods, ties)
         local = {i: stage_mods[i] for i in range(num_stages)
                  if plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank}
     else:
-        local = {0: meta}
+        local, restore_output, cut_by = {0: meta}, None, "none"
     parts, dp_mesh = [], ctx.submesh("dp")
     dp_kind = data_parallel_kind(plan.zero, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp)
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         held = [l for l in checked.layers if stage_of[l.index] == index]
-        part = parallelize_part(part, held, checked, ctx, dp_kind, ties)           # 3-5
+        if cut_by == "export":
+            part = parallelize_export_stage(part, held, checked, ctx, dp_kind)
+        else:
+            part = parallelize_part(part, held, checked, ctx, dp_kind, ties)       # 3-5
         materialize(part, ctx.device, source, ties)                                 # 6
         if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
             keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
@@ -196,6 +227,9 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn, restore_output)
     notes = []
+    if cut_by == "export":
+        notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
+                     "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer")
     runs_as = runnable_schedule(plan.pipeline.schedule, plan.pipeline.num_microbatches, num_stages)
     if plan.mesh.pp > 1 and runs_as != plan.pipeline.schedule:
         notes.append(f"schedule {plan.pipeline.schedule} with {plan.pipeline.num_microbatches} micro-batches for "

@@ -200,6 +200,13 @@ def test_zoo_kind_refused_with_reason(zoo_runs, name, kind):
     assert "refused" in got and fragment in got["refused"], f"{name} {kind}: {got}"
 
 
+@pytest.mark.multiproc
+def test_batch_norm_under_data_parallelism_warns(zoo_runs):
+    log = zoo_runs("cnn_bn")["_log"]
+    assert "warning: the model has" in log and "BatchNorm" in log and "per rank" in log, log[-3000:]
+    assert "BatchNorm" not in zoo_runs("mha_dict")["_log"]
+
+
 def test_plain_loop_uses_the_runtimes_documented_defaults():
     """The plain loop hard-codes the runtime's documented seed rule and AdamW settings (it never
     imports the runtime); this checks that they still agree."""
