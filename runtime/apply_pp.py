@@ -10,6 +10,15 @@ parameters by the same FQNs as in the unsplit model.  The "pre" layer (embedding
 the first stage and the "post" layer (final norm, head) on the last; the loss runs on the last
 stage through the schedule's ``loss_fn``.
 
+Where ``torch.fx`` cannot trace the forward (Hugging Face models), the stages are cut from the
+``torch.export`` graph of the forward on a meta micro-batch instead (the graph capture uses):
+each ATen op belongs to the layer of the innermost module it ran in (its ``nn_module_stack``),
+parameters and buffers keep their FQNs, and the model's output structure (a ``ModelOutput``)
+is rebuilt from the last stage's tensors for the loss.  Such a stage calls none of the model's
+modules, so module-level transformations apply to it as a whole (``parallelize``).  A value
+needed by the next stage besides the hidden state (rotary tables, an attention mask) is sent
+along with it.
+
 A stage may receive only what the previous stage sends: a forward whose stages need a value
 from an earlier, non-adjacent stage (or a non-tensor value) cannot be pipelined, and the
 runtime says so.

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from autopar.core.errors import PlanFileError
 
@@ -88,7 +89,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
                 plan[_parent(fqn)] = _gather_sequence(module.get_submodule(_parent(fqn)))
         if sp:
             for name, sub in module.get_submodule(path).named_modules():
-                if isinstance(sub, _NORM_TYPES):
+                if _is_norm(sub):
                     plan[f"{path}.{name}"] = SequenceParallel(use_local_output=True)
     # enter / leave each run of sequence-parallel layers with full activations
     for i, ((path, _), sp) in enumerate(zip(layer_styles, sp_layers)):
@@ -135,13 +136,51 @@ def _shard_grad_like_param(param: nn.Parameter) -> None:
     param.grad = sharded
 
 
-def _gather_sequence(parent: nn.Module) -> PrepareModuleInput:
-    """All-gather the first positional input's sequence dim on entry to ``parent``."""
-    num_positional = sum(1 for p in inspect.signature(parent.forward).parameters.values()
-                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    rest = (None,) * max(0, num_positional - 1)
-    return PrepareModuleInput(input_layouts=(Shard(SEQ_DIM), *rest), desired_input_layouts=(Replicate(), *rest),
-                              use_local_output=True)
+class GatherSequence(ParallelStyle):
+    """All-gather the sequence dim of a module's activation input on entry, whether the caller
+    passes it positionally (``attn(x)``) or by keyword (``self_attn(hidden_states=x, ...)``,
+    as Hugging Face layers do): the first positional argument, else the keyword named by the
+    forward's first parameter.  ``PrepareModuleInput`` needs the positional count fixed."""
+
+    def __init__(self, keyword: str | None):
+        super().__init__()
+        self.keyword = keyword
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, device_mesh, (Shard(SEQ_DIM),), run_check=False) \
+                    .redistribute(device_mesh, (Replicate(),)).to_local()
+            return x
+
+        def hook(_module, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if self.keyword in kwargs:
+                return args, {**kwargs, self.keyword: gather(kwargs[self.keyword])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _gather_sequence(parent: nn.Module) -> GatherSequence:
+    """All-gather the activation input's sequence dim on entry to ``parent``."""
+    positional = [name for name, p in inspect.signature(parent.forward).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return GatherSequence(positional[0] if positional else None)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """torch's LayerNorm / RMSNorm, or a model's own per-token norm (Hugging Face's
+    ``LlamaRMSNorm``, ``T5LayerNorm``: a class named ``*Norm`` holding only a 1-D weight and
+    bias): under sequence parallelism it runs on the local tokens with a replicated weight
+    whose gradient is summed over the tp ranks (``SequenceParallel``)."""
+    if isinstance(module, _NORM_TYPES):
+        return True
+    params = list(module.parameters(recurse=False))
+    return (type(module).__name__.endswith("Norm") and not list(module.children()) and bool(params)
+            and all(p.dim() == 1 for p in params))
 
 
 def _style(style: str, paired: bool, sp_input: bool, sp_output: bool | None = None):

@@ -4,7 +4,7 @@ It never imports ``autopar.runtime`` (nor the rest of autopar): it imports the m
 path, builds the model on the CPU under ``torch.manual_seed(seed)``, draws each step's global
 batch with ``make_batch(global_batch, **args)`` under the step's seed, and trains with
 ``torch.optim.AdamW``.  The runtime promises the same three things in its documentation
-(README "Running a plan": initial weights are the model file's own init under the run seed;
+(README "Runtime": initial weights are the model file's own init under the run seed;
 step ``i``'s global batch is ``make_batch`` under ``batch_seed(seed, i)``; AdamW with the
 defaults below), so a layout that matches this loop trains the model the user wrote.
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The runtime's documented defaults (README "Running a plan"; the parity tests check that
+# The runtime's documented defaults (README "Runtime"; the parity tests check that
 # autopar.runtime.options holds the same values).
 SEED = 1234
 LR = 1e-3
