@@ -151,7 +151,7 @@ def batch_norm_warnings(model: nn.Module, dp: int, num_microbatches: int, micro_
     return [f"the model has {len(norms)} BatchNorm module(s) ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}): "
             f"with dp = {dp} and {num_microbatches} micro-batch(es) their batch statistics are computed per rank "
             f"and per micro-batch ({micro_batch} samples), not over the global batch of "
-            f"{dp * num_microbatches * micro_batch}. Convert them to nn.SyncBatchNorm in build_model for "
+            f"{dp * num_microbatches * micro_batch}. Convert them to nn.SyncBatchNorm in build_model (GPUs) for "
             f"statistics over the data-parallel ranks, or use a normalisation that does not mix samples "
             f"(GroupNorm, LayerNorm)."]
 
