@@ -59,7 +59,10 @@ MODELS: dict[str, dict] = {
     "hf_llama": dict(kinds={**CORE, "tp": TP, "tp_sp": TP_SP, "pp": PP}, tp=LLAMA_TP),
     "hf_qwen2": dict(kinds={**CORE, **TIED_EXTRA, "tp": TP, "tp_vocab": TP, "pp": PP, "pp_zero3": PP_ZERO3},
                      tp=LLAMA_TP, tp_vocab={"pre": {"model.embed_tokens": "rowwise"}, "post": {"lm_head": "colwise"}}),
-    "hf_bert": dict(kinds={**CORE, "pp": PP, "pp_recompute": PP_RECOMPUTE}),
+    "hf_bert": dict(kinds={**CORE, "tp": TP, "pp": PP, "pp_recompute": PP_RECOMPUTE},
+                    tp={"attention.self.query": "colwise", "attention.self.key": "colwise",
+                        "attention.self.value": "colwise", "attention.output.dense": "rowwise",
+                        "intermediate.dense": "colwise", "output.dense": "rowwise"}),
     "hf_opt": dict(kinds={**CORE, "tp": TP, "pp": PP},
                    tp={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                        "self_attn.out_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}),
@@ -96,11 +99,11 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
 # kinds not run, with the reason
 LEFT_OUT = {
     ("nanogpt", "tp of c_attn"): "c_attn's output is split with the global n_embd and viewed with the global "
-                                 "head count: a column-wise c_attn cannot run on local heads",
-    ("hf_bert", "tp"): "the column-wise projections (attention.self.*) and their row-wise partner "
-                       "(attention.output.dense) have different parents, so apply_tp does not pair them",
+                                 "head count: a column-wise c_attn cannot run on local heads (the runtime "
+                                 "crashes in the forward: the planner must not offer it)",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
-                                  "the next blocks",
+                                  "the next blocks (the runtime crashes in the forward: the planner must not "
+                                  "offer it)",
     ("moe", "tp"): "the experts are stacked parameters, not nn.Linear: no column/row split",
     ("cnn_bn", "tp"): "convolutions: no column/row split of nn.Linear",
     ("hf_*", "tp + pp"): "needs 4 ranks; the runtime refuses it (parallelize_export_stage): stages of a model "
