@@ -86,13 +86,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _call_and_report(cmd: list[str]) -> int:
-    """Run torchrun; on failure, exit with the first failing rank's code and message
-    (``autopar.runtime.rank_errors``)."""
+    """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
+    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``)."""
     import os
     import tempfile
 
     from autopar.runtime.rank_errors import ERROR_FILE_ENV, relaunch_exit
 
+    cmd = [("autopar.runtime.launch" if c == "torch.distributed.run" else c) for c in cmd]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as d:
         error_file = os.path.join(d, "first_failure.json")
         code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file})
