@@ -195,6 +195,17 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not (tmp_path / "measured.json").exists()
 
 
+@pytest.mark.multiproc
+def test_non_finite_weights_are_never_saved(tmp_path):
+    """An update past float32's range (lr 1e39): step 1's loss, computed before the update, is
+    finite, but the weights it leaves are not; the checkpoint of step 1 is refused."""
+    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
+    ckpt = tmp_path / "ckpt"
+    out = autopar_run(plan, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 1, "--lr", "1e39")
+    assert_clean_refusal(out, 4, "after step 1 the weights hold non-finite values", "No checkpoint was saved")
+    assert not list(ckpt.glob("step_*")) and not (ckpt / "latest.json").exists()
+
+
 # ------------------------------------------------------------------ errors on other ranks
 
 @pytest.mark.multiproc
