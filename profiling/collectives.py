@@ -35,8 +35,9 @@ rounds of [``BURST_S`` of matmuls; the call] minus ``inner`` rounds of the matmu
 taken one after the other, each the slowest rank's; the row's ``timing`` says
 ``"in_step"``, and its figure is the (trimmed) mean of the samples, not their median
 (``in_step_mean``), and never less than the same call timed back to back (a difference of two
-noisy times can otherwise come out below what the call physically takes).  On a GPU the calls are timed back to back (``"back_to_back"``): the kernels
-queue behind the compute on the device and nothing waits for a host thread.
+noisy times can otherwise come out below what the call physically takes).  On a GPU the
+calls are timed back to back (``"back_to_back"``): the kernels queue behind the compute on
+the device and nothing waits for a host thread.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Any failure goes through ``autopar.runtime.rank_errors.report_failure``: the first rank to
 fail prints its message (a user error as one paragraph, with its rank; anything else as a
 traceback), the ranks that fail because of it stay quiet, and every rank exits with the first
-one's code (2 for a user error).  The output paths are checked before anything else.  After the process group is
-destroyed the process leaves through ``os._exit``: FSDP2 workers can otherwise abort in
-interpreter teardown after a successful run.
+one's code (2 for a user error).  The output paths are checked before anything else.  After
+the process group is destroyed the process leaves through ``os._exit``: FSDP2 workers can
+otherwise abort in interpreter teardown after a successful run.
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ from autopar.runtime.model_state import gather_model_state_bytes, model_state_by
 from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
-from autopar.runtime.rank_errors import set_place
 from autopar.runtime.profile_breakdown import STEP_REGION, start_profiler, stop_profiler
+from autopar.runtime.rank_errors import set_place
 
 # Testing hook: "RANK:STEP" makes that rank exit abruptly after finishing STEP, on the first
 # attempt only (TORCHELASTIC_RESTART_COUNT == 0) -- how the tests kill a rank mid-run.
