@@ -314,6 +314,13 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
     check_directory(directory)
     found = latest_checkpoint(directory)
     if found is None:
+        if (Path(directory) / LATEST).exists():
+            # latest.json is written only after a manifest: its checkpoints were removed, or
+            # written by an autopar without manifests
+            raise CheckpointError(
+                f"--checkpoint-dir {directory} has a {LATEST} but no checkpoint with a {MANIFEST} (its step folders "
+                f"were deleted, or an older autopar wrote them without checksums); it cannot be verified, so it is "
+                f"not resumed. Give a new --checkpoint-dir, or delete {directory} to start afresh there.")
         return None
     step, path = found
     if step >= steps:

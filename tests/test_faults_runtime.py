@@ -82,11 +82,11 @@ def gpt_variant(path: Path, body: str) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """dp=2 run of 4 steps, a checkpoint every step, the newest 2 kept."""
+    """dp=2 run of 4 steps, a checkpoint every step (the default --keep-checkpoints: 3 kept)."""
     d = tmp_path_factory.mktemp("trained")
     plan = make_plan(d / "plan.json", dp=2, micro_batch=2)
     out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", d / "ckpt", "--checkpoint-every", 1,
-                      "--keep-checkpoints", 2, "--warmup-steps", 1)
+                      "--warmup-steps", 1)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     return d
 
@@ -98,13 +98,21 @@ def _copy(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.multiproc
-def test_keep_checkpoints_keeps_the_newest_n(trained):
+def test_keep_checkpoints_keeps_the_newest_n(trained, tmp_path):
     ckpt = trained / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002", "step_00000003",
+                                                      "step_00000004"]
     manifest = json.loads((ckpt / "step_00000004" / "manifest.json").read_text())
     assert manifest["step"] == 4 and manifest["world_size"] == 2 and len(manifest["losses"]) == 4
     on_disk = {p.name for p in (ckpt / "step_00000004").iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk and ".metadata" in on_disk
+    # --keep-checkpoints 1 after the next save: the same pruning, on a copy
+    from autopar.runtime.checkpointing import prune
+
+    _, copy = _copy(trained, tmp_path)
+    (copy / "step_00000005").mkdir()                  # an interrupted save (no manifest) is not counted
+    prune(copy, keep=1)
+    assert sorted(p.name for p in copy.iterdir()) == ["latest.json", "step_00000004", "step_00000005"]
 
 
 @pytest.mark.multiproc
@@ -278,16 +286,17 @@ def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path):
     from autopar.profiling import collectives
     from autopar.profiling.timing import RepeatPolicy
 
-    called = {"since_burst": False}
+    bursts = {"n": 0}
 
     def call():
         time.sleep(2e-3)
-        called["since_burst"] = True
 
     def burst():
-        if not called["since_burst"]:
-            time.sleep(10e-3)           # the bursts-alone pass: slower than the call it is taken from
-        called["since_burst"] = False
+        # with one call per sample (min_sample_s = 0), a sample runs [burst; call] then [burst]:
+        # odd bursts sit beside the call, even ones are the bursts-alone pass, made slower
+        bursts["n"] += 1
+        if bursts["n"] % 2 == 0:
+            time.sleep(10e-3)
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -297,3 +306,17 @@ def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path):
     finally:
         dist.destroy_process_group()
     assert seconds >= 2e-3, seconds
+
+
+@pytest.mark.multiproc
+def test_checkpoint_folder_without_manifests_is_refused(trained, tmp_path):
+    """An autopar folder whose checkpoints have no manifest (an older autopar's, or step folders
+    deleted by hand) cannot be verified: refused before any process group is needed."""
+    from autopar.runtime import checkpointing
+
+    plan, ckpt = _copy(trained, tmp_path)
+    for d in ckpt.glob("step_*"):
+        (d / "manifest.json").unlink()
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=2, mesh={}, zero=0)
+    with pytest.raises(checkpointing.CheckpointError, match="no checkpoint with a manifest.json"):
+        checkpointing.resume(ckpt, [], [], identity, steps=10)
