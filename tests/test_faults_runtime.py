@@ -275,28 +275,29 @@ def test_make_batch_ignoring_batch_size_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ the profiler's figures
 
-def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path):
-    """A burst that runs slower alone than beside the call makes the in-step difference
-    negative; the figure must still be at least the call's own time (it sleeps 2 ms, so no
-    load on the machine can make it shorter)."""
-    import time
+def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path, monkeypatch):
+    """Bursts that run slower alone than beside the call make the in-step difference negative;
+    the figure must still be the call's own time.  A fake clock, advanced only by the burst and
+    the call, makes the case exact whatever the host's load."""
+    import types
 
     import torch.distributed as dist
 
     from autopar.profiling import collectives
     from autopar.profiling.timing import RepeatPolicy
 
+    clock = {"now": 0.0}
+    monkeypatch.setattr(collectives, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     bursts = {"n": 0}
 
     def call():
-        time.sleep(2e-3)
+        clock["now"] += 2e-3
 
     def burst():
-        # with one call per sample (min_sample_s = 0), a sample runs [burst; call] then [burst]:
-        # odd bursts sit beside the call, even ones are the bursts-alone pass, made slower
+        # with one call per sample, a sample runs [burst; call] then [burst]: odd bursts sit
+        # beside the call, even ones are the bursts-alone pass, here 9 ms slower
         bursts["n"] += 1
-        if bursts["n"] % 2 == 0:
-            time.sleep(10e-3)
+        clock["now"] += 1e-3 + (9e-3 if bursts["n"] % 2 == 0 else 0.0)
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -305,7 +306,7 @@ def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path):
         seconds, _ = collectives._time_collective(call, torch.device("cpu"), policy, None, burst)
     finally:
         dist.destroy_process_group()
-    assert seconds >= 2e-3, seconds
+    assert seconds == pytest.approx(2e-3, rel=1e-9)
 
 
 @pytest.mark.multiproc
