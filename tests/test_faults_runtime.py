@@ -18,7 +18,9 @@ clear message and a non-zero exit code, with nothing lost.
   was recorded at 1e-7 s).
 
 Multi-rank cases are real torchrun launches (2 gloo ranks) of the small GPT; one launch
-writes the checkpoint folder that the checkpoint cases copy.
+writes the checkpoint folder that the checkpoint cases copy.  The damaged checkpoint is resumed
+through ``autopar run`` (message and exit code); the other refusals of a checkpoint call
+``checkpointing.resume`` -- the checks every rank makes -- in this process on a one-rank group.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -146,42 +149,66 @@ pathlib.Path(sys.argv[1]).write_bytes(pickle.dumps(Payload()))
 """
 
 
+def resume_here(ckpt: Path, tmp_path: Path, steps: int = 5, fingerprint: str | None = None):
+    """``checkpointing.resume`` of the small GPT's plan in this process (a one-rank gloo group):
+    the checks every rank of a run makes before DCP reads anything."""
+    import torch.distributed as dist
+
+    from autopar.runtime import checkpointing
+
+    identity = checkpointing.CheckpointIdentity(
+        fingerprint=fingerprint or _fingerprint(ckpt),
+        world_size=2, mesh={"dp": 2, "pp": 1, "tp": 1}, zero=0)
+    store = dist.FileStore(tempfile.mktemp(prefix="store", dir=tmp_path), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        return checkpointing.resume(ckpt, [], [], identity, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fingerprint(ckpt: Path) -> str:
+    return json.loads(next(ckpt.glob("step_*/manifest.json")).read_text())["model_fingerprint"]
+
+
 @pytest.mark.multiproc
 def test_checkpoint_metadata_is_never_unpickled_unverified(trained, tmp_path):
-    plan, ckpt = _copy(trained, tmp_path)
+    from autopar.runtime.checkpointing import CheckpointError
+
+    _, ckpt = _copy(trained, tmp_path)
     marker = tmp_path / "pickle_ran"
     subprocess.run([sys.executable, "-c", _PAYLOAD, str(ckpt / "step_00000004" / ".metadata"), str(marker)],
                    check=True)
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt)
-    assert_clean_refusal(out, 2, "file .metadata", "manifest", "was not loaded")
+    with pytest.raises(CheckpointError, match=r"file \.metadata .*manifest.*was not loaded"):
+        resume_here(ckpt, tmp_path)
     assert not marker.exists()
     # a plain DCP folder (no manifest) given as the checkpoint folder is not an autopar one
     dcp_dir = tmp_path / "dcp"
     shutil.copytree(ckpt / "step_00000003", dcp_dir)
     (dcp_dir / "manifest.json").unlink()
     subprocess.run([sys.executable, "-c", _PAYLOAD, str(dcp_dir / ".metadata"), str(marker)], check=True)
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", dcp_dir)
-    assert_clean_refusal(out, 2, "not an autopar checkpoint folder", ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata.*not an autopar checkpoint folder"):
+        resume_here(dcp_dir, tmp_path, fingerprint="x")
     assert not marker.exists()
 
 
 @pytest.mark.multiproc
 def test_another_models_checkpoint_is_refused(trained, tmp_path):
-    plan, ckpt = _copy(trained, tmp_path)
-    m = ckpt / "step_00000004" / "manifest.json"
-    d = json.loads(m.read_text())
-    d["model_fingerprint"] = "feedfacefeedface"
-    m.write_text(json.dumps(d))
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt)
-    assert_clean_refusal(out, 2, "feedfacefeedface", "another model's checkpoint", "new --checkpoint-dir")
+    from autopar.runtime.checkpointing import CheckpointError
+
+    _, ckpt = _copy(trained, tmp_path)
+    with pytest.raises(CheckpointError, match="feedfacefeedface.*another model's checkpoint.*new --checkpoint-dir"):
+        resume_here(ckpt, tmp_path, fingerprint="feedfacefeedface")
 
 
 @pytest.mark.multiproc
 def test_steps_at_or_below_the_checkpoint_step_are_refused(trained, tmp_path):
-    plan, ckpt = _copy(trained, tmp_path)
-    out = autopar_run(plan, "--steps", 3, "--checkpoint-dir", ckpt)
-    assert_clean_refusal(out, 2, "step 4", "--steps is 3", "--steps greater than 4")
-    assert not (tmp_path / "measured.json").exists()
+    from autopar.runtime.checkpointing import CheckpointError
+
+    _, ckpt = _copy(trained, tmp_path)
+    for steps in (3, 4):
+        with pytest.raises(CheckpointError, match=f"step 4, and --steps is {steps}.*--steps greater than 4"):
+            resume_here(ckpt, tmp_path, steps=steps)
 
 
 # ------------------------------------------------------------------ the non-finite guard
