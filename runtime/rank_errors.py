@@ -36,9 +36,9 @@ INTERNAL_EXIT_CODE = 1
 
 
 def _paragraph(text: str) -> str:
-    import textwrap
+    from autopar.cli import _paragraph as paragraph     # the CLI's one-paragraph format
 
-    return "\n".join(textwrap.fill(part, width=100) for part in str(text).split("\n"))
+    return paragraph(text)
 
 
 def _store():

@@ -62,6 +62,8 @@ def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)                    # argument errors before anything starts
     if args.nnodes < 1:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
+    if args.nnodes == 1 and not args.dry_run:
+        check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
     world = checked.plan.world_size
     if world % args.nnodes:
@@ -80,7 +82,6 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    check_output_paths(opts)                          # here, before any process starts
     print(f"autopar run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     return _call_and_report(cmd)
 
