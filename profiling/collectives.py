@@ -34,8 +34,10 @@ then the all-reduce, against the same matmuls alone).  So on a CPU a sample is `
 rounds of [``BURST_S`` of matmuls; the call] minus ``inner`` rounds of the matmuls alone,
 taken one after the other, each the slowest rank's; the row's ``timing`` says
 ``"in_step"``, and its figure is the (trimmed) mean of the samples, not their median
-(``in_step_mean``).  On a GPU the calls are timed back to back (``"back_to_back"``): the kernels
-queue behind the compute on the device and nothing waits for a host thread.
+(``in_step_mean``), and never less than the same call timed back to back (a difference of two
+noisy times can otherwise come out below what the call physically takes).  On a GPU the
+calls are timed back to back (``"back_to_back"``): the kernels queue behind the compute on
+the device and nothing waits for a host thread.
 """
 from __future__ import annotations
 
@@ -298,9 +300,16 @@ def _time_collective(fn, device: torch.device, policy: RepeatPolicy, group,
         wall += s_wall
         if len(samples) >= policy.min_samples and wall >= policy.target_total_s:
             break
-    # an in-step difference can come out below zero when the call is cheaper than the noise
-    # of the burst; the smallest positive time keeps the table's log-log interpolation defined
-    return max(in_step_mean(samples) if burst is not None else statistics.median(samples), 1e-7), len(samples)
+    if burst is None:
+        return statistics.median(samples), len(samples)
+    # An in-step figure is a difference of two noisy times and can come out below the call's
+    # own cost -- even below zero -- when the bursts alone happen to run slower than beside the
+    # calls.  No call costs less in step than back to back, with gloo's threads already awake
+    # (the in-step excess is their wake-up, see the module docstring), so the figure is held to
+    # at least the median of back-to-back samples of the same call, measured now.
+    floor = statistics.median([_agreed_sample(fn, device, inner, group) / inner
+                               for _ in range(policy.min_samples)])
+    return max(in_step_mean(samples), floor), len(samples)
 
 
 def in_step_mean(samples: list[float]) -> float:

@@ -6,16 +6,21 @@
 Modules, in the order a run uses them:
 
 * ``options``        -- the command-line flags and the ``RunOptions`` the trainer receives;
-* ``plan_check``     -- load the plan and its model file, capture, refuse a mismatch (exit 2);
+* ``output_paths``   -- ``--checkpoint-dir`` and ``--measured`` probed for writing before any work;
+* ``plan_check``     -- load the plan and its model file, capture, refuse a mismatch (exit 2),
+  with ``tp_check`` (tensor-parallel splits the tp degree divides);
 * ``mesh``           -- process group (NCCL on CUDA, gloo on CPU) and the dp x pp x tp DeviceMesh;
 * ``ties``           -- weight ties found on the meta model and kept through every step;
 * ``parallelize``    -- the one documented order that applies a plan:
   ``apply_pp`` (stages) -> ``apply_tp`` (TP / SP) -> ``recompute`` -> ``apply_dp`` (FSDP2 /
   replicate) -> ``materialize`` (shards only) -> ``apply_dp`` (DDP, ZeRO-1) -> optimizers;
-* ``train``          -- the loop (``Trainer``: setup, one ``step`` per step, ``finish``): batches,
-  steps, loss, checkpoints (``checkpointing``, DCP), measurements (``measure``,
+* ``train``          -- the loop (``Trainer``: setup, one ``step`` per step, ``finish``): batches
+  (``batch_check``), steps, loss (``loss_guard``: stop on non-finite), checkpoints
+  (``checkpointing``: DCP with a verified manifest), measurements (``measure``,
   ``profile_breakdown``, ``model_state``) into measured.json;
-* ``run_cli``        -- the ``autopar run`` verb (starts torchrun, or prints per-node commands).
+* ``rank_errors``    -- the first failing rank's message and exit code, from any rank;
+* ``run_cli``        -- the ``autopar run`` verb (starts torchrun through ``launch``, or prints
+  per-node commands).
 
 Only ``autopar.core`` is imported: never the planner or the simulator.
 """

@@ -1,9 +1,11 @@
 """``torchrun --nproc-per-node N -m autopar.runtime plan.json --steps 50``: one training process.
 
-A user error (malformed plan, wrong world size, fingerprint mismatch) is printed once, by
-rank 0, as one paragraph, and every rank exits with code 2.  After the process group is
-destroyed the process leaves through ``os._exit``: FSDP2 workers can otherwise abort in
-interpreter teardown after a successful run.
+Any failure goes through ``autopar.runtime.rank_errors.report_failure``: the first rank to
+fail prints its message (a user error as one paragraph, with its rank; anything else as a
+traceback), the ranks that fail because of it stay quiet, and every rank exits with the first
+one's code (2 for a user error).  The output paths are checked before anything else.  After
+the process group is destroyed the process leaves through ``os._exit``: FSDP2 workers can
+otherwise abort in interpreter teardown after a successful run.
 """
 from __future__ import annotations
 
@@ -19,19 +21,18 @@ def main(argv: list[str] | None = None) -> int:
 
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    from autopar.core.errors import UserError
+    from autopar.runtime.rank_errors import report_failure
 
     code = 0
     try:
+        from autopar.runtime.output_paths import check_output_paths
         from autopar.runtime.train import run
 
-        run(options_from_args(args))
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            from autopar.cli import _paragraph
-
-            print(_paragraph(f"autopar run: error: {e}"), file=sys.stderr, flush=True)
-        code = e.exit_code
+        opts = options_from_args(args)
+        check_output_paths(opts)
+        run(opts)
+    except Exception as e:  # noqa: BLE001 -- every failure becomes one message and one exit code
+        code = report_failure(e)
     finally:
         from autopar.runtime.mesh import shutdown
 

@@ -1,23 +1,55 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), and resuming from the latest.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): saved with a manifest, verified
+before they are read, the newest ``keep`` kept.
 
 Layout under ``--checkpoint-dir``::
 
-    step_00000010/        one DCP checkpoint: {"model": ..., "optim": ...} (.distcp shards + .metadata)
-    latest.json           {"step": 10, "path": "step_00000010"}, written by rank 0 after the save
+    step_00000010/        one checkpoint
+        .metadata         DCP's index of the shards (a pickle, see "trust" below)
+        __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
+        zero1_rank<R>.pt  ZeRO-1 only: each rank's optimizer partition
+        manifest.json     autopar's record of the checkpoint, written last
+    latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
+
+``manifest.json`` says what the checkpoint holds -- the step, the model's graph fingerprint
+(the one the plan was made for), the layout it was saved under (world size, mesh, ZeRO
+stage), the global losses of the steps so far -- and the size and SHA-256 of every other file
+in the folder.  It is written by rank 0 after every rank has written and hashed its own files,
+so a folder without one is an interrupted save.
+
+Resume (``resume``) takes the newest ``step_*`` folder that has a manifest and, before DCP
+reads anything, checks: the folder holds only files autopar writes; the manifest's model
+fingerprint is the plan's; a ZeRO-1 checkpoint is loaded under its own layout; every file
+listed is there with its size and checksum (the files are hashed by the ranks in turn, one
+share each, and the verdict is gathered so every rank refuses alike).  Any failure is a
+``CheckpointError`` (exit code 2) naming the file and what to do.
+
+Trust: DCP's ``.metadata`` is a Python pickle, and unpickling runs code.  Its checksum is
+checked against the JSON manifest before DCP opens it, which catches damage and a folder from
+another tool, but whoever can write the checkpoint folder can also write a matching manifest:
+only resume checkpoints that you, or jobs you trust, wrote.
+
+Retention: after each save rank 0 deletes the oldest complete checkpoints beyond the newest
+``keep`` (and interrupted saves older than the new one), so a run keeps ``keep`` checkpoints
+to fall back on.
 
 The model and optimizer state dicts come from ``torch.distributed.checkpoint.state_dict``
 (``get_model_state_dict`` / ``get_optimizer_state_dict``): keys are the model's own FQNs and
 sharded tensors are DTensors, so a checkpoint written under one layout loads under another.
 Pipeline ranks each hold their stages' keys; DCP merges them into one checkpoint.  One
-special case: ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's optimizer partition
-is saved beside the DCP files as ``zero1_rank<R>.pt`` (resumable under the same layout only).
+special case: ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's
+optimizer partition is saved beside the DCP files as ``zero1_rank<R>.pt`` (resumable under
+the same layout only).
 
 The step number and the batches are functions of the step (batches are seeded by step), so a
 resumed run continues exactly where the checkpoint was taken.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,20 +60,50 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
 
 LATEST = "latest.json"
+MANIFEST = "manifest.json"
+FORMAT = "autopar-checkpoint"
+VERSION = 1
+DEFAULT_KEEP = 3
+_STEP_DIR = re.compile(r"step_(\d{8,})$")
+# what a checkpoint folder may hold besides the manifest: DCP's index and shards, ZeRO-1 partitions
+_CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)$")
+# write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
+_TEMP_FILE = re.compile(r"\.(latest|manifest)\.json\..+$")
+_HASH_CHUNK = 1 << 20
 # flat optimizer keys ("state.blocks.0.attn.qkv.weight.exp_avg") so several stage modules' and
 # optimizers' states merge into one checkpoint without clashing
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def latest_checkpoint(directory: Path) -> tuple[int, Path] | None:
-    f = Path(directory) / LATEST
-    if not f.is_file():
-        return None
-    d = json.loads(f.read_text())
-    return int(d["step"]), Path(directory) / d["path"]
+class CheckpointError(UserError):
+    """A checkpoint folder that cannot be resumed: damaged, foreign, or for another model."""
+
+
+@dataclass(frozen=True)
+class CheckpointIdentity:
+    """What a checkpoint must match to be resumed by a run: the model, and the layout it was
+    saved under (which matters only for ZeRO-1's per-rank optimizer files)."""
+    fingerprint: str
+    world_size: int
+    mesh: dict
+    zero: int
+
+    @classmethod
+    def of_plan(cls, plan) -> "CheckpointIdentity":
+        m = plan.mesh
+        return cls(fingerprint=plan.model.fingerprint, world_size=plan.world_size,
+                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    path: Path
+    losses: list[float]
 
 
 def _is_zero1(opt: torch.optim.Optimizer) -> bool:
@@ -60,20 +122,217 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> d
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(directory: Path, step: int, parts: list[nn.Module],
-                    optimizers: list[torch.optim.Optimizer], extra: dict | None = None) -> Path:
-    """Save a DCP checkpoint of step ``step``; ``extra`` (JSON) goes into latest.json."""
-    path = Path(directory) / f"step_{step:08d}"
+def file_digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}"
+
+
+def _own_files(path: Path, rank: int) -> list[Path]:
+    """The files this rank wrote into a checkpoint folder (DCP names shards ``__<rank>_<n>``;
+    its coordinator, rank 0, writes ``.metadata``)."""
+    own = sorted(path.glob(f"__{rank}_*.distcp")) + sorted(path.glob(f"zero1_rank{rank}.pt"))
+    if rank == 0 and (path / ".metadata").is_file():
+        own.append(path / ".metadata")
+    return own
+
+
+def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP) -> Path:
+    """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``."""
+    directory = Path(directory)
+    path = step_dir(directory, step)
+    rank = dist.get_rank()
+    if rank == 0 and path.exists():              # an interrupted save of this step: start clean
+        shutil.rmtree(path)
+    dist.barrier()
     dcp.save(_state(parts, optimizers), checkpoint_id=str(path))
     for opt in optimizers:
         if _is_zero1(opt):
-            torch.save(opt.optim.state_dict(), path / f"zero1_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        latest = {"step": step, "path": path.name, **(extra or {})}
-        write_text_atomic(Path(directory) / LATEST, json.dumps(latest) + "\n")
+            torch.save(opt.optim.state_dict(), path / f"zero1_rank{rank}.pt")
+    dist.barrier()                               # every file is written (.metadata included)
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, {p.name: file_digest(p) for p in _own_files(path, rank)})
+    if rank == 0:
+        files = {name: d for mine in digests for name, d in mine.items()}
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
+                    "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
+                    "losses": list(losses), "files": dict(sorted(files.items()))}
+        write_text_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_text_atomic(directory / LATEST,
+                          json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
+        prune(directory, keep)
     dist.barrier()
     return path
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep``, and interrupted saves (no
+    manifest) older than the newest complete one; returns what was deleted."""
+    complete, partial = _step_dirs(directory)
+    gone = [p for _, p in complete[:-keep]] if keep > 0 else []
+    if complete:
+        newest = complete[-1][0]
+        gone += [p for s, p in partial if s < newest]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def _step_dirs(directory: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
+    """(complete, interrupted) step folders, each sorted by step."""
+    complete, partial = [], []
+    for p in Path(directory).iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            (complete if (p / MANIFEST).is_file() else partial).append((int(m.group(1)), p))
+    return sorted(complete), sorted(partial)
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a ``--checkpoint-dir`` that holds anything autopar does not write there (another
+    tool's checkpoint, a DCP folder given directly, unrelated files); a missing or empty folder
+    is a fresh start."""
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise CheckpointError(f"--checkpoint-dir {directory} is a file, not a folder. Give a new folder "
+                              f"(it is created) or one an earlier 'autopar run' wrote.")
+    foreign = sorted(p.name for p in directory.iterdir()
+                     if not (p.name == LATEST or _TEMP_FILE.match(p.name) or
+                             (_STEP_DIR.match(p.name) and p.is_dir())))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"--checkpoint-dir {directory} holds files that autopar does not write there ({shown}): it is not "
+            f"an autopar checkpoint folder. Give a new or empty folder, or one an earlier 'autopar run' wrote "
+            f"(autopar never resumes another tool's checkpoint: DCP's .metadata is a pickle).")
+
+
+def latest_checkpoint(directory: Path) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint, or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    complete, _ = _step_dirs(directory)
+    return complete[-1] if complete else None
+
+
+def read_manifest(path: Path) -> dict:
+    f = path / MANIFEST
+    try:
+        m = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} cannot be read ({e}). {_what_to_do(path)}") from None
+    ok = (isinstance(m, dict) and m.get("format") == FORMAT and isinstance(m.get("step"), int)
+          and isinstance(m.get("files"), dict) and isinstance(m.get("model_fingerprint"), str)
+          and isinstance(m.get("losses"), list)
+          and all(isinstance(d, dict) and isinstance(d.get("sha256"), str) and isinstance(d.get("bytes"), int)
+                  for d in m["files"].values()))
+    if not ok:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not an autopar checkpoint manifest. "
+                              f"{_what_to_do(path)}")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path} has manifest version {m.get('version')}; this autopar reads "
+                              f"version {VERSION}. Resume it with the autopar that wrote it, or start afresh "
+                              f"with a new --checkpoint-dir.")
+    return m
+
+
+def check_manifest(path: Path, manifest: dict, identity: CheckpointIdentity) -> None:
+    """The checks that need no file read beyond the manifest."""
+    step = int(_STEP_DIR.match(path.name).group(1))
+    if manifest["step"] != step:
+        raise CheckpointError(f"checkpoint {path}: its manifest says step {manifest['step']} but the folder is "
+                              f"step {step}. {_what_to_do(path)}")
+    if manifest["model_fingerprint"] != identity.fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} holds a model whose graph fingerprint is {manifest['model_fingerprint']}, but "
+            f"this plan is for {identity.fingerprint}: it is another model's checkpoint (or the model changed). "
+            f"Give this run a new --checkpoint-dir.")
+    if ".metadata" not in manifest["files"]:
+        raise CheckpointError(f"checkpoint {path}: its manifest lists no .metadata. {_what_to_do(path)}")
+    names = set(manifest["files"])
+    bad = sorted(n for n in names if not _CHECKPOINT_FILE.match(n) or "/" in n)
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: its manifest lists files autopar does not write ({bad[0]}). "
+                              f"{_what_to_do(path)}")
+    zero1 = any(n.startswith("zero1_rank") for n in names)
+    saved = (manifest.get("world_size"), manifest.get("mesh"), manifest.get("zero"))
+    if zero1 and saved != (identity.world_size, identity.mesh, identity.zero):
+        raise CheckpointError(
+            f"checkpoint {path} was saved under ZeRO-1 with world size {saved[0]}, mesh {saved[1]}; its optimizer "
+            f"partitions load only under that layout, and this plan has world size {identity.world_size}, mesh "
+            f"{identity.mesh}, zero {identity.zero}. Resume it with the plan that wrote it, or start afresh with a "
+            f"new --checkpoint-dir.")
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    """Sizes and SHA-256 of every listed file; the ranks hash one share each and all see the verdict."""
+    names = sorted(manifest["files"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for name in names[rank::world]:
+        f, want = path / name, manifest["files"][name]
+        if not f.is_file():
+            problems.append((name, "is missing"))
+        elif f.stat().st_size != want["bytes"]:
+            problems.append((name, f"has {f.stat().st_size} bytes where the manifest says {want['bytes']}"))
+        elif file_digest(f)["sha256"] != want["sha256"]:
+            problems.append((name, "does not match its SHA-256 checksum in the manifest (damaged or changed "
+                                   "since it was saved)"))
+    found: list = [None] * world
+    dist.all_gather_object(found, problems)
+    problems = sorted(p for share in found for p in share)
+    if problems:
+        name, what = problems[0]
+        more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path}: file {name} {what}{more}; it was not loaded. "
+                              f"{_what_to_do(path)}")
+
+
+def _what_to_do(path: Path) -> str:
+    complete, _ = _step_dirs(path.parent)
+    older = [p for s, p in complete if p != path and s < int(_STEP_DIR.match(path.name).group(1))]
+    if older:
+        return (f"Delete {path} to resume from {older[-1].name} (the newest other checkpoint), or start afresh "
+                f"with a new --checkpoint-dir.")
+    return f"No other checkpoint is left: delete {path} (or give a new --checkpoint-dir) to start afresh."
+
+
+def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+           identity: CheckpointIdentity, steps: int) -> Resumed | None:
+    """Load the newest checkpoint under ``directory`` after checking it (None: nothing to resume).
+    Every rank calls it."""
+    check_directory(directory)
+    found = latest_checkpoint(directory)
+    if found is None:
+        if (Path(directory) / LATEST).exists():
+            # latest.json is written only after a manifest: its checkpoints were removed, or
+            # written by an autopar without manifests
+            raise CheckpointError(
+                f"--checkpoint-dir {directory} has a {LATEST} but no checkpoint with a {MANIFEST} (its step folders "
+                f"were deleted, or an older autopar wrote them without checksums); it cannot be verified, so it is "
+                f"not resumed. Give a new --checkpoint-dir, or delete {directory} to start afresh there.")
+        return None
+    step, path = found
+    if step >= steps:
+        raise CheckpointError(
+            f"--checkpoint-dir {directory} holds a checkpoint of step {step}, and --steps is {steps}: no step is "
+            f"left to run. Pass --steps greater than {step} to train on from it, or a new --checkpoint-dir to "
+            f"start afresh.")
+    manifest = read_manifest(path)
+    check_manifest(path, manifest, identity)
+    verify_files(path, manifest)                 # before DCP unpickles .metadata
+    load_checkpoint(path, parts, optimizers)
+    return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]])
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:

@@ -33,6 +33,7 @@ class RunOptions:
     measured_path: Path | None = None         # default: measured.json beside the plan
     init: str = "auto"                        # see autopar.runtime.materialize
     log_every: int = 1
+    keep_checkpoints: int = 3                 # newest complete checkpoints kept (autopar.runtime.checkpointing)
 
     @property
     def measured_file(self) -> Path:
@@ -60,12 +61,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "own init; 'per-module' never builds it whole (reset_parameters seeded per module); "
                              "'auto' picks host when the model fits in host memory (default)")
     parser.add_argument("--log-every", type=int, default=1, help="print loss and step time every N steps")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                        help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
+                             "each save (default: %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     from autopar.core.errors import UserError
 
-    for name in ("steps", "log_every"):
+    for name in ("steps", "log_every", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} is {getattr(args, name)}; it must be a positive integer.")
     if args.checkpoint_every < 0 or args.warmup_steps < 0:
@@ -73,4 +77,5 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     return RunOptions(plan_path=Path(args.plan), steps=args.steps, lr=args.lr, seed=args.seed,
                       warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, profile=args.profile,
-                      measured_path=args.measured, init=args.init, log_every=args.log_every)
+                      measured_path=args.measured, init=args.init, log_every=args.log_every,
+                      keep_checkpoints=args.keep_checkpoints)

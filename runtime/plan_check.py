@@ -4,7 +4,8 @@ Checks, each a ``PlanFileError`` (exit code 2) naming the field and what to do:
 malformed plan (``load_plan`` validates every field), model file missing, world size of
 the launch different from the plan's mesh, graph fingerprint of the model file (captured with
 the plan's model arguments) different from the one the plan was made for, and a layer count
-that differs from the captured graph's.
+that differs from the captured graph's, and a tensor-parallel split whose dims (or head
+counts) the tp degree does not divide (``autopar.runtime.tp_check``).
 """
 from __future__ import annotations
 
@@ -75,4 +76,9 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
             f"Plan with pp = 1 for this model.")
     layers = tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
                    for i, g in enumerate(graph.layers))
-    return CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)
+    checked = CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)
+    if plan.mesh.tp > 1:
+        from autopar.runtime.tp_check import check_tp_divisibility
+
+        check_tp_divisibility(checked)
+    return checked

@@ -19,7 +19,7 @@ from autopar.core.errors import UserError
 from autopar.runtime.options import add_run_arguments, options_from_args
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
-              "log_every")
+              "log_every", "keep_checkpoints")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +57,13 @@ def torchrun_command(args: argparse.Namespace, nproc_per_node: int, rdzv_endpoin
 def main(args: argparse.Namespace) -> int:
     from autopar.runtime.plan_check import check_plan
 
-    options_from_args(args)                           # argument errors before anything starts
+    from autopar.runtime.output_paths import check_output_paths
+
+    opts = options_from_args(args)                    # argument errors before anything starts
     if args.nnodes < 1:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
+    if args.nnodes == 1 and not args.dry_run:
+        check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
     world = checked.plan.world_size
     if world % args.nnodes:
@@ -79,7 +83,22 @@ def main(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     print(f"autopar run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    return _call_and_report(cmd)
+
+
+def _call_and_report(cmd: list[str]) -> int:
+    """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
+    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``)."""
+    import os
+    import tempfile
+
+    from autopar.runtime.rank_errors import ERROR_FILE_ENV, relaunch_exit
+
+    cmd = [("autopar.runtime.launch" if c == "torch.distributed.run" else c) for c in cmd]
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as d:
+        error_file = os.path.join(d, "first_failure.json")
+        code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file})
+        return relaunch_exit(code, error_file)
 
 
 def _free_port() -> int:

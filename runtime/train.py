@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from autopar.core.plan import write_text_atomic
-from autopar.runtime import checkpointing
+from autopar.runtime import checkpointing, loss_guard
+from autopar.runtime.batch_check import check_batch_rows
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
 from autopar.runtime.model_state import gather_model_state_bytes, model_state_bytes
@@ -36,6 +37,7 @@ from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
 from autopar.runtime.profile_breakdown import STEP_REGION, start_profiler, stop_profiler
+from autopar.runtime.rank_errors import set_place
 
 # Testing hook: "RANK:STEP" makes that rank exit abruptly after finishing STEP, on the first
 # attempt only (TORCHELASTIC_RESTART_COUNT == 0) -- how the tests kill a rank mid-run.
@@ -49,7 +51,9 @@ def step_seed(seed: int, step: int) -> int:
 def global_batch(checked: CheckedPlan, seed: int, step: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step_seed(seed, step))
-        return checked.model_file.make_batch(checked.plan.global_batch, **dict(checked.plan.model.args))
+        batch = checked.model_file.make_batch(checked.plan.global_batch, **dict(checked.plan.model.args))
+    check_batch_rows(*batch, checked.plan.global_batch, checked.model_file.path)
+    return batch
 
 
 def local_slice(t: torch.Tensor, dp_rank: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -146,6 +150,7 @@ class Trainer:
         self.checked = check_plan(opts.plan_path, launched_world_size())
         plan = self.plan = self.checked.plan
         self.ctx = ctx = init_distributed(plan.mesh)
+        set_place(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
         self.memory = MemoryProbe(ctx.device)
         self.memory.start()
         torch.manual_seed(opts.seed)
@@ -159,14 +164,12 @@ class Trainer:
         for warning in pm.warnings:
             self.log(f"warning: {warning}")
         self.first_step, self.losses = 0, []
+        self.identity = checkpointing.CheckpointIdentity.of_plan(plan)
         if opts.checkpoint_dir is not None:
-            found = checkpointing.latest_checkpoint(opts.checkpoint_dir)
-            if found is not None:
-                self.first_step, path = found
-                checkpointing.load_checkpoint(path, pm.parts, pm.optimizers)
-                self.losses = list(json.loads((opts.checkpoint_dir / checkpointing.LATEST).read_text())
-                                   .get("losses", []))
-                self.log(f"resumed from {path} (step {self.first_step})")
+            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps)
+            if resumed is not None:
+                self.first_step, self.losses = resumed.step, resumed.losses
+                self.log(f"resumed from {resumed.path} (step {self.first_step}, checksums verified)")
         self.rows = plan.micro_batch * plan.pipeline.num_microbatches
         self.clock, self.prof, self.profiled = StepClock(ctx.device), None, 0
         self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
@@ -177,7 +180,9 @@ class Trainer:
             print(f"[autopar] {msg}", flush=True)
 
     def flush_losses(self) -> None:
-        self.losses += global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp)
+        new = global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp)
+        loss_guard.check_losses(new, len(self.losses), self.opts.checkpoint_dir)   # same values on every rank
+        self.losses += new
         self.pending = []
 
     def step(self, step: int) -> None:
@@ -207,8 +212,9 @@ class Trainer:
                 self.log(f"step {done}/{opts.steps} loss {self.losses[-1]:.6f} step_time {dt * 1e3:.1f} ms")
         _maybe_fault(ctx.rank, done)
         if checkpoint_now:
+            loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, ctx.device)
             path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
-                                                 extra={"losses": self.losses})
+                                                 self.identity, self.losses, keep=opts.keep_checkpoints)
             self.log(f"checkpoint {path}")
 
     def finish(self) -> dict:

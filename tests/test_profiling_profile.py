@@ -222,30 +222,45 @@ def test_collectives_under_torchrun_merge_into_existing_profile(tmp_path, quick_
     assert p["measured_by"].startswith(quick_profile["measured_by"] + " ; ")   # the kept op table's command
 
 
-def test_in_step_timing_takes_the_compute_burst_out(tmp_path):
-    """A call that sleeps 3 ms, timed in step after a ~1 ms burst of matmuls, costs ~3 ms:
-    the burst is measured alone and taken out (one-process gloo group)."""
-    import time
+class _FakeClock:
+    """``time.perf_counter`` for the timing code under test: it advances only when a fake
+    burst or call says so, so the test has no timing window whatever the host's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_in_step_timing_takes_the_compute_burst_out(tmp_path, monkeypatch):
+    """A call of 3 ms timed in step after a 1 ms burst costs 3 ms: the burst is measured alone
+    and taken out (one-process gloo group; a fake clock that the burst and the call advance)."""
+    import types
 
     import torch.distributed as dist
 
     from autopar.profiling import collectives
     from autopar.profiling.timing import RepeatPolicy
 
+    clock = _FakeClock()
+    monkeypatch.setattr(collectives, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+
+    def burst():
+        clock.now += 1e-3
+
+    def call():
+        clock.now += 3e-3
+
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        burst = collectives._compute_burst(torch.device("cpu"))
-        t0 = time.perf_counter()
-        burst()
-        burst_s = time.perf_counter() - t0
-        assert 2e-4 < burst_s < 2e-2                        # about BURST_S (1 ms), whatever the load
-        seconds, n = collectives._time_collective(lambda: time.sleep(3e-3), torch.device("cpu"),
+        seconds, n = collectives._time_collective(call, torch.device("cpu"),
                                                   RepeatPolicy(min_samples=5, target_total_s=0.05), None, burst)
-        assert n >= 5
-        assert 2.9e-3 < seconds < 4.5e-3
     finally:
         dist.destroy_process_group()
+    assert n >= 5
+    assert seconds == pytest.approx(3e-3, rel=1e-9)
 
 
 def test_measured_by_lists_only_commands_whose_rows_remain():

@@ -1,0 +1,145 @@
+"""One place where a failure on any rank becomes the user's message and exit code.
+
+When a rank fails, its peers soon fail too -- a collective with a dead process ends in
+"Connection closed by peer" -- and every rank's traceback lands in the same terminal.  The
+one that matters is the first.  ``report_failure`` (called by ``python -m autopar.runtime``
+for any exception) settles which rank was first through the process group's store (the
+torchrun agent's, which outlives the workers): the first failing rank claims the key
+``autopar/first_failure`` with ``compare_set`` *before* it closes its connections, so a peer
+that fails because of it finds the claim already there.
+
+* The first rank prints its message -- a ``UserError``'s one paragraph, prefixed with the
+  rank and its place in the mesh, or the traceback of anything else (a bug) -- and records it
+  in ``$AUTOPAR_ERROR_FILE`` (set by ``autopar run``) and in torchrun's own
+  ``$TORCHELASTIC_ERROR_FILE``, so torchrun's summary names it as the root cause.
+* A later rank prints nothing and exits with the first rank's code.
+* Before the process group exists (plan checks, output paths) every rank runs the same checks
+  on the same files, so rank 0 alone prints.
+
+``autopar run`` reads ``$AUTOPAR_ERROR_FILE`` after torchrun returns (``relaunch_exit``), prints
+the message again as the last paragraph and exits with its code: 2 for the user's mistakes,
+4 for a non-finite loss, 1 for anything else.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from autopar.core.errors import UserError
+
+ERROR_FILE_ENV = "AUTOPAR_ERROR_FILE"
+_KEY = "autopar/first_failure"
+INTERNAL_EXIT_CODE = 1
+
+
+def _paragraph(text: str) -> str:
+    from autopar.cli import _paragraph as paragraph     # the CLI's one-paragraph format
+
+    return paragraph(text)
+
+
+def _store():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:      # noqa: BLE001 -- no store to agree on: every rank speaks for itself
+        return None
+
+
+_place: dict[str, str] = {}
+
+
+def set_place(dp_rank: int, pp_rank: int, tp_rank: int) -> None:
+    """Name this rank's place in the mesh in its messages (once the mesh is known)."""
+    _place["coords"] = f"dp {dp_rank}, pp stage {pp_rank}, tp {tp_rank}"
+
+
+def _where(rank: int) -> str:
+    coords = _place.get("coords")
+    return f"rank {rank}" + (f" ({coords})" if coords else "")
+
+
+def _claim(store, record: dict) -> dict:
+    """The first failure's record: ours if no rank claimed the key before us."""
+    mine = json.dumps(record)
+    try:
+        got = store.compare_set(_KEY, "", mine)
+        got = got.decode() if isinstance(got, bytes) else got
+        return json.loads(got)
+    except Exception:      # noqa: BLE001 -- the store is gone (its host died): speak for ourselves
+        return record
+
+
+def _write_records(record: dict) -> None:
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            from autopar.core.plan import write_text_atomic
+
+            write_text_atomic(path, json.dumps(record) + "\n")
+        except OSError:
+            pass
+    elastic = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if elastic and not os.path.exists(elastic):
+        # torchrun's error-file format (torch.distributed.elastic.multiprocessing.errors): the
+        # message it prints as the root cause, with the failure time that orders the ranks
+        data = {"message": {"message": record["message"],
+                            "extraInfo": {"py_callstack": record["message"], "timestamp": str(int(record["time"]))}}}
+        try:
+            with open(elastic, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+
+
+def report_failure(exc: BaseException) -> int:
+    """Print (or not) this rank's failure as described above; returns the exit code."""
+    user = isinstance(exc, UserError)
+    code = exc.exit_code if user else INTERNAL_EXIT_CODE
+    rank = int(os.environ.get("RANK", "0"))
+    if user:
+        message = f"autopar run: error on {_where(rank)}: {exc}"
+    else:
+        message = (f"autopar run: internal error on {_where(rank)}:\n"
+                   + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+    record = {"rank": rank, "exit_code": code, "user_error": user, "message": message, "time": time.time()}
+    store = _store()
+    if store is None:
+        # before the process group: every rank checks the same inputs; rank 0 speaks
+        if rank != 0 and user:
+            return code
+        if user:
+            record["message"] = f"autopar run: error: {exc}"
+        first = record
+    else:
+        first = _claim(store, record)
+        if first.get("rank") != rank:
+            return int(first.get("exit_code", code))
+    print(_paragraph(first["message"]) if user else first["message"], file=sys.stderr, flush=True)
+    _write_records(first)
+    return code
+
+
+def relaunch_exit(returncode: int, error_file: str) -> int:
+    """``autopar run``'s exit code after torchrun returned ``returncode``: the first failing
+    rank's code, its message repeated last (torchrun's summary comes between)."""
+    if returncode == 0:
+        return 0
+    try:
+        record = json.loads(open(error_file).read())
+    except (OSError, ValueError):
+        return returncode
+    if record.get("user_error"):
+        print(_paragraph(record["message"]), file=sys.stderr, flush=True)
+    else:
+        print(f"autopar run: rank {record.get('rank')} failed first; its traceback is above.", file=sys.stderr,
+              flush=True)
+    return int(record.get("exit_code", returncode))
