@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from autopar.core.errors import UserError
 
 DTYPE_CHOICES = ("fp32", "tf32", "bf16", "fp16")
@@ -104,7 +102,9 @@ def _parse_dtypes(text: str | None) -> list[str] | None:
     return dtypes
 
 
-def _pick_device(choice: str) -> torch.device:
+def _pick_device(choice: str) -> "torch.device":
+    import torch   # here, not at import time: 'autopar --help' registers this verb without torch
+
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("--device cuda, but torch sees no CUDA GPU here; use --device cpu or run on a GPU machine.")
