@@ -281,7 +281,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     # the device's own work shares the node's compute slots (the host optimizer runs on the host)
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
-    # between meetings (evaluator.with_meeting_waits)
+    # between meetings (cpu_node.with_meeting_waits)
     meetings = (len(layout.collectives) + (tp_meet_fwd if lp.recompute == "full" else 0)) if tp > 1 else 0
     if zero >= 2 and param_names and dp > 1:
         meetings += 1 + (1 if zero >= 3 else 0) + 1

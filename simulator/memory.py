@@ -55,6 +55,23 @@ def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatc
     return min(p - r, m)                                   # 1F1B
 
 
+def ddp_bucket_bytes(grad_bytes):
+    """DDP's gradient buckets in flight on a device that holds ``grad_bytes`` of gradients."""
+    return np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grad_bytes)
+
+
+def fsdp_buffer_bytes(param_buffer_bytes, grad_buffer_bytes):
+    """FSDP's unsharded buffers: the layer being computed and the one prefetched hold their full
+    parameters, and the layer being reduce-scattered its full gradient (Zhao et al. 2023,
+    "PyTorch FSDP", Sec. 3.3)."""
+    return 2.0 * param_buffer_bytes + grad_buffer_bytes
+
+
+def p2p_buffer_bytes(boundary_bytes):
+    """A pipeline stage's send and receive buffers of one micro-batch's boundary activation."""
+    return 2.0 * boundary_bytes
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device of a pipeline stage at its peak (host_bytes: offloaded state)."""
@@ -89,11 +106,8 @@ def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transi
     acts = np.asarray(activation_per_chunk, dtype=float)
     per_mb = acts.mean(axis=0) if num_chunks > 1 else acts[0]
     activations = per_mb * np.asarray(inflight, dtype=float) + transient_max
-    buffers = np.where(ddp_active, np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grad_bytes_total), 0.0)
-    # FSDP: the layer being computed and the one prefetched are unsharded, plus the unsharded
-    # gradient of the layer being reduce-scattered (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3);
-    # pipeline: send and receive buffers of one micro-batch's boundary activation.
-    buffers = buffers + 2.0 * fsdp_param_buffer_max + fsdp_grad_buffer_max + 2.0 * p2p_bytes
+    buffers = np.where(ddp_active, ddp_bucket_bytes(grad_bytes_total), 0.0)
+    buffers = buffers + fsdp_buffer_bytes(fsdp_param_buffer_max, fsdp_grad_buffer_max) + p2p_buffer_bytes(p2p_bytes)
     total = params + grads + optimizer + activations + buffers
     return [MemoryBreakdown(*row) for row in
             zip(*(np.asarray(x, dtype=float).tolist() for x in (params, grads, optimizer, activations, buffers, total, host)))]
