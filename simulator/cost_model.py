@@ -1,6 +1,6 @@
 """The cost model: seconds for an op, a collective or a host transfer on one GPU type.
 
-Built from a profile (profiles/<gpu>.json, DESIGN.md "Profiles").  Measured tables win where
+Built from a profile (profiles/<gpu>.json, docs/profiles.md).  Measured tables win where
 they cover the question; otherwise an analytic model answers:
 
 * ops: a roofline, max(FLOPs / (peak * efficiency[kind]), bytes / (bandwidth * efficiency

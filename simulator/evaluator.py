@@ -1,26 +1,15 @@
-"""The fast path for search: price a plan from cached per-layer costs in closed form.
+"""The fast path for search: price a plan from cached per-layer costs.
 
 ``PlanEvaluator.evaluate(plan)`` prices a plan without an event timeline:
 
 1. per layer, a ``LayerCost`` cached by (layer signature, the layer's tp styles relative to
    the layer, ZeRO, recompute, offload) within a context (mesh, micro-batch, precision), so a
-   plan that differs from the last one in a few layers recomputes only those rows;
-2. per pipeline rank, sums over its layers (numpy ``reduceat`` over the stage boundaries);
-3. the step in closed form -- the same model the event engine (engine.py) plays out:
-
-   * per micro-batch and model chunk, forward = sum over layers of max(compute + tp
-     collectives, FSDP all-gather [+ offload copy]) -- prefetch hides the shorter of the two;
-     backward likewise with recompute and the reduce-scatter;
-   * pipeline (rank times T_r = forward + backward of all its chunks, one micro-batch):
-     GPipe and 1F1B: sum_r T_r + (m - 1) max_r T_r (the fill/drain of Huang et al. 2019 and
-     Narayanan et al. 2021 Sec. 2.2.1; for equal stages (m + p - 1) T, bubble (p-1)/(m+p-1));
-     interleaved with v chunks: m max_r T_r + (sum_r T_r - max_r T_r) / v (bubble divided by v,
-     Narayanan et al. 2021 Sec. 2.2.2); plus 2 (p - 1) activation sends for fill and drain;
-   * data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
-     its last backward ends, one after another on the communication stream, so the step ends
-     at max_k(ready_k + sum of the all-reduces launched from k on) (Li et al. 2020, "PyTorch
-     Distributed", Sec. 3.2); FSDP's last reduce-scatter is exposed; then the optimizer step
-     (and ZeRO-1's parameter all-gather).
+   plan that differs from the last one in a few layers recomputes only those rows
+   (a LayerTable: layer_table.py);
+2. data-parallel all-reduces in DDP's buckets where the runtime runs plain DDP
+   (``ddp_bucketed_all_reduces``), and on CPU nodes the waits of ranks that meet (cpu_node.py);
+3. the step in closed form (step_model.py; cpu_node.serial_step where communication takes
+   turns with compute), and memory per pipeline rank (memory.py) from per-rank sums.
 """
 from __future__ import annotations
 
@@ -39,12 +28,15 @@ from autopar.simulator import cpu_node
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.result import SimResult
+from autopar.simulator.result import SimResult, StepWork
+from autopar.simulator.step_model import chunk_masks, overlapped_step
 from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]
+#: columns a step's work and traffic are summed from (SimResult.work, read when asked for)
+_WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wire_bytes_per_mb", "dp_wire_bytes_per_step",
+                                           "num_measured", "num_estimated", "output_bytes")]
 
 
 @dataclass
@@ -62,6 +54,9 @@ class _Context:
     layer_rank: np.ndarray      # pipeline rank of each layer (L,)
     layer_stage: np.ndarray     # virtual stage of each layer (L,)
     stage_start_of_layer: np.ndarray
+    head: np.ndarray            # first layer of each model chunk (step_model.chunk_masks)
+    tail: np.ndarray            # last layer of each model chunk
+    not_tail: np.ndarray
     links: MeshLinks
     rank_cm: list[CostModel]    # slowest device's cost model per pipeline rank
     capacity: np.ndarray        # bytes per pipeline rank
@@ -72,6 +67,9 @@ class _Context:
     processes: int              # busy devices per node (topology.busy_devices_per_node)
     serial_comm: bool           # communication takes turns with compute (cpu_node.serial_communication)
     waits_at_meetings: bool     # the profile prices the waits of ranks that meet (cpu_node.with_meeting_waits)
+    row_context: int            # names (mesh, micro-batch, precision, stages) in the row cache's keys
+    rank_cm_names: list[str]
+    peak_flops: float           # the first pipeline rank's peak at the plan's precision (for MFU)
 
 
 class PlanEvaluator:
@@ -98,6 +96,7 @@ class PlanEvaluator:
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
         self._row_cache: dict[tuple, tuple] = {}
+        self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
         self._ctx_cache: dict[tuple, _Context] = {}
         self._links_cache: dict[Mesh, MeshLinks] = {}
@@ -150,12 +149,13 @@ class PlanEvaluator:
             self.num_layer_costs_computed += 1
         return cost
 
-    def _row(self, index: int, lp: LayerPlan, ctx: _Context, ctx_key: tuple) -> tuple:
+    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> tuple:
         rel = self._relative_key(index, lp)
-        cm = ctx.rank_cm[ctx.layer_rank[index]]
-        key = (rel, ctx_key[:4], cm.name)
+        rank = ctx.layer_rank[index]
+        key = (rel, ctx.row_context, ctx.rank_cm_names[rank])
         row = self._row_cache.get(key)
         if row is None:
+            cm = ctx.rank_cm[rank]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
             row = layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)), 1.0 if lp.offload == "cpu" else 0.0,
                                        float(RECOMPUTE_CODE[lp.recompute]))
@@ -213,9 +213,12 @@ class PlanEvaluator:
                        layer_rank=layer_stage % p, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
+                       **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
                        capacity=capacity, inflight=inflight, p2p_s=p2p_s, p2p_measured=p2p_m,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
-                       waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm))
+                       waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
+                       row_context=self._row_contexts.setdefault(key[:4], len(self._row_contexts)),
+                       rank_cm_names=[cm.name for cm in rank_cm], peak_flops=rank_cm[0].peak(plan.precision))
         self._ctx_cache[key] = ctx
         self._last_context = (pl, plan.mesh, (plan.micro_batch, plan.precision), ctx, key)
         return ctx, key
@@ -230,9 +233,9 @@ class PlanEvaluator:
             rows = old_rows.copy()
             for i, (a, b) in enumerate(zip(layers, old_layers)):
                 if a is not b and a != b:
-                    rows[i] = self._row(i, a, ctx, key)
+                    rows[i] = self._row(i, a, ctx)
         else:
-            rows = np.array([self._row(i, lp, ctx, key) for i, lp in enumerate(layers)], dtype=float)
+            rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
         self._last = (key, layers, rows)
         return LayerTable(rows)
 
@@ -265,41 +268,48 @@ class PlanEvaluator:
             activation_per_chunk=act_g, transient_max=mx[:, 0], inflight=ctx.inflight, num_chunks=ctx.v,
             ddp_active=ddp_active, grad_bytes_total=sums.dp_grad_bytes,
             fsdp_param_buffer_max=mx[:, 1], fsdp_grad_buffer_max=mx[:, 2], p2p_bytes=out_end)
-        totals = np.array([mb.total_bytes for mb in memory])
-        # ---- FLOPs and throughput
+        totals = memory[5]
         samples = plan.global_batch
-        model_flops = self._flops_per_sample * samples
-        rec = rows.recompute
-        recompute_flops = float(((rec == 2) * self._layer_fwd_flops + (rec == 1) * self._layer_cheap_fwd_flops).sum()) * samples
-        hw_flops = model_flops + recompute_flops
         world = mesh.world_size
-        peak = ctx.rank_cm[0].peak(plan.precision)
-        tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
-        hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
+        peak = ctx.peak_flops
         seq = self.graph.seq_len or 1
-        # ---- communication volume (bytes sent per step, all devices)
-        replicas = mesh.dp * mesh.tp
-        tp_bytes = float(rows.tp_wire_bytes.sum()) * m * replicas
-        dp_bytes = float(rows.dp_wire_bytes_per_mb.sum() * m + rows.dp_wire_bytes_per_step.sum()) * replicas
-        pp_bytes = 0.0
-        if len(ctx.starts) > 1:
-            bnd = rows.output_bytes[ctx.ends[:-1] - 1]
-            pp_bytes = float(bnd.sum()) * 2 * m * replicas
-        comm = {"intra": 0.0, "inter": 0.0}
-        comm[ctx.links.tp.level] += tp_bytes
-        comm[ctx.links.dp.level] += dp_bytes
-        comm[ctx.links.pp.level] += pp_bytes
-        measured = int(rows.num_measured.sum()) + int(ctx.p2p_measured)
-        estimated = int(rows.num_estimated.sum()) + int(len(ctx.starts) > 1 and not ctx.p2p_measured)
+        # the columns the step's work and traffic are summed from, kept for when they are read
+        work_rows = rows.data[:, _WORK_COLUMNS]
+
+        def work() -> StepWork:
+            rec, tp_wire, dp_wire_mb, dp_wire_step, n_measured, n_estimated, output = work_rows.T
+            # ---- FLOPs
+            model_flops = self._flops_per_sample * samples
+            recompute_flops = float(((rec == 2) * self._layer_fwd_flops
+                                     + (rec == 1) * self._layer_cheap_fwd_flops).sum()) * samples
+            hw_flops = model_flops + recompute_flops
+            tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
+            hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
+            # ---- communication volume (bytes sent per step, all devices)
+            replicas = mesh.dp * mesh.tp
+            tp_bytes = float(tp_wire.sum()) * m * replicas
+            dp_bytes = float(dp_wire_mb.sum() * m + dp_wire_step.sum()) * replicas
+            pp_bytes = 0.0
+            if len(ctx.starts) > 1:
+                pp_bytes = float(output[ctx.ends[:-1] - 1].sum()) * 2 * m * replicas
+            comm = {"intra": 0.0, "inter": 0.0}
+            comm[ctx.links.tp.level] += tp_bytes
+            comm[ctx.links.dp.level] += dp_bytes
+            comm[ctx.links.pp.level] += pp_bytes
+            measured = int(n_measured.sum()) + int(ctx.p2p_measured)
+            estimated = int(n_estimated.sum()) + int(len(ctx.starts) > 1 and not ctx.p2p_measured)
+            return StepWork(model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
+                            tflops_per_gpu=tflops, hw_tflops_per_gpu=hw_tflops,
+                            mfu=tflops * 1e12 / peak if peak else 0.0, comm_bytes=comm,
+                            sources={"measured": measured, "estimated": estimated})
+
         return SimResult(
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
-            model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
-            tflops_per_gpu=tflops, hw_tflops_per_gpu=hw_tflops, mfu=tflops * 1e12 / peak if peak else 0.0,
-            max_memory_bytes=float(totals.max()), memory=memory, capacity_bytes=float(ctx.capacity.min()),
-            fits=bool((totals <= ctx.capacity).all()), comm_bytes=comm, bubble_fraction=bubble,
-            sources={"measured": measured, "estimated": estimated}, timeline=timeline,
-            stage_step_s=[float(x) for x in step_r], world_size=world, peak_flops_per_gpu=peak)
+            max_memory_bytes=float(totals.max()), capacity_bytes=float(ctx.capacity.min()),
+            fits=bool((totals <= ctx.capacity).all()), bubble_fraction=bubble, memory_arrays=memory,
+            work_fn=work, timeline=timeline, stage_step_s=step_r.tolist(), world_size=world,
+            peak_flops_per_gpu=peak)
 
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES
@@ -333,90 +343,10 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx: _Context, processes: int) ->
     return rows.with_columns(dp_allreduce_s=ar)
 
 
-def layer_effective_times(rows: LayerTable, starts: np.ndarray | None = None,
-                          serial: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer and micro-batch: forward and backward time with FSDP traffic overlapped.
-
-    FSDP prefetches one layer ahead: while layer k computes, layer k+1's all-gather (and
-    offload copy) runs, so a layer takes max(its compute, the next layer's gather) -- and the
-    first layer of each model chunk (``starts``) waits for its own gather, which nothing
-    precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3; overlap.py; engine.py plays the same
-    out).  In backward the communication stream carries the next gather and this layer's
-    reduce-scatter; the chunk's first backward layer (its last layer) waits for its gather.
-    ``serial``: communication and compute take turns (cpu_node.serial_communication), so they add up.
-    """
-    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                                  rows.d2h_s, rows.zero, rows.offload)
-    fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
-    if serial:
-        return fwd_c + fwd_comm, bwd_c + bwd_comm
-    if starts is None:
-        return np.maximum(fwd_c, fwd_comm), np.maximum(bwd_c, bwd_comm)
-    n = len(rows)
-    head = np.zeros(n, dtype=bool)
-    head[starts] = True
-    tail = np.zeros(n, dtype=bool)
-    tail[np.asarray(starts)[1:] - 1] = True
-    tail[n - 1] = True
-    next_comm = np.append(fwd_comm[1:], 0.0) * ~tail         # the gather prefetched while k runs
-    fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
-    bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
-    return fwd, bwd
-
-
 def closed_form_step(ctx: _Context, rows: LayerTable) -> tuple[np.ndarray, float]:
-    """(time at which each pipeline rank finishes the step, bubble fraction)."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
-    fwd, bwd = layer_effective_times(rows, ctx.starts, ctx.serial_comm)
-    f_g = np.add.reduceat(fwd, ctx.starts)
-    b_g = np.add.reduceat(bwd, ctx.starts)
-    if ctx.serial_comm and len(ctx.starts) > 1:
-        # each chunk's send (activation forward, gradient backward) blocks its compute
-        f_g[:-1] += ctx.p2p_s
-        b_g[1:] += ctx.p2p_s
-    t_r = (f_g + b_g).reshape(v, p).sum(axis=0)
-    t_max = float(t_r.max())
-    c = 0.0 if ctx.serial_comm else ctx.p2p_s   # serial: the sends are inside the chunk times
-    if v == 1:
-        pipe = float(t_r.sum()) + (m - 1) * t_max + 2 * (p - 1) * c
-    else:
-        pipe = m * t_max + (float(t_r.sum()) - t_max) / v + 2 * (p - 1) * c
-    bubble = 1.0 - m * t_max / pipe if pipe > 0 else 0.0
-    b_last = b_g[:p]                                    # chunk 0 of each rank finishes last
-    end_r = pipe - np.concatenate(([0.0], np.cumsum(b_last[:-1] + c)))
-    # ---- DDP: gradients all-reduced as each layer's last backward ends
-    zero = rows.zero
-    ar = rows.dp_allreduce_s * (zero <= 1)
-    layer_rank = ctx.layer_rank
-    excess = np.zeros(p)
-    if ar.any() and ctx.serial_comm:
-        # the all-reduces take turns with the last backward: all of them add up
-        excess = np.bincount(layer_rank, weights=ar, minlength=p)
-    elif ar.any():
-        # time before the end of its chunk's last backward at which a layer's gradient is ready
-        cum = np.cumsum(bwd)
-        before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
-        chunk_off = np.zeros(len(ctx.starts))
-        if v > 1:
-            b_vp = b_g.reshape(v, p)
-            # the cool-down runs p backward passes of each later chunk before the next one's
-            chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
-        rel = -(before + chunk_off[ctx.layer_stage])
-        order = np.lexsort((rel, layer_rank))
-        rel_s, ar_s, rank_s = rel[order], ar[order], layer_rank[order]
-        total = np.bincount(rank_s, weights=ar_s, minlength=p)
-        cum_ar = np.cumsum(ar_s)
-        first_idx = np.searchsorted(rank_s, np.arange(p))
-        before_in_rank = cum_ar - ar_s - (cum_ar - ar_s)[np.minimum(first_idx, len(ar_s) - 1)][rank_s]
-        suffix = total[rank_s] - before_in_rank
-        val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
-        excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
-    # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = ctx.starts[:p]
-    fsdp_tail = (rows.dp_reducescatter_s[first] + rows.d2h_s[first] * rows.offload[first]) * (zero[first] >= 2)
+    """(time at which each pipeline rank finishes the step, bubble fraction): the step model
+    (step_model.py), or on CPU nodes whose communication takes turns with compute its serial
+    form (cpu_node.serial_step)."""
     if ctx.serial_comm:
-        fsdp_tail = np.zeros(p)             # already inside the serial backward
-    sync = end_r + np.maximum(excess, fsdp_tail)
-    opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
-    ag1 = np.bincount(layer_rank, weights=rows.dp_allgather_s * (zero == 1), minlength=p)
-    return sync + opt + ag1, bubble
+        return cpu_node.serial_step(ctx, rows)
+    return overlapped_step(ctx, rows)

@@ -95,8 +95,10 @@ class MemoryBreakdown:
 
 def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transient_max, inflight,
                  num_chunks: int, ddp_active, grad_bytes_total, fsdp_param_buffer_max, fsdp_grad_buffer_max,
-                 p2p_bytes) -> list[MemoryBreakdown]:
-    """Assemble each pipeline rank's breakdown from sums over its layers (numpy arrays, one entry per rank).
+                 p2p_bytes) -> tuple[np.ndarray, ...]:
+    """Each pipeline rank's bytes from sums over its layers (numpy arrays of floats, one entry per
+    rank): (params, grads, optimizer, activations, buffers, total, host), the fields of
+    MemoryBreakdown, as arrays of the same length.
 
     ``activation_per_chunk`` (chunks x ranks): bytes one micro-batch keeps in each model chunk;
     ``inflight`` is in chunk units for interleaved schedules, so the mean chunk stands for
@@ -109,5 +111,4 @@ def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transi
     buffers = np.where(ddp_active, ddp_bucket_bytes(grad_bytes_total), 0.0)
     buffers = buffers + fsdp_buffer_bytes(fsdp_param_buffer_max, fsdp_grad_buffer_max) + p2p_buffer_bytes(p2p_bytes)
     total = params + grads + optimizer + activations + buffers
-    return [MemoryBreakdown(*row) for row in
-            zip(*(np.asarray(x, dtype=float).tolist() for x in (params, grads, optimizer, activations, buffers, total, host)))]
+    return params, grads, optimizer, activations, buffers, total, host
