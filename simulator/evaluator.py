@@ -22,8 +22,9 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, Plan
-from autopar.core.sharding import dtype_bytes, propagate
-from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
+from autopar.core.dtypes import dtype_bytes, precision_bytes
+from autopar.core.sharding import propagate
+from autopar.simulator.cost_model import CostModel
 from autopar.simulator import cpu_node
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
@@ -198,7 +199,7 @@ class PlanEvaluator:
         inflight = np.array([inflight_microbatches(pl.schedule, p, r, pl.num_microbatches, v) for r in range(p)], dtype=float)
         # activation send between stages, per micro-batch: the largest boundary tensor
         scale = plan.micro_batch / max(1, self.graph.batch_size)
-        act_scale = PRECISION_BYTES.get(plan.precision, 4) / dtype_bytes(self.graph.param_dtype)
+        act_scale = precision_bytes(plan.precision) / dtype_bytes(self.graph.param_dtype)
         # stage boundaries carry full (not sequence-sharded) activations: the runtime gathers
         # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py)
         sp_div = 1
@@ -230,10 +231,13 @@ class PlanEvaluator:
         last = self._last
         if last is not None and last[0] == key:
             _, old_layers, old_rows = last
-            rows = old_rows.copy()
-            for i, (a, b) in enumerate(zip(layers, old_layers)):
-                if a is not b and a != b:
-                    rows[i] = self._row(i, a, ctx)
+            rows = old_rows
+            if layers is not old_layers:   # the rows are never written after this: a copy only to change them
+                changed = [i for i, (a, b) in enumerate(zip(layers, old_layers)) if a is not b and a != b]
+                if changed:
+                    rows = old_rows.copy()
+                    for i in changed:
+                        rows[i] = self._row(i, layers[i], ctx)
         else:
             rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
         self._last = (key, layers, rows)
@@ -262,7 +266,9 @@ class PlanEvaluator:
         mx = np.maximum.reduceat(rows.data[:, _MAX_COLUMNS], ctx.starts, axis=0).reshape(ctx.v, p, 3).max(axis=0)
         act_g = np.add.reduceat(rows.activation_bytes, ctx.starts).reshape(ctx.v, p)
         out_end = rows.output_bytes[ctx.ends - 1].reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
-        ddp_active = (ctx.rank_onehot @ (rows.zero <= 1) > 0) & (mesh.dp > 1)
+        ddp_layers = rows.zero <= 1
+        ddp_active = ((ctx.rank_onehot @ ddp_layers > 0) if mesh.dp > 1 and ddp_layers.any()
+                      else np.zeros(p, dtype=bool))
         memory = stage_memory(
             params=sums.param_bytes, grads=sums.grad_bytes, optimizer=sums.optimizer_bytes, host=sums.host_bytes,
             activation_per_chunk=act_g, transient_max=mx[:, 0], inflight=ctx.inflight, num_chunks=ctx.v,

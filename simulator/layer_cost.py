@@ -14,8 +14,9 @@ from dataclasses import astuple, dataclass, field, fields
 
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.core.sharding import TPLayout, dtype_bytes
-from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
+from autopar.core.dtypes import dtype_bytes, precision_bytes
+from autopar.core.sharding import TPLayout
+from autopar.simulator.cost_model import CostModel
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.topology import MeshLinks
 
@@ -95,7 +96,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing)."""
     layer = graph.layers[layer_index]
     scale = micro_batch / max(1, graph.batch_size)
-    act_scale = PRECISION_BYTES.get(precision, 4) / dtype_bytes(graph.param_dtype)
+    act_scale = precision_bytes(precision) / dtype_bytes(graph.param_dtype)
     tp = mesh.tp
     sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
 
@@ -159,7 +160,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     recording cost of ops that keep tensors for backward; FLOPs, parameters and activations."""
     w = _OpWork()
     tp = mesh.tp
-    prec_bytes = PRECISION_BYTES.get(precision, 4)
+    prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     styles = lp.tp_styles

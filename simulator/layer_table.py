@@ -22,11 +22,12 @@ COLUMN_INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
 class LayerTable:
     """Named columns over a (layers, len(COLUMNS)) float array (module docstring)."""
-    __slots__ = ("data",)
+    __slots__ = ("data", "_columns")
 
     def __init__(self, data: np.ndarray):
         assert data.ndim == 2 and data.shape[1] == len(COLUMNS), data.shape
         self.data = data
+        self._columns = data.T             # column i is _columns[i], a view
 
     def __len__(self) -> int:
         return self.data.shape[0]
@@ -47,7 +48,7 @@ class LayerTable:
 
 
 def _column_property(name: str, i: int) -> property:
-    return property(lambda self: self.data[:, i], doc=f"the {name} column")
+    return property(lambda self: self._columns[i], doc=f"the {name} column")
 
 
 for _name, _i in COLUMN_INDEX.items():

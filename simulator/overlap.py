@@ -21,9 +21,11 @@ def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
     part of the backward communication and also returned alone: nothing precedes it at the start
     of a model chunk's backward.
     """
-    fwd_comm = allgather_s * (zero >= 2) + h2d_s * offload
-    bwd_gather = (allgather_s + h2d_s * offload) * (zero >= 3)
-    bwd_comm = bwd_gather + (reducescatter_s + d2h_s * offload) * (zero >= 2)
+    zero2 = zero >= 2
+    h2d = h2d_s * offload
+    fwd_comm = allgather_s * zero2 + h2d
+    bwd_gather = (allgather_s + h2d) * (zero >= 3)
+    bwd_comm = bwd_gather + (reducescatter_s + d2h_s * offload) * zero2
     return fwd_comm, bwd_gather, bwd_comm
 
 

@@ -54,7 +54,10 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
                                                   rows.d2h_s, rows.zero, rows.offload)
     fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
-    next_comm = np.append(fwd_comm[1:], 0.0) * not_tail         # the gather prefetched while k runs
+    next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
+    next_comm[:-1] = fwd_comm[1:]
+    next_comm[-1] = 0.0
+    next_comm *= not_tail
     fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
     bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
     return fwd, bwd
@@ -122,7 +125,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = ctx.starts[:p]
-    fsdp_tail = (rows.dp_reducescatter_s[first] + rows.d2h_s[first] * rows.offload[first]) * (zero[first] >= 2)
+    first = rows.at(ctx.starts[:p])
+    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
     sync = end_r + np.maximum(excess, fsdp_tail)
     return after_backward(sync, rows, layer_rank, p), bubble
