@@ -57,34 +57,6 @@ class SimResult:
         """One breakdown per pipeline rank (representative device)."""
         return [MemoryBreakdown(*row) for row in zip(*(a.tolist() for a in self.memory_arrays))]
 
-    @property
-    def model_flops_per_step(self) -> float:
-        return self.work.model_flops_per_step
-
-    @property
-    def hardware_flops_per_step(self) -> float:
-        return self.work.hardware_flops_per_step
-
-    @property
-    def tflops_per_gpu(self) -> float:
-        return self.work.tflops_per_gpu
-
-    @property
-    def hw_tflops_per_gpu(self) -> float:
-        return self.work.hw_tflops_per_gpu
-
-    @property
-    def mfu(self) -> float:
-        return self.work.mfu
-
-    @property
-    def comm_bytes(self) -> dict[str, float]:
-        return self.work.comm_bytes
-
-    @property
-    def sources(self) -> dict[str, int]:
-        return self.work.sources
-
     def predicted_dict(self) -> dict[str, Any]:
         """The plan.json ``predicted`` block (keys joined with measured.json)."""
         memory = self.memory
@@ -113,3 +85,12 @@ class SimResult:
                  stage_step_s=list(self.stage_step_s), world_size=self.world_size,
                  peak_flops_per_gpu=self.peak_flops_per_gpu)
         return d
+
+
+def _work_property(name: str) -> property:
+    return property(lambda self: getattr(self.work, name), doc=f"StepWork.{name}")
+
+
+# the step's work and traffic read through the result: result.mfu is result.work.mfu
+for _name in StepWork.__dataclass_fields__:
+    setattr(SimResult, _name, _work_property(_name))
