@@ -132,7 +132,7 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         # each chunk's send (activation forward, gradient backward) blocks its compute
         f_g[:-1] += ctx.p2p_s
         b_g[1:] += ctx.p2p_s
-    t_r = (f_g + b_g).reshape(v, p).sum(axis=0)
+    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
     pipe, bubble = pipeline_time(t_r, m, p, v, 0.0)
     end_r = rank_ends(pipe, b_g[:p], 0.0)
     ar = rows.dp_allreduce_s * (rows.zero <= 1)

@@ -263,9 +263,12 @@ class PlanEvaluator:
         step = float(step_r.max())
         # ---- memory per pipeline rank
         sums = LayerTable(ctx.rank_onehot @ rows.data)          # per-rank sums in one product
-        mx = np.maximum.reduceat(rows.data[:, _MAX_COLUMNS], ctx.starts, axis=0).reshape(ctx.v, p, 3).max(axis=0)
+        mx = np.maximum.reduceat(rows.data[:, _MAX_COLUMNS], ctx.starts, axis=0)     # per model chunk
         act_g = np.add.reduceat(rows.activation_bytes, ctx.starts).reshape(ctx.v, p)
-        out_end = rows.output_bytes[ctx.ends - 1].reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
+        out_end = rows.output_bytes[ctx.ends - 1] if p > 1 else 0.0
+        if ctx.v > 1:                                           # the largest over each rank's chunks
+            mx = mx.reshape(ctx.v, p, 3).max(axis=0)
+            out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
         ddp_layers = rows.zero <= 1
         ddp_active = ((ctx.rank_onehot @ ddp_layers > 0) if mesh.dp > 1 and ddp_layers.any()
                       else np.zeros(p, dtype=bool))

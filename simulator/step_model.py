@@ -85,8 +85,10 @@ def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p
     """When each pipeline rank ends the step: after the gradient sync ``sync``, the optimizer step
     and ZeRO-1's parameter all-gather."""
     opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
-    ag1 = np.bincount(layer_rank, weights=rows.dp_allgather_s * (rows.zero == 1), minlength=p)
-    return sync + opt + ag1
+    zero1 = rows.zero == 1
+    if not zero1.any():
+        return sync + opt
+    return sync + opt + np.bincount(layer_rank, weights=rows.dp_allgather_s * zero1, minlength=p)
 
 
 def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
@@ -96,7 +98,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
     f_g = np.add.reduceat(fwd, ctx.starts)
     b_g = np.add.reduceat(bwd, ctx.starts)
-    t_r = (f_g + b_g).reshape(v, p).sum(axis=0)
+    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
     c = ctx.p2p_s
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
