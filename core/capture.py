@@ -1,6 +1,6 @@
 """Capture a model's forward on the meta device into an ``OpGraph``.
 
-Strategy (DESIGN.md, "OpGraph"), fastest first:
+Strategy (docs/design.md, "Contracts"), fastest first:
 
 1. ``torch.fx.symbolic_trace`` (torch.nn modules such as Linear stay ``call_module`` leaves)
    then a shape-propagating run of the graph on meta tensors.

@@ -1,4 +1,4 @@
-"""The two error channels (STYLE.md, habit 3).
+"""The two error channels (docs/design.md, "Conventions").
 
 * ``UserError``: the user's input is wrong (model file, cluster file, plan file, arguments).
   The CLI prints its message as one paragraph, no traceback, and exits with ``exit_code``

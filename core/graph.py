@@ -1,6 +1,6 @@
 """OpGraph: the captured forward of a model, on the meta device, with shapes and costs.
 
-The graph is the planner's and simulator's view of a model (DESIGN.md, "OpGraph"):
+The graph is the planner's and simulator's view of a model (docs/design.md, "Contracts"):
 
 * ``OpNode`` -- one operation of the forward: what kind it is, which module owns it, its
   shapes and dtype, forward/backward FLOPs, bytes moved, the parameters it uses and the

@@ -1,6 +1,6 @@
 """Group captured ops into layers: the repeated blocks of the module tree, plus "pre"/"post".
 
-A layer is the unit of pipeline stages, recompute and FSDP wrapping (DESIGN.md, "OpGraph").
+A layer is the unit of pipeline stages, recompute and FSDP wrapping (docs/design.md, "Contracts").
 The blocks are the children of the module container (``nn.ModuleList`` / ``nn.Sequential``)
 holding the longest run of same-class children (at least two; or a ModuleList of one, for a
 1-layer model), preferring the run that covers the most parameters (so a transformer's ``blocks`` wins over a ``Sequential`` of

@@ -1,6 +1,6 @@
 """Load a user's model file: a plain ``.py`` file with ``build_model`` and ``make_batch``.
 
-The contract (DESIGN.md, "Model file")::
+The contract (docs/design.md, "Contracts")::
 
     def build_model(**model_args) -> torch.nn.Module      # called under torch.device("meta")
     def make_batch(batch_size: int, **model_args) -> (inputs, target)

@@ -1,4 +1,4 @@
-"""The plan: frozen, versioned, human-readable JSON (DESIGN.md, "Plan").
+"""The plan: frozen, versioned, human-readable JSON (docs/design.md, "Contracts").
 
 A plan says how to train one model on one cluster:
 

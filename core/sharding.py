@@ -25,18 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph, OpNode
 
 #: Ops that keep a tensor-parallel split on the hidden/head dimension when their input has it.
 PASS_THROUGH_KINDS = frozenset({"elementwise", "view", "attention", "matmul", "softmax", "dropout"})
-
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
-                "bool": 1, "uint8": 1, "int8": 1}
-
-
-def dtype_bytes(dtype: str) -> int:
-    return _DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
-
 
 @dataclass(frozen=True)
 class TPCollective:

@@ -26,6 +26,8 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
+from autopar.simulator.memory import fsdp_buffer_bytes
+from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,14 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tupl
     """(time per micro-batch, exposed time per step) of one LayerCost (module docstring).
 
     Per micro-batch the FSDP traffic of a layer hides behind its compute and shows only where
-    longer (forward: all-gather and the offload copy in; backward: ZeRO-3's second all-gather,
-    the reduce-scatter and the copy out) -- the overlap the simulator's evaluator assumes.
+    longer (simulator/overlap.py, the rule the step model applies too).  The data-parallel
+    all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
+    queues them over the whole backward (evaluator.closed_form_step).
     """
-    fwd_comm = (lc.dp_allgather_s if zero >= 2 else 0.0) + (lc.h2d_s if offload else 0.0)
-    bwd_comm = 0.0
-    if zero >= 3:
-        bwd_comm += lc.dp_allgather_s + (lc.h2d_s if offload else 0.0)
-    if zero >= 2:
-        bwd_comm += lc.dp_reducescatter_s + (lc.d2h_s if offload else 0.0)
-    fwd = max(lc.fwd_s + lc.tp_comm_fwd_s, fwd_comm)
-    bwd = max(lc.recompute_s + lc.bwd_s + lc.tp_comm_bwd_s, bwd_comm)
+    fwd_comm, _, bwd_comm = fsdp_traffic(lc.dp_allgather_s, lc.dp_reducescatter_s, lc.h2d_s, lc.d2h_s, zero, offload)
+    fwd_c, bwd_c = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, lc.recompute_s, lc.bwd_s, lc.tp_comm_bwd_s)
+    fwd = max(fwd_c, fwd_comm)
+    bwd = max(bwd_c, bwd_comm)
     exposed = 0.0
     if zero <= 1:
         # once per step, behind the last micro-batch's backward; ZeRO-1 gathers parameters after
@@ -96,7 +95,8 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 t_mb, t_step = fold_layer_cost(lc, eff.zero, eff.offload == "cpu", num_microbatches)
                 memo[key] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
-                             lc.transient_bytes + 2.0 * lc.fsdp_param_buffer_bytes + lc.fsdp_grad_buffer_bytes,
+                             lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,
+                                                                    lc.fsdp_grad_buffer_bytes),
                              lc.output_bytes)
             time_mb[i, c], step[i, c], static[i, c], act[i, c], reserve[i, c], out[i] = memo[key]
     return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid)

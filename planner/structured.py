@@ -26,7 +26,7 @@ from autopar.planner.candidate import Candidate, equal_bounds
 from autopar.planner.ilp import ChoiceNode, group_consecutive, solve_intra_op
 from autopar.planner.layer_tables import LayerTables
 from autopar.planner.stage_dp import partition_stages
-from autopar.simulator.memory import DDP_BUCKET_BYTES, DDP_BUCKETS_IN_FLIGHT, inflight_microbatches
+from autopar.simulator.memory import ddp_bucket_bytes, inflight_microbatches, p2p_buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,9 @@ def _fixed_bytes(tables: LayerTables, layers: range, family: str) -> float:
     out = 0.0
     if family in ("ddp", "zero1"):
         grads = float(tables.static_bytes[layers.start:layers.stop].max(axis=1).sum())
-        out += min(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grads)
+        out += float(ddp_bucket_bytes(grads))
     if len(layers):
-        out += 2.0 * float(tables.output_bytes[layers.stop - 1])
+        out += p2p_buffer_bytes(float(tables.output_bytes[layers.stop - 1]))
     return out
 
 
@@ -125,10 +125,10 @@ def _range_sums(tables: LayerTables, setting: Setting, m: int, allowed: np.ndarr
     for k in range(width):
         inside = (ends - starts) > k
         reserve = np.where(inside[:, None], np.maximum(reserve, padded[starts + k]), reserve)
-    p2p = 2.0 * tables.output_bytes[ends - 1][:, None]
+    p2p = p2p_buffer_bytes(tables.output_bytes[ends - 1][:, None])
     ddp = 0.0
     if setting.zero_family in ("ddp", "zero1"):
-        ddp = np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, ST)
+        ddp = ddp_bucket_bytes(ST)
     base = np.where(bad, np.inf, ST + reserve + p2p + ddp)
     return T, base, AC
 

@@ -50,14 +50,22 @@ OPTIONAL_KEYS = {
     "machine": "object",
     "measured_at": "text",
     "fitted_links": "any",
-    # per-call framework costs in seconds (profiling/overheads.py; simulator/cost_model.py
-    # OVERHEAD_KEYS): op dispatch, DTensor module, FSDP unit, optimizer parameter tensor
+    # per-call framework costs in seconds (OVERHEAD_KEYS below): op dispatch, DTensor module,
+    # FSDP unit, optimizer parameter tensor
     "framework_overheads": "overheads",
     # CPU ranks: waiting per second of compute before each meeting of the ranks, one row per
     # number of processes (profiling/sync_wait.py; simulator/cost_model.py meeting_wait)
     "sync_wait": "sync_rows",
 }
 PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)
+#: the keys of ``framework_overheads``: what profiling/overheads.py measures and the cost model
+#: reads (simulator/cost_model.py), in seconds per call
+OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
+                 "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
+                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s",
+                 "recompute_full_fwd_per_op_s", "recompute_full_bwd_per_op_s",
+                 "recompute_selective_fwd_per_op_s", "recompute_selective_bwd_per_op_s",
+                 "autograd_fwd_op_s", "autograd_fwd_per_byte_s", "sp_norm_fwd_s", "sp_norm_bwd_s")
 
 # Rows of the measured tables: required key -> "text", "count" (whole number >= 1), "amount"
 # (>= 0), "time" (> 0), "shape" (list of whole numbers or of such lists), "level".  A row may

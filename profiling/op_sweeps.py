@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from autopar.core.dtypes import PRECISION_BYTES
+
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 #: kinds whose time follows their FLOPs (the rest follow their bytes)
 COMPUTE_KINDS = ("linear", "matmul", "attention", "attention_math", "conv")
 
@@ -124,7 +125,7 @@ def op_cases(device_type: str, dtypes: list[str], quick: bool) -> list[OpCase]:
 # ------------------------------------------------------------------------ case makers
 def _linear(shape, dt):
     m, k, n = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build(device):
         x_MK = torch.randn(m, k, device=device, dtype=DTYPES[dt])
@@ -135,7 +136,7 @@ def _linear(shape, dt):
 
 def _matmul(shape, dt):
     b, m, k, n = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build(device):
         a_BMK = torch.randn(b, m, k, device=device, dtype=DTYPES[dt])
@@ -146,7 +147,7 @@ def _matmul(shape, dt):
 
 def _attention(shape, dt):
     b, h, s, d = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
     flops = 4.0 * b * h * s * s * d
     out = []
     for variant in ("sdpa", "math"):
@@ -170,7 +171,7 @@ def _attention(shape, dt):
 
 def _conv(shape, dt):
     b, c, hgt, wid, o = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
     flops = 2.0 * b * o * hgt * wid * c * 9      # 3x3 kernel, stride 1, padding 1: output is b x o x H x W
 
     def build(device):
@@ -183,7 +184,7 @@ def _conv(shape, dt):
 
 def _norm(shape, dt):
     t, h = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
     out = []
     for variant, per_element in (("layer_norm", 7), ("rms_norm", 4)):   # op_costs.FLOPS_PER_ELEMENT
         def build(device, variant=variant):
@@ -199,7 +200,7 @@ def _norm(shape, dt):
 
 def _softmax(shape, dt):
     r, c = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build(device):
         x = torch.randn(r, c, device=device, dtype=DTYPES[dt])
@@ -213,7 +214,7 @@ MASK_ELEMENTS = 64 * 64
 
 def _elementwise(shape, dt):
     (n,) = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build_gelu(device):
         x = torch.randn(n, device=device, dtype=DTYPES[dt])
@@ -240,7 +241,7 @@ def _elementwise(shape, dt):
 
 def _embedding(shape, dt):
     t, v, h = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build(device):
         gen = torch.Generator().manual_seed(0)
@@ -252,7 +253,7 @@ def _embedding(shape, dt):
 
 def _copy(shape, dt):
     (n,) = shape
-    es = ELEMENT_BYTES[dt]
+    es = PRECISION_BYTES[dt]
 
     def build(device):
         src = torch.randn(n, device=device, dtype=DTYPES[dt])

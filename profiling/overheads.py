@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.profiling.timing import RepeatPolicy, median_of_runs, time_call
-from autopar.simulator.cost_model import OVERHEAD_KEYS   # the figures measured here
+from autopar.profiles import OVERHEAD_KEYS   # the figures measured here
 
 CHAIN_OPS = 64           # ops per timed chain
 TINY_NUMEL = 4           # elements of a tiny op's operands

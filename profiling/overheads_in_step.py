@@ -49,8 +49,8 @@ TP_HIDDEN = 128
 FSDP_HIDDENS = (64, 128, 256)          # 33K, 132K, 526K parameters a unit
 ROUNDS, ROUNDS_QUICK = 120, 6
 #: whole measurements whose median is kept: one swings by up to 2x between runs on a shared
-#: machine (a tensor-parallel module's backward measured 0.7, 1.4, 1.7 and 1.8 ms in four
-#: profiles of one morning)
+#: machine (a tensor-parallel module's backward has measured from 0.7 to 1.8 ms in four
+#: profiles of the same machine)
 REPEATS = 3
 BURST_MATMULS, MATMUL_N = 8, 128       # ~0.4 ms of compute before each sample (and again, timed, inside it)
 

@@ -15,10 +15,12 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from autopar.core.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_CHOICES = ("fp32", "tf32", "bf16", "fp16")
 
@@ -105,6 +107,8 @@ def _parse_dtypes(text: str | None) -> list[str] | None:
 
 
 def _pick_device(choice: str) -> torch.device:
+    import torch   # here, not at import time: 'autopar --help' registers this verb without torch
+
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("--device cuda, but torch sees no CUDA GPU here; use --device cpu or run on a GPU machine.")

@@ -6,7 +6,6 @@ and the profile (``provenance.profile``).  Each can be overridden from the comma
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +13,7 @@ from typing import Any, Mapping
 from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
+from autopar.core.plan_cluster import load_plan_cluster
 from autopar.profiling.timelines import simulated_breakdown
 
 
@@ -38,7 +38,7 @@ def load_context(plan: Plan, plan_path: str | Path, *, cluster_path: str | None 
             raise UserError(f"{plan_path}: the plan's model file {plan.model.file} does not exist here; run the report "
                             f"from the directory the plan was made in, or where that path resolves.")
     graph = capture_model_file(model_file, dict(plan.model.args), batch_size=plan.micro_batch)
-    cluster = _load_cluster(plan, plan_path, cluster_path)
+    cluster = load_plan_cluster(plan, plan_path, cluster_path)
     name = profile or plan.provenance.get("profile") or cluster.groups[0].gpu
     return PlanContext(graph=graph, cluster=cluster, profile=load_profile_dict(str(name)), profile_name=str(name))
 
@@ -73,33 +73,3 @@ def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = Non
         figs["memory_per_rank_bytes"] = [per_stage[min(plan.mesh.coords(r)[1], len(per_stage) - 1)]
                                          for r in range(plan.world_size)]
     return figs, events
-
-
-def _load_cluster(plan: Plan, plan_path: str | Path, cluster_path: str | None):
-    """--cluster, else the plan's cluster file, else its cluster label ("name (file)" or a bundled name)."""
-    from autopar.core.cluster_file import load_cluster
-
-    if not cluster_path and plan.provenance.get("cluster_ref"):
-        try:   # what 'autopar plan' was given: --cluster and --nodes
-            return load_cluster(str(plan.provenance["cluster_ref"]), nodes=plan.provenance.get("cluster_nodes"))
-        except UserError:
-            pass
-    candidates = [cluster_path] if cluster_path else []
-    if plan.provenance.get("cluster_file"):
-        candidates.append(str(plan.provenance["cluster_file"]))
-    m = re.match(r"^(.*?)\s*\((.+)\)\s*$", plan.cluster or "")
-    if m:
-        candidates += [m.group(2), m.group(1)]
-    elif plan.cluster:
-        candidates.append(plan.cluster)
-    tried = []
-    for c in candidates:
-        rel = Path(plan_path).parent / c
-        try:
-            return load_cluster(str(rel) if not Path(c).is_file() and rel.is_file() else c)
-        except UserError as e:
-            if cluster_path and c == cluster_path:
-                raise
-            tried.append(f"{c} ({str(e)[:80]}...)")
-    raise UserError(f"{plan_path}: cannot find the plan's cluster (tried {'; '.join(tried) or 'nothing: the plan names none'}); "
-                    f"pass --cluster CLUSTER.yaml or a bundled cluster name.")

@@ -1,4 +1,4 @@
-"""Run a plan.json with native torch.distributed (DESIGN.md, "Runtime").
+"""Run a plan.json with native torch.distributed (docs/design.md, "The runtime").
 
     torchrun --nproc-per-node 4 -m autopar.runtime plan.json --steps 50
     autopar run plan.json --steps 50

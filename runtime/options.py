@@ -1,7 +1,7 @@
 """The runtime's command-line options, shared by ``python -m autopar.runtime`` and ``autopar run``.
 
-``RunOptions`` is the narrow, typed config the trainer receives (STYLE.md: no global job
-object); ``add_run_arguments`` declares the flags once for both entry points.
+``RunOptions`` is the narrow, typed config the trainer receives (docs/design.md, "Conventions":
+no global job object); ``add_run_arguments`` declares the flags once for both entry points.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The cost model: seconds for an op, a collective or a host transfer on one GPU type.
 
-Built from a profile (profiles/<gpu>.json, DESIGN.md "Profiles").  Measured tables win where
+Built from a profile (profiles/<gpu>.json, docs/profiles.md).  Measured tables win where
 they cover the question; otherwise an analytic model answers:
 
 * ops: a roofline, max(FLOPs / (peak * efficiency[kind]), bytes / (bandwidth * efficiency
@@ -37,6 +37,7 @@ import numpy as np
 
 from autopar.core.cluster import Link
 from autopar.core.errors import UserError
+from autopar.profiles import OVERHEAD_KEYS
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
@@ -44,7 +45,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 _COMPUTE_KINDS = {"linear": "linear", "matmul": "matmul", "attention": "attention", "conv": "conv"}
 _DTYPE_KEY = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
               "float16": "fp16", "fp16": "fp16", "float64": "fp32"}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "tf32": 4}
 #: kinds whose measured rows are looked up by FLOPs; every other kind by bytes moved
 FLOPS_AXIS_KINDS = frozenset({"linear", "matmul", "attention", "attention_math", "conv"})
 #: the profiler's default variant of each kind (profiling/op_sweeps.py), used when a captured
@@ -52,18 +52,13 @@ FLOPS_AXIS_KINDS = frozenset({"linear", "matmul", "attention", "attention_math",
 DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "conv": "conv2d_3x3",
                    "norm": "layer_norm", "softmax": "softmax", "elementwise": "add", "embedding": "embedding",
                    "copy": "copy"}
-#: framework overheads in seconds (keys of a profile's ``framework_overheads``).  Defaults for a
+#: framework overheads in seconds (a profile's ``framework_overheads``, keys in
+#: autopar.profiles.OVERHEAD_KEYS).  Defaults for a
 #: GPU profile that did not measure them: a CUDA kernel launch costs about 5 us of host time
 #: (NVIDIA Developer Blog, "Getting Started with CUDA Graphs", 2019: "a few microseconds" per
 #: launch), the floor of any kernel; the other host-side costs (DTensor dispatch, FSDP hooks,
 #: per-tensor optimizer work) overlap the GPU's queue while it runs ahead, so they default to 0.
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
-OVERHEAD_KEYS = ("op_launch_s", "op_backward_launch_s", "tp_module_fwd_s", "tp_module_bwd_s", "fsdp_unit_fwd_s",
-                 "fsdp_unit_bwd_s", "fsdp_unit_fwd_per_byte_s", "fsdp_unit_bwd_per_byte_s", "optimizer_tensor_s",
-                 "optimizer_dtensor_tensor_s", "dtensor_module_fwd_s", "dtensor_module_bwd_s",
-                 "recompute_full_fwd_per_op_s", "recompute_full_bwd_per_op_s",
-                 "recompute_selective_fwd_per_op_s", "recompute_selective_bwd_per_op_s",
-                 "autograd_fwd_op_s", "autograd_fwd_per_byte_s", "sp_norm_fwd_s", "sp_norm_bwd_s")
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}

@@ -19,7 +19,7 @@ starts when its stream is free and its inputs have arrived:
   parameter all-gather.
 
 When communication cannot overlap compute (``ctx.serial_comm``: CPU processes on every core,
-topology.serial_communication), every communication task blocks the compute stream until it
+cpu_node.serial_communication), every communication task blocks the compute stream until it
 ends: prefetches, reduce-scatters, all-reduces and sends take turns with the layers.
 
 Schedules: GPipe (all forwards, then all backwards; Huang et al. 2019), 1F1B (p - r - 1
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.evaluator import _COL, _OFF, _REC, _ZERO, _Context  # noqa: F401 (_REC for readers)
+from autopar.simulator.evaluator import _Context
+from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.timeline import Timeline
 
 
@@ -65,16 +66,15 @@ def schedule_tasks(schedule: str, p: int, r: int, m: int, v: int) -> list[tuple[
     return tasks
 
 
-def simulate_step(ctx: _Context, rows: np.ndarray, timeline: Timeline, device_of_rank: list[int]) -> tuple[np.ndarray, float]:
+def simulate_step(ctx: _Context, rows: LayerTable, timeline: Timeline, device_of_rank: list[int]) -> tuple[np.ndarray, float]:
     """Play the step out; returns (finish time per pipeline rank, bubble fraction)."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     G = p * v
-    c = _COL
-    fwd_s, bwd_s, rec_s = rows[:, c["fwd_s"]], rows[:, c["bwd_s"]], rows[:, c["recompute_s"]]
-    tpf, tpb = rows[:, c["tp_comm_fwd_s"]], rows[:, c["tp_comm_bwd_s"]]
-    ag, rs, ar = rows[:, c["dp_allgather_s"]], rows[:, c["dp_reducescatter_s"]], rows[:, c["dp_allreduce_s"]]
-    h2d, d2h, opt = rows[:, c["h2d_s"]], rows[:, c["d2h_s"]], rows[:, c["optimizer_s"]]
-    zero, off = rows[:, _ZERO], rows[:, _OFF]
+    fwd_s, bwd_s, rec_s = rows.fwd_s, rows.bwd_s, rows.recompute_s
+    tpf, tpb = rows.tp_comm_fwd_s, rows.tp_comm_bwd_s
+    ag, rs, ar = rows.dp_allgather_s, rows.dp_reducescatter_s, rows.dp_allreduce_s
+    h2d, d2h, opt = rows.h2d_s, rows.d2h_s, rows.optimizer_s
+    zero, off = rows.zero, rows.offload
     # plain Python lists: scalar indexing into numpy arrays is slow in the inner loop
     fwd_s, bwd_s, rec_s, tpf, tpb = (x.tolist() for x in (fwd_s, bwd_s, rec_s, tpf, tpb))
     ag, rs, ar, h2d, d2h, opt, zero, off = (x.tolist() for x in (ag, rs, ar, h2d, d2h, opt, zero, off))

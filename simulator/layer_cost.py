@@ -10,12 +10,13 @@ Conventions: FLOPs and bytes of the captured graph scale linearly with the micro
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, field, fields
 
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.core.sharding import TPLayout, dtype_bytes
-from autopar.simulator.cost_model import PRECISION_BYTES, CostModel
+from autopar.core.dtypes import dtype_bytes, precision_bytes
+from autopar.core.sharding import TPLayout
+from autopar.simulator.cost_model import CostModel
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.topology import MeshLinks
 
@@ -84,49 +85,101 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
                        micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
                        compute_stretch: float = 1.0, node_processes: int | None = None) -> LayerCost:
-    """``compute_stretch`` (>= 1) slows the device's own work -- compute, framework overheads,
+    """The cost of layer ``layer_index`` under ``lp``, in parts: the ops' compute
+    (``_op_work``), the framework overheads of the modules tensor parallelism wraps
+    (``_add_module_overheads``), the tensor-parallel collectives (``_tensor_parallel``),
+    recompute (``_recompute``) and data parallelism with ZeRO and offload (``_data_parallel``).
+
+    ``compute_stretch`` (>= 1) slows the device's own work -- compute, framework overheads,
     the optimizer step -- when more devices of a node compute than it has compute slots
-    (``compute_stretch``); collectives are priced from the rows measured with ``node_processes``
-    processes busy at once, the plan's busy devices per node (the same sharing)."""
+    (cpu_node.compute_stretch); collectives are priced from the rows measured with
+    ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing)."""
     layer = graph.layers[layer_index]
-    ops = graph.layer_ops(layer_index)
     scale = micro_batch / max(1, graph.batch_size)
-    prec_bytes = PRECISION_BYTES.get(precision, 4)
-    act_scale = prec_bytes / dtype_bytes(graph.param_dtype)
+    act_scale = precision_bytes(precision) / dtype_bytes(graph.param_dtype)
     tp = mesh.tp
     sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
-    measured = estimated = 0
 
-    fwd_s = bwd_s = cheap_fwd_s = 0.0
-    fwd_flops = bwd_flops = cheap_fwd_flops = 0.0
-    param_numel = 0.0
-    saved = 0.0
-    matmul_outputs = 0.0
-    param_names: set[str] = set()          # parameter tensors of the layer
-    dtensor_params: set[str] = set()       # ... held as DTensors by tensor parallelism
-    num_tp_modules = 0
-    num_sp_norms = 0
-    priced_ops = 0                         # ops that run a kernel (views and identities do not)
+    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale)
+    _add_module_overheads(work, cm)
+    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes)
+    rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
+    dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes)
+
+    # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
+    # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
+    # between meetings (cpu_node.with_meeting_waits)
+    meetings = (len(layout.collectives) + (tpc.fwd_meetings if lp.recompute == "full" else 0)) if tp > 1 else 0
+    meetings += dp.meetings
+    # the device's own work shares the node's compute slots (the host optimizer runs on the host)
+    fwd_s = work.fwd_s * compute_stretch
+    bwd_s = work.bwd_s * compute_stretch
+    recompute_s = (rec.recompute_s - tpc.fwd_s) * compute_stretch + tpc.fwd_s if lp.recompute == "full" \
+        else rec.recompute_s * compute_stretch
+    optimizer_s = dp.optimizer_s if lp.offload == "cpu" else dp.optimizer_s * compute_stretch
+    return LayerCost(
+        fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
+        dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
+        h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
+        param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
+        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes, transient_bytes=rec.transient_bytes,
+        fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
+        output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
+        fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,
+        tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + (tpc.wire_fwd if lp.recompute == "full" else 0.0),
+        dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
+        meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
+        num_estimated=work.estimated + tpc.estimated + dp.estimated)
+
+
+@dataclass
+class _OpWork:
+    """Sums over a layer's ops, per micro-batch on one device."""
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    cheap_fwd_s: float = 0.0               # the ops outside MATMUL_KINDS (what selective recompute reruns)
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    cheap_fwd_flops: float = 0.0
+    param_numel: float = 0.0               # after the tensor-parallel split
+    saved_bytes: float = 0.0               # kept for backward
+    matmul_output_bytes: float = 0.0       # outputs of MATMUL_KINDS (what selective recompute keeps)
+    autograd_kept_s: float = 0.0           # the per-byte autograd part: outputs kept for backward
+    param_names: set[str] = field(default_factory=set)       # parameter tensors of the layer
+    dtensor_params: set[str] = field(default_factory=set)    # ... held as DTensors by tensor parallelism
+    num_tp_modules: int = 0
+    num_sp_norms: int = 0
+    priced_ops: int = 0                    # ops that run a kernel (views and identities do not)
+    measured: int = 0
+    estimated: int = 0
+
+
+def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, cm: CostModel,
+             scale: float, act_scale: float) -> _OpWork:
+    """Compute: each op's forward and backward time from the cost model, with the autograd
+    recording cost of ops that keep tensors for backward; FLOPs, parameters and activations."""
+    w = _OpWork()
+    tp = mesh.tp
+    prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
-    autograd_kept_s = 0.0                  # the per-byte part: outputs kept for backward
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     styles = lp.tp_styles
     for op in ops:
-        param_names.update(op.params)
+        w.param_names.update(op.params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
         # runtime splits a vocabulary table row-wise), or (sequence parallel) a norm whose input
         # and weight are DTensors (runtime/apply_tp.py)
         if tp > 1 and op.kind in ("linear", "embedding") and layout.param_shard.get(op.name, 1) > 1:
-            num_tp_modules += 1
-            dtensor_params.update(op.params)
+            w.num_tp_modules += 1
+            w.dtensor_params.update(op.params)
         elif sequence_parallel and op.kind == "norm":
-            num_sp_norms += 1
-            dtensor_params.update(op.params)
+            w.num_sp_norms += 1
+            w.dtensor_params.update(op.params)
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
         if op.fwd_flops > 0 or op.bytes_moved > 0 or op.copy_bytes > 0:
-            priced_ops += 1
+            w.priced_ops += 1
             osh = layout.output_shard.get(op.name, 1)
             t, m = cm.op_time_ex(op, precision, shard, scale=scale, bytes_scale=bscale, out_shard=osh)
             if op.bwd_flops > 0 or op.saved_bytes > 0:
@@ -134,110 +187,166 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
                 # not in cache (profiling/overheads.py, autograd_fwd_*; the op rows run no_grad)
                 kept = autograd_byte * op.output_bytes * scale * act_scale / osh
                 t += autograd_op + kept
-                autograd_kept_s += kept
-            fwd_s += t
-            measured += m
-            estimated += not m
+                w.autograd_kept_s += kept
+            w.fwd_s += t
+            w.measured += m
+            w.estimated += not m
             if op.kind not in MATMUL_KINDS:
-                cheap_fwd_s += t
-                cheap_fwd_flops += op.fwd_flops * scale / shard
+                w.cheap_fwd_s += t
+                w.cheap_fwd_flops += op.fwd_flops * scale / shard
             t, m = cm.op_time_ex(op, precision, shard, backward=True, scale=scale, bytes_scale=bscale, out_shard=osh)
-            bwd_s += t
-            measured += m
-            estimated += not m
+            w.bwd_s += t
+            w.measured += m
+            w.estimated += not m
         elif op.kind == "view" and cm.host_dispatch_bound:
             # no kernel, but the host thread dispatches it (and autograd records it) each pass
-            fwd_s += cm.overhead("op_launch_s")
-            bwd_s += cm.overhead("op_backward_launch_s")
-        fwd_flops += op.fwd_flops * scale / shard
-        bwd_flops += op.bwd_flops * scale / shard
-        param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
-        saved += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
+            w.fwd_s += cm.overhead("op_launch_s")
+            w.bwd_s += cm.overhead("op_backward_launch_s")
+        w.fwd_flops += op.fwd_flops * scale / shard
+        w.bwd_flops += op.bwd_flops * scale / shard
+        w.param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
+        w.saved_bytes += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
         if op.kind in MATMUL_KINDS:
-            matmul_outputs += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
+            w.matmul_output_bytes += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
+    return w
 
-    # framework overheads of the modules the runtime wraps (profiling/overheads.py)
-    # a column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
-    # cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
-    # threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
-    # and scattered by the linears around it), so it costs what SequenceParallel adds to a norm on
-    # one rank (sp_norm_*; older profiles: a DTensor module's one-rank figure, else the split modules')
-    fwd_s += num_tp_modules * cm.overhead("tp_module_fwd_s")
-    bwd_s += num_tp_modules * cm.overhead("tp_module_bwd_s")
-    if num_sp_norms:
-        fwd_s += num_sp_norms * cm.overheads.get(
+
+def _add_module_overheads(w: _OpWork, cm: CostModel) -> None:
+    """Framework overheads of the modules the runtime wraps for tensor parallelism
+    (profiling/overheads.py).
+
+    A column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
+    cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
+    threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
+    and scattered by the linears around it), so it costs what SequenceParallel adds to a norm on
+    one rank (sp_norm_*; older profiles: a DTensor module's one-rank figure, else the split modules')."""
+    w.fwd_s += w.num_tp_modules * cm.overhead("tp_module_fwd_s")
+    w.bwd_s += w.num_tp_modules * cm.overhead("tp_module_bwd_s")
+    if w.num_sp_norms:
+        w.fwd_s += w.num_sp_norms * cm.overheads.get(
             "sp_norm_fwd_s", cm.overheads.get("dtensor_module_fwd_s", cm.overhead("tp_module_fwd_s")))
-        bwd_s += num_sp_norms * cm.overheads.get(
+        w.bwd_s += w.num_sp_norms * cm.overheads.get(
             "sp_norm_bwd_s", cm.overheads.get("dtensor_module_bwd_s", cm.overhead("tp_module_bwd_s")))
-    tp_fwd = tp_bwd = 0.0
-    tp_wire_fwd = tp_wire_bwd = 0.0
-    tp_meet_fwd = 0                        # forward collectives: the ranks meet at each
-    for c in layout.collectives:
-        wire = ring_wire_bytes(c.kind, c.bytes * scale * act_scale, tp)
-        if c.pass_ == "fwd":
-            tp_wire_fwd += wire
-        else:
-            tp_wire_bwd += wire
-        t, m = cm.collective_time_ex(c.kind, c.bytes * scale * act_scale, tp, links.tp.link, links.tp.level,
-                                     processes=node_processes)
-        measured += m
-        estimated += not m
-        if c.pass_ == "fwd":
-            tp_fwd += t
-            tp_meet_fwd += 1
-        else:
-            tp_bwd += t
 
-    layer_input = layer.input_bytes * scale * act_scale / sp_div
+
+@dataclass
+class _TensorParallelComm:
+    fwd_s: float = 0.0                     # collectives in forward, per micro-batch
+    bwd_s: float = 0.0
+    wire_fwd: float = 0.0                  # bytes this device sends for them
+    wire_bwd: float = 0.0
+    fwd_meetings: int = 0                  # forward collectives: the ranks meet at each
+    measured: int = 0
+    estimated: int = 0
+
+
+def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, scale: float, act_scale: float,
+                     node_processes: int | None) -> _TensorParallelComm:
+    """Tensor parallelism: the collectives the layout puts after the split modules (Shoeybi et
+    al. 2019, Sec. 3: f/g all-reduces; with sequence parallelism all-gather/reduce-scatter pairs,
+    Korthikanti et al. 2022, Sec. 4.2.2), on the tensor-parallel group's link."""
+    c = _TensorParallelComm()
+    for coll in layout.collectives:
+        nbytes = coll.bytes * scale * act_scale
+        wire = ring_wire_bytes(coll.kind, nbytes, tp)
+        t, m = cm.collective_time_ex(coll.kind, nbytes, tp, links.tp.link, links.tp.level, processes=node_processes)
+        c.measured += m
+        c.estimated += not m
+        if coll.pass_ == "fwd":
+            c.wire_fwd += wire
+            c.fwd_s += t
+            c.fwd_meetings += 1
+        else:
+            c.wire_bwd += wire
+            c.bwd_s += t
+    return c
+
+
+@dataclass
+class _Recompute:
+    recompute_s: float                     # the forward rerun inside backward (full: with its tp collectives)
+    recompute_flops: float
+    activation_bytes: float                # kept for backward per micro-batch
+    transient_bytes: float                 # materialised again during this layer's backward
+
+
+def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_bytes: float,
+               cm: CostModel) -> _Recompute:
+    """Recompute (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): "full" keeps the layer's
+    input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
+    reruns the cheap ops between them.  Adjusts ``w``: a checkpointed forward keeps nothing, and
+    the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
+    selective policy's dispatch mode on every op)."""
+    saved = w.saved_bytes
     if lp.recompute == "full":
-        recompute_s = fwd_s + tp_fwd
-        recompute_flops = fwd_flops
-        fwd_s -= autograd_kept_s           # the checkpointed forward keeps nothing: its outputs are freed
-        activation = min(saved, layer_input) if saved > 0 else layer_input
-        transient = saved
+        out = _Recompute(w.fwd_s + tpc.fwd_s, w.fwd_flops,
+                         min(saved, layer_input_bytes) if saved > 0 else layer_input_bytes, saved)
+        w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
     elif lp.recompute == "selective":
-        recompute_s = cheap_fwd_s
-        recompute_flops = cheap_fwd_flops
-        activation = min(saved, layer_input + matmul_outputs)
-        transient = max(0.0, saved - activation)
+        activation = min(saved, layer_input_bytes + w.matmul_output_bytes)
+        out = _Recompute(w.cheap_fwd_s, w.cheap_fwd_flops, activation, max(0.0, saved - activation))
     else:
-        recompute_s = recompute_flops = 0.0
-        activation = saved
-        transient = 0.0
+        out = _Recompute(0.0, 0.0, saved, 0.0)
     if lp.recompute in ("full", "selective"):
-        # the checkpoint wrapper's own cost per op of the layer, forward and backward, beyond the
-        # recomputed forward (profiling/overheads.py: saved-tensor hooks; the selective policy's
-        # dispatch mode on every op)
-        fwd_s += priced_ops * cm.overhead(f"recompute_{lp.recompute}_fwd_per_op_s")
-        bwd_s += priced_ops * cm.overhead(f"recompute_{lp.recompute}_bwd_per_op_s")
+        w.fwd_s += w.priced_ops * cm.overhead(f"recompute_{lp.recompute}_fwd_per_op_s")
+        w.bwd_s += w.priced_ops * cm.overhead(f"recompute_{lp.recompute}_bwd_per_op_s")
+    return out
 
+
+@dataclass
+class _DataParallel:
+    param_bytes: float = 0.0               # state on the device after ZeRO (0 when offloaded)
+    grad_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    host_bytes: float = 0.0                # offloaded state
+    grad_sync_bytes: float = 0.0           # gradients synchronised across data parallel
+    fsdp_param_buffer_bytes: float = 0.0
+    fsdp_grad_buffer_bytes: float = 0.0
+    allreduce_s: float = 0.0
+    allgather_s: float = 0.0
+    reducescatter_s: float = 0.0
+    h2d_s: float = 0.0
+    d2h_s: float = 0.0
+    optimizer_s: float = 0.0
+    wire_bytes_per_mb: float = 0.0
+    wire_bytes_per_step: float = 0.0
+    meetings: int = 0                      # FSDP collectives per micro-batch where the ranks meet
+    measured: int = 0
+    estimated: int = 0
+
+
+def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
+                   node_processes: int | None) -> _DataParallel:
+    """Data parallelism with ZeRO and offload: state bytes (memory.state_bytes), the gradient
+    all-reduce (DDP, ZeRO-1) or FSDP's all-gather and reduce-scatter, ZeroRedundancyOptimizer's
+    parameter broadcasts, host copies and the optimizer step.  Adds FSDP's per-unit overhead to
+    ``w`` (profiling/overheads.py, fsdp_unit_*)."""
+    d = _DataParallel()
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
-    pcls = precision_class(precision)
-    p_b, g_b, _ = STATE_BYTES[pcls]
+    p_b, g_b, _ = STATE_BYTES[precision_class(precision)]
+    param_numel, param_names = w.param_numel, w.param_names
     if zero >= 2 and param_names:          # one FSDP unit per layer with parameters
         unit_bytes = param_numel * p_b     # its full parameters (the per-byte part: flat-buffer copies)
-        fwd_s += cm.overhead("fsdp_unit_fwd_s") + cm.overhead("fsdp_unit_fwd_per_byte_s") * unit_bytes
-        bwd_s += cm.overhead("fsdp_unit_bwd_s") + cm.overhead("fsdp_unit_bwd_per_byte_s") * unit_bytes
-    params_b, grads_b, opt_b = state_bytes(param_numel, precision, zero, dp)
-    host = 0.0
+        w.fwd_s += cm.overhead("fsdp_unit_fwd_s") + cm.overhead("fsdp_unit_fwd_per_byte_s") * unit_bytes
+        w.bwd_s += cm.overhead("fsdp_unit_bwd_s") + cm.overhead("fsdp_unit_bwd_per_byte_s") * unit_bytes
+    d.param_bytes, d.grad_bytes, d.optimizer_bytes = state_bytes(param_numel, precision, zero, dp)
     offload = lp.offload == "cpu"
     if offload:
-        host = params_b + grads_b + opt_b
-        params_b = grads_b = opt_b = 0.0
-    grad_sync_bytes = param_numel * g_b
+        d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
+        d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
+    d.grad_sync_bytes = grad_sync_bytes = param_numel * g_b
     param_full_bytes = param_numel * p_b
-    fsdp_param_buf = param_full_bytes if (zero >= 3 or offload) else 0.0
-    fsdp_grad_buf = grad_sync_bytes if zero >= 2 else 0.0
+    d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
+    d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
 
     dpl = links.dp
-    ar = ag = rs = h2d = d2h = 0.0
     if dp > 1 or zero >= 2:
         if zero <= 1:
-            ar, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level,
-                                           processes=node_processes)
-            measured += m
-            estimated += not m
+            d.allreduce_s, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level,
+                                                     processes=node_processes)
+            d.measured += m
+            d.estimated += not m
             if zero == 1 and param_names:
                 # updated parameters sent from their owners after the step: ZeroRedundancyOptimizer
                 # broadcasts each parameter tensor from the rank that owns it (torch.distributed.
@@ -245,62 +354,39 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
                 # issued asynchronously and then waited: priced as calls of a chain
                 n_t = len(param_names)
                 ag, m = cm.collective_time_ex("broadcast", param_full_bytes / n_t, dp, dpl.link, dpl.level,
-                                               processes=node_processes, chained=True)
-                ag *= n_t
-                measured += m
-                estimated += not m
+                                              processes=node_processes, chained=True)
+                d.allgather_s = ag * n_t
+                d.measured += m
+                d.estimated += not m
         else:
-            ag, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level,
-                                          processes=node_processes)
-            rs, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link, dpl.level,
-                                           processes=node_processes)
-            measured += m + m2
-            estimated += (not m) + (not m2)
+            d.allgather_s, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level,
+                                                     processes=node_processes)
+            d.reducescatter_s, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link,
+                                                          dpl.level, processes=node_processes)
+            d.measured += m + m2
+            d.estimated += (not m) + (not m2)
     if zero <= 1:
-        dp_wire_mb = 0.0
-        dp_wire_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
+        d.wire_bytes_per_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
             (ring_wire_bytes("all_gather", param_full_bytes, dp) if zero == 1 else 0.0)
     else:
         gathers = 2 if zero >= 3 else 1
-        dp_wire_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
+        d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
-        dp_wire_step = 0.0
     shard_params = param_numel / (dp if zero >= 1 else 1)
     if offload:
-        h2d = cm.h2d_time(param_full_bytes / dp, links.host)
-        d2h = cm.h2d_time(grad_sync_bytes / dp, links.host)
-        optimizer_s = cm.host_optimizer_time(shard_params)
+        d.h2d_s = cm.h2d_time(param_full_bytes / dp, links.host)
+        d.d2h_s = cm.h2d_time(grad_sync_bytes / dp, links.host)
+        d.optimizer_s = cm.host_optimizer_time(shard_params)
     else:
         # FSDP2 holds every parameter as a DTensor; tensor parallelism those of its modules;
         # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank
         n_tensors = float(len(param_names))
-        n_dtensor = n_tensors if zero >= 2 else float(len(dtensor_params))
+        n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params))
         owned = 1.0 / dp if zero == 1 else 1.0
-        optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
-    out_bytes = layer.output_bytes * scale * act_scale / sp_div
-    # the device's own work shares the node's compute slots (the host optimizer runs on the host)
-    # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
-    # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
-    # between meetings (evaluator.with_meeting_waits)
-    meetings = (len(layout.collectives) + (tp_meet_fwd if lp.recompute == "full" else 0)) if tp > 1 else 0
+        d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
     if zero >= 2 and param_names and dp > 1:
-        meetings += 1 + (1 if zero >= 3 else 0) + 1
-    fwd_s *= compute_stretch
-    bwd_s *= compute_stretch
-    recompute_s = (recompute_s - tp_fwd) * compute_stretch + tp_fwd if lp.recompute == "full" \
-        else recompute_s * compute_stretch
-    if not offload:
-        optimizer_s *= compute_stretch
-    return LayerCost(
-        fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tp_fwd, tp_comm_bwd_s=tp_bwd,
-        dp_allreduce_s=ar, dp_allgather_s=ag, dp_reducescatter_s=rs, h2d_s=h2d, d2h_s=d2h,
-        optimizer_s=optimizer_s, param_numel=param_numel, param_bytes=params_b, grad_bytes=grads_b,
-        optimizer_bytes=opt_b, host_bytes=host, activation_bytes=activation, transient_bytes=transient,
-        fsdp_param_buffer_bytes=fsdp_param_buf, fsdp_grad_buffer_bytes=fsdp_grad_buf, output_bytes=out_bytes,
-        dp_grad_bytes=grad_sync_bytes, fwd_flops=fwd_flops, hw_flops=fwd_flops + bwd_flops + recompute_flops,
-        tp_wire_bytes=tp_wire_fwd + tp_wire_bwd + (tp_wire_fwd if lp.recompute == "full" else 0.0),
-        dp_wire_bytes_per_mb=dp_wire_mb, dp_wire_bytes_per_step=dp_wire_step, meetings=float(meetings),
-        num_measured=measured, num_estimated=estimated)
+        d.meetings = 1 + (1 if zero >= 3 else 0) + 1
+    return d
 
 
 def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:

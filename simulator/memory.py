@@ -55,6 +55,23 @@ def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatc
     return min(p - r, m)                                   # 1F1B
 
 
+def ddp_bucket_bytes(grad_bytes):
+    """DDP's gradient buckets in flight on a device that holds ``grad_bytes`` of gradients."""
+    return np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grad_bytes)
+
+
+def fsdp_buffer_bytes(param_buffer_bytes, grad_buffer_bytes):
+    """FSDP's unsharded buffers: the layer being computed and the one prefetched hold their full
+    parameters, and the layer being reduce-scattered its full gradient (Zhao et al. 2023,
+    "PyTorch FSDP", Sec. 3.3)."""
+    return 2.0 * param_buffer_bytes + grad_buffer_bytes
+
+
+def p2p_buffer_bytes(boundary_bytes):
+    """A pipeline stage's send and receive buffers of one micro-batch's boundary activation."""
+    return 2.0 * boundary_bytes
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device of a pipeline stage at its peak (host_bytes: offloaded state)."""
@@ -78,8 +95,10 @@ class MemoryBreakdown:
 
 def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transient_max, inflight,
                  num_chunks: int, ddp_active, grad_bytes_total, fsdp_param_buffer_max, fsdp_grad_buffer_max,
-                 p2p_bytes) -> list[MemoryBreakdown]:
-    """Assemble each pipeline rank's breakdown from sums over its layers (numpy arrays, one entry per rank).
+                 p2p_bytes) -> tuple[np.ndarray, ...]:
+    """Each pipeline rank's bytes from sums over its layers (numpy arrays of floats, one entry per
+    rank): (params, grads, optimizer, activations, buffers, total, host), the fields of
+    MemoryBreakdown, as arrays of the same length.
 
     ``activation_per_chunk`` (chunks x ranks): bytes one micro-batch keeps in each model chunk;
     ``inflight`` is in chunk units for interleaved schedules, so the mean chunk stands for
@@ -89,11 +108,10 @@ def stage_memory(*, params, grads, optimizer, host, activation_per_chunk, transi
     acts = np.asarray(activation_per_chunk, dtype=float)
     per_mb = acts.mean(axis=0) if num_chunks > 1 else acts[0]
     activations = per_mb * np.asarray(inflight, dtype=float) + transient_max
-    buffers = np.where(ddp_active, np.minimum(DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, grad_bytes_total), 0.0)
-    # FSDP: the layer being computed and the one prefetched are unsharded, plus the unsharded
-    # gradient of the layer being reduce-scattered (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3);
-    # pipeline: send and receive buffers of one micro-batch's boundary activation.
-    buffers = buffers + 2.0 * fsdp_param_buffer_max + fsdp_grad_buffer_max + 2.0 * p2p_bytes
+    fsdp = fsdp_buffer_bytes(fsdp_param_buffer_max, fsdp_grad_buffer_max)
+    if np.any(ddp_active):
+        buffers = np.where(ddp_active, ddp_bucket_bytes(grad_bytes_total), 0.0) + fsdp + p2p_buffer_bytes(p2p_bytes)
+    else:
+        buffers = fsdp + p2p_buffer_bytes(p2p_bytes)
     total = params + grads + optimizer + activations + buffers
-    return [MemoryBreakdown(*row) for row in
-            zip(*(np.asarray(x, dtype=float).tolist() for x in (params, grads, optimizer, activations, buffers, total, host)))]
+    return params, grads, optimizer, activations, buffers, total, host

@@ -1,10 +1,30 @@
-"""SimResult: what the simulator says a plan costs."""
+"""SimResult: what the simulator says a plan costs.
+
+The figures the search reads for every candidate (step time, peak memory, whether it fits) are
+computed when the result is made; the rest -- FLOPs and MFU, bytes on the wire, the count of
+measured and estimated cost figures, the memory breakdown per pipeline rank -- when first read
+(``SimResult.work``), since the search prices thousands of plans and reports a handful.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from autopar.simulator.memory import MemoryBreakdown
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work and traffic of one step of a plan."""
+    model_flops_per_step: float          # fwd + bwd of the model, whole global batch
+    hardware_flops_per_step: float       # + recompute (what Megatron-LM reports)
+    tflops_per_gpu: float                # model FLOPs / step / GPUs (the MFU numerator)
+    hw_tflops_per_gpu: float
+    mfu: float
+    comm_bytes: dict[str, float]         # bytes sent per step over all devices, by link level
+    sources: dict[str, int]              # {"measured": n, "estimated": n} cost figures used
 
 
 @dataclass
@@ -12,26 +32,35 @@ class SimResult:
     step_time_s: float
     samples_per_s: float
     tokens_per_s: float
-    model_flops_per_step: float          # fwd + bwd of the model, whole global batch
-    hardware_flops_per_step: float       # + recompute (what Megatron-LM reports)
-    tflops_per_gpu: float                # model FLOPs / step / GPUs (the MFU numerator)
-    hw_tflops_per_gpu: float
-    mfu: float
     max_memory_bytes: float
-    memory: list[MemoryBreakdown]        # one per pipeline rank (representative device)
     capacity_bytes: float
     fits: bool
-    comm_bytes: dict[str, float]         # bytes sent per step over all devices, by link level
     bubble_fraction: float
-    sources: dict[str, int]              # {"measured": n, "estimated": n} cost figures used
+    #: per pipeline rank (representative device): params, grads, optimizer, activations,
+    #: buffers, total and host bytes -- one array each (memory.StageMemory order)
+    memory_arrays: tuple[np.ndarray, ...] = field(repr=False)
+    work_fn: Callable[[], StepWork] = field(repr=False, compare=False)
     timeline: list[dict[str, Any]] | None = None
     stage_step_s: list[float] = field(default_factory=list)   # when each pipeline rank finishes
     world_size: int = 0
     peak_flops_per_gpu: float = 0.0
+    _work: StepWork | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def work(self) -> StepWork:
+        if self._work is None:
+            self._work = self.work_fn()
+        return self._work
+
+    @property
+    def memory(self) -> list[MemoryBreakdown]:
+        """One breakdown per pipeline rank (representative device)."""
+        return [MemoryBreakdown(*row) for row in zip(*(a.tolist() for a in self.memory_arrays))]
 
     def predicted_dict(self) -> dict[str, Any]:
         """The plan.json ``predicted`` block (keys joined with measured.json)."""
-        worst = max(range(len(self.memory)), key=lambda i: self.memory[i].total_bytes) if self.memory else 0
+        memory = self.memory
+        worst = max(range(len(memory)), key=lambda i: memory[i].total_bytes) if memory else 0
         return {
             "step_time_s": self.step_time_s,
             "samples_per_s": self.samples_per_s,
@@ -40,8 +69,8 @@ class SimResult:
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
             "mfu": self.mfu,
             "max_memory_bytes": self.max_memory_bytes,
-            "memory_breakdown": self.memory[worst].to_dict() if self.memory else {},
-            "memory_per_stage": [m.to_dict() for m in self.memory],
+            "memory_breakdown": memory[worst].to_dict() if memory else {},
+            "memory_per_stage": [m.to_dict() for m in memory],
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "bubble_fraction": self.bubble_fraction,
@@ -56,3 +85,12 @@ class SimResult:
                  stage_step_s=list(self.stage_step_s), world_size=self.world_size,
                  peak_flops_per_gpu=self.peak_flops_per_gpu)
         return d
+
+
+def _work_property(name: str) -> property:
+    return property(lambda self: getattr(self.work, name), doc=f"StepWork.{name}")
+
+
+# the step's work and traffic read through the result: result.mfu is result.work.mfu
+for _name in StepWork.__dataclass_fields__:
+    setattr(SimResult, _name, _work_property(_name))

@@ -1,7 +1,7 @@
 """``autopar simulate``: predict step time, throughput and memory of a configuration or a plan.json.
 
     autopar simulate examples/gpt.py --model-arg size=gpt3-1.3b --cluster CLUSTER --dp 8 --tp 1
-    autopar simulate plan.json --cluster CLUSTER --trace trace.json --json
+    autopar simulate plan.json --trace trace.json --json      # the cluster the plan was made for
 """
 from __future__ import annotations
 
@@ -21,15 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a model .py file (then give the configuration flags) or a plan.json to evaluate")
     parser.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
                         help="argument for build_model / make_batch (repeatable)")
-    try:
-        from autopar.core.cluster import add_cluster_arguments   # type: ignore[attr-defined]
-    except ImportError:
-        add_cluster_arguments = None
-    if add_cluster_arguments is not None:
-        add_cluster_arguments(parser)
-    else:
-        parser.add_argument("--cluster", required=False, help="cluster name or cluster.yaml")
-        parser.add_argument("--nodes", type=int, default=None, help="scale a homogeneous cluster to N nodes")
+    from autopar.core.cluster_file import available_clusters
+
+    parser.add_argument("--cluster", metavar="PATH_OR_NAME", default=None,
+                        help="cluster file (YAML, docs/cluster-file.md) or a bundled cluster: "
+                             f"{', '.join(available_clusters())}; required for a model file, a plan.json "
+                             "defaults to the cluster it was made for")
+    parser.add_argument("--nodes", metavar="N", type=int, default=None,
+                        help="scale a single-group cluster to N nodes (what-if; the file stays as it is)")
     g = parser.add_argument_group("configuration (ignored for a plan.json)")
     g.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the devices left)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron column/row pairs)")
@@ -49,15 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _load_cluster(args):
-    try:
-        from autopar.core.cluster import load_cluster   # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError("this installation has no cluster loader (autopar.core.cluster.load_cluster); "
-                        "install a complete autopar.") from None
-    if not getattr(args, "cluster", None):
-        raise UserError("simulate needs --cluster NAME_OR_FILE (see examples/clusters/).")
-    return load_cluster(args.cluster, nodes=getattr(args, "nodes", None))
+def _load_cluster(args, plan=None):
+    """--cluster (scaled by --nodes), else the cluster the plan was made for."""
+    from autopar.core.cluster_file import load_cluster
+
+    if plan is not None and not args.cluster:
+        from autopar.core.plan_cluster import load_plan_cluster
+
+        cluster = load_plan_cluster(plan, args.target)
+        return cluster if args.nodes is None else cluster.scaled(args.nodes)
+    if not args.cluster:
+        raise UserError("simulate needs --cluster NAME_OR_FILE for a model file (see examples/clusters/); "
+                        "a plan.json names its own cluster.")
+    return load_cluster(args.cluster, nodes=args.nodes)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,10 +74,10 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     target = Path(args.target)
-    cluster = _load_cluster(args)
+    plan = load_plan(target) if target.suffix == ".json" else None
+    cluster = _load_cluster(args, plan)
     cms = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
-    if target.suffix == ".json":
-        plan = load_plan(target)
+    if plan is not None:
         model_file = plan.model.file
         graph = capture_model_file(model_file, dict(plan.model.args), plan.micro_batch)
         if graph.fingerprint != plan.model.fingerprint:

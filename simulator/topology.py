@@ -4,7 +4,7 @@ Ranks are laid out as ``arange(world).view(dp, pp, tp)`` (core/plan.py), so a te
 group is a run of consecutive ranks, a pipeline pair is ``tp`` ranks apart and a data-parallel
 group strides by ``pp * tp``.  A group on one node uses the node's link (the slowest GPU's
 link in a heterogeneous node group); a group that spans nodes pays the inter-node link, which
-then sets the pace of the whole ring (DESIGN.md, "Collectives").
+then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
 """
 from __future__ import annotations
 
@@ -74,55 +74,3 @@ def busy_devices_per_node(cluster: Cluster, mesh: Mesh) -> int:
         node = cluster.device(r).node
         busy[node] = busy.get(node, 0) + 1
     return max(busy.values())
-
-
-def compute_stretch(cluster: Cluster, mesh: Mesh) -> float:
-    """How much slower a device computes because its node has fewer compute slots than busy devices.
-
-    The mesh's ranks fill the cluster's devices in order; on every node, ``busy`` of them
-    compute at once.  A node group with ``compute_slots`` s (CPU processes sharing s cores'
-    worth of threads) runs ``busy`` single-threaded processes at s / busy of their speed when
-    busy > s -- the operating system time-slices the cores fairly (Linux CFS, "CFS Scheduler",
-    Documentation/scheduler/sched-design-CFS.rst).  The slowest node sets the pace: 1.0 when no
-    node is oversubscribed.
-    """
-    if not any(g.compute_slots > 0 for g in cluster.groups):
-        return 1.0
-    busy: dict[int, int] = {}
-    for r in range(mesh.world_size):
-        node = cluster.device(r).node
-        busy[node] = busy.get(node, 0) + 1
-    worst = 1.0
-    for r in range(mesh.world_size):
-        d = cluster.device(r)
-        slots = cluster.groups[d.group].compute_slots
-        if slots > 0:
-            worst = max(worst, busy[d.node] / slots)
-    return worst
-
-
-def serial_communication(cluster: Cluster, mesh: Mesh) -> bool:
-    """True when communication cannot overlap computation: a node group with compute slots
-    and at least as many busy devices of the plan on a node (one CPU process per core, or more).
-
-    On a CPU "device" a collective is work of the same cores -- gloo copies, reduces and
-    moves loopback TCP data on the CPU -- and while a process waits for its peers its core
-    has nothing else to run; with no core to spare, its communication and its compute take
-    turns.  Oversubscribed (more processes than cores) it is no better: a process blocked in
-    a collective frees its core for another process's compute, but that process is one of the
-    collective's peers, so the waits do not hide anything (measured on the 2-core machine of
-    profiles/local-cpu.json, 4 gloo ranks: ~14.5 ms of matmuls and a 128 KiB all-reduce that
-    takes ~7 ms alone took 24.3 ms together, no overlap).  With fewer busy processes than
-    cores the communication threads find a free core (overlap, as on a GPU).
-    """
-    if not any(g.compute_slots > 0 for g in cluster.groups):
-        return False
-    busy = busy_devices_per_node(cluster, mesh)
-    return any(0 < cluster.groups[g].compute_slots <= busy for g in stage_groups_all(cluster, mesh))
-
-
-def stage_groups_all(cluster: Cluster, mesh: Mesh) -> set[int]:
-    """Indices of the node groups holding any rank of the mesh."""
-    if cluster.homogeneous:
-        return {0}
-    return {cluster.device(r).group for r in range(mesh.world_size)}

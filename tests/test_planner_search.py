@@ -165,7 +165,7 @@ def test_plan_remembers_rescaled_cluster_for_report(tmp_path):
     """A plan made with --nodes is re-priced by 'autopar report' on the same rescaled cluster."""
     from autopar.cli import main
     from autopar.core.plan import load_plan
-    from autopar.profiling.resimulate import _load_cluster
+    from autopar.core.plan_cluster import load_plan_cluster
 
     out = tmp_path / "plan.json"
     args = [GPT, "--model-arg", "layers=2", "--model-arg", "hidden=256", "--model-arg", "heads=8",
@@ -173,7 +173,7 @@ def test_plan_remembers_rescaled_cluster_for_report(tmp_path):
     assert main(["plan", *args, "--cluster", "dgx-a100-1x8", "--nodes", "2", "-o", str(out), "--json"]) == 0
     plan = load_plan(out)
     assert plan.world_size == 16
-    assert _load_cluster(plan, out, None).world_size == 16
+    assert load_plan_cluster(plan, out, None).world_size == 16
 
 
 def _mixed(first_gpu: str = "a100-80gb-sxm", second_gpu: str = "h100-sxm"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from autopar.cli import main as cli_main
 from autopar.profiling.isotonic import isotonic_non_decreasing, monotone_seconds
 from autopar.profiling.op_sweeps import COMPUTE_KINDS, op_cases
 from autopar.profiling.timing import RepeatPolicy, time_call
+from runtime_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -185,19 +185,13 @@ def test_merge_replaces_only_the_sweeps_measured_again(quick_profile):
     assert sorted(r["group_size"] for r in again["collective_table"]) == [2, 2, 4, 4]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiproc
 def test_collectives_under_torchrun_merge_into_existing_profile(tmp_path, quick_profile):
     out = tmp_path / "two-ranks.json"
     out.write_text(json.dumps(quick_profile))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "autopar.cli", "profile", "--quick", "--skip-ops", "-o", str(out)]
+           "--master-port", str(free_port()), "-m", "autopar.cli", "profile", "--quick", "--skip-ops", "-o", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(out.read_text())

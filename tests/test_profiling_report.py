@@ -191,13 +191,14 @@ def test_measured_lanes_from_a_chrome_trace(tmp_path):
 
 def test_cluster_is_found_from_the_plan_or_the_flag(ctx, tmp_path):
     from autopar.core.errors import UserError
+    from autopar.core.plan_cluster import load_plan_cluster
     from autopar.simulator.configure import config_plan
 
     plan = config_plan(ctx.graph, dp=2, tp=1, pp=1, micro_batch=2, global_batch=None, schedule="1f1b",
                        virtual_stages=1, zero=0, recompute="none", offload="none", precision="fp32",
                        sequence_parallel=False, cluster_name="local-cpu")
-    assert resimulate._load_cluster(plan, tmp_path / "plan.json", None).name == "local-cpu"
+    assert load_plan_cluster(plan, tmp_path / "plan.json", None).name == "local-cpu"
     labelled = plan.__class__(**{**plan.__dict__, "cluster": "local-cpu (some/where/else.yaml)"})
-    assert resimulate._load_cluster(labelled, tmp_path / "plan.json", None).name == "local-cpu"
+    assert load_plan_cluster(labelled, tmp_path / "plan.json", None).name == "local-cpu"
     with pytest.raises(UserError, match="no-such-cluster"):
-        resimulate._load_cluster(plan, tmp_path / "plan.json", "no-such-cluster.yaml")
+        load_plan_cluster(plan, tmp_path / "plan.json", "no-such-cluster.yaml")

@@ -2,7 +2,6 @@
 form, and a real 2-rank gloo measurement merged into a profile by the profile verb."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from autopar.profiling.sync_wait import fit_line
+from runtime_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,12 +48,6 @@ def test_profile_merges_one_row_per_process_count():
     assert "RUN2" in p["sources"]["sync_wait.2"] and "RUN4" in p["sources"]["sync_wait.4"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiproc
 def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     """Only the sync wait (--skip-ops --skip-collectives --skip-overheads) on 2 ranks; the row holds the bursts it
@@ -66,7 +60,7 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     out.write_text((REPO / "profiles" / "local-cpu.json").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "autopar.cli", "profile", "--quick", "--skip-ops",
+           "--master-port", str(free_port()), "-m", "autopar.cli", "profile", "--quick", "--skip-ops",
            "--skip-collectives", "--skip-overheads", "-o", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -50,3 +50,36 @@ def test_nodes_scales_cluster(capsys):
     four = _run(capsys, base + ["--nodes", "4"])
     assert one["world_size"] == 8 and four["world_size"] == 32
     assert four["plan"]["dp"] == 4
+
+
+def test_plan_file_needs_no_cluster_and_matches_predicted(capsys, tmp_path):
+    """'autopar simulate plan.json' finds the plan's cluster and prices it as 'autopar plan' predicted."""
+    from autopar.core.plan import load_plan
+
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", GPT, *MODEL, "--cluster", "dgx-a100-1x8", "--nodes", "2", "--global-batch", "32",
+                     "--time-budget", "3", "-o", str(out), "--json"]) == 0
+    capsys.readouterr()
+    predicted = load_plan(out).predicted
+    again = _run(capsys, ["simulate", str(out), "--json"])
+    assert again["world_size"] == 16 and again["cluster"].startswith("dgx-a100-1x8")
+    # (FLOP figures such as MFU are left out: 'plan' captures the model at batch 1, 'simulate' at
+    # the plan's micro-batch, and a captured graph's FLOPs per sample shift slightly with it)
+    for key in ("step_time_s", "bubble_fraction", "max_memory_bytes", "fits"):
+        assert again[key] == pytest.approx(predicted[key], rel=1e-9, abs=1e-15), key
+
+
+def test_model_file_without_cluster_is_a_user_error(capsys):
+    assert cli_main(["simulate", GPT, *MODEL, "--dp", "2"]) == 2
+    assert "--cluster" in capsys.readouterr().err
+
+
+def test_help_does_not_import_torch():
+    """'autopar --help' registers every verb without importing torch (verbs import it when they run)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom autopar.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -15,8 +15,8 @@ from autopar.simulator.configure import config_plan
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.topology import compute_stretch
-from sim_graphs import gpt_graph
+from autopar.simulator.cpu_node import compute_stretch
+from sim_graphs import engine_step_s, gpt_graph
 
 OVERHEADS = {"op_launch_s": 2e-6, "op_backward_launch_s": 5e-6, "tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4,
              "fsdp_unit_fwd_s": 2e-4, "fsdp_unit_bwd_s": 4e-4, "optimizer_tensor_s": 3e-5,
@@ -296,9 +296,8 @@ def test_interleaved_fsdp_offload_engine_and_closed_form_agree(zero, offload, v)
     cl = _cluster(gpus=4, slots=2)
     plan = config_plan(g, dp=1, tp=1, pp=2, micro_batch=1, global_batch=4, schedule="interleaved", virtual_stages=v,
                        zero=zero, recompute="none", offload=offload, precision="fp32", sequence_parallel=False)
-    a = simulate(g, plan, cl, cm)
     b = PlanEvaluator(g, cl, cm).evaluate(plan)
-    assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.05)
+    assert b.step_time_s == pytest.approx(engine_step_s(g, plan, cl, cm), rel=0.05)
 
 
 def test_collective_rows_by_busy_processes():
@@ -321,8 +320,7 @@ def test_serial_communication_adds_ddp_allreduce():
     ev = PlanEvaluator(g, serial_cl, cm)
     ctx, rows = ev.prepare(plan)
     assert ctx.serial_comm
-    from autopar.simulator.evaluator import _COL
-    total = sum(float(rows[:, _COL[k]].sum()) for k in ("fwd_s", "bwd_s", "dp_allreduce_s", "optimizer_s"))
+    total = sum(float(rows.column(k).sum()) for k in ("fwd_s", "bwd_s", "dp_allreduce_s", "optimizer_s"))
     for res in (ev.evaluate(plan), simulate(g, plan, serial_cl, cm)):
         assert res.step_time_s == pytest.approx(total, rel=1e-9)
     assert not PlanEvaluator(g, overlap_cl, cm).prepare(plan)[0].serial_comm
@@ -333,7 +331,7 @@ def test_serial_communication_by_busy_processes_per_core():
     """Communication overlaps compute only while a core is left free for it: fewer busy
     processes than cores overlap, as many or more (oversubscribed) take turns."""
     from autopar.core.plan import Mesh
-    from autopar.simulator.topology import serial_communication
+    from autopar.simulator.cpu_node import serial_communication
     cl = _cluster(gpus=8, slots=4)
     assert not serial_communication(cl, Mesh(dp=2, pp=1, tp=1))       # 2 processes, 4 cores
     assert serial_communication(cl, Mesh(dp=4, pp=1, tp=1))           # one per core
@@ -365,7 +363,6 @@ def test_meeting_waits_stretch_each_ranks_work_by_how_often_it_meets(dp, tp, zer
     and reduce-scatter and at every tensor-parallel collective; each meeting waits
     meeting_wait(work / meetings), stretching the rank's own work by 1 + M wait / W; the
     collectives are not stretched (their in-step rows hold their own wake-up)."""
-    from autopar.simulator.evaluator import _COL
 
     sync = [{"processes": p, "per_compute": 0.0, "gaps_s": [1e-4, 1e-3, 1e-1], "extra_s": [0.0, 2e-4, 5e-3]}
             for p in (2, 4)]
@@ -376,25 +373,25 @@ def test_meeting_waits_stretch_each_ranks_work_by_how_often_it_meets(dp, tp, zer
     _, waited = PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))).prepare(plan)
     meetings = (1 if zero <= 1 and dp > 1 else 0) + (3 * sum(1 for lay in g.layers if lay.param_numel > 0)
                                                       if zero >= 2 else 0)
-    work = float((plain[:, _COL["fwd_s"]] + plain[:, _COL["bwd_s"]] + plain[:, _COL["optimizer_s"]]).sum())
-    measured_meetings = float(waited[:, _COL["meetings"]].sum()) + (1 if zero <= 1 and dp > 1 else 0)
+    work = float((plain.fwd_s + plain.bwd_s + plain.optimizer_s).sum())
+    measured_meetings = float(waited.meetings.sum()) + (1 if zero <= 1 and dp > 1 else 0)
     assert measured_meetings >= 1
     gap = work / measured_meetings
     wait = float(np.interp(gap, [1e-4, 1e-3, 1e-1], [0.0, 2e-4, 5e-3]))
     factor = 1 + measured_meetings * wait / work
     assert factor > 1.0
     for col in ("fwd_s", "bwd_s", "optimizer_s"):
-        assert waited[:, _COL[col]] == pytest.approx(plain[:, _COL[col]] * factor, rel=1e-9)
+        assert waited.column(col) == pytest.approx(plain.column(col) * factor, rel=1e-9)
     for col in ("dp_allreduce_s", "dp_allgather_s", "dp_reducescatter_s", "tp_comm_fwd_s"):
-        assert waited[:, _COL[col]] == pytest.approx(plain[:, _COL[col]])
+        assert waited.column(col) == pytest.approx(plain.column(col))
     if tp == 1:                                            # the count, by hand: FSDP 3 a unit, DDP 1
         assert measured_meetings == meetings
     else:   # Megatron's split block: all-reduces f and g in forward, their pair in backward (Shoeybi et al. 2019)
         blocks = [i for i, lay in enumerate(g.layers) if lay.name.startswith("blocks.")]
-        assert blocks and all(waited[i, _COL["meetings"]] == 4 for i in blocks)
+        assert blocks and all(waited.meetings[i] == 4 for i in blocks)
     one = _ddp_plan(g, dp=1)
-    assert (PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))).prepare(one)[1]
-            == PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS))).prepare(one)[1]).all()
+    assert (PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS, sync_wait=sync))).prepare(one)[1].data
+            == PlanEvaluator(g, cl, CostModel.from_profile(_profile(OVERHEADS))).prepare(one)[1].data).all()
 
 
 def _ddp_plan(g, dp=2, tp=1, zero=0):
@@ -407,7 +404,7 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
     the last layer), each on the layer that closes it at the bucket's size; ZeRO-1's per-tensor
     broadcasts are one broadcast of all the parameters; with tensor parallelism (FSDP2's
     replicate: one all-reduce per unit) the per-layer calls stay."""
-    from autopar.simulator.evaluator import _COL, DDP_FIRST_BUCKET_BYTES, PlanEvaluator as PE
+    from autopar.simulator.evaluator import DDP_FIRST_BUCKET_BYTES, PlanEvaluator as PE
     from autopar.simulator.memory import DDP_BUCKET_BYTES
 
     g = gpt_graph(4, 128, 4, 128, 1000, batch=2)      # ~0.8 MB of fp32 gradients a block: 2 buckets
@@ -415,7 +412,7 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
     cl = _cluster(gpus=4, slots=0)
     ev = PE(g, cl, cm)
     ctx, rows = ev.prepare(_ddp_plan(g))
-    grads = rows[:, _COL["dp_grad_bytes"]]
+    grads = rows.dp_grad_bytes
     expected = [0.0] * len(rows)
     cap, filled = DDP_FIRST_BUCKET_BYTES, 0.0
     for k in reversed(range(len(rows))):
@@ -423,14 +420,14 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
         if filled >= cap or k == 0:
             expected[k] = cm.collective_time("all_reduce", filled, 2, ctx.links.dp.link, ctx.links.dp.level)
             cap, filled = DDP_BUCKET_BYTES, 0.0
-    assert rows[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(expected)
+    assert rows.dp_allreduce_s.tolist() == pytest.approx(expected)
     assert grads.sum() > DDP_FIRST_BUCKET_BYTES and sum(1 for e in expected if e > 0) == 2
     # dp x tp: per layer, as the layer costs price it
     plan_tp = _ddp_plan(g, tp=2)
     ctx2, rows2 = ev.prepare(plan_tp)
     per_layer = [ev.layer_cost(i, lp, plan_tp.mesh, plan_tp.micro_batch, "fp32").dp_allreduce_s
                  for i, lp in enumerate(plan_tp.layers)]
-    assert rows2[:, _COL["dp_allreduce_s"]].tolist() == pytest.approx(per_layer)
+    assert rows2.dp_allreduce_s.tolist() == pytest.approx(per_layer)
 
 
 def test_chained_broadcast_rows_price_zero1_parameter_broadcasts():

@@ -1,0 +1,22 @@
+"""Bytes per element: of a captured tensor's torch dtype, and of a training precision.
+
+The one table of element sizes (IEEE 754 binary64/32/16, bfloat16 and the integer types;
+TF32 is stored in 32 bits).  A dtype the table does not know counts as 4 bytes.
+"""
+from __future__ import annotations
+
+#: torch dtype names as captured (``OpNode.dtype``, without the ``torch.`` prefix)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+               "bool": 1, "uint8": 1, "int8": 1}
+#: training precisions and profiled compute dtypes (plan.precision, profile peak_flops keys)
+PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a torch dtype name (``"torch.bfloat16"`` or ``"bfloat16"``)."""
+    return DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
+
+
+def precision_bytes(precision: str) -> int:
+    """Bytes per element of a precision name (``"bf16"``)."""
+    return PRECISION_BYTES.get(precision, 4)

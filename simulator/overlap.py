@@ -1,0 +1,35 @@
+"""What a layer's FSDP traffic and compute are per micro-batch, before they overlap.
+
+One place for the rule both the step model (evaluator.layer_effective_times) and the planner's
+per-layer tables (planner/layer_tables.fold_layer_cost) apply: the layer's compute per pass
+(forward, and recompute + backward, each with its tensor-parallel collectives, which sit on the
+critical path: Shoeybi et al. 2019, Sec. 3) runs beside the data-parallel stream's traffic --
+FSDP's parameter all-gather and the offloaded parameters' copy in before forward, ZeRO-3's second
+all-gather before backward, the gradient reduce-scatter and the copy out after it (Zhao et al.
+2023, "PyTorch FSDP", Sec. 3.3) -- and the longer of the two sets the pace.
+
+The functions take numpy arrays (one entry per layer) or plain numbers alike.
+"""
+from __future__ import annotations
+
+
+def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
+    """(forward communication, backward gather, backward communication) of a layer per micro-batch.
+
+    ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
+    the host.  The backward gather (ZeRO-3 re-gathers the parameters it freed after forward) is
+    part of the backward communication and also returned alone: nothing precedes it at the start
+    of a model chunk's backward.
+    """
+    zero2 = zero >= 2
+    h2d = h2d_s * offload
+    fwd_comm = allgather_s * zero2 + h2d
+    bwd_gather = (allgather_s + h2d) * (zero >= 3)
+    bwd_comm = bwd_gather + (reducescatter_s + d2h_s * offload) * zero2
+    return fwd_comm, bwd_gather, bwd_comm
+
+
+def compute_per_pass(fwd_s, tp_comm_fwd_s, recompute_s, bwd_s, tp_comm_bwd_s):
+    """(forward, backward) compute of a layer per micro-batch with its tensor-parallel collectives;
+    a recomputed forward runs inside backward."""
+    return fwd_s + tp_comm_fwd_s, recompute_s + bwd_s + tp_comm_bwd_s

@@ -1,0 +1,133 @@
+"""The step model: one training step of a plan in closed form, from its per-layer table.
+
+This is the one description of the step that the search, ``autopar simulate``, ``autopar
+report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step):
+
+* per micro-batch and model chunk, forward = sum over layers of max(compute + tp collectives,
+  the next layer's FSDP all-gather [+ offload copy]) -- prefetch hides the shorter of the two
+  (overlap.py); the chunk's first layer waits for its own gather; backward likewise with
+  recompute and the reduce-scatter (``layer_effective_times``);
+* pipeline (rank r busy T_r = forward + backward of all its chunks, one micro-batch):
+  GPipe and 1F1B: sum_r T_r + (m - 1) max_r T_r (the fill/drain of Huang et al. 2019 and
+  Narayanan et al. 2021 Sec. 2.2.1; for equal stages (m + p - 1) T, bubble (p-1)/(m+p-1));
+  interleaved with v chunks: m max_r T_r + (sum_r T_r - max_r T_r) / v (bubble divided by v,
+  Narayanan et al. 2021 Sec. 2.2.2); plus 2 (p - 1) activation sends for fill and drain
+  (``pipeline_time``);
+* data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
+  its last backward ends, one after another on the communication stream, so the step ends
+  at max_k(ready_k + sum of the all-reduces launched from k on) (Li et al. 2020, "PyTorch
+  Distributed", Sec. 3.2); FSDP's last reduce-scatter is exposed; then the optimizer step
+  (and ZeRO-1's parameter all-gather) (``after_backward``).
+
+``ctx`` is the evaluator's context of the plan (evaluator._Context: mesh, stages, micro-batches,
+the pipeline send time); the event engine (engine.py) plays the same rows out for the trace.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.simulator.layer_table import LayerTable
+from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+
+
+def chunk_masks(starts: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(head, tail, not_tail): the first layer of each model chunk, its last, and the others."""
+    head = np.zeros(num_layers, dtype=bool)
+    head[starts] = True
+    tail = np.zeros(num_layers, dtype=bool)
+    tail[np.asarray(starts)[1:] - 1] = True
+    tail[num_layers - 1] = True
+    return head, tail, ~tail
+
+
+def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
+                          not_tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer and micro-batch: forward and backward time with FSDP traffic overlapped.
+
+    FSDP prefetches one layer ahead: while layer k computes, layer k+1's all-gather (and
+    offload copy) runs, so a layer takes max(its compute, the next layer's gather) -- and the
+    first layer of each model chunk (``head``) waits for its own gather, which nothing
+    precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  In backward the communication
+    stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
+    layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
+    """
+    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
+                                                  rows.d2h_s, rows.zero, rows.offload)
+    fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
+    next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
+    next_comm[:-1] = fwd_comm[1:]
+    next_comm[-1] = 0.0
+    next_comm *= not_tail
+    fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
+    bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
+    return fwd, bwd
+
+
+def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tuple[float, float]:
+    """(time from the first forward to the last backward, bubble fraction) for ranks busy ``t_r``
+    per micro-batch (module docstring); ``send_s``: one activation send between stages."""
+    t_max = float(t_r.max())
+    if v == 1:
+        pipe = float(t_r.sum()) + (m - 1) * t_max + 2 * (p - 1) * send_s
+    else:
+        pipe = m * t_max + (float(t_r.sum()) - t_max) / v + 2 * (p - 1) * send_s
+    bubble = 1.0 - m * t_max / pipe if pipe > 0 else 0.0
+    return pipe, bubble
+
+
+def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:
+    """When each pipeline rank ends its last backward: rank 0 last, each later rank one backward
+    of its first chunk (and a send) earlier."""
+    return pipe - np.concatenate(([0.0], np.cumsum(b_first_chunk[:-1] + send_s)))
+
+
+def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int) -> np.ndarray:
+    """When each pipeline rank ends the step: after the gradient sync ``sync``, the optimizer step
+    and ZeRO-1's parameter all-gather."""
+    opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
+    zero1 = rows.zero == 1
+    if not zero1.any():
+        return sync + opt
+    return sync + opt + np.bincount(layer_rank, weights=rows.dp_allgather_s * zero1, minlength=p)
+
+
+def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
+    """(time at which each pipeline rank finishes the step, bubble fraction), communication
+    overlapping compute (a GPU's streams)."""
+    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
+    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    f_g = np.add.reduceat(fwd, ctx.starts)
+    b_g = np.add.reduceat(bwd, ctx.starts)
+    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
+    c = ctx.p2p_s
+    pipe, bubble = pipeline_time(t_r, m, p, v, c)
+    end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
+    # ---- DDP: gradients all-reduced as each layer's last backward ends
+    zero = rows.zero
+    ar = rows.dp_allreduce_s * (zero <= 1)
+    layer_rank = ctx.layer_rank
+    excess = np.zeros(p)
+    if ar.any():
+        # time before the end of its chunk's last backward at which a layer's gradient is ready
+        cum = np.cumsum(bwd)
+        before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
+        chunk_off = np.zeros(len(ctx.starts))
+        if v > 1:
+            b_vp = b_g.reshape(v, p)
+            # the cool-down runs p backward passes of each later chunk before the next one's
+            chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
+        rel = -(before + chunk_off[ctx.layer_stage])
+        order = np.lexsort((rel, layer_rank))
+        rel_s, ar_s, rank_s = rel[order], ar[order], layer_rank[order]
+        total = np.bincount(rank_s, weights=ar_s, minlength=p)
+        cum_ar = np.cumsum(ar_s)
+        first_idx = np.searchsorted(rank_s, np.arange(p))
+        before_in_rank = cum_ar - ar_s - (cum_ar - ar_s)[np.minimum(first_idx, len(ar_s) - 1)][rank_s]
+        suffix = total[rank_s] - before_in_rank
+        val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
+        excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
+    # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
+    first = rows.at(ctx.starts[:p])
+    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
+    sync = end_r + np.maximum(excess, fsdp_tail)
+    return after_backward(sync, rows, layer_rank, p), bubble
