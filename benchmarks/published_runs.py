@@ -15,7 +15,7 @@ The rows are split in two halves, deterministically: within each family, rows so
 alternately A and B (``split_halves``).  A cost term with a free constant is fitted on one half
 and reported on the other, both ways; the per-half figures are printed beside the whole table.
 
-    python benchmarks/published_runs.py [--only ID_SUBSTRING] [--refresh-data]
+    python benchmarks/published_runs.py [--fit] [--only ID_SUBSTRING] [--refresh-data]
 
 ``--refresh-data`` rebuilds the project's copy from ``../shared/validation/published_runs.json``
 (beside the repository); the benchmark itself reads only the copy.
@@ -249,6 +249,51 @@ def price_row(row: dict, graph_cache: dict) -> dict:
             "predicted_mfu": res.mfu}
 
 
+# ------------------------------------------------------------------------------- fitting
+#: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
+SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
+
+
+def fit_slowdown(errors_by_value: dict[float, list[tuple[str, float]]], ids: set[str]) -> float:
+    """The grid value whose median |error| over the rows ``ids`` is least (the smaller on a tie)."""
+    def score(v):
+        return statistics.median(abs(e) for rid, e in errors_by_value[v] if rid in ids)
+    return min(sorted(errors_by_value), key=score)
+
+
+def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[str], dict]:
+    """Fit the overlap slowdown on each half's sharded rows, report the other half (and both)."""
+    from autopar.simulator import sharded_dp
+
+    sharded = [r for r in rows if r["family"] in SHARDED_FAMILIES]
+    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN
+    by_value: dict[float, list] = {}
+    results_by_value: dict[float, list] = {}
+    try:
+        for v in SLOWDOWN_GRID:
+            sharded_dp.NCCL_OVERLAP_SLOWDOWN = v
+            res = [price_row(r, cache) for r in sharded]
+            results_by_value[v] = res
+            by_value[v] = [(r["id"], r["error"]) for r in res]
+    finally:
+        sharded_dp.NCCL_OVERLAP_SLOWDOWN = saved
+    lines, out = [], {}
+    for fit_half, test_half in (("A", "B"), ("B", "A")):
+        ids = {r["id"] for r in sharded if halves[r["id"]] == fit_half}
+        v = fit_slowdown(by_value, ids)
+        test = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == test_half]
+        fitted = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == fit_half]
+        out[f"fit_{fit_half}"] = {"slowdown": v, "fitted_half": family_table(fitted), "held_back_half": family_table(test)}
+        lines += format_table(f"NCCL_OVERLAP_SLOWDOWN fitted on half {fit_half}: {v}; fitted half {fit_half}:",
+                              family_table(fitted))
+        lines += format_table(f"  ... held-back half {test_half}:", family_table(test))
+    v_all = fit_slowdown(by_value, {r["id"] for r in sharded})
+    out["fit_all"] = v_all
+    lines.append(f"fitted on all sharded rows: {v_all} (sharded_dp.NCCL_OVERLAP_SLOWDOWN = {saved} in the code)")
+    return lines, out
+
+
 # ------------------------------------------------------------------------------- output
 def format_table(title: str, table: dict) -> list[str]:
     lines = [title, f"  {'family/gpu':<14} {'rows':>4} {'median |err|':>12} {'mean signed':>11}  worst row"]
@@ -264,6 +309,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="price only rows whose id contains this")
     ap.add_argument("--refresh-data", action="store_true", help="rebuild the project's copy from ../shared/validation")
+    ap.add_argument("--fit", action="store_true",
+                    help="also fit the overlap slowdown on each half and report the other (slow: 7 passes)")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared validation file (default {SHARED})")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()
@@ -292,15 +339,20 @@ def main() -> int:
     lines += format_table("All rows:", family_table(results))
     for h in "AB":
         lines += format_table(f"Half {h}:", family_table(results, h, halves))
+    fit = None
+    if args.fit:
+        fit_lines, fit = cross_validate(rows, halves, cache)
+        lines.append("")
+        lines += fit_lines
     lines.append(f"({len(results)} rows in {time.perf_counter() - t0:.0f} s)")
     print("\n".join(lines[len(results) + 1:]))
     if not args.no_write and not args.only:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "published_runs.txt").write_text("$ python benchmarks/published_runs.py\n" + "\n".join(lines) + "\n")
+        (RESULTS / "published_runs.txt").write_text(f"$ python benchmarks/published_runs.py{' --fit' if args.fit else ''}\n" + "\n".join(lines) + "\n")
         out = {"command": "python benchmarks/published_runs.py", "error": "predicted throughput / measured - 1",
                "split": "within each family, rows sorted by id, alternately A and B", "rows": results,
                "families": family_table(results),
-               "halves": {h: family_table(results, h, halves) for h in "AB"}}
+               "halves": {h: family_table(results, h, halves) for h in "AB"}, "fit": fit}
         (RESULTS / "published_runs.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -233,6 +233,7 @@ class PlanEvaluator:
         ctx, key = self._context(plan)
         busy = busy_devices_per_node(self.cluster, ctx.mesh)
         rows = ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, busy)
+        rows = _sharded_dp(rows, ctx)   # issue 16: FSDP copies and overlap slowdown (simulator/sharded_dp.py)
         return ctx, with_meeting_waits(rows, ctx, busy)
 
     def evaluate(self, plan: Plan) -> SimResult:
@@ -291,6 +292,16 @@ class PlanEvaluator:
             fits=bool((totals <= ctx.capacity).all()), comm_bytes=comm, bubble_fraction=bubble,
             sources={"measured": measured, "estimated": estimated}, timeline=timeline,
             stage_step_s=[float(x) for x in step_r], world_size=world, peak_flops_per_gpu=peak)
+
+
+def _sharded_dp(rows: np.ndarray, ctx: _Context) -> np.ndarray:
+    """simulator/sharded_dp.py on a GPU plan's rows (a CPU profile's ranks take turns already)."""
+    cm = ctx.rank_cm[0]
+    if cm.host_dispatch_bound or ctx.serial_comm:
+        return rows
+    from autopar.simulator.sharded_dp import with_sharded_dp_costs
+
+    return with_sharded_dp_costs(rows, _COL, _ZERO, cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0))
 
 
 #: the columns of a rank's own work, stretched by its meeting waits (``with_meeting_waits``)
