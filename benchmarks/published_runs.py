@@ -11,8 +11,8 @@ type it prints the median |error|, the mean signed error and the worst row.
 Error = predicted throughput / measured throughput - 1 (= measured step / predicted step - 1):
 positive means the simulator promises more than the run delivered.
 
-The rows are split in two halves, deterministically: within each family, rows sorted by id,
-alternately A and B (``split_halves``).  A cost term with a free constant is fitted on one half
+The rows are split in two halves, deterministically: within each family and GPU type, rows
+sorted by id, alternately A and B (``split_halves``).  A cost term with a free constant is fitted on one half
 and reported on the other, both ways; the per-half figures are printed beside the whole table.
 
     python benchmarks/published_runs.py [--fit] [--only ID_SUBSTRING] [--refresh-data]
@@ -105,9 +105,34 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
                        "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"])},
             "measured": measured,
         })
+    rows += _ibm_h100_rows(rows)
     return {"about": "Figures of published training runs (throughput, layout, model and cluster) with their "
-                     "sources, copied from ../shared/validation/published_runs.json by "
-                     "benchmarks/published_runs.py --refresh-data.", "rows": rows}
+                     "sources, copied from ../shared/validation/published_runs.json (and the H100 columns of "
+                     "the IBM/Meta FSDP blog's Table 1) by benchmarks/published_runs.py --refresh-data.", "rows": rows}
+
+
+#: Runs the shared file does not hold: the H100 columns of the IBM/Meta FSDP blog's Table 1
+#: (https://pytorch.org/blog/maximizing-training/; pytorch/pytorch.github.io,
+#: _posts/2024-03-13-maximizing-training.md): 96 H100 80GB, 800 Gbps inter-node, Llama 2
+#: architectures at sequence 4096, batch 2 per GPU, FSDP; (size, tokens/s/GPU, MFU, HFU, checkpointing).
+IBM_H100 = (("7B", 7500, 0.37, 0.37, "none"), ("13B", 3800, 0.35, 0.40, "partial"),
+            ("34B", 1550, 0.32, 0.44, "full"), ("70B", 800, 0.34, 0.45, "full"))
+
+
+def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
+    by_size = {r["id"].split("_")[3]: r for r in a100_rows if r["id"].startswith("ibm_fsdp_llama2_")}
+    out = []
+    for size, tps, mfu, hfu, rec in IBM_H100:
+        base = by_size[size]
+        out.append({
+            "id": f"ibm_fsdp_llama2_{size}_h100_96gpu", "family": "FSDP", "gpu": "h100",
+            "source": {"title": base["source"]["title"], "location": "Table 1, H100 columns",
+                       "url": base["source"].get("url")},
+            "model": dict(base["model"]),
+            "cluster": {"gpus": 96, "gpus_per_node": 8, "inter_node_GBps_per_gpu": 800 / 8 / 8},
+            "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec},
+            "measured": {"metric": "tokens_per_s_per_gpu", "value": tps, "mfu": mfu, "hfu": hfu}})
+    return out
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -152,10 +177,10 @@ def summarize(errors: list[tuple[str, float]]) -> dict:
 
 
 def split_halves(rows: list[dict]) -> dict[str, str]:
-    """id -> "A" or "B": within each family, rows sorted by id, alternately A, B, A, ..."""
+    """id -> "A" or "B": within each family and GPU type, rows sorted by id, alternately A, B, A, ..."""
     out = {}
-    for fam in sorted({r["family"] for r in rows}):
-        ids = sorted(r["id"] for r in rows if r["family"] == fam)
+    for fam, gpu in sorted({(r["family"], r["gpu"]) for r in rows}):
+        ids = sorted(r["id"] for r in rows if r["family"] == fam and r["gpu"] == gpu)
         for i, rid in enumerate(ids):
             out[rid] = "AB"[i % 2]
     return out
@@ -350,7 +375,7 @@ def main() -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "published_runs.txt").write_text(f"$ python benchmarks/published_runs.py{' --fit' if args.fit else ''}\n" + "\n".join(lines) + "\n")
         out = {"command": "python benchmarks/published_runs.py", "error": "predicted throughput / measured - 1",
-               "split": "within each family, rows sorted by id, alternately A and B", "rows": results,
+               "split": "within each family and GPU type, rows sorted by id, alternately A and B", "rows": results,
                "families": family_table(results),
                "halves": {h: family_table(results, h, halves) for h in "AB"}, "fit": fit}
         (RESULTS / "published_runs.json").write_text(json.dumps(out, indent=1) + "\n")
