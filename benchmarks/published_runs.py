@@ -313,6 +313,10 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
         lines += format_table(f"NCCL_OVERLAP_SLOWDOWN fitted on half {fit_half}: {v}; fitted half {fit_half}:",
                               family_table(fitted))
         lines += format_table(f"  ... held-back half {test_half}:", family_table(test))
+    for h in "AB":
+        base = [dict(r, half=halves[r["id"]]) for r in results_by_value[0.0] if halves[r["id"]] == h]
+        out[f"without_slowdown_{h}"] = family_table(base)
+        lines += format_table(f"without the overlap slowdown (0.0), half {h}:", family_table(base))
     v_all = fit_slowdown(by_value, {r["id"] for r in sharded})
     out["fit_all"] = v_all
     lines.append(f"fitted on all sharded rows: {v_all} (sharded_dp.NCCL_OVERLAP_SLOWDOWN = {saved} in the code)")
