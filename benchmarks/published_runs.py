@@ -44,6 +44,12 @@ BASE_CLUSTER = {"a100": "dgx-a100-192x8", "h100": "h100-16x8"}
 
 
 # ----------------------------------------------------------------------------- the data copy
+#: bytes a gradient element took in the published runs' reduce-scatters: llm-foundry's FSDP mixed
+#: precision (composer DEFAULT and PURE) and fms-fsdp's bfSixteen policy reduce in bf16, DeepSpeed's
+#: fp16 ZeRO-3 in fp16 (the model dtype) -- 2 bytes each (simulator/sharded_dp.py REDUCE_BYTES)
+REDUCE_BYTES = 2.0
+
+
 def _family(row: dict) -> str:
     zero = row["parallel"]["zero_stage"]
     if row["parallel"].get("fsdp") or (isinstance(zero, str) and "FSDP" in zero):
@@ -102,7 +108,8 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
             "cluster": {"gpus": c["gpus"], "gpus_per_node": c["gpus_per_node"],
                         "inter_node_GBps_per_gpu": _inter_node_GBps_per_gpu(c)},
             "layout": {"dp": p["dp"], "tp": p["tp"], "pp": p["pp"], "micro_batch": p["micro_batch"],
-                       "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"])},
+                       "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"]),
+                       "reduce_bytes": REDUCE_BYTES},
             "measured": measured,
         })
     rows += _ibm_h100_rows(rows)
@@ -130,7 +137,8 @@ def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
                        "url": base["source"].get("url")},
             "model": dict(base["model"]),
             "cluster": {"gpus": 96, "gpus_per_node": 8, "inter_node_GBps_per_gpu": 800 / 8 / 8},
-            "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec},
+            "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec,
+                       "reduce_bytes": REDUCE_BYTES},
             "measured": {"metric": "tokens_per_s_per_gpu", "value": tps, "mfu": mfu, "hfu": hfu}})
     return out
 
@@ -256,6 +264,7 @@ def row_plan(row: dict, graph, cluster):
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
+    from autopar.simulator import sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -267,7 +276,12 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    res = simulate(graph, plan, cluster, cms)
+    saved = sharded_dp.REDUCE_BYTES
+    sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
+    try:
+        res = simulate(graph, plan, cluster, cms)
+    finally:
+        sharded_dp.REDUCE_BYTES = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

@@ -299,9 +299,11 @@ def _sharded_dp(rows: np.ndarray, ctx: _Context) -> np.ndarray:
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    from autopar.simulator.sharded_dp import with_sharded_dp_costs
+    from autopar.simulator import sharded_dp
 
-    return with_sharded_dp_costs(rows, _COL, _ZERO, cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0))
+    return sharded_dp.with_sharded_dp_costs(rows, _COL, _ZERO, cm.memory_bandwidth_Bps,
+                                            cm.efficiency.get("memory_bound", 1.0),
+                                            reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES))
 
 
 #: the columns of a rank's own work, stretched by its meeting waits (``with_meeting_waits``)

@@ -27,6 +27,15 @@ What this module adds:
    constant is the one free parameter of this module; benchmarks/published_runs.py --fit fits
    it on one half of the published runs and reports the other half, both ways.
 
+3. The reduce dtype.  The rows price a reduce-scatter at the gradients' training precision (2
+   bytes under bf16 / fp16); the runtime reduces them in fp32 (runtime/apply_dp.py,
+   ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=torch.float32)``), twice the bytes.
+   ``REDUCE_BYTES`` says how many bytes a reduced gradient element takes, and the reduce-scatter
+   (wire time and copy-in) scales by it over the priced 2 bytes (``reduce_scale``; its latency
+   part scales too, which overstates it by (N-1) alpha at most -- small beside the bytes of a
+   layer's gradients).  A run that reduced in bf16 is priced with REDUCE_BYTES = 2
+   (benchmarks/published_runs.py does so for the published runs that state it).
+
 Kept apart from CPU effects: on a gloo profile (``host_dispatch_bound``) communication already
 takes turns with compute (topology.serial_communication) and nothing here applies.
 """
@@ -39,6 +48,17 @@ import numpy as np
 #: rows of the published runs; the value below is the fit on all of them, and the benchmark prints
 #: what each half's fit does on the other half (benchmarks/results/published_runs.txt).
 NCCL_OVERLAP_SLOWDOWN = 0.5
+
+
+#: bytes of one gradient element as the runtime reduce-scatters it (fp32: runtime/apply_dp.py)
+REDUCE_BYTES = 4.0
+
+
+def reduce_scale(precision: str, reduce_bytes: float) -> float:
+    """Reduce-scatter bytes over those the rows priced: mixed precision prices 2 bytes a gradient,
+    fp32 4 (simulator/memory.py STATE_BYTES)."""
+    priced = 4.0 if precision == "fp32" else 2.0
+    return max(1.0, reduce_bytes / priced)
 
 
 def copy_out_s(unit_bytes: float, memory_bandwidth_Bps: float, efficiency: float) -> float:
@@ -55,13 +75,14 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 
 
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
-                          slowdown: float | None = None) -> np.ndarray:
+                          slowdown: float | None = None, reduce_factor: float = 1.0) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
 
     ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
     forward layer k computes under layer k+1's gather, in backward under layer k-1's gather and
     its own reduce-scatter (the prefetch order of evaluator.layer_effective_times).  The unit
     bytes are the unsharded-parameter and -gradient buffers the rows already hold.
+    ``reduce_factor`` (``reduce_scale``) scales the reduce-scatter and its copy-in.
     """
     slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
     zero = rows[:, zero_col]
@@ -74,10 +95,10 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     pbytes = rows[:, col["fsdp_param_buffer_bytes"]]
     gbytes = rows[:, col["fsdp_grad_buffer_bytes"]]
     cp_param = np.where(sharded & (pbytes > 0), 2.0 * pbytes / (bw * eff), 0.0)
-    cp_grad = np.where(sharded & (gbytes > 0), 2.0 * gbytes / (bw * eff), 0.0)
+    cp_grad = np.where(sharded & (gbytes > 0), 2.0 * gbytes * reduce_factor / (bw * eff), 0.0)
     fwd, bwd = rows[:, col["fwd_s"]], rows[:, col["bwd_s"]]
     rec = rows[:, col["recompute_s"]]
-    ag, rs = rows[:, col["dp_allgather_s"]], rows[:, col["dp_reducescatter_s"]]
+    ag, rs = rows[:, col["dp_allgather_s"]], rows[:, col["dp_reducescatter_s"]] * reduce_factor
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
     out[:, col["fwd_s"]] = fwd + np.where(gather3, cp_param, 0.0)
     out[:, col["bwd_s"]] = bwd + np.where(gather3, cp_param, 0.0)

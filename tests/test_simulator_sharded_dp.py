@@ -5,7 +5,7 @@ import pytest
 
 from autopar.simulator.layer_cost import LAYER_COST_FIELDS
 from autopar.simulator.network import ring_bus_bandwidth_GBps
-from autopar.simulator.sharded_dp import copy_out_s, overlap_slowdown_s, with_sharded_dp_costs
+from autopar.simulator.sharded_dp import copy_out_s, overlap_slowdown_s, reduce_scale, with_sharded_dp_costs
 
 
 def test_ring_bandwidth_over_nodes():
@@ -42,3 +42,16 @@ def test_rows_of_a_sharded_pair_of_layers():
     assert out[0, col["dp_reducescatter_s"]] == pytest.approx(0.3 + cp)
     rows[:, zero_col] = 0                                 # DDP rows are left alone
     assert with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.5) is rows
+
+
+def test_reduce_in_fp32_doubles_a_mixed_precision_reduce_scatter():
+    assert reduce_scale("bf16", 4.0) == 2.0 and reduce_scale("bf16", 2.0) == 1.0
+    assert reduce_scale("fp32", 4.0) == 1.0
+    col = {n: i for i, n in enumerate(LAYER_COST_FIELDS)}
+    zero_col = len(LAYER_COST_FIELDS)
+    rows = np.zeros((1, zero_col + 1))
+    rows[0, col["dp_reducescatter_s"]], rows[0, col["fsdp_grad_buffer_bytes"]] = 0.3, 1e9
+    rows[0, zero_col] = 3
+    out = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, reduce_factor=2.0)
+    # the reduce-scatter's wire time and its copy-in of the fp32 gradients both double
+    assert out[0, col["dp_reducescatter_s"]] == pytest.approx(2 * 0.3 + 2 * 2e9 / 1e12)
