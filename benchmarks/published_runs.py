@@ -50,6 +50,19 @@ BASE_CLUSTER = {"a100": "dgx-a100-192x8", "h100": "h100-16x8"}
 REDUCE_BYTES = 2.0
 
 
+def _autocast(parallel: dict) -> str:
+    """How the run used torch.autocast (simulator/autocast.py modes): llm-foundry's runs train under
+    composer's amp_bf16 -- autocast -- with fp32 parameters (FSDP mixed precision DEFAULT) or bf16
+    ones (PURE); Megatron-LM and DeepSpeed keep fp16 parameters and fms-fsdp bf16 ones (FSDP
+    MixedPrecision param_dtype), without autocast."""
+    text = parallel.get("precision") or ""
+    if "DEFAULT" in text:
+        return "fp32_params"
+    if "PURE" in text:
+        return "low_params"
+    return "off"
+
+
 def _family(row: dict) -> str:
     zero = row["parallel"]["zero_stage"]
     if row["parallel"].get("fsdp") or (isinstance(zero, str) and "FSDP" in zero):
@@ -109,7 +122,7 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
                         "inter_node_GBps_per_gpu": _inter_node_GBps_per_gpu(c)},
             "layout": {"dp": p["dp"], "tp": p["tp"], "pp": p["pp"], "micro_batch": p["micro_batch"],
                        "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"]),
-                       "reduce_bytes": REDUCE_BYTES},
+                       "reduce_bytes": REDUCE_BYTES, "autocast": _autocast(p)},
             "measured": measured,
         })
     rows += _ibm_h100_rows(rows)
@@ -138,7 +151,7 @@ def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
             "model": dict(base["model"]),
             "cluster": {"gpus": 96, "gpus_per_node": 8, "inter_node_GBps_per_gpu": 800 / 8 / 8},
             "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec,
-                       "reduce_bytes": REDUCE_BYTES},
+                       "reduce_bytes": REDUCE_BYTES, "autocast": "off"},
             "measured": {"metric": "tokens_per_s_per_gpu", "value": tps, "mfu": mfu, "hfu": hfu}})
     return out
 
@@ -264,7 +277,7 @@ def row_plan(row: dict, graph, cluster):
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator import sharded_dp
+    from autopar.simulator import autocast, sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -276,12 +289,13 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES
+    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
+    autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES = saved
+        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

@@ -55,3 +55,22 @@ def test_reduce_in_fp32_doubles_a_mixed_precision_reduce_scatter():
     out = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, reduce_factor=2.0)
     # the reduce-scatter's wire time and its copy-in of the fp32 gradients both double
     assert out[0, col["dp_reducescatter_s"]] == pytest.approx(2 * 0.3 + 2 * 2e9 / 1e12)
+
+
+def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
+    from autopar.simulator import autocast as A
+
+    # DDP / ZeRO-1 alone, or one dp rank: autocast with fp32 parameters; FSDP2 paths: none; fp32: none
+    assert A.autocast_mode(0, 8, 1, 1, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(1, 8, 1, 1, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, 1, 8, 4, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, 8, 2, 1, "bf16") == A.OFF          # replicate on FSDP2
+    assert A.autocast_mode(3, 8, 1, 1, "bf16") == A.OFF
+    assert A.autocast_mode(0, 8, 1, 1, "fp32") == A.OFF
+    assert A.bytes_factor("norm", "layer_norm", A.FP32_PARAMS) == 2.0
+    assert A.bytes_factor("loss", None, A.LOW_PARAMS) == 2.0
+    assert A.bytes_factor("elementwise", "add", A.FP32_PARAMS) == 2.0      # the fp32 residual stream
+    assert A.bytes_factor("elementwise", "add", A.LOW_PARAMS) == 1.0
+    assert A.bytes_factor("elementwise", "gelu", A.FP32_PARAMS) == 1.0     # on a linear's bf16 output
+    assert A.bytes_factor("linear", "linear", A.FP32_PARAMS) == 1.0
+    assert A.bytes_factor("norm", "layer_norm", A.OFF) == 1.0
