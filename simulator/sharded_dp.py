@@ -21,7 +21,7 @@ What this module adds:
    its data through HBM (NVIDIA, "NCCL: Environment Variables", NCCL_MIN_CTAS / NCCL_MAX_CTAS,
    NCCL_NCHANNELS_PER_NET_PEER); compute kernels launched meanwhile get fewer SMs and less
    memory bandwidth (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in
-   Distributed Deep Learning Training Platforms", ISCA, Sec. 3: overlapped GEMMs slowed by the
+   Distributed Deep Learning Training Platforms", ISCA: overlapped GEMMs slowed by the
    collectives' SM and memory use).  Priced as: each second of compute that runs under a
    collective takes ``1 + NCCL_OVERLAP_SLOWDOWN`` seconds (``overlap_slowdown_s``).  The
    constant is the one free parameter of this module; benchmarks/published_runs.py --fit fits
