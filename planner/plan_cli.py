@@ -62,6 +62,9 @@ def main(args: argparse.Namespace) -> int:
         result = search(graph, cluster, cost_models, options)
     else:
         result = _search_with_progress(console, graph, cluster, cost_models, options)
+    # issue 16: each plan's family validation error; a better-validated plan within the band wins
+    from autopar.planner import confidence
+    result, conf_errors, conf_close, conf_why = confidence.apply(result, cluster)
     # how to load this cluster again (autopar report / simulate re-price the plan with it)
     cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
     plan = result.best.plan.with_predicted(result.best.plan.predicted, cluster_ref=cluster_ref,
@@ -74,12 +77,15 @@ def main(args: argparse.Namespace) -> int:
                "capture_s": round(capture_s, 3),
                "runner_ups": [{"predicted": dict(ev.plan.predicted), "mesh": ev.plan.to_dict()["mesh"],
                                "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
+        out["validation"] = {"why": conf_why, "plans": [  # best first, then the runner-ups
+            {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(conf_errors, conf_close)]}
         json.dump(out, sys.stdout, indent=2, default=float)
         print()
         return 0
     from autopar.planner.plan_report import print_plan
 
-    print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s)
+    print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
+               confidence=(conf_errors, conf_close, conf_why))
     return 0
 
 

@@ -23,7 +23,8 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
     return runs
 
 
-def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float) -> None:
+def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
+               confidence=None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -58,6 +59,11 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
     console.print(f"[bold]predicted[/bold]   step {pred['step_time_s']:.3f} s, {pred['tokens_per_s']:,.0f} tokens/s, "
                   f"{pred['samples_per_s']:,.1f} samples/s, {pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
                   f"MFU {100 * pred['mfu']:.1f}%, bubble {100 * pred.get('bubble_fraction', 0):.1f}%")
+    errs, close, why = confidence or ([None] * (1 + len(result.runner_ups)), [False] * (1 + len(result.runner_ups)), "")
+    if errs[0] is not None:
+        console.print("[bold]validated[/bold]   " + escape(f"{errs[0].describe()} (benchmarks/published_runs.py); {why}"))
+    elif why:
+        console.print("[bold]validated[/bold]   " + escape(why))
     mt = Table(title="memory per device (each pipeline rank)", show_edge=False)
     for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
         mt.add_column(col, justify="right")
@@ -71,9 +77,13 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
         rt.add_column("#")
         rt.add_column("step", justify="right")
         rt.add_column("vs winner", justify="right")
+        rt.add_column("validation")
         rt.add_column("what differs")
         for k, ev in enumerate(result.runner_ups, 1):
-            rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"+{100 * (ev.step_time_s / best.step_time_s - 1):.1f}%",
-                       describe_difference(best.candidate, ev.candidate))
+            e = errs[k] if k < len(errs) else None
+            val = (f"{e.family} ±{100 * e.median_abs:.0f}%" if e else "-") + \
+                (", too close to call" if k < len(close) and close[k] else "")
+            rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"{100 * (ev.step_time_s / best.step_time_s - 1):+.1f}%",
+                       val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

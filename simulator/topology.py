@@ -33,7 +33,20 @@ class MeshLinks:
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
     nodes = {cluster.device(r).node for r in ranks}
     level = "inter" if len(nodes) > 1 else "intra"
-    return GroupLink(cluster.link(ranks), level, len(ranks))
+    link = cluster.link(ranks)
+    if level == "inter":   # issue 16: a ring over nodes uses its ranks' adapters at once (simulator/network.py)
+        link = _ring_link(cluster, ranks, link)
+    return GroupLink(link, level, len(ranks))
+
+
+def _ring_link(cluster: Cluster, ranks: list[int], link: Link) -> Link:
+    from collections import Counter
+
+    from autopar.simulator.network import ring_bus_bandwidth_GBps
+
+    per_node = min(Counter(cluster.device(r).node for r in ranks).values())
+    intra = min(cluster.groups[cluster.device(r).group].intra_node.bandwidth_GBps for r in ranks)
+    return Link(ring_bus_bandwidth_GBps(link.bandwidth_GBps, intra, per_node), link.latency_us)
 
 
 def _slowest(links: list[GroupLink]) -> GroupLink:

@@ -40,10 +40,16 @@ def test_group_spanning_two_nodes_pays_inter_node_link():
     inside = mesh_links(cl, Mesh(dp=1, tp=4, pp=1))
     assert inside.tp.level == "intra" and inside.tp.link == INTRA
     spanning = mesh_links(cl, Mesh(dp=1, tp=8, pp=1))
-    assert spanning.tp.level == "inter" and spanning.tp.link == INTER
+    # a ring with 4 ranks on each node moves its inter-node traffic through their 4 adapters at
+    # once (simulator/network.py), bounded by the node link
+    bw_GBps = min(INTRA.bandwidth_GBps, 4 * INTER.bandwidth_GBps)
+    assert spanning.tp.level == "inter" and spanning.tp.link == Link(bw_GBps, INTER.latency_us)
     m = 100e6
     t = cm.collective_time("all_reduce", m, 8, spanning.tp.link, spanning.tp.level)
-    assert t == pytest.approx(14 * INTER.latency_s + 2 * 7 / 8 * m / INTER.bandwidth_Bps)
+    assert t == pytest.approx(14 * INTER.latency_s + 2 * 7 / 8 * m / (bw_GBps * 1e9))
+    # one rank a node (a pipeline pair across nodes) keeps one adapter
+    pairs = mesh_links(cl, Mesh(dp=1, tp=1, pp=8))        # ranks 3 -> 4 cross the nodes
+    assert pairs.pp.level == "inter" and pairs.pp.link == INTER
     # dp over 2 ranks with tp=4 inside each node crosses the nodes
     dp_links = mesh_links(cl, Mesh(dp=2, tp=4, pp=1))
     assert dp_links.dp.level == "inter" and dp_links.tp.level == "intra"

@@ -31,7 +31,11 @@ def dgx_a100(nodes):
     ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 1, "interleaved", 148.0),
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, "1f1b", 137.0),
 ])
-def test_megatron_table1(row):
+def test_megatron_table1(row, monkeypatch):
+    from autopar.simulator import autocast
+
+    # Megatron-LM keeps fp16 parameters and runs no torch.autocast (simulator/autocast.py)
+    monkeypatch.setattr(autocast, "OVERRIDE", autocast.OFF)
     name, l, h, a, tp, pp, gpus, B, mb, schedule, published = row
     s, V = 2048, 51200
     g = gpt_graph(l, h, a, s, V)

@@ -1,0 +1,418 @@
+"""The simulator against published training runs: Megatron-LM PTD-P, DeepSpeed ZeRO-3 and FSDP.
+
+Every row of ``benchmarks/data/published_runs.json`` (a published run: its model, cluster,
+parallel layout and measured throughput, with its source) is priced as ``autopar simulate``
+prices a configuration: the model built from ``examples/gpt.py`` or ``examples/llama.py`` with
+the row's dimensions and captured on meta, the cluster from a bundled file with the row's node
+count and network, the plan from the row's layout (``simulator.configure.config_plan``), and
+``simulator.simulate.simulate`` (the event engine).  Per family (PTD-P, ZeRO-3, FSDP) and GPU
+type it prints the median |error|, the mean signed error and the worst row.
+
+Error = predicted throughput / measured throughput - 1 (= measured step / predicted step - 1):
+positive means the simulator promises more than the run delivered.
+
+The rows are split in two halves, deterministically: within each family and GPU type, rows
+sorted by id, alternately A and B (``split_halves``).  A cost term with a free constant is fitted on one half
+and reported on the other, both ways; the per-half figures are printed beside the whole table.
+
+    python benchmarks/published_runs.py [--fit] [--only ID_SUBSTRING] [--refresh-data]
+
+``--refresh-data`` rebuilds the project's copy from ``../shared/validation/published_runs.json``
+(beside the repository); the benchmark itself reads only the copy.
+Writes benchmarks/results/published_runs.{txt,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
+SHARED = ROOT.parent / "shared" / "validation" / "published_runs.json"
+RESULTS = ROOT / "benchmarks" / "results"
+FAMILIES = ("PTD-P", "ZeRO-3", "FSDP")
+
+# Per GPU type of the sources: the bundled profile and the cluster file whose node it uses.
+GPU_KEYS = {"NVIDIA A100 SXM4 80GB": "a100", "A100 80GB": "a100", "NVIDIA A100 80GB": "a100",
+            "NVIDIA H100 80GB": "h100", "H100 80GB": "h100", "NVIDIA H100 SXM5 80GB": "h100"}
+BASE_CLUSTER = {"a100": "dgx-a100-192x8", "h100": "h100-16x8"}
+
+
+# ----------------------------------------------------------------------------- the data copy
+#: bytes a gradient element took in the published runs' reduce-scatters: llm-foundry's FSDP mixed
+#: precision (composer DEFAULT and PURE) and fms-fsdp's bfSixteen policy reduce in bf16, DeepSpeed's
+#: fp16 ZeRO-3 in fp16 (the model dtype) -- 2 bytes each (simulator/sharded_dp.py REDUCE_BYTES)
+REDUCE_BYTES = 2.0
+
+
+def _autocast(parallel: dict) -> str:
+    """How the run used torch.autocast (simulator/autocast.py modes): llm-foundry's runs train under
+    composer's amp_bf16 -- autocast -- with fp32 parameters (FSDP mixed precision DEFAULT) or bf16
+    ones (PURE); Megatron-LM and DeepSpeed keep fp16 parameters and fms-fsdp bf16 ones (FSDP
+    MixedPrecision param_dtype), without autocast."""
+    text = parallel.get("precision") or ""
+    if "DEFAULT" in text:
+        return "fp32_params"
+    if "PURE" in text:
+        return "low_params"
+    return "off"
+
+
+def _family(row: dict) -> str:
+    zero = row["parallel"]["zero_stage"]
+    if row["parallel"].get("fsdp") or (isinstance(zero, str) and "FSDP" in zero):
+        return "FSDP"
+    if zero == 3:
+        return "ZeRO-3"
+    return "PTD-P"
+
+
+def _recompute_label(text: str | None) -> str:
+    t = (text or "").lower()
+    if t.startswith("selective"):
+        return "partial"          # IBM: checkpointing every n-th block, n not stated
+    if t.startswith(("full", "yes")):
+        return "full"
+    return "none"
+
+
+def _inter_node_GBps_per_gpu(cluster: dict) -> float | None:
+    """The GPU's share of its node's network, GB/s per direction, from the row's description."""
+    text = (cluster.get("inter_node") or "").lower()
+    gpn = cluster["gpus_per_node"]
+    if "8x infiniband hdr 200 gb/s per node" in text:
+        return 8 * 200 / 8 / gpn                       # 8 adapters x 200 Gb/s
+    if text.startswith("1600 gbps"):
+        return 1600 / 8 / gpn
+    if text.startswith("400 gbps"):
+        return 400 / 8 / gpn
+    return None
+
+
+def copy_from_shared(shared: Path = SHARED) -> dict:
+    """The project's copy: each row's figures and source, no prose (see the module docstring)."""
+    if not shared.exists():
+        raise SystemExit(f"the shared validation data {shared} is absent: it is expected beside the repository "
+                         f"(../shared/validation/published_runs.json); the benchmark reads the project's copy "
+                         f"{DATA.relative_to(ROOT)}, which --refresh-data rebuilds from it.")
+    src = json.loads(shared.read_text())
+    rows = []
+    for r in src["rows"]:
+        m, c, p, met = r["model"], r["cluster"], r["parallel"], r["metrics"]
+        measured = ({"metric": "tflops_per_gpu_megatron_eq3", "value": met["tflops_per_gpu"]["value"]}
+                    if met.get("tflops_per_gpu") else
+                    {"metric": "tokens_per_s_per_gpu", "value": met["tokens_per_sec"]["value"]})
+        for k in ("mfu", "hfu"):
+            if met.get(k):
+                v = met[k]["value"]
+                measured[k] = v / 100 if v > 1 else v
+        source = {k: r["source"][k] for k in ("title", "location", "url", "repo", "path", "commit")
+                  if r["source"].get(k)}
+        arch = "llama" if m.get("kv_heads") and "Llama" in m["name"] else "gpt"
+        rows.append({
+            "id": r["id"], "family": _family(r), "gpu": GPU_KEYS[c["gpu"]], "source": source,
+            "model": {"name": m["name"], "arch": arch, "mpt": "MPT" in m["name"],
+                      **{k: m[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab")}},
+            "cluster": {"gpus": c["gpus"], "gpus_per_node": c["gpus_per_node"],
+                        "inter_node_GBps_per_gpu": _inter_node_GBps_per_gpu(c)},
+            "layout": {"dp": p["dp"], "tp": p["tp"], "pp": p["pp"], "micro_batch": p["micro_batch"],
+                       "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"]),
+                       "reduce_bytes": REDUCE_BYTES, "autocast": _autocast(p)},
+            "measured": measured,
+        })
+    rows += _ibm_h100_rows(rows)
+    return {"about": "Figures of published training runs (throughput, layout, model and cluster) with their "
+                     "sources, copied from ../shared/validation/published_runs.json (and the H100 columns of "
+                     "the IBM/Meta FSDP blog's Table 1) by benchmarks/published_runs.py --refresh-data.", "rows": rows}
+
+
+#: Runs the shared file does not hold: the H100 columns of the IBM/Meta FSDP blog's Table 1
+#: (https://pytorch.org/blog/maximizing-training/; pytorch/pytorch.github.io,
+#: _posts/2024-03-13-maximizing-training.md): 96 H100 80GB, 800 Gbps inter-node, Llama 2
+#: architectures at sequence 4096, batch 2 per GPU, FSDP; (size, tokens/s/GPU, MFU, HFU, checkpointing).
+IBM_H100 = (("7B", 7500, 0.37, 0.37, "none"), ("13B", 3800, 0.35, 0.40, "partial"),
+            ("34B", 1550, 0.32, 0.44, "full"), ("70B", 800, 0.34, 0.45, "full"))
+
+
+def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
+    by_size = {r["id"].split("_")[3]: r for r in a100_rows if r["id"].startswith("ibm_fsdp_llama2_")}
+    out = []
+    for size, tps, mfu, hfu, rec in IBM_H100:
+        base = by_size[size]
+        out.append({
+            "id": f"ibm_fsdp_llama2_{size}_h100_96gpu", "family": "FSDP", "gpu": "h100",
+            "source": {"title": base["source"]["title"], "location": "Table 1, H100 columns",
+                       "url": base["source"].get("url")},
+            "model": dict(base["model"]),
+            "cluster": {"gpus": 96, "gpus_per_node": 8, "inter_node_GBps_per_gpu": 800 / 8 / 8},
+            "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec,
+                       "reduce_bytes": REDUCE_BYTES, "autocast": "off"},
+            "measured": {"metric": "tokens_per_s_per_gpu", "value": tps, "mfu": mfu, "hfu": hfu}})
+    return out
+
+
+def load_rows(path: Path = DATA) -> list[dict]:
+    if not path.exists():
+        raise SystemExit(f"{path} is missing; rebuild it with `python benchmarks/published_runs.py --refresh-data` "
+                         f"(needs ../shared/validation/published_runs.json beside the repository).")
+    return json.loads(path.read_text())["rows"]
+
+
+# --------------------------------------------------------------------- measured vs predicted
+def megatron_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration with full recompute (Narayanan et al. 2021, Eq. 3):
+    96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def measured_step_s(row: dict) -> float:
+    """The step time the row's measured throughput implies."""
+    m, lay, gpus = row["model"], row["layout"], row["cluster"]["gpus"]
+    meas = row["measured"]
+    if meas["metric"] == "tflops_per_gpu_megatron_eq3":
+        flops = megatron_eq3_flops(lay["global_batch"], m["seq_len"], m["layers"], m["hidden"], m["vocab"])
+        return flops / (meas["value"] * 1e12 * gpus)
+    if meas["metric"] == "tokens_per_s_per_gpu":
+        return lay["global_batch"] * m["seq_len"] / (meas["value"] * gpus)
+    raise ValueError(f"row {row['id']}: unknown metric {meas['metric']!r}")
+
+
+def throughput_error(predicted_step_s: float, measured_step: float) -> float:
+    """predicted throughput / measured throughput - 1."""
+    return measured_step / predicted_step_s - 1.0
+
+
+def summarize(errors: list[tuple[str, float]]) -> dict:
+    """median |error|, mean signed error and the worst row of (id, error) pairs."""
+    if not errors:
+        return {"rows": 0}
+    vals = [e for _, e in errors]
+    worst = max(errors, key=lambda x: abs(x[1]))
+    return {"rows": len(vals), "median_abs": statistics.median(abs(e) for e in vals),
+            "mean_signed": sum(vals) / len(vals), "worst_id": worst[0], "worst": worst[1]}
+
+
+def split_halves(rows: list[dict]) -> dict[str, str]:
+    """id -> "A" or "B": within each family and GPU type, rows sorted by id, alternately A, B, A, ..."""
+    out = {}
+    for fam, gpu in sorted({(r["family"], r["gpu"]) for r in rows}):
+        ids = sorted(r["id"] for r in rows if r["family"] == fam and r["gpu"] == gpu)
+        for i, rid in enumerate(ids):
+            out[rid] = "AB"[i % 2]
+    return out
+
+
+def family_table(results: list[dict], half: str | None = None, halves: dict | None = None) -> dict:
+    """(family, gpu) -> summary over ``results`` (optionally one half only)."""
+    groups: dict[tuple[str, str], list] = {}
+    for r in results:
+        if half is not None and halves[r["id"]] != half:
+            continue
+        groups.setdefault((r["family"], r["gpu"]), []).append((r["id"], r["error"]))
+    return {f"{fam}/{gpu}": summarize(v) for (fam, gpu), v in sorted(groups.items())}
+
+
+# ---------------------------------------------------------------------- pricing one row
+def model_spec(row: dict) -> tuple[str, dict]:
+    """(model file, model args) of the row: Llama rows on examples/llama.py, GPT and MPT on gpt.py."""
+    m = row["model"]
+    if m["arch"] == "llama":
+        return str(ROOT / "examples" / "llama.py"), {
+            "layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "kv_heads": m["kv_heads"],
+            "ffn": m["ffn_hidden"], "seq": m["seq_len"], "vocab": m["vocab"], "dtype": "bfloat16"}
+    args = {"layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "seq": m["seq_len"],
+            "vocab": m["vocab"]}
+    if m.get("mpt"):
+        # MPT: flash attention (one fused kernel), no dropout (llm-foundry's MPT yamls)
+        args.update(attention="sdpa")
+    else:
+        # Megatron-LM's GPT: unfused attention in 2021, dropout 0.1 (its pretrain_gpt defaults)
+        args.update(dropout=0.1)
+    return str(ROOT / "examples" / "gpt.py"), args
+
+
+def row_cluster(row: dict):
+    from autopar.core.cluster import Link, load_cluster
+
+    c = row["cluster"]
+    gpn = c["gpus_per_node"]
+    nodes = max(1, c["gpus"] // gpn)
+    cl = load_cluster(BASE_CLUSTER[row["gpu"]], nodes=nodes)
+    if c.get("inter_node_GBps_per_gpu"):
+        cl = replace(cl, inter_node=Link(c["inter_node_GBps_per_gpu"], cl.inter_node.latency_us))
+    return cl
+
+
+def row_plan(row: dict, graph, cluster):
+    """The row's layout as a Plan.  Rows that do not state a micro-batch (Megatron Table 1) use 1;
+    pipelines run interleaved 1F1B with 2 chunks per rank, as the paper's runs (Sec. 5.1)."""
+    from autopar.simulator.configure import config_plan
+
+    lay = row["layout"]
+    pp = lay["pp"]
+    rec = lay["recompute"]
+    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, micro_batch=lay["micro_batch"] or 1,
+                       global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 else "1f1b",
+                       virtual_stages=2, zero=3 if row["family"] in ("ZeRO-3", "FSDP") else 0,
+                       recompute="full" if rec in ("full", "partial") else "none", offload="none",
+                       precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
+    if rec == "partial":
+        # checkpointing every n-th block: the fraction of blocks recomputed is what the row's
+        # hardware over model FLOPs says, (hfu / mfu - 1) * 3 (a recomputed forward is 1/3 of a step)
+        meas = row["measured"]
+        frac = (meas["hfu"] / meas["mfu"] - 1.0) * 3.0
+        blocks = [lp for lp in plan.layers if graph.layers[lp.layer].kind not in ("pre", "post")]
+        every = max(1, round(1.0 / max(frac, 1e-9)))
+        keep = {b.layer for i, b in enumerate(blocks) if i % every == 0}
+        plan = replace(plan, layers=tuple(lp if lp.layer in keep or lp.recompute == "none"
+                                          else replace(lp, recompute="none") for lp in plan.layers))
+    return plan
+
+
+def price_row(row: dict, graph_cache: dict) -> dict:
+    from autopar.core.capture import capture_model_file
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator import autocast, sharded_dp
+    from autopar.simulator.simulate import simulate
+
+    path, args = model_spec(row)
+    mb = row["layout"]["micro_batch"] or 1
+    key = (path, tuple(sorted(args.items())), mb)
+    if key not in graph_cache:
+        graph_cache[key] = capture_model_file(path, args, mb)
+    graph = graph_cache[key]
+    cluster = row_cluster(row)
+    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    plan = row_plan(row, graph, cluster)
+    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE
+    sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
+    autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
+    try:
+        res = simulate(graph, plan, cluster, cms)
+    finally:
+        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE = saved
+    meas = measured_step_s(row)
+    return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
+            "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,
+            "predicted_mfu": res.mfu}
+
+
+# ------------------------------------------------------------------------------- fitting
+#: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
+SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
+
+
+def fit_slowdown(errors_by_value: dict[float, list[tuple[str, float]]], ids: set[str]) -> float:
+    """The grid value whose median |error| over the rows ``ids`` is least (the smaller on a tie)."""
+    def score(v):
+        return statistics.median(abs(e) for rid, e in errors_by_value[v] if rid in ids)
+    return min(sorted(errors_by_value), key=score)
+
+
+def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[str], dict]:
+    """Fit the overlap slowdown on each half's sharded rows, report the other half (and both)."""
+    from autopar.simulator import sharded_dp
+
+    sharded = [r for r in rows if r["family"] in SHARDED_FAMILIES]
+    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN
+    by_value: dict[float, list] = {}
+    results_by_value: dict[float, list] = {}
+    try:
+        for v in SLOWDOWN_GRID:
+            sharded_dp.NCCL_OVERLAP_SLOWDOWN = v
+            res = [price_row(r, cache) for r in sharded]
+            results_by_value[v] = res
+            by_value[v] = [(r["id"], r["error"]) for r in res]
+    finally:
+        sharded_dp.NCCL_OVERLAP_SLOWDOWN = saved
+    lines, out = [], {}
+    for fit_half, test_half in (("A", "B"), ("B", "A")):
+        ids = {r["id"] for r in sharded if halves[r["id"]] == fit_half}
+        v = fit_slowdown(by_value, ids)
+        test = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == test_half]
+        fitted = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == fit_half]
+        out[f"fit_{fit_half}"] = {"slowdown": v, "fitted_half": family_table(fitted), "held_back_half": family_table(test)}
+        lines += format_table(f"NCCL_OVERLAP_SLOWDOWN fitted on half {fit_half}: {v}; fitted half {fit_half}:",
+                              family_table(fitted))
+        lines += format_table(f"  ... held-back half {test_half}:", family_table(test))
+    for h in "AB":
+        base = [dict(r, half=halves[r["id"]]) for r in results_by_value[0.0] if halves[r["id"]] == h]
+        out[f"without_slowdown_{h}"] = family_table(base)
+        lines += format_table(f"without the overlap slowdown (0.0), half {h}:", family_table(base))
+    v_all = fit_slowdown(by_value, {r["id"] for r in sharded})
+    out["fit_all"] = v_all
+    lines.append(f"fitted on all sharded rows: {v_all} (sharded_dp.NCCL_OVERLAP_SLOWDOWN = {saved} in the code)")
+    return lines, out
+
+
+# ------------------------------------------------------------------------------- output
+def format_table(title: str, table: dict) -> list[str]:
+    lines = [title, f"  {'family/gpu':<14} {'rows':>4} {'median |err|':>12} {'mean signed':>11}  worst row"]
+    for k, s in table.items():
+        if not s["rows"]:
+            continue
+        lines.append(f"  {k:<14} {s['rows']:>4} {100 * s['median_abs']:>11.1f}% {100 * s['mean_signed']:>+10.1f}%  "
+                     f"{s['worst_id']} ({100 * s['worst']:+.1f}%)")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=None, help="price only rows whose id contains this")
+    ap.add_argument("--refresh-data", action="store_true", help="rebuild the project's copy from ../shared/validation")
+    ap.add_argument("--fit", action="store_true",
+                    help="also fit the overlap slowdown on each half and report the other (slow: 7 passes)")
+    ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared validation file (default {SHARED})")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    args = ap.parse_args()
+    if args.refresh_data:
+        DATA.parent.mkdir(parents=True, exist_ok=True)
+        DATA.write_text(json.dumps(copy_from_shared(args.shared), indent=1) + "\n")
+        print(f"wrote {DATA.relative_to(ROOT)}")
+    rows = load_rows()
+    if args.only:
+        rows = [r for r in rows if args.only in r["id"]]
+    halves = split_halves(load_rows())
+    cache: dict = {}
+    results = []
+    lines = [f"{'row':<42} {'half':>4} {'measured s':>10} {'predicted s':>11} {'error':>7}"]
+    print(lines[0], flush=True)
+    t0 = time.perf_counter()
+    for row in rows:
+        r = price_row(row, cache)
+        r["half"] = halves[row["id"]]
+        results.append(r)
+        line = (f"{r['id']:<42} {r['half']:>4} {r['measured_step_s']:>10.3f} {r['predicted_step_s']:>11.3f} "
+                f"{100 * r['error']:>+6.1f}%{'' if r['fits'] else '  (does not fit)'}")
+        lines.append(line)
+        print(line, flush=True)
+    lines.append("")
+    lines += format_table("All rows:", family_table(results))
+    for h in "AB":
+        lines += format_table(f"Half {h}:", family_table(results, h, halves))
+    fit = None
+    if args.fit:
+        fit_lines, fit = cross_validate(rows, halves, cache)
+        lines.append("")
+        lines += fit_lines
+    lines.append(f"({len(results)} rows in {time.perf_counter() - t0:.0f} s)")
+    print("\n".join(lines[len(results) + 1:]))
+    if not args.no_write and not args.only:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "published_runs.txt").write_text(f"$ python benchmarks/published_runs.py{' --fit' if args.fit else ''}\n" + "\n".join(lines) + "\n")
+        out = {"command": "python benchmarks/published_runs.py", "error": "predicted throughput / measured - 1",
+               "split": "within each family and GPU type, rows sorted by id, alternately A and B", "rows": results,
+               "families": family_table(results),
+               "halves": {h: family_table(results, h, halves) for h in "AB"}, "fit": fit}
+        (RESULTS / "published_runs.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""What sharded data parallelism (FSDP2 / ZeRO-3, ZeRO-2) costs beyond its collectives' wire time.
+
+Pure functions over plain numbers, and one adapter (``with_sharded_dp_costs``) that applies them
+to the evaluator's per-layer rows.  What the rows already hold (layer_cost.py, evaluator.py):
+an all-gather per layer per micro-batch in forward and again in backward (FSDP2 reshards after
+forward by default, ``reshard_after_forward=True``), a reduce-scatter per layer per micro-batch
+(FSDP2 reduces every micro-batch unless ``set_requires_gradient_sync(False)``; the runtime does
+not turn it off), prefetch one layer ahead, the first all-gather of each chunk and the last
+reduce-scatter exposed, ring latency (N-1) alpha per collective, and the optimizer on the shard.
+What this module adds:
+
+1. Copy-out after each all-gather.  FSDP2 gathers a unit's shards into one flat buffer and
+   then copies it out into the unsharded parameters (``torch.distributed.fsdp._fully_shard.
+   _fsdp_collectives.foreach_all_gather_copy_out``, ``split_with_sizes_copy``) on the compute
+   stream, where the next layer waits for it: a read and a write of the unit's bytes at HBM
+   speed (``copy_out_s``).  Before a reduce-scatter the unsharded gradients are copied into
+   its input buffer (``foreach_reduce``, ``torch._chunk_cat``) on the reduce-scatter stream:
+   the same read and write, added to the reduce-scatter's time.
+2. NCCL kernels slow the compute they overlap.  A collective runs as CUDA kernels, one thread
+   block per channel, each resident on an SM for the collective's whole duration and streaming
+   its data through HBM (NVIDIA, "NCCL: Environment Variables", NCCL_MIN_CTAS / NCCL_MAX_CTAS,
+   NCCL_NCHANNELS_PER_NET_PEER); compute kernels launched meanwhile get fewer SMs and less
+   memory bandwidth (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in
+   Distributed Deep Learning Training Platforms", ISCA: overlapped GEMMs slowed by the
+   collectives' SM and memory use).  Priced as: each second of compute that runs under a
+   collective takes ``1 + NCCL_OVERLAP_SLOWDOWN`` seconds (``overlap_slowdown_s``).  The
+   constant is the one free parameter of this module; benchmarks/published_runs.py --fit fits
+   it on one half of the published runs and reports the other half, both ways.
+
+3. The reduce dtype.  The rows price a reduce-scatter at the gradients' training precision (2
+   bytes under bf16 / fp16); the runtime reduces them in fp32 (runtime/apply_dp.py,
+   ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=torch.float32)``), twice the bytes.
+   ``REDUCE_BYTES`` says how many bytes a reduced gradient element takes, and the reduce-scatter
+   (wire time and copy-in) scales by it over the priced 2 bytes (``reduce_scale``; its latency
+   part scales too, which overstates it by (N-1) alpha at most -- small beside the bytes of a
+   layer's gradients).  A run that reduced in bf16 is priced with REDUCE_BYTES = 2
+   (benchmarks/published_runs.py does so for the published runs that state it).
+
+Kept apart from CPU effects: on a gloo profile (``host_dispatch_bound``) communication already
+takes turns with compute (topology.serial_communication) and nothing here applies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: extra compute time per second of compute overlapped by a collective (see the module docstring,
+#: item 2).  Fitted by ``python benchmarks/published_runs.py --fit`` on the sharded-data-parallel
+#: rows of the published runs; the value below is the fit on all of them, and the benchmark prints
+#: what each half's fit does on the other half (benchmarks/results/published_runs.txt).
+NCCL_OVERLAP_SLOWDOWN = 0.5
+
+
+#: bytes of one gradient element as the runtime reduce-scatters it (fp32: runtime/apply_dp.py)
+REDUCE_BYTES = 4.0
+
+
+def reduce_scale(precision: str, reduce_bytes: float) -> float:
+    """Reduce-scatter bytes over those the rows priced: mixed precision prices 2 bytes a gradient,
+    fp32 4 (simulator/memory.py STATE_BYTES)."""
+    priced = 4.0 if precision == "fp32" else 2.0
+    return max(1.0, reduce_bytes / priced)
+
+
+def copy_out_s(unit_bytes: float, memory_bandwidth_Bps: float, efficiency: float) -> float:
+    """A read and a write of ``unit_bytes`` at the achievable HBM bandwidth."""
+    if unit_bytes <= 0:
+        return 0.0
+    return 2.0 * unit_bytes / (memory_bandwidth_Bps * efficiency)
+
+
+def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
+    """Extra seconds of compute when ``comm_s`` of collectives overlap ``compute_s`` of compute:
+    the overlapped part, min(compute, comm), runs ``slowdown`` slower."""
+    return slowdown * np.minimum(compute_s, comm_s)
+
+
+def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
+                          slowdown: float | None = None, reduce_factor: float = 1.0) -> np.ndarray:
+    """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
+
+    ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
+    forward layer k computes under layer k+1's gather, in backward under layer k-1's gather and
+    its own reduce-scatter (the prefetch order of evaluator.layer_effective_times).  The unit
+    bytes are the unsharded-parameter and -gradient buffers the rows already hold.
+    ``reduce_factor`` (``reduce_scale``) scales the reduce-scatter and its copy-in.
+    """
+    slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
+    zero = rows[:, zero_col]
+    sharded = zero >= 2
+    if not sharded.any():
+        return rows
+    out = rows.copy()
+    bw, eff = memory_bandwidth_Bps, memory_efficiency
+    gather3 = zero >= 3
+    pbytes = rows[:, col["fsdp_param_buffer_bytes"]]
+    gbytes = rows[:, col["fsdp_grad_buffer_bytes"]]
+    cp_param = np.where(sharded & (pbytes > 0), 2.0 * pbytes / (bw * eff), 0.0)
+    cp_grad = np.where(sharded & (gbytes > 0), 2.0 * gbytes * reduce_factor / (bw * eff), 0.0)
+    fwd, bwd = rows[:, col["fwd_s"]], rows[:, col["bwd_s"]]
+    rec = rows[:, col["recompute_s"]]
+    ag, rs = rows[:, col["dp_allgather_s"]], rows[:, col["dp_reducescatter_s"]] * reduce_factor
+    # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
+    out[:, col["fwd_s"]] = fwd + np.where(gather3, cp_param, 0.0)
+    out[:, col["bwd_s"]] = bwd + np.where(gather3, cp_param, 0.0)
+    #    copy-in before each reduce-scatter, on its stream
+    out[:, col["dp_reducescatter_s"]] = rs + cp_grad
+    # 2. compute under collectives: forward under the next layer's gather, backward under this
+    #    layer's reduce-scatter and the next gather
+    next_fwd = np.append(ag[1:] * sharded[1:], 0.0)
+    next_bwd = np.concatenate(([0.0], ag[:-1] * gather3[:-1]))
+    bwd_comm = np.where(sharded, rs + cp_grad + next_bwd, 0.0)
+    out[:, col["fwd_s"]] += np.where(sharded, overlap_slowdown_s(fwd, next_fwd, slowdown), 0.0)
+    out[:, col["bwd_s"]] += np.where(sharded, overlap_slowdown_s(bwd + rec, bwd_comm, slowdown), 0.0)
+    return out

@@ -1,0 +1,22 @@
+"""planner/confidence.py: the validation band and the preference for a better-validated family."""
+from autopar.planner.confidence import FamilyError, choose, too_close
+
+FSDP = FamilyError("FSDP", "a100", 0.12, 0.08, 15)
+PTDP = FamilyError("PTD-P", "a100", 0.04, -0.01, 13)
+
+
+def test_band_marks_runner_ups_within_the_winners_error():
+    assert too_close(1.0, 1.10, 0.12) and not too_close(1.0, 1.13, 0.12)
+    pick, close, _ = choose([1.0, 1.05, 1.20], [FSDP, FSDP, FSDP])
+    assert pick == 0 and close == [False, True, False]
+
+
+def test_better_validated_family_inside_the_band_is_preferred():
+    pick, close, why = choose([1.0, 1.05, 1.10], [FSDP, FSDP, PTDP])
+    assert pick == 2 and close == [False, True, True] and "validated better" in why
+    # outside the band the faster plan stays
+    pick, _, _ = choose([1.0, 1.20], [FSDP, PTDP])
+    assert pick == 0
+    # a better-validated winner keeps its place; no figures: no band
+    assert choose([1.0, 1.01], [PTDP, FSDP])[0] == 0
+    assert choose([1.0, 1.01], [None, PTDP])[:2] == (0, [False, False])

@@ -1,0 +1,62 @@
+"""benchmarks/published_runs.py: measured step times, errors and per-family figures against hand
+computations from the published figures (not from the benchmark's own pricing)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    return {r["id"]: r for r in bench.load_rows()}
+
+
+def test_megatron_row_step_matches_published_aggregate(bench, rows):
+    # GPT 145.6B on 1536 A100, batch 2304: Eq. 3 FLOPs by hand; the paper's table gives the
+    # aggregate 227.1 PFLOP/s for the row, so the step is FLOPs / 227.1e15 to the table's rounding
+    b, s, l, h, v = 2304, 2048, 80, 12288, 51200
+    flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    step = bench.measured_step_s(rows["megatron21_t1_145.6B"])
+    assert step == pytest.approx(flops / (148e12 * 1536), rel=1e-12)
+    assert step == pytest.approx(flops / 227.1e15, rel=2e-3)
+
+
+def test_mpt_row_step_and_mfu(bench, rows):
+    row = rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]
+    assert bench.measured_step_s(row) == pytest.approx(512 * 2048 / (141737 * 8), rel=1e-12)
+    # the README's MFU convention, (6 N + 12 L d s) FLOPs per token over 312 TFLOP/s, gives its 44.45%
+    n, l, d, s = 125311488, 12, 768, 2048
+    assert (6 * n + 12 * l * d * s) * 141737 / 312e12 == pytest.approx(0.4445, abs=5e-4)
+    assert row["measured"]["mfu"] == pytest.approx(0.4445)
+
+
+def test_error_sign_and_family_summary(bench):
+    # predicted step 0.8 s for a measured 1.0 s: the simulator promises 25% more throughput
+    assert bench.throughput_error(0.8, 1.0) == pytest.approx(0.25)
+    results = [{"id": "a", "family": "FSDP", "gpu": "a100", "error": 0.25},
+               {"id": "b", "family": "FSDP", "gpu": "a100", "error": -0.10},
+               {"id": "c", "family": "FSDP", "gpu": "a100", "error": 0.05},
+               {"id": "d", "family": "PTD-P", "gpu": "a100", "error": -0.02}]
+    t = bench.family_table(results)
+    assert t["FSDP/a100"]["median_abs"] == pytest.approx(0.10)
+    assert t["FSDP/a100"]["mean_signed"] == pytest.approx((0.25 - 0.10 + 0.05) / 3)
+    assert t["FSDP/a100"]["worst_id"] == "a"
+    assert t["PTD-P/a100"]["rows"] == 1
+    halves = bench.split_halves([{"id": i, "family": "FSDP", "gpu": "a100"} for i in ("z", "x", "y")])
+    assert halves == {"x": "A", "y": "B", "z": "A"}
+
+
+def test_fit_picks_least_median_on_its_half(bench):
+    by_value = {0.0: [("a", 0.3), ("b", 0.2)], 0.5: [("a", 0.05), ("b", 0.4)]}
+    assert bench.fit_slowdown(by_value, {"a"}) == 0.5
+    assert bench.fit_slowdown(by_value, {"b"}) == 0.0

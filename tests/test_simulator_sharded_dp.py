@@ -1,0 +1,76 @@
+"""The sharded-data-parallel cost terms (simulator/sharded_dp.py) and the ring bandwidth over nodes
+(simulator/network.py) against their closed forms."""
+import numpy as np
+import pytest
+
+from autopar.simulator.layer_cost import LAYER_COST_FIELDS
+from autopar.simulator.network import ring_bus_bandwidth_GBps
+from autopar.simulator.sharded_dp import copy_out_s, overlap_slowdown_s, reduce_scale, with_sharded_dp_costs
+
+
+def test_ring_bandwidth_over_nodes():
+    # 8 ranks a node, 25 GB/s a GPU: the node's 200 GB/s, under NVLink's 300
+    assert ring_bus_bandwidth_GBps(25.0, 300.0, 8) == 200.0
+    assert ring_bus_bandwidth_GBps(50.0, 300.0, 8) == 300.0      # NVLink bounds it
+    assert ring_bus_bandwidth_GBps(25.0, 300.0, 1) == 25.0       # one rank a node: one adapter
+
+
+def test_copy_and_overlap_closed_forms():
+    # 1 GB read and written at 2 TB/s x 0.8
+    assert copy_out_s(1e9, 2e12, 0.8) == pytest.approx(2e9 / 1.6e12)
+    assert copy_out_s(0.0, 2e12, 0.8) == 0.0
+    assert overlap_slowdown_s(np.array([1.0, 0.2]), np.array([0.5, 0.5]), 0.5).tolist() == [0.25, 0.1]
+
+
+def test_rows_of_a_sharded_pair_of_layers():
+    col = {n: i for i, n in enumerate(LAYER_COST_FIELDS)}
+    zero_col = len(LAYER_COST_FIELDS)
+    rows = np.zeros((2, zero_col + 1))
+    for k in range(2):
+        rows[k, col["fwd_s"]], rows[k, col["bwd_s"]] = 1.0, 2.0
+        rows[k, col["dp_allgather_s"]], rows[k, col["dp_reducescatter_s"]] = 0.4, 0.3
+        rows[k, col["fsdp_param_buffer_bytes"]] = rows[k, col["fsdp_grad_buffer_bytes"]] = 1e9
+        rows[k, zero_col] = 3
+    out = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.5)
+    cp = 2e9 / 1e12                                       # 2 ms per copy
+    # layer 0: forward under layer 1's gather (0.4 s), backward under its reduce-scatter and copy-in
+    assert out[0, col["fwd_s"]] == pytest.approx(1.0 + cp + 0.5 * 0.4)
+    assert out[0, col["bwd_s"]] == pytest.approx(2.0 + cp + 0.5 * (0.3 + cp))
+    # layer 1: nothing gathered after it in forward; in backward layer 0's gather runs too
+    assert out[1, col["fwd_s"]] == pytest.approx(1.0 + cp)
+    assert out[1, col["bwd_s"]] == pytest.approx(2.0 + cp + 0.5 * (0.3 + cp + 0.4))
+    assert out[0, col["dp_reducescatter_s"]] == pytest.approx(0.3 + cp)
+    rows[:, zero_col] = 0                                 # DDP rows are left alone
+    assert with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.5) is rows
+
+
+def test_reduce_in_fp32_doubles_a_mixed_precision_reduce_scatter():
+    assert reduce_scale("bf16", 4.0) == 2.0 and reduce_scale("bf16", 2.0) == 1.0
+    assert reduce_scale("fp32", 4.0) == 1.0
+    col = {n: i for i, n in enumerate(LAYER_COST_FIELDS)}
+    zero_col = len(LAYER_COST_FIELDS)
+    rows = np.zeros((1, zero_col + 1))
+    rows[0, col["dp_reducescatter_s"]], rows[0, col["fsdp_grad_buffer_bytes"]] = 0.3, 1e9
+    rows[0, zero_col] = 3
+    out = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, reduce_factor=2.0)
+    # the reduce-scatter's wire time and its copy-in of the fp32 gradients both double
+    assert out[0, col["dp_reducescatter_s"]] == pytest.approx(2 * 0.3 + 2 * 2e9 / 1e12)
+
+
+def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
+    from autopar.simulator import autocast as A
+
+    # DDP / ZeRO-1 alone, or one dp rank: autocast with fp32 parameters; FSDP2 paths: none; fp32: none
+    assert A.autocast_mode(0, 8, 1, 1, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(1, 8, 1, 1, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, 1, 8, 4, "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, 8, 2, 1, "bf16") == A.OFF          # replicate on FSDP2
+    assert A.autocast_mode(3, 8, 1, 1, "bf16") == A.OFF
+    assert A.autocast_mode(0, 8, 1, 1, "fp32") == A.OFF
+    assert A.bytes_factor("norm", "layer_norm", A.FP32_PARAMS) == 2.0
+    assert A.bytes_factor("loss", None, A.LOW_PARAMS) == 2.0
+    assert A.bytes_factor("elementwise", "add", A.FP32_PARAMS) == 2.0      # the fp32 residual stream
+    assert A.bytes_factor("elementwise", "add", A.LOW_PARAMS) == 1.0
+    assert A.bytes_factor("elementwise", "gelu", A.FP32_PARAMS) == 1.0     # on a linear's bf16 output
+    assert A.bytes_factor("linear", "linear", A.FP32_PARAMS) == 1.0
+    assert A.bytes_factor("norm", "layer_norm", A.OFF) == 1.0
