@@ -40,7 +40,7 @@ from autopar.simulator.layer_cost import (LAYER_COST_FIELDS, MATMUL_KINDS, Layer
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult
 from autopar.simulator.topology import (MeshLinks, busy_devices_per_node, compute_stretch, mesh_links,
-                                        serial_communication, stage_groups)
+                                        node_stage_counts, serial_communication, stage_groups)
 
 _COL = {name: i for i, name in enumerate(LAYER_COST_FIELDS)}
 _NF = len(LAYER_COST_FIELDS)
@@ -68,6 +68,8 @@ class _Context:
     links: MeshLinks
     rank_cm: list[CostModel]    # slowest device's cost model per pipeline rank
     capacity: np.ndarray        # bytes per pipeline rank
+    node_counts: np.ndarray     # (distinct nodes, p): devices of each pipeline rank on a node
+    host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
     rank_onehot: np.ndarray     # (p, L): 1 where layer l runs on pipeline rank r
     p2p_s: float
@@ -189,6 +191,7 @@ class PlanEvaluator:
         rank_cm = self.rank_cost_models(mesh)
         capacity = np.array([min(self.cluster.groups[g].gpu_memory_bytes for g in stage_groups(self.cluster, mesh, r))
                              for r in range(p)], dtype=float)
+        node_counts, host_capacity = node_stage_counts(self.cluster, mesh)
         inflight = np.array([inflight_microbatches(pl.schedule, p, r, pl.num_microbatches, v) for r in range(p)], dtype=float)
         # activation send between stages, per micro-batch: the largest boundary tensor
         scale = plan.micro_batch / max(1, self.graph.batch_size)
@@ -207,7 +210,8 @@ class PlanEvaluator:
                        layer_rank=layer_stage % p, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
-                       capacity=capacity, inflight=inflight, p2p_s=p2p_s, p2p_measured=p2p_m,
+                       capacity=capacity, inflight=inflight,
+                       node_counts=node_counts, host_capacity=host_capacity, p2p_s=p2p_s, p2p_measured=p2p_m,
                        serial_comm=serial_communication(self.cluster, mesh))
         self._ctx_cache[key] = ctx
         return ctx, key
@@ -257,6 +261,12 @@ class PlanEvaluator:
             ddp_active=ddp_active, grad_bytes_total=sums[:, _COL["dp_grad_bytes"]],
             fsdp_param_buffer_max=mx[:, 1], fsdp_grad_buffer_max=mx[:, 2], p2p_bytes=out_end)
         totals = np.array([mb.total_bytes for mb in memory])
+        # ---- host memory per node: the offloaded state of every device on the node (FSDP's
+        # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
+        # the host memory of its own node), against the node's host_memory_bytes
+        host_per_node = ctx.node_counts @ np.array([mb.host_bytes for mb in memory])
+        host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
+        host_fits = bool((host_per_node <= ctx.host_capacity).all())
         # ---- FLOPs and throughput
         samples = plan.global_batch
         model_flops = self._flops_per_sample * samples
@@ -288,7 +298,10 @@ class PlanEvaluator:
             model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
             tflops_per_gpu=tflops, hw_tflops_per_gpu=hw_tflops, mfu=tflops * 1e12 / peak if peak else 0.0,
             max_memory_bytes=float(totals.max()), memory=memory, capacity_bytes=float(ctx.capacity.min()),
-            fits=bool((totals <= ctx.capacity).all()), comm_bytes=comm, bubble_fraction=bubble,
+            fits=bool((totals <= ctx.capacity).all()) and host_fits, comm_bytes=comm,
+            device_fits=bool((totals <= ctx.capacity).all()), host_fits=host_fits,
+            host_bytes_per_node=float(host_per_node[host_worst]),
+            host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble,
             sources={"measured": measured, "estimated": estimated}, timeline=timeline,
             stage_step_s=[float(x) for x in step_r], world_size=world, peak_flops_per_gpu=peak)
 

@@ -20,7 +20,7 @@ class SimResult:
     max_memory_bytes: float
     memory: list[MemoryBreakdown]        # one per pipeline rank (representative device)
     capacity_bytes: float
-    fits: bool
+    fits: bool                           # device_fits and host_fits
     comm_bytes: dict[str, float]         # bytes sent per step over all devices, by link level
     bubble_fraction: float
     sources: dict[str, int]              # {"measured": n, "estimated": n} cost figures used
@@ -28,6 +28,10 @@ class SimResult:
     stage_step_s: list[float] = field(default_factory=list)   # when each pipeline rank finishes
     world_size: int = 0
     peak_flops_per_gpu: float = 0.0
+    device_fits: bool = True             # every device's total within its memory
+    host_fits: bool = True               # every node's offloaded state within its host memory
+    host_bytes_per_node: float = 0.0     # offloaded bytes on the node closest to (or past) its limit
+    host_capacity_bytes: float = 0.0     # that node's host memory
 
     def predicted_dict(self) -> dict[str, Any]:
         """The plan.json ``predicted`` block (keys joined with measured.json)."""
@@ -44,6 +48,9 @@ class SimResult:
             "memory_per_stage": [m.to_dict() for m in self.memory],
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "host_fits": self.host_fits,
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes": dict(self.comm_bytes),
             "sources": dict(self.sources),
