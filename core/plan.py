@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from autopar.core.errors import PlanFileError
 from autopar.core.jsonfile import read_json_object
+from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -359,20 +359,6 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write the plan atomically: a crash never leaves a half-written file behind."""
     write_text_atomic(path, plan.to_json())
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1,

@@ -70,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
     from autopar.simulator.timeline import write_chrome_trace
 
     t0 = time.perf_counter()
+    if args.trace:
+        from autopar.core.output_file import check_writable
+
+        check_writable(args.trace, "--trace")         # before the work, not after it
     target = Path(args.target)
     cluster = _load_cluster(args)
     cms = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
