@@ -117,6 +117,11 @@ def load_measured(path: str) -> dict:
     if d["step_time_s"] <= 0:
         raise UserError(f"measured file {path}, field step_time_s: the value is {d['step_time_s']!r}; a step takes "
                         f"a time > 0 (a run that trained no step measures nothing){redo}")
+    ws = d.get("world_size")
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+        raise UserError(f"measured file {path}, field world_size: the value is {ws!r}, not a whole number >= 1{redo}")
+    if not isinstance(d.get("fingerprint", ""), str):
+        raise UserError(f"measured file {path}, field fingerprint: the value is {d['fingerprint']!r}, not a text{redo}")
     ranks = d.get(MEMORY_PER_RANK_KEY)
     if ranks is not None and not (isinstance(ranks, list) and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in ranks)):
