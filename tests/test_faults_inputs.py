@@ -275,8 +275,9 @@ def test_plan_values_must_be_exact(capsys, tmp_path, mlp_plan):
 @pytest.mark.parametrize("step", ["fast", 0, -0.5])
 def test_report_refuses_bad_step_time(capsys, tmp_path, mlp_plan, step):
     plan = json.loads(mlp_plan.read_text())
+    # with another figure to compare, a bad step time was once shown as a comparison, exit 0
     m = write(tmp_path / "m.json", json.dumps({"step_time_s": step, "fingerprint": plan["model"]["fingerprint"],
-                                                "world_size": 4}))
+                                                "world_size": 4, "fwd_s": 0.004, "max_memory_bytes": 10**6}))
     refused(capsys, "report", mlp_plan, m, words=("step_time_s", "m.json"))
 
 
