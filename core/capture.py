@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from autopar.core.graph import OpGraph, OpNode
 from autopar.core.layers import assign_layers, build_layers, find_blocks
-from autopar.core.modelfile import load_model_file
+from autopar.core.modelfile import load_model_file, user_code
 from autopar.core.op_costs import canonical, cost
 from autopar.core.trace_export import trace_export
 from autopar.core.trace_fx import leaf_fallback, trace_symbolic
@@ -51,9 +51,10 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
     build_s = time.perf_counter() - t0
     size = model_args.get("size")
     name = size if isinstance(size, str) else mf.name
-    graph = capture(module, inputs, model_name=name, model_file=str(mf.path),
-                    model_args=model_args, batch_size=batch_size,
-                    loss_fn=mf.loss, target=target)
+    with user_code(mf.path, "tracing the model's forward and loss"):
+        graph = capture(module, inputs, model_name=name, model_file=str(mf.path),
+                        model_args=model_args, batch_size=batch_size,
+                        loss_fn=mf.loss, target=target)
     graph.notes.insert(0, f"build_model + make_batch on meta: {build_s:.2f} s")
     graph.capture_s += build_s
     return graph

@@ -13,6 +13,10 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 BACKENDS = ("nccl", "gloo")
+#: the most devices a cluster may have (2^17 = 131072): above the largest training clusters
+#: built (~10^5 GPUs), and a bound on every per-rank loop of the simulator and the planner,
+#: so a typo like ``nodes: 1000000000000`` is refused instead of exhausting memory.
+MAX_DEVICES = 2**17
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,11 @@ class Cluster:
                 f"cluster with one group. Edit the groups' 'nodes' fields in the file instead.")
         if nodes < 1:
             raise ClusterFileError(f"--nodes is {nodes}; it must be a positive number of nodes.")
+        if nodes * self.groups[0].gpus_per_node > MAX_DEVICES:
+            raise ClusterFileError(
+                f"--nodes {nodes} gives {nodes * self.groups[0].gpus_per_node} devices "
+                f"({self.groups[0].gpus_per_node} per node); autopar plans clusters of at most {MAX_DEVICES} "
+                f"devices, i.e. --nodes up to {MAX_DEVICES // self.groups[0].gpus_per_node} here.")
         return replace(self, groups=(replace(self.groups[0], nodes=nodes),), name=f"{self.name}@{nodes}nodes")
 
 

@@ -19,6 +19,11 @@ Schema (docs/cluster-file.md has the long version)::
 ``GB`` and ``GBps`` are decimal (10^9 bytes, 10^9 bytes/s); bandwidths are per GPU and per
 direction.  Every problem raises ``ClusterFileError`` naming the file, the field path (e.g.
 ``groups[0].intra_node.bandwidth_GBps``), its line, the value and what is allowed.
+
+Bounds (``LIMITS``; docs/cluster-file.md): the file is at most 1 MiB and uses no YAML aliases
+(``*name``: a few lines of nested aliases expand to billions of nodes); a cluster has at most
+``MAX_DEVICES`` devices, and every figure has an upper bound far above any machine built, so
+that a typo like ``1e300`` is refused instead of overflowing later.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ from pathlib import Path
 
 import yaml
 
-from autopar.core.cluster import BACKENDS, Cluster, Link, NodeGroup
+from autopar.core.cluster import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
 from autopar.core.errors import ClusterFileError
+from autopar.core.jsonfile import read_text_bounded
 
 _PACKAGE = "autopar.examples.clusters"
 
@@ -41,6 +47,13 @@ GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slot
 LINK_REQUIRED = ("bandwidth_GBps", "latency_us")
 
 _DOCS = "See docs/cluster-file.md for the schema."
+
+#: largest cluster file read, bytes (the bundled ones are ~2 KB)
+MAX_CLUSTER_FILE_BYTES = 2**20
+#: upper bound of each figure: far above any machine built (the largest GPU memory sold is
+#: 0.3 TB, the largest link 0.9 TB/s per direction), low enough that bytes and seconds computed
+#: from them stay finite and exact in an int.
+LIMITS = {"gpu_memory_GB": 1e5, "host_memory_GB": 1e6, "bandwidth_GBps": 1e6, "latency_us": 1e9}
 
 
 def available_clusters() -> list[str]:
@@ -90,14 +103,23 @@ def _read(path_or_name: str) -> tuple[str, str, Path | None, str]:
         raise ClusterFileError(
             f"cluster {path_or_name!r} {what}. Bundled clusters: {', '.join(available_clusters())}. "
             f"Pass one of these names or the path of a YAML cluster file. {_DOCS}")
-    try:
-        return file.read_text(encoding="utf-8"), source, base_dir, Path(file.name).stem
-    except (OSError, UnicodeDecodeError) as e:
-        raise ClusterFileError(f"cluster file {source} cannot be read: {e}.") from None
+    text = read_text_bounded(Path(str(file)), what="cluster file", error=ClusterFileError,
+                             limit=MAX_CLUSTER_FILE_BYTES)
+    return text, source, base_dir, Path(file.name).stem
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)
+    and any alias (``*name``): nested aliases expand exponentially (the "billion laughs" file),
+    and a cluster file is short enough to write out."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"the alias *{event.anchor} is not allowed (a cluster file uses no anchors or "
+                            f"aliases; write the values out)", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -140,9 +162,9 @@ def parse_cluster(text: str, *, source: str = "<text>", base_dir: Path | None = 
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise ClusterFileError(f"cluster file {source} is not valid YAML{where}: {problem}. Fix the syntax "
-                               f"(indentation, a missing ':' or an unclosed bracket are the usual causes). "
-                               f"{_DOCS}") from None
+        hint = ("" if isinstance(e, yaml.composer.ComposerError) else
+                " Fix the syntax (indentation, a missing ':' or an unclosed bracket are the usual causes).")
+        raise ClusterFileError(f"cluster file {source} is not valid YAML{where}: {problem}.{hint} {_DOCS}") from None
     finally:
         loader.dispose()
     return _Validator(source, _lines(node, "", {}), base_dir).cluster(data, default_name)
@@ -188,14 +210,16 @@ class _Validator:
         if isinstance(value, str):
             hint = " (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else ""
             self.bad_value(path, value, f"a number, not text{hint}")
+        upper = LIMITS[path.rsplit(".", 1)[-1]]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or (value <= 0 if positive else value < 0):
-            self.bad_value(path, value, "a number > 0" if positive else "a number >= 0")
+        if not ok or (value <= 0 if positive else value < 0) or value > upper:
+            self.bad_value(path, value, f"a number {'>' if positive else '>='} 0 and at most {upper:g}")
         return float(value)
 
-    def whole(self, value: object, path: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            self.bad_value(path, value, "a whole number >= 1")
+    def whole(self, value: object, path: str, upper: int = MAX_DEVICES) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value > upper:
+            self.bad_value(path, value, f"a whole number >= 1 and at most {upper} (autopar plans clusters of at most "
+                                        f"{MAX_DEVICES} devices)")
         return value
 
     def link(self, value: object, path: str) -> Link:
@@ -282,6 +306,10 @@ class _Validator:
                 self.bad_value(f"groups[{i}].name", group.name, "a name no other group uses")
             groups.append(group)
             profiles.append(prof)
+        devices = sum(g.num_devices for g in groups)
+        if devices > MAX_DEVICES:
+            self.bad_value("groups", f"{devices} devices", f"at most {MAX_DEVICES} devices in all (nodes x "
+                                                          f"gpus_per_node summed over the groups)")
         on_cpu = [g.name for g, p in zip(groups, profiles) if p["device"] == "cpu"]
         backend = top.get("backend", "gloo" if len(on_cpu) == len(groups) else "nccl")
         if backend not in BACKENDS:
@@ -289,4 +317,9 @@ class _Validator:
         if backend == "nccl" and on_cpu:
             self.fail("backend", f"nccl needs CUDA GPUs, but group {on_cpu[0]!r} uses a CPU profile; "
                                  f"use 'backend: gloo'.")
+        if on_cpu and len(on_cpu) < len(groups):
+            gpu = next(g.name for g, p in zip(groups, profiles) if p["device"] != "cpu")
+            self.fail("groups", f"group {on_cpu[0]!r} uses a CPU profile and group {gpu!r} a GPU profile; the "
+                                f"runtime trains every rank on one kind of device (CPU ranks on gloo, GPU ranks on "
+                                f"nccl), so one cluster cannot mix them. Split it into two cluster files.")
         return Cluster(name=name, groups=tuple(groups), inter_node=inter_node, backend=backend, source=self.source)

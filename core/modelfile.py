@@ -10,10 +10,15 @@ The contract (docs/design.md, "Contracts")::
 files with the same stem never collide), checks the functions, and returns a ``ModelFile``
 whose methods call them and turn every failure into a ``ModelFileError``: one paragraph
 naming the file, the function and what to do -- never a bare traceback.
+
+The user's code runs inside ``user_code``: what it prints goes to stderr (stdout carries
+``--json`` output), and a ``sys.exit()`` in it -- a ``SystemExit``, which ``except Exception``
+does not catch -- becomes a ``ModelFileError`` instead of ending autopar silently.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -23,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from autopar.core.errors import ModelFileError, UserError
 
@@ -148,7 +153,8 @@ class ModelFile:
 
     def _call(self, fname: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with user_code(self.path, f"calling {fname}({_fmt_args(args, kwargs)})"):
+                return fn(*args, **kwargs)
         except UserError:
             raise
         except Exception as e:  # the user's code failed: say where, without a traceback
@@ -191,7 +197,11 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        with user_code(p, "importing it"):
+            spec.loader.exec_module(module)
+    except ModelFileError:
+        sys.modules.pop(module_name, None)
+        raise
     except SyntaxError as e:
         sys.modules.pop(module_name, None)
         raise ModelFileError(
@@ -221,6 +231,19 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
 
 
 # ---------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def user_code(path: Path | str, doing: str) -> Iterator[None]:
+    """Run the model file's code: its prints go to stderr, and ``sys.exit()`` becomes a ModelFileError."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except SystemExit as e:
+        raise ModelFileError(
+            f"model file {path} called sys.exit({e.code!r}) while {doing}{_line_in_file(e, Path(path))}; "
+            f"autopar runs the model file inside its own process, so the file must not exit. Remove the "
+            f"sys.exit()/exit() call (raise an exception with a message instead).") from None
+
+
 def _signature_names(fn: Callable) -> tuple[list[str], bool]:
     try:
         sig = inspect.signature(fn)

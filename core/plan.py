@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from autopar.core.errors import PlanFileError
 from autopar.core.jsonfile import read_json_object
+from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -149,6 +149,11 @@ class Plan:
         for axis in ("dp", "tp", "pp"):
             if getattr(m, axis) < 1:
                 _bad(f"mesh.{axis}", getattr(m, axis), "a positive integer")
+        from autopar.core.cluster import MAX_DEVICES
+
+        if m.world_size > MAX_DEVICES:
+            _bad("mesh", f"dp x pp x tp = {m.world_size} ranks", f"at most {MAX_DEVICES} ranks (autopar's bound "
+                                                                  f"on a cluster)")
         if m.sequence_parallel and m.tp == 1:
             _bad("mesh.sequence_parallel", True, "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)")
         p = self.pipeline
@@ -231,44 +236,104 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "plan") -> "Plan":
+        """The plan in ``d``; PlanFileError naming the first field that is missing or has the wrong type
+        (integers must be JSON integers: ``2.7`` or ``"2"`` is refused, never truncated)."""
         try:
-            version = int(d.get("version", -1))
-            if version != PLAN_VERSION:
+            version = d.get("version", -1)
+            if version != PLAN_VERSION or isinstance(version, bool):
                 _bad("version", d.get("version"), f"{PLAN_VERSION} (this autopar reads plan version {PLAN_VERSION})")
-            md, me, pl = d["model"], d["mesh"], d["pipeline"]
+            md, me, pl = _obj(d, "model"), _obj(d, "mesh"), _obj(d, "pipeline")
+            stages = _list(pl, "stages", "pipeline.")
+            layers = _list(d, "layers", "")
             plan = cls(
                 version=version,
-                model=ModelRef(file=str(md["file"]), args=dict(md.get("args", {})), name=str(md.get("name", "")),
-                               fingerprint=str(md["fingerprint"])),
+                model=ModelRef(file=_text(md, "file", "model."), args=dict(_obj(md, "args", "model.", {})),
+                               name=str(md.get("name", "")), fingerprint=_text(md, "fingerprint", "model.")),
                 cluster=str(d.get("cluster", "")),
-                mesh=Mesh(dp=int(me["dp"]), tp=int(me["tp"]), pp=int(me["pp"]),
-                          sequence_parallel=bool(me.get("sequence_parallel", False))),
-                global_batch=int(d["global_batch"]),
-                micro_batch=int(d["micro_batch"]),
+                mesh=Mesh(dp=_int(me, "dp", "mesh."), tp=_int(me, "tp", "mesh."), pp=_int(me, "pp", "mesh."),
+                          sequence_parallel=_flag(me, "sequence_parallel", "mesh.")),
+                global_batch=_int(d, "global_batch", ""),
+                micro_batch=_int(d, "micro_batch", ""),
                 precision=str(d.get("precision", "fp32")),
-                pipeline=Pipeline(schedule=str(pl["schedule"]), num_microbatches=int(pl["num_microbatches"]),
-                                  stages=tuple(Stage(int(s["index"]), int(s["layers"][0]), int(s["layers"][1]))
-                                               for s in pl["stages"])),
-                layers=tuple(LayerPlan(layer=int(x["layer"]), tp=tuple(sorted((str(k), str(v)) for k, v in x.get("tp", {}).items())),
-                                       zero=int(x.get("zero", 0)), recompute=str(x.get("recompute", "none")),
-                                       offload=str(x.get("offload", "none")))
-                             for x in d["layers"]),
-                predicted=dict(d.get("predicted", {})),
-                provenance=dict(d.get("provenance", {})),
+                pipeline=Pipeline(schedule=_text(pl, "schedule", "pipeline."),
+                                  num_microbatches=_int(pl, "num_microbatches", "pipeline."),
+                                  stages=tuple(_stage(s, i) for i, s in enumerate(stages))),
+                layers=tuple(_layer(x, i) for i, x in enumerate(layers)),
+                predicted=dict(_obj(d, "predicted", "", {})),
+                provenance=dict(_obj(d, "provenance", "", {})),
             )
         except PlanFileError as e:
-            raise PlanFileError(f"{source}: {e}") from None
+            raise PlanFileError(f"{source}: {e} Plans are written by 'autopar plan'; regenerate it rather than "
+                                f"editing by hand.") from None
         except KeyError as e:
             raise PlanFileError(f"{source}: the plan lacks the field {e.args[0]!r}. Plans are written by "
-                                f"'autopar plan'; regenerate it rather than editing by hand.") from None
-        except (TypeError, ValueError, IndexError, AttributeError) as e:
-            raise PlanFileError(f"{source}: a field has the wrong type ({e}). Plans are written by "
                                 f"'autopar plan'; regenerate it rather than editing by hand.") from None
         try:
             plan.validate()
         except PlanFileError as e:
             raise PlanFileError(f"{source}: {e}") from None
         return plan
+
+
+#: the largest integer a plan field may hold (batch sizes, degrees, layer indices): 2^31 - 1
+MAX_PLAN_INT = 2**31 - 1
+
+
+def _obj(d: Mapping, key: str, prefix: str = "", default: Any = None) -> Mapping:
+    value = d[key] if default is None else d.get(key, default)
+    if not isinstance(value, Mapping):
+        _bad(prefix + key, value, "a JSON object")
+    return value
+
+
+def _list(d: Mapping, key: str, prefix: str) -> list:
+    value = d[key]
+    if not isinstance(value, list):
+        _bad(prefix + key, value, "a JSON list")
+    return value
+
+
+def _int(d: Mapping, key: str, prefix: str, default: int | None = None) -> int:
+    value = d[key] if default is None else d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PLAN_INT:
+        _bad(prefix + key, value, f"a whole number from 0 to {MAX_PLAN_INT} (a JSON integer)")
+    return value
+
+
+def _text(d: Mapping, key: str, prefix: str) -> str:
+    value = d[key]
+    if not isinstance(value, str):
+        _bad(prefix + key, value, "a text")
+    return value
+
+
+def _flag(d: Mapping, key: str, prefix: str) -> bool:
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        _bad(prefix + key, value, "true or false")
+    return value
+
+
+def _stage(s: Any, i: int) -> Stage:
+    where = f"pipeline.stages[{i}]"
+    if not isinstance(s, Mapping):
+        _bad(where, s, 'an object {"index": i, "layers": [start, end]}')
+    bounds = s.get("layers")
+    if not isinstance(bounds, list) or len(bounds) != 2:
+        _bad(f"{where}.layers", bounds, "a list of two layer indices [start, end)")
+    start, end = (_int({f"layers[{j}]": b}, f"layers[{j}]", where + ".") for j, b in enumerate(bounds))
+    return Stage(_int(s, "index", where + "."), start, end)
+
+
+def _layer(x: Any, i: int) -> LayerPlan:
+    where = f"layers[{i}]"
+    if not isinstance(x, Mapping):
+        _bad(where, x, "an object with the keys layer, tp, zero, recompute, offload")
+    tp = _obj(x, "tp", where + ".", {})
+    return LayerPlan(layer=_int(x, "layer", where + "."),
+                     tp=tuple(sorted((str(k), str(v)) for k, v in tp.items())),
+                     zero=_int(x, "zero", where + ".", 0), recompute=str(x.get("recompute", "none")),
+                     offload=str(x.get("offload", "none")))
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> None:
@@ -294,20 +359,6 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write the plan atomically: a crash never leaves a half-written file behind."""
     write_text_atomic(path, plan.to_json())
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1,

@@ -42,7 +42,16 @@ class CNN(nn.Module):
         return self.classifier(self.pool(x).flatten(1))       # [b, classes]
 
 
+def check_dims(**dims) -> None:
+    """Refuse a dimension that is not a whole number >= 1 (``layers=0`` would silently build a
+    model without blocks, or fall back to the default size)."""
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be a whole number >= 1")
+
+
 def build_model(blocks: int = 4, channels: int = 64, image: int = 32, classes: int = 10) -> nn.Module:
+    check_dims(blocks=blocks, channels=channels, image=image, classes=classes)
     if image % 2:
         raise ValueError(f"image={image} must be even (the stem pools by 2)")
     return CNN(blocks, channels, classes)

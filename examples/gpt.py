@@ -57,6 +57,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_dims(**dims) -> None:
+    """Refuse a dimension that is not a whole number >= 1 (``layers=0`` would silently build a
+    model without blocks, or fall back to the default size)."""
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be a whole number >= 1")
+
+
 def resolve_config(size: str = "gpt2-small", layers: int | None = None, hidden: int | None = None,
                    heads: int | None = None, seq: int | None = None,
                    vocab: int | None = None) -> dict[str, int]:
@@ -65,8 +73,10 @@ def resolve_config(size: str = "gpt2-small", layers: int | None = None, hidden: 
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)} "
                          f"or give layers/hidden/heads explicitly")
     n_layers, n_hidden, n_heads, n_seq = SIZES[size]
-    cfg = dict(layers=layers or n_layers, hidden=hidden or n_hidden, heads=heads or n_heads,
-               seq=seq or n_seq, vocab=vocab or GPT2_VOCAB)
+    given = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
+    cfg = {k: default if given[k] is None else given[k] for k, default in
+           dict(layers=n_layers, hidden=n_hidden, heads=n_heads, seq=n_seq, vocab=GPT2_VOCAB).items()}
+    check_dims(**cfg)
     if cfg["hidden"] % cfg["heads"]:
         raise ValueError(f"hidden={cfg['hidden']} is not divisible by heads={cfg['heads']}")
     return cfg

@@ -36,6 +36,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_dims(**dims) -> None:
+    """Refuse a dimension that is not a whole number >= 1 (``layers=0`` would silently build a
+    model without blocks, or fall back to the default size)."""
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be a whole number >= 1")
+
+
 def resolve_config(size: str = "llama-tiny", layers=None, hidden=None, heads=None, kv_heads=None,
                    ffn=None, seq=None, vocab=None) -> dict[str, int]:
     if size not in SIZES:
@@ -47,6 +55,7 @@ def resolve_config(size: str = "llama-tiny", layers=None, hidden=None, heads=Non
             d[k] = v
     if heads is not None and kv_heads is None:
         d["kv_heads"] = d["heads"]
+    check_dims(**d)
     if d["hidden"] % d["heads"] or d["heads"] % d["kv_heads"]:
         raise ValueError(f"hidden={d['hidden']} must divide by heads={d['heads']}, "
                          f"and heads by kv_heads={d['kv_heads']}")

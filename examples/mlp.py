@@ -36,7 +36,16 @@ class MLP(nn.Module):
         return self.out(x)                                    # [b, outputs]
 
 
+def check_dims(**dims) -> None:
+    """Refuse a dimension that is not a whole number >= 1 (``layers=0`` would silently build a
+    model without blocks, or fall back to the default size)."""
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be a whole number >= 1")
+
+
 def build_model(layers: int = 4, hidden: int = 256, inputs: int = 64, outputs: int = 8) -> nn.Module:
+    check_dims(layers=layers, hidden=hidden, inputs=inputs, outputs=outputs)
     return MLP(layers, hidden, inputs, outputs)
 
 

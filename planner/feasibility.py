@@ -20,10 +20,14 @@ from autopar.planner.space import LayerChoice, mesh_candidates, microbatch_candi
 MAX_SCALE = 64          # look for up to 64x the nodes
 
 
-def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_meshes: bool = False) -> tuple[bool, float]:
+def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_meshes: bool = False,
+               host_need: list | None = None) -> tuple[bool, float]:
     """(does the frugal corner of some mesh fit, the least max_memory_bytes seen).
 
-    Stops at the first mesh that fits unless ``all_meshes`` (then the least is over all)."""
+    Offload lowers device memory but fills host memory, so the corner is tried with and without
+    it.  Stops at the first mesh that fits unless ``all_meshes`` (then the least is over all).
+    ``host_need`` collects (host bytes per node, host capacity) of the offloading corners that fit
+    their devices but not their hosts."""
     from autopar.core.plan import ModelRef
     from autopar.core.sharding import megatron_styles
     from autopar.simulator.evaluator import PlanEvaluator
@@ -38,22 +42,29 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
                              tp_inside_node=options.tp_inside_node, sequence_parallel=options.sequence_parallel)
     least, fits = float("inf"), False
     recompute = "full" if "full" in options.recompute else options.recompute[-1]
-    offload = "cpu" if options.allow_offload else "none"
+    offloads = ("cpu", "none") if options.allow_offload else ("none",)
     for mesh in meshes:
         mbs = microbatch_candidates(options.global_batch, mesh.dp)
         if not mbs:
             continue
         mb, m = mbs[0]
-        choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(styles[i]), zero=3, recompute=recompute, offload=offload)
-                        for i in range(L))
-        c = Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule="1f1b",
-                      bounds=equal_bounds(L, mesh.pp), choices=choices)
-        try:
-            res = ev.evaluate(c.to_plan(model=model, styles=styles, precision=options.precision, cluster=cluster.name))
-        except (InfeasibleError, UserError):
-            continue
-        least = min(least, float(res.max_memory_bytes))
-        fits = fits or res.fits
+        for offload in offloads:
+            choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(styles[i]), zero=3, recompute=recompute,
+                                        offload=offload) for i in range(L))
+            c = Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule="1f1b",
+                          bounds=equal_bounds(L, mesh.pp), choices=choices)
+            try:
+                res = ev.evaluate(c.to_plan(model=model, styles=styles, precision=options.precision,
+                                            cluster=cluster.name))
+            except (InfeasibleError, UserError):
+                continue
+            if offload == "none" or res.host_fits:      # device memory of corners the hosts can hold
+                least = min(least, float(res.max_memory_bytes))
+            if host_need is not None and res.device_fits and not res.host_fits:
+                host_need.append((res.host_bytes_per_node, res.host_capacity_bytes))
+            fits = fits or res.fits
+            if fits:
+                break
         if fits and not all_meshes:
             break
     return fits, least
@@ -61,13 +72,18 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
 
 def explain_infeasible(graph: OpGraph, cluster: Cluster, cost_model, options, *, searched: int) -> NoFeasiblePlanError:
     """A NoFeasiblePlanError whose message names what would make a plan fit."""
-    fits, least = frugal_fit(graph, cluster, cost_model, options, all_meshes=True)
+    host_need: list = []
+    fits, least = frugal_fit(graph, cluster, cost_model, options, all_meshes=True, host_need=host_need)
     cap = max(g.gpu_memory_bytes for g in cluster.groups)
     head = (f"no plan for {graph.model_name} fits on cluster {cluster.name} ({cluster.world_size} devices): "
-            f"of {searched} plans priced none fits memory on every device")
+            f"of {searched} plans priced none fits memory on every device and host memory on every node")
     if least < float("inf"):
         head += (f"; the least memory any needs is {least / 2**30:.1f} GiB per device against "
                  f"{cap / 2**30:.1f} GiB available")
+    if host_need:
+        need, host_cap = min(host_need)
+        head += (f"; offloading to the host would fit the devices but needs {need / 1e9:.1f} GB of host memory "
+                 f"per node against the {host_cap / 1e9:.1f} GB the cluster file gives (host_memory_GB)")
     tips = []
     if fits:
         tips.append("a frugal plan (ZeRO-3, full recompute, offload, micro-batch 1) does fit, so give the search "

@@ -45,7 +45,10 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.search import PlanOptions, search
     from autopar.simulator.cost_model import CostModel
 
+    from autopar.core.output_file import check_writable
+
     t0 = time.perf_counter()
+    check_writable(args.output, "-o")                 # before the search, not after it
     model_args = parse_model_args(args.model_args)
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
@@ -71,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
                                            cluster_nodes=args.nodes)
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
-    command = torchrun_command(cluster, args.output)
+    command = torchrun_command(cluster, args.output, plan.world_size)
     if args.json:
         out = {"plan": plan.to_dict(), "output": str(args.output), "torchrun": command,
                "capture_s": round(capture_s, 3),
@@ -89,13 +92,23 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def torchrun_command(cluster, plan_path: str) -> str:
-    """The torchrun line that runs the plan on every node (c10d rendezvous across nodes)."""
-    per_node = {g.gpus_per_node for g in cluster.groups}
-    nproc = cluster.groups[0].gpus_per_node if len(per_node) == 1 else "GPUS_ON_THIS_NODE"
+def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> str:
+    """The torchrun line that runs the plan on every node it uses (c10d rendezvous across nodes).
+
+    Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first
+    nodes only."""
+    world = cluster.world_size if world_size is None else world_size
+    counts, left = [], world
+    for g in cluster.groups:
+        take = min(g.nodes, -(-left // g.gpus_per_node)) if left > 0 else 0
+        counts += [g.gpus_per_node] * take
+        left -= take * g.gpus_per_node
+    if counts:
+        counts[-1] += left                           # left <= 0: the last node is partly used
+    nproc = counts[0] if len(set(counts)) == 1 else "GPUS_ON_THIS_NODE"
     parts = ["torchrun", f"--nproc-per-node {nproc}"]
-    if cluster.num_nodes > 1:
-        parts += [f"--nnodes {cluster.num_nodes}", "--rdzv-backend c10d", "--rdzv-endpoint HOST:PORT"]
+    if len(counts) > 1:
+        parts += [f"--nnodes {len(counts)}", "--rdzv-backend c10d", "--rdzv-endpoint HOST:PORT"]
     parts += ["-m autopar.runtime", plan_path]
     return " ".join(parts)
 

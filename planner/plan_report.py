@@ -72,6 +72,9 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                    _gib(mb["activations_bytes"]), _gib(mb["comm_buffer_bytes"]), _gib(mb["total_bytes"]),
                    _gib(pred["capacity_bytes"]))
     console.print(mt)
+    if "host_bytes_per_node" in pred:
+        console.print(f"[bold]host memory[/bold] {_gib(pred['host_bytes_per_node'])} offloaded on the fullest "
+                      f"node, of {_gib(pred['host_capacity_bytes'])}")
     if result.runner_ups:
         rt = Table(title="runner-ups", show_edge=False)
         rt.add_column("#")

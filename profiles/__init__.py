@@ -115,13 +115,11 @@ def load_profile(name_or_path: str | Path | dict) -> dict:
                 f"`autopar profile` writes a new one for the machine it runs on.")
     else:
         path = profile_path(text)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"profile file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
-                           f"Fix the syntax (docs/profiles.md shows the schema).") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"profile file {path} cannot be read: {e}.") from None
+    from autopar.core.jsonfile import parse_json_text, read_text_bounded
+
+    data = parse_json_text(read_text_bounded(path, what="profile file", error=ProfileError),
+                           source=f"profile file {path}", error=ProfileError,
+                           if_invalid=". Fix the syntax (docs/profiles.md shows the schema).")
     validate_profile(data, source=str(path))
     return data
 

@@ -65,6 +65,9 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and out.is_dir():
         raise UserError(f"-o {out} is a directory; give a file path such as {out}/my-machine.json.")
+    from autopar.core.output_file import check_writable
+
+    check_writable(out, "-o")                         # before minutes of timing, not after
     opts = ProfileOptions(output=out, quick=args.quick, dtypes=dtypes, device=device,
                           name=args.name or out.stem, measure_ops=not args.skip_ops,
                           measure_collectives=not args.skip_collectives,

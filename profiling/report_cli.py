@@ -34,13 +34,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from autopar.core.plan import load_plan, write_text_atomic
+    from autopar.core.output_file import check_writable, write_bytes_atomic, write_text_atomic
+    from autopar.core.plan import load_plan
     from autopar.profiling import compare, resimulate
 
     if args.output and not args.calibrate:
         raise UserError("-o is where --calibrate writes the new profile; add --calibrate, or drop -o.")
     if args.calibrate and not args.output:
         raise UserError("--calibrate needs -o PROFILE_JSON: the file to write the calibrated profile to.")
+    for flag, path in (("-o", args.output), ("--html", args.html), ("--png", args.png)):
+        if path:
+            check_writable(path, flag)
     plan = load_plan(args.plan)
     measured = load_measured(args.measured)
     compare.check_same_run(plan.model.fingerprint, plan.world_size, measured, args.plan, args.measured)
@@ -62,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
     if args.calibrate:
         from autopar.profiles import load_profile
 
-        calibration = _calibrate(ctx, plan, measured, Path(args.output), Path(args.plan).stem)
+        calibration = _calibrate(ctx, plan, measured, Path(args.output), Path(args.plan).stem, args.measured)
         load_profile(calibration.profile)          # the schema's checks before anything is written
         write_text_atomic(args.output, json.dumps(calibration.profile, indent=1) + "\n")
 
@@ -88,8 +92,7 @@ def main(args: argparse.Namespace) -> int:
                                  f"{plan.model.name}: simulated ({ctx.profile_name}) vs measured — {args.plan}")
         png = figs.figure_png_bytes(fig)
         if args.png:
-            Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.png).write_bytes(png)
+            write_bytes_atomic(args.png, png)
         else:
             write_text_atomic(args.html, render_html(figures, summary, notes, png, args.plan, args.measured,
                                                      ctx.profile_name, calibration))
@@ -97,20 +100,47 @@ def main(args: argparse.Namespace) -> int:
 
 
 def load_measured(path: str) -> dict:
+    """measured.json, its figures checked: step_time_s a number > 0, the other figures numbers >= 0."""
+    from autopar.profiling.compare import MEMORY_PER_RANK_KEY, SCALAR_FIGURES
+
     d = read_json_object(path, what="measured file",
                          if_missing="; 'autopar run PLAN.json' writes measured.json beside the plan.")
     if "step_time_s" not in d:
         raise UserError(f"measured file {path} has no 'step_time_s'; it should be the measured.json a run wrote.")
+    redo = "; it should be the measured.json 'autopar run' wrote: measure the plan again."
+    for key, _, _ in SCALAR_FIGURES:
+        if key not in d:
+            continue
+        v = d[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise UserError(f"measured file {path}, field {key}: the value is {v!r}, not a number >= 0{redo}")
+    if d["step_time_s"] <= 0:
+        raise UserError(f"measured file {path}, field step_time_s: the value is {d['step_time_s']!r}; a step takes "
+                        f"a time > 0 (a run that trained no step measures nothing){redo}")
+    ws = d.get("world_size")
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+        raise UserError(f"measured file {path}, field world_size: the value is {ws!r}, not a whole number >= 1{redo}")
+    if not isinstance(d.get("fingerprint", ""), str):
+        raise UserError(f"measured file {path}, field fingerprint: the value is {d['fingerprint']!r}, not a text{redo}")
+    ranks = d.get(MEMORY_PER_RANK_KEY)
+    if ranks is not None and not (isinstance(ranks, list) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in ranks)):
+        raise UserError(f"measured file {path}, field {MEMORY_PER_RANK_KEY}: not a list of numbers >= 0{redo}")
     return d
 
 
-def _calibrate(ctx, plan, measured, output: Path, name: str):
+def _calibrate(ctx, plan, measured, output: Path, name: str, measured_path: str):
     from autopar.profiling.calibrate import Observation, calibrate
     from autopar.profiling.resimulate import simulate_figures
 
     obs = Observation(name=name, measured=measured,
                       predict=lambda prof: simulate_figures(ctx, plan, prof)[0])
-    res = calibrate(ctx.profile, [obs])
+    try:
+        res = calibrate(ctx.profile, [obs])
+    except ValueError as e:
+        raise UserError(f"--calibrate cannot fit the profile to {measured_path}: {e}. Calibration needs a "
+                        f"measured.json with positive step, forward/backward or communication times from a run "
+                        f"of this plan ('autopar run PLAN --profile'); nothing was written to {output}.") from None
     res.profile["name"] = output.stem
     return res
 

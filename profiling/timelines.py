@@ -19,9 +19,11 @@ built the same way from rank 0's events, so the two are comparable:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from autopar.core.errors import UserError
+from autopar.core.jsonfile import parse_json_text, read_text_bounded
 
 from autopar.profiling.figures import Lanes, Span
 # The runtime's own phase regions (only those count as compute: the pipelining schedules'
@@ -99,13 +101,16 @@ def measured_lanes(trace_path: str | Path, max_steps: int = 1) -> Lanes | None:
     if not p.is_file():
         return None
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = parse_json_text(read_text_bounded(p, what="trace file"), source=f"trace file {p}")
+    except UserError:
         return None
     raw = data.get("traceEvents", data) if isinstance(data, dict) else data
+    if not isinstance(raw, list):
+        return None
     spans: list[tuple[str, float, float, str, str]] = []      # lane, start_us, dur_us, category, name
     for e in raw:
-        if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e:
+        if not isinstance(e, dict) or e.get("ph") != "X" or not isinstance(e.get("ts"), (int, float)) \
+                or not isinstance(e.get("dur", 0.0), (int, float)):
             continue
         name = str(e.get("name", ""))
         cat = ("comm" if _M_COMM.search(name) else "fwd" if _M_FWD.search(name) else

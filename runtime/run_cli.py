@@ -5,7 +5,12 @@ bad plan fails once, with exit code 2, before any process starts), then runs
 ``python -m torch.distributed.run --nproc-per-node W -m autopar.runtime PLAN ...`` and returns
 its exit code.  With ``--nnodes N`` (N > 1) nothing is started: it prints the torchrun
 command every node runs, with a c10d rendezvous at ``--rdzv-endpoint`` (host:port of node 0).
-The processes themselves are torchrun's; autopar launches none of its own.
+
+The node count defaults to the plan's: the cluster it was planned for (``provenance.cluster_ref``
+and ``cluster_nodes``, written by ``autopar plan``) places rank r on the cluster's r-th device,
+so a plan whose ranks span 4 nodes prints the command for those 4 nodes instead of starting
+all its ranks on this host; an ``--nnodes`` that puts more ranks on a node than the cluster's
+nodes hold is refused.  The processes themselves are torchrun's; autopar launches none of its own.
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     g = parser.add_argument_group("launch")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes the plan runs on (default 1: start it here)")
+    g.add_argument("--nnodes", type=int, default=None,
+                   help="nodes the plan runs on (default: the nodes of the cluster it was planned for; "
+                        "1: start it here)")
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="c10d rendezvous address (node 0); default 127.0.0.1:<free port> on one node")
     g.add_argument("--max-restarts", type=int, default=0,
@@ -45,7 +52,7 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def torchrun_command(args: argparse.Namespace, nproc_per_node: int, rdzv_endpoint: str) -> list[str]:
+def torchrun_command(args: argparse.Namespace, nproc_per_node: int | str, rdzv_endpoint: str) -> list[str]:
     launch = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(nproc_per_node),
               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--max-restarts", str(args.max_restarts)]
     if args.nnodes > 1:
@@ -60,21 +67,34 @@ def main(args: argparse.Namespace) -> int:
     from autopar.runtime.output_paths import check_output_paths
 
     opts = options_from_args(args)                    # argument errors before anything starts
-    if args.nnodes < 1:
+    if args.nnodes is not None and args.nnodes < 1:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
-    if args.nnodes == 1 and not args.dry_run:
+    if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
     world = checked.plan.world_size
+    layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
+    if args.nnodes is None:
+        args.nnodes = len(layout[1]) if layout else 1
     if world % args.nnodes:
         raise UserError(f"plan file {args.plan} needs {world} ranks, which do not divide over --nnodes "
                         f"{args.nnodes}; use a node count that divides {world}.")
-    per_node = world // args.nnodes
+    per_node: int | str = world // args.nnodes
+    if layout is not None:
+        cluster_name, counts = layout
+        if per_node > max(counts) and args.nnodes != len(counts):
+            raise UserError(f"plan file {args.plan} was planned for cluster {cluster_name}, whose nodes hold at most "
+                            f"{max(counts)} of its ranks; --nnodes {args.nnodes} would start {per_node} on each. "
+                            f"Use --nnodes {len(counts)} (the plan's nodes), or plan again for this launch.")
+        if args.nnodes == len(counts) and len(set(counts)) > 1:
+            per_node = "RANKS_ON_THIS_NODE"           # heterogeneous nodes: each starts its own count
     if args.nnodes > 1:
         endpoint = args.rdzv_endpoint or "NODE0_HOST:29500"
         cmd = torchrun_command(args, per_node, endpoint)
-        print(f"# run this on each of the {args.nnodes} nodes ({per_node} processes each); "
-              f"the rendezvous is node 0 at {endpoint}:")
+        each = (f"{per_node} processes each" if isinstance(per_node, int) else
+                "RANKS_ON_THIS_NODE = " + ", ".join(f"{c} on node {i}" for i, c in enumerate(layout[1])))
+        print(f"# plan file {args.plan} runs on {args.nnodes} nodes ({each}); autopar run starts nothing here. "
+              f"Run this on each node; the rendezvous is node 0 at {endpoint}:")
         print(shlex.join(cmd))
         return 0
     endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
@@ -99,6 +119,29 @@ def _call_and_report(cmd: list[str]) -> int:
         error_file = os.path.join(d, "first_failure.json")
         code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file})
         return relaunch_exit(code, error_file)
+
+
+def plan_nodes(plan) -> tuple[str, list[int]] | None:
+    """(cluster name, ranks on each node used) of the cluster the plan was made for, or None when
+    the plan does not name a cluster that loads.  Rank r sits on the cluster's r-th device."""
+    from autopar.core.cluster_file import load_cluster
+
+    ref, nodes = plan.provenance.get("cluster_ref"), plan.provenance.get("cluster_nodes")
+    if not isinstance(ref, str) or not (nodes is None or (isinstance(nodes, int) and not isinstance(nodes, bool))):
+        return None
+    try:
+        cluster = load_cluster(ref, nodes=nodes)
+    except UserError:
+        return None
+    counts: list[int] = []
+    left = plan.world_size
+    for g in cluster.groups:
+        for _ in range(g.nodes):
+            if left <= 0:
+                return cluster.name, counts
+            counts.append(min(g.gpus_per_node, left))
+            left -= counts[-1]
+    return (cluster.name, counts) if left <= 0 else None
 
 
 def _free_port() -> int:

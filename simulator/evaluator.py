@@ -31,7 +31,7 @@ from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTab
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult, StepWork
 from autopar.simulator.step_model import chunk_masks, overlapped_step
-from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, stage_groups
+from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]
@@ -61,6 +61,8 @@ class _Context:
     links: MeshLinks
     rank_cm: list[CostModel]    # slowest device's cost model per pipeline rank
     capacity: np.ndarray        # bytes per pipeline rank
+    node_counts: np.ndarray     # (distinct nodes, p): devices of each pipeline rank on a node
+    host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
     rank_onehot: np.ndarray     # (p, L): 1 where layer l runs on pipeline rank r
     p2p_s: float
@@ -196,6 +198,7 @@ class PlanEvaluator:
         rank_cm = self.rank_cost_models(mesh)
         capacity = np.array([min(self.cluster.groups[g].gpu_memory_bytes for g in stage_groups(self.cluster, mesh, r))
                              for r in range(p)], dtype=float)
+        node_counts, host_capacity = node_stage_counts(self.cluster, mesh)
         inflight = np.array([inflight_microbatches(pl.schedule, p, r, pl.num_microbatches, v) for r in range(p)], dtype=float)
         # activation send between stages, per micro-batch: the largest boundary tensor
         scale = plan.micro_batch / max(1, self.graph.batch_size)
@@ -215,7 +218,8 @@ class PlanEvaluator:
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
-                       capacity=capacity, inflight=inflight, p2p_s=p2p_s, p2p_measured=p2p_m,
+                       capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
+                       p2p_s=p2p_s, p2p_measured=p2p_m,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=self._row_contexts.setdefault(key[:4], len(self._row_contexts)),
@@ -279,6 +283,13 @@ class PlanEvaluator:
             ddp_active=ddp_active, grad_bytes_total=sums.dp_grad_bytes,
             fsdp_param_buffer_max=mx[:, 1], fsdp_grad_buffer_max=mx[:, 2], p2p_bytes=out_end)
         totals = memory[5]
+        # ---- host memory per node: the offloaded state of every device on the node (FSDP's
+        # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
+        # the host memory of its own node), against the node's host_memory_bytes
+        host_per_node = ctx.node_counts @ memory[6]
+        host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
+        host_fits = bool((host_per_node <= ctx.host_capacity).all())
+        device_fits = bool((totals <= ctx.capacity).all())
         samples = plan.global_batch
         world = mesh.world_size
         peak = ctx.peak_flops
@@ -317,7 +328,9 @@ class PlanEvaluator:
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
             max_memory_bytes=float(totals.max()), capacity_bytes=float(ctx.capacity.min()),
-            fits=bool((totals <= ctx.capacity).all()), bubble_fraction=bubble, memory_arrays=memory,
+            fits=device_fits and host_fits, device_fits=device_fits, host_fits=host_fits,
+            host_bytes_per_node=float(host_per_node[host_worst]),
+            host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
             work_fn=work, timeline=timeline, stage_step_s=step_r.tolist(), world_size=world,
             peak_flops_per_gpu=peak)
 

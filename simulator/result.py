@@ -34,7 +34,7 @@ class SimResult:
     tokens_per_s: float
     max_memory_bytes: float
     capacity_bytes: float
-    fits: bool
+    fits: bool                           # device_fits and host_fits
     bubble_fraction: float
     #: per pipeline rank (representative device): params, grads, optimizer, activations,
     #: buffers, total and host bytes -- one array each (memory.StageMemory order)
@@ -45,6 +45,10 @@ class SimResult:
     world_size: int = 0
     peak_flops_per_gpu: float = 0.0
     _work: StepWork | None = field(default=None, init=False, repr=False, compare=False)
+    device_fits: bool = True             # every device's total within its memory
+    host_fits: bool = True               # every node's offloaded state within its host memory
+    host_bytes_per_node: float = 0.0     # offloaded bytes on the node closest to (or past) its limit
+    host_capacity_bytes: float = 0.0     # that node's host memory
 
     @property
     def work(self) -> StepWork:
@@ -73,6 +77,9 @@ class SimResult:
             "memory_per_stage": [m.to_dict() for m in memory],
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "host_fits": self.host_fits,
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes": dict(self.comm_bytes),
             "sources": dict(self.sources),

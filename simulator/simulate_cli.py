@@ -73,6 +73,10 @@ def main(args: argparse.Namespace) -> int:
     from autopar.simulator.timeline import write_chrome_trace
 
     t0 = time.perf_counter()
+    if args.trace:
+        from autopar.core.output_file import check_writable
+
+        check_writable(args.trace, "--trace")         # before the work, not after it
     target = Path(args.target)
     plan = load_plan(target) if target.suffix == ".json" else None
     cluster = _load_cluster(args, plan)
@@ -160,7 +164,12 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
         mt.add_row(str(i), _gb(b.params_bytes), _gb(b.grads_bytes), _gb(b.optimizer_bytes), _gb(b.activations_bytes),
                    _gb(b.comm_buffer_bytes), _gb(b.total_bytes), _gb(b.host_bytes), style=style)
     con.print(mt)
-    con.print("[green]fits in memory[/]" if r.fits else "[red]does NOT fit in memory on every device[/]")
+    host = (f"host memory: {_gb(r.host_bytes_per_node)} GiB offloaded on the fullest node, of "
+            f"{_gb(r.host_capacity_bytes)} GiB")
+    con.print(host if r.host_fits else f"[red]{host}: does NOT fit[/]")
+    con.print("[green]fits in memory[/]" if r.fits else
+              "[red]does NOT fit in memory on every device[/]" if not r.device_fits else
+              "[red]does NOT fit in host memory on every node (offloaded state)[/]")
     if trace:
         con.print(f"Chrome trace written to {trace} (open in https://ui.perfetto.dev)")
     con.print(f"[dim]capture {capture_s:.1f} s, simulate {sim_s:.2f} s[/]")

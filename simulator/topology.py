@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.core.cluster import Cluster, Link
 from autopar.core.errors import InfeasibleError
 from autopar.core.plan import Mesh
@@ -76,6 +78,33 @@ def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:
     if cluster.homogeneous:
         return {0}
     return {cluster.device(mesh.rank(d, pp_rank, t)).group for d in range(mesh.dp) for t in range(mesh.tp)}
+
+
+def node_stage_counts(cluster: Cluster, mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, host_bytes): per distinct node, how many of its devices run each pipeline rank
+    (nodes x pp) and the node's host memory.  The mesh's ranks fill the cluster's devices in order
+    (rank r has pipeline coordinate (r // tp) % pp); nodes with the same row are listed once, so
+    the arrays stay small however many nodes the cluster has."""
+    world = mesh.world_size
+    node_of, host_of = [], []
+    first = 0
+    for g in cluster.groups:
+        n = min(g.num_devices, world - sum(len(x) for x in node_of))
+        if n <= 0:
+            break
+        node_of.append(first + np.arange(n) // g.gpus_per_node)
+        host_of.append(np.full(n, float(g.host_memory_bytes)))
+        first += g.nodes
+    node = np.concatenate(node_of)
+    host = np.concatenate(host_of)
+    pp_rank = (np.arange(world) // mesh.tp) % mesh.pp
+    counts = np.zeros((int(node.max()) + 1, mesh.pp))
+    np.add.at(counts, (node, pp_rank), 1.0)
+    cap = np.zeros(len(counts))
+    cap[node] = host
+    used = counts.sum(axis=1) > 0
+    rows = np.unique(np.column_stack([counts[used], cap[used]]), axis=0)
+    return rows[:, :-1], rows[:, -1]
 
 
 def busy_devices_per_node(cluster: Cluster, mesh: Mesh) -> int:
