@@ -23,7 +23,8 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
     return runs
 
 
-def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float) -> None:
+def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
+               left_out=(), headroom: float = 0.0) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -58,7 +59,10 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
     console.print(f"[bold]predicted[/bold]   step {pred['step_time_s']:.3f} s, {pred['tokens_per_s']:,.0f} tokens/s, "
                   f"{pred['samples_per_s']:,.1f} samples/s, {pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
                   f"MFU {100 * pred['mfu']:.1f}%, bubble {100 * pred.get('bubble_fraction', 0):.1f}%")
-    mt = Table(title="memory per device (each pipeline rank)", show_edge=False)
+    full = min(g.gpu_memory_bytes for g in cluster.groups)
+    mt = Table(title=f"memory per device (each pipeline rank); capacity = {_gib(full)} less "
+                     f"{100 * headroom:.1f}% headroom for allocator fragmentation and workspaces",
+               show_edge=False)
     for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
         mt.add_column(col, justify="right")
     for r, mb in enumerate(pred.get("memory_per_stage", [])):
@@ -76,4 +80,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
             rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"+{100 * (ev.step_time_s / best.step_time_s - 1):.1f}%",
                        describe_difference(best.candidate, ev.candidate))
         console.print(rt)
+    if left_out:
+        console.print("[bold]left out[/bold]    (the runtime cannot apply these to this model; checked on fake ranks)")
+        for x in left_out:
+            console.print(escape(f"  - {x.kind}: {x.reason}"))
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")
