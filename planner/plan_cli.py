@@ -152,13 +152,13 @@ def runnable_result(result, graph, model_file: str):
     fits; the failures are reported as left out.  Runner-ups are not checked."""
     from autopar.core.errors import UserError
     from autopar.core.modelfile import load_model_file
-    from autopar.planner.runtime_check import LeftOut, plan_runs, reduced_plan
+    from autopar.planner.runtime_check import LeftOut, whole_plan_error
 
     mf = load_model_file(model_file)
     refused: list[LeftOut] = []
     pool = [result.best] + list(result.runner_ups)
     for ev in pool[:MAX_PLAN_CHECKS]:
-        err = plan_runs(reduced_plan(ev.plan), graph, mf)
+        err = whole_plan_error(ev.plan, graph, mf)
         if err is None:
             if ev is not result.best:
                 result.runner_ups = [e for e in pool if e is not ev]

@@ -20,6 +20,7 @@ data (``Executable``) the search restricts itself to, with the reason for each k
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -93,15 +94,54 @@ def plan_runs(plan: Plan, graph: OpGraph, model_file, view: "ModelView | None" =
     """None when the runtime builds ``plan`` and runs a forward and backward of it on fake
     ranks; else the error it raised, in one line.  ``view``: run it on a model with fewer
     repeated blocks (``ModelView``) -- ``plan`` is then a plan of the view's layers."""
+    import logging
+    import warnings
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # tiny ops: threads only contend (10x slower on a busy host)
+    # DTensor's sharding propagation logs the shape errors it meets on fake tensors; the
+    # verdict below carries the one that matters
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
-        _run(plan, view or ModelView.whole(graph), model_file)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # the runtime's own warnings reach the user at run time
+            _run(plan, view or ModelView.whole(graph), model_file)
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises is the verdict
         return _short(e)
     finally:
         torch.set_num_threads(threads)
+        quiet.setLevel(level)
     return None
+
+
+def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
+    """``plan_runs`` for a plan the search picked.  A deep model is checked on a view with two
+    blocks of each kind, where blocks differ also by their choices and by whether a stage
+    starts or ends at them; the view's stages are the picked plan's stages that hold a kept
+    layer, in order."""
+    plan = reduced_plan(plan)
+    L = len(graph.layers)
+    stage_of = [0] * L
+    for st in plan.pipeline.stages:
+        for i in st.layers:
+            stage_of[i] = st.index
+    starts = {st.start for st in plan.pipeline.stages} | {st.end - 1 for st in plan.pipeline.stages}
+    extra = [(lp.tp, lp.zero, lp.recompute, lp.offload, i in starts) for i, lp in enumerate(plan.layers)]
+    styles = [dict(lp.tp) for lp in plan.layers]
+    view = ModelView.reduced(graph, styles, extra)
+    if len(view.keep) == L:
+        return plan_runs(plan, graph, model_file)
+    kept_stage = [stage_of[i] for i in view.keep]
+    order = list(dict.fromkeys(kept_stage))
+    new_stage = [order.index(s) for s in kept_stage]
+    bounds = [0] + [j for j in range(1, len(new_stage)) if new_stage[j] != new_stage[j - 1]] + [len(new_stage)]
+    stages = tuple(Stage(k, bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1))
+    layers = tuple(replace(plan.layers[i], layer=j, tp=tuple((view.rename(k), v) for k, v in plan.layers[i].tp))
+                   for j, i in enumerate(view.keep))
+    small = replace(plan, layers=layers, pipeline=replace(plan.pipeline, stages=stages))
+    return plan_runs(small, graph, model_file, view)
 
 
 # Models whose fp32 parameters fit in this many bytes run on real zero-filled CPU tensors
@@ -116,7 +156,7 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
 
     from autopar.runtime.apply_dp import data_parallel_kind
     from autopar.runtime.apply_pp import split_into_stages
-    from autopar.runtime.materialize import build_meta_model, materialize
+    from autopar.runtime.materialize import materialize
     from autopar.runtime.mesh import RankContext
     from autopar.runtime.parallelize import parallelize_part, stage_of_layers
     from autopar.runtime.plan_check import CheckedPlan, LayerSpec
@@ -127,7 +167,8 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
     checked = CheckedPlan(plan=plan, plan_path=Path("plan.json"), model_file=model_file, graph=view.graph,
                           layers=layers)
     device = torch.device("cpu")
-    shapes = {n: (tuple(t.shape), t.dtype) for n, t in _named_tensors(view.build(build_meta_model, model_file, args))}
+    template = _template(view, model_file, args)
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in _named_tensors(template)}
     real = sum(math.prod(s) * 4 for s, _ in shapes.values()) <= REAL_TENSOR_BYTES
     m = plan.mesh
     # the last rank: it holds the smallest shard of an uneven split (a 1-wide Linear split in
@@ -138,7 +179,7 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
         d, p, t = m.coords(rank)
         ctx = RankContext(rank=rank, world_size=m.world_size, local_rank=0, device=device, dp_rank=d, pp_rank=p,
                           tp_rank=t, mesh=mesh)
-        meta = view.build(build_meta_model, model_file, args)
+        meta = copy.deepcopy(template)
         _check_even_splits(meta, plan)
         stage_of = stage_of_layers(plan)
         num_stages = len(plan.pipeline.stages)
@@ -197,6 +238,22 @@ def _check_even_splits(model, plan: Plan) -> None:
                                  f"{style} has {size} along the split, which does not divide over tp = {tp}")
 
 
+_TEMPLATES: dict[tuple, torch.nn.Module] = {}
+
+
+def _template(view: "ModelView", model_file, args: dict) -> torch.nn.Module:
+    """The view's model on meta, built once per model and view (each check runs on a deep copy:
+    the runtime's transformations change the module they get)."""
+    from autopar.runtime.materialize import build_meta_model
+
+    key = (str(model_file.path), repr(sorted(args.items())), view.drop)
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= 4:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = view.build(build_meta_model, model_file, args)
+    return _TEMPLATES[key]
+
+
 @dataclass(frozen=True)
 class ModelView:
     """The model with at most two blocks of each kind per block run, and its layers.
@@ -220,7 +277,9 @@ class ModelView:
                          tuple(tuple(l.module_paths) for l in graph.layers))
 
     @staticmethod
-    def reduced(graph: OpGraph, styles: list[dict[str, str]]) -> "ModelView":
+    def reduced(graph: OpGraph, styles: list[dict[str, str]], extra: list | None = None) -> "ModelView":
+        """Two blocks per (run, structure, split, ``extra[i]``): ``extra`` adds what else makes
+        blocks differ (a plan's per-layer choices, where its stages start)."""
         seen: dict[tuple, int] = {}
         keep, dropped = [], {}
         for i, layer in enumerate(graph.layers):
@@ -229,7 +288,8 @@ class ModelView:
                 keep.append(i)
                 continue
             key = (container, layer.signature, tuple(sorted((k.removeprefix(layer.name + "."), v)
-                                                            for k, v in styles[i].items())))
+                                                            for k, v in styles[i].items())),
+                   extra[i] if extra is not None else None)
             seen[key] = seen.get(key, 0) + 1
             if seen[key] <= 2:
                 keep.append(i)
