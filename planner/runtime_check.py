@@ -128,7 +128,8 @@ def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
         for i in st.layers:
             stage_of[i] = st.index
     starts = {st.start for st in plan.pipeline.stages} | {st.end - 1 for st in plan.pipeline.stages}
-    extra = [(lp.tp, lp.zero, lp.recompute, lp.offload, i in starts) for i, lp in enumerate(plan.layers)]
+    # the split itself is in the view's key already (relative to each block's path)
+    extra = [(lp.zero, lp.recompute, lp.offload, i in starts) for i, lp in enumerate(plan.layers)]
     styles = [dict(lp.tp) for lp in plan.layers]
     view = ModelView.reduced(graph, styles, extra)
     if len(view.keep) == L:
