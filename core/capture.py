@@ -31,7 +31,7 @@ from autopar.core.modelfile import load_model_file, user_code
 from autopar.core.op_costs import canonical, cost
 from autopar.core.trace_export import trace_export
 from autopar.core.trace_fx import leaf_fallback, trace_symbolic
-from autopar.core.trace_walk import (ParamIndex, Val, Walk, call_attrs, dtype_name, flatten_tensors,
+from autopar.core.trace_walk import (ParamIndex, Val, Walk, call_attrs, dtype_name, tensor_slots,
                                      nbytes, order_operands, short_error)
 
 LOSS_TARGET = "target"              # value name of the loss target in the graph
@@ -143,8 +143,9 @@ def _record_loss(walk: Walk, loss_fn: Callable, target: Any) -> None:
             walk.add_op(name, canon, str(func), "loss", order_operands(canon, ins), result,
                         call_attrs(canon, args, kwargs))
             v = walk.vals.get(name)
-            for t, tv_ in zip(flatten_tensors(result), (v,) if isinstance(v, Val) else (v or ())):
-                known[id(t)] = tv_
+            for t, tv_ in zip(tensor_slots(result), (v,) if isinstance(v, Val) else (v or ())):
+                if t is not None and tv_ is not None:
+                    known[id(t)] = tv_
             keep_alive.append(result)
             return result
 
@@ -161,7 +162,7 @@ def _flat_args(obj: Any) -> list[Any]:
 # ============================================================================ assembly
 def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_name: str,
               model_file: str, model_args: dict, batch_size: int) -> OpGraph:
-    blocks = find_blocks(module)
+    blocks = find_blocks(module, [op.module_path for op in walk.ops])
     layer_of, names = assign_layers([op.module_path for op in walk.ops], blocks)
     counted: set[str] = set()
     saved_keys: set[str] = set()

@@ -1,12 +1,15 @@
 """Group captured ops into layers: the repeated blocks of the module tree, plus "pre"/"post".
 
 A layer is the unit of pipeline stages, recompute and FSDP wrapping (docs/design.md, "Contracts").
-The blocks are the children of the module container (``nn.ModuleList`` / ``nn.Sequential``)
-holding the longest run of same-class children (at least two; or a ModuleList of one, for a
-1-layer model), preferring the run that covers the most parameters (so a transformer's ``blocks`` wins over a ``Sequential`` of
-Linears inside each block).  Ops before the first block form "pre", ops after the last one
-"post"; an op between two blocks that belongs to neither (root-level glue) joins the block
-that ran just before it.
+The blocks are the children of module containers (``nn.ModuleList`` / ``nn.Sequential``)
+holding runs of same-class children (at least two; or a ModuleList of one, for a 1-layer
+model): first the run that covers the most parameters (so a transformer's ``blocks`` wins
+over a ``Sequential`` of Linears inside each block), then every other run that is neither
+inside a chosen block nor holds one (a T5 encoder's and decoder's blocks, a ResNet's stages,
+the towers of a two-input model), in the order the forward first runs them.  Ops before the
+first block form "pre", ops after the last one "post"; an op between two blocks that belongs
+to neither (root-level glue) joins the block that ran just before it.  The modules a
+pre/post layer names never hold a block (see ``top_module``).
 """
 from __future__ import annotations
 
@@ -20,14 +23,19 @@ from autopar.core.graph import Layer, OpNode
 
 @dataclass(frozen=True)
 class BlockRun:
-    container: str                 # path of the ModuleList / Sequential ("blocks", "transformer.h")
-    paths: tuple[str, ...]         # paths of the repeated children, in order
-    kind: str                      # their class name
+    """The blocks of a model: one or more runs of same-class children, in forward order."""
+    paths: tuple[str, ...]         # paths of the blocks ("blocks.0", ..., or "encoder.block.0", ...)
+    kinds: tuple[str, ...]         # class name of each block
+    containers: tuple[str, ...]    # the ModuleList / Sequential of each run ("blocks", "encoder.block")
 
 
-def find_blocks(root: nn.Module) -> BlockRun | None:
-    """The longest run of same-class children of a ModuleList/Sequential (>= 2), or None."""
-    best: tuple[tuple[int, int, int, int], BlockRun] | None = None
+def _runs(root: nn.Module) -> list[tuple[tuple[int, int, int, int], str, str, tuple[str, ...]]]:
+    """Every run of same-class children of a ModuleList/Sequential: (score, container, class, paths).
+
+    A run of >= 2 ranks first; a ModuleList holding a single block (a 1-layer model) is the
+    fallback so that its block still becomes a layer.  Then more parameters, more children,
+    shallower."""
+    out = []
     for path, mod in root.named_modules():
         if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
             continue
@@ -39,19 +47,58 @@ def find_blocks(root: nn.Module) -> BlockRun | None:
             while end + 1 < len(children) and type(children[end + 1][1]) is cls:
                 end += 1
             run = children[start:end + 1]
-            # a run of >= 2 ranks first; a ModuleList holding a single block (a 1-layer
-            # model) is the fallback so that its block still becomes a layer
             single_list = len(children) == 1 and isinstance(mod, nn.ModuleList)
             if len(run) >= 2 or single_list:
                 numel = sum(p.numel() for _, child in run for p in child.parameters())
                 depth = path.count(".") + (1 if path else 0)
-                score = (int(len(run) >= 2), numel, len(run), -depth)
-                if best is None or score > best[0]:
-                    prefix = f"{path}." if path else ""
-                    best = (score, BlockRun(container=path, kind=cls.__name__,
-                                            paths=tuple(prefix + name for name, _ in run)))
+                prefix = f"{path}." if path else ""
+                out.append(((int(len(run) >= 2), numel, len(run), -depth), path, cls.__name__,
+                            tuple(prefix + name for name, _ in run)))
             start = end + 1
-    return best[1] if best else None
+    return out
+
+
+def _inside(path: str, ancestor: str) -> bool:
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+def find_blocks(root: nn.Module, module_paths: list[str] | None = None) -> BlockRun | None:
+    """The repeated blocks: the best run of same-class children (see ``_runs``), plus every other
+    run of >= 2 parameter-holding children that neither lies inside a chosen block nor holds
+    one -- an encoder's and a decoder's blocks, a CNN's stages, each tower of a two-input
+    model -- so that each becomes layers of its own instead of being folded into pre/post.
+
+    ``module_paths`` (the owning module of every traced op, in forward order) orders the runs
+    by when they first run; without it they keep the module tree's order.
+    """
+    runs = sorted(_runs(root), key=lambda r: r[0], reverse=True)
+    if not runs:
+        return None
+    chosen = [runs[0]]
+    if runs[0][0][0]:
+        for run in runs[1:]:
+            score, container, _, paths = run
+            if not score[0] or score[1] == 0:
+                continue
+            clash = any(_inside(container, b) or any(_inside(b, p) for p in paths)
+                        for _, _, _, taken in chosen for b in taken)
+            if not clash:
+                chosen.append(run)
+    tree_order = {name: i for i, (name, _) in enumerate(root.named_modules())}
+
+    def first_use(run) -> tuple[int, int]:
+        paths = run[3]
+        if module_paths:
+            for i, mp in enumerate(module_paths):
+                if any(_inside(mp, p) for p in paths):
+                    return (0, i)
+            return (1, tree_order.get(paths[0], 0))
+        return (0, tree_order.get(paths[0], 0))
+
+    chosen.sort(key=first_use)
+    return BlockRun(paths=tuple(p for r in chosen for p in r[3]),
+                    kinds=tuple(r[2] for r in chosen for _ in r[3]),
+                    containers=tuple(r[1] for r in chosen))
 
 
 def assign_layers(module_paths: list[str], blocks: BlockRun | None) -> tuple[list[int], list[tuple[str, str]]]:
@@ -89,9 +136,26 @@ def assign_layers(module_paths: list[str], blocks: BlockRun | None) -> tuple[lis
             out.append(len(blocks.paths) + offset)
         else:
             out.append(current + offset)      # glue between blocks joins the block before it
-    names = ([("pre", "pre")] if has_pre else []) + [(p, blocks.kind) for p in blocks.paths] \
+    names = ([("pre", "pre")] if has_pre else []) + list(zip(blocks.paths, blocks.kinds)) \
         + ([("post", "post")] if has_post else [])
     return out, names
+
+
+def top_module(path: str, blocks: BlockRun | None) -> str:
+    """The outermost module on ``path`` that holds no block: the unit a pre/post layer names.
+
+    A module that holds blocks (Hugging Face's ``model``/``bert``, a T5 ``encoder``) is not a
+    unit of the pre/post layer: wrapping it would wrap the blocks too.  "" when every
+    prefix holds a block (an op owned by such a parent module itself)."""
+    if blocks is None:
+        return path.split(".")[0] if path else ""
+    parts = path.split(".") if path else []
+    holders = blocks.paths + blocks.containers
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if not any(_inside(b, prefix) for b in holders):
+            return prefix
+    return ""
 
 
 def build_layers(ops: list[OpNode], names: list[tuple[str, str]], blocks: BlockRun | None,
@@ -136,15 +200,14 @@ def build_layers(ops: list[OpNode], names: list[tuple[str, str]], blocks: BlockR
     by_layer: dict[int, list[OpNode]] = {i: [] for i in range(num_layers)}
     for o in ops:
         by_layer[o.layer].append(o)
-    depth = (blocks.container.count(".") + 2) if blocks and blocks.container else 1
     layers = []
     for i, (name, kind) in enumerate(names):
         members = by_layer[i]
         if blocks is not None and name in blocks.paths:
             paths = (name,)
         else:
-            paths = tuple(dict.fromkeys(
-                ".".join(o.module_path.split(".")[:depth]) for o in members if o.module_path))
+            paths = tuple(p for p in dict.fromkeys(top_module(o.module_path, blocks) for o in members
+                                                   if o.module_path) if p)
         layers.append(Layer(
             index=i, name=name, kind=kind, module_paths=paths, ops=tuple(o.name for o in members),
             param_numel=sum(o.param_numel for o in members),

@@ -51,7 +51,7 @@ CANONICAL: dict[str, str] = {
     "addmm": "addmm", "mm": "matmul", "bmm": "matmul", "matmul": "matmul", "baddbmm": "baddbmm",
     "einsum": "einsum",
     "Conv1D": "addmm_conv1d",  # transformers' Conv1D: y = x @ W + b with W [in, out]
-    "scaled_dot_product_attention": "sdpa",
+    "scaled_dot_product_attention": "sdpa", "MultiheadAttention": "mha",
     "scaled_dot_product_flash_attention": "sdpa", "scaled_dot_product_flash_attention_for_cpu": "sdpa",
     "scaled_dot_product_efficient_attention": "sdpa", "scaled_dot_product_cudnn_attention": "sdpa",
     "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
@@ -131,7 +131,7 @@ CANONICAL: dict[str, str] = {
 KIND: dict[str, str] = {
     "linear": "linear", "addmm": "linear", "addmm_conv1d": "linear",
     "matmul": "matmul", "baddbmm": "matmul", "einsum": "matmul",
-    "sdpa": "attention", "conv": "conv", "embedding": "embedding",
+    "sdpa": "attention", "mha": "attention", "conv": "conv", "embedding": "embedding",
     "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "group_norm": "norm",
     "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
     "sum": "reduction", "mean": "reduction", "amax": "reduction", "argmax": "reduction",
@@ -364,6 +364,33 @@ def _sdpa(f: OpFacts):
     return "attention", fwd, bwd, saved
 
 
+def _mha(f: OpFacts):
+    """``nn.MultiheadAttention`` kept whole by the fx path: its four projections plus attention.
+
+    Inputs: query, key, value (activations; ``[b, s, E]`` with ``batch_first``, else
+    ``[s, b, E]``; ``[s, E]`` unbatched), then masks and the module's parameters.  Forward =
+    q/k/v projections 2*E*E per query/key/value row each, the output projection 2*E*E per query
+    row, and the attention 2*s_q*s_k*E for Q K^T plus the same for A V per batch element (the
+    ``_sdpa`` count with h*d = E); backward 2x forward.  Keeps what its parts keep: the three
+    inputs (the projections' inputs), q, k, v and the attention output (the fused attention's
+    operands) and the fp32 logsumexp, b*h*s_q.
+    """
+    acts = [t for t in f.inputs if t.role != "param" and t.is_float]
+    e = int(f.attrs.get("embed_dim") or f.out.shape[-1])
+    q = acts[0] if acts else f.out
+    k = acts[1] if len(acts) > 1 else q
+    v = acts[2] if len(acts) > 2 else k
+    seq_dim = 1 if f.attrs.get("batch_first") and len(q.shape) == 3 else 0
+    rows_q, rows_k = q.numel // max(q.shape[-1], 1), k.numel // max(k.shape[-1], 1)
+    s_k = k.shape[seq_dim] if len(k.shape) >= 2 else 1
+    fwd = 2.0 * e * e * (2 * rows_q + 2 * rows_k) + 4.0 * rows_q * s_k * e
+    heads = int(f.attrs.get("num_heads", 1))
+    saved = [s for t in {id(t): t for t in (q, k, v)}.values() for s in _act(t)]
+    saved += _synthetic(f, "qkv", (2 * rows_q + rows_k) * e * f.out.itemsize)
+    saved += _act(f.out) + _synthetic(f, "logsumexp", rows_q * heads * FP32_BYTES)
+    return "attention", fwd, 2.0 * fwd, saved
+
+
 def _conv(f: OpFacts):
     x, w = f.inputs[0], f.inputs[1]
     fwd = 2.0 * f.out.numel * math.prod(w.shape[1:])          # w: [C_out, C_in/groups, *kernel]
@@ -490,7 +517,9 @@ def _leaf(f: OpFacts):
 
     Forward 2 FLOPs per parameter per input row (a Linear's count generalised), or one per
     output element for a parameter-free module; backward 2x forward; keeps its inputs and
-    output (conservative: the module's internals are unknown).
+    output (conservative: the module's internals are unknown).  ``param_numel`` is the
+    parameters that work on each row: a routed mixture of experts counts k of its n experts
+    (``autopar.core.trace_fx.routed_expert_numel``).
     """
     params = int(f.attrs.get("param_numel", 0))
     first = next((t for t in f.inputs if t.role != "param"), f.out)
@@ -508,7 +537,7 @@ def _other(f: OpFacts):
 
 _RULES: dict[str, Callable] = {
     "linear": _linear, "addmm": _addmm, "addmm_conv1d": _addmm, "matmul": _matmul,
-    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "conv": _conv, "embedding": _embedding,
+    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "mha": _mha, "conv": _conv, "embedding": _embedding,
     "layer_norm": _norm, "rms_norm": _norm, "batch_norm": _norm, "group_norm": _norm,
     "softmax": _softmax, "log_softmax": _softmax, "dropout": _dropout,
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "argmax": _reduction,

@@ -98,12 +98,73 @@ class _MetaRunner(fx.Interpreter):
         return key
 
     def call_module(self, target, args, kwargs):
-        try:
+        if target not in self.leaves:
             return super().call_module(target, args, kwargs)
-        except Exception:
-            if target not in self.leaves:
-                raise
-        return _run_leaf_on_cpu(self.module.get_submodule(target), target, args, kwargs, self.walk)
+        with _TopkRecorder() as routing:
+            try:
+                out = super().call_module(target, args, kwargs)
+            except Exception:
+                out = _run_leaf_on_cpu(self.module.get_submodule(target), target, args, kwargs, self.walk)
+        if routing.calls:
+            self.walk.routing[target] = routing.calls
+        return out
+
+
+class _TopkRecorder:
+    """Records the ``(k, size of the dim chosen from)`` of every ``topk`` an opaque module runs:
+    the routing step of a top-k mixture of experts (see ``routed_expert_numel``)."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func._overloadpacket is torch.ops.aten.topk and args and isinstance(args[0], torch.Tensor):
+                    k = args[1] if len(args) > 1 else kwargs.get("k")
+                    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+                    if isinstance(k, int) and args[0].dim():
+                        calls.append((int(k), int(args[0].shape[dim])))
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def routed_expert_numel(mod: torch.nn.Module, routing: list[tuple[int, int]]) -> int:
+    """Parameter elements an opaque module uses per token when it routes tokens to experts.
+
+    A top-k mixture of experts sends each token to k of its n experts (Shazeer et al. 2017,
+    "Outrageously Large Neural Networks", Sec. 2.1: the gate keeps the top k of n and the
+    other experts are not computed; Fedus et al. 2022, Switch Transformer, k = 1): per token
+    it runs k experts' parameters, not n.  The experts are a ``ModuleList`` of n modules of
+    one class inside the module, and the routing is a ``topk(k)`` over a dimension of size n
+    that the module ran; the experts' parameters then count k/n (the expected share each
+    expert computes with balanced routing, the load the auxiliary balancing loss of both
+    papers aims for).  Returns all parameter elements when no such pair exists (the module
+    is dense: every parameter works on every token).
+    """
+    total = sum(p.numel() for p in mod.parameters())
+    for _, sub in mod.named_modules():
+        if not isinstance(sub, torch.nn.ModuleList) or len(sub) < 2:
+            continue
+        if len({type(c) for c in sub}) != 1:
+            continue
+        n = len(sub)
+        ks = [k for k, size in routing if size == n and 0 < k < n]
+        if ks:
+            expert_numel = sum(p.numel() for p in sub.parameters())
+            return int(round(total - expert_numel + expert_numel * ks[0] / n))
+    return total
 
 
 def _shape_key(obj: Any) -> Any:
@@ -174,6 +235,8 @@ def _walk_symbolic(gm: fx.GraphModule, root: torch.nn.Module, results: dict[str,
             prm = [param_val(f"{n.target}.{pn}", p, params) for pn, p in mod.named_parameters()]
             attrs = module_attrs(mod, canon)
             attrs["param_numel"] = sum(p.numel() for _, p in mod.named_parameters())
+            if n.target in walk.routing:
+                attrs["param_numel"] = routed_expert_numel(mod, walk.routing[n.target])
             if canon == "embedding":
                 ins = ins[:1]
             walk.add_op(n.name, canon, class_name(cls), n.target, ins, res, attrs, prm)

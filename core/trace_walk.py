@@ -70,6 +70,7 @@ class Walk:
     output_value: Any = None                               # the forward's result (meta tensors)
     leaves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    routing: dict[str, list[tuple[int, int]]] = field(default_factory=dict)   # leaf -> its topk (k, n)
 
     # ---------------------------------------------------------------- values
     def tensors_in(self, obj: Any) -> list[Val]:
@@ -89,7 +90,8 @@ class Walk:
                result: Any, attrs: dict | None = None, extra_params: list[Val] = ()) -> None:
         """Record one op whose (meta) result is ``result``; skip non-tensor results."""
         ins = list(ins) + list(extra_params)
-        tensors = flatten_tensors(result)
+        slots = tensor_slots(result)
+        tensors = [t for t in slots if t is not None]
         if not tensors:
             self.vals[name] = None
             return
@@ -97,7 +99,11 @@ class Walk:
         grad = canon not in ("create", "compare", "argmax") and any(v.requires_grad for v in ins)
         single = len(tensors) == 1 and isinstance(result, torch.Tensor)
         outs = []
-        for i, t in enumerate(tensors):
+        by_slot: list[Val | None] = []
+        for i, t in enumerate(slots):
+            if t is None:                  # e.g. nn.MultiheadAttention's (output, None)
+                by_slot.append(None)
+                continue
             ref = name if single else f"{name}#{i}"
             shape, dtype = tuple(int(d) for d in t.shape), t.dtype
             key = ref
@@ -114,7 +120,9 @@ class Walk:
             is_float = dtype.is_floating_point or dtype.is_complex
             outs.append(Val(ref=ref, producer=name, shape=shape, dtype=dtype, role=role,
                              requires_grad=grad and is_float, key=key, fqn=fqn))
-        self.vals[name] = outs[0] if single else tuple(outs)
+            by_slot.append(outs[-1])
+        # a tuple result keeps its positions (getitem indexes it), None where no tensor is
+        self.vals[name] = outs[0] if single else tuple(by_slot)
         param_names = list(dict.fromkeys(v.fqn for v in ins if v.role == "param" and v.fqn))
         if all(o.role == "param" for o in outs):
             param_names = []                 # a view of a weight: its consumer owns the weight
@@ -124,13 +132,21 @@ class Walk:
                             outs=outs, params=param_names))
 
 
-def flatten_tensors(result: Any) -> list[torch.Tensor]:
+def tensor_slots(result: Any) -> list[torch.Tensor | None]:
+    """The tensors of an op's result by position: ``[t]`` for a tensor; for a tuple/list of
+    tensors and ``None`` (``nn.MultiheadAttention`` returns ``(output, None)`` without
+    attention weights) one slot per element, ``None`` kept; ``[]`` for anything else."""
     if isinstance(result, torch.Tensor):
         return [result]
-    if isinstance(result, (tuple, list)):
-        out = [r for r in result if isinstance(r, torch.Tensor)]
-        return out if len(out) == len(result) else []
+    if isinstance(result, (tuple, list)) and \
+            all(r is None or isinstance(r, torch.Tensor) for r in result):
+        return list(result)
     return []
+
+
+def flatten_tensors(result: Any) -> list[torch.Tensor]:
+    """The tensors of an op's result (see ``tensor_slots``), ``None`` slots dropped."""
+    return [t for t in tensor_slots(result) if t is not None]
 
 
 def dropout_active(attrs: dict | None) -> bool:
@@ -175,6 +191,9 @@ def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
         return {"normalized_numel": math.prod(shape)} if shape else {}
     if canon == "group_norm":
         return {"groups": getattr(mod, "num_groups", 1)}
+    if canon == "mha":
+        return {"batch_first": bool(getattr(mod, "batch_first", False)),
+                "num_heads": int(getattr(mod, "num_heads", 1)), "embed_dim": int(getattr(mod, "embed_dim", 0))}
     return {}
 
 

@@ -89,9 +89,10 @@ def choose(steps: list[float], errors: list[FamilyError | None]) -> tuple[int, l
     return pick, close, why
 
 
-def apply(result, cluster, errors: dict[str, FamilyError] | None = None):
+def apply(result, cluster, errors: dict[str, FamilyError] | None = None, reorder: bool = True):
     """The search result with the preferred plan first, and per plan (best first) its FamilyError,
-    too-close mark and the reason: (result, [FamilyError|None], [bool], why)."""
+    too-close mark and the reason: (result, [FamilyError|None], [bool], why).  With
+    ``reorder=False`` the order is kept and only the errors and marks are computed."""
     from dataclasses import replace
 
     errors = load_family_errors() if errors is None else errors
@@ -99,7 +100,7 @@ def apply(result, cluster, errors: dict[str, FamilyError] | None = None):
     plans = [result.best] + list(result.runner_ups)
     errs = [family_error(ev.plan, gpu, errors) if gpu else None for ev in plans]
     pick, _, why = choose([ev.step_time_s for ev in plans], errs)
-    if pick:
+    if pick and reorder:
         plans = [plans[pick]] + plans[:pick] + plans[pick + 1:]
         errs = [errs[pick]] + errs[:pick] + errs[pick + 1:]
         result = replace(result, best=plans[0], runner_ups=plans[1:])

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.planner.constraints import constrain
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=3, metavar="K", help="runner-up plans to show (default 3)")
     parser.add_argument("-o", "--output", default="plan.json", metavar="PATH", help="plan file to write (default plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan and its runner-ups as JSON")
+    from autopar.planner.headroom import DEFAULT_MEMORY_HEADROOM
+
+    fix = parser.add_argument_group("fixed knobs", "fix any of these; the search chooses the rest")
+    fix.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel degree")
+    fix.add_argument("--tp", type=int, default=None, metavar="N", help="tensor-parallel degree")
+    fix.add_argument("--pp", type=int, default=None, metavar="N", help="pipeline-parallel degree (ranks)")
+    fix.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                     help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
+    fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                     help="activation recompute on every layer")
+    fix.add_argument("--offload", choices=("none", "cpu"), default=None,
+                     help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3)")
+    fix.add_argument("--micro-batch", type=int, default=None, metavar="N", help="samples per micro-batch")
+    fix.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+                     help="pipeline schedule (needs pp > 1)")
+    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="FRACTION",
+                        help=f"fraction of each device's memory a plan leaves free for allocator fragmentation "
+                             f"and workspaces (default {DEFAULT_MEMORY_HEADROOM:.3f}: the mean fragmentation GMLake, "
+                             f"Guo et al. 2024, measured for PyTorch's allocator on LLM training, 9.2 of 80 GB)")
+    parser.add_argument("--no-runtime-check", action="store_true",
+                        help="skip applying the runtime's transformations on fake ranks: the plan may then use "
+                             "kinds the runtime cannot run for this model")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,22 +79,46 @@ def main(args: argparse.Namespace) -> int:
     if args.top_k < 0:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
-                          time_budget_s=args.time_budget, precision=precision, top_k=args.top_k)
+                          time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
+                          dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
+                          micro_batch=args.micro_batch, fixed_schedule=args.schedule,
+                          memory_headroom=args.memory_headroom)
+    if args.recompute is not None:
+        options = replace(options, recompute=(args.recompute,))
+    if args.schedule is not None:
+        options = replace(options, schedules=(args.schedule,))
     options.check()
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
     capture_s = time.perf_counter() - t0
+    executable = None
+    if not args.no_runtime_check:
+        executable = check_kinds(graph, args.model_file, cluster, options)
+    options = constrain(replace(options, executable=executable), graph, cluster)
     console = _console()
     if args.json or console is None:
         result = search(graph, cluster, cost_models, options)
     else:
         result = _search_with_progress(console, graph, cluster, cost_models, options)
-    # issue 16: each plan's family validation error; a better-validated plan within the band wins
+    # each plan's family validation error; a better-validated plan within the band goes first
+    # (planner/confidence.py), and the runtime check then takes the first plan it can run
     from autopar.planner import confidence
-    result, conf_errors, conf_close, conf_why = confidence.apply(result, cluster)
+    result, _, _, conf_why = confidence.apply(result, cluster)
+    preferred = result.best
+    left_out = list(executable.left_out) if executable is not None else []
+    if executable is not None:
+        result, refused = runnable_result(result, graph, args.model_file)
+        left_out += refused
+    _, conf_errors, conf_close, _ = confidence.apply(result, cluster, reorder=False)
+    if result.best is not preferred:
+        conf_why = "the better-validated plan was refused by the runtime check (see left out)"
     # how to load this cluster again (autopar report / simulate re-price the plan with it)
     cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
-    plan = result.best.plan.with_predicted(result.best.plan.predicted, cluster_ref=cluster_ref,
-                                           cluster_nodes=args.nodes)
+    plan = result.best.plan.with_predicted(
+        result.best.plan.predicted, cluster_ref=cluster_ref, cluster_nodes=args.nodes,
+        memory_headroom=options.memory_headroom,
+        runtime_check="skipped (--no-runtime-check)" if executable is None else
+        f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
+        left_out=[x.to_dict() for x in left_out])
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
     command = torchrun_command(cluster, args.output, plan.world_size)
@@ -88,8 +135,53 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.plan_report import print_plan
 
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
-               confidence=(conf_errors, conf_close, conf_why))
+               confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
     return 0
+
+
+def check_kinds(graph, model_file: str, cluster, options):
+    """What the runtime runs for this model (planner/runtime_check.py), at the tp degrees the
+    cluster admits."""
+    from autopar.core.modelfile import load_model_file
+    from autopar.planner.runtime_check import find_executable
+    from autopar.planner.space import mesh_candidates
+
+    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=len(graph.layers),
+                             global_batch=options.global_batch,
+                             max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
+                             tp_inside_node=options.tp_inside_node)
+    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
+    return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision)
+
+
+MAX_PLAN_CHECKS = 12      # plans tried in order of predicted speed before giving up
+
+
+def runnable_result(result, graph, model_file: str):
+    """The search result with a best plan the runtime builds and runs (on fake ranks).
+
+    The kinds were each checked alone; the pick combines them (a tp split with FSDP units and
+    stage cuts), so it is checked whole.  A plan that fails gives way to the next fastest that
+    fits; the failures are reported as left out.  Runner-ups are not checked."""
+    from autopar.core.errors import UserError
+    from autopar.core.modelfile import load_model_file
+    from autopar.planner.runtime_check import LeftOut, whole_plan_error
+
+    mf = load_model_file(model_file)
+    refused: list[LeftOut] = []
+    pool = [result.best] + list(result.runner_ups)
+    for ev in pool[:MAX_PLAN_CHECKS]:
+        err = whole_plan_error(ev.plan, graph, mf)
+        if err is None:
+            if ev is not result.best:
+                result.runner_ups = [e for e in pool if e is not ev]
+                result.best = ev
+            return result, refused
+        m = ev.plan.mesh
+        refused.append(LeftOut(f"plan dp{m.dp} tp{m.tp} pp{m.pp} zero{ev.plan.zero}", err))
+    raise UserError("the runtime cannot run any of the fastest plans found for this model: "
+                    + "; ".join(f"{x.kind}: {x.reason}" for x in refused)
+                    + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")
 
 
 def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> str:

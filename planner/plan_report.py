@@ -24,7 +24,7 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
 
 
 def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
-               confidence=None) -> None:
+               confidence=None, left_out=(), headroom: float = 0.0) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -64,7 +64,10 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
         console.print("[bold]validated[/bold]   " + escape(f"{errs[0].describe()} (benchmarks/published_runs.py); {why}"))
     elif why:
         console.print("[bold]validated[/bold]   " + escape(why))
-    mt = Table(title="memory per device (each pipeline rank)", show_edge=False)
+    full = min(g.gpu_memory_bytes for g in cluster.groups)
+    mt = Table(title=f"memory per device (each pipeline rank); capacity = {_gib(full)} less "
+                     f"{100 * headroom:.1f}% headroom for allocator fragmentation and workspaces",
+               show_edge=False)
     for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
         mt.add_column(col, justify="right")
     for r, mb in enumerate(pred.get("memory_per_stage", [])):
@@ -89,4 +92,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
             rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"{100 * (ev.step_time_s / best.step_time_s - 1):+.1f}%",
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
+    if left_out:
+        console.print("[bold]left out[/bold]    (the runtime cannot apply these to this model; checked on fake ranks)")
+        for x in left_out:
+            console.print(escape(f"  - {x.kind}: {x.reason}"))
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

@@ -69,6 +69,18 @@ class PlanOptions:
     mcmc_iterations: int = 4000
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
+    # knobs the user fixed (None: the search chooses); see planner/constraints.py
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch: int | None = None
+    zero: int | None = None              # one ZeRO stage on every layer
+    offload: str | None = None           # "none" | "cpu" on every layer
+    fixed_schedule: str | None = None
+    # fraction of each device's memory kept free for the allocator's fragmentation and
+    # workspaces (see planner/headroom.py); plans must fit in the rest
+    memory_headroom: float = 0.0
+    executable: Any = None               # runtime_check.Executable: the kinds the runtime runs
 
     def check(self) -> None:
         if self.global_batch < 1:
@@ -82,6 +94,8 @@ class PlanOptions:
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad:
             raise UserError(f"schedule {bad[0]!r} is not one of {', '.join(SCHEDULES)}.")
+        if not 0.0 <= self.memory_headroom < 0.9:
+            raise UserError(f"--memory-headroom is {self.memory_headroom}; it must be a fraction in [0, 0.9).")
 
 
 @dataclass
@@ -117,23 +131,25 @@ class Planner:
                  evaluator=None, progress: Progress | None = None):
         from autopar.simulator.evaluator import PlanEvaluator
 
+        from autopar.planner.constraints import candidate_meshes
+        from autopar.planner.headroom import with_headroom
+
         options.check()
+        cluster = with_headroom(cluster, options.memory_headroom)
         self.graph, self.cluster, self.cost_model, self.options = graph, cluster, cost_model, options
         self.evaluator = evaluator or PlanEvaluator(graph, cluster, cost_model)
         self.progress = progress or (lambda phase, done, total: None)
         self.num_layers = len(graph.layers)
-        self.styles = [megatron_styles(graph, i) for i in range(self.num_layers)]
+        ex = options.executable
+        self.styles = [megatron_styles(graph, i) if ex is None or ex.splittable[i] else {}
+                       for i in range(self.num_layers)]
         # identical layers: same structure and the same split relative to the layer's own path
         self.signatures = [f"{layer.signature}|{_relative_styles(layer.name, self.styles[i])}"
                            for i, layer in enumerate(graph.layers)]
         self.model = ModelRef(file=graph.model_file, args=dict(graph.model_args), name=graph.model_name,
                               fingerprint=graph.fingerprint)
         self.cluster_label = f"{cluster.name} ({cluster.source})" if cluster.source else cluster.name
-        self.meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-                                      num_layers=self.num_layers, global_batch=options.global_batch,
-                                      max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
-                                      tp_inside_node=options.tp_inside_node,
-                                      sequence_parallel=options.sequence_parallel)
+        self.meshes = candidate_meshes(options, cluster, self.num_layers)
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
                                max_micro_batch=options.max_micro_batch,
@@ -151,11 +167,43 @@ class Planner:
         return c.to_plan(model=self.model, styles=self.styles, precision=self.options.precision,
                          cluster=self.cluster_label)
 
+    @property
+    def cuttable(self) -> frozenset[int] | None:
+        """Layer boundaries where stages may start, when the runtime cannot cut at all of them."""
+        ex = self.options.executable
+        if ex is None or not ex.pipeline or ex.cuttable == frozenset(range(1, self.num_layers)):
+            return None
+        return ex.cuttable
+
+    def admits(self, c: Candidate) -> bool:
+        """The candidate keeps the fixed knobs and uses only what the runtime runs."""
+        o, ex = self.options, self.options.executable
+        if c.mesh not in self.meshes:
+            return False
+        if o.micro_batch is not None and c.micro_batch != o.micro_batch:
+            return False
+        if c.mesh.pp > 1 and c.schedule not in o.schedules:
+            return False
+        for ch in c.choices:
+            if o.zero is not None and ch.zero != o.zero or zero_family_of(ch.zero) not in o.zero_families:
+                return False
+            if ch.recompute not in o.recompute or (ch.offload != "none" and not o.allow_offload):
+                return False
+            if o.offload is not None and ch.offload != o.offload:
+                return False
+        if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
+            return False
+        return True
+
     def price(self, c: Candidate) -> Evaluated | None:
         """Simulate a candidate (cached); None when it does not fit or cannot run."""
         if c in self.seen:
             return self.seen[c]
         out = None
+        if not self.admits(c):
+            self.num_infeasible += 1
+            self.seen[c] = None
+            return None
         try:
             plan = self.to_plan(c)
             plan.validate(self.num_layers)
@@ -194,6 +242,8 @@ class Planner:
                 continue
             rows = []
             mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            if o.micro_batch is not None:
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
             pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
             for family in zero_families(mesh.dp):
                 if family not in o.zero_families:
@@ -219,7 +269,8 @@ class Planner:
             return hit
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
                                 allow_offload=o.allow_offload)
-        choices = [c for c in choices if c.recompute in o.recompute]
+        choices = [c for c in choices if c.recompute in o.recompute
+                   and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)]
         by_cm: dict[str, LayerTables] = {}
         per_rank = []
         for cm in self.evaluator.rank_cost_models(s.mesh):
@@ -247,13 +298,13 @@ class Planner:
             # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
             bounds = equal_bounds(self.num_layers, p * v)
             inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
-            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight)
+            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight, cuttable=self.cuttable)
             lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
             return float(m * max(lat) + (sum(lat) - max(lat)) / v)
         try:
-            return partition_stages(range_costs(tables, s, cap, allowed), p, m).step_latency_s
+            return partition_stages(range_costs(tables, s, cap, allowed, cuttable=self.cuttable), p, m).step_latency_s
         except InfeasibleError:
             return math.inf
 
@@ -286,6 +337,7 @@ class Planner:
             t, allowed = self.tables(s)
             try:
                 c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
+                                  cuttable=self.cuttable,
                                   allowed=allowed, ilp_cache=self.ilp_cache)
             except InfeasibleError:
                 self.num_infeasible += 1
@@ -303,19 +355,38 @@ class Planner:
         out = []
         for mesh in self.meshes:
             mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            if o.micro_batch is not None:
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
             if not mbs:
                 continue
-            for family, rc, off in (("ddp", "none", "none"), ("fsdp", "full", "cpu" if o.allow_offload else "none")):
-                if family not in o.zero_families:
+            corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
+                       ("fsdp", "full", "cpu" if o.allow_offload else "none")]
+            for family, rc, off in corners:
+                if family not in o.zero_families or (family == "zero1" and "ddp" in o.zero_families):
                     continue
-                mb, m = mbs[-1] if family == "ddp" else mbs[0]
-                zero = 0 if family == "ddp" else 3
+                if o.offload is not None:
+                    off = o.offload
+                mb, m = mbs[-1] if family != "fsdp" else mbs[0]
+                zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
                 choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
                                             recompute=rc if rc in o.recompute else o.recompute[-1],
                                             offload=off) for i in range(self.num_layers))
-                out.append(Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule="1f1b",
-                                     bounds=equal_bounds(self.num_layers, mesh.pp), choices=choices))
+                schedule = o.fixed_schedule if mesh.pp > 1 and o.fixed_schedule in ("1f1b", "gpipe") else "1f1b"
+                out.append(Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule,
+                                     bounds=self._cuttable_bounds(mesh.pp), choices=choices))
         return out
+
+    def _cuttable_bounds(self, num_stages: int) -> tuple[int, ...]:
+        """Equal stages, each boundary moved to the nearest layer where a stage may start."""
+        bounds = list(equal_bounds(self.num_layers, num_stages))
+        ex = self.options.executable
+        if ex is None or num_stages == 1 or not ex.cuttable:
+            return tuple(bounds)
+        cuts = sorted(ex.cuttable)
+        for k in range(1, num_stages):
+            bounds[k] = min((c for c in cuts if bounds[k - 1] < c < self.num_layers),
+                            key=lambda c: abs(c - bounds[k]), default=bounds[k])
+        return tuple(bounds)
 
     def refine(self, starts: list[Evaluated], deadline: float) -> list[Evaluated]:
         o = self.options

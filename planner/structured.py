@@ -68,13 +68,15 @@ def max_stage_layers(num_layers: int, num_stages: int) -> int:
 
 
 def range_costs(tables_by_rank: list[LayerTables], setting: Setting, capacity_bytes: list[float],
-                allowed: np.ndarray | None = None, inflight_by_rank: list[float] | None = None) -> np.ndarray:
+                allowed: np.ndarray | None = None, inflight_by_rank: list[float] | None = None,
+                cuttable: frozenset[int] | None = None) -> np.ndarray:
     """cost[s, i, j]: per-micro-batch latency of layers i..j-1 on pipeline rank s, with the best
     strategy applied uniformly to the range among those that fit the rank's memory.
 
     ``tables_by_rank[s]`` prices rank s's devices (ranks on different GPU types of a
     heterogeneous cluster have different tables); ``allowed`` (L, C) masks strategies out.
-    Ranges longer than ``max_stage_layers`` are left at ``inf``.
+    Ranges longer than ``max_stage_layers`` are left at ``inf``, and so are ranges that start
+    or end at a layer boundary outside ``cuttable`` (where the runtime cannot cut stages).
     """
     S = setting.mesh.pp
     L = tables_by_rank[0].num_layers
@@ -99,6 +101,10 @@ def range_costs(tables_by_rank: list[LayerTables], setting: Setting, capacity_by
             mem = base + inflight_by_rank[s] * AC
             memo[key] = np.where(mem <= capacity_bytes[s], T, np.inf).min(axis=1)
         out[s, starts, ends] = memo[key]
+    if cuttable is not None:
+        uncut = [b for b in range(1, L) if b not in cuttable]
+        out[:, uncut, :] = np.inf
+        out[:, :, uncut] = np.inf
     return out
 
 
@@ -171,15 +177,16 @@ def stage_ilp(tables: LayerTables, signatures: list[str], chunks: list[range], i
 
 def solve_setting(tables_by_rank: list[LayerTables], signatures: list[str], setting: Setting,
                   capacity_bytes: list[float], seed: int = 0, allowed: np.ndarray | None = None,
-                  ilp_cache: dict | None = None) -> Candidate:
-    """Stage boundaries (DP) and per-layer strategies (ILP) for one setting."""
+                  ilp_cache: dict | None = None, cuttable: frozenset[int] | None = None) -> Candidate:
+    """Stage boundaries (DP) and per-layer strategies (ILP) for one setting (stages start only
+    at ``cuttable`` boundaries when given)."""
     mesh = setting.mesh
     L = tables_by_rank[0].num_layers
     num_stages = mesh.pp * setting.virtual_stages
     if setting.schedule == "interleaved" or mesh.pp == 1:
         bounds = equal_bounds(L, num_stages)
     else:
-        cost = range_costs(tables_by_rank, setting, capacity_bytes, allowed)
+        cost = range_costs(tables_by_rank, setting, capacity_bytes, allowed, cuttable=cuttable)
         bounds = partition_stages(cost, mesh.pp, setting.num_microbatches).bounds
     chosen: list[int] = [0] * L
     cache = ilp_cache if ilp_cache is not None else {}

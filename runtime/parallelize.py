@@ -21,6 +21,8 @@ with fp32 master weights (FSDP2's ``MixedPrecisionPolicy`` is FSDP-only).
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -180,54 +182,86 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
     return part
 
 
-def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOptions,
-                         loss_fn: Callable) -> ParallelModel:
+@dataclass
+class StageParts:
+    """Steps 1-6 of one rank's build (module docstring): the selected stage modules, parallelised
+    and materialised, and what the later steps need of the split."""
+    parts: dict[int, nn.Module]                  # stage index -> module (or {0: the whole model})
+    meta: nn.Module                              # the model as built on meta (step 1)
+    dp_kind: str
+    restore_output: Callable | None = None       # the model's output structure from the last stage's
+    cut_by: str = "none"                         # "fx", "export" or "none" (no pipeline)
+    cross_stage_ties: list = field(default_factory=list)
+
+
+def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
+                      keep_stage: Callable[[int], bool],
+                      around_materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                      ) -> StageParts:
+    """Steps 2-6 on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
+    selects, and apply tensor parallelism, recompute and FSDP2 / replicate to each before it is
+    materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``.  Training keeps this rank's
+    stages; the planner's runtime check (planner/runtime_check.py) keeps every stage, so a plan
+    it accepts is built by exactly these steps."""
     plan = checked.plan
     args = dict(plan.model.args)
-    meta = build_meta_model(checked.model_file, args)                               # 1
     ties = find_ties(meta)
-    cross_stage_ties = []
-    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
+    out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp))
     if plan.mesh.pp > 1:                                                            # 2
         with torch.device("meta"):
             example, _ = checked.model_file.make_batch(plan.micro_batch, **args)
         split = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages,
                                   example_inputs=example, device=ctx.device)
-        stage_mods, restore_output, cut_by = split.stages, split.restore_output, split.cut_by
-        cross_stage_ties = untie_across_stages(stage_mods, ties)
-        local = {i: stage_mods[i] for i in range(num_stages)
-                 if plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank}
+        out.restore_output, out.cut_by = split.restore_output, split.cut_by
+        out.cross_stage_ties = untie_across_stages(split.stages, ties)
+        local = {i: split.stages[i] for i in range(num_stages) if keep_stage(i)}
     else:
-        local, restore_output, cut_by = {0: meta}, None, "none"
-    parts, dp_mesh = [], ctx.submesh("dp")
-    dp_kind = data_parallel_kind(plan.zero, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp)
-    use_ddp = dp_kind in ("ddp", "zero1")
+        local = {0: meta}
     for index, part in sorted(local.items()):
         held = [l for l in checked.layers if stage_of[l.index] == index]
-        if cut_by == "export":
-            part = parallelize_export_stage(part, held, checked, ctx, dp_kind)
+        if out.cut_by == "export":
+            part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind)
         else:
-            part = parallelize_part(part, held, checked, ctx, dp_kind, ties)       # 3-5
-        materialize(part, ctx.device, source, ties)                                 # 6
+            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties)   # 3-5
+        with around_materialize():
+            materialize(part, ctx.device, source, ties)                             # 6
+        out.parts[index] = part
+    return out
+
+
+def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOptions,
+                         loss_fn: Callable) -> ParallelModel:
+    plan = checked.plan
+    args = dict(plan.model.args)
+    meta = build_meta_model(checked.model_file, args)                               # 1
+    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
+    num_stages = len(plan.pipeline.stages)
+    built = build_stage_parts(checked, ctx, meta, source,                           # 2-6
+                              lambda i: plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank)
+    del source
+    local, dp_kind = built.parts, built.dp_kind
+    parts, dp_mesh = [], ctx.submesh("dp")
+    use_ddp = dp_kind in ("ddp", "zero1")
+    for index, part in sorted(local.items()):
         if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
             keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
         if use_ddp:
             part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
         parts.append(part)
-    del source
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY) for p in parts]  # 8
     schedule, tied_grad_sum = None, None
-    if cross_stage_ties:
-        tied_grad_sum = TiedGradSum.build(cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
+    if built.cross_stage_ties:
+        tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
                                           ctx.mesh.mesh, ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
-                                     plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn, restore_output)
+                                     plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
+                                     built.restore_output)
     notes = []
-    if cut_by == "export":
+    if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer")
     runs_as = runnable_schedule(plan.pipeline.schedule, plan.pipeline.num_microbatches, num_stages)

@@ -1,0 +1,124 @@
+"""The knobs a user fixes on ``autopar plan`` and the kinds the runtime runs, as limits on the search.
+
+``constrain`` turns ``--dp/--tp/--pp/--zero/--recompute/--offload/--micro-batch/--schedule``
+and an ``Executable`` (what ``runtime_check`` saw the runtime run) into ``PlanOptions`` the
+search honours everywhere (its meshes, settings, layer choices and every candidate it
+prices), and refuses -- ``UserError``, exit code 2 -- a fixed knob the model, the cluster or
+the runtime cannot take, saying why.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.core.cluster import Cluster
+from autopar.core.errors import UserError
+from autopar.core.graph import OpGraph
+from autopar.core.plan import Mesh
+from autopar.planner.space import mesh_candidates, zero_family_of
+
+
+def _reason(ex, *kinds: str) -> str:
+    for x in ex.left_out if ex is not None else ():
+        if x.kind in kinds:
+            return x.reason
+    return "the runtime check left it out"
+
+
+def candidate_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
+    """The meshes the search may use: the cluster's, cut by the fixed axes and what runs."""
+    o, ex = options, options.executable
+    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=num_layers,
+                             global_batch=o.global_batch,
+                             max_tp=o.max_tp or (cluster.gpus_per_node if o.tp_inside_node else None),
+                             tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel)
+    return [m for m in meshes if mesh_allowed(m, o)]
+
+
+def mesh_allowed(m: Mesh, o) -> bool:
+    ex = o.executable
+    if o.dp is not None and m.dp != o.dp or o.tp is not None and m.tp != o.tp or o.pp is not None and m.pp != o.pp:
+        return False
+    if o.micro_batch is not None and (o.global_batch // m.dp) % o.micro_batch:
+        return False
+    if o.fixed_schedule is not None and m.pp == 1:
+        return False
+    if ex is not None:
+        if m.tp > 1 and m.tp not in ex.tp_degrees:
+            return False
+        if m.sequence_parallel and not ex.sequence_parallel:
+            return False
+        if m.pp > 1 and not ex.pipeline:
+            return False
+    return True
+
+
+def constrain(options, graph: OpGraph, cluster: Cluster):
+    """``options`` with the fixed knobs and the runtime's verdict applied; UserError if one cannot be had."""
+    o, ex = options, options.executable
+    world = cluster.world_size
+    fixed = {k: v for k, v in (("dp", o.dp), ("tp", o.tp), ("pp", o.pp)) if v is not None}
+    for k, v in fixed.items():
+        if v < 1 or world % v:
+            raise UserError(f"--{k} {v}: the cluster has {world} devices, which {v} does not divide.")
+    prod = 1
+    for v in fixed.values():
+        prod *= v
+    if world % prod or (len(fixed) == 3 and prod != world):
+        raise UserError(f"{' x '.join(f'{k} {v}' for k, v in fixed.items())} = {prod} does not fit the cluster's "
+                        f"{world} devices (dp x tp x pp must equal {world}).")
+    if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
+        raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
+                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel')}. Use --tp 1 or leave --tp out.")
+    if o.pp and o.pp > 1:
+        if o.pp > len(graph.layers):
+            raise UserError(f"--pp {o.pp}: the model has {len(graph.layers)} layers, fewer than {o.pp} stages.")
+        if ex is not None and not ex.pipeline:
+            raise UserError(f"--pp {o.pp}: the runtime cannot cut this model into pipeline stages: "
+                            f"{_reason(ex, 'pipeline')}. Use --pp 1 or leave --pp out.")
+    if o.fixed_schedule is not None and o.pp == 1:
+        raise UserError(f"--schedule {o.fixed_schedule} is a pipeline schedule; it needs --pp > 1.")
+    changes: dict = {}
+    if o.zero is not None:
+        if o.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero {o.zero}: the ZeRO stage is 0, 1, 2 or 3.")
+        if o.zero >= 2 and ex is not None and not ex.fsdp:
+            raise UserError(f"--zero {o.zero}: the runtime cannot shard this model with FSDP: "
+                            f"{_reason(ex, 'ZeRO-2/3 (FSDP)')}. Use --zero 0 or 1.")
+        if o.zero == 1 and o.dp == 1:
+            raise UserError("--zero 1 shards the optimizer over data-parallel ranks; it needs --dp > 1.")
+        changes["zero_families"] = (zero_family_of(o.zero),)
+    if o.offload is not None:
+        if o.offload not in ("none", "cpu"):
+            raise UserError(f"--offload {o.offload}: it is 'none' or 'cpu'.")
+        if o.offload == "cpu":
+            if o.zero is not None and o.zero < 2:
+                raise UserError("--offload cpu goes through FSDP; it needs --zero 2 or 3.")
+            if ex is not None and not ex.offload:
+                raise UserError(f"--offload cpu: the runtime cannot offload this model: {_reason(ex, 'offload')}.")
+            changes["zero_families"] = ("fsdp",)
+        else:
+            changes["allow_offload"] = False
+    recompute = tuple(o.recompute)
+    if ex is not None:
+        kept = tuple(r for r in recompute if r in ex.recompute)
+        if not kept:
+            raise UserError(f"--recompute {recompute[0]}: the runtime cannot wrap this model's layers for "
+                            f"recompute: {_reason(ex, f'recompute {recompute[0]}')}.")
+        changes["recompute"] = kept
+        if not ex.fsdp:
+            changes["zero_families"] = tuple(f for f in changes.get("zero_families", o.zero_families) if f != "fsdp")
+        if not ex.offload:
+            changes["allow_offload"] = False
+    if o.micro_batch is not None and (o.micro_batch < 1 or o.global_batch % o.micro_batch):
+        raise UserError(f"--micro-batch {o.micro_batch} does not divide --global-batch {o.global_batch}.")
+    out = replace(o, **changes)
+    if not candidate_meshes(out, cluster, len(graph.layers)):
+        told = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                         (("dp", o.dp), ("tp", o.tp), ("pp", o.pp), ("micro_batch", o.micro_batch),
+                          ("schedule", o.fixed_schedule)) if v is not None)
+        raise UserError(f"no mesh of {world} devices ({cluster.gpus_per_node} per node) with a global batch of "
+                        f"{o.global_batch} satisfies {told or 'the constraints'} and what the runtime runs for this "
+                        f"model (a data-parallel degree must divide the global batch, tp stays inside a node)."
+                        + (" Left out: " + "; ".join(f"{x.kind} ({x.reason})" for x in ex.left_out) if ex and
+                           ex.left_out else ""))
+    return out

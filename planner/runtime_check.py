@@ -1,0 +1,520 @@
+"""Which plan kinds the runtime can apply to a model, found by applying them.
+
+The planner must offer only plans its runtime runs.  Rather than predicting the runtime's
+limits, this module runs the runtime's own transformations -- ``apply_pp.split_into_stages``,
+``parallelize.parallelize_part`` (tensor and sequence parallelism, recompute wrappers, FSDP2 /
+replicate units), ``materialize`` -- on the model built on the meta device, inside a *fake*
+process group (``torch.testing._internal.distributed.fake_pg``: collectives return at once,
+any world size in one process), and then one forward and backward of a micro-batch under
+``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: nothing is
+allocated or computed).  What raises there would raise on the real ranks: a column split of a
+fused QKV projection followed by a ``view`` with global sizes, a column split of a 1-wide
+Linear, a position bias under TP, stages whose layers do not pass one activation, FSDP units
+nested in other units or tied parameters across units.
+
+``find_executable`` checks each kind once on the smallest world that exercises it (2 ranks on
+its axis) and, for tensor parallelism, each layer kind alone at every degree the cluster
+admits; ``plan_runs`` checks one whole plan (the search's pick) the same way.  The verdict is
+data (``Executable``) the search restricts itself to, with the reason for each kind it left out.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.core.graph import OpGraph
+from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, LayerPlan
+from autopar.core.sharding import megatron_styles
+
+CHECK_MICRO_BATCH = 2        # samples per checked micro-batch (BatchNorm refuses 1 on [1, C] inputs)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    kind: str                 # "pipeline", "tensor parallel", "tp=4", "sequence parallel", "ZeRO-2/3 (FSDP)", ...
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Executable:
+    """What the runtime was seen to run for one model."""
+    splittable: tuple[bool, ...]                 # per layer: its tensor-parallel split runs
+    tp_degrees: tuple[int, ...] = ()             # tp degrees > 1 that run
+    sequence_parallel: bool = False
+    pipeline: bool = False
+    cuttable: frozenset[int] = frozenset()       # layer boundaries a pipeline stage may start at
+    fsdp: bool = False
+    offload: bool = False
+    recompute: tuple[str, ...] = ("none",)
+    left_out: tuple[LeftOut, ...] = ()
+    check_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
+                "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline, "fsdp": self.fsdp,
+                "offload": self.offload, "recompute": list(self.recompute),
+                "tp_split_layers": [i for i, s in enumerate(self.splittable) if s],
+                "check_s": round(self.check_s, 3)}
+
+
+# ============================================================================ fake world
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A process group of ``world_size`` fake ranks in this process, which is ``rank``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise AssertionError("runtime_check needs its own process group; one is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    first = text.split(". ")[0]
+    first = first if len(first) < 220 else first[:217] + "..."
+    return f"{type(e).__name__}: {first}"
+
+
+def plan_runs(plan: Plan, graph: OpGraph, model_file, view: "ModelView | None" = None) -> str | None:
+    """None when the runtime builds ``plan`` and runs a forward and backward of it on fake
+    ranks; else the error it raised, in one line.  ``view``: run it on a model with fewer
+    repeated blocks (``ModelView``) -- ``plan`` is then a plan of the view's layers."""
+    import logging
+    import warnings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # tiny ops: threads only contend (10x slower on a busy host)
+    # DTensor's sharding propagation logs the shape errors it meets on fake tensors; the
+    # verdict below carries the one that matters
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # the runtime's own warnings reach the user at run time
+            _run(plan, view or ModelView.whole(graph), model_file)
+    except Exception as e:  # noqa: BLE001 - whatever the runtime raises is the verdict
+        return _short(e)
+    finally:
+        torch.set_num_threads(threads)
+        quiet.setLevel(level)
+    return None
+
+
+def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
+    """``plan_runs`` for a plan the search picked.  A deep model is checked on a view with two
+    blocks of each kind, where blocks differ also by their choices and by whether a stage
+    starts or ends at them; the view's stages are the picked plan's stages that hold a kept
+    layer, in order."""
+    plan = reduced_plan(plan)
+    L = len(graph.layers)
+    stage_of = [0] * L
+    for st in plan.pipeline.stages:
+        for i in st.layers:
+            stage_of[i] = st.index
+    starts = {st.start for st in plan.pipeline.stages} | {st.end - 1 for st in plan.pipeline.stages}
+    # the split itself is in the view's key already (relative to each block's path)
+    extra = [(lp.zero, lp.recompute, lp.offload, i in starts) for i, lp in enumerate(plan.layers)]
+    styles = [dict(lp.tp) for lp in plan.layers]
+    view = ModelView.reduced(graph, styles, extra)
+    if len(view.keep) == L:
+        return plan_runs(plan, graph, model_file)
+    kept_stage = [stage_of[i] for i in view.keep]
+    order = list(dict.fromkeys(kept_stage))
+    new_stage = [order.index(s) for s in kept_stage]
+    bounds = [0] + [j for j in range(1, len(new_stage)) if new_stage[j] != new_stage[j - 1]] + [len(new_stage)]
+    stages = tuple(Stage(k, bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1))
+    layers = tuple(replace(plan.layers[i], layer=j, tp=tuple((view.rename(k), v) for k, v in plan.layers[i].tp))
+                   for j, i in enumerate(view.keep))
+    small = replace(plan, layers=layers, pipeline=replace(plan.pipeline, stages=stages))
+    return plan_runs(small, graph, model_file, view)
+
+
+# Models whose fp32 parameters fit in this many bytes run on real zero-filled CPU tensors
+# (a micro-batch of 2 costs milliseconds; FakeTensorMode costs ~0.4 ms of Python per op and
+# cannot run data-dependent ops such as a routed MoE's ``nonzero`` in every context); larger
+# ones run under FakeTensorMode (no storage at all).
+REAL_TENSOR_BYTES = 256 << 20
+
+
+def _run(plan: Plan, view: "ModelView", model_file) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.mesh import RankContext
+    from autopar.runtime.parallelize import build_stage_parts
+    from autopar.runtime.plan_check import CheckedPlan, LayerSpec
+
+    args = dict(plan.model.args)
+    layers = tuple(LayerSpec(index=i, name=name, module_paths=paths, plan=plan.layers[i])
+                   for i, (name, paths) in enumerate(zip(view.names, view.module_paths)))
+    checked = CheckedPlan(plan=plan, plan_path=Path("plan.json"), model_file=model_file, graph=view.graph,
+                          layers=layers)
+    device = torch.device("cpu")
+    template = _template(view, model_file, args)
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in _named_tensors(template)}
+    real = sum(math.prod(s) * 4 for s, _ in shapes.values()) <= REAL_TENSOR_BYTES
+    m = plan.mesh
+    # the last rank: it holds the smallest shard of an uneven split (a 1-wide Linear split in
+    # two leaves it nothing), where rank 0 would run
+    rank = m.world_size - 1
+    with fake_world(m.world_size, rank):
+        mesh = init_device_mesh("cpu", m.shape, mesh_dim_names=m.axis_names)
+        d, p, t = m.coords(rank)
+        ctx = RankContext(rank=rank, world_size=m.world_size, local_rank=0, device=device, dp_rank=d, pp_rank=p,
+                          tp_rank=t, mesh=mesh)
+        meta = copy.deepcopy(template)
+        _check_even_splits(meta, plan)
+
+        def zeros(fqn: str) -> torch.Tensor:
+            shape, dtype = shapes[fqn]
+            return torch.zeros(shape, dtype=dtype)
+
+        fake_mode = None
+        if not real:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+        def fake_tensors():   # one mode for the parameters and the forward that reads them
+            return contextlib.nullcontext() if fake_mode is None else fake_mode
+
+        # steps 2-6 exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
+        built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors)
+        parts = [built.parts[i] for i in sorted(built.parts)]
+        with fake_tensors():
+            # DDP (ZeRO-0/1 without tp/pp) wraps the module unchanged; its constructor's
+            # coalesced broadcast needs a real process group, so it is not run here
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                inputs, target = model_file.make_batch(plan.micro_batch, **args)
+            out = _call(parts[0], inputs)
+            for part in parts[1:]:
+                out = _call(part, out if isinstance(out, tuple) else (out,))
+            if built.restore_output is not None:
+                out = built.restore_output(out)
+            loss = model_file.loss(out, target)
+            loss.backward()
+
+
+def _check_even_splits(model, plan: Plan) -> None:
+    """Every split dimension divides by the tp degree.
+
+    Megatron's column and row splits partition a weight evenly over the tensor-parallel ranks
+    (Shoeybi et al. 2019, Sec. 3), which is what the simulator prices (each rank 1/tp of the
+    work).  DTensor would shard unevenly (a 1-wide Linear split in two leaves one rank
+    nothing), on which the collectives of a real process group fail: refuse such a split."""
+    tp = plan.mesh.tp
+    if tp == 1:
+        return
+    for lp in plan.layers:
+        for fqn, style in lp.tp:
+            try:
+                weight = model.get_submodule(fqn).weight
+            except AttributeError:
+                continue
+            dim = 0 if (style == "colwise") != isinstance(model.get_submodule(fqn), torch.nn.Embedding) else 1
+            size = int(weight.shape[dim])
+            if size % tp:
+                raise ValueError(f"{fqn} ({type(model.get_submodule(fqn)).__name__} {tuple(weight.shape)}) split "
+                                 f"{style} has {size} along the split, which does not divide over tp = {tp}")
+
+
+_TEMPLATES: dict[tuple, torch.nn.Module] = {}
+
+
+def _template(view: "ModelView", model_file, args: dict) -> torch.nn.Module:
+    """The view's model on meta, built once per model and view (each check runs on a deep copy:
+    the runtime's transformations change the module they get)."""
+    from autopar.runtime.materialize import build_meta_model
+
+    key = (str(model_file.path), repr(sorted(args.items())), view.drop)
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= 4:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = view.build(build_meta_model, model_file, args)
+    return _TEMPLATES[key]
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """The model with at most two blocks of each kind per block run, and its layers.
+
+    Identical blocks (same container, same structure) are transformed identically by the
+    runtime, so checking two of them -- two, so that a boundary between identical blocks is
+    among those checked -- says what checking all would.  The others are deleted from their
+    ``ModuleList``/``Sequential`` after building (which renumbers the kept ones); a model
+    whose forward depends on how many blocks it has is checked whole instead.
+    """
+    graph: OpGraph
+    keep: tuple[int, ...]                      # layer indices of the full graph that remain
+    names: tuple[str, ...]                     # per kept layer: its name in the view's model
+    module_paths: tuple[tuple[str, ...], ...]
+    drop: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (container path, child indices to delete)
+    renames: tuple[tuple[str, str], ...] = ()            # (full-model block path, view path)
+
+    @staticmethod
+    def whole(graph: OpGraph) -> "ModelView":
+        return ModelView(graph, tuple(range(len(graph.layers))), tuple(l.name for l in graph.layers),
+                         tuple(tuple(l.module_paths) for l in graph.layers))
+
+    @staticmethod
+    def reduced(graph: OpGraph, styles: list[dict[str, str]], extra: list | None = None) -> "ModelView":
+        """Two blocks per (run, structure, split, ``extra[i]``): ``extra`` adds what else makes
+        blocks differ (a plan's per-layer choices, where its stages start)."""
+        seen: dict[tuple, int] = {}
+        keep, dropped = [], {}
+        for i, layer in enumerate(graph.layers):
+            container, _, child = layer.name.rpartition(".")
+            if layer.kind in ("pre", "post", "model") or not child.isdigit():
+                keep.append(i)
+                continue
+            key = (container, layer.signature, tuple(sorted((k.removeprefix(layer.name + "."), v)
+                                                            for k, v in styles[i].items())),
+                   extra[i] if extra is not None else None)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= 2:
+                keep.append(i)
+            else:
+                dropped.setdefault(container, []).append(int(child))
+        if not dropped:
+            return ModelView.whole(graph)
+        renames = []
+        for i in keep:
+            container, _, child = graph.layers[i].name.rpartition(".")
+            if container in dropped and child.isdigit():
+                new = int(child) - sum(1 for d in dropped[container] if d < int(child))
+                renames.append((graph.layers[i].name, f"{container}.{new}"))
+        ren = dict(renames)
+        names = tuple(ren.get(graph.layers[i].name, graph.layers[i].name) for i in keep)
+        paths = tuple(tuple(ren.get(p, p) for p in graph.layers[i].module_paths) for i in keep)
+        return ModelView(graph, tuple(keep), names, paths,
+                         tuple((c, tuple(sorted(d))) for c, d in dropped.items()), tuple(renames))
+
+    def rename(self, fqn: str) -> str:
+        for old, new in self.renames:
+            if fqn == old or fqn.startswith(old + "."):
+                return new + fqn[len(old):]
+        return fqn
+
+    def build(self, build_meta_model, model_file, args):
+        model = build_meta_model(model_file, args)
+        for container, children in self.drop:
+            holder = model.get_submodule(container)
+            for idx in sorted(children, reverse=True):
+                del holder[idx]
+        return model
+
+
+def _call(part, inputs):
+    if isinstance(inputs, dict):
+        return part(**inputs)
+    return part(*inputs) if isinstance(inputs, (tuple, list)) else part(inputs)
+
+
+def _named_tensors(module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+# ============================================================================ kinds
+@dataclass
+class _Probe:
+    """Builds plans of the view's layers from full-graph layer indices, and runs them (cached)."""
+    graph: OpGraph
+    view: ModelView
+    model_file: Any
+    styles: list[dict[str, str]]          # per full-graph layer
+    precision: str
+    micro_batch: int = CHECK_MICRO_BATCH
+    runs: int = 0
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.view.keep)
+
+    def plan(self, mesh: Mesh, *, bounds: tuple[int, ...] | None = None, split: set[int] = frozenset(),
+             zero: int = 0, recompute: str = "none", offload: str = "none") -> Plan:
+        """A plan of the view; ``bounds`` in view layers, ``split`` in full-graph layers."""
+        L = self.num_layers
+        bounds = bounds or (0, L)
+        stages = tuple(Stage(i, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1))
+        layers = []
+        for j, i in enumerate(self.view.keep):
+            tp = tuple(sorted((self.view.rename(k), v) for k, v in self.styles[i].items())) if i in split else ()
+            layers.append(LayerPlan(layer=j, tp=tp, zero=zero, recompute=recompute, offload=offload))
+        g = self.graph
+        return Plan(model=ModelRef(g.model_file, dict(g.model_args), g.model_name, g.fingerprint), mesh=mesh,
+                    global_batch=mesh.dp * self.micro_batch, micro_batch=self.micro_batch,
+                    pipeline=Pipeline(schedule="gpipe", num_microbatches=1, stages=stages), layers=tuple(layers),
+                    precision=self.precision)
+
+    def error(self, plan: Plan) -> str | None:
+        key = (plan.mesh, plan.pipeline.stages, plan.layers)
+        if key not in self.cache:
+            self.runs += 1
+            self.cache[key] = plan_runs(plan, self.graph, self.model_file, self.view)
+        return self.cache[key]
+
+
+def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] = (2,), precision: str = "fp32",
+                    max_pipeline_probes: int = 16) -> Executable:
+    """Try each plan kind on fake ranks; see the module docstring.
+
+    ``tp_degrees``: the tensor-parallel degrees the search may use (> 1).  A degree at which a
+    layer kind's split fails while it runs at a smaller degree (e.g. heads that do not divide)
+    is left out as a whole, so that the splits the search assigns hold at every degree it uses.
+    """
+    t0 = time.perf_counter()
+    L = len(graph.layers)
+    styles = [megatron_styles(graph, i) for i in range(L)]
+    probe = _Probe(graph, ModelView.reduced(graph, styles), model_file, styles, precision)
+    left: list[LeftOut] = []
+    one = Mesh()
+    base = probe.error(probe.plan(one))
+    if base is not None and len(probe.view.keep) < L:      # the forward needs all its blocks
+        probe = _Probe(graph, ModelView.whole(graph), model_file, styles, precision)
+        base = probe.error(probe.plan(one))
+    if base is not None:
+        reason = (f"the runtime could not run the model on fake tensors to check it ({base}); only plain "
+                  f"data parallelism is offered")
+        left = [LeftOut(k, reason) for k in ("tensor parallel", "pipeline", "ZeRO-2/3 (FSDP)", "recompute")]
+        return Executable(splittable=(False,) * L, left_out=tuple(left), check_s=time.perf_counter() - t0)
+
+    recompute = ["none"]
+    for mode in ("selective", "full"):
+        err = probe.error(probe.plan(one, recompute=mode))
+        if err is None:
+            recompute.append(mode)
+        else:
+            left.append(LeftOut(f"recompute {mode}", err))
+
+    fsdp_err = probe.error(probe.plan(Mesh(dp=2), zero=3))
+    offload = False
+    if fsdp_err is not None:
+        left.append(LeftOut("ZeRO-2/3 (FSDP)", fsdp_err))
+        left.append(LeftOut("offload", "offload runs through FSDP, which is left out"))
+    else:
+        off_err = probe.error(probe.plan(Mesh(dp=2), zero=3, offload="cpu"))
+        offload = off_err is None
+        if off_err is not None:
+            left.append(LeftOut("offload", off_err))
+
+    splittable, degrees, sp = _tensor_parallel(probe, tuple(sorted(d for d in tp_degrees if d > 1)), left)
+    pipeline, cuttable = _pipeline(probe, max_pipeline_probes, left)
+    return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
+                      pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
+                      recompute=tuple(recompute), left_out=tuple(left), check_s=time.perf_counter() - t0)
+
+
+def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):
+    """Per layer, whether its split runs at every kept degree; the kept degrees; SP or not."""
+    L = len(probe.graph.layers)
+    candidates = [i for i in range(L) if probe.styles[i]]
+    if not degrees:
+        return [False] * L, [], False
+    if not candidates:
+        left.append(LeftOut("tensor parallel", "no layer has a Megatron column/row split of its Linear modules"))
+        return [False] * L, [], False
+    # one representative per layer kind (identical layers split identically)
+    by_kind: dict[tuple, list[int]] = {}
+    for i in candidates:
+        rel = tuple(sorted((k.removeprefix(probe.graph.layers[i].name + "."), v) for k, v in probe.styles[i].items()))
+        by_kind.setdefault((probe.graph.layers[i].signature, rel), []).append(i)
+    ok_layers: set[int] | None = None
+    kept: list[int] = []
+    reasons: dict[str, str] = {}
+    for d in degrees:
+        good = set()
+        for members in by_kind.values():
+            err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
+            if err is None:
+                good.update(members)
+            else:
+                reasons.setdefault(probe.graph.layers[members[0]].name, err)
+        if ok_layers is None:
+            if not good:
+                break
+            err = probe.error(probe.plan(Mesh(tp=d), split=good))
+            if err is not None:
+                left.append(LeftOut(f"tp={d}", f"every layer's split runs alone but not together: {err}"))
+                break
+            ok_layers = good
+            kept.append(d)
+        elif good >= ok_layers and probe.error(probe.plan(Mesh(tp=d), split=ok_layers)) is None:
+            kept.append(d)
+        else:
+            lost = sorted(ok_layers - good)
+            why = reasons.get(probe.graph.layers[lost[0]].name, "") if lost else \
+                probe.error(probe.plan(Mesh(tp=d), split=ok_layers))
+            left.append(LeftOut(f"tp={d}", f"layer {probe.graph.layers[lost[0]].name if lost else '(all)'}: {why}"))
+    if not kept:
+        why = "; ".join(f"{name}: {err}" for name, err in list(reasons.items())[:2])
+        left.append(LeftOut("tensor parallel", f"no layer's split runs in the runtime ({why})"))
+        return [False] * L, [], False
+    for name, err in reasons.items():
+        if not any(probe.graph.layers[i].name == name for i in ok_layers):
+            left.append(LeftOut(f"tp split of {name}", err))
+    splittable = [i in ok_layers for i in range(L)]
+    sp_err = probe.error(probe.plan(Mesh(tp=kept[0], sequence_parallel=True), split=ok_layers))
+    if sp_err is not None:
+        left.append(LeftOut("sequence parallel", sp_err))
+    return splittable, kept, sp_err is None
+
+
+def _pipeline(probe: _Probe, max_probes: int, left: list[LeftOut]) -> tuple[bool, set[int]]:
+    """Whether stages can be cut, and at which layer boundaries."""
+    g = probe.graph
+    L = len(g.layers)
+    if L < 2:
+        left.append(LeftOut("pipeline", "the model has one layer: nothing to cut into stages"))
+        return False, set()
+    if not g.sequential_layers:
+        # the runtime refuses pp > 1 for such a model (runtime/plan_check.check_plan)
+        left.append(LeftOut("pipeline", "the captured forward does not pass one activation from layer to layer "
+                                        "(several inputs, values reused across layers or extra arguments)"))
+        return False, set()
+    V = probe.num_layers
+    every = tuple(range(V + 1))
+    err = probe.error(probe.plan(Mesh(pp=2), bounds=every))
+    if err is None:
+        return True, set(range(1, L))
+    cuttable = set()
+    if V - 1 <= max_probes:         # which cuts fail; only the checked ones are offered
+        for b in range(1, V):
+            if probe.error(probe.plan(Mesh(pp=2), bounds=(0, b, V))) is None:
+                cuttable.add(probe.view.keep[b])
+    if not cuttable:
+        left.append(LeftOut("pipeline", err))
+        return False, set()
+    left.append(LeftOut("pipeline cuts", f"stages may start only at layers {sorted(cuttable)}: elsewhere {err}"))
+    return True, cuttable
+
+
+MAX_CHECK_WORLD = 64     # larger plans are checked with 2 data-parallel ranks
+
+
+def reduced_plan(plan: Plan) -> Plan:
+    """``plan`` with at most 2 data-parallel ranks once its world exceeds MAX_CHECK_WORLD: the
+    runtime transforms every dp replica alike (same tp splits, stage cuts and FSDP units; 2
+    ranks shard as the many do), and a fake world of thousands of ranks costs seconds to build."""
+    m = plan.mesh
+    if m.world_size <= MAX_CHECK_WORLD or m.dp <= 2:
+        return plan
+    return replace(plan, mesh=replace(m, dp=2), global_batch=2 * plan.micro_batch * plan.pipeline.num_microbatches)

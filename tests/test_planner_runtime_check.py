@@ -1,0 +1,66 @@
+"""The planner offers a plan kind only where the runtime applies it: kinds are checked by
+running the runtime's own transformations on fake ranks (planner/runtime_check.py).  The
+breakages below are ones the runtime really raises on these models; the positive control
+(a GPT the runtime handles in every kind) must keep every kind."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autopar.core.capture import capture_model_file
+from autopar.core.modelfile import load_model_file
+from autopar.planner.runtime_check import find_executable
+
+ROOT = Path(__file__).resolve().parents[1]
+ZOO = ROOT / "tests" / "zoo"
+MODELS = ROOT / "tests" / "plan_models"
+
+
+def _executable(path: Path, args=None, degrees=(2,)):
+    graph = capture_model_file(path, dict(args or {}), 2)
+    return graph, find_executable(graph, load_model_file(path), tp_degrees=degrees)
+
+
+def _left(ex) -> dict[str, str]:
+    return {x.kind: x.reason for x in ex.left_out}
+
+
+def test_gpt_keeps_every_kind():
+    graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 16,
+                                                             "vocab": 128}, degrees=(2, 4))
+    assert ex.left_out == ()
+    assert ex.tp_degrees == (2, 4) and all(ex.splittable)
+    assert ex.pipeline and ex.cuttable == frozenset(range(1, len(graph.layers)))
+    assert ex.fsdp and ex.offload and ex.sequence_parallel and ex.recompute == ("none", "selective", "full")
+
+
+def test_nanogpt_fused_qkv_split_and_pipeline_are_left_out():
+    graph, ex = _executable(ZOO / "nanogpt.py")
+    left = _left(ex)
+    blocks = [i for i, layer in enumerate(graph.layers) if layer.name.startswith("transformer.h.")]
+    assert blocks and not any(ex.splittable[i] for i in blocks)
+    # the column split of c_attn breaks the forward's split(n_embd) with the global size (named
+    # per layer, or in the whole-kind entry when no layer's split runs -- the tied wte/lm_head
+    # pair split differently is refused by the runtime too)
+    reasons = " ".join(v for k, v in left.items() if k.startswith("tp split of transformer.h.") or k == "tensor parallel")
+    assert "transformer.h.0: ValueError: not enough values to unpack" in reasons or \
+        any(k.startswith("tp split of transformer.h.") for k in left), left
+    # forward(idx, targets): the targets are an input every stage would need
+    assert "pipeline" in left and not ex.pipeline
+
+
+def test_two_tower_pipeline_and_one_wide_column_split_are_left_out():
+    graph, ex = _executable(MODELS / "two_tower.py")
+    left = _left(ex)
+    assert not ex.pipeline and "pipeline" in left
+    assert "does not divide over tp = 2" in left["tensor parallel"]   # head = Linear(32 -> 1)
+    assert ex.tp_degrees == ()
+
+
+def test_t5_pipeline_left_out():
+    pytest.importorskip("transformers")
+    graph, ex = _executable(ZOO / "hf_t5.py")
+    names = [layer.name for layer in graph.layers]
+    assert "encoder.block.0" in names and "decoder.block.0" in names
+    assert not ex.pipeline and "pipeline" in _left(ex)
