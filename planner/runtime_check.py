@@ -195,7 +195,8 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
             return contextlib.nullcontext() if fake_mode is None else fake_mode
 
         # steps 2-6 exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
-        built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors)
+        built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors,
+                                  swap_params=fake_mode is None)
         parts = [built.parts[i] for i in sorted(built.parts)]
         with fake_tensors():
             # DDP (ZeRO-0/1 without tp/pp) wraps the module unchanged; its constructor's

@@ -8,7 +8,7 @@ Two checks, both agreed by every rank so all of them stop together:
   shards and the verdict is all-reduced (MIN of a 0/1 flag), because a step's update can make
   the weights non-finite while the loss that step computed, before the update, was finite.
 
-Either raises ``NonFiniteError`` (exit code 4).  The checkpoint folder then still names the
+Either raises ``NonFiniteError`` (a user error: exit code 2, like every refusal the run makes).  The checkpoint folder then still names the
 last checkpoint saved before the failure as the newest, so rerunning resumes from good state.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import UserError
 
-NON_FINITE_EXIT_CODE = 4
+NON_FINITE_EXIT_CODE = 2   # the run's settings (learning rate, data, loss) are what to change
 
 
 class NonFiniteError(UserError):

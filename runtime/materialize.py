@@ -87,16 +87,21 @@ def choose_source(mode: str, model_file: ModelFile, model_args: dict, seed: int,
     return mode, per_module_source(model_file, model_args, seed)
 
 
-def materialize(module: nn.Module, device: torch.device, source: FullSource, ties: list[TieGroup] = ()) -> None:
+def materialize(module: nn.Module, device: torch.device, source: FullSource, ties: list[TieGroup] = (),
+                swap: bool = True) -> None:
     """Allocate this rank's shards of ``module`` on ``device`` and fill them from ``source``.
 
     ``to_empty`` runs with ``swap_module_params_on_conversion``: each parameter object is kept
     (its storage swapped in place), so a parameter that several modules share stays shared and
     FSDP2 keeps the objects it manages.  ``retie`` then re-points any member of ``ties`` that an
     earlier step gave its own object, and a tied parameter takes the value of its group's
-    canonical name (the same under every init source)."""
+    canonical name (the same under every init source).
+
+    ``swap=False`` replaces the parameter objects instead (``retie`` still restores the ties):
+    under ``FakeTensorMode`` -- the planner's check of a large model (planner/runtime_check.py)
+    -- ``torch.utils.swap_tensors`` refuses to swap a meta parameter for a fake one."""
     previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
+    torch.__future__.set_swap_module_params_on_conversion(swap)
     try:
         module.to_empty(device=device)
     finally:

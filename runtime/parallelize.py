@@ -196,11 +196,12 @@ class StageParts:
 
 def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
                       keep_stage: Callable[[int], bool],
-                      around_materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                      ) -> StageParts:
+                      around_materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                      swap_params: bool = True) -> StageParts:
     """Steps 2-6 on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
     selects, and apply tensor parallelism, recompute and FSDP2 / replicate to each before it is
-    materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``.  Training keeps this rank's
+    materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``
+    (``swap_params``: see ``materialize``).  Training keeps this rank's
     stages; the planner's runtime check (planner/runtime_check.py) keeps every stage, so a plan
     it accepts is built by exactly these steps."""
     plan = checked.plan
@@ -226,7 +227,7 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
         else:
             part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties)   # 3-5
         with around_materialize():
-            materialize(part, ctx.device, source, ties)                             # 6
+            materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
         out.parts[index] = part
     return out
 

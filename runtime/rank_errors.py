@@ -106,7 +106,7 @@ def report_failure(exc: BaseException) -> int:
     code = exc.exit_code if user else INTERNAL_EXIT_CODE
     rank = int(os.environ.get("RANK", "0"))
     if user:
-        message = f"autopar run: error on {_where(rank)}: {exc}"
+        message = f"autopar run: error: {_where(rank)}: {exc}"
     else:
         message = (f"autopar run: internal error on {_where(rank)}:\n"
                    + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())

@@ -7,7 +7,7 @@ clear message and a non-zero exit code, with nothing lost.
 * a DCP ``.metadata`` replaced by a pickle that would run code, and a plain DCP folder given
   as ``--checkpoint-dir``: refused before anything is unpickled (the pickle's marker file is
   never created); another model's checkpoint: refused;
-* a non-finite loss (``--lr 1e30``): the run stops (exit 4) and the newest checkpoint is the
+* a non-finite loss (``--lr 1e30``): the run stops (exit 2) and the newest checkpoint is the
   last one with finite weights;
 * a loss_fn that fails on the last pipeline stage (rank 1): rank 1's message, exit 2;
 * a plan with tp = 3 over 4 heads, and unwritable ``--checkpoint-dir`` / ``--measured``:
@@ -219,7 +219,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     # an absurd learning rate: the weights overflow within a couple of steps
     out = autopar_run(plan, "--steps", 6, "--checkpoint-dir", ckpt, "--checkpoint-every", 1, "--lr", "1e30")
-    assert_clean_refusal(out, 4, "training stopped")
+    assert_clean_refusal(out, 2, "training stopped")
     assert "loss is nan" in out.stderr or "loss is inf" in out.stderr or "non-finite" in out.stderr, out.stderr
     latest = json.loads((ckpt / "latest.json").read_text())
     assert latest["step"] < 6
@@ -244,7 +244,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     plan = plan_for_model_file(model, tmp_path / "plan.json", dp=2, micro_batch=2)
     ckpt = tmp_path / "ckpt"
     out = autopar_run(plan, "--steps", 3, "--checkpoint-dir", ckpt, "--checkpoint-every", 1)
-    assert_clean_refusal(out, 4, "after step 1 the weights hold non-finite values", "No checkpoint was saved")
+    assert_clean_refusal(out, 2, "after step 1 the weights hold non-finite values", "No checkpoint was saved")
     assert "step 1/3 loss" in out.stdout                       # the loss itself was finite
     assert not list(ckpt.glob("step_*")) and not (ckpt / "latest.json").exists()
 
@@ -264,7 +264,7 @@ def test_loss_fn_failing_on_the_last_stage_reaches_the_user(tmp_path):
     plan = plan_for_model_file(model, tmp_path / "plan.json", pp=2, micro_batch=1, num_microbatches=2,
                                schedule="1f1b")
     out = autopar_run(plan, "--steps", 2)
-    assert_clean_refusal(out, 2, "error on rank 1", "pp stage 1", "label smoothing must be in [0, 1), got 1.5")
+    assert_clean_refusal(out, 2, "error: rank 1", "pp stage 1", "label smoothing must be in [0, 1), got 1.5")
 
 
 # ------------------------------------------------------------------ refused before any process starts

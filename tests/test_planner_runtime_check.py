@@ -35,6 +35,20 @@ def test_gpt_keeps_every_kind():
     assert ex.fsdp and ex.offload and ex.sequence_parallel and ex.recompute == ("none", "selective", "full")
 
 
+def test_large_model_path_on_fake_tensors_keeps_every_kind(monkeypatch):
+    """Models over REAL_TENSOR_BYTES are checked under FakeTensorMode (no storage): the same GPT
+    forced onto that path must keep every kind too (a materialisation the fake mode refuses
+    would leave a 175B model with plain data parallelism only)."""
+    from autopar.planner import runtime_check
+
+    monkeypatch.setattr(runtime_check, "REAL_TENSOR_BYTES", 0)
+    runtime_check._TEMPLATES.clear()
+    graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 16,
+                                                             "vocab": 128}, degrees=(2,))
+    assert ex.left_out == (), _left(ex)
+    assert ex.fsdp and ex.offload and ex.pipeline and all(ex.splittable)
+
+
 def test_nanogpt_fused_qkv_split_and_pipeline_are_left_out():
     graph, ex = _executable(ZOO / "nanogpt.py")
     left = _left(ex)

@@ -69,8 +69,12 @@ MODELS: dict[str, dict] = {
     "hf_gpt_neox": dict(kinds={**CORE, "tp": TP, "pp": PP},
                         tp={"attention.query_key_value": "colwise", "attention.dense": "rowwise",
                             "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}),
+    # T5's feed-forward is layer.1 of an encoder block and layer.2 of a decoder block
     "hf_t5": dict(kinds={**CORE, "tp": TP},
-                  tp={"layer.2.DenseReluDense.wi": "colwise", "layer.2.DenseReluDense.wo": "rowwise"}),
+                  tp_by_prefix={"encoder.block.": {"layer.1.DenseReluDense.wi": "colwise",
+                                                   "layer.1.DenseReluDense.wo": "rowwise"},
+                                "decoder.block.": {"layer.2.DenseReluDense.wi": "colwise",
+                                                   "layer.2.DenseReluDense.wo": "rowwise"}}),
     "nanogpt": dict(kinds={**CORE, **TIED_EXTRA, "tp": TP, "tp_vocab": TP},
                     tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"},
                     tp_vocab={"pre": {"transformer.wte": "rowwise"}, "post": {"lm_head": "colwise"}},
@@ -92,8 +96,8 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
                 "tp_head_only": (TP, "splits them differently", "lm_head column-wise with wte not split: one tied "
                                                                "parameter cannot hold two layouts")},
     "two_tower": {"pp": (PP, "pipeline", "two towers: the layers do not pass one activation")},
-    "hf_t5": {"pp": (PP, "pipeline", "capture groups the encoder into the 'pre' layer and finds no chain of "
-                                     "layers passing one activation")},
+    "hf_t5": {"pp": (PP, "pipeline", "the decoder blocks take the encoder's output besides their own input: "
+                                     "the layers do not pass one activation")},
 }
 
 # kinds not run, with the reason
@@ -133,7 +137,9 @@ def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
             if layer.name in extra:
                 styles[i] = dict(extra[layer.name])
             elif layer.name not in ("pre", "post"):
-                styles[i] = {f"{layer.name}.{k}": v for k, v in block_styles.items()}
+                by_prefix = [v for p, v in spec.get("tp_by_prefix", {}).items() if layer.name.startswith(p)]
+                own = by_prefix[0] if by_prefix and kind != "tp_head_only" else block_styles
+                styles[i] = {f"{layer.name}.{k}": v for k, v in own.items()}
         kw["tp_styles_per_layer"] = styles
     ref = ModelRef(file=str(ZOO / f"{name}.py"), args={}, name=name, fingerprint=g.fingerprint)
     plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
