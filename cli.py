@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import textwrap
 
 # verb -> (module, one-line help)
 VERBS = {
@@ -41,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autopar.core.errors import UserError
+    from autopar.core.errors import UserError, paragraph
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -51,15 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except UserError as e:
-        print(_paragraph(f"autopar {args.verb}: error: {e}"), file=sys.stderr)
+        print(paragraph(f"autopar {args.verb}: error: {e}"), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"autopar {args.verb}: interrupted.", file=sys.stderr)
         return 130
-
-
-def _paragraph(text: str) -> str:
-    return "\n".join(textwrap.fill(part, width=100) for part in str(text).split("\n"))
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def mode_kept(d: Path, out: str, err: str) -> str:
 
 
 def names_the_loss_error(d: Path, out: str, err: str) -> str:
-    return "" if "the loss cannot be computed" in err else "the failing rank's error is not shown"
+    return "" if "the loss cannot be computed" in " ".join(err.split()) else "the failing rank's error is not shown"
 
 
 def no_launch(d: Path, out: str, err: str) -> str:

@@ -9,6 +9,16 @@
 from __future__ import annotations
 
 
+def paragraph(text: str, width: int = 100) -> str:
+    """A user error's message as printed: each line filled to ``width`` columns, never broken
+    inside a word or at a hyphen (paths such as ``/tmp/my-run/plan.json`` stay whole, so they
+    can be copied from the terminal)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(part, width=width, break_long_words=False, break_on_hyphens=False)
+                     for part in str(text).split("\n"))
+
+
 class UserError(Exception):
     """Bad input from the user: what went wrong, where, and what to do about it."""
 

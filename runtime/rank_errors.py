@@ -36,7 +36,7 @@ INTERNAL_EXIT_CODE = 1
 
 
 def _paragraph(text: str) -> str:
-    from autopar.cli import _paragraph as paragraph     # the CLI's one-paragraph format
+    from autopar.core.errors import paragraph          # the CLI's one-paragraph format
 
     return paragraph(text)
 
