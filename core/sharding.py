@@ -201,6 +201,28 @@ def _tensor_bytes(name: str, reader: OpNode, by_graph: dict[str, OpNode]) -> flo
     return float(_numel(shape) * dtype_bytes(reader.dtype))
 
 
+#: Ops that mix the positions of a sequence: under sequence parallelism they must run inside a
+#: column/row pair, where the activations are whole along the sequence (Korthikanti et al. 2022,
+#: Sec. 4.2.2: only the norms and dropouts between the pairs run on sequence shards).
+SEQUENCE_MIXING_KINDS = frozenset({"attention"})
+
+
+def sequence_mixing_outside_pairs(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int) -> list[str]:
+    """The ops of a layer that mix sequence positions but lie outside every column/row pair the
+    styles apply: with sequence parallelism on, the runtime hands them one rank's sequence shard,
+    so they would compute on part of the sequence -- a layout that runs but trains another
+    model (nn.MultiheadAttention, whose packed projections no style splits, is one).  Empty when
+    the layer applies no pair (it then runs on whole activations)."""
+    layout_pairs, _, ops, by_name = _pairs(graph, layer_index)
+    applied = [(cols, crossed, row) for cols, crossed, row in layout_pairs
+               if styles.get(by_name[row].module_path) == "rowwise"
+               and all(styles.get(by_name[c].module_path) == "colwise" for c in cols)]
+    if not applied or tp <= 1:
+        return []
+    inside = {n for _, crossed, _ in applied for n in crossed}
+    return [o.name for o in ops if o.kind in SEQUENCE_MIXING_KINDS and o.name not in inside]
+
+
 def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
               sequence_parallel: bool = False) -> TPLayout:
     """Shard factors and collectives of one layer under the given tensor-parallel styles.

@@ -473,10 +473,26 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
         if not any(probe.graph.layers[i].name == name for i in ok_layers):
             left.append(LeftOut(f"tp split of {name}", err))
     splittable = [i in ok_layers for i in range(L)]
-    sp_err = probe.error(probe.plan(Mesh(tp=kept[0], sequence_parallel=True), split=ok_layers))
+    sp_err = _sequence_mixing_error(probe, ok_layers, kept[0]) or \
+        probe.error(probe.plan(Mesh(tp=kept[0], sequence_parallel=True), split=ok_layers))
     if sp_err is not None:
         left.append(LeftOut("sequence parallel", sp_err))
     return splittable, kept, sp_err is None
+
+
+def _sequence_mixing_error(probe: _Probe, layers: set[int], tp: int) -> str | None:
+    """Sequence parallelism would run an attention outside the tensor-parallel pairs on a
+    sequence shard (core/sharding.sequence_mixing_outside_pairs): it runs, but computes
+    something else, which no crash check sees."""
+    from autopar.core.sharding import sequence_mixing_outside_pairs
+
+    for i in sorted(layers):
+        ops = sequence_mixing_outside_pairs(probe.graph, i, probe.styles[i], tp)
+        if ops:
+            return (f"layer {probe.graph.layers[i].name}: {', '.join(ops[:3])} mixes sequence positions outside the "
+                    f"column/row pairs that tensor parallelism splits, so on sequence shards it would see part of "
+                    f"the sequence (the plan would run and train another model)")
+    return None
 
 
 def _pipeline(probe: _Probe, max_probes: int, left: list[LeftOut]) -> tuple[bool, set[int]]:

@@ -81,4 +81,15 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
         from autopar.runtime.tp_check import check_tp_divisibility
 
         check_tp_divisibility(checked)
+    if plan.mesh.tp > 1 and plan.mesh.sequence_parallel:
+        from autopar.core.sharding import sequence_mixing_outside_pairs
+
+        for i, lp in enumerate(plan.layers):
+            mixing = sequence_mixing_outside_pairs(graph, i, dict(lp.tp), plan.mesh.tp)
+            if mixing:
+                raise PlanFileError(
+                    f"plan file {plan_path}, layer {graph.layers[i].name}: sequence parallelism would run "
+                    f"{', '.join(mixing[:3])}, which mixes sequence positions, outside the column/row pairs its tp "
+                    f"styles split, on one rank's shard of the sequence: the run would train another model. "
+                    f"Plan with sequence_parallel off, or split that attention's projections too.")
     return checked

@@ -78,3 +78,21 @@ def test_t5_pipeline_left_out():
     names = [layer.name for layer in graph.layers]
     assert "encoder.block.0" in names and "decoder.block.0" in names
     assert not ex.pipeline and "pipeline" in _left(ex)
+
+
+def test_sequence_parallel_left_out_where_an_attention_is_not_split():
+    """mha_dict's nn.MultiheadAttention lies outside the feed-forward pair its styles split: under
+    sequence parallelism it would attend over one rank's half of the sequence.  That plan runs
+    (no crash check sees it) and trained another model, 0.014 off the plain loop at step 3, so
+    the planner must leave it out by the rule (core/sharding.sequence_mixing_outside_pairs)."""
+    graph, ex = _executable(ZOO / "mha_dict.py")
+    left = _left(ex)
+    assert not ex.sequence_parallel and "mixes sequence positions" in left["sequence parallel"], left
+    assert all(ex.splittable)                        # tensor parallelism itself stays offered
+
+
+def test_sequence_parallel_kept_where_attention_is_inside_the_pairs():
+    # the GPT's attention runs between its column-split qkv and row-split proj
+    graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 32, "heads": 4, "seq": 8,
+                                                             "vocab": 64})
+    assert ex.sequence_parallel, _left(ex)
