@@ -86,6 +86,22 @@ class Cluster:
         """GPUs per node; for a heterogeneous cluster the smallest node's count."""
         return min(g.gpus_per_node for g in self.groups)
 
+    def ranks_per_node(self, world_size: int) -> list[int] | None:
+        """Ranks on each node a job of ``world_size`` ranks uses -- ranks fill the devices in
+        order, so it uses the first nodes, the last one perhaps partly -- or None when the
+        cluster has fewer devices."""
+        counts: list[int] = []
+        left = world_size
+        for g in self.groups:
+            take = min(g.nodes, -(-left // g.gpus_per_node)) if left > 0 else 0
+            counts += [g.gpus_per_node] * take
+            left -= take * g.gpus_per_node
+        if left > 0:
+            return None
+        if counts:
+            counts[-1] += left                       # left <= 0: the last node is partly used
+        return counts
+
     @property
     def min_gpu_memory_bytes(self) -> int:
         return min(g.gpu_memory_bytes for g in self.groups)

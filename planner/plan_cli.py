@@ -190,13 +190,7 @@ def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> 
     Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first
     nodes only."""
     world = cluster.world_size if world_size is None else world_size
-    counts, left = [], world
-    for g in cluster.groups:
-        take = min(g.nodes, -(-left // g.gpus_per_node)) if left > 0 else 0
-        counts += [g.gpus_per_node] * take
-        left -= take * g.gpus_per_node
-    if counts:
-        counts[-1] += left                           # left <= 0: the last node is partly used
+    counts = cluster.ranks_per_node(world) or [world]
     nproc = counts[0] if len(set(counts)) == 1 else "GPUS_ON_THIS_NODE"
     parts = ["torchrun", f"--nproc-per-node {nproc}"]
     if len(counts) > 1:

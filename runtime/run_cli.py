@@ -133,15 +133,8 @@ def plan_nodes(plan) -> tuple[str, list[int]] | None:
         cluster = load_cluster(ref, nodes=nodes)
     except UserError:
         return None
-    counts: list[int] = []
-    left = plan.world_size
-    for g in cluster.groups:
-        for _ in range(g.nodes):
-            if left <= 0:
-                return cluster.name, counts
-            counts.append(min(g.gpus_per_node, left))
-            left -= counts[-1]
-    return (cluster.name, counts) if left <= 0 else None
+    counts = cluster.ranks_per_node(plan.world_size)
+    return (cluster.name, counts) if counts is not None else None
 
 
 def _free_port() -> int:
