@@ -41,7 +41,7 @@ that much longer than the step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -94,7 +94,7 @@ class StepTrace:
     """The drawn step: its events and, per pipeline rank, when its last event ends."""
     events: list[dict[str, Any]]
     rank_end_s: np.ndarray
-    late_s: np.ndarray = field(default_factory=lambda: np.zeros(0))   # drawn pipeline end past the model's, per rank
+    late_s: np.ndarray       # per rank: how much later the drawn pipeline ends than the model's (0 where met)
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,9 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
     for k in order:
         if terms.serial:
             # communication takes turns with compute: gather, compute, (backward) reduce-scatter
-            scatter(k, compute(k, gather(k, t, kind == "B"))) if kind == "B" else compute(k, gather(k, t, False))
+            end = compute(k, gather(k, t, kind == "B"))
+            if kind == "B":
+                scatter(k, end)
         elif kind == "F":
             c0 = gather(k, t, False) if head[k] else t      # the chunk's first layer waits for its gather
             compute(k, c0)
