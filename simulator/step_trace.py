@@ -10,9 +10,11 @@ representative device per pipeline rank, from the same quantities:
   forward, or recompute then backward, with the tensor-parallel collectives after it on the
   ``tp`` stream (they sit on the critical path); the ``fsdp`` stream carries the traffic the
   step model prices beside that layer: in forward the next layer's prefetched all-gather (and
-  host-to-device copy), after the chunk's first layer waited for its own; in backward the
-  layer's gather and its reduce-scatter (and device-to-host copy), after the chunk's first
-  backward layer waited for its gather.  A slot whose traffic is longer than its compute
+  host-to-device copy), after the chunk's first layer waited for its own; in backward
+  traffic of the layer's own size, "(priced)": a gather and a reduce-scatter (and
+  device-to-host copy), which stand for the next layer's prefetch and the previous layer's
+  reduce-scatter as the step model prices them (equal in a run of equal layers), after the
+  chunk's first backward layer waited for its own gather.  A slot whose traffic is longer than its compute
   shows the compute stream idle: the layer waits for its communication;
 * the tasks run in the schedule's order on each rank (``schedule_tasks``); a task starts when
   its rank is free and its input has arrived: a forward after the previous stage's forward of
@@ -215,22 +217,22 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
     zero, off = rows.zero, rows.offload
     args = {"micro_batch": mb, "stage": g}
 
-    def gather(k: int, s: float, backward: bool) -> float:
+    def gather(k: int, s: float, backward: bool, label: str = "") -> float:
         """Layer k's parameter all-gather and host copy from ``s`` (overlap.fsdp_traffic's forward
         communication, or its backward gather); returns their end."""
         needed = zero[k] >= 3 if backward else zero[k] >= 2
-        tl.add(dev, "fsdp", f"all_gather L{k}", s, ag[k] if needed else 0.0, **args)
+        tl.add(dev, "fsdp", f"all_gather L{k}{label}", s, ag[k] if needed else 0.0, **args)
         s += ag[k] if needed else 0.0
         copy = h2d[k] * off[k] if (not backward or zero[k] >= 3) else 0.0
-        tl.add(dev, "fsdp", f"h2d L{k}", s, copy, **args)
+        tl.add(dev, "fsdp", f"h2d L{k}{label}", s, copy, **args)
         return s + copy
 
-    def scatter(k: int, s: float) -> float:
+    def scatter(k: int, s: float, label: str = "") -> float:
         """Layer k's gradient reduce-scatter and copy out from ``s``; returns their end."""
         if zero[k] < 2:
             return s
-        tl.add(dev, "fsdp", f"reduce_scatter L{k}", s, rs[k], **args)
-        tl.add(dev, "fsdp", f"d2h L{k}", s + rs[k], d2h[k] * off[k], **args)
+        tl.add(dev, "fsdp", f"reduce_scatter L{k}{label}", s, rs[k], **args)
+        tl.add(dev, "fsdp", f"d2h L{k}{label}", s + rs[k], d2h[k] * off[k], **args)
         return s + rs[k] + d2h[k] * off[k]
 
     def compute(k: int, s: float) -> float:
@@ -262,7 +264,9 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
         else:
             c0 = gather(k, t, True) if tail[k] else t       # the chunk's first backward layer waits
             compute(k, c0)
-            scatter(k, gather(k, c0, True))                  # the traffic priced beside layer k
+            # the traffic the step model prices beside layer k's backward: in a run of equal layers,
+            # the next layer's prefetched gather and the previous one's reduce-scatter
+            scatter(k, gather(k, c0, True, " (priced)"), " (priced)")
         t += slots[k]
     return t
 
