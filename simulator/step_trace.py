@@ -5,41 +5,42 @@ compute) prices a step in closed form; this module draws that same step as event
 representative device per pipeline rank, from the same quantities:
 
 * each task (forward or backward of one micro-batch on one model chunk) is a run of layer
-  slots, each as long as the layer's effective time (step_model.layer_effective_times; the
-  serial form's compute plus traffic).  Inside a slot the compute stream runs the layer's
-  forward, or recompute then backward, with the tensor-parallel collectives after it on the
-  ``tp`` stream (they sit on the critical path); the ``fsdp`` stream carries the traffic the
-  step model prices beside that layer: in forward the next layer's prefetched all-gather (and
-  host-to-device copy), after the chunk's first layer waited for its own; in backward
-  traffic of the layer's own size, "(priced)": a gather and a reduce-scatter (and
-  device-to-host copy), which stand for the next layer's prefetch and the previous layer's
-  reduce-scatter as the step model prices them (equal in a run of equal layers), after the
-  chunk's first backward layer waited for its own gather.  A slot whose traffic is longer than its compute
-  shows the compute stream idle: the layer waits for its communication;
+  slots, each as long as the layer's effective time (step_model.layer_effective_times; in the
+  serial form compute plus traffic).  Inside a slot the compute stream runs the layer's
+  forward, or recompute then backward, with its tensor-parallel collectives after it on the
+  ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
+  step model prices beside the layer: in forward, the next layer's prefetched all-gather (and
+  host-to-device copy), the chunk's first layer having waited for its own; in backward, a
+  gather and a reduce-scatter (and device-to-host copy) of the layer's own size, marked
+  "(priced)" -- they stand for the next layer's prefetch and the previous layer's
+  reduce-scatter, which the step model prices at this layer's size (equal in a run of equal
+  layers) -- the chunk's first backward layer having waited for its own gather.  A slot whose
+  traffic outlasts its compute shows the compute stream idle: the layer waits for it;
 * the tasks run in the schedule's order on each rank (``schedule_tasks``); a task starts when
   its rank is free and its input has arrived: a forward after the previous stage's forward of
   the same micro-batch and its activation send on the ``pp`` stream, a backward after the
   next stage's backward and its gradient send (the last stage's after its own forward);
-* the pipeline ends where the step model says: each rank's last backward ends at
-  ``step_model.rank_ends`` of the pipeline formula (``step_model.pipeline_time``).  Where the
-  formula charges more than the schedule needs (unequal stages), the rank waits before that
-  last backward; each earlier task starts as soon as it can;
-* after backward, on the ``dp`` stream, DDP's all-reduces one after another, each launched when
-  the step model says its gradient is ready (the model's ready time is never before the drawn
-  backward of that layer ends), FSDP's exposed last reduce-scatter on ``fsdp``; then the
-  optimizer (device on ``compute``, host Adam of offloaded layers on ``host``) and ZeRO-1's
-  parameter all-gather (``dp``): step_model.after_backward's terms.
+* each rank's last backward ends where the step model puts it (``step_model.rank_ends`` of
+  the pipeline formula, ``step_model.pipeline_time``): where the formula charges more than
+  the schedule needs (unequal stages), the rank waits before that last backward; every
+  earlier task starts as soon as it can;
+* after backward, on the ``dp`` stream, DDP's all-reduces one after another, each launched
+  when the step model says its gradient is ready (never before the drawn backward of that
+  layer ends), and FSDP's exposed last reduce-scatter on ``fsdp``; then the optimizer (on
+  ``compute``; the offloaded layers' host Adam on ``host``) and ZeRO-1's parameter all-gather
+  (``dp``): step_model.after_backward's terms.
 
-So every rank's last event ends at the time the step model gives for that rank, and the trace's
-last event at the step time (tests/test_simulator_trace.py checks both to 1e-9, with the
-invariants: no two events overlap on a stream, no task starts before its input arrives).
+So every rank's last event ends at the time the step model gives for that rank, and the
+trace's last event at the step time (tests/test_simulator_trace.py checks both to 1e-9, with
+the invariants: no two events overlap on a stream, no task starts before its input arrives).
 
-The pipeline formula idealises the schedule: it charges the activation sends only in the
-fill and the drain.  Where the schedule played with every send between stages cannot finish
-within the formula (a send comparable to a stage's compute under 1F1B's alternation), the
-drawn pipeline honours the sends and ends later than the step model's; ``StepTrace.late_s``
-reports by how much for each rank (zero whenever the formula is met), and the trace is then
-that much longer than the step.
+The pipeline formula idealises the schedule: it charges the sends between stages only in the
+fill and the drain, and fills an interleaved pipeline as if its model chunks were equal.
+Where the schedule, played with every send, cannot finish within the formula (1F1B or
+interleaved with a send that is not small against a stage's work; interleaved with unequal
+chunks), the drawn pipeline keeps every dependency and ends later than the step model's:
+``StepTrace.late_s`` says by how much for each rank (zero wherever the formula is met), and
+the trace is that much longer than the step.
 """
 from __future__ import annotations
 
@@ -189,8 +190,7 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
                 ptr[r] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked: a task waits for one that never runs")
+        assert progressed, "pipeline schedule deadlocked: a task waits for one that never runs"
     return out, np.array(free)
 
 

@@ -127,6 +127,7 @@ def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact):
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     assert ctx.serial_comm == (cluster.groups[0].compute_slots > 0)
     ends = [max(_end(e) for e in trace.events if e["device"] == d) for d in devices]
+    assert trace.rank_end_s.tolist() == pytest.approx(ends, rel=1e-12, abs=0)
     if exact:
         assert not trace.late_s.any()
         assert max(_end(e) for e in res.timeline) == pytest.approx(res.step_time_s, rel=1e-9, abs=0)
