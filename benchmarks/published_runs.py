@@ -5,7 +5,7 @@ parallel layout and measured throughput, with its source) is priced as ``autopar
 prices a configuration: the model built from ``examples/gpt.py`` or ``examples/llama.py`` with
 the row's dimensions and captured on meta, the cluster from a bundled file with the row's node
 count and network, the plan from the row's layout (``simulator.configure.config_plan``), and
-``simulator.simulate.simulate`` (the event engine).  Per family (PTD-P, ZeRO-3, FSDP) and GPU
+``simulator.simulate.simulate`` (the step model).  Per family (PTD-P, ZeRO-3, FSDP) and GPU
 type it prints the median |error|, the mean signed error and the worst row.
 
 Error = predicted throughput / measured throughput - 1 (= measured step / predicted step - 1):

@@ -14,7 +14,7 @@ built the same way from rank 0's events, so the two are comparable:
 * backward: the same with backward and recompute tasks; the last micro-batch's window also
   covers the data-parallel gradient collectives issued during it, since DDP and FSDP wait
   for them before ``backward()`` returns (Li et al. 2020, Sec. 3.2.3; Zhao et al. 2023, Sec. 3.3);
-* communication: the union of the tp, dp and pp stream events;
+* communication: the union of the tp, dp, fsdp and pp stream events;
 * optimizer: the union of the optimizer events (device and host).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from autopar.runtime.profile_breakdown import COMM_PATTERN as _M_COMM
 from autopar.runtime.profile_breakdown import FORWARD_PATTERN as _M_FWD
 from autopar.runtime.profile_breakdown import OPTIMIZER_PATTERN as _M_OPT
 
-COMM_STREAMS = ("tp", "dp", "pp")
+COMM_STREAMS = ("tp", "dp", "fsdp", "pp")
 
 
 def _category(name: str, stream: str) -> str:
@@ -59,7 +59,7 @@ def simulated_lanes(events: list[dict[str, Any]]) -> Lanes:
     return lanes
 
 
-_STREAM_ORDER = {"compute": 0, "tp": 1, "dp": 2, "pp": 3, "host": 4}
+_STREAM_ORDER = {"compute": 0, "tp": 1, "dp": 2, "fsdp": 3, "pp": 4, "host": 5}
 
 
 def simulated_breakdown(events: list[dict[str, Any]], device: int = 0) -> dict[str, float]:
@@ -81,7 +81,7 @@ def simulated_breakdown(events: list[dict[str, Any]], device: int = 0) -> dict[s
     bwd_intervals = [tuple(v) for v in bwd_win.values()]
     if bwd_intervals:
         last_start, last_end = max(bwd_intervals, key=lambda iv: iv[1])
-        grad_sync_end = max((e["start_s"] + e["dur_s"] for e in ev if e["stream"] == "dp"
+        grad_sync_end = max((e["start_s"] + e["dur_s"] for e in ev if e["stream"] in ("dp", "fsdp")
                              and ("all_reduce" in e["name"] or "reduce_scatter" in e["name"])
                              and last_start <= e["start_s"] <= last_end), default=last_end)
         bwd_intervals.append((last_start, max(last_end, grad_sync_end)))

@@ -3,10 +3,9 @@
 One step model serves the planner, ``autopar simulate``, ``autopar report`` and the plan's
 ``predicted`` block: ``PlanEvaluator.evaluate`` (per-layer rows, then the step in closed form,
 evaluator.closed_form_step).  ``simulate`` returns exactly that result; with
-``timeline=True`` it also plays the schedule out event by event over the same rows
-(engine.simulate_step) to draw the Chrome trace.  The trace is a picture of the step: where
-pipeline stages are unequal the closed form idealises the schedule, so the trace's last event
-may end a little off the step time (tests hold it within 5%).
+``timeline=True`` it also lays the same step out as events for the Chrome trace
+(step_trace.draw_step), from the step model's own terms, so each pipeline rank's last event
+ends when the step model says that rank finishes.
 """
 from __future__ import annotations
 
@@ -33,10 +32,7 @@ def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel
     step_r, bubble = closed_form_step(ctx, rows)
     events = None
     if timeline:
-        from autopar.simulator.engine import simulate_step
-        from autopar.simulator.timeline import Timeline
+        from autopar.simulator.step_trace import draw_step
 
-        tl = Timeline(True)
-        simulate_step(ctx, rows, tl, [plan.mesh.rank(0, r, 0) for r in range(plan.mesh.pp)])
-        events = tl.events
+        events = draw_step(ctx, rows, [plan.mesh.rank(0, r, 0) for r in range(plan.mesh.pp)]).events
     return ev.assemble(plan, ctx, rows, step_r, bubble, timeline=events)

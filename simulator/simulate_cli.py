@@ -123,11 +123,18 @@ def main(args: argparse.Namespace) -> int:
                          "precision": plan.precision})
         if args.trace:
             out["trace"] = str(args.trace)
+            out["trace_end_s"] = _trace_end_s(result.timeline)
         json.dump(out, sys.stdout, indent=2, default=float)
         print()
         return 0
     _print_rich(graph, plan, cluster, result, capture_s, sim_s, args.trace)
     return 0
+
+
+def _trace_end_s(events) -> float:
+    """When the trace's last event ends (the step time, or later where the schedule cannot meet
+    the pipeline formula: simulator/step_trace.py)."""
+    return max((e["start_s"] + e["dur_s"] for e in events or ()), default=0.0)
 
 
 def _gb(x: float) -> str:
@@ -172,4 +179,8 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
               "[red]does NOT fit in host memory on every node (offloaded state)[/]")
     if trace:
         con.print(f"Chrome trace written to {trace} (open in https://ui.perfetto.dev)")
+        end = _trace_end_s(r.timeline)
+        if end > r.step_time_s * (1 + 1e-9):
+            con.print(f"[yellow]the trace ends at {end:.4g} s, after the predicted step: the pipeline formula "
+                      f"charges the sends between stages only in the fill and drain (docs/design.md)[/]")
     con.print(f"[dim]capture {capture_s:.1f} s, simulate {sim_s:.2f} s[/]")

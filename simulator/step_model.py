@@ -20,7 +20,7 @@ report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step
   (and ZeRO-1's parameter all-gather) (``after_backward``).
 
 ``ctx`` is the evaluator's context of the plan (evaluator._Context: mesh, stages, micro-batches,
-the pipeline send time); the event engine (engine.py) plays the same rows out for the trace.
+the pipeline send time); step_trace.py lays the same terms out as the trace's events.
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 
 One event per task on one stream of one device: ``compute`` (forward, backward, recompute,
 optimizer), ``tp`` (tensor-parallel collectives, on the compute critical path), ``dp``
-(DDP all-reduce, FSDP all-gather / reduce-scatter), ``pp`` (pipeline sends) and ``host``
-(offloaded optimizer and host <-> device copies).  Chrome's trace format: "X" complete events
+(DDP's gradient all-reduces, ZeRO-1's parameter all-gather), ``fsdp`` (FSDP's all-gathers and
+reduce-scatters with the offloaded layers' host <-> device copies, which the step model runs
+beside DDP's all-reduces), ``pp`` (pipeline sends) and ``host`` (the offloaded layers'
+optimizer step).  step_trace.py lays a step out on them.  Chrome's trace format: "X" complete events
 with microsecond ``ts``/``dur``, ``pid`` = device, ``tid`` = stream, plus "M" metadata events
 naming them (Trace Event Format, Google, 2016).
 """
@@ -13,7 +15,7 @@ import json
 import os
 from typing import Any
 
-STREAMS = ("compute", "tp", "dp", "pp", "host")
+STREAMS = ("compute", "tp", "dp", "fsdp", "pp", "host")
 STREAM_ID = {s: i for i, s in enumerate(STREAMS)}
 
 

@@ -120,14 +120,3 @@ def dense_graph(num_params: float, num_layers: int, batch: int = 1, width: int =
     return OpGraph(model_name="dense", model_file="<synthetic>", model_args={}, batch_size=batch, ops=ops,
                    layers=layers, params_total=per * num_layers, param_dtype="bfloat16", seq_len=None,
                    sequential_layers=True)
-
-
-def engine_step_s(graph, plan, cluster, cost_model) -> float:
-    """The step as the event engine plays it out (the trace's end) over the evaluator's rows."""
-    from autopar.simulator.engine import simulate_step
-    from autopar.simulator.evaluator import PlanEvaluator
-    from autopar.simulator.timeline import Timeline
-
-    ctx, rows = PlanEvaluator(graph, cluster, cost_model).prepare(plan)
-    finish, _ = simulate_step(ctx, rows, Timeline(False), [plan.mesh.rank(0, r, 0) for r in range(plan.mesh.pp)])
-    return float(finish.max())

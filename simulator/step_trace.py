@@ -1,0 +1,326 @@
+"""The Chrome trace of a step, laid out from the step model's own terms.
+
+The step model (step_model.py, or cpu_node.serial_step where communication takes turns with
+compute) prices a step in closed form; this module draws that same step as events, one
+representative device per pipeline rank, from the same quantities:
+
+* each task (forward or backward of one micro-batch on one model chunk) is a run of layer
+  slots, each as long as the layer's effective time (step_model.layer_effective_times; in the
+  serial form compute plus traffic).  Inside a slot the compute stream runs the layer's
+  forward, or recompute then backward, with its tensor-parallel collectives after it on the
+  ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
+  step model prices beside the layer: in forward, the next layer's prefetched all-gather (and
+  host-to-device copy), the chunk's first layer having waited for its own; in backward, a
+  gather and a reduce-scatter (and device-to-host copy) of the layer's own size, marked
+  "(priced)" -- they stand for the next layer's prefetch and the previous layer's
+  reduce-scatter, which the step model prices at this layer's size (equal in a run of equal
+  layers) -- the chunk's first backward layer having waited for its own gather.  A slot whose
+  traffic outlasts its compute shows the compute stream idle: the layer waits for it;
+* the tasks run in the schedule's order on each rank (``schedule_tasks``); a task starts when
+  its rank is free and its input has arrived: a forward after the previous stage's forward of
+  the same micro-batch and its activation send on the ``pp`` stream, a backward after the
+  next stage's backward and its gradient send (the last stage's after its own forward);
+* each rank's last backward ends where the step model puts it (``step_model.rank_ends`` of
+  the pipeline formula, ``step_model.pipeline_time``): where the formula charges more than
+  the schedule needs (unequal stages), the rank waits before that last backward; every
+  earlier task starts as soon as it can;
+* after backward, on the ``dp`` stream, DDP's all-reduces one after another, each launched
+  when the step model says its gradient is ready (never before the drawn backward of that
+  layer ends), and FSDP's exposed last reduce-scatter on ``fsdp``; then the optimizer (on
+  ``compute``; the offloaded layers' host Adam on ``host``) and ZeRO-1's parameter all-gather
+  (``dp``): step_model.after_backward's terms.
+
+So every rank's last event ends at the time the step model gives for that rank, and the
+trace's last event at the step time (tests/test_simulator_trace.py checks both to 1e-9, with
+the invariants: no two events overlap on a stream, no task starts before its input arrives).
+
+The pipeline formula idealises the schedule: it charges the sends between stages only in the
+fill and the drain, and fills an interleaved pipeline as if its model chunks were equal.
+Where the schedule, played with every send, cannot finish within the formula (1F1B or
+interleaved with a send that is not small against a stage's work; interleaved with unequal
+chunks), the drawn pipeline keeps every dependency and ends later than the step model's:
+``StepTrace.late_s`` says by how much for each rank (zero wherever the formula is met), and
+the trace is that much longer than the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autopar.simulator.layer_table import LayerTable
+from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.step_model import layer_effective_times, pipeline_time, rank_ends
+from autopar.simulator.timeline import Timeline
+
+
+def schedule_tasks(schedule: str, p: int, r: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """Ordered (pass, micro-batch, chunk) tasks of pipeline rank ``r``.
+
+    GPipe: all forwards, then all backwards (Huang et al. 2019); 1F1B: p - r - 1 warm-up
+    forwards, then one forward one backward (Narayanan et al. 2021 Sec. 2.2.1); interleaved
+    1F1B: v model chunks per rank, 2(p - r - 1) + (v - 1)p warm-up steps, micro-batches in
+    groups of p per chunk (Sec. 2.2.2).  A single rank runs each micro-batch's forward then
+    its backward.
+    """
+    if schedule == "gpipe" or (p == 1 and v == 1):
+        if schedule == "gpipe" and p > 1:
+            return [("F", i, c) for i in range(m) for c in range(v)] + \
+                   [("B", i, c) for i in range(m) for c in reversed(range(v))]
+        return [t for i in range(m) for t in ([("F", i, c) for c in range(v)] + [("B", i, c) for c in reversed(range(v))])]
+    if v == 1:
+        warm = min(p - r - 1, m)
+        tasks = [("F", i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            tasks += [("F", warm + i, 0), ("B", i, 0)]
+        tasks += [("B", i, 0) for i in range(m - warm, m)]
+        return tasks
+    total = m * v
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+    tasks = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        tasks += [fwd(warm + i), bwd(i)]
+    tasks += [bwd(k) for k in range(total - warm, total)]
+    return tasks
+
+
+@dataclass
+class StepTrace:
+    """The drawn step: its events and, per pipeline rank, when its last event ends."""
+    events: list[dict[str, Any]]
+    rank_end_s: np.ndarray
+    late_s: np.ndarray       # per rank: how much later the drawn pipeline ends than the model's (0 where met)
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The step model's per-layer and per-chunk terms of one plan (overlapped or serial form)."""
+    serial: bool
+    fwd: np.ndarray          # effective forward time of each layer per micro-batch (its slot)
+    bwd: np.ndarray          # effective backward time of each layer per micro-batch
+    f_g: np.ndarray          # per model chunk: forward task length (serial: with its send)
+    b_g: np.ndarray
+    pipe: float
+    end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
+    send_s: float            # the activation send drawn between stages
+
+
+def _terms(ctx, rows: LayerTable) -> _Terms:
+    """The same quantities step_model.overlapped_step / cpu_node.serial_step compute, from the
+    step model's public functions."""
+    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
+    if ctx.serial_comm:
+        fwd_comm, _, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
+                                             rows.d2h_s, rows.zero, rows.offload)
+        fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s,
+                                        rows.tp_comm_bwd_s)
+        fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
+        f_g = np.add.reduceat(fwd, ctx.starts)
+        b_g = np.add.reduceat(bwd, ctx.starts)
+        if len(ctx.starts) > 1:          # each chunk's send blocks its compute (cpu_node.serial_step)
+            f_g[:-1] += ctx.p2p_s
+            b_g[1:] += ctx.p2p_s
+        c_pipe = 0.0
+    else:
+        fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+        f_g = np.add.reduceat(fwd, ctx.starts)
+        b_g = np.add.reduceat(bwd, ctx.starts)
+        c_pipe = ctx.p2p_s
+    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)
+    pipe, _ = pipeline_time(t_r, m, p, v, c_pipe)
+    return _Terms(serial=bool(ctx.serial_comm), fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe,
+                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s)
+
+
+def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
+    """Per rank, in schedule order: (pass, micro-batch, chunk, start, start of its send or None)
+    of every task, and when each rank's last task ends.
+
+    A task starts when its rank is free and its input has arrived: the neighbouring task's
+    send, queued on the sender's ``pp`` stream (in the serial form the send is the last part
+    of the sender's task).  Each rank's last task (the backward of micro-batch m - 1 on chunk
+    0) starts no earlier than the step model's end for that rank minus its length, and ends
+    then exactly when it can start there."""
+    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
+    G = p * v
+    serial = terms.serial
+    c = terms.send_s
+    f_g, b_g = terms.f_g.tolist(), terms.b_g.tolist()
+    end_r = terms.end_r.tolist()
+    tasks = [schedule_tasks(ctx.schedule, p, r, m, v) for r in range(p)]
+    ptr = [0] * p
+    free = [0.0] * p
+    pp_free = [0.0] * p
+    arrive: dict[tuple[str, int, int], float] = {}
+    out: list[list[tuple[str, int, int, float, float | None]]] = [[] for _ in range(p)]
+    remaining = sum(len(t) for t in tasks)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            my = tasks[r]
+            while ptr[r] < len(my):
+                kind, mb, chunk = my[ptr[r]]
+                g = chunk * p + r
+                if kind == "F":
+                    dep = ("F", mb, g - 1) if g > 0 else None
+                else:
+                    dep = ("B", mb, g + 1) if g < G - 1 else ("F", mb, g)
+                if dep is not None and dep not in arrive:
+                    break
+                t = max(free[r], arrive[dep] if dep is not None else 0.0)
+                end = t + (f_g[g] if kind == "F" else b_g[g])
+                # (a relative 1e-12 absorbs the rounding of the two sums that reach the same end)
+                if ptr[r] == len(my) - 1 and end <= end_r[r] * (1.0 + 1e-12):
+                    t, end = end_r[r] - b_g[g], end_r[r]
+                free[r] = end
+                send = None
+                if (kind == "F" and g < G - 1) or (kind == "B" and g > 0):
+                    send = end - c if serial else max(pp_free[r], end)
+                    pp_free[r] = send + c
+                out[r].append((kind, mb, chunk, t, send))
+                arrive[(kind, mb, g)] = end if send is None or serial else send + c
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "pipeline schedule deadlocked: a task waits for one that never runs"
+    return out, np.array(free)
+
+
+def _ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
+    """Per layer: when its gradient is ready, relative to the end of its rank's last backward
+    (step_model.overlapped_step's ``rel``): its chunk's last backward ends p backward passes of
+    each later-run chunk before the rank's last, and the layer's own backward ends the
+    backward slots of the chunk's earlier layers before the chunk's."""
+    p, v = ctx.p, ctx.v
+    cum = np.cumsum(bwd)
+    before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
+    chunk_off = np.zeros(len(ctx.starts))
+    if v > 1:
+        b_vp = b_g.reshape(v, p)
+        chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
+    return -(before + chunk_off[ctx.layer_stage])
+
+
+def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: int, t: float, rows: LayerTable,
+               terms: _Terms, head: np.ndarray, tail: np.ndarray) -> float:
+    """Draw the layer slots of one task (layers a..b-1 of virtual stage g) from ``t``; returns
+    when the last slot ends."""
+    ag, rs, h2d, d2h = rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s, rows.d2h_s
+    zero, off = rows.zero, rows.offload
+    args = {"micro_batch": mb, "stage": g}
+
+    def gather(k: int, s: float, backward: bool, label: str = "") -> float:
+        """Layer k's parameter all-gather and host copy from ``s`` (overlap.fsdp_traffic's forward
+        communication, or its backward gather); returns their end."""
+        needed = zero[k] >= 3 if backward else zero[k] >= 2
+        tl.add(dev, "fsdp", f"all_gather L{k}{label}", s, ag[k] if needed else 0.0, **args)
+        s += ag[k] if needed else 0.0
+        copy = h2d[k] * off[k] if (not backward or zero[k] >= 3) else 0.0
+        tl.add(dev, "fsdp", f"h2d L{k}{label}", s, copy, **args)
+        return s + copy
+
+    def scatter(k: int, s: float, label: str = "") -> float:
+        """Layer k's gradient reduce-scatter and copy out from ``s``; returns their end."""
+        if zero[k] < 2:
+            return s
+        tl.add(dev, "fsdp", f"reduce_scatter L{k}{label}", s, rs[k], **args)
+        tl.add(dev, "fsdp", f"d2h L{k}{label}", s + rs[k], d2h[k] * off[k], **args)
+        return s + rs[k] + d2h[k] * off[k]
+
+    def compute(k: int, s: float) -> float:
+        if kind == "F":
+            tl.add(dev, "compute", f"fwd L{k}", s, rows.fwd_s[k], **args)
+            s += rows.fwd_s[k]
+            tl.add(dev, "tp", f"tp fwd L{k}", s, rows.tp_comm_fwd_s[k], **args)
+            return s + rows.tp_comm_fwd_s[k]
+        tl.add(dev, "compute", f"recompute L{k}", s, rows.recompute_s[k], **args)
+        s += rows.recompute_s[k]
+        tl.add(dev, "compute", f"bwd L{k}", s, rows.bwd_s[k], **args)
+        s += rows.bwd_s[k]
+        tl.add(dev, "tp", f"tp bwd L{k}", s, rows.tp_comm_bwd_s[k], **args)
+        return s + rows.tp_comm_bwd_s[k]
+
+    order = range(a, b) if kind == "F" else range(b - 1, a - 1, -1)
+    slots = terms.fwd if kind == "F" else terms.bwd
+    for k in order:
+        if terms.serial:
+            # communication takes turns with compute: gather, compute, (backward) reduce-scatter
+            end = compute(k, gather(k, t, kind == "B"))
+            if kind == "B":
+                scatter(k, end)
+        elif kind == "F":
+            c0 = gather(k, t, False) if head[k] else t      # the chunk's first layer waits for its gather
+            compute(k, c0)
+            if k + 1 < b:
+                gather(k + 1, c0, False)                     # prefetched while layer k runs
+        else:
+            c0 = gather(k, t, True) if tail[k] else t       # the chunk's first backward layer waits
+            compute(k, c0)
+            # the traffic the step model prices beside layer k's backward: in a run of equal layers,
+            # the next layer's prefetched gather and the previous one's reduce-scatter
+            scatter(k, gather(k, c0, True, " (priced)"), " (priced)")
+        t += slots[k]
+    return t
+
+
+def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
+    """The step of the plan (evaluator context ``ctx``, per-layer table ``rows``) as timeline
+    events; ``device_of_rank``: the device drawn for each pipeline rank."""
+    p = ctx.p
+    terms = _terms(ctx, rows)
+    starts, ends = ctx.starts.tolist(), ctx.ends.tolist()
+    tl = Timeline(True)
+    task_starts, drawn_end = _pipeline_starts(ctx, terms)
+    for r in range(p):
+        dev = device_of_rank[r]
+        for kind, mb, chunk, t, send in task_starts[r]:
+            g = chunk * p + r
+            _draw_task(tl, dev, kind, mb, g, starts[g], ends[g], t, rows, terms, ctx.head, ctx.tail)
+            if send is not None:
+                tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", send, terms.send_s,
+                       micro_batch=mb, stage=g, to_stage=g + 1 if kind == "F" else g - 1)
+    # ---- after the last backward (step_model.overlapped_step / cpu_node.serial_step, after_backward)
+    late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
+    base = drawn_end
+    ar = rows.dp_allreduce_s * (rows.zero <= 1)
+    rel = _ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
+    first = rows.at(ctx.starts[:p])
+    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
+    finish = np.zeros(p)
+    for r in range(p):
+        dev = device_of_rank[r]
+        layers = np.flatnonzero(ctx.layer_rank == r)
+        mine = layers[ar[layers] > 0]
+        t_ar = float(base[r])
+        if terms.serial:                     # the all-reduces take turns with compute: one after another
+            for k in mine[::-1]:
+                tl.add(dev, "dp", f"all_reduce L{k}", t_ar, ar[k])
+                t_ar += ar[k]
+            sync = t_ar
+        else:
+            # DDP: each all-reduce launched when its gradient is ready, one after another
+            queue = -np.inf
+            for k in mine[np.argsort(rel[mine], kind="stable")]:
+                s0 = max(queue, base[r] + rel[k])
+                tl.add(dev, "dp", f"all_reduce L{k}", s0, ar[k])
+                queue = s0 + ar[k]
+            excess = max(queue - base[r], 0.0)
+            tl.add(dev, "fsdp", f"reduce_scatter L{starts[r]} (exposed)", base[r], fsdp_tail[r])
+            sync = base[r] + max(excess, fsdp_tail[r])
+        opt, offl = rows.optimizer_s[layers], rows.offload[layers] > 0
+        dev_opt, host_opt = float(opt[~offl].sum()), float(opt[offl].sum())
+        tl.add(dev, "compute", "optimizer", sync, dev_opt)
+        tl.add(dev, "host", "optimizer (host)", sync + dev_opt, host_opt)
+        t = sync + dev_opt + host_opt
+        ag1 = float((rows.dp_allgather_s[layers] * (rows.zero[layers] == 1)).sum())
+        tl.add(dev, "dp", "all_gather params (ZeRO-1)", t, ag1)
+        finish[r] = t + ag1
+    return StepTrace(events=tl.events, rank_end_s=finish, late_s=late)
