@@ -14,8 +14,8 @@ import pytest
 from autopar.cli import main as cli_main
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import save_plan
-from autopar.profiling import resimulate
-from autopar.profiling.timelines import measured_lanes, simulated_breakdown, union_length
+from autopar.report import resimulate
+from autopar.report.timelines import measured_lanes, simulated_breakdown, union_length
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_ARGS = dict(layers=2, hidden=64, heads=4, seq=32, vocab=256)
@@ -100,6 +100,27 @@ def test_fingerprint_mismatch_is_a_user_error(pair, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "0123456789abcdef" in err and plan.model.fingerprint in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"step_time_s": 0}, ("step_time_s", "time > 0")),
+    ({"comm_s": "slow"}, ("comm_s", "'slow'")),
+    ({"world_size": 2.5}, ("world_size", "2.5")),
+    ({"version": 7}, ("version 7", "newer autopar")),
+])
+def test_a_bad_measured_file_exits_2_naming_file_and_key(pair, capsys, edit, words):
+    """measured.json is read by its schema (autopar.core.measured): a wrong value is one paragraph
+    naming the file and the key, exit 2, and --calibrate writes nothing."""
+    tmp_path, plan, measured, _ = pair
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**measured, **edit}))
+    rc = cli_main(["report", str(tmp_path / "plan.json"), str(bad), "--calibrate", "-o", str(tmp_path / "cal.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.count("\n\n") == 0
+    assert str(bad) in err                                  # a path is never broken across lines
+    for w in words:
+        assert w in err.replace("\n", " "), (w, err)
+    assert not (tmp_path / "cal.json").exists()
 
 
 def test_html_and_png(pair, capsys):
