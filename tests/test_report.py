@@ -223,3 +223,27 @@ def test_cluster_is_found_from_the_plan_or_the_flag(ctx, tmp_path):
     assert load_plan_cluster(labelled, tmp_path / "plan.json", None).name == "local-cpu"
     with pytest.raises(UserError, match="no-such-cluster"):
         load_plan_cluster(plan, tmp_path / "plan.json", "no-such-cluster.yaml")
+
+
+def _autopar_imports(folder: str) -> dict[str, set[str]]:
+    """file -> the autopar packages it imports (autopar.X of every import, lazy ones included)."""
+    import ast
+
+    out = {}
+    for path in sorted((REPO / folder).glob("*.py")):
+        pkgs = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            pkgs |= {n.split(".")[1] for n in names if n.startswith("autopar.")}
+        out[path.name] = pkgs
+    return out
+
+
+def test_imports_run_one_way():
+    """The report reads what the runtime wrote through core/ and never imports the runtime or
+    the planner; the runtime imports core/ only (docs/design.md, data flow)."""
+    for name, pkgs in _autopar_imports("report").items():
+        assert pkgs <= {"core", "profiles", "simulator", "report"}, (name, pkgs)
+    for name, pkgs in _autopar_imports("runtime").items():
+        assert pkgs <= {"core", "runtime"}, (name, pkgs)
