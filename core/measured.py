@@ -53,6 +53,9 @@ CPU_RSS_GROWTH = "cpu_peak_rss_growth"
 MEMORY_KINDS = (CUDA_ALLOCATED, CPU_RSS_GROWTH)
 #: the per-step phase figures of a ``--profile`` run, named as in the plan's ``predicted`` block
 BREAKDOWN_KEYS = ("fwd_s", "bwd_s", "comm_s", "optimizer_s")
+#: the scalar figures of a run, named as in the plan's ``predicted`` block (what the report
+#: compares and calibration fits)
+FIGURE_KEYS = ("step_time_s",) + BREAKDOWN_KEYS + ("max_memory_bytes", "samples_per_s", "tokens_per_s")
 
 # Profiler event names by phase: the runtime's own regions (record_function) and the calls
 # that communicate (collectives and point-to-point, and the interleaved pipeline's send/recv).
@@ -110,10 +113,9 @@ class Measured:
     version: int = MEASURED_VERSION
 
     def figures(self) -> dict[str, float]:
-        """The scalar figures this run measured, by key (what the report compares and
-        calibration fits): step time, the phase breakdown, peak memory, throughput."""
-        keys = ("step_time_s",) + BREAKDOWN_KEYS + ("max_memory_bytes", "samples_per_s", "tokens_per_s")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        """The scalar figures this run measured (``FIGURE_KEYS`` that are not None): step time,
+        the phase breakdown, peak memory, throughput."""
+        return {k: getattr(self, k) for k in FIGURE_KEYS if getattr(self, k) is not None}
 
     @property
     def has_breakdown(self) -> bool:

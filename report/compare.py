@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from autopar.core.errors import UserError
 from autopar.core.measured import Measured
 
-#: (key, label, unit) of the scalar figures, in the order the report shows them
+#: (key, label, unit) of the scalar figures, in the order the report shows them: the figures
+#: a run measures (``Measured.figures``)
 SCALAR_FIGURES = (
     ("step_time_s", "step time", "s"),
     ("fwd_s", "forward", "s"),
@@ -26,8 +27,6 @@ SCALAR_FIGURES = (
     ("max_memory_bytes", "peak memory (max over ranks)", "B"),
     ("samples_per_s", "throughput", "samples/s"),
     ("tokens_per_s", "throughput", "tokens/s"),
-    ("tflops_per_gpu", "achieved", "TFLOP/s per device"),
-    ("mfu", "model FLOPs utilisation", ""),
 )
 MEMORY_PER_RANK_KEY = "memory_per_rank_bytes"      # the simulated side's (resimulate.simulate_figures)
 

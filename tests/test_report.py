@@ -123,6 +123,13 @@ def test_a_bad_measured_file_exits_2_naming_file_and_key(pair, capsys, edit, wor
     assert not (tmp_path / "cal.json").exists()
 
 
+def test_the_report_shows_every_figure_a_run_measures():
+    from autopar.core.measured import FIGURE_KEYS
+    from autopar.report.compare import SCALAR_FIGURES
+
+    assert [key for key, _, _ in SCALAR_FIGURES] == list(FIGURE_KEYS)
+
+
 def test_html_and_png(pair, capsys):
     import matplotlib.image as mpimg
 
