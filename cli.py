@@ -17,7 +17,7 @@ VERBS = {
     "plan": ("autopar.planner.plan_cli", "search for the fastest plan that fits the cluster and write plan.json"),
     "run": ("autopar.runtime.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters)"),
     "profile": ("autopar.profiling.profile_cli", "measure op and collective costs on this machine into a profile file"),
-    "report": ("autopar.profiling.report_cli", "compare a plan's prediction with a measured run; calibrate the profile"),
+    "report": ("autopar.report.report_cli", "compare a plan's prediction with a measured run; calibrate the profile"),
 }
 
 

@@ -51,8 +51,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from autopar.core.measured import BREAKDOWN_KEYS, Measured, read_measured
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_FILE = REPO / "examples" / "gpt.py"
@@ -127,7 +129,7 @@ def main() -> int:
 
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
-    from autopar.profiling.resimulate import PlanContext, load_profile_dict
+    from autopar.report.resimulate import PlanContext, load_profile_dict
 
     cluster = load_cluster("local-cpu")
     profile = load_profile_dict(args.profile)
@@ -148,7 +150,7 @@ def main() -> int:
         plan, sim = _write_plan(cfg, ctx, args.profile, run_dir)
         reuse = args.reuse and (run_dir / "measured.json").is_file() and _same_plan(old, run_dir / "plan.json")
         staged.append({"cfg": cfg, "plan": plan, "sim": sim, "dir": run_dir, "wall_s": 0.0,
-                       "measured": json.loads((run_dir / "measured.json").read_text()) if reuse else None,
+                       "measured": read_measured(run_dir / "measured.json") if reuse else None,
                        "reused": reuse})
     to_run = [st for st in staged if not st["reused"]]
     reference = None
@@ -166,11 +168,12 @@ def main() -> int:
             t0 = time.perf_counter()
             m = _run(st["dir"] / "plan.json", st["cfg"].world_size, args.steps, args.timeout, args.breakdown)
             st["wall_s"] += time.perf_counter() - t0
-            if m is not None and (st["measured"] is None or m["step_time_s"] < st["measured"]["step_time_s"]):
-                st["measured"] = {**m, "cpu_busy_before_run": busy, "slowdown_before_run": slow}
+            if m is not None and (st["measured"] is None or m.step_time_s < st["measured"].step_time_s):
+                st["measured"] = replace(m, extra={**m.extra, "cpu_busy_before_run": busy,
+                                                   "slowdown_before_run": slow})
     for st in to_run:                  # each run rewrote measured.json: keep the kept run's on disk
         if st["measured"] is not None:
-            (st["dir"] / "measured.json").write_text(json.dumps(st["measured"], indent=1) + "\n")
+            (st["dir"] / "measured.json").write_text(st["measured"].to_json_text())
 
     if reference is not None:
         reference["measured_after_s"] = _reference_step(out, args, profile)
@@ -185,16 +188,16 @@ def main() -> int:
             print(f"  {cfg.name}: the run failed (see {st['dir']}/run.log); left out", flush=True)
             continue
         rows.append({"name": cfg.name, "world_size": cfg.world_size, "plan": st["plan"], "sim": sim,
-                     "measured": measured, "sim_step_s": sim["step_time_s"], "meas_step_s": measured["step_time_s"],
-                     "sim_mem_bytes": sim["max_memory_bytes"], "meas_mem_bytes": measured["max_memory_bytes"]})
+                     "measured": measured, "sim_step_s": sim["step_time_s"], "meas_step_s": measured.step_time_s,
+                     "sim_mem_bytes": sim["max_memory_bytes"], "meas_mem_bytes": measured.max_memory_bytes})
         print(f"  {cfg.name:<22} ranks {cfg.world_size}  simulated {sim['step_time_s'] * 1e3:8.2f} ms  measured "
-              f"{measured['step_time_s'] * 1e3:8.2f} ms  error {_err(sim['step_time_s'], measured['step_time_s']):+7.1%}"
+              f"{measured.step_time_s * 1e3:8.2f} ms  error {_err(sim['step_time_s'], measured.step_time_s):+7.1%}"
               f"   (runs {st['wall_s']:.0f} s{_slow_note(measured)})", flush=True)
     if len(rows) < 2:
         print("fewer than two plans ran; nothing to summarise")
         return 1
     _print_table(rows)
-    slows = [r["measured"]["slowdown_before_run"] for r in rows if r["measured"].get("slowdown_before_run")]
+    slows = [r["measured"].extra["slowdown_before_run"] for r in rows if r["measured"].extra.get("slowdown_before_run")]
     if slows:
         print(f"the profile's reference ops took {statistics.median(slows):.2f}x (median; {min(slows):.2f}-"
               f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/speed_check.py)")
@@ -212,8 +215,8 @@ def main() -> int:
             "repeats": args.repeats,
             "plans": [{**{k: r[k] for k in ("name", "world_size", "sim_step_s", "meas_step_s", "sim_mem_bytes",
                                             "meas_mem_bytes")},
-                       "cpu_busy_before_run": r["measured"].get("cpu_busy_before_run"),
-                       "slowdown_before_run": r["measured"].get("slowdown_before_run")} for r in rows],
+                       "cpu_busy_before_run": r["measured"].extra.get("cpu_busy_before_run"),
+                       "slowdown_before_run": r["measured"].extra.get("slowdown_before_run")} for r in rows],
             "summary": summary, "calibration": calib, "reference_one_process": reference}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
@@ -231,7 +234,7 @@ def _set_model(pairs: list[str], micro_batch: int | None) -> None:
 def _write_plan(cfg: Config, ctx, profile: str, run_dir: Path):
     """(plan, simulated figures) of ``cfg``, the plan written with its prediction to run_dir/plan.json."""
     from autopar.core.plan import save_plan
-    from autopar.profiling.resimulate import simulate_figures
+    from autopar.report.resimulate import simulate_figures
     from autopar.simulator.configure import config_plan
 
     cluster = ctx.cluster
@@ -250,10 +253,10 @@ def _reference_step(out: Path, args, profile: dict) -> float:
     _wait_for_idle(args.idle_wait_s)
     _wait_for_speed(profile, args)
     m = _run(out / "reference" / "plan.json", 1, args.steps, args.timeout)
-    return float("nan") if m is None else m["step_time_s"]
+    return float("nan") if m is None else m.step_time_s
 
 
-def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> dict | None:
+def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> Measured | None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
@@ -267,7 +270,7 @@ def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: boo
     measured = plan_path.with_name("measured.json")
     if proc.returncode != 0 or not measured.is_file():
         return None
-    return json.loads(measured.read_text())
+    return read_measured(measured)
 
 
 def _cpu_busy_fraction(interval_s: float = 1.0) -> float:
@@ -293,8 +296,8 @@ def _wait_for_idle(max_wait_s: float, busy_below: float = 0.25) -> float | None:
     return busy
 
 
-def _slow_note(measured: dict) -> str:
-    slow = measured.get("slowdown_before_run")
+def _slow_note(measured: Measured) -> str:
+    slow = measured.extra.get("slowdown_before_run")
     return "" if slow is None else f"; ops at {slow:.2f}x their profiled time before the kept run"
 
 
@@ -342,14 +345,15 @@ def _print_table(rows) -> None:
 
 
 def _print_breakdown(rows) -> None:
-    keys = ("fwd_s", "bwd_s", "comm_s", "optimizer_s")
-    have = [r for r in rows if all(k in r["measured"] for k in keys)]
+    keys = BREAKDOWN_KEYS
+    have = [r for r in rows if all(k in r["measured"].figures() for k in keys)]
     if not have:
         return
     print(f"\n{'plan (ms: simulated / measured)':<32}" + "".join(f"{k[:-2]:>22}" for k in keys))
     for r in have:
-        cells = "".join(f"{r['sim'][k] * 1e3:>8.1f} /{r['measured'][k] * 1e3:>7.1f} {_err(r['sim'][k], r['measured'][k]):>+5.0%}"
-                        if r["measured"][k] > 0 else f"{'-':>22}" for k in keys)
+        meas = r["measured"].figures()
+        cells = "".join(f"{r['sim'][k] * 1e3:>8.1f} /{meas[k] * 1e3:>7.1f} {_err(r['sim'][k], meas[k]):>+5.0%}"
+                        if meas[k] > 0 else f"{'-':>22}" for k in keys)
         print(f"{r['name']:<32}{cells}")
 
 
@@ -380,23 +384,22 @@ def _model_state(rows) -> dict | None:
     checked = exact = 0
     mismatches = []
     for r in rows:
-        per_rank = r["measured"].get("model_state_bytes_per_rank")
+        per_rank = r["measured"].model_state_bytes_per_rank
         if not per_rank:
             continue
         stages = r["sim"].get("memory_per_stage") or []
         for rank, meas in enumerate(per_rank):
             stage = stages[min(r["plan"].mesh.coords(rank)[1], len(stages) - 1)]
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-                if key not in meas:
-                    continue
+                got = getattr(meas, key)
                 checked += 1
-                if float(stage[key]) == float(meas[key]):
+                if float(stage[key]) == float(got):
                     exact += 1
                     continue
-                err = _err(stage[key], meas[key]) if meas[key] else float("inf")
+                err = _err(stage[key], got) if got else float("inf")
                 worst = max(worst, abs(err))
                 mismatches.append({"plan": r["name"], "rank": rank, "figure": key, "simulated": stage[key],
-                                   "measured": meas[key], "error": err})
+                                   "measured": got, "error": err})
     if not checked:
         print("model state memory: measured.json holds no model_state_bytes_per_rank; not checked")
         return None
@@ -413,8 +416,8 @@ def _model_state(rows) -> dict | None:
 
 
 def _calibration(rows, ctx, profile) -> dict:
-    from autopar.profiling.calibrate import calibrate
-    from autopar.profiling.resimulate import simulate_figures
+    from autopar.report.calibrate import calibrate
+    from autopar.report.resimulate import simulate_figures
 
     fit, held = rows[0::2], rows[1::2]
     t0 = time.perf_counter()
@@ -445,16 +448,16 @@ def _calibration(rows, ctx, profile) -> dict:
 
 def _observation(r, ctx):
     """A measured plan as a calibration observation, re-simulated with the profile it is given."""
-    from autopar.profiling.calibrate import Observation
-    from autopar.profiling.resimulate import simulate_figures
+    from autopar.report.calibrate import Observation
+    from autopar.report.resimulate import simulate_figures
 
-    return Observation(name=r["name"], measured=r["measured"],
+    return Observation(name=r["name"], measured=r["measured"].figures(),
                        predict=lambda prof, plan=r["plan"]: simulate_figures(ctx, plan, prof, timeline=True)[0])
 
 
 def _calibrate_all(rows, ctx, profile, out: Path, argv) -> None:
     """Calibrate on every plan of this run and write the profile (for use on other models)."""
-    from autopar.profiling.calibrate import calibrate
+    from autopar.report.calibrate import calibrate
 
     res = calibrate(profile, [_observation(r, ctx) for r in rows])
     model = ", ".join(f"{k}={v}" for k, v in MODEL_ARGS.items())

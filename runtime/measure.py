@@ -1,5 +1,8 @@
 """What a run measured: step times, memory per rank, throughput, losses; measured.json.
 
+The file's keys are defined once, in ``autopar.core.measured`` (``Measured``); this module
+takes the measurements and fills it.
+
 * ``step_time_s``: median of the step times after ``warmup_steps`` (the first steps pay for
   allocator growth, lazy initialisation and pipeline shape inference).  On CUDA each step ends
   with ``torch.cuda.synchronize()`` so the wall time covers the queued kernels.
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from autopar.core.measured import CPU_RSS_GROWTH, CUDA_ALLOCATED, Measured, RankModelState
 
 
 def current_rss_bytes() -> int:
@@ -52,7 +57,7 @@ class MemoryProbe:
 
     @property
     def kind(self) -> str:
-        return "cuda_max_memory_allocated" if self.device.type == "cuda" else "cpu_peak_rss_growth"
+        return CUDA_ALLOCATED if self.device.type == "cuda" else CPU_RSS_GROWTH
 
 
 @dataclass
@@ -91,33 +96,31 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
                     memory_per_rank_bytes: list[int], memory_kind: str, losses: list[float], fingerprint: str,
                     world_size: int, device: torch.device, plan_file: str, first_step: int,
                     breakdown: dict | None, trace_file: str | None, init_mode: str,
-                    model_state_bytes_per_rank: list[dict] | None = None) -> dict:
+                    model_state_bytes_per_rank: list[dict] | None = None) -> Measured:
+    """The run's ``Measured`` (autopar.core.measured: the schema of measured.json)."""
     step_time_s = median_after_warmup(step_times_s, warmup_steps)
     samples_per_s = global_batch / step_time_s if step_time_s > 0 else 0.0
-    out = {
-        "step_time_s": step_time_s,
-        "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * seq_len if seq_len else None,
-        "max_memory_bytes": max(memory_per_rank_bytes),
-        "memory_per_rank_bytes": memory_per_rank_bytes,
-        "memory_kind": memory_kind,
-        "losses": losses,
-        "step_times_s": step_times_s,
-        "warmup_steps": warmup_steps,
-        "first_step": first_step,
-        "fingerprint": fingerprint,
-        "world_size": world_size,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "device_kind": device.type,
-        "global_batch": global_batch,
-        "init": init_mode,
-        "plan": plan_file,
-    }
-    if model_state_bytes_per_rank is not None:
-        out["model_state_bytes_per_rank"] = model_state_bytes_per_rank
-    if breakdown is not None:
-        out["breakdown"] = breakdown
-        out.update(breakdown)
-    if trace_file:
-        out["trace_file"] = trace_file
-    return out
+    state = None if model_state_bytes_per_rank is None else tuple(
+        RankModelState(**row) for row in model_state_bytes_per_rank)
+    return Measured(
+        step_time_s=step_time_s,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * seq_len if seq_len else None,
+        max_memory_bytes=max(memory_per_rank_bytes),
+        memory_per_rank_bytes=tuple(memory_per_rank_bytes),
+        memory_kind=memory_kind,
+        losses=tuple(losses),
+        step_times_s=tuple(step_times_s),
+        warmup_steps=warmup_steps,
+        first_step=first_step,
+        fingerprint=fingerprint,
+        world_size=world_size,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        device_kind=device.type,
+        global_batch=global_batch,
+        init=init_mode,
+        plan=plan_file,
+        model_state_bytes_per_rank=state,
+        **(breakdown or {}),
+        trace_file=trace_file or None,
+    )

@@ -18,18 +18,14 @@ Communication overlaps compute, so the four need not add up to the step time.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-# Profiler event names by phase (also read by autopar.profiling.timelines for the report).
-COMM_PATTERN = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|^PP:\d+(SEND|RECV)")
-FORWARD_PATTERN = re.compile(r"^autopar\.forward$")
-BACKWARD_PATTERN = re.compile(r"^autopar\.backward$")
-OPTIMIZER_PATTERN = re.compile(r"^autopar\.optimizer$")
-STEP_REGION = "autopar.step"
+# Profiler event names by phase: defined with measured.json's schema, since the report reads
+# them back from the trace.
+from autopar.core.measured import BACKWARD_PATTERN, COMM_PATTERN, FORWARD_PATTERN, OPTIMIZER_PATTERN, STEP_REGION
 
 
 def start_profiler(device: torch.device) -> profile:

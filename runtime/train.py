@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
 from autopar.runtime import checkpointing, loss_guard
 from autopar.runtime.batch_check import check_batch_rows
@@ -217,7 +217,7 @@ class Trainer:
                                                  self.identity, self.losses, keep=opts.keep_checkpoints)
             self.log(f"checkpoint {path}")
 
-    def finish(self) -> dict:
+    def finish(self) -> Measured:
         opts, ctx, plan = self.opts, self.ctx, self.plan
         self.flush_losses()
         breakdown, trace = None, None
@@ -236,14 +236,14 @@ class Trainer:
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
             model_state_bytes_per_rank=state_per_rank)
         if ctx.is_logging_rank:
-            write_text_atomic(opts.measured_file, json.dumps(report, indent=2) + "\n")
-            self.log(f"wrote {opts.measured_file}: step_time_s {report['step_time_s']:.4f}, "
-                     f"max_memory_bytes {report['max_memory_bytes']}")
+            write_text_atomic(opts.measured_file, report.to_json_text())
+            self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
+                     f"max_memory_bytes {report.max_memory_bytes}")
         dist.barrier()
         return report
 
 
-def run(opts: RunOptions) -> dict:
+def run(opts: RunOptions) -> Measured:
     trainer = Trainer(opts)
     for step in range(trainer.first_step, opts.steps):
         trainer.step(step)

@@ -37,7 +37,7 @@ def main() -> None:
         try:
             report = run(RunOptions(plan_path=Path(case["plan"]), steps=case["steps"], warmup_steps=0,
                                     measured_path=Path(case["measured"]), log_every=case["steps"]))
-            out = {"losses": report["losses"]}
+            out = {"losses": list(report.losses)}
         except UserError as e:
             out = {"refused": str(e)}
         except Exception as e:  # noqa: BLE001 - recorded for the test to show; the launch fails

@@ -1,6 +1,6 @@
 """Timelines for the report: the simulator's events and the runtime's torch.profiler trace.
 
-Both become *lanes* for ``autopar.profiling.figures`` and, for the simulated side, the
+Both become *lanes* for ``autopar.report.figures`` and, for the simulated side, the
 per-step forward / backward / communication / optimizer figures that measured.json holds.
 
 The measured figures (runtime/profile_breakdown.py) are unions of the time intervals of
@@ -25,13 +25,13 @@ from typing import Any
 from autopar.core.errors import UserError
 from autopar.core.jsonfile import parse_json_text, read_text_bounded
 
-from autopar.profiling.figures import Lanes, Span
 # The runtime's own phase regions (only those count as compute: the pipelining schedules'
 # labels such as "Forward 3" or "PP:0F3" also hold the wait for the neighbouring stage).
-from autopar.runtime.profile_breakdown import BACKWARD_PATTERN as _M_BWD
-from autopar.runtime.profile_breakdown import COMM_PATTERN as _M_COMM
-from autopar.runtime.profile_breakdown import FORWARD_PATTERN as _M_FWD
-from autopar.runtime.profile_breakdown import OPTIMIZER_PATTERN as _M_OPT
+from autopar.core.measured import BACKWARD_PATTERN as _M_BWD
+from autopar.core.measured import COMM_PATTERN as _M_COMM
+from autopar.core.measured import FORWARD_PATTERN as _M_FWD
+from autopar.core.measured import OPTIMIZER_PATTERN as _M_OPT
+from autopar.report.figures import Lanes, Span
 
 COMM_STREAMS = ("tp", "dp", "fsdp", "pp")
 

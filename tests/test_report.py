@@ -14,8 +14,8 @@ import pytest
 from autopar.cli import main as cli_main
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import save_plan
-from autopar.profiling import resimulate
-from autopar.profiling.timelines import measured_lanes, simulated_breakdown, union_length
+from autopar.report import resimulate
+from autopar.report.timelines import measured_lanes, simulated_breakdown, union_length
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_ARGS = dict(layers=2, hidden=64, heads=4, seq=32, vocab=256)
@@ -100,6 +100,34 @@ def test_fingerprint_mismatch_is_a_user_error(pair, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "0123456789abcdef" in err and plan.model.fingerprint in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"step_time_s": 0}, ("step_time_s", "time > 0")),
+    ({"comm_s": "slow"}, ("comm_s", "'slow'")),
+    ({"world_size": 2.5}, ("world_size", "2.5")),
+    ({"version": 7}, ("version 7", "newer autopar")),
+])
+def test_a_bad_measured_file_exits_2_naming_file_and_key(pair, capsys, edit, words):
+    """measured.json is read by its schema (autopar.core.measured): a wrong value is one paragraph
+    naming the file and the key, exit 2, and --calibrate writes nothing."""
+    tmp_path, plan, measured, _ = pair
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**measured, **edit}))
+    rc = cli_main(["report", str(tmp_path / "plan.json"), str(bad), "--calibrate", "-o", str(tmp_path / "cal.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and err.count("\n\n") == 0
+    assert str(bad) in err                                  # a path is never broken across lines
+    for w in words:
+        assert w in err.replace("\n", " "), (w, err)
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_the_report_shows_every_figure_a_run_measures():
+    from autopar.core.measured import FIGURE_KEYS
+    from autopar.report.compare import SCALAR_FIGURES
+
+    assert [key for key, _, _ in SCALAR_FIGURES] == list(FIGURE_KEYS)
 
 
 def test_html_and_png(pair, capsys):
@@ -202,3 +230,27 @@ def test_cluster_is_found_from_the_plan_or_the_flag(ctx, tmp_path):
     assert load_plan_cluster(labelled, tmp_path / "plan.json", None).name == "local-cpu"
     with pytest.raises(UserError, match="no-such-cluster"):
         load_plan_cluster(plan, tmp_path / "plan.json", "no-such-cluster.yaml")
+
+
+def _autopar_imports(folder: str) -> dict[str, set[str]]:
+    """file -> the autopar packages it imports (autopar.X of every import, lazy ones included)."""
+    import ast
+
+    out = {}
+    for path in sorted((REPO / folder).glob("*.py")):
+        pkgs = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            pkgs |= {n.split(".")[1] for n in names if n.startswith("autopar.")}
+        out[path.name] = pkgs
+    return out
+
+
+def test_imports_run_one_way():
+    """The report reads what the runtime wrote through core/ and never imports the runtime or
+    the planner; the runtime imports core/ only (docs/design.md, data flow)."""
+    for name, pkgs in _autopar_imports("report").items():
+        assert pkgs <= {"core", "profiles", "simulator", "report"}, (name, pkgs)
+    for name, pkgs in _autopar_imports("runtime").items():
+        assert pkgs <= {"core", "runtime"}, (name, pkgs)

@@ -36,10 +36,14 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from autopar.profiling.calibration_fit import DEFAULT_RIDGE, fit_scales, relative_errors
-from autopar.profiling.op_sweeps import COMPUTE_KINDS     # the kinds with an efficiency of their own
+from autopar.profiles import EFFICIENCY_KINDS
+from autopar.report.calibration_fit import DEFAULT_RIDGE, fit_scales, relative_errors
 
-OP_FACTORS = ("linear", "matmul", "attention", "conv", "memory_bound")
+#: the profile's ``efficiency`` kinds (the profile schema, autopar.profiles)
+OP_FACTORS = EFFICIENCY_KINDS
+#: op-table row kinds priced by another kind's efficiency: the attention computed from its
+#: matmuls and softmax (profiling/op_sweeps.py) is attention work
+_ROW_FACTOR = {"attention_math": "attention"}
 COLLECTIVE_FACTORS = ("collective.intra", "collective.inter")
 #: overhead factor -> the ``framework_overheads`` keys it scales
 OVERHEAD_FACTORS = {"overhead.tp": ("tp_module_fwd_s", "tp_module_bwd_s", "dtensor_module_fwd_s",
@@ -122,7 +126,7 @@ def scale_profile(profile: Mapping, scales: Mapping[str, float]) -> dict:
         prof["framework_overheads"] = over
     rows = []
     for r in prof.get("op_table", []) or []:
-        f = ("attention" if r["kind"] == "attention_math" else r["kind"]) if r["kind"] in COMPUTE_KINDS else "memory_bound"
+        f = _row_factor(r["kind"])
         s = scales.get(f, 1.0)
         rows.append(r if s == 1.0 else {**r, "seconds": r["seconds"] * s})
     prof["op_table"] = rows
@@ -132,6 +136,12 @@ def scale_profile(profile: Mapping, scales: Mapping[str, float]) -> dict:
         crows.append(r if s == 1.0 else {**r, "seconds": r["seconds"] * s})
     prof["collective_table"] = crows
     return prof
+
+
+def _row_factor(kind: str) -> str:
+    """The factor an op-table row of ``kind`` belongs to: its compute kind, else memory_bound."""
+    f = _ROW_FACTOR.get(kind, kind)
+    return f if f in OP_FACTORS else "memory_bound"
 
 
 def calibrate(profile: Mapping, observations: Sequence[Observation], factors: Sequence[str] = FACTORS,

@@ -1,7 +1,7 @@
 """The report's pictures: simulated and measured timelines one above the other, memory per rank.
 
 A timeline is drawn from *lanes*: ``{lane name: [Span, ...]}`` with times in seconds from
-the start of the step.  ``autopar.profiling.timelines`` turns the simulator's timeline and
+the start of the step.  ``autopar.report.timelines`` turns the simulator's timeline and
 the runtime's torch.profiler trace into lanes; this module only draws (matplotlib, Agg).
 """
 from __future__ import annotations

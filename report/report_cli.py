@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from autopar.core.errors import UserError
-from autopar.core.jsonfile import read_json_object
+from autopar.core.measured import CPU_RSS_GROWTH, Measured, MeasuredFileError, read_measured
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import check_writable, write_bytes_atomic, write_text_atomic
     from autopar.core.plan import load_plan
-    from autopar.profiling import compare, resimulate
+    from autopar.report import compare, resimulate
 
     if args.output and not args.calibrate:
         raise UserError("-o is where --calibrate writes the new profile; add --calibrate, or drop -o.")
@@ -82,13 +82,14 @@ def main(args: argparse.Namespace) -> int:
             _print_calibration(calibration, args.output)
 
     if args.html or args.png:
-        from autopar.profiling import figures as figs
-        from autopar.profiling.timelines import measured_lanes, simulated_lanes
+        from autopar.report import figures as figs
+        from autopar.report.timelines import measured_lanes, simulated_lanes
 
-        trace = measured.get("trace_file")
+        trace = measured.trace_file
         meas_lanes = measured_lanes(_resolve(trace, args.measured)) if trace else None
+        meas_memory = None if measured.memory_per_rank_bytes is None else list(measured.memory_per_rank_bytes)
         fig = figs.report_figure(simulated_lanes(events), meas_lanes, list(resim.get("memory_per_rank_bytes", [])),
-                                 measured.get("memory_per_rank_bytes"),
+                                 meas_memory,
                                  f"{plan.model.name}: simulated ({ctx.profile_name}) vs measured — {args.plan}")
         png = figs.figure_png_bytes(fig)
         if args.png:
@@ -99,41 +100,22 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_measured(path: str) -> dict:
-    """measured.json, its figures checked: step_time_s a number > 0, the other figures numbers >= 0."""
-    from autopar.profiling.compare import MEMORY_PER_RANK_KEY, SCALAR_FIGURES
-
-    d = read_json_object(path, what="measured file",
-                         if_missing="; 'autopar run PLAN.json' writes measured.json beside the plan.")
-    if "step_time_s" not in d:
-        raise UserError(f"measured file {path} has no 'step_time_s'; it should be the measured.json a run wrote.")
-    redo = "; it should be the measured.json 'autopar run' wrote: measure the plan again."
-    for key, _, _ in SCALAR_FIGURES:
-        if key not in d:
-            continue
-        v = d[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise UserError(f"measured file {path}, field {key}: the value is {v!r}, not a number >= 0{redo}")
-    if d["step_time_s"] <= 0:
-        raise UserError(f"measured file {path}, field step_time_s: the value is {d['step_time_s']!r}; a step takes "
-                        f"a time > 0 (a run that trained no step measures nothing){redo}")
-    ws = d.get("world_size")
-    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
-        raise UserError(f"measured file {path}, field world_size: the value is {ws!r}, not a whole number >= 1{redo}")
-    if not isinstance(d.get("fingerprint", ""), str):
-        raise UserError(f"measured file {path}, field fingerprint: the value is {d['fingerprint']!r}, not a text{redo}")
-    ranks = d.get(MEMORY_PER_RANK_KEY)
-    if ranks is not None and not (isinstance(ranks, list) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in ranks)):
-        raise UserError(f"measured file {path}, field {MEMORY_PER_RANK_KEY}: not a list of numbers >= 0{redo}")
-    return d
+def load_measured(path: str) -> Measured:
+    """measured.json, read by its schema (autopar.core.measured); a report also needs a step:
+    step_time_s > 0."""
+    m = read_measured(path)
+    if m.step_time_s <= 0:
+        raise MeasuredFileError(f"measured file {path}, field step_time_s: the value is {m.step_time_s!r}; a step "
+                                f"takes a time > 0 (a run that trained no step measures nothing); it should be the "
+                                f"measured.json 'autopar run' wrote: measure the plan again.")
+    return m
 
 
 def _calibrate(ctx, plan, measured, output: Path, name: str, measured_path: str):
-    from autopar.profiling.calibrate import Observation, calibrate
-    from autopar.profiling.resimulate import simulate_figures
+    from autopar.report.calibrate import Observation, calibrate
+    from autopar.report.resimulate import simulate_figures
 
-    obs = Observation(name=name, measured=measured,
+    obs = Observation(name=name, measured=measured.figures(),
                       predict=lambda prof: simulate_figures(ctx, plan, prof)[0])
     try:
         res = calibrate(ctx.profile, [obs])
@@ -145,7 +127,7 @@ def _calibrate(ctx, plan, measured, output: Path, name: str, measured_path: str)
     return res
 
 
-def _notes(plan, resim: dict, measured: dict, profile_name: str) -> list[str]:
+def _notes(plan, resim: dict, measured: Measured, profile_name: str) -> list[str]:
     notes = []
     pred = plan.predicted.get("step_time_s")
     if isinstance(pred, (int, float)) and resim.get("step_time_s") and abs(resim["step_time_s"] - pred) > 1e-3 * pred:
@@ -153,10 +135,10 @@ def _notes(plan, resim: dict, measured: dict, profile_name: str) -> list[str]:
                      f"plan recorded {pred:.4g} s (another profile, or the planner's closed-form estimate rather than "
                      f"the event simulation); the table shows the plan's figures, and the breakdown and memory per "
                      f"rank re-simulated.")
-    if measured.get("memory_kind") == "cpu_peak_rss_growth":
+    if measured.memory_kind == CPU_RSS_GROWTH:
         notes.append("measured memory on CPU is the growth of the process's peak resident set size (allocator slack, "
                      "the Python heap and the communication library's buffers included).")
-    if "fwd_s" not in measured:
+    if measured.fwd_s is None:
         notes.append("no forward/backward/communication/optimizer breakdown measured: run with --profile for it.")
     return notes
 
@@ -224,7 +206,7 @@ def _print_calibration(res, output) -> None:
 
 
 def render_html(figures, summary, notes, png: bytes, plan_path, measured_path, profile_name, calibration=None) -> str:
-    from autopar.profiling.figures import png_data_uri
+    from autopar.report.figures import png_data_uri
 
     esc = html.escape
     rows = "\n".join(

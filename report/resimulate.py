@@ -14,7 +14,7 @@ from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
 from autopar.core.plan_cluster import load_plan_cluster
-from autopar.profiling.timelines import simulated_breakdown
+from autopar.report.timelines import simulated_breakdown
 
 
 @dataclass

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from autopar.core.cluster import Link
-from autopar.profiling.calibrate import Observation, calibrate, scale_profile
-from autopar.profiling.calibration_fit import fit_scales
+from autopar.report.calibrate import Observation, calibrate, scale_profile
+from autopar.report.calibration_fit import fit_scales
 from autopar.simulator.cost_model import CostModel
 
 INTRA = Link(bandwidth_GBps=10.0, latency_us=20.0)
@@ -186,7 +186,7 @@ def test_leave_one_out_picks_the_weakest_ridge_for_exact_runs_and_a_strong_one_f
     recovery needs no holding back).  Runs that are the starting profile's prediction times
     independent noise (nothing to learn): a stronger ridge predicts left-out runs better than
     the weakest, and the chosen fit moves no factor by more than the noise."""
-    from autopar.profiling.calibrate import RIDGE_CANDIDATES, choose_ridge
+    from autopar.report.calibrate import RIDGE_CANDIDATES, choose_ridge
 
     exact = [Observation(o.name, o.predict, {"step_time_s": o.measured["step_time_s"]})
              for o in _observations(BASE)]

@@ -1,10 +1,11 @@
 """Simulated against measured, figure by figure: the join and the errors.
 
 The join is on names: a figure is compared when the simulated side (the plan's ``predicted``
-block, completed by re-simulating the plan for the breakdown) and measured.json both hold it.
+block, completed by re-simulating the plan for the breakdown) and the run's ``Measured``
+(autopar.core.measured, whose figure names are the ``predicted`` block's) both hold it.
 The error of a figure is relative to the measurement, signed: ``(simulated - measured) /
 measured`` -- positive when the simulator over-predicts.  Nothing here simulates or reads
-files; ``autopar.profiling.resimulate`` and ``report_cli`` do.
+files; ``autopar.report.resimulate`` and ``report_cli`` do.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from autopar.core.errors import UserError
+from autopar.core.measured import Measured
 
-#: (key, label, unit) of the scalar figures, in the order the report shows them
+#: (key, label, unit) of the scalar figures, in the order the report shows them: the figures
+#: a run measures (``Measured.figures``)
 SCALAR_FIGURES = (
     ("step_time_s", "step time", "s"),
     ("fwd_s", "forward", "s"),
@@ -24,10 +27,8 @@ SCALAR_FIGURES = (
     ("max_memory_bytes", "peak memory (max over ranks)", "B"),
     ("samples_per_s", "throughput", "samples/s"),
     ("tokens_per_s", "throughput", "tokens/s"),
-    ("tflops_per_gpu", "achieved", "TFLOP/s per device"),
-    ("mfu", "model FLOPs utilisation", ""),
 )
-MEMORY_PER_RANK_KEY = "memory_per_rank_bytes"
+MEMORY_PER_RANK_KEY = "memory_per_rank_bytes"      # the simulated side's (resimulate.simulate_figures)
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,10 @@ class Figure:
                 "measured": self.measured, "error": self.error}
 
 
-def check_same_run(plan_fingerprint: str, plan_world_size: int, measured: Mapping[str, Any],
+def check_same_run(plan_fingerprint: str, plan_world_size: int, measured: Measured,
                    plan_source: str, measured_source: str) -> None:
     """A measurement of another model (or another launch) cannot be compared: UserError."""
-    fp = measured.get("fingerprint")
+    fp = measured.fingerprint
     if fp is None:
         raise UserError(f"{measured_source} has no 'fingerprint' field, so it cannot be matched with {plan_source}; "
                         f"measured.json is written by 'autopar run' (or python -m autopar.runtime) beside the plan.")
@@ -61,25 +62,26 @@ def check_same_run(plan_fingerprint: str, plan_world_size: int, measured: Mappin
         raise UserError(f"{measured_source} was measured for the model with fingerprint {fp}, but {plan_source} is "
                         f"for fingerprint {plan_fingerprint}: they are different models (or model arguments). "
                         f"Run this plan ('autopar run {plan_source}') and report on the measured.json it writes.")
-    ws = measured.get("world_size")
+    ws = measured.world_size
     if ws is not None and int(ws) != int(plan_world_size):
         raise UserError(f"{measured_source} was measured on {ws} ranks but {plan_source} needs {plan_world_size}; "
                         f"report on the measured.json written by a run of this plan.")
 
 
-def join(simulated: Mapping[str, Any], measured: Mapping[str, Any]) -> list[Figure]:
+def join(simulated: Mapping[str, Any], measured: Measured) -> list[Figure]:
     """The scalar figures both sides hold, in SCALAR_FIGURES order, then per-rank memory.
 
     A figure measured as exactly 0 where the simulation has time is left out (see
     ``unobserved``): the run's profiler saw no region with that label, which is not a measurement.
     """
     out = []
+    meas = measured.figures()
     for key, label, unit in SCALAR_FIGURES:
-        s, m = simulated.get(key), measured.get(key)
+        s, m = simulated.get(key), meas.get(key)
         if is_number(s) and is_number(m) and not (m == 0 and s != 0):
             out.append(Figure(key, label, unit, float(s), float(m)))
     sim_ranks = simulated.get(MEMORY_PER_RANK_KEY)
-    meas_ranks = measured.get(MEMORY_PER_RANK_KEY)
+    meas_ranks = measured.memory_per_rank_bytes
     if isinstance(sim_ranks, (list, tuple)) and isinstance(meas_ranks, (list, tuple)):
         for r, (s, m) in enumerate(zip(sim_ranks, meas_ranks)):
             if is_number(s) and is_number(m):
@@ -87,11 +89,12 @@ def join(simulated: Mapping[str, Any], measured: Mapping[str, Any]) -> list[Figu
     return out
 
 
-def unobserved(simulated: Mapping[str, Any], measured: Mapping[str, Any]) -> list[str]:
+def unobserved(simulated: Mapping[str, Any], measured: Measured) -> list[str]:
     """Keys measured as 0 while simulated non-zero (left out of the join)."""
+    meas = measured.figures()
     return [key for key, _, _ in SCALAR_FIGURES
-            if is_number(simulated.get(key)) and is_number(measured.get(key))
-            and measured[key] == 0 and simulated[key] != 0]
+            if is_number(simulated.get(key)) and is_number(meas.get(key))
+            and meas[key] == 0 and simulated[key] != 0]
 
 
 def error_summary(figures: list[Figure]) -> dict[str, float]:

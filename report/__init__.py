@@ -1,0 +1,21 @@
+"""The loop's last step: a plan's prediction against what a run measured (``autopar report``).
+
+    autopar report plan.json measured.json [--html r.html | --png r.png] [--json]
+    autopar report plan.json measured.json --calibrate -o profiles/my-machine.json
+
+Modules, in the order the verb uses them:
+
+* ``report_cli``      -- the verb: read the plan and measured.json (``autopar.core.measured``),
+  compare, print or draw, optionally calibrate;
+* ``resimulate``      -- find the plan's model, cluster and profile and simulate it again, for
+  the breakdown, the memory per rank and the timeline;
+* ``compare``         -- simulated against measured, figure by figure, and the errors;
+* ``timelines``       -- the simulator's events and the runtime's torch.profiler trace as lanes,
+  and the simulated per-phase figures built as the runtime measures them;
+* ``figures``         -- the pictures (matplotlib);
+* ``calibrate``       -- refit a profile's efficiency factors to measured runs, with
+  ``calibration_fit`` (the least-squares fit over arrays).
+
+It reads the plan, measured.json and profiles, and re-prices plans with the simulator; it
+never imports the runtime or the planner.
+"""
