@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from autopar.core.cluster import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
+from autopar.core.cluster_types import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
 from autopar.core.errors import ClusterFileError
 from autopar.core.jsonfile import read_text_bounded
 
@@ -228,7 +228,7 @@ class _Validator:
                     latency_us=self.number(d["latency_us"], f"{path}.latency_us", positive=False))
 
     def profile(self, value: object, path: str) -> tuple[str, dict]:
-        from autopar.profiles import ProfileError, available_profiles, load_profile
+        from autopar.core.profile_schema import ProfileError, available_profiles, load_profile
 
         name = self.text(value, path)
         if name.endswith(".json"):
