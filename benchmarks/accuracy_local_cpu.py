@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from autopar.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_FILE = REPO / "examples" / "gpt.py"
@@ -256,7 +257,7 @@ def _reference_step(out: Path, args, profile: dict) -> float:
 def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
+           "--master-port", str(free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
     log = plan_path.with_name("run.log")
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -319,12 +320,6 @@ def _same_plan(old_text: str | None, new_path: Path) -> bool:
     old, new = json.loads(old_text), json.loads(new_path.read_text())
     keys = ("model", "mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")
     return all(old.get(k) == new.get(k) for k in keys)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _err(sim: float, meas: float) -> float:
