@@ -19,7 +19,7 @@ time -- the one least disturbed by other work, as ``timeit`` keeps the best of i
 Other tenants of the host slow every plan without showing in /proc/stat, and a one-process
 run does not notice one that holds one of the two cores; so before each run the script also
 times three of the profile's own op rows again on two processes at once
-(profiling/speed_check.py), records how many times their profiled time they took, and with
+(profiling/cpu_speed_check.py), records how many times their profiled time they took, and with
 --max-slowdown waits (up to --speed-wait-s) until it is at most that.  The check is itself
 noisy (four checks within 20 s read 1.09 to 1.34) and reads ~1.05-1.1 on a quiet machine (the
 profile keeps each row's fastest of three 0.3 s sweeps, the check one 0.1 s sweep), so it is
@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--max-slowdown", type=float, default=0.0,
                     help="before each run, wait (up to --speed-wait-s) until three of the profile's op rows, timed "
                          "again on two processes, take at most this many times their profiled time (e.g. 1.25; "
-                         "default 0: only record the ratio; profiling/speed_check.py)")
+                         "default 0: only record the ratio; profiling/cpu_speed_check.py)")
     ap.add_argument("--speed-wait-s", type=float, default=60.0,
                     help="longest wait for the machine to be back within --max-slowdown before a run")
     ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -198,7 +198,7 @@ def main() -> int:
     slows = [r["measured"]["slowdown_before_run"] for r in rows if r["measured"].get("slowdown_before_run")]
     if slows:
         print(f"the profile's reference ops took {statistics.median(slows):.2f}x (median; {min(slows):.2f}-"
-              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/speed_check.py)")
+              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/cpu_speed_check.py)")
     _print_breakdown(rows)
     summary = _summary(rows)
     summary["model_state"] = _model_state(rows)
@@ -300,10 +300,10 @@ def _slow_note(measured: dict) -> str:
 
 
 def _wait_for_speed(profile: dict, args) -> float | None:
-    """The profile's reference op rows timed again (profiling/speed_check.py): now / profiled.
+    """The profile's reference op rows timed again (profiling/cpu_speed_check.py): now / profiled.
     With ``--max-slowdown``, wait until the ratio is at most that (or ``--speed-wait-s``
     passed); the last ratio."""
-    from autopar.profiling.speed_check import speed_ratio
+    from autopar.profiling.cpu_speed_check import speed_ratio
 
     deadline = time.monotonic() + args.speed_wait_s
     ratio = speed_ratio(profile)["ratio"]

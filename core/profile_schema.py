@@ -57,7 +57,7 @@ OPTIONAL_KEYS = {
     # FSDP unit, optimizer parameter tensor
     "framework_overheads": "overheads",
     # CPU ranks: waiting per second of compute before each meeting of the ranks, one row per
-    # number of processes (profiling/sync_wait.py; simulator/cost_model.py meeting_wait)
+    # number of processes (profiling/cpu_sync_wait.py; simulator/cost_model.py meeting_wait)
     "sync_wait": "sync_rows",
 }
 PROFILE_KEYS = REQUIRED_KEYS + tuple(OPTIONAL_KEYS)

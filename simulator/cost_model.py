@@ -136,7 +136,7 @@ class CostModel:
     profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
     overheads: Mapping[str, float] = field(default_factory=dict)
     #: processes busy on a node -> seconds of waiting per second of a rank's own work before
-    #: each meeting of the ranks (a profile's ``sync_wait`` rows, profiling/sync_wait.py)
+    #: each meeting of the ranks (a profile's ``sync_wait`` rows, profiling/cpu_sync_wait.py)
     sync_wait: Mapping[int, float] = field(default_factory=dict)
     #: processes -> (burst lengths, wait per meeting) from the same rows (``meeting_wait``)
     sync_curves: Mapping[int, tuple] = field(default_factory=dict)
@@ -229,7 +229,7 @@ class CostModel:
 
     def meeting_wait(self, processes: int, gap_s: float) -> float:
         """Seconds a rank waits at one meeting of ranks (a blocking collective) after ``gap_s`` of
-        its own work, when ``processes`` ranks compute on its node (profiling/sync_wait.py).
+        its own work, when ``processes`` ranks compute on its node (profiling/cpu_sync_wait.py).
 
         From a profile's measured points (burst length, extra time of the meeting), made
         non-decreasing (running max) and taken relative to the shortest burst -- the collective

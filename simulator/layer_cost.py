@@ -218,7 +218,7 @@ def _add_module_overheads(w: _OpWork, cm: CostModel) -> None:
     """Framework overheads of the modules the runtime wraps for tensor parallelism
     (profiling/overheads.py).
 
-    A column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
+    A column/row-wise split module costs what profiling/cpu_overheads_in_step.py measured a pair to
     cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
     threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
     and scattered by the linears around it), so it costs what SequenceParallel adds to a norm on
