@@ -16,12 +16,12 @@ per second (dense, no structured sparsity).
 """
 from __future__ import annotations
 
-import difflib
 import json
-import math
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
+from autopar.core import schema
 from autopar.core.errors import UserError
 from autopar.core.jsonfile import parse_json_text, read_text_bounded
 
@@ -127,91 +127,27 @@ def load_profile(name_or_path: str | Path | dict) -> dict:
 
 def validate_profile(data: object, *, source: str = "<profile>") -> None:
     """Raise ProfileError naming the first field of ``data`` that breaks the schema."""
-    if not isinstance(data, dict):
-        _fail(source, "(top level)", data, "a JSON object with the keys " + ", ".join(REQUIRED_KEYS))
-    _check_keys(data, REQUIRED_KEYS, PROFILE_KEYS, source, "")
-    _check_text(data["name"], source, "name")
-    if data["device"] not in DEVICE_KINDS:
-        _fail(source, "device", data["device"], "one of " + ", ".join(DEVICE_KINDS))
-    for key in ("memory_bytes", "memory_bandwidth_Bps"):
-        _check_number(data[key], source, key, positive=True)
-    for key, names, upper, extra_ok in (("peak_flops", DTYPES, None, True),
-                                        ("efficiency", EFFICIENCY_KINDS, 1.0, False),
-                                        ("collective_efficiency", LINK_LEVELS, 1.0, False)):
-        table = data[key]
-        if not isinstance(table, dict):
-            _fail(source, key, table, "an object with the keys " + ", ".join(names))
-        _check_keys(table, names, tuple(table) if extra_ok else names, source, key + ".")
-        for name in table:
-            _check_number(table[name], source, f"{key}.{name}", positive=True, upper=upper)
-    sources = data["sources"]
-    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
-        _fail(source, "sources", sources, "an object mapping a field path (e.g. 'peak_flops.bf16') to a text")
-    for key, row_keys in (("op_table", OP_ROW_KEYS), ("collective_table", COLLECTIVE_ROW_KEYS)):
-        rows = data[key]
-        if not isinstance(rows, list):
-            _fail(source, key, rows, "a list of measured rows with the keys " + ", ".join(row_keys))
-        for i, row in enumerate(rows):
-            _check_row(row, row_keys, source, f"{key}[{i}]")
-    if data["measured_by"] is not None and not isinstance(data["measured_by"], str):
-        _fail(source, "measured_by", data["measured_by"], "null or the command that produced the measured tables")
-    for key, kind in OPTIONAL_KEYS.items():
-        if key in data:
-            _check_optional(data[key], kind, source, key)
+    schema.check(PROFILE_SCHEMA, data, _ProfileReport(source))
 
 
-def _check_optional(value: object, kind: str, source: str, key: str) -> None:
-    if kind == "text":
-        _check_text(value, source, key)
-    elif kind in ("positive", "non_negative"):
-        _check_number(value, source, key, positive=(kind == "positive"))
-    elif kind == "whole":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            _fail(source, key, value, "a whole number >= 0")
-    elif kind == "tile":
-        if not (isinstance(value, list) and len(value) == 2 and _is_shape(value) and min(value) >= 1):
-            _fail(source, key, value, "a list of two whole numbers >= 1 (tile rows, tile columns)")
-    elif kind == "object" and not isinstance(value, dict):
-        _fail(source, key, value, "a JSON object")
-    elif kind == "overheads":
-        if not isinstance(value, dict):
-            _fail(source, key, value, "an object mapping an overhead name (op_launch_s, ...) to seconds >= 0")
-        for name, seconds in value.items():
-            _check_number(seconds, source, f"{key}.{name}", positive=False)
-    elif kind == "sync_rows":
-        if not isinstance(value, list):
-            _fail(source, key, value, "a list of rows {processes, per_compute, ...}")
-        for i, row in enumerate(value):
-            _check_row(row, SYNC_ROW_KEYS, source, f"{key}[{i}]")
-            # the measured points the simulator reads (cost_model.meeting_wait), when present
-            gaps, extra = row.get("gaps_s"), row.get("extra_s")
-            if gaps is not None or extra is not None:
-                if not (isinstance(gaps, list) and isinstance(extra, list) and len(gaps) == len(extra) >= 2):
-                    _fail(source, f"{key}[{i}].gaps_s", gaps, "two lists gaps_s and extra_s of equal length >= 2")
-                for j, (g, e) in enumerate(zip(gaps, extra)):
-                    _check_number(g, source, f"{key}[{i}].gaps_s[{j}]", positive=True)
-                    _check_number(e, source, f"{key}[{i}].extra_s[{j}]", positive=False)
+class _ProfileReport:
+    """A profile's one-paragraph errors (``schema.Reporter``)."""
 
+    def __init__(self, source: str):
+        self.source = source
 
-def _check_row(row: object, row_keys: dict[str, str], source: str, path: str) -> None:
-    if not isinstance(row, dict):
-        _fail(source, path, row, "an object with the keys " + ", ".join(row_keys))
-    _check_keys(row, tuple(row_keys), tuple(row), source, path + ".")
-    for key, kind in row_keys.items():
-        value, where = row[key], f"{path}.{key}"
-        if kind == "text":
-            _check_text(value, source, where)
-        elif kind == "level":
-            if value not in LINK_LEVELS:
-                _fail(source, where, value, "one of " + ", ".join(LINK_LEVELS))
-        elif kind == "count":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _fail(source, where, value, "a whole number of at least 1")
-        elif kind == "shape":
-            if not _is_shape(value):
-                _fail(source, where, value, "a list of whole numbers >= 0, or a list of such lists")
-        else:
-            _check_number(value, source, where, positive=(kind == "time"))
+    def bad_value(self, path: str, value: object, must: str) -> NoReturn:
+        raise ProfileError(f"profile {self.source}: field {path or '(top level)'} is {value!r}; it must be {must}. "
+                           f"See docs/profiles.md for the schema.")
+
+    def unknown_key(self, path: str, key: object, hint: str, allowed: tuple[str, ...]) -> NoReturn:
+        raise ProfileError(f"profile {self.source}: unknown key {schema.join(path, key)}.{hint} "
+                           f"Allowed keys here: {', '.join(allowed)}.")
+
+    def missing_keys(self, path: str, missing: list[str], required: tuple[str, ...]) -> NoReturn:
+        also = f" (also missing: {', '.join(schema.join(path, m) for m in missing[1:])})" if missing[1:] else ""
+        raise ProfileError(f"profile {self.source}: missing key {schema.join(path, missing[0])}{also}. "
+                           f"Required keys here: {', '.join(required)}; see docs/profiles.md.")
 
 
 def _is_shape(value: object) -> bool:
@@ -220,35 +156,72 @@ def _is_shape(value: object) -> bool:
     return all((isinstance(v, int) and not isinstance(v, bool) and v >= 0) or _is_shape(v) for v in value)
 
 
-def _check_keys(table: dict, required: tuple[str, ...], allowed: tuple[str, ...], source: str, prefix: str) -> None:
-    for key in table:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ProfileError(f"profile {source}: unknown key {prefix}{key}.{hint} "
-                               f"Allowed keys here: {', '.join(allowed)}.")
-    missing = [k for k in required if k not in table]
-    if missing:
-        raise ProfileError(f"profile {source}: missing key {prefix}{missing[0]}"
-                           + (f" (also missing: {', '.join(prefix + m for m in missing[1:])})" if missing[1:] else "")
-                           + f". Required keys here: {', '.join(required)}; see docs/profiles.md.")
+def _sync_points(row: dict, path: str, report: schema.Reporter) -> None:
+    """The measured points the simulator reads (cost_model.meeting_wait), when present."""
+    gaps, extra = row.get("gaps_s"), row.get("extra_s")
+    if gaps is None and extra is None:
+        return
+    if not (isinstance(gaps, list) and isinstance(extra, list) and len(gaps) == len(extra) >= 2):
+        report.bad_value(f"{path}.gaps_s", gaps, "two lists gaps_s and extra_s of equal length >= 2")
+    for j, (g, e) in enumerate(zip(gaps, extra)):
+        schema.check(_POSITIVE, g, report, f"{path}.gaps_s[{j}]")
+        schema.check(_NON_NEGATIVE, e, report, f"{path}.extra_s[{j}]")
 
 
-def _check_text(value: object, source: str, path: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        _fail(source, path, value, "a non-empty text")
+def _rows(row_keys: dict[str, str], must: str, then=None) -> schema.Mapping:
+    """A measured row: ``row_keys`` (key -> kind of ``_ROW_KINDS``) required, further keys free."""
+    return schema.Mapping({k: _ROW_KINDS[kind] for k, kind in row_keys.items()}, must, extra=schema.ANY, then=then)
 
 
-def _check_number(value: object, source: str, path: str, *, positive: bool, upper: float | None = None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > 0 if positive else value >= 0) and (upper is None or value <= upper)
-    if not ok:
-        allowed = "a number > 0" if positive else "a number >= 0"
-        if upper is not None:
-            allowed = f"a number in (0, {upper:g}] (a fraction of the peak)"
-        _fail(source, path, value, allowed)
+def _table(names: tuple[str, ...], value: schema.Leaf, *, extra: bool) -> schema.Mapping:
+    return schema.Mapping({n: value for n in names}, "an object with the keys " + ", ".join(names),
+                          extra=value if extra else None)
 
 
-def _fail(source: str, path: str, value: object, allowed: str) -> None:
-    raise ProfileError(f"profile {source}: field {path} is {value!r}; it must be {allowed}. "
-                       f"See docs/profiles.md for the schema.")
+_POSITIVE = schema.number(positive=True)
+_NON_NEGATIVE = schema.number(positive=False)
+_FRACTION = schema.number(positive=True, upper=1.0, must="a number in (0, 1] (a fraction of the peak)")
+_SHAPE = schema.Leaf(_is_shape, "a list of whole numbers >= 0, or a list of such lists")
+# kinds of the measured rows' keys (OP_ROW_KEYS, SYNC_ROW_KEYS, COLLECTIVE_ROW_KEYS)
+_ROW_KINDS = {"text": schema.text(), "level": schema.one_of(LINK_LEVELS),
+              "count": schema.whole(lower=1, must="a whole number of at least 1"),
+              "shape": _SHAPE, "amount": _NON_NEGATIVE, "time": _POSITIVE}
+# kinds of the optional top-level keys (OPTIONAL_KEYS)
+_OPTIONAL_KINDS = {
+    "text": schema.text(),
+    "positive": _POSITIVE,
+    "non_negative": _NON_NEGATIVE,
+    "whole": schema.whole(lower=0, must="a whole number >= 0"),
+    "tile": schema.Leaf(lambda v: isinstance(v, list) and len(v) == 2 and _is_shape(v) and min(v) >= 1,
+                        "a list of two whole numbers >= 1 (tile rows, tile columns)"),
+    "object": schema.Leaf(lambda v: isinstance(v, dict), "a JSON object"),
+    "any": schema.ANY,
+    "overheads": schema.Mapping({}, "an object mapping an overhead name (op_launch_s, ...) to seconds >= 0",
+                                extra=_NON_NEGATIVE),
+    "sync_rows": schema.ListOf(_rows(SYNC_ROW_KEYS, "an object with the keys " + ", ".join(SYNC_ROW_KEYS),
+                                     then=_sync_points),
+                               "a list of rows {processes, per_compute, ...}"),
+}
+
+PROFILE_SCHEMA = schema.Mapping(
+    {
+        "name": schema.text(),
+        "device": schema.one_of(DEVICE_KINDS),
+        "memory_bytes": _POSITIVE,
+        "memory_bandwidth_Bps": _POSITIVE,
+        "peak_flops": _table(DTYPES, _POSITIVE, extra=True),
+        "efficiency": _table(EFFICIENCY_KINDS, _FRACTION, extra=False),
+        "collective_efficiency": _table(LINK_LEVELS, _FRACTION, extra=False),
+        "sources": schema.Leaf(lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                               "an object mapping a field path (e.g. 'peak_flops.bf16') to a text"),
+        "op_table": schema.ListOf(_rows(OP_ROW_KEYS, "an object with the keys " + ", ".join(OP_ROW_KEYS)),
+                                  "a list of measured rows with the keys " + ", ".join(OP_ROW_KEYS)),
+        "collective_table": schema.ListOf(
+            _rows(COLLECTIVE_ROW_KEYS, "an object with the keys " + ", ".join(COLLECTIVE_ROW_KEYS)),
+            "a list of measured rows with the keys " + ", ".join(COLLECTIVE_ROW_KEYS)),
+        "measured_by": schema.Leaf(lambda v: v is None or isinstance(v, str),
+                                   "null or the command that produced the measured tables"),
+    },
+    "a JSON object with the keys " + ", ".join(REQUIRED_KEYS),
+    optional={key: _OPTIONAL_KINDS[kind] for key, kind in OPTIONAL_KEYS.items()},
+)
