@@ -34,7 +34,7 @@ optimizer-state bytes of every rank are compared with the simulator's per-stage 
 ``--calibrate-out PROFILE_JSON`` also calibrates the profile on every plan of the run and writes
 it (a profile fitted on one shape, to price another with ``--profile``).
 
-Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
+Targets: median step-time error <= 10%, tau >= 0.8, and calibration no worse on
 the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
 the process's peak RSS (runtime/measure.py), which also holds the Python heap, gloo's buffers
 and allocator slack; the simulator models tensors only, so the memory error is printed

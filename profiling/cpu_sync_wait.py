@@ -105,7 +105,7 @@ def measure_sync_wait(quick: bool = False) -> dict:
 
     # the whole measurement repeated and the median kept per point: the waits are differences
     # of ~1 ms between timings that a slow spell of the shared machine moves by as much
-    # (two profiles made an hour apart, one measurement each, read 0.66 and 0.02 ms after 5 ms)
+    # (two profiles of the same machine, one measurement each, read 0.66 and 0.02 ms after 5 ms)
     med = median_of_runs(once, 1 if quick else RUNS)
     vals = [med[f"{i}"] for i in range(2 * len(counts))]
     gaps, extra = vals[:len(counts)], vals[len(counts):]

@@ -155,7 +155,7 @@ class CostModel:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"profile {prof.get('name', name_or_dict)!r}: field {e} is missing or malformed; a "
                             f"profile needs name, peak_flops{{fp32,bf16,...}}, memory_bandwidth_Bps, efficiency "
-                            f"and collective_efficiency (see profiles/README or 'autopar profile').") from None
+                            f"and collective_efficiency (see docs/profiles.md or 'autopar profile').") from None
         gpu = prof.get("device", "gpu") != "cpu"
         measured = {k: float(v) for k, v in (prof.get("framework_overheads") or {}).items() if k in OVERHEAD_KEYS}
         cm.overheads = {**(GPU_OVERHEADS if gpu else {}), **measured}
