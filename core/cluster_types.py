@@ -1,8 +1,8 @@
 """The cluster's data classes: node groups of GPUs and the links between them.
 
 Data classes only; ``core/cluster_file.py`` reads and validates a YAML file into them, and
-``core/cluster.py`` offers both under one name.  Units are spelled in the names: ``*_GBps`` is 10^9 bytes per second in one
-direction, ``*_us`` microseconds, ``*_bytes`` bytes.
+``core/cluster.py`` offers both under one name.  Units are spelled in the names: ``*_GBps`` is
+10^9 bytes per second in one direction, ``*_us`` microseconds, ``*_bytes`` bytes.
 
 Ranks are numbered group by group, node by node, GPU by GPU: rank r sits on node
 ``r // gpus_per_node`` of a homogeneous cluster.

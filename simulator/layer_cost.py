@@ -164,7 +164,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
-    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh.dp, tp, mesh.pp, precision)  # simulator/autocast.py
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh.dp, tp, mesh.pp, precision)  # autocast.py
     styles = lp.tp_styles
     for op in ops:
         w.param_names.update(op.params)
