@@ -19,7 +19,7 @@ time -- the one least disturbed by other work, as ``timeit`` keeps the best of i
 Other tenants of the host slow every plan without showing in /proc/stat, and a one-process
 run does not notice one that holds one of the two cores; so before each run the script also
 times three of the profile's own op rows again on two processes at once
-(profiling/speed_check.py), records how many times their profiled time they took, and with
+(profiling/cpu_speed_check.py), records how many times their profiled time they took, and with
 --max-slowdown waits (up to --speed-wait-s) until it is at most that.  The check is itself
 noisy (four checks within 20 s read 1.09 to 1.34) and reads ~1.05-1.1 on a quiet machine (the
 profile keeps each row's fastest of three 0.3 s sweeps, the check one 0.1 s sweep), so it is
@@ -34,7 +34,7 @@ optimizer-state bytes of every rank are compared with the simulator's per-stage 
 ``--calibrate-out PROFILE_JSON`` also calibrates the profile on every plan of the run and writes
 it (a profile fitted on one shape, to price another with ``--profile``).
 
-Targets (issue 6): median step-time error <= 10%, tau >= 0.8, and calibration no worse on
+Targets: median step-time error <= 10%, tau >= 0.8, and calibration no worse on
 the held-back half and better on the fitted half.  Measured memory on CPU is the growth of
 the process's peak RSS (runtime/measure.py), which also holds the Python heap, gloo's buffers
 and allocator slack; the simulator models tensors only, so the memory error is printed
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autopar.core.measured import BREAKDOWN_KEYS, Measured, read_measured
+from autopar.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_FILE = REPO / "examples" / "gpt.py"
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--max-slowdown", type=float, default=0.0,
                     help="before each run, wait (up to --speed-wait-s) until three of the profile's op rows, timed "
                          "again on two processes, take at most this many times their profiled time (e.g. 1.25; "
-                         "default 0: only record the ratio; profiling/speed_check.py)")
+                         "default 0: only record the ratio; profiling/cpu_speed_check.py)")
     ap.add_argument("--speed-wait-s", type=float, default=60.0,
                     help="longest wait for the machine to be back within --max-slowdown before a run")
     ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -200,7 +200,7 @@ def main() -> int:
     slows = [r["measured"].extra["slowdown_before_run"] for r in rows if r["measured"].extra.get("slowdown_before_run")]
     if slows:
         print(f"the profile's reference ops took {statistics.median(slows):.2f}x (median; {min(slows):.2f}-"
-              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/speed_check.py)")
+              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/cpu_speed_check.py)")
     _print_breakdown(rows)
     summary = _summary(rows)
     summary["model_state"] = _model_state(rows)
@@ -259,7 +259,7 @@ def _reference_step(out: Path, args, profile: dict) -> float:
 def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: bool = False) -> Measured | None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
+           "--master-port", str(free_port()), "-m", "autopar.runtime", str(plan_path), "--steps", str(steps)] + (["--profile"] if breakdown else [])
     log = plan_path.with_name("run.log")
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -302,10 +302,10 @@ def _slow_note(measured: Measured) -> str:
 
 
 def _wait_for_speed(profile: dict, args) -> float | None:
-    """The profile's reference op rows timed again (profiling/speed_check.py): now / profiled.
+    """The profile's reference op rows timed again (profiling/cpu_speed_check.py): now / profiled.
     With ``--max-slowdown``, wait until the ratio is at most that (or ``--speed-wait-s``
     passed); the last ratio."""
-    from autopar.profiling.speed_check import speed_ratio
+    from autopar.profiling.cpu_speed_check import speed_ratio
 
     deadline = time.monotonic() + args.speed_wait_s
     ratio = speed_ratio(profile)["ratio"]
@@ -322,12 +322,6 @@ def _same_plan(old_text: str | None, new_path: Path) -> bool:
     old, new = json.loads(old_text), json.loads(new_path.read_text())
     keys = ("model", "mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")
     return all(old.get(k) == new.get(k) for k in keys)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _err(sim: float, meas: float) -> float:

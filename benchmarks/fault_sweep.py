@@ -10,7 +10,7 @@ is a fork of this process after torch and autopar are imported -- the ``autopar`
 in a child process, its own exit code, stdout and stderr, an uncaught exception printed as the
 interpreter prints it -- which saves the ~5 s import per case (``--subprocess`` starts a fresh
 ``python -m autopar.cli`` instead).  The runtime cases start 2-3 torchrun ranks on gloo
-through ``autopar run``, 1-2 steps of a tiny GPT.  The goal (issue 14): exit code 2 (3 where no plan fits), a one-paragraph message
+through ``autopar run``, 1-2 steps of a tiny GPT.  The goal: exit code 2 (3 where no plan fits), a one-paragraph message
 after "error:", no traceback, and nothing lost: the files a case guards (an output it must not
 write, a file it must not clobber, the last good checkpoint) are compared before and after,
 and no temporary file is left beside them.  A few cases have another goal, said in their line:

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from autopar.runtime.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt.py"
 TARGET_RATIO = 1.03       # issue "Runtime", Done means: overhead ratio <= 1.03
@@ -190,11 +192,7 @@ def main(argv=None) -> int:
         out = Path(d) / "out.json"
         spec.write_text(json.dumps({"plan": str(plan_path), "rounds": a.rounds, "steps_per_round": a.steps_per_round,
                                     "warmup": a.warmup_steps, "out": str(out)}))
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", str(Path(__file__).resolve()), "--worker", str(spec)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -28,15 +28,17 @@ that a typo like ``1e300`` is refused instead of overflowing later.
 from __future__ import annotations
 
 import difflib
-import math
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
-from autopar.core.cluster import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
+from autopar.core import schema
+from autopar.core.cluster_types import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
 from autopar.core.errors import ClusterFileError
 from autopar.core.jsonfile import read_text_bounded
+from autopar.core.profile_schema import ProfileError, available_profiles, load_profile
 
 _PACKAGE = "autopar.examples.clusters"
 
@@ -172,65 +174,72 @@ def parse_cluster(text: str, *, source: str = "<text>", base_dir: Path | None = 
 
 # -------------------------------------------------------------------------- validation
 
+def _limited(name: str, *, positive: bool) -> schema.Leaf:
+    """A figure of the file: a number > 0 (or >= 0) up to ``LIMITS[name]``; text is refused with
+    a hint, since YAML 1.1 reads ``1e9`` (no dot, no sign) as a string."""
+    def explain(value: object) -> str | None:
+        if not isinstance(value, str):
+            return None
+        return "a number, not text" + (" (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else "")
+    return schema.number(positive=positive, upper=LIMITS[name], explain=explain)
+
+
+def _mapping(required: tuple[str, ...], optional: dict, fields: dict, then=None) -> schema.Mapping:
+    allowed = required + tuple(optional)
+    return schema.Mapping({k: fields[k] for k in required}, "a mapping with the keys " + ", ".join(allowed),
+                          optional=optional, then=then)
+
+
+def _slots_within_node(group: dict, path: str, report: schema.Reporter) -> None:
+    """``compute_slots`` (when given) is at most ``gpus_per_node``."""
+    slots, per_node = group.get("compute_slots"), group["gpus_per_node"]
+    if slots is not None and slots > per_node:
+        report.bad_value(f"{path}.compute_slots", slots,
+                         f"a whole number from 1 to gpus_per_node ({per_node}): how many devices of a node can "
+                         f"compute at once (CPU: physical cores / threads per process)")
+
+
+_WHOLE = schema.whole(lower=1, upper=MAX_DEVICES, must=f"a whole number >= 1 and at most {MAX_DEVICES} (autopar plans "
+                                                      f"clusters of at most {MAX_DEVICES} devices)")
+_LINK = _mapping(LINK_REQUIRED, {}, {"bandwidth_GBps": _limited("bandwidth_GBps", positive=True),
+                                     "latency_us": _limited("latency_us", positive=False)})
+_GROUP = _mapping(GROUP_REQUIRED,
+                  {"gpu_memory_GB": _limited("gpu_memory_GB", positive=True), "intra_node": _LINK,
+                   "host_to_device": _LINK, "compute_slots": _WHOLE},
+                  {"name": schema.text(), "gpu": schema.text(), "nodes": _WHOLE, "gpus_per_node": _WHOLE,
+                   "host_memory_GB": _limited("host_memory_GB", positive=True)},
+                  then=_slots_within_node)
+#: the shape of a cluster file; what relates fields across groups, or needs the profile, is
+#: checked while the Cluster is built (``_Validator.cluster``)
+CLUSTER_SCHEMA = _mapping(TOP_REQUIRED, {"name": schema.text(), "backend": schema.one_of(BACKENDS)},
+                          {"inter_node": _LINK,
+                           "groups": schema.ListOf(_GROUP, "a non-empty list of node groups", nonempty=True)})
+
+
 class _Validator:
+    """Checks a parsed cluster file against ``CLUSTER_SCHEMA``, then builds the Cluster; every
+    problem is raised as a ``ClusterFileError`` naming the field and its line (``schema.Reporter``)."""
+
     def __init__(self, source: str, lines: dict[str, int], base_dir: Path | None):
         self.source, self.lines, self.base_dir = source, lines, base_dir
 
-    def fail(self, path: str, message: str) -> None:
+    def fail(self, path: str, message: str) -> NoReturn:
         line = self.lines.get(path)
         at = f" (line {line})" if line else ""
         raise ClusterFileError(f"cluster file {self.source}, field {path or '(top level)'}{at}: {message} {_DOCS}")
 
-    def bad_value(self, path: str, value: object, allowed: str) -> None:
-        self.fail(path, f"the value is {value!r}; it must be {allowed}.")
+    def bad_value(self, path: str, value: object, must: str) -> NoReturn:
+        self.fail(path, f"the value is {value!r}; it must be {must}.")
 
-    def mapping(self, value: object, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
-        allowed = required + optional
-        if not isinstance(value, dict):
-            self.bad_value(path, value, "a mapping with the keys " + ", ".join(allowed))
-        for key in value:
-            if key not in allowed:
-                close = difflib.get_close_matches(str(key), allowed, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                self.fail(f"{path}.{key}" if path else str(key),
-                          f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
-        missing = [k for k in required if k not in value]
-        if missing:
-            self.fail(path, f"the required key {missing[0]!r} is missing"
-                      + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
-                      + f". Required keys here: {', '.join(required)}.")
-        return value
+    def unknown_key(self, path: str, key: object, hint: str, allowed: tuple[str, ...]) -> NoReturn:
+        self.fail(schema.join(path, key), f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
 
-    def text(self, value: object, path: str) -> str:
-        if not isinstance(value, str) or not value.strip():
-            self.bad_value(path, value, "a non-empty text")
-        return value
+    def missing_keys(self, path: str, missing: list[str], required: tuple[str, ...]) -> NoReturn:
+        self.fail(path, f"the required key {missing[0]!r} is missing"
+                  + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
+                  + f". Required keys here: {', '.join(required)}.")
 
-    def number(self, value: object, path: str, *, positive: bool) -> float:
-        if isinstance(value, str):
-            hint = " (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else ""
-            self.bad_value(path, value, f"a number, not text{hint}")
-        upper = LIMITS[path.rsplit(".", 1)[-1]]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or (value <= 0 if positive else value < 0) or value > upper:
-            self.bad_value(path, value, f"a number {'>' if positive else '>='} 0 and at most {upper:g}")
-        return float(value)
-
-    def whole(self, value: object, path: str, upper: int = MAX_DEVICES) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value > upper:
-            self.bad_value(path, value, f"a whole number >= 1 and at most {upper} (autopar plans clusters of at most "
-                                        f"{MAX_DEVICES} devices)")
-        return value
-
-    def link(self, value: object, path: str) -> Link:
-        d = self.mapping(value, path, LINK_REQUIRED, ())
-        return Link(bandwidth_GBps=self.number(d["bandwidth_GBps"], f"{path}.bandwidth_GBps", positive=True),
-                    latency_us=self.number(d["latency_us"], f"{path}.latency_us", positive=False))
-
-    def profile(self, value: object, path: str) -> tuple[str, dict]:
-        from autopar.profiles import ProfileError, available_profiles, load_profile
-
-        name = self.text(value, path)
+    def profile(self, name: str, path: str) -> tuple[str, dict]:
         if name.endswith(".json"):
             file = Path(name).expanduser()
             if not file.is_absolute() and self.base_dir is not None:
@@ -248,59 +257,42 @@ class _Validator:
             return name, load_profile(name)
         except ProfileError as e:
             self.fail(path, f"the profile {name!r} is invalid: {e}")
-        raise AssertionError("unreachable")
 
     def link_or_default(self, group: dict, key: str, path: str, profile: dict, gpu: str,
                         bandwidth_key: str, latency_key: str) -> Link:
         if key in group:
-            return self.link(group[key], f"{path}.{key}")
+            return _link(group[key])
         if bandwidth_key not in profile or latency_key not in profile:
             self.fail(path, f"{key} is not given and profile {gpu!r} has no {bandwidth_key}/{latency_key} to "
                             f"default to; add '{key}: {{bandwidth_GBps: ..., latency_us: ...}}' to the group.")
         return Link(float(profile[bandwidth_key]), float(profile[latency_key]))
 
-    def compute_slots(self, group: dict, path: str) -> int:
-        """Optional ``compute_slots``: 1 <= slots <= gpus_per_node; 0 (absent) = every device."""
-        if "compute_slots" not in group:
-            return 0
-        slots = self.whole(group["compute_slots"], f"{path}.compute_slots")
-        per_node = group.get("gpus_per_node")
-        if slots < 1 or (isinstance(per_node, int) and slots > per_node):
-            self.bad_value(f"{path}.compute_slots", slots,
-                           f"a whole number from 1 to gpus_per_node ({per_node}): how many devices of a node can "
-                           f"compute at once (CPU: physical cores / threads per process)")
-        return slots
-
-    def group(self, value: object, path: str) -> tuple[NodeGroup, dict]:
-        g = self.mapping(value, path, GROUP_REQUIRED, GROUP_OPTIONAL)
+    def group(self, g: dict, path: str) -> tuple[NodeGroup, dict]:
         gpu, prof = self.profile(g["gpu"], f"{path}.gpu")
         if "gpu_memory_GB" in g:
-            memory_bytes = round(self.number(g["gpu_memory_GB"], f"{path}.gpu_memory_GB", positive=True) * 1e9)
+            memory_bytes = round(float(g["gpu_memory_GB"]) * 1e9)
         else:
             memory_bytes = int(prof["memory_bytes"])
         group = NodeGroup(
-            name=self.text(g["name"], f"{path}.name"),
+            name=g["name"],
             gpu=gpu,
-            nodes=self.whole(g["nodes"], f"{path}.nodes"),
-            gpus_per_node=self.whole(g["gpus_per_node"], f"{path}.gpus_per_node"),
+            nodes=g["nodes"],
+            gpus_per_node=g["gpus_per_node"],
             gpu_memory_bytes=memory_bytes,
             intra_node=self.link_or_default(g, "intra_node", path, prof, gpu, "nvlink_GBps", "nvlink_latency_us"),
-            host_memory_bytes=round(self.number(g["host_memory_GB"], f"{path}.host_memory_GB", positive=True) * 1e9),
+            host_memory_bytes=round(float(g["host_memory_GB"]) * 1e9),
             host_to_device=self.link_or_default(g, "host_to_device", path, prof, gpu, "pcie_GBps", "pcie_latency_us"),
-            compute_slots=self.compute_slots(g, path),
+            compute_slots=g.get("compute_slots", 0),     # 0 (absent) = every device of the node
         )
         return group, prof
 
     def cluster(self, data: object, default_name: str) -> Cluster:
         if data is None:
             self.fail("", "the file is empty; a cluster file needs at least inter_node and groups.")
-        top = self.mapping(data, "", TOP_REQUIRED, TOP_OPTIONAL)
-        name = self.text(top["name"], "name") if "name" in top else default_name
-        inter_node = self.link(top["inter_node"], "inter_node")
-        if not isinstance(top["groups"], list) or not top["groups"]:
-            self.bad_value("groups", top["groups"], "a non-empty list of node groups")
+        schema.check(CLUSTER_SCHEMA, data, self)
+        name = data.get("name", default_name)
         groups, profiles = [], []
-        for i, value in enumerate(top["groups"]):
+        for i, value in enumerate(data["groups"]):
             group, prof = self.group(value, f"groups[{i}]")
             if any(g.name == group.name for g in groups):
                 self.bad_value(f"groups[{i}].name", group.name, "a name no other group uses")
@@ -311,9 +303,7 @@ class _Validator:
             self.bad_value("groups", f"{devices} devices", f"at most {MAX_DEVICES} devices in all (nodes x "
                                                           f"gpus_per_node summed over the groups)")
         on_cpu = [g.name for g, p in zip(groups, profiles) if p["device"] == "cpu"]
-        backend = top.get("backend", "gloo" if len(on_cpu) == len(groups) else "nccl")
-        if backend not in BACKENDS:
-            self.bad_value("backend", backend, "one of " + ", ".join(BACKENDS))
+        backend = data.get("backend", "gloo" if len(on_cpu) == len(groups) else "nccl")
         if backend == "nccl" and on_cpu:
             self.fail("backend", f"nccl needs CUDA GPUs, but group {on_cpu[0]!r} uses a CPU profile; "
                                  f"use 'backend: gloo'.")
@@ -322,4 +312,10 @@ class _Validator:
             self.fail("groups", f"group {on_cpu[0]!r} uses a CPU profile and group {gpu!r} a GPU profile; the "
                                 f"runtime trains every rank on one kind of device (CPU ranks on gloo, GPU ranks on "
                                 f"nccl), so one cluster cannot mix them. Split it into two cluster files.")
-        return Cluster(name=name, groups=tuple(groups), inter_node=inter_node, backend=backend, source=self.source)
+        return Cluster(name=name, groups=tuple(groups), inter_node=_link(data["inter_node"]), backend=backend,
+                       source=self.source)
+
+
+def _link(d: dict) -> Link:
+    """A Link from a link mapping the schema has checked."""
+    return Link(bandwidth_GBps=float(d["bandwidth_GBps"]), latency_us=float(d["latency_us"]))

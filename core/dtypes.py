@@ -1,13 +1,14 @@
 """Bytes per element: of a captured tensor's torch dtype, and of a training precision.
 
-The one table of element sizes (IEEE 754 binary64/32/16, bfloat16 and the integer types;
-TF32 is stored in 32 bits).  A dtype the table does not know counts as 4 bytes.
+The one table of element sizes (IEEE 754 binary64/32/16, bfloat16, complex64 as two binary32,
+and the integer types; TF32 is stored in 32 bits).  A dtype name the table does not know counts
+as 4 bytes; the tracer (core/trace_walk.itemsize) asks torch for a torch dtype it does not know.
 """
 from __future__ import annotations
 
 #: torch dtype names as captured (``OpNode.dtype``, without the ``torch.`` prefix)
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
-               "bool": 1, "uint8": 1, "int8": 1}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "bool": 1, "uint8": 1, "int8": 1, "complex64": 8}
 #: training precisions and profiled compute dtypes (plan.precision, profile peak_flops keys)
 PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 

@@ -361,6 +361,16 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     write_text_atomic(path, plan.to_json())
 
 
+def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Stage boundaries ``(0, b1, ..., num_layers)`` of (nearly) equal layer counts, the larger
+    stages first."""
+    base, extra = divmod(num_layers, num_stages)
+    out = [0]
+    for i in range(num_stages):
+        out.append(out[-1] + base + (1 if i < extra else 0))
+    return tuple(out)
+
+
 def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1,
                  micro_batch: int = 1, num_microbatches: int = 1, schedule: str = "1f1b",
                  virtual_stages: int = 1, tp_styles_per_layer: Mapping[int, Mapping[str, str]] | None = None,
@@ -373,10 +383,7 @@ def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, 
     """
     num_stages = pp * virtual_stages
     if stage_bounds is None:
-        base, extra = divmod(num_layers, num_stages)
-        stage_bounds = [0]
-        for i in range(num_stages):
-            stage_bounds.append(stage_bounds[-1] + base + (1 if i < extra else 0))
+        stage_bounds = list(equal_bounds(num_layers, num_stages))
     stages = tuple(Stage(i, stage_bounds[i], stage_bounds[i + 1]) for i in range(len(stage_bounds) - 1))
     styles = tp_styles_per_layer or {}
     layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if tp > 1 else (),

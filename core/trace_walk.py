@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.core.dtypes import DTYPE_BYTES
 from autopar.core.op_costs import OpFacts, TensorFacts
 
 
@@ -246,13 +247,9 @@ def nbytes(v: Val) -> int:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size() if dtype not in ITEMSIZE \
-        else ITEMSIZE[dtype]
-
-
-ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8,
-             torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.int8: 1, torch.uint8: 1,
-             torch.bool: 1, torch.complex64: 8}
+    """Bytes per element: core/dtypes.py's table, else torch's own answer for a rarer dtype."""
+    name = dtype_name(dtype)
+    return DTYPE_BYTES[name] if name in DTYPE_BYTES else torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage
+from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, equal_bounds  # noqa: F401 (re-exported)
 from autopar.planner.space import LayerChoice
 
 
@@ -44,15 +44,6 @@ class Candidate:
                     pipeline=Pipeline(schedule=self.schedule, num_microbatches=self.num_microbatches,
                                       stages=stages),
                     layers=layers, precision=precision, cluster=cluster)
-
-
-def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Stages of (nearly) equal layer counts, the larger ones first."""
-    base, extra = divmod(num_layers, num_stages)
-    out = [0]
-    for i in range(num_stages):
-        out.append(out[-1] + base + (1 if i < extra else 0))
-    return tuple(out)
 
 
 def describe_difference(a: Candidate, b: Candidate) -> str:

@@ -25,51 +25,29 @@ training step do -- and a row records ``processes``, how many processes took par
 (the group's own ranks on a GPU).  The cost model prices a plan from the rows measured with
 as many processes as the plan keeps busy on a node.
 
-On a CPU a collective is also timed *in step*: in a training step every rank reaches a
-collective straight out of a burst of compute, with every core busy, and the threads that
-move and reduce gloo's data must first be woken and scheduled.  A loop of back-to-back calls
-never pays that (its ranks sit waiting in the collective); on this kind of machine it adds
-0.5-3 ms to a 128 KiB all-reduce over 2 processes (measured: 2 gloo ranks, ~7 ms of matmuls
-then the all-reduce, against the same matmuls alone).  So on a CPU a sample is ``inner``
-rounds of [``BURST_S`` of matmuls; the call] minus ``inner`` rounds of the matmuls alone,
-taken one after the other, each the slowest rank's; the row's ``timing`` says
-``"in_step"``, and its figure is the (trimmed) mean of the samples, not their median
-(``in_step_mean``), and never less than the same call timed back to back (a difference of two
-noisy times can otherwise come out below what the call physically takes).  On a GPU the
-calls are timed back to back (``"back_to_back"``): the kernels queue behind the compute on
-the device and nothing waits for a host thread.
+On a CPU a collective is also timed *in step*, straight out of a burst of compute, and a
+broadcast also as a chain of asynchronous calls (rows ``timing: in_step`` and ``chained``):
+profiling/cpu_in_step.py says why and how.  On a GPU the calls are timed back to back
+(``"back_to_back"``): the kernels queue behind the compute on the device and nothing waits for
+a host thread.
 """
 from __future__ import annotations
 
 import socket
 import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from autopar.profiling.isotonic import monotone_seconds
-from autopar.profiling.timing import RepeatPolicy
+from autopar.profiling.timing import RepeatPolicy, agreed_seconds, repeat_samples
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 CPU_SIZES_FULL = [1 << p for p in range(10, 27, 2)]      # 1 KiB .. 64 MiB
 CPU_SIZES_QUICK = [1 << p for p in (10, 14, 18)]
 CUDA_SIZES_FULL = [1 << p for p in range(12, 31, 2)]     # 4 KiB .. 1 GiB
 CUDA_SIZES_QUICK = [1 << p for p in (12, 18, 24)]
-#: compute between two collectives of an in-step sample on a CPU: about what a layer of a small
-#: model computes between two collectives of a tensor-parallel step (the forward of one block of
-#: the accuracy benchmark's GPT takes ~2 ms on one core)
-BURST_S = 1e-3
-BURST_MATMUL_N = 128     # the burst is a chain of N x N fp32 matmuls
-#: collectives a step issues as a chain of asynchronous calls waited together: on a CPU they are
-#: also timed as such (``timing: chained``), per call of a chain of CHAIN_CALLS issued straight
-#: out of a burst -- ZeroRedundancyOptimizer broadcasts every parameter tensor this way
-#: (its ``_sync_params``), and only the chain's first call finds gloo's thread asleep
-CHAINED_OPS = ("broadcast",)
-CHAIN_CALLS = 16
-#: share of in-step samples cut from each end before their mean (``in_step_mean``)
-IN_STEP_TRIM = 0.05
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -104,7 +82,11 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     sizes = message_sizes(device.type, quick)
-    burst = _compute_burst(device) if device.type == "cpu" else None
+    # a CPU's collectives are timed in step, straight out of a burst of compute (cpu_in_step.py)
+    cpu = None
+    if device.type == "cpu":
+        from autopar.profiling import cpu_in_step as cpu
+    burst = cpu.compute_burst(device) if cpu is not None else None
     rows = []
     for g in group_sizes(world):
         # every disjoint block of g ranks on a CPU (all create every group, in one order)
@@ -127,7 +109,8 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
                     on_case(f"{op} {size_bytes} B over {g} ranks")
                 if group is not None:
                     fn = _make_call(op, size_bytes, g, members, rank, group, device)
-                    seconds, num_samples = _time_collective(fn, device, policy, group, burst)
+                    seconds, num_samples = (_time_back_to_back(fn, device, policy, group) if burst is None
+                                            else cpu.time_in_step(fn, device, policy, group, burst))
                     if op == "send_recv":
                         seconds /= 2.0                 # half a ping-pong: the one-way time
                     del fn
@@ -135,11 +118,11 @@ def measure_collectives(device: torch.device, policy: RepeatPolicy, quick: bool,
                                  "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
                                  "processes": processes, "backend": dist.get_backend(),
                                  "timing": "in_step" if burst is not None else "back_to_back"})
-                    if op in CHAINED_OPS and burst is not None:
-                        fn = _make_chain(op, size_bytes, g, members, group, device)
-                        seconds, num_samples = _time_collective(fn, device, policy, group, burst)
+                    if burst is not None and op in cpu.CHAINED_OPS:
+                        fn = cpu.make_chain(op, size_bytes, g, members, group, device)
+                        seconds, num_samples = cpu.time_in_step(fn, device, policy, group, burst)
                         del fn
-                        seconds /= CHAIN_CALLS
+                        seconds /= cpu.CHAIN_CALLS
                         rows.append({"op": op, "bytes": size_bytes, "group_size": g, "level": level,
                                      "seconds": seconds, "measured_seconds": seconds, "num_samples": num_samples,
                                      "processes": processes, "backend": dist.get_backend(), "timing": "chained"})
@@ -207,154 +190,10 @@ def _make_call(op: str, size_bytes: int, g: int, members: list[int], rank: int, 
     raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVE_OPS}")
 
 
-def _make_chain(op: str, size_bytes: int, g: int, members: list[int], group, device: torch.device):
-    """CHAIN_CALLS asynchronous calls of ``op`` on separate tensors, then a wait on each."""
-    if op != "broadcast":
-        raise ValueError(f"no chained form of {op!r}; chained ops: {CHAINED_OPS}")
-    numel = max(g, size_bytes // 4 // g * g)
-    xs = [torch.ones(numel, device=device) for _ in range(CHAIN_CALLS)]
-
-    def chain():
-        handles = [dist.broadcast(x, src=members[0], group=group, async_op=True) for x in xs]
-        for h in handles:
-            h.wait()
-    return chain
-
-
-def _compute_burst(device: torch.device) -> Callable[[], None]:
-    """A chain of matmuls lasting about ``BURST_S`` on this machine, the same length on every rank
-    (the count is agreed with MAX over the world, so every rank computes the same work)."""
-    a = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
-    b = torch.randn(BURST_MATMUL_N, BURST_MATMUL_N, device=device)
-    # the fastest rank's time: the largest count any rank would take, as every rank must run it
-    n = max(1, round(BURST_S / max(agreed_matmul_seconds(a, b, agree=dist.ReduceOp.MIN), 1e-9)))
-
-    def burst() -> None:
-        for _ in range(n):
-            torch.mm(a, b)
-    return burst
-
-
-def agreed_matmul_seconds(a: torch.Tensor, b: torch.Tensor, warmup: int = 3, reps: int = 20,
-                          agree=dist.ReduceOp.MAX) -> float:
-    """Seconds of one ``a @ b``, reduced over the ranks of the default group with ``agree`` (the
-    slowest rank's by default), so that every rank sizes its bursts of compute alike."""
-    for _ in range(warmup):
-        torch.mm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
-    dist.all_reduce(t, op=agree)
-    return float(t.item())
-
-
-class InStepTimer:
-    """Times closures in step on a group, ``rounds`` times each, every closure of a set once per
-    round so that slow spells fall on all of them: [barrier; ``lead``; t0; ``burst``; closure].
-    A closure's figure is the ``in_step_mean`` of its samples, less that of ``burst`` alone
-    (when there is one); ``warmup`` untimed calls of each closure come first."""
-
-    def __init__(self, group, rounds: int, lead: Callable[[], None], burst: Callable[[], None] | None = None,
-                 warmup: int = 2):
-        self.group, self.rounds, self.lead, self.burst, self.warmup = group, rounds, lead, burst, warmup
-
-    def __call__(self, cases: dict) -> dict:
-        burst = self.burst
-        cases = {**cases, "_burst": lambda: None} if burst is not None else dict(cases)
-        for fn in cases.values():                   # warm-up: allocator, lazy init, first collectives
-            for _ in range(self.warmup):
-                fn()
-        samples: dict = {k: [] for k in cases}
-        for _ in range(self.rounds):
-            for k, fn in cases.items():
-                dist.barrier(group=self.group)
-                self.lead()
-                t0 = time.perf_counter()
-                if burst is not None:
-                    burst()
-                fn()
-                samples[k].append(time.perf_counter() - t0)
-        means = {k: in_step_mean(v) for k, v in samples.items()}
-        base = means.pop("_burst", 0.0)
-        return {k: v - base for k, v in means.items()}
-
-
-def _time_collective(fn, device: torch.device, policy: RepeatPolicy, group,
-                     burst: Callable[[], None] | None = None) -> tuple[float, int]:
-    """Median seconds per call and the number of samples.  The stop rule counts the wall time
-    the samples took (in step: the bursts too), so a case costs about ``target_total_s``."""
+def _time_back_to_back(fn, device: torch.device, policy: RepeatPolicy, group) -> tuple[float, int]:
+    """Median seconds per call and the number of samples; each sample is the slowest rank's
+    time of ``inner`` back-to-back calls, so every rank takes the same number of samples."""
     for _ in range(policy.warmup):
         fn()
-    if burst is None:
-        sample = lambda inner: (_agreed_sample(fn, device, inner, group),) * 2     # noqa: E731
-    else:
-        sample = lambda inner: _agreed_in_step_sample(fn, burst, inner, group)     # noqa: E731
-    _, first_wall = sample(1)       # batch calls when one sample is too short to time well
-    inner = 1 if first_wall >= policy.min_sample_s else int(policy.min_sample_s / max(first_wall, 1e-9)) + 1
-    samples: list[float] = []
-    wall = 0.0
-    while len(samples) < policy.max_samples:
-        s, s_wall = sample(inner)
-        samples.append(s / inner)
-        wall += s_wall
-        if len(samples) >= policy.min_samples and wall >= policy.target_total_s:
-            break
-    if burst is None:
-        return statistics.median(samples), len(samples)
-    # An in-step figure is a difference of two noisy times and can come out below the call's
-    # own cost -- even below zero -- when the bursts alone happen to run slower than beside the
-    # calls.  No call costs less in step than back to back, with gloo's threads already awake
-    # (the in-step excess is their wake-up, see the module docstring), so the figure is held to
-    # at least the median of back-to-back samples of the same call, measured now.
-    floor = statistics.median([_agreed_sample(fn, device, inner, group) / inner
-                               for _ in range(policy.min_samples)])
-    return max(in_step_mean(samples), floor), len(samples)
-
-
-def in_step_mean(samples: list[float]) -> float:
-    """The figure of in-step samples: their mean, less the top and bottom ``IN_STEP_TRIM``.
-
-    In step, a collective's cost is skewed: most calls find gloo's thread at once, some wait a
-    scheduler time slice for a core (measured in the accuracy benchmark's 2-rank
-    tensor-parallel step: 19 waits per step, most 0.2-0.9 ms, a quarter 4-9 ms).  A step is the
-    sum of its calls, so its expected time is the sum of their means (linearity of
-    expectation); the median of such a distribution sits near its common case and prices the
-    step short.  The trim only drops the rare spell of another tenant of the host.
-    """
-    from scipy.stats import trim_mean
-
-    return float(trim_mean(samples, IN_STEP_TRIM))
-
-
-def _agreed_sample(fn, device: torch.device, inner: int, group) -> float:
-    dist.barrier(group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return float(elapsed.item())
-
-
-def _agreed_in_step_sample(fn, burst: Callable[[], None], inner: int, group) -> tuple[float, float]:
-    """(``inner`` rounds of [burst; call] less ``inner`` bursts alone, the wall time of both),
-    each figure the slowest rank's."""
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        burst()
-        fn()
-    with_calls = time.perf_counter() - t0
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        burst()
-    alone = time.perf_counter() - t0
-    elapsed = torch.tensor([with_calls, alone], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return float(elapsed[0] - elapsed[1]), float(elapsed[0] + elapsed[1])
+    samples, _ = repeat_samples(lambda inner: (agreed_seconds(fn, device, inner, group),) * 2, policy)
+    return statistics.median(samples), len(samples)

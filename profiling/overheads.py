@@ -17,14 +17,14 @@ linear under ``no_grad`` measured 0.16 ms):
   ``RowwiseParallel`` on its second, as the runtime pairs them -- in forward and in backward,
   halved, on a one-rank mesh (no traffic; collectives are priced from the collective table);
   Under torchrun on a CPU this and the FSDP figures are re-measured on pairs of ranks, in step,
-  with their collectives (profiling/overheads_in_step.py), which is what they cost there;
+  with their collectives (profiling/cpu_overheads_in_step.py), which is what they cost there;
 * ``fsdp_unit_fwd_s`` / ``fsdp_unit_bwd_s``: what ``fully_shard`` (resharding after forward)
   adds to one tiny module per forward and per backward beyond its collectives, on a one-rank
   mesh: the plain module's time and the time of the same all-gather (forward; again in
   backward) and reduce-scatter (backward) called directly on that mesh are taken out -- the
   collective table prices those.  (On a mesh of several gloo processes the same difference
   swings from 0.1 to 2 ms between runs on this shared machine when timed back to back and by
-  medians; profiling/overheads_in_step.py times it in step, by trimmed means, against a
+  medians; profiling/cpu_overheads_in_step.py times it in step, by trimmed means, against a
   composite of the same collectives, and on CPU ranks under torchrun that figure, with a
   per-byte part ``fsdp_unit_*_per_byte_s``, replaces this one);
 * ``dtensor_module_fwd_s`` / ``dtensor_module_bwd_s``: the one-rank tensor-parallel figures, kept
@@ -64,14 +64,13 @@ import contextlib
 import os
 import statistics
 import tempfile
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.profiling.timing import RepeatPolicy, median_of_runs, time_call
+from autopar.profiling.timing import RepeatPolicy, lockstep_median, median_of_runs, time_call, wall_seconds
 from autopar.profiles import OVERHEAD_KEYS   # the figures measured here
 
 CHAIN_OPS = 64           # ops per timed chain
@@ -87,7 +86,7 @@ RECOMPUTE_BLOCK_SHAPE = (2, 8, 16)
 def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
     """The figures of ``OVERHEAD_KEYS`` in seconds (each >= 0).  Under torchrun on a CPU the
     tensor-parallel and FSDP figures come from pairs of ranks in step
-    (profiling/overheads_in_step.py), which replace the one-rank ones."""
+    (profiling/cpu_overheads_in_step.py), which replace the one-rank ones."""
     out: dict[str, float] = {"fsdp_unit_fwd_per_byte_s": 0.0, "fsdp_unit_bwd_per_byte_s": 0.0}
     t = lambda fn: time_call(fn, device, policy).median_s   # noqa: E731
     a = torch.randn(TINY_NUMEL, device=device)
@@ -120,14 +119,14 @@ def measure_overheads(device: torch.device, policy: RepeatPolicy, quick: bool = 
     with _one_rank_mesh(device) as mesh:
         out.update(_tp_module(mesh, device, t))
         out.update(_sp_norm(mesh, device, t))
-        if not in_step:                           # in step, overheads_in_step.py measures the unit
+        if not in_step:                           # in step, cpu_overheads_in_step.py measures the unit
             out.update(_fsdp_unit(mesh, device, t))
         out.update(_optimizer(mesh, device, t))
     # the one-rank pair is a DTensor module's dispatch and hooks alone: kept as such (a
     # sequence-parallel norm's cost) before the in-step figures replace the split modules'
     out["dtensor_module_fwd_s"], out["dtensor_module_bwd_s"] = out["tp_module_fwd_s"], out["tp_module_bwd_s"]
     if in_step:
-        from autopar.profiling.overheads_in_step import measure_in_step_overheads
+        from autopar.profiling.cpu_overheads_in_step import measure_in_step_overheads
 
         dist.barrier()
         out.update(measure_in_step_overheads(quick))
@@ -191,7 +190,7 @@ AUTOGRAD_FITS = 3
 
 
 def _autograd_forward(device, policy: RepeatPolicy, quick: bool = False) -> dict[str, float]:
-    from autopar.profiling.overheads_in_step import _nonnegative_line
+    from autopar.profiling.cpu_overheads_in_step import _nonnegative_line
 
     chains = []
     for shape in AUTOGRAD_SHAPES[:2] if quick else AUTOGRAD_SHAPES:
@@ -220,14 +219,11 @@ def _paired_median(fwd, policy: RepeatPolicy, min_pairs: int = 50) -> float:
             fwd()
     diffs, total = [], 0.0
     while len(diffs) < min_pairs or (total < 4 * policy.target_total_s and len(diffs) < 5000):
-        t0 = time.perf_counter()
-        fwd()
-        t1 = time.perf_counter()
+        with_grad = wall_seconds(fwd)
         with torch.no_grad():
-            fwd()
-        t2 = time.perf_counter()
-        diffs.append((t1 - t0) - (t2 - t1))
-        total += t2 - t0
+            without = wall_seconds(fwd)
+        diffs.append(with_grad - without)
+        total += with_grad + without
     return statistics.median(diffs)
 
 
@@ -260,32 +256,11 @@ def _tp_module(mesh, device, t) -> dict[str, float]:
     return {"tp_module_fwd_s": (tf - pf) / 2, "tp_module_bwd_s": (tb - pb) / 2}
 
 
-def _lockstep_timer(group):
-    """Seconds per call, median of 9 samples of 20 calls each, the same counts on every rank
-    and the slowest rank's time (closures that communicate must be called in step)."""
-    import statistics
-    import time
-
-    def timer(fn) -> float:
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(9):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            elapsed = torch.tensor([(time.perf_counter() - t0) / 20], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            samples.append(float(elapsed))
-        return statistics.median(samples)
-    return timer
-
-
 def _fsdp_unit(mesh, device, t) -> dict[str, float]:
     from torch.distributed.fsdp import fully_shard
 
-    t = _lockstep_timer(mesh.get_group())
+    # closures that communicate: the same counts on every rank, the slowest rank's time
+    t = lambda fn: lockstep_median(fn, device, mesh.get_group())   # noqa: E731
 
     plain, x = _linear_pair(device)
     wrapped, _ = _linear_pair(device)

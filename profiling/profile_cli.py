@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer tensor); keep the file's figures")
     p.add_argument("--skip-sync-wait", action="store_true",
                    help="on a CPU under torchrun, do not time how much meeting the other ranks costs per second of "
-                        "compute (profiling/sync_wait.py); keep the file's figure")
+                        "compute (profiling/cpu_sync_wait.py); keep the file's figure")
 
 
 def main(args: argparse.Namespace) -> int:

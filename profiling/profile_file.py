@@ -70,7 +70,7 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         if machine.get("device_type") == "cpu" and int(machine.get("world_size") or 1) > 1:
             sources["framework_overheads"] += (
                 "; tensor-parallel module and FSDP unit on pairs of ranks in step against the same arithmetic "
-                "with its collectives called directly (profiling/overheads_in_step.py)")
+                "with its collectives called directly (profiling/cpu_overheads_in_step.py)")
     if sync_wait is not None:
         # one row per number of processes; a new measurement replaces the row of its count
         rows = [r for r in prof.get("sync_wait", []) if r.get("processes") != sync_wait["processes"]]
@@ -79,7 +79,7 @@ def build_profile(*, base: dict | None, name: str, device_kind: str, description
         sources[f"sync_wait.{sync_wait['processes']}"] = (
             f"measured by `{measured_by}` ({stamp}): extra time of a 128 KiB all-reduce after bursts of "
             f"matmuls against the bursts alone, per burst length (gaps_s, extra_s; the line fixed + per_compute x "
-            f"burst for information) (profiling/sync_wait.py)")
+            f"burst for information) (profiling/cpu_sync_wait.py)")
     if collective_rows is not None:
         collective_rows = _merge_table(prof, sources, "collective_table", collective_rows, _coll_key,
                                        measured_by, stamp, commands)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopar.profiling import collectives, machine, ops, overheads, sync_wait
+from autopar.profiling import collectives, machine, ops, overheads
 from autopar.profiling.op_sweeps import op_cases
 from autopar.profiling.profile_file import build_profile, read_profile_json, write_profile
 from autopar.profiling.timing import RepeatPolicy
@@ -25,7 +25,7 @@ class ProfileOptions:
     name: str
     measure_ops: bool = True
     measure_collectives: bool = True
-    measure_sync_wait: bool = True      # CPU under torchrun only (profiling/sync_wait.py)
+    measure_sync_wait: bool = True      # CPU under torchrun only (profiling/cpu_sync_wait.py)
     measure_overheads: bool = True      # framework overheads (profiling/overheads.py)
     argv: tuple[str, ...] = ()          # the verb's arguments, for measured_by
     target_s: float | None = None       # seconds of samples per point (RepeatPolicy.target_total_s)
@@ -93,9 +93,11 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
             coll_rows = collectives.make_monotone(
                 collectives.measure_collectives(opts.device, policy, opts.quick, on_case=step))
         if do_sync:
+            from autopar.profiling.cpu_sync_wait import measure_sync_wait
+
             step("meeting after compute (sync wait)")
             dist.barrier()
-            sync_row = sync_wait.measure_sync_wait(opts.quick)
+            sync_row = measure_sync_wait(opts.quick)
     if rank != 0:
         return None
     base = read_profile_json(opts.output) if opts.output.exists() else None

@@ -8,6 +8,11 @@ time would measure the timer).  Samples are taken until their total reaches ``ta
 and there are at least ``min_samples`` of them, or ``max_samples`` were taken; the figure is
 the median sample divided by ``inner`` -- the median, not the mean, because a shared machine
 adds one-sided outliers (a preempted sample is slower, never faster).
+
+Every timed stretch of ``autopar profile`` is read here: ``wall_seconds`` (the host clock),
+``agreed_seconds`` (the slowest rank's host time, for calls that communicate),
+``repeat_samples`` (the stop rule above, over any sampler) and ``lockstep_median`` (fixed
+counts on every rank).  The CPU-only in-step timings (profiling/cpu_in_step.py) build on them.
 """
 from __future__ import annotations
 
@@ -45,18 +50,11 @@ def time_call(fn: Callable[[], object], device: torch.device, policy: RepeatPoli
     for _ in range(policy.warmup):
         fn()
     _sync(device)
-    first_s = _sample(fn, device, 1)
-    inner = 1
-    if first_s < policy.min_sample_s:
-        inner = max(1, int(policy.min_sample_s / max(first_s, 1e-9)) + 1)
-    samples: list[float] = []
-    total_s = 0.0
-    while len(samples) < policy.max_samples:
+
+    def sample(inner: int) -> tuple[float, float]:
         s = _sample(fn, device, inner)
-        samples.append(s / inner)
-        total_s += s
-        if len(samples) >= policy.min_samples and total_s >= policy.target_total_s:
-            break
+        return s, s
+    samples, inner = repeat_samples(sample, policy)
     med = statistics.median(samples)
     if len(samples) >= 4:
         q = statistics.quantiles(samples, n=4)
@@ -64,6 +62,63 @@ def time_call(fn: Callable[[], object], device: torch.device, policy: RepeatPoli
     else:
         spread = (max(samples) - min(samples)) / med if med > 0 else 0.0
     return Timing(median_s=med, num_samples=len(samples), calls_per_sample=inner, spread=spread)
+
+
+def repeat_samples(sample: Callable[[int], tuple[float, float]], policy: RepeatPolicy) -> tuple[list[float], int]:
+    """(seconds per call of each sample, calls per sample): the stop rule of ``RepeatPolicy``.
+
+    ``sample(inner)`` times ``inner`` calls and returns (their seconds, the wall seconds the
+    sample took -- more than the first when it also timed something taken out).  One untimed
+    sample of one call sets ``inner`` so a sample lasts at least ``min_sample_s``; the stop
+    rule counts wall seconds.  When every rank's ``sample`` returns the same agreed figures,
+    every rank takes the same number of samples (calls that communicate stay in step)."""
+    _, first_wall = sample(1)
+    inner = 1 if first_wall >= policy.min_sample_s else int(policy.min_sample_s / max(first_wall, 1e-9)) + 1
+    samples: list[float] = []
+    wall = 0.0
+    while len(samples) < policy.max_samples:
+        s, s_wall = sample(inner)
+        samples.append(s / inner)
+        wall += s_wall
+        if len(samples) >= policy.min_samples and wall >= policy.target_total_s:
+            break
+    return samples, inner
+
+
+def wall_seconds(fn: Callable[[], object], inner: int = 1) -> float:
+    """Host seconds of ``inner`` calls of ``fn`` (``time.perf_counter``)."""
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return time.perf_counter() - t0
+
+
+def agreed_seconds(fn: Callable[[], object], device: torch.device, inner: int, group, agree=None,
+                   barrier: bool = True) -> float:
+    """Host seconds of ``inner`` calls of ``fn`` after a barrier, the device synchronized on both
+    sides, reduced over ``group`` with ``agree`` (MAX, the slowest rank's, by default: a
+    collective ends when its last rank does).  Every rank of ``group`` must call it."""
+    import torch.distributed as dist
+
+    if barrier:
+        dist.barrier(group=group)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    _sync(device)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX if agree is None else agree, group=group)
+    return float(elapsed.item())
+
+
+def lockstep_median(fn: Callable[[], object], device: torch.device, group, warmup: int = 3, samples: int = 9,
+                    inner: int = 20) -> float:
+    """Seconds per call: the median of ``samples`` agreed samples of ``inner`` calls, the same
+    counts on every rank (closures that communicate must be called in step)."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median([agreed_seconds(fn, device, inner, group) / inner for _ in range(samples)])
 
 
 def _sample(fn: Callable[[], object], device: torch.device, inner: int) -> float:
@@ -76,10 +131,7 @@ def _sample(fn: Callable[[], object], device: torch.device, inner: int) -> float
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3   # elapsed_time is in milliseconds
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return time.perf_counter() - t0
+    return wall_seconds(fn, inner)
 
 
 def _sync(device: torch.device) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.core.plan import Mesh
+from autopar.runtime.ports import free_port
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
@@ -60,7 +61,7 @@ def init_distributed(plan_mesh: Mesh) -> RankContext:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:      # a plain single-process run
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -92,11 +93,3 @@ def _attempt_store() -> dist.Store | None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

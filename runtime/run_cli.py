@@ -22,6 +22,7 @@ from pathlib import Path
 
 from autopar.core.errors import UserError
 from autopar.runtime.options import add_run_arguments, options_from_args
+from autopar.runtime.ports import free_port
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
               "log_every", "keep_checkpoints")
@@ -97,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
               f"Run this on each node; the rendezvous is node 0 at {endpoint}:")
         print(shlex.join(cmd))
         return 0
-    endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    endpoint = args.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     cmd = torchrun_command(args, per_node, endpoint)
     if args.dry_run:
         print(shlex.join(cmd))
@@ -135,11 +136,3 @@ def plan_nodes(plan) -> tuple[str, list[int]] | None:
         return None
     counts = cluster.ranks_per_node(plan.world_size)
     return (cluster.name, counts) if counts is not None else None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

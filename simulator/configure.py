@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
-from autopar.core.plan import ModelRef, Plan, uniform_plan
+from autopar.core.plan import ModelRef, Plan, equal_bounds, uniform_plan
 from autopar.core.sharding import megatron_styles
 
 
@@ -26,12 +26,7 @@ def block_stage_bounds(graph: OpGraph, num_stages: int) -> list[int]:
     if num_stages > nb:
         raise UserError(f"{num_stages} pipeline stages for {nb} repeated blocks of {graph.model_name}; "
                         f"use at most {nb} stages (pp x virtual stages).")
-    base, extra = divmod(nb, num_stages)
-    bounds = [0]
-    pos = first
-    for i in range(num_stages):
-        pos += base + (1 if i < extra else 0)
-        bounds.append(pos)
+    bounds = [0] + [first + b for b in equal_bounds(nb, num_stages)[1:]]
     bounds[-1] = n
     return bounds
 

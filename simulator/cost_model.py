@@ -38,6 +38,7 @@ import numpy as np
 from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
+from autopar.simulator.cpu_meeting_waits import MeetingWaits
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
@@ -85,15 +86,6 @@ def dtype_key(dtype: str) -> str:
     return _DTYPE_KEY.get(dtype.replace("torch.", ""), "fp32")
 
 
-def _wait_curve(gaps_s, extra_s) -> tuple[np.ndarray, np.ndarray]:
-    """(burst lengths, wait per meeting): the extra time after each burst, non-decreasing in the
-    burst length (running max), less the extra time after the shortest burst."""
-    order = np.argsort(np.asarray(gaps_s, dtype=float))
-    gaps = np.asarray(gaps_s, dtype=float)[order]
-    extra = np.maximum.accumulate(np.asarray(extra_s, dtype=float)[order])
-    return gaps, extra - extra[0]
-
-
 @dataclass
 class _Curve:
     """log-log interpolation of seconds on a size axis, non-decreasing (running max)."""
@@ -135,11 +127,8 @@ class CostModel:
     gemm_tile: tuple[int, int] = (256, 128)
     profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
     overheads: Mapping[str, float] = field(default_factory=dict)
-    #: processes busy on a node -> seconds of waiting per second of a rank's own work before
-    #: each meeting of the ranks (a profile's ``sync_wait`` rows, profiling/sync_wait.py)
-    sync_wait: Mapping[int, float] = field(default_factory=dict)
-    #: processes -> (burst lengths, wait per meeting) from the same rows (``meeting_wait``)
-    sync_curves: Mapping[int, tuple] = field(default_factory=dict)
+    #: CPU ranks: the waits at meetings of the ranks (a profile's ``sync_wait`` rows; empty on a GPU)
+    meeting_waits: MeetingWaits = field(default_factory=MeetingWaits)
     host_dispatch_bound: bool = False     # CPU: the device is the host thread, views cost a dispatch too
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     _op_curves: dict = field(default_factory=dict, repr=False)
@@ -166,14 +155,12 @@ class CostModel:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"profile {prof.get('name', name_or_dict)!r}: field {e} is missing or malformed; a "
                             f"profile needs name, peak_flops{{fp32,bf16,...}}, memory_bandwidth_Bps, efficiency "
-                            f"and collective_efficiency (see profiles/README or 'autopar profile').") from None
+                            f"and collective_efficiency (see docs/profiles.md or 'autopar profile').") from None
         gpu = prof.get("device", "gpu") != "cpu"
         measured = {k: float(v) for k, v in (prof.get("framework_overheads") or {}).items() if k in OVERHEAD_KEYS}
         cm.overheads = {**(GPU_OVERHEADS if gpu else {}), **measured}
         cm.host_dispatch_bound = not gpu
-        cm.sync_wait = {int(r["processes"]): float(r["per_compute"]) for r in prof.get("sync_wait", []) or []}
-        cm.sync_curves = {int(r["processes"]): _wait_curve(r["gaps_s"], r["extra_s"])
-                          for r in prof.get("sync_wait", []) or [] if len(r.get("gaps_s") or []) >= 2}
+        cm.meeting_waits = MeetingWaits.from_rows(prof.get("sync_wait"))
         groups: dict[tuple[str, str | None, str], tuple[list, list]] = {}
         for row in prof.get("op_table", []) or []:
             kind = str(row["kind"])
@@ -225,28 +212,11 @@ class CostModel:
 
     def waits_at_meetings(self, processes: int) -> bool:
         """Whether the profile measured meeting waits for ``processes`` busy ranks (CPU profiles)."""
-        return int(processes) in self.sync_curves or self.sync_wait.get(int(processes), 0.0) > 0
+        return self.meeting_waits.measured(processes)
 
     def meeting_wait(self, processes: int, gap_s: float) -> float:
-        """Seconds a rank waits at one meeting of ranks (a blocking collective) after ``gap_s`` of
-        its own work, when ``processes`` ranks compute on its node (profiling/sync_wait.py).
-
-        From a profile's measured points (burst length, extra time of the meeting), made
-        non-decreasing (running max) and taken relative to the shortest burst -- the collective
-        table's in-step rows already hold what a meeting costs straight after a little compute
-        --, interpolated linearly; beyond the longest burst the wait keeps that burst's share of
-        the work.  A row with only a fitted line waits ``per_compute * gap_s``; one process, or a
-        count the profile did not measure, waits nothing.
-        """
-        if processes <= 1 or gap_s <= 0:
-            return 0.0
-        curve = self.sync_curves.get(int(processes))
-        if curve is None:
-            return float(self.sync_wait.get(int(processes), 0.0)) * gap_s
-        gaps, waits = curve
-        if gap_s >= gaps[-1]:
-            return float(waits[-1] * gap_s / gaps[-1])
-        return float(np.interp(gap_s, gaps, waits))
+        """Seconds a rank waits at one meeting after ``gap_s`` of its own work (cpu_meeting_waits.py)."""
+        return self.meeting_waits.wait(processes, gap_s)
 
     def overhead(self, key: str) -> float:
         """A framework overhead in seconds (``OVERHEAD_KEYS``; 0 when neither measured nor defaulted)."""

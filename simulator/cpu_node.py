@@ -4,7 +4,7 @@ with compute, and the waits of ranks that meet.
 A GPU runs its kernels on its own streams, so none of this applies there: every function here
 returns the neutral answer (stretch 1.0, overlap, rows unchanged) unless a node group of the
 cluster declares ``compute_slots`` (the cores its processes share; core/cluster.py) or the
-profile measured meeting waits (``CostModel.waits_at_meetings``; profiling/sync_wait.py).  The
+profile measured meeting waits (``CostModel.waits_at_meetings``; profiling/cpu_sync_wait.py).  The
 evaluator calls them at one door each: the layer costs' stretch, the plan's serial flag and the
 per-plan meeting waits, and the step of a plan whose communication takes turns with compute
 (``serial_step`` in place of step_model.overlapped_step).
@@ -80,7 +80,7 @@ def waits_at_meetings(mesh: Mesh, processes: int, cost_models) -> bool:
 
 def with_meeting_waits(rows: LayerTable, ctx, processes: int) -> LayerTable:
     """Rows whose own work (forward, backward, recompute, optimizer) is stretched by the waits at
-    the meetings of the ranks (CostModel.meeting_wait, measured by profiling/sync_wait.py).
+    the meetings of the ranks (CostModel.meeting_wait, measured by profiling/cpu_sync_wait.py).
 
     Per pipeline rank, per step: the work W (every micro-batch's forward, backward and recompute,
     and the optimizer) and the meetings M -- the layers' blocking collectives (tensor-parallel,

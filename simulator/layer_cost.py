@@ -164,7 +164,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
-    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh.dp, tp, mesh.pp, precision)  # issue 16
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh.dp, tp, mesh.pp, precision)  # autocast.py
     styles = lp.tp_styles
     for op in ops:
         w.param_names.update(op.params)
@@ -180,7 +180,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
-        bscale *= _autocast.bytes_factor(op.kind, op_variant(op.kind, str(op.target)), amp) if floating else 1.0  # issue 16
+        bscale *= _autocast.bytes_factor(op.kind, op_variant(op.kind, str(op.target)), amp) if floating else 1.0  # autocast bytes
         if op.fwd_flops > 0 or op.bytes_moved > 0 or op.copy_bytes > 0:
             w.priced_ops += 1
             osh = layout.output_shard.get(op.name, 1)
@@ -218,7 +218,7 @@ def _add_module_overheads(w: _OpWork, cm: CostModel) -> None:
     """Framework overheads of the modules the runtime wraps for tensor parallelism
     (profiling/overheads.py).
 
-    A column/row-wise split module costs what profiling/overheads_in_step.py measured a pair to
+    A column/row-wise split module costs what profiling/cpu_overheads_in_step.py measured a pair to
     cost beyond its arithmetic and all-reduces (dispatch, hooks, the asynchronous collectives'
     threads); a sequence-parallel norm issues no collective of its own (the sequence is gathered
     and scattered by the linears around it), so it costs what SequenceParallel adds to a norm on

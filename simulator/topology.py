@@ -36,7 +36,7 @@ def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
     nodes = {cluster.device(r).node for r in ranks}
     level = "inter" if len(nodes) > 1 else "intra"
     link = cluster.link(ranks)
-    if level == "inter":   # issue 16: a ring over nodes uses its ranks' adapters at once (simulator/network.py)
+    if level == "inter":   # a ring over nodes uses its ranks' adapters at once (simulator/network.py)
         link = _ring_link(cluster, ranks, link)
     return GroupLink(link, level, len(ranks))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ PARAM_ATOL = 1e-5
 # the layouts legitimately disagree there by up to steps * lr.  Those elements are held to
 # that bound; every other element to PARAM_ATOL.
 from autopar.runtime.options import ADAM_EPS, DEFAULT_LR  # noqa: E402
+from autopar.runtime.ports import free_port  # noqa: E402,F401  (the tests import it from here)
 
 NOISE_GRAD = ADAM_EPS
 
@@ -56,12 +56,6 @@ def make_plan(path: Path, **kw) -> Path:
     assert plan.global_batch == GLOBAL_BATCH, plan.global_batch
     save_plan(plan, path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -310,11 +310,11 @@ def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path, monk
 
     import torch.distributed as dist
 
-    from autopar.profiling import collectives
+    from autopar.profiling import cpu_in_step, timing
     from autopar.profiling.timing import RepeatPolicy
 
     clock = {"now": 0.0}
-    monkeypatch.setattr(collectives, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     bursts = {"n": 0}
 
     def call():
@@ -330,7 +330,7 @@ def test_in_step_collective_figure_is_never_below_the_call_itself(tmp_path, monk
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         policy = RepeatPolicy(warmup=1, min_samples=3, max_samples=3, min_sample_s=0.0, target_total_s=0.0)
-        seconds, _ = collectives._time_collective(call, torch.device("cpu"), policy, None, burst)
+        seconds, _ = cpu_in_step.time_in_step(call, torch.device("cpu"), policy, None, burst)
     finally:
         dist.destroy_process_group()
     assert seconds == pytest.approx(2e-3, rel=1e-9)

@@ -234,11 +234,11 @@ def test_in_step_timing_takes_the_compute_burst_out(tmp_path, monkeypatch):
 
     import torch.distributed as dist
 
-    from autopar.profiling import collectives
+    from autopar.profiling import cpu_in_step, timing
     from autopar.profiling.timing import RepeatPolicy
 
     clock = _FakeClock()
-    monkeypatch.setattr(collectives, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
     def burst():
         clock.now += 1e-3
@@ -249,8 +249,8 @@ def test_in_step_timing_takes_the_compute_burst_out(tmp_path, monkeypatch):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        seconds, n = collectives._time_collective(call, torch.device("cpu"),
-                                                  RepeatPolicy(min_samples=5, target_total_s=0.05), None, burst)
+        seconds, n = cpu_in_step.time_in_step(call, torch.device("cpu"),
+                                              RepeatPolicy(min_samples=5, target_total_s=0.05), None, burst)
     finally:
         dist.destroy_process_group()
     assert n >= 5

@@ -1,11 +1,11 @@
-"""profiling/speed_check.py: the machine's speed now against a profile's op rows."""
+"""profiling/cpu_speed_check.py: the machine's speed now against a profile's op rows."""
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
 
-from autopar.profiling.speed_check import KINDS, reference_rows, speed_ratio
+from autopar.profiling.cpu_speed_check import KINDS, reference_rows, speed_ratio
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "local-cpu.json"
 

@@ -1,4 +1,4 @@
-"""The meeting-after-compute measurement (profiling/sync_wait.py): its line fit against a closed
+"""The meeting-after-compute measurement (profiling/cpu_sync_wait.py): its line fit against a closed
 form, and a real 2-rank gloo measurement merged into a profile by the profile verb."""
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.profiling.sync_wait import fit_line
+from autopar.profiling.cpu_sync_wait import fit_line
 from runtime_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
 
 
 def test_fsdp_overhead_line_is_non_negative_and_exact_on_a_line():
-    from autopar.profiling.overheads_in_step import _nonnegative_line
+    from autopar.profiling.cpu_overheads_in_step import _nonnegative_line
 
     xs = [1.3e5, 5.3e5, 2.1e6]
     assert _nonnegative_line(xs, [2e-4 + 1e-9 * x for x in xs]) == (pytest.approx(2e-4), pytest.approx(1e-9))

@@ -15,7 +15,7 @@ buffers grow with the unit's bytes.
 So under torchrun on a CPU every disjoint pair of ranks forms a group (as the tensor- and
 data-parallel groups of a 2-way plan do, every core busy) and times, in step -- each sample
 after a burst of matmuls, the burst alone taken out, the trimmed mean of the samples as the
-collective table's in-step rows (profiling/collectives.py) -- each feature against a *composite*
+collective table's in-step rows (profiling/cpu_in_step.py) -- each feature against a *composite*
 that does the same arithmetic and calls the same collectives directly at the same points:
 
 * tensor parallelism: a Linear(h, 4h) / GELU / Linear(4h, h) MLP with ``ColwiseParallel`` on the
@@ -30,7 +30,7 @@ that does the same arithmetic and calls the same collectives directly at the sam
   parameters), each clipped at zero.
 
 The composites put the meetings of the ranks where the features put them, so the waiting that
-grows with the compute before a meeting (profiling/sync_wait.py, priced by the cost model
+grows with the compute before a meeting (profiling/cpu_sync_wait.py, priced by the cost model
 separately) is in both and cancels.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.profiling.collectives import InStepTimer
+from autopar.profiling.cpu_in_step import InStepTimer
 from autopar.profiling.timing import median_of_runs
 
 #: [batch, seq, hidden] of the probes' activations: one micro-batch of the accuracy benchmark's GPT

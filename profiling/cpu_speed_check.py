@@ -82,7 +82,7 @@ def speed_ratio(profile: dict, processes: int = 2, target_s: float = 0.1, timeou
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="autopar-speed-") as ready:
         arg = json.dumps({"keys": keys, "target_s": target_s, "ready_dir": ready, "processes": processes})
-        procs = [subprocess.Popen([sys.executable, "-m", "autopar.profiling.speed_check", arg], env=env,
+        procs = [subprocess.Popen([sys.executable, "-m", "autopar.profiling.cpu_speed_check", arg], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(processes)]
         results = []

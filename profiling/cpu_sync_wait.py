@@ -15,7 +15,7 @@ device work stretches by about the same share.
 
 ``measure_sync_wait`` times, for a few burst lengths ``g``, rounds of [g of matmuls; a 128 KiB
 all-reduce] and rounds of [g of matmuls] alone, interleaved; the extra time of a round
-(trimmed means of each, ``collectives.in_step_mean``) is
+(trimmed means of each, ``cpu_in_step.in_step_mean``) is
 kept per burst length (``gaps_s``, ``extra_s``): the median of ``RUNS`` whole measurements.  The wait does not grow in proportion to the
 burst: over bursts of 0.5 to 54 ms a line through the points has a slope of ~0.03 (2
 processes) and ~0.2 (4 processes, two per core), over 0.5 to 9 ms ~0.09 and ~0.45 -- a
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.profiling.collectives import InStepTimer, agreed_matmul_seconds
+from autopar.profiling.cpu_in_step import InStepTimer, agreed_matmul_seconds
 from autopar.profiling.timing import median_of_runs
 
 #: lengths of the compute bursts, seconds: from about a small layer's forward to about a whole
@@ -94,7 +94,7 @@ def measure_sync_wait(quick: bool = False) -> dict:
     def once() -> dict[str, float]:
         # every rank out of the barrier and computing (2 matmuls) before the clock starts
         t = InStepTimer(dist.group.WORLD, rounds, lead=lambda: burst(2), warmup=0)(cases)
-        # means, not medians: a step is a sum of such stretches (collectives.in_step_mean)
+        # means, not medians: a step is a sum of such stretches (cpu_in_step.in_step_mean)
         gaps = [t[("alone", n)] for n in counts]
         extra = [t[("meet", n)] - t[("alone", n)] for n in counts]
         # the mean over ranks (each rank sees the meeting from its side)
@@ -105,7 +105,7 @@ def measure_sync_wait(quick: bool = False) -> dict:
 
     # the whole measurement repeated and the median kept per point: the waits are differences
     # of ~1 ms between timings that a slow spell of the shared machine moves by as much
-    # (two profiles made an hour apart, one measurement each, read 0.66 and 0.02 ms after 5 ms)
+    # (two profiles of the same machine, one measurement each, read 0.66 and 0.02 ms after 5 ms)
     med = median_of_runs(once, 1 if quick else RUNS)
     vals = [med[f"{i}"] for i in range(2 * len(counts))]
     gaps, extra = vals[:len(counts)], vals[len(counts):]
