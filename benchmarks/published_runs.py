@@ -274,6 +274,15 @@ def row_plan(row: dict, graph, cluster):
     return plan
 
 
+def sharded_runtime(family: str):
+    """The sharded-data-parallel implementation a family's runs used (simulator/sharded_dp.py,
+    item 4): the ZeRO-3 rows ran DeepSpeed of April 2021, the FSDP rows PyTorch FSDP; PTD-P
+    rows shard nothing."""
+    from autopar.simulator import sharded_dp
+
+    return sharded_dp.DEEPSPEED_ZERO3_2021 if family == "ZeRO-3" else sharded_dp.FSDP2
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
@@ -289,13 +298,14 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE
+    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
     autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
+    sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE = saved
+        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

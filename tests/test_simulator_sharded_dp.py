@@ -74,3 +74,34 @@ def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
     assert A.bytes_factor("elementwise", "gelu", A.FP32_PARAMS) == 1.0     # on a linear's bf16 output
     assert A.bytes_factor("linear", "linear", A.FP32_PARAMS) == 1.0
     assert A.bytes_factor("norm", "layer_norm", A.OFF) == 1.0
+
+
+def test_deepspeed_2021_gathers_again_for_recompute_at_one_adapter_share():
+    from autopar.simulator.sharded_dp import DEEPSPEED_ZERO3_2021, FSDP2, gather_bandwidth_scale
+    from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE
+
+    # one GPU's 25 GB/s share of a node whose ring reaches 200 GB/s: 8 times the wire time
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "inter", 200.0, 25.0) == 8.0
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "intra", 300.0, 25.0) == 1.0
+    assert gather_bandwidth_scale(FSDP2, "inter", 200.0, 25.0) == 1.0
+    col = COLUMN_INDEX
+    rows = np.zeros((2, len(COLUMNS)))
+    for k in range(2):
+        rows[k, col["fwd_s"]], rows[k, col["bwd_s"]], rows[k, col["recompute_s"]] = 1.0, 2.0, 1.0
+        # 0.01 s of ring latency + 0.04 s of wire time for the gather, 0.01 + 0.03 for the reduce-scatter
+        rows[k, col["dp_allgather_s"]], rows[k, col["dp_reducescatter_s"]] = 0.05, 0.04
+        rows[k, col["fsdp_param_buffer_bytes"]] = 1e9
+        rows[k, col["zero"]] = 3
+        rows[k, col["recompute"]] = RECOMPUTE_CODE["full"]
+    cp = 2e9 / 1e12
+    out = with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, slowdown=0.0,
+                                runtime=DEEPSPEED_ZERO3_2021, bandwidth_scale=8.0, latency_s=0.01)
+    ag, rs = 0.01 + 8 * 0.04, 0.01 + 8 * 0.03
+    assert out[0, col["dp_allgather_s"]] == pytest.approx(ag)
+    # backward stream: the reduce-scatter and the recomputed forward's gather; its copy-out in recompute
+    assert out[0, col["dp_reducescatter_s"]] == pytest.approx(rs + ag)
+    assert out[0, col["recompute_s"]] == pytest.approx(1.0 + cp)
+    # FSDP2 on the same rows: two gathers, wire time as priced
+    fsdp = with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, slowdown=0.0, runtime=FSDP2)
+    assert fsdp[0, col["dp_reducescatter_s"]] == pytest.approx(0.04)
+    assert fsdp[0, col["recompute_s"]] == pytest.approx(1.0)
