@@ -231,8 +231,9 @@ def model_spec(row: dict) -> tuple[str, dict]:
         # MPT: flash attention (one fused kernel), no dropout (llm-foundry's MPT yamls)
         args.update(attention="sdpa")
     else:
-        # Megatron-LM's GPT: unfused attention in 2021, dropout 0.1 (its pretrain_gpt defaults)
-        args.update(dropout=0.1)
+        # Megatron-LM's GPT in 2021: attention without flash attention, its scale, causal mask and
+        # softmax one fused kernel (Narayanan et al. 2021, Sec. 4.2); dropout 0.1 (pretrain_gpt defaults)
+        args.update(dropout=0.1, attention="megatron")
     return str(ROOT / "examples" / "gpt.py"), args
 
 
