@@ -188,3 +188,12 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     out[:, col["fwd_s"]] += np.where(sharded, overlap_slowdown_s(fwd, next_fwd, slowdown), 0.0)
     out[:, col["bwd_s"]] += np.where(sharded, overlap_slowdown_s(bwd + rec, bwd_comm, slowdown), 0.0)
     return out
+
+
+def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
+                       memory_efficiency: float, reduce_factor: float = 1.0) -> np.ndarray:
+    """``with_sharded_dp_costs`` for one layer whose neighbours are like it (the planner's
+    per-layer tables price a layer alone): the middle of three copies of its row, so the gather
+    it computes under is its own size."""
+    return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
+                                 reduce_factor=reduce_factor)[1]
