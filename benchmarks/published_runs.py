@@ -231,8 +231,9 @@ def model_spec(row: dict) -> tuple[str, dict]:
         # MPT: flash attention (one fused kernel), no dropout (llm-foundry's MPT yamls)
         args.update(attention="sdpa")
     else:
-        # Megatron-LM's GPT: unfused attention in 2021, dropout 0.1 (its pretrain_gpt defaults)
-        args.update(dropout=0.1)
+        # Megatron-LM's GPT in 2021: attention without flash attention, its scale, causal mask and
+        # softmax one fused kernel (Narayanan et al. 2021, Sec. 4.2); dropout 0.1 (pretrain_gpt defaults)
+        args.update(dropout=0.1, attention="megatron")
     return str(ROOT / "examples" / "gpt.py"), args
 
 
@@ -274,6 +275,15 @@ def row_plan(row: dict, graph, cluster):
     return plan
 
 
+def sharded_runtime(family: str):
+    """The sharded-data-parallel implementation a family's runs used (simulator/sharded_dp.py,
+    item 4): the ZeRO-3 rows ran DeepSpeed of April 2021, the FSDP rows PyTorch FSDP; PTD-P
+    rows shard nothing."""
+    from autopar.simulator import sharded_dp
+
+    return sharded_dp.DEEPSPEED_ZERO3_2021 if family == "ZeRO-3" else sharded_dp.FSDP2
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
@@ -289,13 +299,14 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE
+    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
     autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
+    sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE = saved
+        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

@@ -66,6 +66,7 @@ CANONICAL: dict[str, str] = {
     "group_norm": "group_norm", "native_group_norm": "group_norm", "GroupNorm": "group_norm",
     # softmax
     "softmax": "softmax", "Softmax": "softmax", "safe_softmax": "softmax",
+    "scaled_upper_triang_masked_softmax": "softmax",   # Megatron-LM's fused scale + causal mask + softmax
     "log_softmax": "log_softmax", "LogSoftmax": "log_softmax",
     # dropout
     "dropout": "dropout", "native_dropout": "dropout", "Dropout": "dropout", "Dropout1d": "dropout",

@@ -10,7 +10,11 @@ Model arguments (all optional; a named ``size`` fills in the dimensions, explici
 * ``dropout``   -- probability for embedding, attention and residual dropout (default 0.0).
 * ``attention`` -- ``"math"`` (default): explicit Q K^T, causal mask, softmax, dropout, A V, so
   the saved activations are those Korthikanti et al. 2022 count; ``"sdpa"``: one
-  ``F.scaled_dot_product_attention`` call (what a fused kernel keeps).
+  ``F.scaled_dot_product_attention`` call (what a fused kernel keeps); ``"megatron"``: as
+  ``"math"``, but scale, causal mask and softmax are one op, ``scaled_upper_triang_masked_softmax``
+  -- the fused kernel Megatron-LM runs there (Narayanan et al. 2021, Sec. 4.2: a custom kernel
+  fusing scale, mask and softmax, with implicit causal masking for GPT models), so the scores
+  are read and written once instead of once per op.
 * ``dtype``     -- parameter dtype: ``float32`` (default), ``bfloat16`` or ``float16``.
 
 Structure (the names the plan refers to): ``tok_emb``, ``pos_emb``, ``drop``, ``blocks`` (an
@@ -82,6 +86,18 @@ def resolve_config(size: str = "gpt2-small", layers: int | None = None, hidden: 
     return cfg
 
 
+def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * scores) over the last dim with the future (above the diagonal) masked out:
+    what Megatron-LM's fused kernel of this name computes in one pass.  Kept whole by
+    ``torch.fx.wrap`` so the captured graph holds one op, as the fused kernel runs."""
+    s = scores.size(-1)
+    future = torch.ones((s, s), dtype=torch.bool, device=scores.device).triu(1)
+    return F.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
+
+
+torch.fx.wrap("scaled_upper_triang_masked_softmax")
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, dropout: float, attention: str):
         super().__init__()
@@ -91,6 +107,7 @@ class Attention(nn.Module):
         self.attn_drop = nn.Dropout(dropout)
         self.dropout_p = dropout
         self.use_sdpa = attention == "sdpa"
+        self.fused_softmax = attention == "megatron"
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSH.shape
@@ -100,6 +117,10 @@ class Attention(nn.Module):
         if self.use_sdpa:
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True)
+        elif self.fused_softmax:
+            att = scaled_upper_triang_masked_softmax(torch.matmul(q, k.transpose(-2, -1)),
+                                                     1.0 / math.sqrt(self.head_dim))   # [b, heads, s, s]
+            y = torch.matmul(self.attn_drop(att), v)                  # [b, heads, s, d]
         else:
             att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [b, heads, s, s]
             # The causal mask is built from the shape (not sliced from a buffer) so that
@@ -178,8 +199,8 @@ def _init_weights(module: nn.Module) -> None:
 def build_model(size: str = "gpt2-small", layers: int | None = None, hidden: int | None = None,
                 heads: int | None = None, seq: int | None = None, vocab: int | None = None,
                 dropout: float = 0.0, attention: str = "math", dtype: str = "float32") -> nn.Module:
-    if attention not in ("math", "sdpa"):
-        raise ValueError(f"attention={attention!r}; choose 'math' or 'sdpa'")
+    if attention not in ("math", "sdpa", "megatron"):
+        raise ValueError(f"attention={attention!r}; choose 'math', 'sdpa' or 'megatron'")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
     cfg = resolve_config(size, layers, hidden, heads, seq, vocab)

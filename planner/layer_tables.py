@@ -82,6 +82,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
     out = np.zeros(L)
     valid = np.ones((L, C), dtype=bool)
     memo: dict[tuple, tuple] = {}
+    sharded = _sharded_terms(evaluator, mesh, precision, cost_model)
     for i in range(L):
         can_split = bool(styles[i]) and mesh.tp > 1
         for c, ch in enumerate(choices):
@@ -92,6 +93,8 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 lp = LayerPlan(layer=i, tp=tuple(sorted(styles[i].items())) if eff.tp else (),
                                zero=eff.zero, recompute=eff.recompute, offload=eff.offload)
                 lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
+                if sharded is not None and eff.zero >= 2:
+                    lc = sharded(lc, lp)
                 t_mb, t_step = fold_layer_cost(lc, eff.zero, eff.offload == "cpu", num_microbatches)
                 memo[key] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
@@ -100,3 +103,29 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                              lc.output_bytes)
             time_mb[i, c], step[i, c], static[i, c], act[i, c], reserve[i, c], out[i] = memo[key]
     return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid)
+
+
+def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
+    """A function adding to a sharded layer's LayerCost what the simulator adds to whole plans'
+    rows (simulator/sharded_dp.py: FSDP2's copy-out and copy-in, the NCCL overlap slowdown, the
+    fp32 reduce-scatter), so the tables rank FSDP choices as the full price will; None where
+    those terms do not apply (a CPU profile's ranks take turns: evaluator._sharded_dp)."""
+    from autopar.simulator import cpu_node, sharded_dp
+    from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero, layer_cost_row
+    from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
+
+    cm = cost_model or evaluator.rank_cost_models(mesh)[0]
+    if cm.host_dispatch_bound or cpu_node.serial_communication(evaluator.cluster, mesh):
+        return None
+    n = len(LAYER_COST_FIELDS)
+    factor = sharded_dp.reduce_scale(precision, sharded_dp.REDUCE_BYTES)
+
+    def add(lc, lp: LayerPlan):
+        row = np.array(layer_cost_row(lc) + (float(effective_zero(lp.zero, mesh)),
+                                             1.0 if lp.offload == "cpu" else 0.0,
+                                             float(RECOMPUTE_CODE[lp.recompute])))
+        out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
+                                            cm.efficiency.get("memory_bound", 1.0), factor)
+        return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})
+
+    return add

@@ -252,7 +252,7 @@ class PlanEvaluator:
         """The plan's context and its per-layer table, as the step model reads them."""
         ctx, key = self._context(plan)
         rows = ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, ctx.processes)
-        rows = _sharded_dp(rows, ctx)   # FSDP copies and overlap slowdown (simulator/sharded_dp.py)
+        rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps)   # simulator/sharded_dp.py
         if ctx.waits_at_meetings:
             rows = cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
         return ctx, rows
@@ -335,16 +335,21 @@ class PlanEvaluator:
             peak_flops_per_gpu=peak)
 
 
-def _sharded_dp(rows: LayerTable, ctx: _Context) -> LayerTable:
-    """simulator/sharded_dp.py on a GPU plan's rows (a CPU profile's ranks take turns already)."""
+def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) -> LayerTable:
+    """simulator/sharded_dp.py on a GPU plan's rows (a CPU profile's ranks take turns already);
+    ``per_gpu_network_GBps``: one GPU's share of its node's network (the cluster's inter_node)."""
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
     from autopar.simulator import sharded_dp
 
+    dp = ctx.links.dp
     return LayerTable(sharded_dp.with_sharded_dp_costs(
         rows.data, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0),
-        reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES)))
+        reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES),
+        bandwidth_scale=sharded_dp.gather_bandwidth_scale(sharded_dp.RUNTIME, dp.level, dp.link.bandwidth_GBps,
+                                                          per_gpu_network_GBps),
+        latency_s=(dp.size - 1) * dp.link.latency_s))
 
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES

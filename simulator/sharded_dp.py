@@ -36,10 +36,44 @@ What this module adds:
    layer's gradients).  A run that reduced in bf16 is priced with REDUCE_BYTES = 2
    (benchmarks/published_runs.py does so for the published runs that state it).
 
+4. Which implementation runs (``RUNTIME``).  Everything above is what FSDP2 does -- what
+   autopar's runtime runs, and what every plan the planner writes is priced as.  A published run
+   made with another implementation is priced as that one ran (benchmarks/published_runs.py sets
+   ``RUNTIME`` per row):
+
+   * ``DEEPSPEED_ZERO3_2021``: DeepSpeed ZeRO-3 as of April 2021 (deepspeedai/DeepSpeed
+     c4f4ef5d4, the version the ZeRO-3 rows of Narayanan et al. 2021, Table 2 compare against).
+     (a) Parameters are fetched by a forward pre-hook on every sub-module and released by its
+     forward post-hook (``deepspeed/runtime/zero/stage3.py``, ``_pre_forward_module_hook`` ->
+     ``fetch_sub_module``, ``_post_forward_module_hook`` -> ``release_sub_module``); the hooks do
+     not tell a recomputed forward from the first one, so under activation recompute a layer's
+     parameters are gathered three times per micro-batch -- forward, recomputed forward, backward
+     -- where FSDP2 gathers twice (its pre-forward hook does nothing in backward).  The third
+     gather runs on the backward's communication stream, with its copy-out.  (b) Its inter-node
+     collectives are priced at one GPU's share of the node's network, not at the node's
+     aggregate that NCCL's multi-channel rings reach for FSDP2's flat per-layer buffers
+     (simulator/network.py): every parameter is gathered by its own ``torch.distributed.
+     all_gather`` into a list of ``world_size`` views, each preceded by a ``torch.cuda.
+     synchronize()`` (``partition_parameters.py``, ``_allgather_param``), which DeepSpeed's own
+     later work found left the gathers far below the link's bandwidth (deepspeedai/DeepSpeed
+     issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, 2021).  The
+     share is the figure the Table 2 runs themselves imply: at 768 and 1536 GPUs (one
+     micro-batch of 2 and 1 samples a GPU) the step stays at 66.7 s while the compute halves,
+     i.e. a fixed per-GPU traffic of about four model sizes in fp16 (three gathers and the
+     reduce-scatter, 4 x 349 GB) at about 21 GB/s a GPU -- one 200 Gb/s adapter at the
+     profile's inter-node efficiency.  This is a choice made on the rows of half A; the
+     benchmark's half B (the 384-GPU row) is held back from it.  Not modelled: DeepSpeed's
+     ``stage3_max_reuse_distance`` (default 1e9 elements), which keeps some of a block's last
+     sub-modules gathered between the recomputed forward and backward, and its default gradient
+     all-reduce (``reduce_scatter`` false in that version's defaults; the rows' configuration
+     is not published) -- the first would price the rows faster, the second slower.
+
 Kept apart from CPU effects: on a gloo profile (``host_dispatch_bound``) communication already
 takes turns with compute (topology.serial_communication) and nothing here applies.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,6 +86,31 @@ NCCL_OVERLAP_SLOWDOWN = 0.5
 
 #: bytes of one gradient element as the runtime reduce-scatters it (fp32: runtime/apply_dp.py)
 REDUCE_BYTES = 4.0
+
+
+@dataclass(frozen=True)
+class ShardedRuntime:
+    """How an implementation of sharded data parallelism moves parameters (module doc, item 4)."""
+    name: str
+    #: parameters are gathered again for a recomputed forward (a third gather per micro-batch)
+    regather_for_recompute: bool
+    #: inter-node collectives reach the node's aggregate network (simulator/network.py), not one
+    #: GPU's share of it
+    node_aggregate_rings: bool
+
+
+FSDP2 = ShardedRuntime("fsdp2", regather_for_recompute=False, node_aggregate_rings=True)
+DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False)
+#: the implementation priced; FSDP2 unless a caller prices a run made otherwise
+RUNTIME: ShardedRuntime = FSDP2
+
+
+def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float) -> float:
+    """Factor on the bandwidth part of a sharded collective's time: the node-aggregate ring's
+    bandwidth over one GPU's share where the runtime does not reach the aggregate (item 4b)."""
+    if runtime.node_aggregate_rings or level != "inter" or per_gpu_GBps <= 0:
+        return 1.0
+    return max(1.0, ring_GBps / per_gpu_GBps)
 
 
 def reduce_scale(precision: str, reduce_bytes: float) -> float:
@@ -75,7 +134,9 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 
 
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
-                          slowdown: float | None = None, reduce_factor: float = 1.0) -> np.ndarray:
+                          slowdown: float | None = None, reduce_factor: float = 1.0, *,
+                          runtime: ShardedRuntime | None = None, bandwidth_scale: float = 1.0,
+                          latency_s: float = 0.0) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
 
     ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
@@ -83,8 +144,12 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     its own reduce-scatter (the prefetch order of evaluator.layer_effective_times).  The unit
     bytes are the unsharded-parameter and -gradient buffers the rows already hold.
     ``reduce_factor`` (``reduce_scale``) scales the reduce-scatter and its copy-in.
+    ``runtime`` (default ``RUNTIME``): the implementation priced (item 4); ``bandwidth_scale``
+    (``gather_bandwidth_scale``) multiplies the part of each gather and reduce-scatter beyond its
+    ring latency ``latency_s`` ((N-1) alpha, what the rows' alpha-beta price holds besides bytes).
     """
     slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
+    runtime = RUNTIME if runtime is None else runtime
     zero = rows[:, zero_col]
     sharded = zero >= 2
     if not sharded.any():
@@ -99,6 +164,17 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     fwd, bwd = rows[:, col["fwd_s"]], rows[:, col["bwd_s"]]
     rec = rows[:, col["recompute_s"]]
     ag, rs = rows[:, col["dp_allgather_s"]], rows[:, col["dp_reducescatter_s"]] * reduce_factor
+    if bandwidth_scale != 1.0:
+        ag = np.where(ag > 0, latency_s + np.maximum(ag - latency_s, 0.0) * bandwidth_scale, 0.0)
+        rs = np.where(rs > 0, latency_s + np.maximum(rs - latency_s, 0.0) * bandwidth_scale, 0.0)
+        out[:, col["dp_allgather_s"]] = ag
+    if runtime.regather_for_recompute:
+        # item 4a: the recomputed forward gathers again, on the backward's communication stream
+        # (carried in the reduce-scatter column, the other traffic of that stream), with its copy-out
+        regather = gather3 & (rows[:, col["recompute"]] >= 2)
+        rs = rs + np.where(regather, ag, 0.0)
+        rec = rec + np.where(regather, cp_param, 0.0)
+        out[:, col["recompute_s"]] = rec
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
     out[:, col["fwd_s"]] = fwd + np.where(gather3, cp_param, 0.0)
     out[:, col["bwd_s"]] = bwd + np.where(gather3, cp_param, 0.0)
@@ -112,3 +188,12 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     out[:, col["fwd_s"]] += np.where(sharded, overlap_slowdown_s(fwd, next_fwd, slowdown), 0.0)
     out[:, col["bwd_s"]] += np.where(sharded, overlap_slowdown_s(bwd + rec, bwd_comm, slowdown), 0.0)
     return out
+
+
+def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
+                       memory_efficiency: float, reduce_factor: float = 1.0) -> np.ndarray:
+    """``with_sharded_dp_costs`` for one layer whose neighbours are like it (the planner's
+    per-layer tables price a layer alone): the middle of three copies of its row, so the gather
+    it computes under is its own size."""
+    return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
+                                 reduce_factor=reduce_factor)[1]

@@ -20,3 +20,27 @@ def test_better_validated_family_inside_the_band_is_preferred():
     # a better-validated winner keeps its place; no figures: no band
     assert choose([1.0, 1.01], [PTDP, FSDP])[0] == 0
     assert choose([1.0, 1.01], [None, PTDP])[:2] == (0, [False, False])
+
+
+def test_committed_figures_are_the_benchmarks_rows():
+    """The band reads the committed per-family figures of benchmarks/published_runs.py, each the
+    median |error| of that family's rows in the same file; the planner's plans (FSDP2 or PTD-P)
+    never take the DeepSpeed ZeRO-3 family's figures."""
+    import json
+    import statistics
+
+    import pytest
+
+    from autopar.planner.confidence import RESULTS, load_family_errors
+
+    if not RESULTS.exists():
+        pytest.skip("no committed benchmarks/results/published_runs.json")
+    errs = load_family_errors()
+    rows = json.loads(RESULTS.read_text())["rows"]
+    assert {"FSDP/a100", "FSDP/h100", "PTD-P/a100"} <= set(errs)
+    for key, fe in errs.items():
+        fam, gpu = key.split("/")
+        vals = [r["error"] for r in rows if r["family"] == fam and r["gpu"] == gpu]
+        assert fe.rows == len(vals)
+        assert fe.median_abs == pytest.approx(statistics.median(abs(v) for v in vals))
+        assert fe.mean_signed == pytest.approx(sum(vals) / len(vals))

@@ -60,3 +60,34 @@ def test_fit_picks_least_median_on_its_half(bench):
     by_value = {0.0: [("a", 0.3), ("b", 0.2)], 0.5: [("a", 0.05), ("b", 0.4)]}
     assert bench.fit_slowdown(by_value, {"a"}) == 0.5
     assert bench.fit_slowdown(by_value, {"b"}) == 0.0
+
+
+def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
+    # Narayanan et al. 2021 Table 2, ZeRO-3 without model parallelism, GPT 174.6B, batch 1536:
+    # 144 / 88 / 44 TFLOP/s per GPU on 384 / 768 / 1536 GPUs, Eq. 3 FLOPs by hand
+    b, s, l, h, v = 1536, 2048, 96, 12288, 51200
+    flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    for gpus, tflops in ((384, 144), (768, 88), (1536, 44)):
+        step = bench.measured_step_s(rows[f"megatron21_t2_ZeRO-3_174.6B_{gpus}gpu"])
+        assert step == pytest.approx(flops / (tflops * 1e12 * gpus), rel=1e-12)
+    # the published runs did not speed up from 768 to 1536 GPUs
+    assert flops / (88e12 * 768) == pytest.approx(flops / (44e12 * 1536))
+
+
+@pytest.mark.parametrize("rid", ["megatron21_t2_ZeRO-3_174.6B_384gpu", "megatron21_t2_ZeRO-3_174.6B_1536gpu",
+                                 "megatron21_t1_1.7B"])
+def test_rows_priced_near_the_published_step(bench, rows, rid):
+    """DeepSpeed ZeRO-3 (April 2021) and Megatron-LM's fused softmax priced as those runs ran
+    (simulator/sharded_dp.py item 4, examples/gpt.py attention="megatron"): the predicted step
+    against the step the published TFLOP/s imply, within 10%."""
+    r = bench.price_row(rows[rid], {})
+    assert r["fits"]
+    assert r["predicted_step_s"] == pytest.approx(bench.measured_step_s(rows[rid]), rel=0.10)
+
+
+def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp2(bench):
+    from autopar.simulator import sharded_dp
+
+    assert bench.sharded_runtime("ZeRO-3") is sharded_dp.DEEPSPEED_ZERO3_2021
+    assert bench.sharded_runtime("FSDP") is sharded_dp.FSDP2
+    assert sharded_dp.RUNTIME is sharded_dp.FSDP2          # what every plan of the planner is priced as

@@ -68,3 +68,44 @@ def test_megatron_145b_from_captured_model_file():
     assert megatron_flops(B, s, l, h, V) / r.step_time_s / 1536 / 1e12 == pytest.approx(148.0, rel=0.10)
     assert r.hardware_flops_per_step == pytest.approx(megatron_flops(B, s, l, h, V), rel=0.02)
     assert r.fits and r.max_memory_bytes < 80 * 2**30
+
+
+def test_megatron_fused_softmax_is_one_op_and_computes_plain_causal_attention():
+    """examples/gpt.py attention="megatron": scale, causal mask and softmax captured as one softmax
+    op over the scores (Megatron-LM's fused kernel, Narayanan et al. 2021 Sec. 4.2), and the model
+    computes what a plain PyTorch causal attention computes."""
+    import math
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+
+    capture = pytest.importorskip("autopar.core.capture")
+    path = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    args = dict(layers=2, hidden=64, heads=4, seq=32, vocab=50)   # head dim 16, scores 32 x 32
+    fused = capture.capture_model_file(path, args | {"attention": "megatron"}, 2)
+    plain = capture.capture_model_file(path, args | {"attention": "math"}, 2)
+    block = [i for i, layer in enumerate(fused.layers) if layer.kind not in ("pre", "post")][0]
+    kinds = [o.kind for o in fused.layer_ops(block)]
+    def score_ops(graph):        # the ops on the [b, heads, s, s] scores
+        return [o for o in graph.layer_ops(block)
+                if len(o.output_shape) == 4 and tuple(o.output_shape[-2:]) == (32, 32) and o.kind != "view"]
+
+    # on the [b, heads, s, s] scores: Q K^T, the one fused softmax, dropout -- no separate scale or mask
+    assert kinds.count("softmax") == 1
+    assert sorted(o.kind for o in score_ops(fused)) == ["dropout", "matmul", "softmax"]
+    assert len(score_ops(plain)) == len(score_ops(fused)) + 2      # the unfused path's scale and mask
+    # numerics: a plain causal softmax attention on the model's own q, k, v
+    from importlib import util
+
+    spec = util.spec_from_file_location("gpt_example", path)
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16, 8)
+    scores = x @ x.transpose(-2, -1)
+    want = F.softmax((scores / math.sqrt(8)).masked_fill(torch.ones(16, 16).triu(1).bool(), float("-inf")), dim=-1)
+    got = mod.scaled_upper_triang_masked_softmax(scores, 1 / math.sqrt(8))
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got.sum(-1), torch.ones(2, 4, 16))
+    assert (got.triu(1) == 0).all()

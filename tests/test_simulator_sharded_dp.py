@@ -74,3 +74,67 @@ def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
     assert A.bytes_factor("elementwise", "gelu", A.FP32_PARAMS) == 1.0     # on a linear's bf16 output
     assert A.bytes_factor("linear", "linear", A.FP32_PARAMS) == 1.0
     assert A.bytes_factor("norm", "layer_norm", A.OFF) == 1.0
+
+
+def test_deepspeed_2021_gathers_again_for_recompute_at_one_adapter_share():
+    from autopar.simulator.sharded_dp import DEEPSPEED_ZERO3_2021, FSDP2, gather_bandwidth_scale
+    from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE
+
+    # one GPU's 25 GB/s share of a node whose ring reaches 200 GB/s: 8 times the wire time
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "inter", 200.0, 25.0) == 8.0
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "intra", 300.0, 25.0) == 1.0
+    assert gather_bandwidth_scale(FSDP2, "inter", 200.0, 25.0) == 1.0
+    col = COLUMN_INDEX
+    rows = np.zeros((2, len(COLUMNS)))
+    for k in range(2):
+        rows[k, col["fwd_s"]], rows[k, col["bwd_s"]], rows[k, col["recompute_s"]] = 1.0, 2.0, 1.0
+        # 0.01 s of ring latency + 0.04 s of wire time for the gather, 0.01 + 0.03 for the reduce-scatter
+        rows[k, col["dp_allgather_s"]], rows[k, col["dp_reducescatter_s"]] = 0.05, 0.04
+        rows[k, col["fsdp_param_buffer_bytes"]] = 1e9
+        rows[k, col["zero"]] = 3
+        rows[k, col["recompute"]] = RECOMPUTE_CODE["full"]
+    cp = 2e9 / 1e12
+    out = with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, slowdown=0.0,
+                                runtime=DEEPSPEED_ZERO3_2021, bandwidth_scale=8.0, latency_s=0.01)
+    ag, rs = 0.01 + 8 * 0.04, 0.01 + 8 * 0.03
+    assert out[0, col["dp_allgather_s"]] == pytest.approx(ag)
+    # backward stream: the reduce-scatter and the recomputed forward's gather; its copy-out in recompute
+    assert out[0, col["dp_reducescatter_s"]] == pytest.approx(rs + ag)
+    assert out[0, col["recompute_s"]] == pytest.approx(1.0 + cp)
+    # FSDP2 on the same rows: two gathers, wire time as priced
+    fsdp = with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, slowdown=0.0, runtime=FSDP2)
+    assert fsdp[0, col["dp_reducescatter_s"]] == pytest.approx(0.04)
+    assert fsdp[0, col["recompute_s"]] == pytest.approx(1.0)
+
+
+def test_planner_tables_carry_the_sharded_terms_of_the_full_price():
+    """planner/layer_tables.py prices an FSDP block as the simulator prices it inside a model of
+    identical blocks: per micro-batch, max(compute, gather) forward and max(compute, backward
+    traffic) backward after the copies and the overlap slowdown (simulator/sharded_dp.py)."""
+    from autopar.core.cluster import load_cluster
+    from autopar.core.plan import LayerPlan, Mesh
+    from autopar.planner.layer_tables import build_layer_tables
+    from autopar.planner.space import LayerChoice
+    from autopar.simulator.configure import config_plan
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.step_model import layer_effective_times
+    from sim_graphs import gpt_graph
+
+    g = gpt_graph(8, 1024, 16, 1024, 50304)
+    cluster = load_cluster("dgx-a100-4x8")
+    ev = PlanEvaluator(g, cluster, CostModel.from_profile("a100-80gb-sxm"))
+    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=128, schedule="1f1b", virtual_stages=1,
+                       zero=3, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
+    ctx, rows = ev.prepare(plan)
+    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    blocks = [i for i, layer in enumerate(g.layers) if layer.kind not in ("pre", "post")]
+    k = blocks[len(blocks) // 2]                     # a block between two blocks
+    mesh = Mesh(dp=32, tp=1, pp=1)
+    t = build_layer_tables(ev, styles=[{} for _ in g.layers], signatures=[layer.signature for layer in g.layers],
+                           choices=[LayerChoice(zero=3)], mesh=mesh, micro_batch=2, num_microbatches=2,
+                           precision="bf16")
+    assert t.time_mb_s[k, 0] == pytest.approx(fwd[k] + bwd[k], rel=1e-9)
+    # and more than the layer's bare compute: the terms are there
+    bare = ev.layer_cost(k, LayerPlan(layer=k, zero=3), mesh, 2, "bf16")
+    assert t.time_mb_s[k, 0] > bare.fwd_s + bare.bwd_s
