@@ -9,9 +9,11 @@ ways the batch is split.  The layout is ``arange(world).view(*shape)`` -- the la
 -- so the innermost axis's groups are runs of consecutive ranks, which keeps them inside a
 node when the node's device count is a multiple of the axis size.
 
-A new axis (context parallelism ``cp``, say) is one ``Axis`` entry in ``AXES`` and one field
-of ``ParallelDims`` with default 1 (docs/design.md, "Adding a parallel axis"); the checks at
-the end of this module refuse a declaration and a class that disagree.
+A new axis (context parallelism ``cp``, say) is one ``Axis`` entry in ``AXES`` and one int
+field of ``ParallelDims`` with default 1 (docs/design.md, "Adding a parallel axis");
+``check_declaration`` refuses a declaration and a class that disagree.  The generic methods
+read the axes from the class (``axes``), so a subclass that declares one more axis gets all
+of them unchanged (tests/test_parallel_dims.py builds one with ``cp``).
 
 Nothing here imports torch: the planner and the simulator price plans without it.
 """
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
-SPLITS = ("batch", "layers", "tensors")
+SPLITS = ("batch", "layers", "tensors", "sequence")
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class Axis:
     """One parallel axis of the device mesh.
 
     ``splits``: what the ranks along the axis divide between them -- ``"batch"`` (samples:
-    data parallelism), ``"layers"`` (pipeline stages) or ``"tensors"`` (weights and
-    activations of one layer: tensor parallelism, Shoeybi et al. 2019).
+    data parallelism), ``"layers"`` (pipeline stages), ``"tensors"`` (the weights and
+    activations of one layer: tensor parallelism, Shoeybi et al. 2019) or ``"sequence"`` (the
+    tokens of one sample: context parallelism, Liu et al. 2023 ring attention).
     ``innermost``: the axis must be the innermost of the layout, so its groups are consecutive
     ranks and stay inside a node (tensor parallelism communicates inside every layer).
     ``plan_default``: the degree a plan file that lacks the axis's key is read with -- ``None``
@@ -57,14 +60,16 @@ AXIS_BY_NAME: dict[str, Axis] = {a.name: a for a in AXES}
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """One degree per axis of ``AXES``; ``sequence_parallel`` also shards the activations between
+    """One degree per axis of ``axes``; ``sequence_parallel`` also shards the activations between
     tensor-parallel regions on the sequence dim over the tp axis (Korthikanti et al. 2022).
 
     The fields are plain ints, read directly by the simulator's hot path (``dims.tp``); the
-    generic methods below are for everything that need not know which axes exist.  Field order
-    is the order of the plan file's keys and of the ``dp x tp x pp`` displays; the rank layout
-    follows ``AXES``.
+    generic methods below serve everything that need not know which axes exist.  Field order
+    is the order of the plan file's keys, of the CLI flags and of the ``dp x tp x pp`` displays;
+    the rank layout follows ``axes``.
     """
+    axes: ClassVar[tuple[Axis, ...]] = AXES
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -72,18 +77,14 @@ class ParallelDims:
 
     # ------------------------------------------------------------ shape
     @property
-    def axes(self) -> tuple[Axis, ...]:
-        return AXES
-
-    @property
     def axis_names(self) -> tuple[str, ...]:
         """Axis names outermost to innermost (``mesh_dim_names`` of the DeviceMesh)."""
-        return AXIS_NAMES
+        return tuple(a.name for a in self.axes)
 
     @cached_property
     def shape(self) -> tuple[int, ...]:
         """Degrees outermost to innermost (the DeviceMesh's shape)."""
-        return tuple(getattr(self, n) for n in AXIS_NAMES)
+        return tuple(getattr(self, a.name) for a in self.axes)
 
     @cached_property
     def world_size(self) -> int:
@@ -98,16 +99,22 @@ class ParallelDims:
         return tuple(reversed(out))
 
     def size(self, axis: str) -> int:
-        return getattr(self, AXIS_BY_NAME[axis].name)
+        return self.shape[self.axis_names.index(axis)]
+
+    @classmethod
+    def degree_names(cls) -> tuple[str, ...]:
+        """The axis names in field order (plan file keys, CLI flags, ``dp x tp x pp`` displays)."""
+        declared = {a.name for a in cls.axes}
+        return tuple(f.name for f in fields(cls) if f.name in declared)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Axis name -> degree, in field order (the plan file's keys)."""
-        return {n: getattr(self, n) for n in DEGREE_NAMES}
+        """Axis name -> degree, in field order."""
+        return {n: getattr(self, n) for n in self.degree_names()}
 
     def degree(self, splits: str) -> int:
         """How many ways the axes that split ``splits`` (``"batch"``, ...) divide it together."""
-        return _product(getattr(self, a.name) for a in AXES if a.splits == splits)
+        return _product(getattr(self, a.name) for a in self.axes if a.splits == splits)
 
     @cached_property
     def batch_degree(self) -> int:
@@ -118,47 +125,45 @@ class ParallelDims:
                  splits: str | None = None) -> str:
         """``dp 2 x tp 4 x pp 1``: the degrees in field order (``layout_order``: outermost axis
         first), of every axis or of those that split ``splits``."""
-        names = AXIS_NAMES if layout_order else DEGREE_NAMES
+        names = self.axis_names if layout_order else self.degree_names()
+        kinds = {a.name: a.splits for a in self.axes}
         return sep.join(fmt.format(name=n, size=getattr(self, n)) for n in names
-                        if splits is None or AXIS_BY_NAME[n].splits == splits)
+                        if splits is None or kinds[n] == splits)
 
     @property
     def layout(self) -> str:
-        return f"ranks = arange(world_size).view({', '.join(AXIS_NAMES)})"
+        return f"ranks = arange(world_size).view({', '.join(self.axis_names)})"
 
     # ------------------------------------------------------ coordinates
     def coords(self, rank: int) -> tuple[int, ...]:
         """The rank's coordinate on each axis, outermost to innermost."""
-        out = []
-        for stride, size in zip(self._strides, self.shape):
-            out.append(rank // stride % size)
-        return tuple(out)
+        return tuple(rank // stride % size for stride, size in zip(self._strides, self.shape))
 
     def coords_by_axis(self, rank: int) -> dict[str, int]:
         """Axis name -> the rank's coordinate on it."""
-        return dict(zip(AXIS_NAMES, self.coords(rank)))
+        return dict(zip(self.axis_names, self.coords(rank)))
 
     def coord(self, rank, axis: str):
         """The rank's coordinate on ``axis`` (``rank`` may be a numpy array of ranks)."""
-        i = AXIS_NAMES.index(axis)
+        i = self.axis_names.index(axis)
         return rank // self._strides[i] % self.shape[i]
 
     def rank(self, *coords: int) -> int:
         """The global rank at ``coords`` (one per axis, outermost to innermost)."""
-        assert len(coords) == len(AXES), f"{len(coords)} coordinates for the {len(AXES)} axes {AXIS_NAMES}"
+        assert len(coords) == len(self.axes), f"{len(coords)} coordinates for the axes {self.axis_names}"
         return sum(c * s for c, s in zip(coords, self._strides))
 
     def rank_at(self, **coords: int) -> int:
         """The global rank at the named coordinates; an axis not named is at coordinate 0."""
-        unknown = set(coords) - set(AXIS_NAMES)
-        assert not unknown, f"unknown axes {sorted(unknown)}; the axes are {AXIS_NAMES}"
-        return sum(coords.get(n, 0) * s for n, s in zip(AXIS_NAMES, self._strides))
+        names = self.axis_names
+        assert set(coords) <= set(names), f"unknown axes {sorted(set(coords) - set(names))}; the axes are {names}"
+        return sum(coords.get(n, 0) * s for n, s in zip(names, self._strides))
 
     def group(self, axis: str, rank: int = 0) -> tuple[int, ...]:
         """The ranks along ``axis`` through ``rank``: every rank that differs from it on that
         axis alone (the process group of the axis that ``rank`` belongs to)."""
         assert 0 <= rank < self.world_size, f"rank {rank} outside a world of {self.world_size}"
-        i = AXIS_NAMES.index(axis)
+        i = self.axis_names.index(axis)
         stride = self._strides[i]
         first = rank - self.coord(rank, axis) * stride
         return tuple(first + k * stride for k in range(self.shape[i]))
@@ -166,7 +171,7 @@ class ParallelDims:
     def ranks_where(self, **fixed: int) -> list[int]:
         """Every rank whose coordinates match ``fixed`` (the others range over their degrees),
         in rank order."""
-        ranges = [[fixed[n]] if n in fixed else range(self.size(n)) for n in AXIS_NAMES]
+        ranges = [[fixed[n]] if n in fixed else range(size) for n, size in zip(self.axis_names, self.shape)]
         return [self.rank(*point) for point in _grid(ranges)]
 
     def groups(self, axis: str, **fixed: int) -> list[tuple[int, ...]]:
@@ -179,9 +184,9 @@ class ParallelDims:
         """(field, value, what it must be) for each degree below 1 and for sequence parallelism
         without a tensor-parallel axis to ride on."""
         out: list[tuple[str, Any, str]] = []
-        for n in DEGREE_NAMES:
-            if getattr(self, n) < 1:
-                out.append((f"mesh.{n}", getattr(self, n), "a positive integer"))
+        for n, size in self.degrees.items():
+            if size < 1:
+                out.append((f"mesh.{n}", size, "a positive integer"))
         if self.sequence_parallel and self.tp == 1:
             out.append(("mesh.sequence_parallel", True,
                         "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)"))
@@ -198,11 +203,24 @@ class ParallelDims:
         """The dims in a plan file's ``mesh`` object; ``read_int(d, key, default)`` and
         ``read_flag(d, key)`` check the types and name the field they refuse.  ``world_size``
         and ``layout`` are written for the reader and recomputed, not read."""
-        degrees = {n: read_int(d, n, AXIS_BY_NAME[n].plan_default) for n in DEGREE_NAMES}
+        default = {a.name: a.plan_default for a in cls.axes}
+        degrees = {n: read_int(d, n, default[n]) for n in cls.degree_names()}
         return cls(**degrees, sequence_parallel=read_flag(d, "sequence_parallel"))
 
 
-def factorisations(world_size: int, rules: Mapping[str, Callable[[int], Iterable[int]]]) -> Iterator[dict[str, int]]:
+def check_declaration(cls: type[ParallelDims]) -> None:
+    """The axes and the class agree: one int field per declared axis, each splitting a known
+    thing, at most one innermost axis and it last (an internal invariant of the declaration)."""
+    names = [a.name for a in cls.axes]
+    ints = [f.name for f in fields(cls) if f.name != "sequence_parallel"]
+    assert len(set(names)) == len(names), f"an axis is declared twice in {names}"
+    assert set(ints) == set(names), f"{cls.__name__} fields {ints} != declared axes {names}"
+    assert all(a.splits in SPLITS for a in cls.axes), f"an axis splits something outside {SPLITS}"
+    assert all(not a.innermost for a in cls.axes[:-1]), "only the last declared axis may be innermost"
+
+
+def factorisations(world_size: int, rules: Mapping[str, Callable[[int], Iterable[int]]],
+                   axis_names: Iterable[str] = AXIS_NAMES) -> Iterator[dict[str, int]]:
     """Every assignment of a degree to each declared axis whose product is ``world_size``.
 
     ``rules`` names every axis once, in the order to enumerate them (the first varies slowest);
@@ -210,16 +228,17 @@ def factorisations(world_size: int, rules: Mapping[str, Callable[[int], Iterable
     the axes after it.  A degree that does not divide ``n`` is skipped, and the last axis takes
     exactly the ranks left (when its rule admits that many).
     """
-    if set(rules) != set(AXIS_NAMES) or len(rules) != len(AXIS_NAMES):
-        raise ValueError(f"factorisations needs one rule per axis {AXIS_NAMES}; got {tuple(rules)}")
+    names = tuple(axis_names)
+    if sorted(rules) != sorted(names):
+        raise ValueError(f"factorisations needs one rule per axis {names}; got {tuple(rules)}")
     order = list(rules)
 
     def walk(i: int, left: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
-        name = order[i]
+        name, last = order[i], i == len(order) - 1
         for d in rules[name](left):
-            if d < 1 or left % d or (i == len(order) - 1 and d != left):
+            if d < 1 or left % d or (last and d != left):
                 continue
-            if i == len(order) - 1:
+            if last:
                 yield {**chosen, name: d}
             else:
                 yield from walk(i + 1, left // d, {**chosen, name: d})
@@ -243,11 +262,6 @@ def _grid(ranges: list) -> Iterator[tuple[int, ...]]:
             yield (head, *rest)
 
 
-#: the axis names in ParallelDims' field order (plan file keys, CLI flags, ``dp x tp x pp`` displays)
-DEGREE_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ParallelDims) if f.name != "sequence_parallel")
-
-# The declaration and the class must agree: one int field per declared axis, each splitting a
-# known thing, at most one innermost axis and it last.
-assert set(DEGREE_NAMES) == set(AXIS_NAMES), f"ParallelDims fields {DEGREE_NAMES} != declared axes {AXIS_NAMES}"
-assert all(a.splits in SPLITS for a in AXES), f"an axis splits something outside {SPLITS}"
-assert all(not a.innermost for a in AXES[:-1]), "only the last declared axis may be innermost"
+check_declaration(ParallelDims)
+#: the axis names in field order (plan file keys, CLI flags, ``dp x tp x pp`` displays)
+DEGREE_NAMES: tuple[str, ...] = ParallelDims.degree_names()
