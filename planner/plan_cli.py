@@ -82,9 +82,9 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
                           time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
-                          **{name: getattr(args, name) for name in DEGREE_NAMES}, zero=args.zero, offload=args.offload,
-                          micro_batch=args.micro_batch, fixed_schedule=args.schedule,
-                          memory_headroom=args.memory_headroom)
+                          **{name: getattr(args, name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
+                          zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
+                          fixed_schedule=args.schedule, memory_headroom=args.memory_headroom)
     if args.recompute is not None:
         options = replace(options, recompute=(args.recompute,))
     if args.schedule is not None:

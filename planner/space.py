@@ -9,9 +9,10 @@ and the pipeline knobs (micro-batch size and count, GPipe / 1F1B / interleaved 1
 Narayanan et al. 2021).
 
 Topology: ranks are ``arange(world).view(dp, pp, tp)`` over the named axes of
-core/parallel_dims.py, so a tp group is a run of ``tp`` consecutive ranks; it stays inside a node when tp divides the GPUs per node.  On a
-heterogeneous cluster (node groups of different GPUs, ranks numbered group by group) the
-pipeline coordinate sits between dp and tp, so different stages may land on different
+core/parallel_dims.py, so a tp group is a run of ``tp`` consecutive ranks; it stays inside a
+node when tp divides the GPUs per node.  On a heterogeneous cluster (node groups of different
+GPUs, ranks numbered group by group) the pipeline coordinate sits between dp and tp, so
+different stages may land on different
 groups: the stage DP prices each stage position on its own devices.
 
 Pure enumeration: no torch, no simulator.

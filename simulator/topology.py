@@ -3,9 +3,9 @@
 Ranks are laid out over the named axes of ``core/parallel_dims.py``
 (``arange(world).view(dp, pp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
 a pipeline pair is ``tp`` ranks apart and a data-parallel group strides by ``pp * tp``; the
-groups come from ``ParallelDims.group``/``groups``, never from the strides spelled out here.  A group on one node uses the node's link (the slowest GPU's
-link in a heterogeneous node group); a group that spans nodes pays the inter-node link, which
-then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
+groups come from ``ParallelDims.group``/``groups``.  A group on one node uses the node's link
+(the slowest GPU's link in a heterogeneous node group); a group that spans nodes pays the
+inter-node link, which then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     # rank (and dp replica for tp) covers every distinct placement when gpus_per_node divides
     # the strides, and a bounded sample otherwise.
     dps = range(mesh.dp) if not cluster.homogeneous or mesh.dp * mesh.pp <= 64 else range(0, mesh.dp, max(1, mesh.dp // 8))
-    tp_groups = [_group(cluster, list(mesh.group("tp", mesh.rank_at(dp=d, pp=p)))) for d in dps for p in range(mesh.pp)]
+    tp_groups = [_group(cluster, list(mesh.group("tp", mesh.rank_at(dp=d, pp=p))))
+                 for d in dps for p in range(mesh.pp)]
     dp_groups = [_group(cluster, list(g)) for g in mesh.groups("dp", tp=0)]
     # a pipeline sends point to point between neighbouring stages: each pair of the first pp group
     pipe = mesh.group("pp")
