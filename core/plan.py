@@ -2,9 +2,10 @@
 
 A plan says how to train one model on one cluster:
 
-* ``Mesh``        -- dp x pp x tp ranks (tp innermost, so a tensor-parallel group is a run of
-                     consecutive ranks and stays inside a node), plus sequence parallelism on
-                     the tp axis.
+* ``Mesh``        -- the degree of each named parallel axis (``core.parallel_dims.ParallelDims``:
+                     ranks = arange(world).view(dp, pp, tp), tp innermost so a tensor-parallel
+                     group is a run of consecutive ranks inside a node), plus sequence
+                     parallelism on the tp axis.
 * ``Pipeline``    -- stages as layer ranges, the schedule and the micro-batch count (with
                      ``pp == 1`` the micro-batches are gradient-accumulation steps).
 * ``LayerPlan``   -- per layer: tensor-parallel style per module (the SOAP parameter split,
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 from autopar.core.errors import PlanFileError
 from autopar.core.jsonfile import read_json_object
 from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
+from autopar.core.parallel_dims import AXES, AXIS_NAMES, ParallelDims
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -41,33 +43,8 @@ TP_STYLES = ("colwise", "rowwise")  # Megatron column / row split of a Linear's 
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights
 
 
-@dataclass(frozen=True)
-class Mesh:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False   # shard activations on the sequence dim between TP regions
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    @property
-    def axis_names(self) -> tuple[str, str, str]:
-        return ("dp", "pp", "tp")
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) coordinates of a global rank; ranks = arange(world).view(dp, pp, tp)."""
-        d, rest = divmod(rank, self.pp * self.tp)
-        p, t = divmod(rest, self.tp)
-        return d, p, t
-
-    def rank(self, d: int, p: int, t: int) -> int:
-        return (d * self.pp + p) * self.tp + t
+#: the plan's mesh: one degree per named parallel axis (core/parallel_dims.py)
+Mesh = ParallelDims
 
 
 @dataclass(frozen=True)
@@ -146,16 +123,13 @@ class Plan:
     def validate(self, num_layers: int | None = None) -> None:
         """Raise PlanFileError naming the field when the plan is inconsistent."""
         m = self.mesh
-        for axis in ("dp", "tp", "pp"):
-            if getattr(m, axis) < 1:
-                _bad(f"mesh.{axis}", getattr(m, axis), "a positive integer")
         from autopar.core.cluster import MAX_DEVICES
 
         if m.world_size > MAX_DEVICES:
-            _bad("mesh", f"dp x pp x tp = {m.world_size} ranks", f"at most {MAX_DEVICES} ranks (autopar's bound "
-                                                                  f"on a cluster)")
-        if m.sequence_parallel and m.tp == 1:
-            _bad("mesh.sequence_parallel", True, "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)")
+            _bad("mesh", f"{' x '.join(AXIS_NAMES)} = {m.world_size} ranks", f"at most {MAX_DEVICES} ranks "
+                                                                             f"(autopar's bound on a cluster)")
+        for where, value, allowed in m.problems()[:1]:
+            _bad(where, value, allowed)
         p = self.pipeline
         if p.schedule not in SCHEDULES:
             _bad("pipeline.schedule", p.schedule, f"one of {', '.join(SCHEDULES)}")
@@ -163,10 +137,12 @@ class Plan:
             _bad("pipeline.num_microbatches", p.num_microbatches, "a positive integer")
         if self.micro_batch < 1:
             _bad("micro_batch", self.micro_batch, "a positive integer")
-        if self.global_batch != m.dp * self.micro_batch * p.num_microbatches:
+        if self.global_batch != m.batch_degree * self.micro_batch * p.num_microbatches:
+            batch_axes = [a.name for a in AXES if a.splits == "batch"]
             _bad("global_batch", self.global_batch,
-                 f"mesh.dp * micro_batch * pipeline.num_microbatches = {m.dp} * {self.micro_batch} * "
-                 f"{p.num_microbatches} = {m.dp * self.micro_batch * p.num_microbatches}")
+                 f"{' * '.join('mesh.' + n for n in batch_axes)} * micro_batch * pipeline.num_microbatches = "
+                 f"{' * '.join(str(m.size(n)) for n in batch_axes)} * {self.micro_batch} * "
+                 f"{p.num_microbatches} = {m.batch_degree * self.micro_batch * p.num_microbatches}")
         if not p.stages:
             _bad("pipeline.stages", [], "at least one stage")
         if len(p.stages) % m.pp:
@@ -215,10 +191,7 @@ class Plan:
             "model": {"file": self.model.file, "args": dict(self.model.args), "name": self.model.name,
                       "fingerprint": self.model.fingerprint},
             "cluster": self.cluster,
-            "mesh": {"dp": self.mesh.dp, "tp": self.mesh.tp, "pp": self.mesh.pp,
-                     "sequence_parallel": self.mesh.sequence_parallel,
-                     "world_size": self.mesh.world_size,
-                     "layout": "ranks = arange(world_size).view(dp, pp, tp)"},
+            "mesh": self.mesh.to_dict(),
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
             "precision": self.precision,
@@ -250,8 +223,8 @@ class Plan:
                 model=ModelRef(file=_text(md, "file", "model."), args=dict(_obj(md, "args", "model.", {})),
                                name=str(md.get("name", "")), fingerprint=_text(md, "fingerprint", "model.")),
                 cluster=str(d.get("cluster", "")),
-                mesh=Mesh(dp=_int(me, "dp", "mesh."), tp=_int(me, "tp", "mesh."), pp=_int(me, "pp", "mesh."),
-                          sequence_parallel=_flag(me, "sequence_parallel", "mesh.")),
+                mesh=Mesh.from_dict(me, lambda o, key, default: _int(o, key, "mesh.", default),
+                                    lambda o, key: _flag(o, key, "mesh.")),
                 global_batch=_int(d, "global_batch", ""),
                 micro_batch=_int(d, "micro_batch", ""),
                 precision=str(d.get("precision", "fp32")),

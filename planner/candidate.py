@@ -30,7 +30,7 @@ class Candidate:
 
     @property
     def global_batch(self) -> int:
-        return self.mesh.dp * self.micro_batch * self.num_microbatches
+        return self.mesh.batch_degree * self.micro_batch * self.num_microbatches
 
     def to_plan(self, *, model: ModelRef, styles: list[dict[str, str]], precision: str, cluster: str) -> Plan:
         stages = tuple(Stage(i, self.bounds[i], self.bounds[i + 1]) for i in range(self.num_stages))
@@ -49,8 +49,8 @@ class Candidate:
 def describe_difference(a: Candidate, b: Candidate) -> str:
     """What separates plan ``b`` from plan ``a``, in a few words."""
     parts = []
-    if (a.mesh.dp, a.mesh.tp, a.mesh.pp) != (b.mesh.dp, b.mesh.tp, b.mesh.pp):
-        parts.append(f"mesh dp{b.mesh.dp} tp{b.mesh.tp} pp{b.mesh.pp}")
+    if a.mesh.degrees != b.mesh.degrees:
+        parts.append(f"mesh {b.mesh.describe('{name}{size}', ' ')}")
     if a.mesh.sequence_parallel != b.mesh.sequence_parallel:
         parts.append("sequence parallel " + ("on" if b.mesh.sequence_parallel else "off"))
     if a.micro_batch != b.micro_batch:

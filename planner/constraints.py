@@ -13,6 +13,7 @@ from dataclasses import replace
 from autopar.core.cluster import Cluster
 from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
+from autopar.core.parallel_dims import DEGREE_NAMES
 from autopar.core.plan import Mesh
 from autopar.planner.space import mesh_candidates, zero_family_of
 
@@ -36,9 +37,9 @@ def candidate_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
 
 def mesh_allowed(m: Mesh, o) -> bool:
     ex = o.executable
-    if o.dp is not None and m.dp != o.dp or o.tp is not None and m.tp != o.tp or o.pp is not None and m.pp != o.pp:
+    if any(v != m.size(k) for k, v in fixed_degrees(o).items()):
         return False
-    if o.micro_batch is not None and (o.global_batch // m.dp) % o.micro_batch:
+    if o.micro_batch is not None and (o.global_batch // m.batch_degree) % o.micro_batch:
         return False
     if o.fixed_schedule is not None and m.pp == 1:
         return False
@@ -52,20 +53,26 @@ def mesh_allowed(m: Mesh, o) -> bool:
     return True
 
 
+def fixed_degrees(options) -> dict[str, int]:
+    """Axis name -> the degree the user fixed (``--dp 2``): ``PlanOptions`` holds one field per
+    parallel axis, ``None`` where the search chooses."""
+    return {k: v for k in DEGREE_NAMES if (v := getattr(options, k)) is not None}
+
+
 def constrain(options, graph: OpGraph, cluster: Cluster):
     """``options`` with the fixed knobs and the runtime's verdict applied; UserError if one cannot be had."""
     o, ex = options, options.executable
     world = cluster.world_size
-    fixed = {k: v for k, v in (("dp", o.dp), ("tp", o.tp), ("pp", o.pp)) if v is not None}
+    fixed = fixed_degrees(o)
     for k, v in fixed.items():
         if v < 1 or world % v:
             raise UserError(f"--{k} {v}: the cluster has {world} devices, which {v} does not divide.")
     prod = 1
     for v in fixed.values():
         prod *= v
-    if world % prod or (len(fixed) == 3 and prod != world):
+    if world % prod or (len(fixed) == len(DEGREE_NAMES) and prod != world):
         raise UserError(f"{' x '.join(f'{k} {v}' for k, v in fixed.items())} = {prod} does not fit the cluster's "
-                        f"{world} devices (dp x tp x pp must equal {world}).")
+                        f"{world} devices ({' x '.join(DEGREE_NAMES)} must equal {world}).")
     if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
         raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
                         f"{_reason(ex, f'tp={o.tp}', 'tensor parallel')}. Use --tp 1 or leave --tp out.")
@@ -114,7 +121,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     out = replace(o, **changes)
     if not candidate_meshes(out, cluster, len(graph.layers)):
         told = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                         (("dp", o.dp), ("tp", o.tp), ("pp", o.pp), ("micro_batch", o.micro_batch),
+                         (*fixed.items(), ("micro_batch", o.micro_batch),
                           ("schedule", o.fixed_schedule)) if v is not None)
         raise UserError(f"no mesh of {world} devices ({cluster.gpus_per_node} per node) with a global batch of "
                         f"{o.global_batch} satisfies {told or 'the constraints'} and what the runtime runs for this "

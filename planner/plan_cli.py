@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autopar.planner.headroom import DEFAULT_MEMORY_HEADROOM
 
     fix = parser.add_argument_group("fixed knobs", "fix any of these; the search chooses the rest")
-    fix.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel degree")
-    fix.add_argument("--tp", type=int, default=None, metavar="N", help="tensor-parallel degree")
-    fix.add_argument("--pp", type=int, default=None, metavar="N", help="pipeline-parallel degree (ranks)")
+    from autopar.core.parallel_dims import AXIS_BY_NAME, DEGREE_NAMES
+
+    for name in DEGREE_NAMES:                         # one flag per parallel axis: --dp, --tp, --pp
+        fix.add_argument(f"--{name}", type=int, default=None, metavar="N", help=AXIS_BY_NAME[name].help)
     fix.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
@@ -64,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.core.modelfile import parse_model_args
+    from autopar.core.parallel_dims import DEGREE_NAMES
     from autopar.core.plan import save_plan
     from autopar.planner.search import PlanOptions, search
     from autopar.simulator.cost_model import CostModel
@@ -80,9 +82,9 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
                           time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
-                          dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, offload=args.offload,
-                          micro_batch=args.micro_batch, fixed_schedule=args.schedule,
-                          memory_headroom=args.memory_headroom)
+                          **{name: getattr(args, name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
+                          zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
+                          fixed_schedule=args.schedule, memory_headroom=args.memory_headroom)
     if args.recompute is not None:
         options = replace(options, recompute=(args.recompute,))
     if args.schedule is not None:
@@ -177,8 +179,7 @@ def runnable_result(result, graph, model_file: str):
                 result.runner_ups = [e for e in pool if e is not ev]
                 result.best = ev
             return result, refused
-        m = ev.plan.mesh
-        refused.append(LeftOut(f"plan dp{m.dp} tp{m.tp} pp{m.pp} zero{ev.plan.zero}", err))
+        refused.append(LeftOut(f"plan {ev.plan.mesh.describe('{name}{size}', ' ')} zero{ev.plan.zero}", err))
     raise UserError("the runtime cannot run any of the fastest plans found for this model: "
                     + "; ".join(f"{x.kind}: {x.reason}" for x in refused)
                     + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")

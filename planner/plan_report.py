@@ -37,13 +37,13 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                          f"({result.num_infeasible} did not fit or run) in {plan.provenance.get('search_s', 0):.1f} s "
                          f"[{result.method}, seed {plan.provenance.get('seed')}]; capture {capture_s:.1f} s"))
     sp = ", sequence parallel" if m.sequence_parallel else ""
-    console.print(f"\n[bold]mesh[/bold]        dp {m.dp} x tp {m.tp} x pp {m.pp}{sp}  "
-                  f"(ranks = arange({m.world_size}).view(dp, pp, tp))")
+    console.print(f"\n[bold]mesh[/bold]        {m.describe()}{sp}  "
+                  f"(ranks = arange({m.world_size}).view({', '.join(m.axis_names)}))")
     pl = plan.pipeline
     v = len(pl.stages) // m.pp
     sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule == "interleaved" else "")
     console.print(f"[bold]batching[/bold]    micro-batch {plan.micro_batch} x {pl.num_microbatches} micro-batches "
-                  f"x dp {m.dp} = {plan.global_batch}")
+                  f"x {m.describe(splits='batch')} = {plan.global_batch}")
     if m.pp > 1 or v > 1:
         sizes = [s.end - s.start for s in pl.stages]
         console.print(f"[bold]pipeline[/bold]    {sched}; {len(pl.stages)} stages of "

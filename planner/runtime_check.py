@@ -174,9 +174,7 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
     rank = m.world_size - 1
     with fake_world(m.world_size, rank):
         mesh = init_device_mesh("cpu", m.shape, mesh_dim_names=m.axis_names)
-        d, p, t = m.coords(rank)
-        ctx = RankContext(rank=rank, world_size=m.world_size, local_rank=0, device=device, dp_rank=d, pp_rank=p,
-                          tp_rank=t, mesh=mesh)
+        ctx = RankContext.build(m, rank, local_rank=0, device=device, mesh=mesh)
         meta = copy.deepcopy(template)
         _check_even_splits(meta, plan)
 

@@ -8,10 +8,11 @@ the sequence dim across the tp axis, Korthikanti et al. 2022 Sec. 4.2.2) and Par
 and the pipeline knobs (micro-batch size and count, GPipe / 1F1B / interleaved 1F1B,
 Narayanan et al. 2021).
 
-Topology: ranks are ``arange(world).view(dp, pp, tp)`` (core/plan.py), so a tp group is a run
-of ``tp`` consecutive ranks; it stays inside a node when tp divides the GPUs per node.  On a
-heterogeneous cluster (node groups of different GPUs, ranks numbered group by group) the
-pipeline coordinate sits between dp and tp, so different stages may land on different
+Topology: ranks are ``arange(world).view(dp, pp, tp)`` over the named axes of
+core/parallel_dims.py, so a tp group is a run of ``tp`` consecutive ranks; it stays inside a
+node when tp divides the GPUs per node.  On a heterogeneous cluster (node groups of different
+GPUs, ranks numbered group by group) the pipeline coordinate sits between dp and tp, so
+different stages may land on different
 groups: the stage DP prices each stage position on its own devices.
 
 Pure enumeration: no torch, no simulator.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.core.parallel_dims import factorisations
 from autopar.core.plan import LayerPlan, Mesh
 
 #: ZeRO "families": DDP (0) and ZeRO-1 (1) apply to the whole model; stages 2 and 3 may be
@@ -64,28 +66,34 @@ def divisors(n: int) -> list[int]:
 def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, global_batch: int,
                     max_tp: int | None = None, tp_inside_node: bool = True,
                     sequence_parallel: bool = True) -> list[Mesh]:
-    """Every dp x tp x pp = world_size the cluster and the batch admit.
+    """Every factorisation of world_size over the parallel axes the cluster and the batch admit.
 
+    One rule per axis (core.parallel_dims.factorisations), enumerated tp, then pp, then dp:
     tp is a power of two (head and hidden counts are) and at most ``max_tp`` and, unless
     ``tp_inside_node`` is False, at most the GPUs per node and a divisor of it, so a tp group
-    never crosses a node; pp is at most the number of layers; dp divides the global batch.
-    With tp > 1 each mesh comes with and without sequence parallelism.
+    never crosses a node; pp is at most the number of layers; dp takes the ranks left and
+    divides the global batch.  With tp > 1 each mesh comes with and without sequence
+    parallelism.
     """
     limit = max_tp or world_size
-    tps = [t for t in powers_of_two_up_to(min(limit, world_size)) if world_size % t == 0]
-    if tp_inside_node:
-        tps = [t for t in tps if t <= gpus_per_node and gpus_per_node % t == 0]
+
+    def tp_degrees(left: int) -> list[int]:
+        tps = [t for t in powers_of_two_up_to(min(limit, left)) if left % t == 0]
+        if tp_inside_node:
+            tps = [t for t in tps if t <= gpus_per_node and gpus_per_node % t == 0]
+        return tps
+
+    def pp_degrees(left: int) -> list[int]:
+        return [p for p in divisors(left) if p <= num_layers]
+
+    def dp_degrees(left: int) -> list[int]:
+        return [left] if global_batch % left == 0 else []
+
     out: list[Mesh] = []
-    for tp in tps:
-        for pp in divisors(world_size // tp):
-            if pp > num_layers:
-                continue
-            dp = world_size // (tp * pp)
-            if global_batch % dp:
-                continue
-            out.append(Mesh(dp=dp, tp=tp, pp=pp))
-            if tp > 1 and sequence_parallel:
-                out.append(Mesh(dp=dp, tp=tp, pp=pp, sequence_parallel=True))
+    for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "dp": dp_degrees}):
+        out.append(Mesh(**degrees))
+        if degrees["tp"] > 1 and sequence_parallel:
+            out.append(Mesh(**degrees, sequence_parallel=True))
     return out
 
 

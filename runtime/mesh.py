@@ -1,9 +1,10 @@
 """Process group and DeviceMesh from a plan's mesh.
 
 The backend follows the device: NCCL when CUDA is available, gloo otherwise.  The mesh is
-``init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))``, whose rank
-layout is ``arange(world).view(dp, pp, tp)`` -- the layout ``autopar.core.plan.Mesh`` defines,
-so ``Mesh.coords(rank)`` and the DeviceMesh agree.  Size-1 axes stay in the mesh (a size-1
+``init_device_mesh(device, dims.shape, mesh_dim_names=dims.axis_names)`` over the plan's named
+axes (``core/parallel_dims.py``, today ``(dp, pp, tp)``), whose rank layout is
+``arange(world).view(*dims.shape)`` -- the layout ``ParallelDims`` defines, so
+``dims.coords_by_axis(rank)`` and the DeviceMesh agree.  Size-1 axes stay in the mesh (a size-1
 sub-mesh is harmless) and every ``apply_*`` function receives the 1-D sub-mesh it needs.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,15 +27,30 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class RankContext:
-    """Where this process sits: global rank, device, and its (dp, pp, tp) coordinates."""
+    """Where this process sits: global rank, device, and its coordinate on each named axis."""
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
+    coords: Mapping[str, int]        # axis name -> this rank's coordinate (ParallelDims.coords_by_axis)
     mesh: DeviceMesh
+
+    @classmethod
+    def build(cls, dims: Mesh, rank: int, local_rank: int, device: torch.device, mesh: DeviceMesh) -> "RankContext":
+        return cls(rank=rank, world_size=dims.world_size, local_rank=local_rank, device=device,
+                   coords=MappingProxyType(dims.coords_by_axis(rank)), mesh=mesh)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
 
     @property
     def is_logging_rank(self) -> bool:
@@ -55,7 +73,7 @@ def launched_world_size() -> int:
 
 
 def init_distributed(plan_mesh: Mesh) -> RankContext:
-    """Start the process group (if the launcher has not) and build the 3-D DeviceMesh."""
+    """Start the process group (if the launcher has not) and build the DeviceMesh of the plan's axes."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = device_for_local_rank(local_rank)
     if not dist.is_initialized():
@@ -69,10 +87,7 @@ def init_distributed(plan_mesh: Mesh) -> RankContext:
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                 device_id=device if device.type == "cuda" else None)
     mesh = init_device_mesh(device.type, plan_mesh.shape, mesh_dim_names=plan_mesh.axis_names)
-    rank = dist.get_rank()
-    d, p, t = plan_mesh.coords(rank)
-    return RankContext(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank, device=device,
-                       dp_rank=d, pp_rank=p, tp_rank=t, mesh=mesh)
+    return RankContext.build(plan_mesh, dist.get_rank(), local_rank, device, mesh)
 
 
 def _attempt_store() -> dist.Store | None:

@@ -270,7 +270,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         notes.append(f"schedule {plan.pipeline.schedule} with {plan.pipeline.num_microbatches} micro-batches for "
                      f"{num_stages} stages runs as {runs_as} (torch's Schedule1F1B needs at least one micro-batch "
                      f"per stage; the order differs only on the last stages, the bubble is the same)")
-    warnings = batch_norm_warnings(meta, plan.mesh.dp, plan.pipeline.num_microbatches, plan.micro_batch)
+    warnings = batch_norm_warnings(meta, plan.mesh.batch_degree, plan.pipeline.num_microbatches, plan.micro_batch)
     low = LOW_PRECISION.get(plan.precision)
     return ParallelModel(notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,

@@ -51,7 +51,7 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
     if world_size is not None and world_size != plan.world_size:
         m = plan.mesh
         raise PlanFileError(
-            f"plan file {plan_path} is for {plan.world_size} ranks (mesh dp={m.dp} x pp={m.pp} x tp={m.tp}) "
+            f"plan file {plan_path} is for {plan.world_size} ranks (mesh {m.describe('{name}={size}', layout_order=True)}) "
             f"but this launch has {world_size}. Start it with 'torchrun --nproc-per-node {plan.world_size} "
             f"-m autopar.runtime {plan_path}' (or nodes x processes per node = {plan.world_size}), "
             f"or plan again for {world_size} ranks.")

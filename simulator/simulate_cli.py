@@ -30,9 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", metavar="N", type=int, default=None,
                         help="scale a single-group cluster to N nodes (what-if; the file stays as it is)")
     g = parser.add_argument_group("configuration (ignored for a plan.json)")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the devices left)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron column/row pairs)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    from autopar.core.parallel_dims import AXIS_BY_NAME, DEGREE_NAMES
+
+    for name in DEGREE_NAMES:        # one flag per parallel axis; the batch axis takes the devices left
+        axis = AXIS_BY_NAME[name]
+        if axis.splits == "batch":
+            g.add_argument(f"--{name}", type=int, default=None, help=f"{axis.help} (default: the devices left)")
+        else:
+            g.add_argument(f"--{name}", type=int, default=1, help=f"{axis.help} (default 1)")
     g.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data-parallel rank")
     g.add_argument("--global-batch", type=int, default=None, help="samples per step (default dp x micro-batch x pp)")
     g.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b")
@@ -93,18 +98,15 @@ def main(args: argparse.Namespace) -> int:
         model_args = parse_model_args(args.model_args)
         graph = capture_model_file(str(target), model_args, args.micro_batch)
         precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
-        dp = args.dp
-        if dp is None:
-            dp = max(1, cluster.world_size // (args.tp * args.pp))
-        plan = config_plan(graph, dp=dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
+        plan = config_plan(graph, **_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
                            global_batch=args.global_batch, schedule=args.schedule,
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
                            offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
                            cluster_name=cluster.name)
     capture_s = time.perf_counter() - t0
     if plan.world_size > cluster.world_size:
-        raise UserError(f"the configuration needs dp x tp x pp = {plan.world_size} devices; cluster {cluster.name} "
-                        f"has {cluster.world_size}. Lower a degree or add nodes with --nodes.")
+        raise UserError(f"the configuration needs {' x '.join(plan.mesh.degrees)} = {plan.world_size} devices; "
+                        f"cluster {cluster.name} has {cluster.world_size}. Lower a degree or add nodes with --nodes.")
     try:
         plan.validate(len(graph.layers))
         result = simulate(graph, plan, cluster, cms, timeline=bool(args.trace))
@@ -112,12 +114,12 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"cannot simulate this configuration: {e}") from None
     sim_s = time.perf_counter() - t0 - capture_s
     if args.trace:
-        names = {d: f"rank {d} (pipeline rank {plan.mesh.coords(d)[1]})" for d in {e['device'] for e in result.timeline}}
+        names = {d: f"rank {d} (pipeline rank {plan.mesh.coord(d, 'pp')})" for d in {e['device'] for e in result.timeline}}
         write_chrome_trace(args.trace, result.timeline, names)
     if args.json:
         out = result.to_dict()
         out.update(cluster=cluster.name, world_size=plan.world_size, capture_s=capture_s, simulate_s=sim_s,
-                   plan={"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp,
+                   plan={**plan.mesh.degrees,
                          "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
                          "num_microbatches": plan.pipeline.num_microbatches, "schedule": plan.pipeline.schedule,
                          "precision": plan.precision})
@@ -137,6 +139,18 @@ def _trace_end_s(events) -> float:
     return max((e["start_s"] + e["dur_s"] for e in events or ()), default=0.0)
 
 
+def _degrees(args: argparse.Namespace, world_size: int) -> dict[str, int]:
+    """The degree of each axis from its flag; an axis left unset (the batch axis) takes the
+    devices the others leave."""
+    from autopar.core.parallel_dims import DEGREE_NAMES
+
+    degrees = {name: getattr(args, name) for name in DEGREE_NAMES}
+    given = 1
+    for v in degrees.values():
+        given *= v or 1
+    return {name: max(1, world_size // given) if v is None else v for name, v in degrees.items()}
+
+
 def _gb(x: float) -> str:
     return f"{x / 2**30:.2f}"
 
@@ -148,7 +162,7 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     con = Console()
     m = plan.mesh
     con.print(f"[bold]{graph.model_name}[/] ({graph.params_total / 1e9:.2f}B parameters) on [bold]{cluster.name}[/] "
-              f"({cluster.world_size} devices): dp {m.dp} x tp {m.tp} x pp {m.pp}"
+              f"({cluster.world_size} devices): {m.describe()}"
               f"{' + sequence parallel' if m.sequence_parallel else ''}, {plan.pipeline.schedule} with "
               f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
               f"{plan.micro_batch}, global batch {plan.global_batch}, {plan.precision}")

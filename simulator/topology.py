@@ -1,10 +1,11 @@
 """Which link each parallel group of a mesh crosses on a cluster.
 
-Ranks are laid out as ``arange(world).view(dp, pp, tp)`` (core/plan.py), so a tensor-parallel
-group is a run of consecutive ranks, a pipeline pair is ``tp`` ranks apart and a data-parallel
-group strides by ``pp * tp``.  A group on one node uses the node's link (the slowest GPU's
-link in a heterogeneous node group); a group that spans nodes pays the inter-node link, which
-then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
+Ranks are laid out over the named axes of ``core/parallel_dims.py``
+(``arange(world).view(dp, pp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
+a pipeline pair is ``tp`` ranks apart and a data-parallel group strides by ``pp * tp``; the
+groups come from ``ParallelDims.group``/``groups``.  A group on one node uses the node's link
+(the slowest GPU's link in a heterogeneous node group); a group that spans nodes pays the
+inter-node link, which then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
 """
 from __future__ import annotations
 
@@ -58,16 +59,19 @@ def _slowest(links: list[GroupLink]) -> GroupLink:
 def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     """The slowest link of each kind of group over the whole mesh."""
     if mesh.world_size > cluster.world_size:
-        raise InfeasibleError(f"mesh dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp} = {mesh.world_size} ranks "
+        raise InfeasibleError(f"mesh {mesh.describe('{name}={size}', layout_order=True)} = {mesh.world_size} ranks "
                               f"exceeds the cluster's {cluster.world_size} devices")
     # On a homogeneous cluster every group of a kind is a translate of the first one, except
     # that groups may straddle node boundaries differently; checking the first of each pipeline
     # rank (and dp replica for tp) covers every distinct placement when gpus_per_node divides
     # the strides, and a bounded sample otherwise.
     dps = range(mesh.dp) if not cluster.homogeneous or mesh.dp * mesh.pp <= 64 else range(0, mesh.dp, max(1, mesh.dp // 8))
-    tp_groups = [_group(cluster, [mesh.rank(d, p, t) for t in range(mesh.tp)]) for d in dps for p in range(mesh.pp)]
-    dp_groups = [_group(cluster, [mesh.rank(d, p, 0) for d in range(mesh.dp)]) for p in range(mesh.pp)]
-    pp_groups = ([_group(cluster, [mesh.rank(0, p, 0), mesh.rank(0, p + 1, 0)]) for p in range(mesh.pp - 1)]
+    tp_groups = [_group(cluster, list(mesh.group("tp", mesh.rank_at(dp=d, pp=p))))
+                 for d in dps for p in range(mesh.pp)]
+    dp_groups = [_group(cluster, list(g)) for g in mesh.groups("dp", tp=0)]
+    # a pipeline sends point to point between neighbouring stages: each pair of the first pp group
+    pipe = mesh.group("pp")
+    pp_groups = ([_group(cluster, [a, b]) for a, b in zip(pipe, pipe[1:])]
                  or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
     host = min((g.host_to_device for g in cluster.groups), key=lambda link: link.bandwidth_GBps)
     return MeshLinks(_slowest(tp_groups), _slowest(dp_groups), _slowest(pp_groups), host)
@@ -77,13 +81,13 @@ def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:
     """Indices of the cluster's node groups holding ranks of pipeline rank ``pp_rank``."""
     if cluster.homogeneous:
         return {0}
-    return {cluster.device(mesh.rank(d, pp_rank, t)).group for d in range(mesh.dp) for t in range(mesh.tp)}
+    return {cluster.device(r).group for r in mesh.ranks_where(pp=pp_rank)}
 
 
 def node_stage_counts(cluster: Cluster, mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
     """(counts, host_bytes): per distinct node, how many of its devices run each pipeline rank
     (nodes x pp) and the node's host memory.  The mesh's ranks fill the cluster's devices in order
-    (rank r has pipeline coordinate (r // tp) % pp); nodes with the same row are listed once, so
+    (``mesh.coord(r, "pp")`` is rank r's pipeline rank); nodes with the same row are listed once, so
     the arrays stay small however many nodes the cluster has."""
     world = mesh.world_size
     node_of, host_of = [], []
@@ -97,7 +101,7 @@ def node_stage_counts(cluster: Cluster, mesh: Mesh) -> tuple[np.ndarray, np.ndar
         first += g.nodes
     node = np.concatenate(node_of)
     host = np.concatenate(host_of)
-    pp_rank = (np.arange(world) // mesh.tp) % mesh.pp
+    pp_rank = mesh.coord(np.arange(world), "pp")
     counts = np.zeros((int(node.max()) + 1, mesh.pp))
     np.add.at(counts, (node, pp_rank), 1.0)
     cap = np.zeros(len(counts))
