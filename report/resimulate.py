@@ -70,6 +70,6 @@ def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = Non
         figs.update(simulated_breakdown(events, device=0))
     per_stage = [float(m.total_bytes) for m in res.memory]
     if per_stage:
-        figs["memory_per_rank_bytes"] = [per_stage[min(plan.mesh.coords(r)[1], len(per_stage) - 1)]
+        figs["memory_per_rank_bytes"] = [per_stage[min(plan.mesh.coord(r, "pp"), len(per_stage) - 1)]
                                          for r in range(plan.world_size)]
     return figs, events

@@ -34,5 +34,5 @@ def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel
     if timeline:
         from autopar.simulator.step_trace import draw_step
 
-        events = draw_step(ctx, rows, [plan.mesh.rank(0, r, 0) for r in range(plan.mesh.pp)]).events
+        events = draw_step(ctx, rows, [plan.mesh.rank_at(pp=r) for r in range(plan.mesh.pp)]).events
     return ev.assemble(plan, ctx, rows, step_r, bubble, timeline=events)

@@ -113,7 +113,7 @@ def _name(kw):
 
 def _draw(graph, plan, cluster, cm):
     ctx, rows = PlanEvaluator(graph, cluster, cm).prepare(plan)
-    devices = [plan.mesh.rank(0, r, 0) for r in range(plan.mesh.pp)]
+    devices = [plan.mesh.rank_at(pp=r) for r in range(plan.mesh.pp)]
     return ctx, rows, draw_step(ctx, rows, devices), devices
 
 
@@ -205,7 +205,7 @@ def test_chrome_trace(tmp_path):
     write_chrome_trace(path, r.timeline)
     trace = json.loads(path.read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert {e["pid"] for e in events} == {plan.mesh.rank(0, p, 0) for p in range(plan.mesh.pp)}
+    assert {e["pid"] for e in events} == {plan.mesh.rank_at(pp=p) for p in range(plan.mesh.pp)}
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert {"compute", "tp", "fsdp", "pp"} <= {names[(e["pid"], e["tid"])] for e in events}
     assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(r.step_time_s * 1e6, rel=1e-9)
