@@ -18,6 +18,10 @@ Hopper's persistent warp-specialised kernels (CUTLASS 3.x "KernelTmaWarpSpeciali
 / "Cooperative": one consumer warp group's epilogue runs while the other's main loop keeps
 the tensor cores busy; TMA stores are asynchronous) overlap the epilogue with the next tile,
 so a profile says which it has (``gemm_epilogue``: "exposed" or "overlapped").
+
+A profile whose GEMM efficiency comes from a measured whole GEMM and that prices the epilogue
+exposed must take the epilogue out of that figure (``main_loop_efficiency``), or the epilogue
+of the measured shape is paid twice.
 """
 from __future__ import annotations
 
@@ -50,3 +54,23 @@ def exposed_epilogue_s(elements: float, element_bytes: float, memory_bandwidth_B
     if elements <= 0:
         return 0.0
     return elements * element_bytes / (memory_bandwidth_Bps * memory_efficiency)
+
+
+def main_loop_efficiency(measured_flops_per_s: float, m: float, n: float, k: float, element_bytes: float,
+                         peak_flops: float, wave_efficiency: float, memory_bandwidth_Bps: float,
+                         memory_efficiency: float) -> float:
+    """The main loop's fraction of peak implied by one measured whole GEMM of m x n x k.
+
+    A published throughput (a best-shape sweep, for instance) times the whole kernel, its
+    epilogue included; with the epilogue exposed, the main loop ran in the measured time less
+    the output stores, on ``wave_efficiency`` of the SMs' tile slots.  Raises ValueError when
+    the stores alone would take longer than the measured GEMM.
+    """
+    flops = 2.0 * m * n * k
+    total_s = flops / measured_flops_per_s
+    main_s = total_s - exposed_epilogue_s(m * n, element_bytes, memory_bandwidth_Bps, memory_efficiency)
+    if main_s <= 0:
+        raise ValueError(f"a {m:g} x {n:g} x {k:g} GEMM measured at {measured_flops_per_s:.3g} FLOP/s takes less "
+                         f"time than storing its output at {memory_bandwidth_Bps * memory_efficiency:.3g} B/s; "
+                         f"check the figure and the profile's memory bandwidth.")
+    return flops / (peak_flops * wave_efficiency * main_s)
