@@ -31,6 +31,7 @@ DEVICE_KINDS = ("gpu", "cpu")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")            # required in peak_flops; others (fp8, fp64) may be added
 EFFICIENCY_KINDS = ("linear", "matmul", "attention", "conv", "memory_bound")
 LINK_LEVELS = ("intra", "inter")
+GEMM_EPILOGUES = ("exposed", "overlapped")
 
 REQUIRED_KEYS = ("name", "device", "memory_bytes", "memory_bandwidth_Bps", "peak_flops", "efficiency",
                  "collective_efficiency", "sources", "op_table", "collective_table", "measured_by")
@@ -48,6 +49,9 @@ OPTIONAL_KEYS = {
     # factor, host Adam throughput for offloaded optimizer steps
     "num_sms": "whole",
     "gemm_tile": "tile",
+    # whether a GEMM kernel's output write follows its main loop ("exposed": Ampere cuBLAS) or
+    # runs beside the next tile's main loop ("overlapped": Hopper persistent kernels)
+    "gemm_epilogue": "epilogue",
     "host_adam_params_per_s": "positive",
     # written by `autopar profile`
     "machine": "object",
@@ -195,6 +199,7 @@ _OPTIONAL_KINDS = {
     "tile": schema.Leaf(lambda v: isinstance(v, list) and len(v) == 2 and _is_shape(v) and min(v) >= 1,
                         "a list of two whole numbers >= 1 (tile rows, tile columns)"),
     "object": schema.Leaf(lambda v: isinstance(v, dict), "a JSON object"),
+    "epilogue": schema.one_of(GEMM_EPILOGUES),
     "any": schema.ANY,
     "overheads": schema.Mapping({}, "an object mapping an overhead name (op_launch_s, ...) to seconds >= 0",
                                 extra=_NON_NEGATIVE),

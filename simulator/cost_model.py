@@ -39,6 +39,7 @@ from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
+from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
@@ -125,6 +126,7 @@ class CostModel:
     host_adam_params_per_s: float = 1.0e9
     num_sms: int = 0                      # streaming multiprocessors (0: no wave model)
     gemm_tile: tuple[int, int] = (256, 128)
+    gemm_epilogue: str = "overlapped"     # "exposed": a GEMM's output stores follow its main loop
     profile: Mapping[str, Any] = field(default_factory=dict, repr=False)
     overheads: Mapping[str, float] = field(default_factory=dict)
     #: CPU ranks: the waits at meetings of the ranks (a profile's ``sync_wait`` rows; empty on a GPU)
@@ -150,6 +152,7 @@ class CostModel:
                 host_adam_params_per_s=float(prof.get("host_adam_params_per_s", 1.0e9)),
                 num_sms=int(prof.get("num_sms", 0) or 0),
                 gemm_tile=tuple(int(x) for x in prof.get("gemm_tile", (256, 128))),
+                gemm_epilogue=str(prof.get("gemm_epilogue", "overlapped")),
                 profile=prof,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -230,11 +233,13 @@ class CostModel:
 
     def compute_time_ex(self, kind: str, flops: float, bytes_moved: float, dtype: str,
                         gemm_mnb: tuple[float, float, float] | None = None,
-                        variant: str | None = None) -> tuple[float, bool]:
+                        variant: str | None = None, backward: bool = False) -> tuple[float, bool]:
         """Seconds of one op of ``kind`` doing ``flops`` and moving ``bytes_moved``; measured?
 
         ``gemm_mnb`` = (m, n, batch) of a matmul's output enables the wave-quantisation
-        factor on top of the kind's efficiency (which is measured at full waves).  ``variant``
+        factor on top of the kind's efficiency (which is measured at full waves) and, on a
+        profile whose ``gemm_epilogue`` is "exposed", the output stores after the main loop
+        (simulator/gemm_epilogue.py; ``backward``: the gradient GEMMs' outputs).  ``variant``
         picks the measured rows (``op_variant``); compute kinds are looked up by FLOPs, the
         others by bytes.
         """
@@ -251,9 +256,16 @@ class CostModel:
             # memory-bound kinds: vector units at the dtype's peak bound the arithmetic side
             return max(flops / self.peak(dkey), mem_s), False
         eff = self.efficiency.get(eff_key, self.efficiency.get("matmul", 1.0))
+        epilogue_s = 0.0
         if gemm_mnb is not None:
             eff *= self.wave_efficiency(*gemm_mnb)
-        return max(flops / (self.peak(dkey) * eff), mem_s), False
+            if self.gemm_epilogue == "exposed":
+                epilogue_s = exposed_epilogue_s(gemm_output_elements(*gemm_mnb, flops, backward),
+                                                2.0 if dkey in ("bf16", "fp16") else 4.0,
+                                                self.memory_bandwidth_Bps, self.efficiency.get("memory_bound", 1.0))
+        # the output write is part of mem_s already: an exposed epilogue adds to the main loop,
+        # never beyond the memory roofline
+        return max(flops / (self.peak(dkey) * eff) + epilogue_s, mem_s), False
 
     def op_time_ex(self, op, dtype: str, shard: int = 1, *, backward: bool = False,
                    scale: float = 1.0, bytes_scale: float = 1.0, out_shard: int = 1) -> tuple[float, bool]:
@@ -270,7 +282,8 @@ class CostModel:
             # a view or a metadata op: no kernel, but on a CPU the host thread still dispatches it
             return (floor if self.host_dispatch_bound else 0.0), False
         t, m = (self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
-                                     variant=op_variant(op.kind, str(getattr(op, "target", ""))))
+                                     variant=op_variant(op.kind, str(getattr(op, "target", ""))),
+                                     backward=backward)
                 if flops > 0 or nbytes > 0 else (0.0, True))
         if copied > 0:
             # copies the operands' strides force (core/copies.py): a read and a write of each byte,
