@@ -70,8 +70,10 @@ class _Context:
     processes: int              # busy devices per node (topology.busy_devices_per_node)
     serial_comm: bool           # communication takes turns with compute (cpu_node.serial_communication)
     waits_at_meetings: bool     # the profile prices the waits of ranks that meet (cpu_node.with_meeting_waits)
-    row_context: int            # names (mesh, micro-batch, precision, stages) in the row cache's keys
+    row_context: int            # names (mesh, micro-batch, precision) in the row cache's keys
+    rows_key: tuple             # (row_context, per-layer cost model names): what a layer's row depends on
     rank_cm_names: list[str]
+    layer_cm_names: list[str]   # rank_cm_names of each layer's pipeline rank
     peak_flops: float           # the first pipeline rank's peak at the plan's precision (for MFU)
 
 
@@ -98,24 +100,44 @@ class PlanEvaluator:
              for i in range(self.num_layers)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
-        self._row_cache: dict[tuple, tuple] = {}
+        self._row_cache: dict[tuple, np.ndarray] = {}
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
+        self._relkey_by_id: dict[int, tuple] = {}
+        self._rel_ids: dict[tuple, int] = {}
         self._ctx_cache: dict[tuple, _Context] = {}
         self._links_cache: dict[Mesh, MeshLinks] = {}
-        self._last: tuple | None = None      # (ctx key, layer plans, rows)
-        self._last_context: tuple | None = None   # (pipeline, mesh, (micro-batch, precision), ctx, key)
+        self._layouts: dict[tuple, object] = {}
+        self._rank_cm_keys: dict[tuple, int] = {}
+        # the last rows built per _Context.rows_key: rows_key -> (layer plans, rows)
+        self._last_rows: dict[tuple, tuple] = {}
+        # contexts by the identity of the plan's pipeline and mesh objects (a search reuses them):
+        # (id(pipeline), id(mesh), micro-batch, precision) -> (pipeline, mesh, ctx, key); holding
+        # the objects keeps their ids from being reused while the entry lives
+        self._ctx_by_identity: dict[tuple, tuple] = {}
         self.num_layer_costs_computed = 0
 
     # ------------------------------------------------------------------ layer table
-    def _relative_key(self, index: int, lp: LayerPlan) -> tuple:
+    def _relative_key(self, index: int, lp: LayerPlan) -> int:
+        """The layer's choice relative to the layer (its signature, styles by path within the layer,
+        ZeRO, recompute, offload), as an integer: identical blocks under the same choice share it."""
+        # a search hands the same LayerPlan objects again (Candidate.to_plan's memo): look them
+        # up by identity first, which spares hashing their styles
+        hit = self._relkey_by_id.get(id(lp))
+        if hit is not None and hit[0] is lp and hit[1] == index:
+            return hit[2]
         k = (index, lp.tp, lp.zero, lp.recompute, lp.offload)
         rel = self._relkey_cache.get(k)
         if rel is None:
             prefix = self._prefix[index]
             styles = tuple(sorted((m[len(prefix):] if m.startswith(prefix) else m, s) for m, s in lp.tp))
-            rel = (self._sig[index], styles, lp.zero, lp.recompute, lp.offload)
+            # a small integer names the relative key in the caches' keys (cheap to hash)
+            rel = self._rel_ids.setdefault((self._sig[index], styles, lp.zero, lp.recompute, lp.offload),
+                                           len(self._rel_ids))
             self._relkey_cache[k] = rel
+        if len(self._relkey_by_id) >= 65536:
+            self._relkey_by_id.clear()
+        self._relkey_by_id[id(lp)] = (lp, index, rel)      # holding lp keeps its id from reuse
         return rel
 
     def links(self, mesh: Mesh) -> MeshLinks:
@@ -141,7 +163,13 @@ class PlanEvaluator:
         key = (self._relative_key(layer_index, layer_plan), mesh, micro_batch, precision, cm.name)
         cost = self._cost_cache.get(key)
         if cost is None:
-            layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
+            # the layout depends on the layer, its styles and the tp axis only: shared between
+            # the costs of every ZeRO / recompute / offload choice, micro-batch and dp x pp
+            layout_key = (layer_index, layer_plan.tp, mesh.tp, mesh.sequence_parallel)
+            layout = self._layouts.get(layout_key)
+            if layout is None:
+                layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
+                self._layouts[layout_key] = layout
             cost = compute_layer_cost(self.graph, layer_index, layout, layer_plan, mesh, micro_batch,
                                       precision, cm, self.links(mesh),
                                       # CPU nodes: oversubscribed compute slots; the waits of ranks
@@ -152,32 +180,39 @@ class PlanEvaluator:
             self.num_layer_costs_computed += 1
         return cost
 
-    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> tuple:
+    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> np.ndarray:
         rel = self._relative_key(index, lp)
-        rank = ctx.layer_rank[index]
-        key = (rel, ctx.row_context, ctx.rank_cm_names[rank])
+        key = (rel, ctx.row_context, ctx.layer_cm_names[index])
         row = self._row_cache.get(key)
         if row is None:
-            cm = ctx.rank_cm[rank]
+            cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
-            row = layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)), 1.0 if lp.offload == "cpu" else 0.0,
-                                       float(RECOMPUTE_CODE[lp.recompute]))
+            row = np.array(layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)),
+                                                1.0 if lp.offload == "cpu" else 0.0,
+                                                float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             self._row_cache[key] = row
         return row
 
     # -------------------------------------------------------------------- context
     def _context(self, plan: Plan) -> tuple[_Context, tuple]:
         pl = plan.pipeline
-        last = self._last_context
-        # a search move that changes only layers keeps the plan's mesh and pipeline objects:
-        # skip hashing the stages
-        if last is not None and last[0] is pl and last[1] is plan.mesh and last[2] == (plan.micro_batch, plan.precision):
-            return last[3], last[4]
+        # a search that keeps the plan's mesh and pipeline objects: skip hashing the stages
+        ident = (id(pl), id(plan.mesh), plan.micro_batch, plan.precision)
+        hit = self._ctx_by_identity.get(ident)
+        if hit is not None and hit[0] is pl and hit[1] is plan.mesh:
+            return hit[2], hit[3]
         key = (plan.mesh, plan.micro_batch, plan.precision, pl.stages, pl.schedule, pl.num_microbatches)
         ctx = self._ctx_cache.get(key)
-        if ctx is not None:
-            self._last_context = (pl, plan.mesh, (plan.micro_batch, plan.precision), ctx, key)
-            return ctx, key
+        if ctx is None:
+            ctx = self._new_context(plan, key)
+            self._ctx_cache[key] = ctx
+        if len(self._ctx_by_identity) >= 4096:
+            self._ctx_by_identity.clear()
+        self._ctx_by_identity[ident] = (pl, plan.mesh, ctx, key)
+        return ctx, key
+
+    def _new_context(self, plan: Plan, key: tuple) -> _Context:
+        pl = plan.pipeline
         mesh = plan.mesh
         p = mesh.pp
         stages = pl.stages
@@ -212,9 +247,14 @@ class PlanEvaluator:
         if len(stages) > 1:
             p2p_s, p2p_m = rank_cm[0].collective_time_ex("p2p", boundary * scale * act_scale / sp_div, 2,
                                                          links.pp.link, links.pp.level, processes=busy)
-        ctx = _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
+        layer_rank = layer_stage % p
+        row_context = self._row_contexts.setdefault(key[:3], len(self._row_contexts))
+        rank_cm_names = [cm.name for cm in rank_cm]
+        layer_cm_names = [rank_cm_names[r] for r in layer_rank]
+        layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
+        return _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
-                       layer_rank=layer_stage % p, layer_stage=layer_stage,
+                       layer_rank=layer_rank, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
@@ -222,19 +262,18 @@ class PlanEvaluator:
                        p2p_s=p2p_s, p2p_measured=p2p_m,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
-                       row_context=self._row_contexts.setdefault(key[:4], len(self._row_contexts)),
-                       rank_cm_names=[cm.name for cm in rank_cm], peak_flops=rank_cm[0].peak(plan.precision))
-        self._ctx_cache[key] = ctx
-        self._last_context = (pl, plan.mesh, (plan.micro_batch, plan.precision), ctx, key)
-        return ctx, key
+                       row_context=row_context, rows_key=(row_context, layer_cms),
+                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, peak_flops=rank_cm[0].peak(plan.precision))
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
         layers = plan.layers
         if len(layers) != self.num_layers:
             raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {self.num_layers} layers")
-        last = self._last
-        if last is not None and last[0] == key:
-            _, old_layers, old_rows = last
+        # a layer's row depends on its plan, the mesh, micro-batch and precision and its rank's
+        # cost model (_row): rows built for another context with the same rows_key serve
+        last = self._last_rows.pop(ctx.rows_key, None)
+        if last is not None:
+            old_layers, old_rows = last
             rows = old_rows
             if layers is not old_layers:   # the rows are never written after this: a copy only to change them
                 changed = [i for i, (a, b) in enumerate(zip(layers, old_layers)) if a is not b and a != b]
@@ -244,7 +283,9 @@ class PlanEvaluator:
                         rows[i] = self._row(i, layers[i], ctx)
         else:
             rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
-        self._last = (key, layers, rows)
+        if len(self._last_rows) >= 64:
+            self._last_rows.pop(next(iter(self._last_rows)))      # the least recently used
+        self._last_rows[ctx.rows_key] = (layers, rows)
         return LayerTable(rows)
 
     # ------------------------------------------------------------------ evaluation
