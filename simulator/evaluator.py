@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 from typing import Mapping
 
 import numpy as np
@@ -65,6 +67,7 @@ class _Context:
     host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
     rank_onehot: np.ndarray     # (p, L): 1 where layer l runs on pipeline rank r
+    host_when_empty: tuple      # (host bytes per node, worst node, fits) when nothing is offloaded
     p2p_s: float
     p2p_measured: bool
     processes: int              # busy devices per node (topology.busy_devices_per_node)
@@ -251,6 +254,8 @@ class PlanEvaluator:
         row_context = self._row_contexts.setdefault(key[:3], len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]
         layer_cm_names = [rank_cm_names[r] for r in layer_rank]
+        empty = node_counts @ np.zeros(p)
+        host_when_empty = (empty, int(np.argmax(empty - host_capacity)), bool((empty <= host_capacity).all()))
         layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
         return _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
@@ -259,7 +264,7 @@ class PlanEvaluator:
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
                        capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
-                       p2p_s=p2p_s, p2p_measured=p2p_m,
+                       p2p_s=p2p_s, p2p_measured=p2p_m, host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
@@ -276,7 +281,10 @@ class PlanEvaluator:
             old_layers, old_rows = last
             rows = old_rows
             if layers is not old_layers:   # the rows are never written after this: a copy only to change them
-                changed = [i for i, (a, b) in enumerate(zip(layers, old_layers)) if a is not b and a != b]
+                # the layers that are other objects (in C: a search keeps the unchanged ones), then
+                # those of them that differ
+                moved = compress(range(len(layers)), map(is_not, layers, old_layers))
+                changed = [i for i in moved if layers[i] != old_layers[i]]
                 if changed:
                     rows = old_rows.copy()
                     for i in changed:
@@ -327,19 +335,21 @@ class PlanEvaluator:
         # ---- host memory per node: the offloaded state of every device on the node (FSDP's
         # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
         # the host memory of its own node), against the node's host_memory_bytes
-        host_per_node = ctx.node_counts @ memory[6]
-        host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
-        host_fits = bool((host_per_node <= ctx.host_capacity).all())
+        if memory[6].any():
+            host_per_node = ctx.node_counts @ memory[6]
+            host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
+            host_fits = bool((host_per_node <= ctx.host_capacity).all())
+        else:                                                   # nothing offloaded: the same, known
+            host_per_node, host_worst, host_fits = ctx.host_when_empty
         device_fits = bool((totals <= ctx.capacity).all())
         samples = plan.global_batch
         world = mesh.world_size
         peak = ctx.peak_flops
         seq = self.graph.seq_len or 1
-        # the columns the step's work and traffic are summed from, kept for when they are read
-        work_rows = rows.data[:, _WORK_COLUMNS]
 
         def work() -> StepWork:
-            rec, tp_wire, dp_wire_mb, dp_wire_step, n_measured, n_estimated, output = work_rows.T
+            # rows.data is never written once built (PlanEvaluator._rows copies to change a row)
+            rec, tp_wire, dp_wire_mb, dp_wire_step, n_measured, n_estimated, output = rows.data[:, _WORK_COLUMNS].T
             # ---- FLOPs
             model_flops = self._flops_per_sample * samples
             recompute_flops = float(((rec == 2) * self._layer_fwd_flops
