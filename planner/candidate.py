@@ -5,7 +5,8 @@ one that is priced or returned becomes a ``core.plan.Plan``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 
 from autopar.core.plan import LayerPlan, Mesh, ModelRef, Pipeline, Plan, Stage
 from autopar.planner.space import LayerChoice
@@ -13,6 +14,7 @@ from autopar.planner.space import LayerChoice
 
 #: id(choices tuple) -> (the tuple, its hash): Candidate.__hash__'s memo
 _CHOICES_HASH: dict[int, tuple[tuple, int]] = {}
+_CHOICE_FIELDS = attrgetter(*(f.name for f in fields(LayerChoice)))
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ class Candidate:
             if hit is None or hit[0] is not self.choices:
                 if len(_CHOICES_HASH) >= 65536:
                     _CHOICES_HASH.clear()
-                hit = _CHOICES_HASH[id(self.choices)] = (self.choices, hash(self.choices))  # holds the id
+                # by the choices' field values (what equality compares), read in C
+                values = tuple(map(_CHOICE_FIELDS, self.choices))
+                hit = _CHOICES_HASH[id(self.choices)] = (self.choices, hash(values))  # holds the id
             h = hash((self.mesh, self.micro_batch, self.num_microbatches, self.schedule, self.bounds, hit[1]))
             object.__setattr__(self, "_hash", h)
         return h
@@ -76,9 +80,12 @@ class Candidate:
                     pipeline=pipeline, layers=layers, precision=precision, cluster=cluster)
 
     def _layer_plans(self, styles: list[dict[str, str]], no_tp: bool, memo: dict) -> tuple[LayerPlan, ...]:
+        by_id = memo.get(("by id", no_tp))       # per layer: id(choice) -> (choice, its LayerPlan)
+        if by_id is None or len(by_id) != len(self.choices):
+            by_id = memo[("by id", no_tp)] = [{} for _ in self.choices]
         layers = []
         for i, c in enumerate(self.choices):
-            hit = memo.get(("by id", i, id(c), no_tp))        # by identity first: no hashing of the choice
+            hit = by_id[i].get(id(c))             # by identity first: no hashing of the choice
             if hit is not None and hit[0] is c:
                 layers.append(hit[1])
                 continue
@@ -86,7 +93,7 @@ class Candidate:
             lp = memo.get(("layer", i, eff))
             if lp is None:
                 lp = memo[("layer", i, eff)] = eff.to_layer_plan(i, styles[i])
-            memo[("by id", i, id(c), no_tp)] = (c, lp)        # holding c keeps its id from reuse
+            by_id[i][id(c)] = (c, lp)             # holding c keeps its id from reuse
             layers.append(lp)
         return tuple(layers)
 

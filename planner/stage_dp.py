@@ -76,12 +76,19 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
         raise InfeasibleError(f"no split of {L} layers into {num_stages} stages fits (every partition "
                               f"has a stage that does not fit)")
     candidates = np.unique(c[np.isfinite(c)])
+    sums: dict[float, float] = {}            # F(S, L) by bound: the enumeration's first bound was bisected
+
+    def least_sum(t_max: float) -> float:
+        if t_max not in sums:
+            sums[t_max] = _min_sum(band, t_max)[0]
+        return sums[t_max]
+
     # bounds below the least achievable bottleneck admit no partition: find it by bisection
     # (feasibility is monotone in t_max), then enumerate upwards from it
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if np.isfinite(_min_sum(band, candidates[mid])[0]):
+        if np.isfinite(least_sum(candidates[mid])):
             hi = mid
         else:
             lo = mid + 1
@@ -90,7 +97,7 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
         if unbounded[0] + (num_microbatches - 1) * t_max >= best_T:
             break
         tried += 1
-        total, _ = _min_sum(band, t_max)
+        total = least_sum(t_max)
         if not np.isfinite(total):
             continue
         T = total + (num_microbatches - 1) * t_max
@@ -132,10 +139,14 @@ def _min_sum(band: np.ndarray, t_max: float, want_bounds: bool = False):
     for s in range(S):
         # G[j] = min_i F[i] + allowed[s, i, j] over i = j - w + k: F[i] is padded[j + k]
         padded[w:] = F[:L]
-        cand = padded[window] + allowed[s]                           # (L+1, w)
-        k = np.argmin(cand, axis=1)
-        choice[s] = cols - w + k
-        G = cand[cols, k]
+        cand = padded[window]                                        # (L+1, w)
+        cand += allowed[s]
+        if want_bounds:
+            k = cand.argmin(axis=1)
+            choice[s] = cols - w + k
+            G = cand[cols, k]
+        else:                                                        # the same minima, no argmin
+            G = cand.min(axis=1)
         G[0] = np.inf
         F = G
     if not want_bounds:

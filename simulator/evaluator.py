@@ -77,6 +77,7 @@ class _Context:
     rows_key: tuple             # (row_context, per-layer cost model names): what a layer's row depends on
     rank_cm_names: list[str]
     layer_cm_names: list[str]   # rank_cm_names of each layer's pipeline rank
+    row_slots: list[int]        # per layer, an integer naming (row_context, its cost model name)
     peak_flops: float           # the first pipeline rank's peak at the plan's precision (for MFU)
 
 
@@ -108,6 +109,8 @@ class PlanEvaluator:
         self._relkey_cache: dict[tuple, tuple] = {}
         self._relkey_by_id: dict[int, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
+        self._row_slots: dict[tuple, int] = {}          # (row context, cost model name) -> int
+        self._row_by_id: dict[tuple, tuple] = {}        # (id(layer plan), row slot) -> (layer plan, row)
         self._ctx_cache: dict[tuple, _Context] = {}
         self._links_cache: dict[Mesh, MeshLinks] = {}
         self._layouts: dict[tuple, object] = {}
@@ -184,6 +187,11 @@ class PlanEvaluator:
         return cost
 
     def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> np.ndarray:
+        # a search hands the same LayerPlan objects again: by identity first
+        by_id = (id(lp), ctx.row_slots[index])
+        hit = self._row_by_id.get(by_id)
+        if hit is not None and hit[0] is lp:
+            return hit[1]
         rel = self._relative_key(index, lp)
         key = (rel, ctx.row_context, ctx.layer_cm_names[index])
         row = self._row_cache.get(key)
@@ -194,6 +202,9 @@ class PlanEvaluator:
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             self._row_cache[key] = row
+        if len(self._row_by_id) >= 65536:
+            self._row_by_id.clear()
+        self._row_by_id[by_id] = (lp, row)                 # holding lp keeps its id from reuse
         return row
 
     # -------------------------------------------------------------------- context
@@ -254,6 +265,7 @@ class PlanEvaluator:
         row_context = self._row_contexts.setdefault(key[:3], len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]
         layer_cm_names = [rank_cm_names[r] for r in layer_rank]
+        row_slots = [self._row_slots.setdefault((row_context, name), len(self._row_slots)) for name in layer_cm_names]
         empty = node_counts @ np.zeros(p)
         host_when_empty = (empty, int(np.argmax(empty - host_capacity)), bool((empty <= host_capacity).all()))
         layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
@@ -268,7 +280,7 @@ class PlanEvaluator:
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
-                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, peak_flops=rank_cm[0].peak(plan.precision))
+                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots, peak_flops=rank_cm[0].peak(plan.precision))
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
         layers = plan.layers
