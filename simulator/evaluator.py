@@ -41,6 +41,10 @@ _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_
 _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wire_bytes_per_mb", "dp_wire_bytes_per_step",
                                            "num_measured", "num_estimated", "output_bytes")]
 
+#: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
+#: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
+_IDENTITY_ENTRIES = 4096
+
 
 @dataclass
 class _Context:
@@ -107,7 +111,6 @@ class PlanEvaluator:
         self._row_cache: dict[tuple, np.ndarray] = {}
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
-        self._relkey_by_id: dict[int, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
         self._row_slots: dict[tuple, int] = {}          # (row context, cost model name) -> int
         self._row_by_id: dict[tuple, tuple] = {}        # (id(layer plan), row slot) -> (layer plan, row)
@@ -127,11 +130,6 @@ class PlanEvaluator:
     def _relative_key(self, index: int, lp: LayerPlan) -> int:
         """The layer's choice relative to the layer (its signature, styles by path within the layer,
         ZeRO, recompute, offload), as an integer: identical blocks under the same choice share it."""
-        # a search hands the same LayerPlan objects again (Candidate.to_plan's memo): look them
-        # up by identity first, which spares hashing their styles
-        hit = self._relkey_by_id.get(id(lp))
-        if hit is not None and hit[0] is lp and hit[1] == index:
-            return hit[2]
         k = (index, lp.tp, lp.zero, lp.recompute, lp.offload)
         rel = self._relkey_cache.get(k)
         if rel is None:
@@ -141,9 +139,6 @@ class PlanEvaluator:
             rel = self._rel_ids.setdefault((self._sig[index], styles, lp.zero, lp.recompute, lp.offload),
                                            len(self._rel_ids))
             self._relkey_cache[k] = rel
-        if len(self._relkey_by_id) >= 65536:
-            self._relkey_by_id.clear()
-        self._relkey_by_id[id(lp)] = (lp, index, rel)      # holding lp keeps its id from reuse
         return rel
 
     def links(self, mesh: Mesh) -> MeshLinks:
@@ -202,7 +197,7 @@ class PlanEvaluator:
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             self._row_cache[key] = row
-        if len(self._row_by_id) >= 65536:
+        if len(self._row_by_id) >= _IDENTITY_ENTRIES:
             self._row_by_id.clear()
         self._row_by_id[by_id] = (lp, row)                 # holding lp keeps its id from reuse
         return row
@@ -220,7 +215,7 @@ class PlanEvaluator:
         if ctx is None:
             ctx = self._new_context(plan, key)
             self._ctx_cache[key] = ctx
-        if len(self._ctx_by_identity) >= 4096:
+        if len(self._ctx_by_identity) >= _IDENTITY_ENTRIES:
             self._ctx_by_identity.clear()
         self._ctx_by_identity[ident] = (pl, plan.mesh, ctx, key)
         return ctx, key
