@@ -34,7 +34,7 @@ class Candidate:
         if h is None:
             hit = _CHOICES_HASH.get(id(self.choices))
             if hit is None or hit[0] is not self.choices:
-                if len(_CHOICES_HASH) >= 65536:
+                if len(_CHOICES_HASH) >= 4096:      # each entry keeps a tuple alive
                     _CHOICES_HASH.clear()
                 # by the choices' field values (what equality compares), read in C
                 values = tuple(map(_CHOICE_FIELDS, self.choices))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import groupby
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -514,19 +515,19 @@ def _setting_key(c: Candidate) -> tuple:
     return (c.mesh, c.micro_batch, c.schedule, c.virtual_stages, zero_family_of(c.choices[0].zero))
 
 
+def _step_time(ev: Evaluated) -> float:
+    return ev.step_time_s
+
+
 def _distinct_best(evs: list[Evaluated], k: int) -> list[Evaluated]:
     """The k fastest plans, at most one per setting (mesh, micro-batch, schedule, ZeRO family)."""
     out, keys = [], set()
     # ordered by (step time, repr of the candidate); the repr, long for ~100 layers, only where
     # step times tie
-    by_time = sorted(evs, key=lambda e: e.step_time_s)
     ordered = []
-    for i in range(len(by_time)):
-        if i == 0 or by_time[i].step_time_s != by_time[i - 1].step_time_s:
-            ordered.append([by_time[i]])
-        else:
-            ordered[-1].append(by_time[i])
-    ordered = [ev for tie in ordered for ev in (sorted(tie, key=lambda e: repr(e.candidate)) if len(tie) > 1 else tie)]
+    for _, tie in groupby(sorted(evs, key=_step_time), key=_step_time):
+        tie = list(tie)
+        ordered += sorted(tie, key=lambda e: repr(e.candidate)) if len(tie) > 1 else tie
     for ev in ordered:
         key = _setting_key(ev.candidate)
         if key in keys:

@@ -264,7 +264,7 @@ class PlanEvaluator:
         empty = node_counts @ np.zeros(p)
         host_when_empty = (empty, int(np.argmax(empty - host_capacity)), bool((empty <= host_capacity).all()))
         layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
-        return _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
+        ctx = _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
                        layer_rank=layer_rank, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
@@ -275,7 +275,9 @@ class PlanEvaluator:
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
-                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots, peak_flops=rank_cm[0].peak(plan.precision))
+                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
+                       peak_flops=rank_cm[0].peak(plan.precision))
+        return ctx
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
         layers = plan.layers
