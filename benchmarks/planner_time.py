@@ -1,7 +1,10 @@
-"""How long the planner takes on gpt3-175b over 1024 H100s (goal: under 60 s on a 2-core machine).
+"""How long the planner takes on gpt3-175b over 1024 H100s (goal: the search within 10 s, and
+everything, capture included, under 60 s on a 2-core machine).
 
-Prints the capture time, the search time by phase and the plans priced, and the predicted
-step time of the plan found; the reference is the 60 s goal.
+Prints the capture time, the search time by phase (wall-clock, and this process's CPU seconds:
+on a shared machine the second says what the code costs, the first what the machine gave it),
+the plans priced, and the predicted step time of the plan found.  The search is time-budgeted:
+under a budget it does not reach, the same seed gives the same plan.
 
     python benchmarks/planner_time.py [--time-budget 40] [--algo auto]
 """
@@ -16,6 +19,7 @@ from autopar.planner.search import PlanOptions, search
 from autopar.simulator.cost_model import CostModel
 
 GOAL_S = 60.0
+SEARCH_GOAL_S = 10.0
 
 
 def main() -> None:
@@ -27,14 +31,15 @@ def main() -> None:
     graph = capture_model_file("examples/gpt.py", {"size": "gpt3-175b"}, 1)
     cluster = load_cluster("h100-128x8")
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     res = search(graph, cluster, cms, PlanOptions(global_batch=1536, time_budget_s=args.time_budget, algo=args.algo))
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     p = res.best.plan
-    print(f"capture {t1 - t0:.1f} s; search {t2 - t1:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in res.phase_s.items())}); "
+    print(f"capture {t1 - t0:.1f} s; search {t2 - t1:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in res.phase_s.items())}), "
+          f"{c2 - c1:.1f} CPU-seconds (goal {SEARCH_GOAL_S:.0f} s: {'met' if c2 - c1 < SEARCH_GOAL_S else 'MISSED'}); "
           f"{res.num_settings} settings, {res.num_evaluated} plans priced, {res.num_infeasible} infeasible")
     print(f"plan: dp{p.mesh.dp} tp{p.mesh.tp} pp{p.mesh.pp} sp={p.mesh.sequence_parallel} mb{p.micro_batch} "
-          f"{p.pipeline.schedule}; step {res.best.step_time_s:.3f} s, MFU {100 * p.predicted['mfu']:.1f}%")
+          f"{p.pipeline.schedule}; step {res.best.step_time_s!r} s, MFU {100 * p.predicted['mfu']:.1f}%")
     total = t2 - t0
     print(f"total {total:.1f} s vs goal {GOAL_S:.0f} s: ratio {total / GOAL_S:.2f} ({'met' if total < GOAL_S else 'MISSED'})")
 

@@ -5,10 +5,16 @@ one that is priced or returned becomes a ``core.plan.Plan``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 
-from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, equal_bounds  # noqa: F401 (re-exported)
+from autopar.core.plan import LayerPlan, Mesh, ModelRef, Pipeline, Plan, Stage, equal_bounds  # noqa: F401 (equal_bounds re-exported)
 from autopar.planner.space import LayerChoice
+
+
+#: id(choices tuple) -> (the tuple, its hash): Candidate.__hash__'s memo
+_CHOICES_HASH: dict[int, tuple[tuple, int]] = {}
+_CHOICE_FIELDS = attrgetter(*(f.name for f in fields(LayerChoice)))
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,23 @@ class Candidate:
     schedule: str                         # "1f1b" | "gpipe" | "interleaved"
     bounds: tuple[int, ...]               # stage boundaries [0, b1, ..., L]; pp * virtual stages
     choices: tuple[LayerChoice, ...]      # one per layer
+
+    def __hash__(self) -> int:
+        # a hash of the fields, kept once computed: a search hashes a candidate several times
+        # (its memo of priced plans), ~100 choices each time; the hash of the choices is kept
+        # too, by the tuple's identity (moves that keep the choices keep the tuple)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            hit = _CHOICES_HASH.get(id(self.choices))
+            if hit is None or hit[0] is not self.choices:
+                if len(_CHOICES_HASH) >= 4096:      # each entry keeps a tuple alive
+                    _CHOICES_HASH.clear()
+                # by the choices' field values (what equality compares), read in C
+                values = tuple(map(_CHOICE_FIELDS, self.choices))
+                hit = _CHOICES_HASH[id(self.choices)] = (self.choices, hash(values))  # holds the id
+            h = hash((self.mesh, self.micro_batch, self.num_microbatches, self.schedule, self.bounds, hit[1]))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def num_stages(self) -> int:
@@ -32,18 +55,47 @@ class Candidate:
     def global_batch(self) -> int:
         return self.mesh.batch_degree * self.micro_batch * self.num_microbatches
 
-    def to_plan(self, *, model: ModelRef, styles: list[dict[str, str]], precision: str, cluster: str) -> Plan:
-        stages = tuple(Stage(i, self.bounds[i], self.bounds[i + 1]) for i in range(self.num_stages))
+    def to_plan(self, *, model: ModelRef, styles: list[dict[str, str]], precision: str, cluster: str,
+                memo: dict | None = None) -> Plan:
+        """The plan; ``memo`` (a dict kept by the caller across calls with the same ``styles``)
+        hands out one Pipeline per (schedule, micro-batches, bounds) and one LayerPlan per
+        (layer, choice), so that plans of one search share their unchanged parts as the same
+        objects (the evaluator then tells them apart by identity, and nothing is rebuilt)."""
+        memo = {} if memo is None else memo
+        pkey = ("pipeline", self.schedule, self.num_microbatches, self.bounds)
+        pipeline = memo.get(pkey)
+        if pipeline is None:
+            stages = tuple(Stage(i, self.bounds[i], self.bounds[i + 1]) for i in range(self.num_stages))
+            pipeline = memo[pkey] = Pipeline(schedule=self.schedule, num_microbatches=self.num_microbatches,
+                                             stages=stages)
         mesh = self.mesh
-        if mesh.tp == 1:
-            choices = tuple(replace(c, tp=False) for c in self.choices)
+        no_tp = mesh.tp == 1                         # a choice's split means nothing then
+        hit = memo.get(("layers", id(self.choices), no_tp))    # moves that keep the choices keep their tuple
+        if hit is not None and hit[0] is self.choices:
+            layers = hit[1]
         else:
-            choices = self.choices
-        layers = tuple(c.to_layer_plan(i, styles[i]) for i, c in enumerate(choices))
+            layers = self._layer_plans(styles, no_tp, memo)
+            memo[("layers", id(self.choices), no_tp)] = (self.choices, layers)   # holding them keeps the id
         return Plan(model=model, mesh=mesh, global_batch=self.global_batch, micro_batch=self.micro_batch,
-                    pipeline=Pipeline(schedule=self.schedule, num_microbatches=self.num_microbatches,
-                                      stages=stages),
-                    layers=layers, precision=precision, cluster=cluster)
+                    pipeline=pipeline, layers=layers, precision=precision, cluster=cluster)
+
+    def _layer_plans(self, styles: list[dict[str, str]], no_tp: bool, memo: dict) -> tuple[LayerPlan, ...]:
+        by_id = memo.get(("by id", no_tp))       # per layer: id(choice) -> (choice, its LayerPlan)
+        if by_id is None or len(by_id) != len(self.choices):
+            by_id = memo[("by id", no_tp)] = [{} for _ in self.choices]
+        layers = []
+        for i, c in enumerate(self.choices):
+            hit = by_id[i].get(id(c))             # by identity first: no hashing of the choice
+            if hit is not None and hit[0] is c:
+                layers.append(hit[1])
+                continue
+            eff = replace(c, tp=False) if no_tp and c.tp else c
+            lp = memo.get(("layer", i, eff))
+            if lp is None:
+                lp = memo[("layer", i, eff)] = eff.to_layer_plan(i, styles[i])
+            by_id[i][id(c)] = (c, lp)             # holding c keeps its id from reuse
+            layers.append(lp)
+        return tuple(layers)
 
 
 def describe_difference(a: Candidate, b: Candidate) -> str:

@@ -13,6 +13,7 @@ The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -49,6 +50,18 @@ def propose(c: Candidate, rng: np.random.Generator, space: MoveSpace) -> Candida
 
 
 # ------------------------------------------------------------------------ per layer
+@lru_cache(maxsize=None, typed=True)
+def _interned(tp: bool, zero: int, recompute: str, offload: str) -> LayerChoice:
+    return LayerChoice(tp=tp, zero=zero, recompute=recompute, offload=offload)
+
+
+def _with(ch: LayerChoice, **changes) -> LayerChoice:
+    """``dataclasses.replace(ch, **changes)``, one shared object per value (moves build many,
+    and equal plans then compare and hash their choices faster)."""
+    return _interned(changes.get("tp", ch.tp), changes.get("zero", ch.zero), changes.get("recompute", ch.recompute),
+                     changes.get("offload", ch.offload))
+
+
 def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerChoice]:
     family = zero_family_of(c.choices[layer].zero)
     out = []
@@ -57,7 +70,7 @@ def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerCho
         for zero in ZERO_FAMILIES[family]:
             for rc in space.recompute_choices:
                 for off in ("none", "cpu") if (space.allow_offload and zero >= 2) else ("none",):
-                    out.append(LayerChoice(tp=split, zero=zero, recompute=rc, offload=off))
+                    out.append(_interned(split, zero, rc, off))
     return out
 
 
@@ -96,7 +109,7 @@ def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     for i in range(lo, hi):
         if knob == "tp" and not space.can_split[i]:
             continue
-        choices[i] = replace(choices[i], **{knob: value})
+        choices[i] = _with(choices[i], **{knob: value})
     return replace(c, choices=tuple(choices))
 
 
@@ -111,8 +124,8 @@ def _zero_family_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def _to_family(ch: LayerChoice, family: str) -> LayerChoice:
     if family == "fsdp":
-        return replace(ch, zero=ch.zero if ch.zero >= 2 else 3)
-    return replace(ch, zero=ZERO_FAMILIES[family][0], offload="none")
+        return _with(ch, zero=ch.zero if ch.zero >= 2 else 3)
+    return _with(ch, zero=ZERO_FAMILIES[family][0], offload="none")
 
 
 # ------------------------------------------------------------------------ pipeline
@@ -163,7 +176,9 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
     mesh = replace(c.mesh, sequence_parallel=not c.mesh.sequence_parallel)
     if mesh not in space.meshes:
         return None
-    return replace(c, mesh=mesh)
+    # the admitted mesh object itself: plans on one mesh then share it (the evaluator finds
+    # their context by identity)
+    return replace(c, mesh=space.meshes[space.meshes.index(mesh)])
 
 
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
@@ -197,6 +212,6 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
     if mesh.dp == 1 and choices[0].zero == 1:
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
-        choices = tuple(replace(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
+        choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
     return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
                      choices=choices)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import groupby
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -161,11 +162,13 @@ class Planner:
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
         self.table_cache: dict = {}
+        self.plan_parts: dict = {}       # Candidate.to_plan's memo: shared pipelines and layer plans
+        self._choices_admitted: dict[int, tuple] = {}   # id(choices) -> (choices, admitted)
 
     # ------------------------------------------------------------------ pricing
     def to_plan(self, c: Candidate) -> Plan:
         return c.to_plan(model=self.model, styles=self.styles, precision=self.options.precision,
-                         cluster=self.cluster_label)
+                         cluster=self.cluster_label, memo=self.plan_parts)
 
     @property
     def cuttable(self) -> frozenset[int] | None:
@@ -184,15 +187,25 @@ class Planner:
             return False
         if c.mesh.pp > 1 and c.schedule not in o.schedules:
             return False
-        for ch in c.choices:
+        hit = self._choices_admitted.get(id(c.choices))   # moves that keep the choices keep their tuple
+        if hit is None or hit[0] is not c.choices:
+            hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
+            self._choices_admitted[id(c.choices)] = hit
+        if not hit[1]:
+            return False
+        if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
+            return False
+        return True
+
+    def _admits_choices(self, choices: tuple[LayerChoice, ...]) -> bool:
+        o = self.options
+        for ch in {id(ch): ch for ch in choices}.values():      # each distinct choice object once
             if o.zero is not None and ch.zero != o.zero or zero_family_of(ch.zero) not in o.zero_families:
                 return False
             if ch.recompute not in o.recompute or (ch.offload != "none" and not o.allow_offload):
                 return False
             if o.offload is not None and ch.offload != o.offload:
                 return False
-        if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
-            return False
         return True
 
     def price(self, c: Candidate) -> Evaluated | None:
@@ -298,7 +311,8 @@ class Planner:
             # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
             bounds = equal_bounds(self.num_layers, p * v)
             inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
-            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight, cuttable=self.cuttable)
+            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight, cuttable=self.cuttable,
+                               ranges=list(zip(bounds[:-1], bounds[1:])))
             lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
@@ -501,10 +515,20 @@ def _setting_key(c: Candidate) -> tuple:
     return (c.mesh, c.micro_batch, c.schedule, c.virtual_stages, zero_family_of(c.choices[0].zero))
 
 
+def _step_time(ev: Evaluated) -> float:
+    return ev.step_time_s
+
+
 def _distinct_best(evs: list[Evaluated], k: int) -> list[Evaluated]:
     """The k fastest plans, at most one per setting (mesh, micro-batch, schedule, ZeRO family)."""
     out, keys = [], set()
-    for ev in sorted(evs, key=lambda e: (e.step_time_s, repr(e.candidate))):
+    # ordered by (step time, repr of the candidate); the repr, long for ~100 layers, only where
+    # step times tie
+    ordered = []
+    for _, tie in groupby(sorted(evs, key=_step_time), key=_step_time):
+        tie = list(tie)
+        ordered += sorted(tie, key=lambda e: repr(e.candidate)) if len(tie) > 1 else tie
+    for ev in ordered:
         key = _setting_key(ev.candidate)
         if key in keys:
             continue

@@ -68,19 +68,27 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
     # only ranges i < j are stages
     valid = np.triu(np.ones((L, L + 1), dtype=bool), k=1)
     c = np.where(valid[None], cost, np.inf)                          # (S, L, L+1)
+    band = _band(c)
 
     # least stage sum with no bound: the lower bound used for pruning
-    unbounded = _min_sum(c, np.inf)
+    unbounded = _min_sum(band, np.inf)
     if not np.isfinite(unbounded[0]):
         raise InfeasibleError(f"no split of {L} layers into {num_stages} stages fits (every partition "
                               f"has a stage that does not fit)")
     candidates = np.unique(c[np.isfinite(c)])
+    sums: dict[float, float] = {}            # F(S, L) by bound: the enumeration's first bound was bisected
+
+    def least_sum(t_max: float) -> float:
+        if t_max not in sums:
+            sums[t_max] = _min_sum(band, t_max)[0]
+        return sums[t_max]
+
     # bounds below the least achievable bottleneck admit no partition: find it by bisection
     # (feasibility is monotone in t_max), then enumerate upwards from it
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if np.isfinite(_min_sum(c, candidates[mid])[0]):
+        if np.isfinite(least_sum(candidates[mid])):
             hi = mid
         else:
             lo = mid + 1
@@ -89,31 +97,56 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
         if unbounded[0] + (num_microbatches - 1) * t_max >= best_T:
             break
         tried += 1
-        total, _ = _min_sum(c, t_max)
+        total = least_sum(t_max)
         if not np.isfinite(total):
             continue
         T = total + (num_microbatches - 1) * t_max
         if T < best_T:
             best_T, best_bound = T, t_max
     assert best_bound is not None
-    _, bounds = _min_sum(c, best_bound, want_bounds=True)
+    _, bounds = _min_sum(band, best_bound, want_bounds=True)
     lat = tuple(float(c[s, bounds[s], bounds[s + 1]]) for s in range(num_stages))
     return StagePartition(bounds=tuple(bounds), stage_latency_s=lat,
                           step_latency_s=pipeline_latency(lat, num_microbatches), num_bounds_tried=tried)
 
 
-def _min_sum(c: np.ndarray, t_max: float, want_bounds: bool = False):
-    """F(S, L): least sum of stage latencies with every stage <= t_max (and the bounds)."""
-    S, L, _ = c.shape
-    allowed = np.where(c <= t_max, c, np.inf)
+def _band(c: np.ndarray) -> np.ndarray:
+    """The finite part of ``c`` (S, L, L+1) as a band: ``band[s, j, k] = c[s, j - w + k, j]`` for
+    the w layers i = j - w .. j - 1 that may start a range ending at j, where w is the longest
+    finite range (``inf`` where i < 0).  Ranges longer than w are all ``inf`` and never chosen,
+    so the DP over the band takes the same minima, and since k grows with i, the same first
+    (smallest) i among equal ones."""
+    S, L, L1 = c.shape
+    starts, ends = np.nonzero(np.isfinite(c).any(axis=0))
+    w = int((ends - starts).max()) if len(starts) else 1
+    i = np.arange(L1)[:, None] - w + np.arange(w)[None, :]           # (L+1, w): the range's first layer
+    j = np.broadcast_to(np.arange(L1)[:, None], i.shape)
+    return np.where(i >= 0, c[:, np.maximum(i, 0), j], np.inf)
+
+
+def _min_sum(band: np.ndarray, t_max: float, want_bounds: bool = False):
+    """F(S, L): least sum of stage latencies with every stage <= t_max (and the bounds), over
+    the cost band (``_band``)."""
+    S, L1, w = band.shape
+    L = L1 - 1
+    allowed = np.where(band <= t_max, band, np.inf)
     F = np.full(L + 1, np.inf)
     F[0] = 0.0
     choice = np.zeros((S, L + 1), dtype=np.int64)
+    cols = np.arange(L + 1)
+    window = cols[:, None] + np.arange(w)[None, :]                   # (L+1, w): j + k
+    padded = np.full(w + L, np.inf)
     for s in range(S):
-        # G[j] = min_i F[i] + allowed[s, i, j]
-        cand = F[:L, None] + allowed[s]                              # (L, L+1)
-        choice[s] = np.argmin(cand, axis=0)
-        G = cand[choice[s], np.arange(L + 1)]
+        # G[j] = min_i F[i] + allowed[s, i, j] over i = j - w + k: F[i] is padded[j + k]
+        padded[w:] = F[:L]
+        cand = padded[window]                                        # (L+1, w)
+        cand += allowed[s]
+        if want_bounds:
+            k = cand.argmin(axis=1)
+            choice[s] = cols - w + k
+            G = cand[cols, k]
+        else:                                                        # the same minima, no argmin
+            G = cand.min(axis=1)
         G[0] = np.inf
         F = G
     if not want_bounds:

@@ -69,7 +69,8 @@ def max_stage_layers(num_layers: int, num_stages: int) -> int:
 
 def range_costs(tables_by_rank: list[LayerTables], setting: Setting, capacity_bytes: list[float],
                 allowed: np.ndarray | None = None, inflight_by_rank: list[float] | None = None,
-                cuttable: frozenset[int] | None = None) -> np.ndarray:
+                cuttable: frozenset[int] | None = None,
+                ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
     """cost[s, i, j]: per-micro-batch latency of layers i..j-1 on pipeline rank s, with the best
     strategy applied uniformly to the range among those that fit the rank's memory.
 
@@ -77,17 +78,23 @@ def range_costs(tables_by_rank: list[LayerTables], setting: Setting, capacity_by
     heterogeneous cluster have different tables); ``allowed`` (L, C) masks strategies out.
     Ranges longer than ``max_stage_layers`` are left at ``inf``, and so are ranges that start
     or end at a layer boundary outside ``cuttable`` (where the runtime cannot cut stages).
+    ``ranges`` [(i, j), ...]: price only these (the others are left at ``inf``), for a caller
+    whose stages are fixed (equal chunks).
     """
     S = setting.mesh.pp
     L = tables_by_rank[0].num_layers
     m = setting.num_microbatches
     if inflight_by_rank is None:
         inflight_by_rank = [_inflight(setting, s) for s in range(S)]
-    width = max_stage_layers(L, S * setting.virtual_stages)
-    starts = np.repeat(np.arange(L), width)
-    ends = starts + np.tile(np.arange(1, width + 1), L)
-    keep = ends <= L
-    starts, ends = starts[keep], ends[keep]
+    if ranges is None:
+        width = max_stage_layers(L, S * setting.virtual_stages)
+        starts = np.repeat(np.arange(L), width)
+        ends = starts + np.tile(np.arange(1, width + 1), L)
+        keep = ends <= L
+        starts, ends = starts[keep], ends[keep]
+    else:
+        starts = np.array([i for i, _ in ranges], dtype=np.int64)
+        ends = np.array([j for _, j in ranges], dtype=np.int64)
     out = np.full((S, L, L + 1), np.inf)
     memo: dict[tuple, np.ndarray] = {}
     prepared: dict[int, tuple] = {}
@@ -125,12 +132,12 @@ def _range_sums(tables: LayerTables, setting: Setting, m: int, allowed: np.ndarr
     AC = pa[ends] - pa[starts]
     bad = (pbad[ends] - pbad[starts]) > 0
     width = int((ends - starts).max())
-    # running maximum of the reserve over the range's layers
+    # maximum of the reserve over the range's layers: a running maximum along the layers that
+    # follow each start, read at the range's length
     padded = np.vstack([tables.reserve_bytes, np.full((width, C), -np.inf)])
-    reserve = np.full((len(starts), C), -np.inf)
-    for k in range(width):
-        inside = (ends - starts) > k
-        reserve = np.where(inside[:, None], np.maximum(reserve, padded[starts + k]), reserve)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)[:L]    # (L, C, width)
+    running = np.maximum.accumulate(windows, axis=2)
+    reserve = running[starts, :, ends - starts - 1]                                 # (K, C)
     p2p = p2p_buffer_bytes(tables.output_bytes[ends - 1][:, None])
     ddp = 0.0
     if setting.zero_family in ("ddp", "zero1"):

@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 from typing import Mapping
 
 import numpy as np
@@ -38,6 +40,10 @@ _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_
 #: columns a step's work and traffic are summed from (SimResult.work, read when asked for)
 _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wire_bytes_per_mb", "dp_wire_bytes_per_step",
                                            "num_measured", "num_estimated", "output_bytes")]
+
+#: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
+#: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
+_IDENTITY_ENTRIES = 4096
 
 
 @dataclass
@@ -65,13 +71,17 @@ class _Context:
     host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
     rank_onehot: np.ndarray     # (p, L): 1 where layer l runs on pipeline rank r
+    host_when_empty: tuple      # (host bytes per node, worst node, fits) when nothing is offloaded
     p2p_s: float
     p2p_measured: bool
     processes: int              # busy devices per node (topology.busy_devices_per_node)
     serial_comm: bool           # communication takes turns with compute (cpu_node.serial_communication)
     waits_at_meetings: bool     # the profile prices the waits of ranks that meet (cpu_node.with_meeting_waits)
-    row_context: int            # names (mesh, micro-batch, precision, stages) in the row cache's keys
+    row_context: int            # names (mesh, micro-batch, precision) in the row cache's keys
+    rows_key: tuple             # (row_context, per-layer cost model names): what a layer's row depends on
     rank_cm_names: list[str]
+    layer_cm_names: list[str]   # rank_cm_names of each layer's pipeline rank
+    row_slots: list[int]        # per layer, an integer naming (row_context, its cost model name)
     peak_flops: float           # the first pipeline rank's peak at the plan's precision (for MFU)
 
 
@@ -98,23 +108,36 @@ class PlanEvaluator:
              for i in range(self.num_layers)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
-        self._row_cache: dict[tuple, tuple] = {}
+        self._row_cache: dict[tuple, np.ndarray] = {}
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
+        self._rel_ids: dict[tuple, int] = {}
+        self._row_slots: dict[tuple, int] = {}          # (row context, cost model name) -> int
+        self._row_by_id: dict[tuple, tuple] = {}        # (id(layer plan), row slot) -> (layer plan, row)
         self._ctx_cache: dict[tuple, _Context] = {}
         self._links_cache: dict[Mesh, MeshLinks] = {}
-        self._last: tuple | None = None      # (ctx key, layer plans, rows)
-        self._last_context: tuple | None = None   # (pipeline, mesh, (micro-batch, precision), ctx, key)
+        self._layouts: dict[tuple, object] = {}
+        self._rank_cm_keys: dict[tuple, int] = {}
+        # the last rows built per _Context.rows_key: rows_key -> (layer plans, rows)
+        self._last_rows: dict[tuple, tuple] = {}
+        # contexts by the identity of the plan's pipeline and mesh objects (a search reuses them):
+        # (id(pipeline), id(mesh), micro-batch, precision) -> (pipeline, mesh, ctx, key); holding
+        # the objects keeps their ids from being reused while the entry lives
+        self._ctx_by_identity: dict[tuple, tuple] = {}
         self.num_layer_costs_computed = 0
 
     # ------------------------------------------------------------------ layer table
-    def _relative_key(self, index: int, lp: LayerPlan) -> tuple:
+    def _relative_key(self, index: int, lp: LayerPlan) -> int:
+        """The layer's choice relative to the layer (its signature, styles by path within the layer,
+        ZeRO, recompute, offload), as an integer: identical blocks under the same choice share it."""
         k = (index, lp.tp, lp.zero, lp.recompute, lp.offload)
         rel = self._relkey_cache.get(k)
         if rel is None:
             prefix = self._prefix[index]
             styles = tuple(sorted((m[len(prefix):] if m.startswith(prefix) else m, s) for m, s in lp.tp))
-            rel = (self._sig[index], styles, lp.zero, lp.recompute, lp.offload)
+            # a small integer names the relative key in the caches' keys (cheap to hash)
+            rel = self._rel_ids.setdefault((self._sig[index], styles, lp.zero, lp.recompute, lp.offload),
+                                           len(self._rel_ids))
             self._relkey_cache[k] = rel
         return rel
 
@@ -141,7 +164,13 @@ class PlanEvaluator:
         key = (self._relative_key(layer_index, layer_plan), mesh, micro_batch, precision, cm.name)
         cost = self._cost_cache.get(key)
         if cost is None:
-            layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
+            # the layout depends on the layer, its styles and the tp axis only: shared between
+            # the costs of every ZeRO / recompute / offload choice, micro-batch and dp x pp
+            layout_key = (layer_index, layer_plan.tp, mesh.tp, mesh.sequence_parallel)
+            layout = self._layouts.get(layout_key)
+            if layout is None:
+                layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
+                self._layouts[layout_key] = layout
             cost = compute_layer_cost(self.graph, layer_index, layout, layer_plan, mesh, micro_batch,
                                       precision, cm, self.links(mesh),
                                       # CPU nodes: oversubscribed compute slots; the waits of ranks
@@ -152,32 +181,47 @@ class PlanEvaluator:
             self.num_layer_costs_computed += 1
         return cost
 
-    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> tuple:
+    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> np.ndarray:
+        # a search hands the same LayerPlan objects again: by identity first
+        by_id = (id(lp), ctx.row_slots[index])
+        hit = self._row_by_id.get(by_id)
+        if hit is not None and hit[0] is lp:
+            return hit[1]
         rel = self._relative_key(index, lp)
-        rank = ctx.layer_rank[index]
-        key = (rel, ctx.row_context, ctx.rank_cm_names[rank])
+        key = (rel, ctx.row_context, ctx.layer_cm_names[index])
         row = self._row_cache.get(key)
         if row is None:
-            cm = ctx.rank_cm[rank]
+            cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
-            row = layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)), 1.0 if lp.offload == "cpu" else 0.0,
-                                       float(RECOMPUTE_CODE[lp.recompute]))
+            row = np.array(layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)),
+                                                1.0 if lp.offload == "cpu" else 0.0,
+                                                float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             self._row_cache[key] = row
+        if len(self._row_by_id) >= _IDENTITY_ENTRIES:
+            self._row_by_id.clear()
+        self._row_by_id[by_id] = (lp, row)                 # holding lp keeps its id from reuse
         return row
 
     # -------------------------------------------------------------------- context
     def _context(self, plan: Plan) -> tuple[_Context, tuple]:
         pl = plan.pipeline
-        last = self._last_context
-        # a search move that changes only layers keeps the plan's mesh and pipeline objects:
-        # skip hashing the stages
-        if last is not None and last[0] is pl and last[1] is plan.mesh and last[2] == (plan.micro_batch, plan.precision):
-            return last[3], last[4]
+        # a search that keeps the plan's mesh and pipeline objects: skip hashing the stages
+        ident = (id(pl), id(plan.mesh), plan.micro_batch, plan.precision)
+        hit = self._ctx_by_identity.get(ident)
+        if hit is not None and hit[0] is pl and hit[1] is plan.mesh:
+            return hit[2], hit[3]
         key = (plan.mesh, plan.micro_batch, plan.precision, pl.stages, pl.schedule, pl.num_microbatches)
         ctx = self._ctx_cache.get(key)
-        if ctx is not None:
-            self._last_context = (pl, plan.mesh, (plan.micro_batch, plan.precision), ctx, key)
-            return ctx, key
+        if ctx is None:
+            ctx = self._new_context(plan, key)
+            self._ctx_cache[key] = ctx
+        if len(self._ctx_by_identity) >= _IDENTITY_ENTRIES:
+            self._ctx_by_identity.clear()
+        self._ctx_by_identity[ident] = (pl, plan.mesh, ctx, key)
+        return ctx, key
+
+    def _new_context(self, plan: Plan, key: tuple) -> _Context:
+        pl = plan.pipeline
         mesh = plan.mesh
         p = mesh.pp
         stages = pl.stages
@@ -212,39 +256,53 @@ class PlanEvaluator:
         if len(stages) > 1:
             p2p_s, p2p_m = rank_cm[0].collective_time_ex("p2p", boundary * scale * act_scale / sp_div, 2,
                                                          links.pp.link, links.pp.level, processes=busy)
+        layer_rank = layer_stage % p
+        row_context = self._row_contexts.setdefault(key[:3], len(self._row_contexts))
+        rank_cm_names = [cm.name for cm in rank_cm]
+        layer_cm_names = [rank_cm_names[r] for r in layer_rank]
+        row_slots = [self._row_slots.setdefault((row_context, name), len(self._row_slots)) for name in layer_cm_names]
+        empty = node_counts @ np.zeros(p)
+        host_when_empty = (empty, int(np.argmax(empty - host_capacity)), bool((empty <= host_capacity).all()))
+        layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
         ctx = _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
-                       layer_rank=layer_stage % p, layer_stage=layer_stage,
+                       layer_rank=layer_rank, layer_stage=layer_stage,
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
                        capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
-                       p2p_s=p2p_s, p2p_measured=p2p_m,
+                       p2p_s=p2p_s, p2p_measured=p2p_m, host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
-                       row_context=self._row_contexts.setdefault(key[:4], len(self._row_contexts)),
-                       rank_cm_names=[cm.name for cm in rank_cm], peak_flops=rank_cm[0].peak(plan.precision))
-        self._ctx_cache[key] = ctx
-        self._last_context = (pl, plan.mesh, (plan.micro_batch, plan.precision), ctx, key)
-        return ctx, key
+                       row_context=row_context, rows_key=(row_context, layer_cms),
+                       rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
+                       peak_flops=rank_cm[0].peak(plan.precision))
+        return ctx
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
         layers = plan.layers
         if len(layers) != self.num_layers:
             raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {self.num_layers} layers")
-        last = self._last
-        if last is not None and last[0] == key:
-            _, old_layers, old_rows = last
+        # a layer's row depends on its plan, the mesh, micro-batch and precision and its rank's
+        # cost model (_row): rows built for another context with the same rows_key serve
+        last = self._last_rows.pop(ctx.rows_key, None)
+        if last is not None:
+            old_layers, old_rows = last
             rows = old_rows
             if layers is not old_layers:   # the rows are never written after this: a copy only to change them
-                changed = [i for i, (a, b) in enumerate(zip(layers, old_layers)) if a is not b and a != b]
+                # the layers that are other objects (in C: a search keeps the unchanged ones), then
+                # those of them that differ
+                moved = compress(range(len(layers)), map(is_not, layers, old_layers))
+                changed = [i for i in moved if layers[i] != old_layers[i]]
                 if changed:
                     rows = old_rows.copy()
                     for i in changed:
                         rows[i] = self._row(i, layers[i], ctx)
         else:
             rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
-        self._last = (key, layers, rows)
+        if len(self._last_rows) >= 64:
+            self._last_rows.pop(next(iter(self._last_rows)))      # the least recently used
+        self._last_rows[ctx.rows_key] = (layers, rows)
         return LayerTable(rows)
 
     # ------------------------------------------------------------------ evaluation
@@ -286,19 +344,21 @@ class PlanEvaluator:
         # ---- host memory per node: the offloaded state of every device on the node (FSDP's
         # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
         # the host memory of its own node), against the node's host_memory_bytes
-        host_per_node = ctx.node_counts @ memory[6]
-        host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
-        host_fits = bool((host_per_node <= ctx.host_capacity).all())
+        if memory[6].any():
+            host_per_node = ctx.node_counts @ memory[6]
+            host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
+            host_fits = bool((host_per_node <= ctx.host_capacity).all())
+        else:                                                   # nothing offloaded: the same, known
+            host_per_node, host_worst, host_fits = ctx.host_when_empty
         device_fits = bool((totals <= ctx.capacity).all())
         samples = plan.global_batch
         world = mesh.world_size
         peak = ctx.peak_flops
         seq = self.graph.seq_len or 1
-        # the columns the step's work and traffic are summed from, kept for when they are read
-        work_rows = rows.data[:, _WORK_COLUMNS]
 
         def work() -> StepWork:
-            rec, tp_wire, dp_wire_mb, dp_wire_step, n_measured, n_estimated, output = work_rows.T
+            # rows.data is never written once built (PlanEvaluator._rows copies to change a row)
+            rec, tp_wire, dp_wire_mb, dp_wire_step, n_measured, n_estimated, output = rows.data[:, _WORK_COLUMNS].T
             # ---- FLOPs
             model_flops = self._flops_per_sample * samples
             recompute_flops = float(((rec == 2) * self._layer_fwd_flops
