@@ -38,6 +38,7 @@ import numpy as np
 from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
+from autopar.simulator.cpu_meeting_wait import wait_after
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
@@ -234,19 +235,16 @@ class CostModel:
         From a profile's measured points (burst length, extra time of the meeting), made
         non-decreasing (running max) and taken relative to the shortest burst -- the collective
         table's in-step rows already hold what a meeting costs straight after a little compute
-        --, interpolated linearly; beyond the longest burst the wait keeps that burst's share of
-        the work.  A row with only a fitted line waits ``per_compute * gap_s``; one process, or a
-        count the profile did not measure, waits nothing.
+        --, interpolated linearly; beyond the longest burst the wait grows as the square root of
+        the work (cpu_meeting_wait.wait_after).  A row with only a fitted line waits
+        ``per_compute * gap_s``; one process, or a count the profile did not measure, waits nothing.
         """
         if processes <= 1 or gap_s <= 0:
             return 0.0
         curve = self.sync_curves.get(int(processes))
         if curve is None:
             return float(self.sync_wait.get(int(processes), 0.0)) * gap_s
-        gaps, waits = curve
-        if gap_s >= gaps[-1]:
-            return float(waits[-1] * gap_s / gaps[-1])
-        return float(np.interp(gap_s, gaps, waits))
+        return wait_after(*curve, gap_s)
 
     def overhead(self, key: str) -> float:
         """A framework overhead in seconds (``OVERHEAD_KEYS``; 0 when neither measured nor defaulted)."""
