@@ -16,7 +16,9 @@ The runs follow benchmarks/accuracy_local_cpu.py: before each run the script wai
 --idle-wait-s) for the CPU to be idle; every plan runs --repeats times in rounds (every plan
 once a round, the order reversed every other round) and the run with the lowest median step
 time is kept, the one least disturbed by other work (Python docs, timeit, "Note").  The CPU
-busy fraction seen before the kept run and the load average at the start are recorded.
+busy fraction seen before the kept run, the load average at the start and at the end, and the
+steps of a one-process plan of the accuracy benchmark's own model run before and after the rounds
+(no communication in its prediction: how fast the shared machine was) are recorded.
 ``--breakdown`` runs with the runtime's ``--profile`` and prints the forward / backward /
 communication / optimizer times beside the simulated ones (the profiler slows the steps a little).
 """
@@ -84,6 +86,9 @@ def main() -> int:
                        "world": _world(plan), "predicted_s": plan["predicted"]["step_time_s"]})
         print(f"  {name:<14} {_describe(plan)}: predicted {staged[-1]['predicted_s'] * 1e3:.1f} ms", flush=True)
 
+    reference = _reference(out, args)
+    print(f"reference (accuracy benchmark's model, one process): predicted {reference['predicted_s'] * 1e3:.1f} ms, "
+          f"measured {reference['before_s'] * 1e3:.1f} ms before the rounds", flush=True)
     for round_index in range(max(1, args.repeats)):
         order = staged if round_index % 2 == 0 else staged[::-1]
         print(f"round {round_index + 1} of {args.repeats}", flush=True)
@@ -97,6 +102,8 @@ def main() -> int:
             if st["measured"] is None or m["step_time_s"] < st["measured"]["step_time_s"]:
                 st["measured"] = {**m, "cpu_busy_before_run": busy}
 
+    reference["after_s"] = _reference_step(out, args)
+    print(f"reference measured {reference['after_s'] * 1e3:.1f} ms after the rounds", flush=True)
     rows = [st for st in staged if st["measured"] is not None]
     print(f"\n{'shape':<14} {'model':<36} {'plan':<34} {'predicted':>10} {'measured':>10} {'error':>8}")
     for st in rows:
@@ -122,7 +129,8 @@ def main() -> int:
                         "predicted_s": st["predicted_s"], "measured_s": st["measured"]["step_time_s"],
                         "error": st["error"], "cpu_busy_before_run": st["measured"].get("cpu_busy_before_run")}
                        for st in rows],
-            "median_abs_error": med, "target": TARGET}, indent=1) + "\n")
+            "median_abs_error": med, "target": TARGET, "reference_one_process": reference,
+            "load_average_end": list(load)}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
 
@@ -140,6 +148,27 @@ def _plan(model: dict, args, plan_path: Path) -> None:
     (plan_path.parent / "plan.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"autopar plan failed for {model} (exit {proc.returncode}); see {plan_path.parent}/plan.log")
+
+
+def _reference(out: Path, args) -> dict:
+    """The accuracy benchmark's model on one process, planned and priced as that benchmark does
+    (its ``reference``), run once now: {predicted_s, before_s}."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster_file import load_cluster
+    from autopar.profiling.resimulate import PlanContext, load_profile_dict
+
+    profile = args.profile or "local-cpu"
+    graph = capture_model_file(acc.MODEL_FILE, acc.MODEL_ARGS, batch_size=acc.MICRO_BATCH)
+    ctx = PlanContext(graph=graph, cluster=load_cluster("local-cpu"), profile=load_profile_dict(profile),
+                      profile_name=profile)
+    _, sim = acc._write_plan(acc.REFERENCE, ctx, profile, out / "reference")
+    return {"predicted_s": sim["step_time_s"], "before_s": _reference_step(out, args)}
+
+
+def _reference_step(out: Path, args) -> float:
+    acc._wait_for_idle(args.idle_wait_s)
+    m = acc._run(out / "reference" / "plan.json", 1, args.steps, args.timeout)
+    return float("nan") if m is None else m["step_time_s"]
 
 
 def _world(plan: dict) -> int:
