@@ -18,7 +18,9 @@ once a round, the order reversed every other round) and the run with the lowest 
 time is kept, the one least disturbed by other work (Python docs, timeit, "Note").  The CPU
 busy fraction seen before the kept run, the load average at the start and at the end, and the
 steps of a one-process plan of the accuracy benchmark's own model run before and after the rounds
-(no communication in its prediction: how fast the shared machine was) are recorded.
+(no communication in its prediction: how fast the shared machine was) are recorded, and so is,
+before each run, how many times their profiled time three of the profile's own op rows take now
+on two processes (profiling/speed_check.py; 1.0: as fast as when the profile was made).
 ``--breakdown`` runs with the runtime's ``--profile`` and prints the forward / backward /
 communication / optimizer times beside the simulated ones (the profiler slows the steps a little).
 """
@@ -86,6 +88,10 @@ def main() -> int:
                        "world": _world(plan), "predicted_s": plan["predicted"]["step_time_s"]})
         print(f"  {name:<14} {_describe(plan)}: predicted {staged[-1]['predicted_s'] * 1e3:.1f} ms", flush=True)
 
+    from autopar.profiling.resimulate import load_profile_dict
+    from autopar.profiling.speed_check import speed_ratio
+
+    profile = load_profile_dict(args.profile or "local-cpu")
     reference = _reference(out, args)
     print(f"reference (accuracy benchmark's model, one process): predicted {reference['predicted_s'] * 1e3:.1f} ms, "
           f"measured {reference['before_s'] * 1e3:.1f} ms before the rounds", flush=True)
@@ -94,13 +100,15 @@ def main() -> int:
         print(f"round {round_index + 1} of {args.repeats}", flush=True)
         for st in order:
             busy = acc._wait_for_idle(args.idle_wait_s)
+            slow = speed_ratio(profile)["ratio"]
             m = acc._run(st["dir"] / "plan.json", st["world"], args.steps, args.timeout, args.breakdown)
             if m is None:
                 print(f"  {st['name']}: the run failed (see {st['dir']}/run.log)", flush=True)
                 continue
-            print(f"  {st['name']:<14} measured {m['step_time_s'] * 1e3:.1f} ms (busy {busy:.0%} before)", flush=True)
+            print(f"  {st['name']:<14} measured {m['step_time_s'] * 1e3:.1f} ms (busy {busy:.0%} before; ops at "
+                  f"{slow:.2f}x their profiled time)", flush=True)
             if st["measured"] is None or m["step_time_s"] < st["measured"]["step_time_s"]:
-                st["measured"] = {**m, "cpu_busy_before_run": busy}
+                st["measured"] = {**m, "cpu_busy_before_run": busy, "slowdown_before_run": slow}
 
     reference["after_s"] = _reference_step(out, args)
     print(f"reference measured {reference['after_s'] * 1e3:.1f} ms after the rounds", flush=True)
@@ -117,6 +125,10 @@ def main() -> int:
         print("no plan ran")
         return 1
     med = statistics.median(abs(st["error"]) for st in rows)
+    slows = [st["measured"]["slowdown_before_run"] for st in rows if st["measured"].get("slowdown_before_run")]
+    if slows:
+        print(f"\nthe profile's reference ops took {statistics.median(slows):.2f}x (median; {min(slows):.2f}-"
+              f"{max(slows):.2f}x) their profiled time before the kept runs (profiling/speed_check.py)")
     print(f"\nmedian |error| {med:.1%} over {len(rows)} shapes: {med / TARGET:.2f} of the 15% target (issue 16); "
           f"mean signed {statistics.mean(st['error'] for st in rows):+.1%}")
     load = os.getloadavg()
@@ -127,7 +139,8 @@ def main() -> int:
             "command": " ".join(["OMP_NUM_THREADS=1", "python", *sys.argv]),
             "shapes": [{"name": st["name"], "model": st["model"], "plan": _describe(st["plan"]),
                         "predicted_s": st["predicted_s"], "measured_s": st["measured"]["step_time_s"],
-                        "error": st["error"], "cpu_busy_before_run": st["measured"].get("cpu_busy_before_run")}
+                        "error": st["error"], "cpu_busy_before_run": st["measured"].get("cpu_busy_before_run"),
+                        "slowdown_before_run": st["measured"].get("slowdown_before_run")}
                        for st in rows],
             "median_abs_error": med, "target": TARGET, "reference_one_process": reference,
             "load_average_end": list(load)}, indent=1) + "\n")
