@@ -235,9 +235,10 @@ class CostModel:
         From a profile's measured points (burst length, extra time of the meeting), made
         non-decreasing (running max) and taken relative to the shortest burst -- the collective
         table's in-step rows already hold what a meeting costs straight after a little compute
-        --, interpolated linearly; beyond the longest burst the wait grows as the square root of
-        the work (cpu_meeting_wait.wait_after).  A row with only a fitted line waits
-        ``per_compute * gap_s``; one process, or a count the profile did not measure, waits nothing.
+        --, interpolated linearly; beyond the longest burst the wait follows the power law of the
+        last two points, at most proportional (cpu_meeting_wait.wait_after).  A row with only a
+        fitted line waits ``per_compute * gap_s``; one process, or a count the profile did not
+        measure, waits nothing.
         """
         if processes <= 1 or gap_s <= 0:
             return 0.0
