@@ -14,7 +14,7 @@ spread grows as the square root of the work (central limit theorem: the standard
 sum of n independent delays is sqrt(n) times theirs), k = 1/2; interruptions that hold one rank
 for a share of the whole stretch grow in proportion, k = 1.  On this machine 4 processes on 2
 cores (time-sliced among themselves) grew sublinearly past 100 ms and 2 processes (one per core,
-held up by the host's other work) about in proportion: probes with bursts of 70 ms to 1.2 s
+held up by the host's other work) about in proportion: probes with bursts of up to 1.2 s
 (benchmarks/results/cpu_meeting_wait_tail.txt) read log-log slopes of 0.60 and 0.86, and the
 committed profile's last segments 0.35 and 0.96.  So the slope is the measured one, per process
 count; a last segment that falls (noise; the curve is made non-decreasing, so it is flat) stops
