@@ -35,10 +35,12 @@ trace's last event at the step time (tests/test_simulator_trace.py checks both t
 the invariants: no two events overlap on a stream, no task starts before its input arrives).
 
 The pipeline formula idealises the schedule: it charges the sends between stages only in the
-fill and the drain, and fills an interleaved pipeline as if its model chunks were equal.
-Where the schedule, played with every send, cannot finish within the formula (1F1B or
-interleaved with a send that is not small against a stage's work; interleaved with unequal
-chunks), the drawn pipeline keeps every dependency and ends later than the step model's:
+fill and the drain (2 (p v - 1) of them), and fills an interleaved pipeline as if its model
+chunks were equal.  Interleaved with sends no longer than a chunk's forward or backward, the
+warm-up hides the steady-state sends and the formula is the schedule's length.  Where the
+schedule, played with every send, cannot finish within the formula (1F1B with a send that is
+not small against a stage's work, as the steady state then waits for sends; longer sends;
+unequal chunks on a CPU node), the drawn pipeline keeps every dependency and ends later than the step model's:
 ``StepTrace.late_s`` says by how much for each rank (zero wherever the formula is met), and
 the trace is that much longer than the step.
 """

@@ -10,8 +10,9 @@ ends, and it is a possible picture of the schedule.
   stage's backward and its send (the last stage's after its own forward); a DDP all-reduce
   starts after its layer's last backward;
 * the pipelines drawn against hand-derived schedules: where the pipeline formula is met (equal
-  stages without sends, GPipe with sends) the drawn pipeline ends at it; under 1F1B with a send
-  as long as a stage the schedule cannot, and the trace says by how much.
+  stages without sends, GPipe with sends, interleaved with sends up to a chunk's pass) the drawn
+  pipeline ends at it; under 1F1B with a send as long as a stage the schedule cannot, and the
+  trace says by how much.
 """
 import json
 from collections import defaultdict
@@ -66,6 +67,8 @@ EXACT = [
     dict(dp=2, tp=2, pp=2, schedule="1f1b", zero=3, recompute="selective", offload="cpu", m=8),
     dict(dp=2, tp=2, pp=2, schedule="interleaved", zero=1, recompute="none", offload="none", m=4),
     dict(dp=2, tp=2, pp=2, schedule="interleaved", zero=3, recompute="full", offload="none", m=2),
+    # unequal model chunks (embedding and head on the end chunks), sends crossing every chunk boundary
+    dict(dp=1, tp=2, pp=4, schedule="interleaved", zero=0, recompute="none", offload="none", m=4),
 ]
 CPU_PLANS = [
     dict(dp=4, tp=1, pp=1, schedule="1f1b", zero=0, recompute="none", offload="none", m=2),
@@ -75,9 +78,8 @@ CPU_PLANS = [
     dict(dp=2, tp=1, pp=2, schedule="gpipe", zero=2, recompute="none", offload="cpu", m=2),
     dict(dp=1, tp=2, pp=2, schedule="gpipe", zero=0, recompute="selective", offload="none", m=4),
 ]
-# plans whose formula the schedule cannot meet: unequal model chunks interleaved, sends under 1F1B
+# plans whose formula the schedule cannot meet: sends under 1F1B, unequal chunks interleaved on a CPU node
 LATE = [
-    dict(dp=1, tp=2, pp=4, schedule="interleaved", zero=0, recompute="none", offload="none", m=4),
     dict(dp=1, tp=2, pp=4, schedule="1f1b", zero=0, recompute="none", offload="none", m=16),
 ]
 CPU_LATE = [
@@ -242,6 +244,32 @@ def test_hand_schedules():
     assert pipe == 12 and end.tolist() == [14, 12]
     assert [(k, i, t) for k, i, _, t, _ in starts[0]] == [("F", 0, 0), ("F", 1, 1), ("B", 0, 5), ("F", 2, 6),
                                                          ("B", 1, 7), ("F", 3, 8), ("B", 2, 11), ("B", 3, 13)]
+    # interleaved, p = 2, v = 2 (virtual stages g0 g2 on rank 0, g1 g3 on rank 1), m = 2, f = b = c = 1.
+    # Rank 0 warms up with all 4 forwards, rank 1 with 2 (Narayanan et al. 2021 Sec. 2.2.2).
+    # Forward: g0 F0 [0, 1] F1 [1, 2]; g1 F0 [2, 3] F1 [3, 4]; g2 F0 [4, 5] F1 [5, 6]; g3 F0 [6, 7]
+    # B0 [7, 8] F1 [8, 9] B1 [9, 10]; backward: g2 B0 [9, 10] B1 [11, 12]; g1 B0 [11, 12] B1 [13, 14];
+    # g0 B0 [13, 14] B1 [15, 16].  The first micro-batch crosses 3 boundaries each way: the formula
+    # m T + (p - 1) T / v + 2 (p v - 1) c = 2 * 4 + 4 / 2 + 6 = 16, rank 1 one backward and a send before
+    pipe, end, starts = _hand(2, 2, 1, 1, 1, "interleaved", 2)
+    assert pipe == 16 and end.tolist() == [16, 14]
+    assert [(k, i, c, t) for k, i, c, t, _ in starts[1]] == [("F", 0, 0, 2), ("F", 1, 0, 3), ("F", 0, 1, 6),
+                                                            ("B", 0, 1, 7), ("F", 1, 1, 8), ("B", 1, 1, 9),
+                                                            ("B", 0, 0, 11), ("B", 1, 0, 13)]
+
+
+def test_interleaved_fill_and_drain_is_exact():
+    # equal chunks, any send up to the shorter of a chunk's forward and backward: the interleaved
+    # warm-up hides every steady-state send, so the schedule played with all of them ends exactly
+    # at the formula on every rank (the drawn pipeline starts each task as soon as it can)
+    for p, v, m, f, b in ((2, 2, 4, 1.0, 2.0), (4, 2, 8, 2.0, 1.0), (3, 3, 6, 1.0, 3.0), (8, 2, 16, 1.0, 2.0)):
+        for c in (0.0, 0.25 * min(f, b), min(f, b)):
+            G = p * v
+            f_g, b_g = np.full(G, f), np.full(G, b)
+            free = _Terms(serial=False, fwd=f_g, bwd=b_g, f_g=f_g, b_g=b_g, pipe=0.0, end_r=np.zeros(p), send_s=c)
+            _, end = _pipeline_starts(SimpleNamespace(p=p, v=v, num_microbatches=m, schedule="interleaved"), free)
+            pipe, _ = pipeline_time(np.full(p, v * (f + b)), m, p, v, c)
+            assert pipe == pytest.approx((m + (p - 1) / v) * v * (f + b) + 2 * (G - 1) * c)
+            assert end.tolist() == pytest.approx(rank_ends(pipe, b_g[:p], c).tolist(), rel=1e-12)
 
 def test_schedule_orders():
     # 1F1B: p - r - 1 warm-up forwards (Narayanan et al. 2021 Sec. 2.2.1)
