@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.step_model import layer_effective_times, pipeline_time, rank_ends
@@ -113,6 +114,7 @@ class _Terms:
     pipe: float
     end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
     send_s: float            # the activation send drawn between stages
+    sends_in_task: bool = False   # a blocking exchange (pipeline_p2p.RUNTIME) is the last part of its task
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
@@ -135,11 +137,12 @@ def _terms(ctx, rows: LayerTable) -> _Terms:
         fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
         f_g = np.add.reduceat(fwd, ctx.starts)
         b_g = np.add.reduceat(bwd, ctx.starts)
-        c_pipe = ctx.p2p_s
+        f_g, b_g, c_pipe = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)
     pipe, _ = pipeline_time(t_r, m, p, v, c_pipe)
     return _Terms(serial=bool(ctx.serial_comm), fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe,
-                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s)
+                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s,
+                  sends_in_task=bool(ctx.serial_comm) or pipeline_p2p.RUNTIME.blocking)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
@@ -153,7 +156,7 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
     then exactly when it can start there."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     G = p * v
-    serial = terms.serial
+    serial = terms.serial or terms.sends_in_task       # each send is the last part of its task
     c = terms.send_s
     f_g, b_g = terms.f_g.tolist(), terms.b_g.tolist()
     end_r = terms.end_r.tolist()
