@@ -19,7 +19,9 @@ representative device per pipeline rank, from the same quantities:
 * the tasks run in the schedule's order on each rank (``schedule_tasks``); a task starts when
   its rank is free and its input has arrived: a forward after the previous stage's forward of
   the same micro-batch and its activation send on the ``pp`` stream, a backward after the
-  next stage's backward and its gradient send (the last stage's after its own forward);
+  next stage's backward and its gradient send (the last stage's after its own forward); where
+  the exchange blocks its rank (a CPU node; Megatron-LM 2021's, pipeline_p2p.py) the send is
+  drawn as the last part of the sender's task;
 * each rank's last backward ends where the step model puts it (``step_model.rank_ends`` of
   the pipeline formula, ``step_model.pipeline_time``): where the formula charges more than
   the schedule needs (unequal stages), the rank waits before that last backward; every
