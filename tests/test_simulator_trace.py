@@ -12,7 +12,10 @@ ends, and it is a possible picture of the schedule.
 * the pipelines drawn against hand-derived schedules: where the pipeline formula is met (equal
   stages without sends, GPipe with sends, interleaved with sends up to a chunk's pass) the drawn
   pipeline ends at it; under 1F1B with a send as long as a stage the schedule cannot, and the
-  trace says by how much.
+  trace says by how much;
+* the same plans under Megatron-LM 2021's blocking exchange (simulator/pipeline_p2p.py), each
+  send the last part of its task, against a hand-worked 1F1B schedule, and its scatter/gather
+  exchange against the cost model's closed forms.
 """
 import json
 from collections import defaultdict
