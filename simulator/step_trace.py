@@ -38,11 +38,12 @@ the invariants: no two events overlap on a stream, no task starts before its inp
 
 The pipeline formula idealises the schedule: it charges the sends between stages only in the
 fill and the drain (2 (p v - 1) of them), and fills an interleaved pipeline as if its model
-chunks were equal.  Interleaved with sends no longer than a chunk's forward or backward, the
-warm-up hides the steady-state sends and the formula is the schedule's length.  Where the
-schedule, played with every send, cannot finish within the formula (1F1B with a send that is
-not small against a stage's work, as the steady state then waits for sends; longer sends;
-unequal chunks on a CPU node), the drawn pipeline keeps every dependency and ends later than the step model's:
+chunks were equal.  Interleaved with equal chunks and sends no longer than a chunk's forward
+or backward, the warm-up hides the steady-state sends and the formula is the schedule's length.
+Where the schedule, played with every send, cannot finish within the formula (1F1B with a send
+that is not small against a stage's work, as the steady state then waits for sends; longer
+sends; interleaved chunks of unequal length, as when a rank's layers do not divide by v), the
+drawn pipeline keeps every dependency and ends later than the step model's:
 ``StepTrace.late_s`` says by how much for each rank (zero wherever the formula is met), and
 the trace is that much longer than the step.
 """
