@@ -284,10 +284,18 @@ def sharded_runtime(family: str):
     return sharded_dp.DEEPSPEED_ZERO3_2021 if family == "ZeRO-3" else sharded_dp.FSDP2
 
 
+def pipeline_runtime(family: str):
+    """The pipeline exchange a family's runs used (simulator/pipeline_p2p.py): the PTD-P rows ran
+    Megatron-LM of 2021 (blocking exchange, scatter/gather on); the others have no pipeline."""
+    from autopar.simulator import pipeline_p2p
+
+    return pipeline_p2p.MEGATRON_2021 if family == "PTD-P" else pipeline_p2p.TORCH_PIPELINING
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator import autocast, sharded_dp
+    from autopar.simulator import autocast, pipeline_p2p, sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -299,14 +307,15 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME
+    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
     autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
     sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
+    pipeline_p2p.RUNTIME = pipeline_runtime(row["family"])     # and its exchange between stages
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME = saved
+        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

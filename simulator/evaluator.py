@@ -27,7 +27,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node
+from autopar.simulator import cpu_node, pipeline_p2p
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -254,8 +254,9 @@ class PlanEvaluator:
         p2p_s, p2p_m = (0.0, False)
         busy = busy_devices_per_node(self.cluster, mesh)
         if len(stages) > 1:
-            p2p_s, p2p_m = rank_cm[0].collective_time_ex("p2p", boundary * scale * act_scale / sp_div, 2,
-                                                         links.pp.link, links.pp.level, processes=busy)
+            p2p_s, p2p_m = pipeline_p2p.exchange_time(rank_cm[0], boundary * scale * act_scale / sp_div, mesh.tp,
+                                                      links.pp.link, links.pp.level, links.tp.link, links.tp.level,
+                                                      busy)
         layer_rank = layer_stage % p
         row_context = self._row_contexts.setdefault(key[:3], len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]

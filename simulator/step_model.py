@@ -11,8 +11,10 @@ report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step
   GPipe and 1F1B: sum_r T_r + (m - 1) max_r T_r (the fill/drain of Huang et al. 2019 and
   Narayanan et al. 2021 Sec. 2.2.1; for equal stages (m + p - 1) T, bubble (p-1)/(m+p-1));
   interleaved with v chunks: m max_r T_r + (sum_r T_r - max_r T_r) / v (bubble divided by v,
-  Narayanan et al. 2021 Sec. 2.2.2); plus 2 (p - 1) activation sends for fill and drain
-  (``pipeline_time``);
+  Narayanan et al. 2021 Sec. 2.2.2); plus the activation sends of the fill and the drain: the
+  first micro-batch crosses every stage boundary forward and its gradient every one back,
+  2 (p - 1) sends, and 2 (p v - 1) when it runs through the p v model chunks of an interleaved
+  pipeline (Sec. 2.2.2: v times as many stage boundaries) (``pipeline_time``);
 * data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
   its last backward ends, one after another on the communication stream, so the step ends
   at max_k(ready_k + sum of the all-reduces launched from k on) (Li et al. 2020, "PyTorch
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 
@@ -65,12 +68,21 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
 
 def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tuple[float, float]:
     """(time from the first forward to the last backward, bubble fraction) for ranks busy ``t_r``
-    per micro-batch (module docstring); ``send_s``: one activation send between stages."""
+    per micro-batch (module docstring); ``send_s``: one activation send between stages.
+
+    The sends are charged where the first micro-batch waits for them, in the fill and the
+    drain: 2 (G - 1) of them over the G = p v model chunks in a row.  In the steady state the
+    schedule hides them behind other micro-batches' work; for equal chunks an interleaved
+    pipeline does so while a send is no longer than a chunk's forward or backward (its warm-up runs
+    2 (p - r - 1) + (v - 1) p forwards on rank r, one micro-batch's worth of slack per
+    boundary), so the formula is then the schedule's exact length
+    (tests/test_simulator_trace.py, test_hand_schedules)."""
     t_max = float(t_r.max())
+    fill_drain_sends = 2 * (p * v - 1) * send_s
     if v == 1:
-        pipe = float(t_r.sum()) + (m - 1) * t_max + 2 * (p - 1) * send_s
+        pipe = float(t_r.sum()) + (m - 1) * t_max + fill_drain_sends
     else:
-        pipe = m * t_max + (float(t_r.sum()) - t_max) / v + 2 * (p - 1) * send_s
+        pipe = m * t_max + (float(t_r.sum()) - t_max) / v + fill_drain_sends
     bubble = 1.0 - m * t_max / pipe if pipe > 0 else 0.0
     return pipe, bubble
 
@@ -98,8 +110,8 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
     f_g = np.add.reduceat(fwd, ctx.starts)
     b_g = np.add.reduceat(bwd, ctx.starts)
+    f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
-    c = ctx.p2p_s
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
     # ---- DDP: gradients all-reduced as each layer's last backward ends

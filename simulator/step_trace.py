@@ -19,7 +19,9 @@ representative device per pipeline rank, from the same quantities:
 * the tasks run in the schedule's order on each rank (``schedule_tasks``); a task starts when
   its rank is free and its input has arrived: a forward after the previous stage's forward of
   the same micro-batch and its activation send on the ``pp`` stream, a backward after the
-  next stage's backward and its gradient send (the last stage's after its own forward);
+  next stage's backward and its gradient send (the last stage's after its own forward); where
+  the exchange blocks its rank (a CPU node; Megatron-LM 2021's, pipeline_p2p.py) the send is
+  drawn as the last part of the sender's task;
 * each rank's last backward ends where the step model puts it (``step_model.rank_ends`` of
   the pipeline formula, ``step_model.pipeline_time``): where the formula charges more than
   the schedule needs (unequal stages), the rank waits before that last backward; every
@@ -35,10 +37,13 @@ trace's last event at the step time (tests/test_simulator_trace.py checks both t
 the invariants: no two events overlap on a stream, no task starts before its input arrives).
 
 The pipeline formula idealises the schedule: it charges the sends between stages only in the
-fill and the drain, and fills an interleaved pipeline as if its model chunks were equal.
-Where the schedule, played with every send, cannot finish within the formula (1F1B or
-interleaved with a send that is not small against a stage's work; interleaved with unequal
-chunks), the drawn pipeline keeps every dependency and ends later than the step model's:
+fill and the drain (2 (p v - 1) of them), and fills an interleaved pipeline as if its model
+chunks were equal.  Interleaved with equal chunks and sends no longer than a chunk's forward
+or backward, the warm-up hides the steady-state sends and the formula is the schedule's length.
+Where the schedule, played with every send, cannot finish within the formula (1F1B with a send
+that is not small against a stage's work, as the steady state then waits for sends; longer
+sends; interleaved chunks of unequal length, as when a rank's layers do not divide by v), the
+drawn pipeline keeps every dependency and ends later than the step model's:
 ``StepTrace.late_s`` says by how much for each rank (zero wherever the formula is met), and
 the trace is that much longer than the step.
 """
@@ -49,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.step_model import layer_effective_times, pipeline_time, rank_ends
@@ -111,6 +117,7 @@ class _Terms:
     pipe: float
     end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
     send_s: float            # the activation send drawn between stages
+    sends_in_task: bool = False   # a blocking exchange (pipeline_p2p.RUNTIME) is the last part of its task
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
@@ -133,11 +140,12 @@ def _terms(ctx, rows: LayerTable) -> _Terms:
         fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
         f_g = np.add.reduceat(fwd, ctx.starts)
         b_g = np.add.reduceat(bwd, ctx.starts)
-        c_pipe = ctx.p2p_s
+        f_g, b_g, c_pipe = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)
     pipe, _ = pipeline_time(t_r, m, p, v, c_pipe)
     return _Terms(serial=bool(ctx.serial_comm), fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe,
-                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s)
+                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s,
+                  sends_in_task=bool(ctx.serial_comm) or pipeline_p2p.RUNTIME.blocking)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
@@ -151,7 +159,7 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
     then exactly when it can start there."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     G = p * v
-    serial = terms.serial
+    serial = terms.serial or terms.sends_in_task       # each send is the last part of its task
     c = terms.send_s
     f_g, b_g = terms.f_g.tolist(), terms.b_g.tolist()
     end_r = terms.end_r.tolist()

@@ -10,8 +10,12 @@ ends, and it is a possible picture of the schedule.
   stage's backward and its send (the last stage's after its own forward); a DDP all-reduce
   starts after its layer's last backward;
 * the pipelines drawn against hand-derived schedules: where the pipeline formula is met (equal
-  stages without sends, GPipe with sends) the drawn pipeline ends at it; under 1F1B with a send
-  as long as a stage the schedule cannot, and the trace says by how much.
+  stages without sends, GPipe with sends, interleaved with sends up to a chunk's pass) the drawn
+  pipeline ends at it; under 1F1B with a send as long as a stage the schedule cannot, and the
+  trace says by how much;
+* the same plans under Megatron-LM 2021's blocking exchange (simulator/pipeline_p2p.py), each
+  send the last part of its task, against a hand-worked 1F1B schedule, and its scatter/gather
+  exchange against the cost model's closed forms.
 """
 import json
 from collections import defaultdict
@@ -23,6 +27,7 @@ import pytest
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
 from autopar.simulator.cost_model import CostModel
+from autopar.simulator import pipeline_p2p
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
 from autopar.simulator.step_model import pipeline_time, rank_ends
@@ -66,6 +71,8 @@ EXACT = [
     dict(dp=2, tp=2, pp=2, schedule="1f1b", zero=3, recompute="selective", offload="cpu", m=8),
     dict(dp=2, tp=2, pp=2, schedule="interleaved", zero=1, recompute="none", offload="none", m=4),
     dict(dp=2, tp=2, pp=2, schedule="interleaved", zero=3, recompute="full", offload="none", m=2),
+    # unequal model chunks (embedding and head on the end chunks), sends crossing every chunk boundary
+    dict(dp=1, tp=2, pp=4, schedule="interleaved", zero=0, recompute="none", offload="none", m=4),
 ]
 CPU_PLANS = [
     dict(dp=4, tp=1, pp=1, schedule="1f1b", zero=0, recompute="none", offload="none", m=2),
@@ -75,9 +82,8 @@ CPU_PLANS = [
     dict(dp=2, tp=1, pp=2, schedule="gpipe", zero=2, recompute="none", offload="cpu", m=2),
     dict(dp=1, tp=2, pp=2, schedule="gpipe", zero=0, recompute="selective", offload="none", m=4),
 ]
-# plans whose formula the schedule cannot meet: unequal model chunks interleaved, sends under 1F1B
+# plans whose formula the schedule cannot meet: sends under 1F1B, unequal chunks interleaved on a CPU node
 LATE = [
-    dict(dp=1, tp=2, pp=4, schedule="interleaved", zero=0, recompute="none", offload="none", m=4),
     dict(dp=1, tp=2, pp=4, schedule="1f1b", zero=0, recompute="none", offload="none", m=16),
 ]
 CPU_LATE = [
@@ -96,15 +102,23 @@ def _plan(graph, kw, precision="bf16"):
 def _cases():
     gpu = CostModel.from_profile(PROFILE)
     cpu = CostModel.from_profile(CPU_PROFILE)
+    torch_pp, megatron = pipeline_p2p.TORCH_PIPELINING, pipeline_p2p.MEGATRON_2021
     for kw in EXACT:
-        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, True, id="gpu-" + _name(kw))
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, True, torch_pp, id="gpu-" + _name(kw))
     for kw in CPU_PLANS:
-        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, True, id="cpu-" + _name(kw))
+        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, True, torch_pp,
+                           id="cpu-" + _name(kw))
     for kw in LATE:
-        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, False, id="late-gpu-" + _name(kw))
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, False, torch_pp, id="late-gpu-" + _name(kw))
     for kw in CPU_LATE:
-        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False,
+        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False, torch_pp,
                            id="late-cpu-" + _name(kw) + f"-v{kw['v']}")
+    # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
+    # the formula; interleaved with unequal chunks does not
+    for kw in [k for k in EXACT + LATE if k["pp"] > 1]:
+        late = kw["schedule"] == "interleaved" and kw["pp"] == 4
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, not late, megatron,
+                           id=("late-" if late else "") + "megatron-" + _name(kw))
 
 
 def _name(kw):
@@ -121,8 +135,9 @@ def _end(e):
     return e["start_s"] + e["dur_s"]
 
 
-@pytest.mark.parametrize("graph,plan,cluster,cm,exact", list(_cases()))
-def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact):
+@pytest.mark.parametrize("graph,plan,cluster,cm,exact,runtime", list(_cases()))
+def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact, runtime, monkeypatch):
+    monkeypatch.setattr(pipeline_p2p, "RUNTIME", runtime)
     res = simulate(graph, plan, cluster, cm, timeline=True)
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     assert ctx.serial_comm == (cluster.groups[0].compute_slots > 0)
@@ -138,8 +153,9 @@ def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact):
         assert ends == pytest.approx(np.asarray(res.stage_step_s) + trace.late_s, rel=1e-9, abs=0)
 
 
-@pytest.mark.parametrize("graph,plan,cluster,cm,exact", list(_cases()))
-def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact):
+@pytest.mark.parametrize("graph,plan,cluster,cm,exact,runtime", list(_cases()))
+def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact, runtime, monkeypatch):
+    monkeypatch.setattr(pipeline_p2p, "RUNTIME", runtime)
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     events = trace.events
     tol = 1e-12 * max(_end(e) for e in events)
@@ -242,6 +258,70 @@ def test_hand_schedules():
     assert pipe == 12 and end.tolist() == [14, 12]
     assert [(k, i, t) for k, i, _, t, _ in starts[0]] == [("F", 0, 0), ("F", 1, 1), ("B", 0, 5), ("F", 2, 6),
                                                          ("B", 1, 7), ("F", 3, 8), ("B", 2, 11), ("B", 3, 13)]
+    # interleaved, p = 2, v = 2 (virtual stages g0 g2 on rank 0, g1 g3 on rank 1), m = 2, f = b = c = 1.
+    # Rank 0 warms up with all 4 forwards, rank 1 with 2 (Narayanan et al. 2021 Sec. 2.2.2).
+    # Forward: g0 F0 [0, 1] F1 [1, 2]; g1 F0 [2, 3] F1 [3, 4]; g2 F0 [4, 5] F1 [5, 6]; g3 F0 [6, 7]
+    # B0 [7, 8] F1 [8, 9] B1 [9, 10]; backward: g2 B0 [9, 10] B1 [11, 12]; g1 B0 [11, 12] B1 [13, 14];
+    # g0 B0 [13, 14] B1 [15, 16].  The first micro-batch crosses 3 boundaries each way: the formula
+    # m T + (p - 1) T / v + 2 (p v - 1) c = 2 * 4 + 4 / 2 + 6 = 16, rank 1 one backward and a send before
+    pipe, end, starts = _hand(2, 2, 1, 1, 1, "interleaved", 2)
+    assert pipe == 16 and end.tolist() == [16, 14]
+    assert [(k, i, c, t) for k, i, c, t, _ in starts[1]] == [("F", 0, 0, 2), ("F", 1, 0, 3), ("F", 0, 1, 6),
+                                                            ("B", 0, 1, 7), ("F", 1, 1, 8), ("B", 1, 1, 9),
+                                                            ("B", 0, 0, 11), ("B", 1, 0, 13)]
+
+
+def test_blocking_exchange_hand_schedule(monkeypatch):
+    # Megatron-LM 2021 (pipeline_p2p.MEGATRON_2021): the exchange holds the rank, so each send is the
+    # last part of the task that sends.  1F1B, p = 2, m = 4, f = b = c = 1: stage 0's forwards and
+    # stage 1's backwards last 2.  Stage 0 F0 [0, 2] F1 [2, 4]; stage 1 F0 [2, 3] B0 [3, 5] F1 [5, 6]
+    # B1 [6, 8]; stage 0 B0 [5, 6] F2 [6, 8] B1 [8, 9] F3 [9, 11]; stage 1 F2 [8, 9] B2 [9, 11] F3
+    # [11, 12] B3 [12, 14]; stage 0 B2 [11, 12] B3 [14, 15]: T_0 = T_1 = 3, sum T + (m - 1) max T = 15
+    monkeypatch.setattr(pipeline_p2p, "RUNTIME", pipeline_p2p.MEGATRON_2021)
+    f_g, b_g, c = pipeline_p2p.task_lengths(np.ones(2), np.ones(2), 1.0)
+    assert f_g.tolist() == [2, 1] and b_g.tolist() == [1, 2] and c == 0.0
+    pipe, _ = pipeline_time(f_g + b_g, 4, 2, 1, c)
+    terms = _Terms(serial=False, fwd=f_g, bwd=b_g, f_g=f_g, b_g=b_g, pipe=pipe, end_r=rank_ends(pipe, b_g[:2], c),
+                   send_s=1.0, sends_in_task=True)
+    starts, end = _pipeline_starts(SimpleNamespace(p=2, v=1, num_microbatches=4, schedule="1f1b"), terms)
+    assert pipe == 15 and end.tolist() == [15, 14]
+    assert [(k, i, t) for k, i, _, t, _ in starts[0]] == [("F", 0, 0), ("F", 1, 2), ("B", 0, 5), ("F", 2, 6),
+                                                         ("B", 1, 8), ("F", 3, 9), ("B", 2, 11), ("B", 3, 14)]
+
+
+def test_scatter_gather_exchange():
+    # Narayanan et al. 2021 Sec. 4.1: each of t ranks sends 1/t of the activation, then the t pieces
+    # are all-gathered: alpha_pp + (M / t) / B_pp plus the ring all-gather (t - 1) (alpha_tp + (M / t) / B_tp)
+    # (the cost model's closed forms, no measured rows in PROFILE)
+    cm = CostModel.from_profile(PROFILE)
+    pp_link, tp_link = Link(25.0, 5.0), Link(300.0, 3.0)
+    M, t = 64e6, 8
+    whole, _ = pipeline_p2p.exchange_time(cm, M, t, pp_link, "inter", tp_link, "intra", None)
+    assert whole == pytest.approx(5e-6 + M / (25e9 * 0.9))
+    saved = pipeline_p2p.RUNTIME
+    try:
+        pipeline_p2p.RUNTIME = pipeline_p2p.MEGATRON_2021
+        split, _ = pipeline_p2p.exchange_time(cm, M, t, pp_link, "inter", tp_link, "intra", None)
+    finally:
+        pipeline_p2p.RUNTIME = saved
+    gather, _ = cm.collective_time_ex("all_gather", M, t, tp_link, "intra")
+    assert gather == pytest.approx((t - 1) * (3e-6 + M / t / (300e9 * 0.7)))
+    assert split == pytest.approx(5e-6 + M / t / (25e9 * 0.9) + gather)
+
+
+def test_interleaved_fill_and_drain_is_exact():
+    # equal chunks, any send up to the shorter of a chunk's forward and backward: the interleaved
+    # warm-up hides every steady-state send, so the schedule played with all of them ends exactly
+    # at the formula on every rank (the drawn pipeline starts each task as soon as it can)
+    for p, v, m, f, b in ((2, 2, 4, 1.0, 2.0), (4, 2, 8, 2.0, 1.0), (3, 3, 6, 1.0, 3.0), (8, 2, 16, 1.0, 2.0)):
+        for c in (0.0, 0.25 * min(f, b), min(f, b)):
+            G = p * v
+            f_g, b_g = np.full(G, f), np.full(G, b)
+            free = _Terms(serial=False, fwd=f_g, bwd=b_g, f_g=f_g, b_g=b_g, pipe=0.0, end_r=np.zeros(p), send_s=c)
+            _, end = _pipeline_starts(SimpleNamespace(p=p, v=v, num_microbatches=m, schedule="interleaved"), free)
+            pipe, _ = pipeline_time(np.full(p, v * (f + b)), m, p, v, c)
+            assert pipe == pytest.approx((m + (p - 1) / v) * v * (f + b) + 2 * (G - 1) * c)
+            assert end.tolist() == pytest.approx(rank_ends(pipe, b_g[:p], c).tolist(), rel=1e-12)
 
 def test_schedule_orders():
     # 1F1B: p - r - 1 warm-up forwards (Narayanan et al. 2021 Sec. 2.2.1)
