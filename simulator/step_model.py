@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.layer_table import LayerTable
+from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+
+
+#: columns overlapped_step reads from the first layers' rows
+_RS, _D2H, _OFFLOAD, _ZERO = (COLUMN_INDEX[c] for c in ("dp_reducescatter_s", "d2h_s", "offload", "zero"))
 
 
 def chunk_masks(starts: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -51,13 +55,17 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
     """
-    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                                  rows.d2h_s, rows.zero, rows.offload)
+    offload = rows.offload
+    if offload.any():
+        fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
+                                                      rows.d2h_s, rows.zero, offload)
+    else:                                   # no copies to or from the host: the same sums without them
+        fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, 0.0, 0.0,
+                                                      rows.zero, 0.0)
     fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
-    next_comm[:-1] = fwd_comm[1:]
+    np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])
     next_comm[-1] = 0.0
-    next_comm *= not_tail
     fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
     bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
     return fwd, bwd
@@ -127,7 +135,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = rows.at(ctx.starts[:p])
-    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
+    first = rows.data[ctx.starts[:p]].T
+    fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
     sync = end_r + np.maximum(excess, fsdp_tail)
     return after_backward(sync, rows, layer_rank, p), bubble
