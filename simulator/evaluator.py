@@ -348,7 +348,7 @@ class PlanEvaluator:
         ddp_active = ctx.no_ddp
         if mesh.dp > 1:
             ddp_layers = data[:, _ZERO] <= 1
-            if ddp_layers.any():
+            if np.count_nonzero(ddp_layers):            # (count_nonzero: a cheaper any)
                 ddp_active = ctx.rank_onehot @ ddp_layers > 0
         memory = stage_memory(
             params=sums[:, _PARAM], grads=sums[:, _GRAD], optimizer=sums[:, _OPTIMIZER], host=sums[:, _HOST],
@@ -359,7 +359,7 @@ class PlanEvaluator:
         # ---- host memory per node: the offloaded state of every device on the node (FSDP's
         # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
         # the host memory of its own node), against the node's host_memory_bytes
-        if memory[6].any():
+        if np.count_nonzero(memory[6]):
             host_per_node = ctx.node_counts @ memory[6]
             host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
             host_fits = bool((host_per_node <= ctx.host_capacity).all())
