@@ -111,10 +111,11 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
-    zero = rows.zero
-    ar = rows.dp_allreduce_s * (zero <= 1)
     layer_rank = ctx.layer_rank
     excess = np.zeros(p)
+    ar = rows.dp_allreduce_s
+    if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
+        ar = ar * (rows.zero <= 1)
     if np.count_nonzero(ar):
         # time before the end of its chunk's last backward at which a layer's gradient is ready
         cum = np.cumsum(bwd)
