@@ -55,13 +55,8 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
     """
-    offload = rows.offload
-    if np.count_nonzero(offload):          # (count_nonzero: a cheaper any)
-        fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                                      rows.d2h_s, rows.zero, offload)
-    else:                                   # no copies to or from the host: the same sums without them
-        fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, 0.0, 0.0,
-                                                      rows.zero, 0.0)
+    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
+                                                  rows.d2h_s, rows.zero, rows.offload)
     fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
     np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])
