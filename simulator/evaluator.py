@@ -27,7 +27,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node
+from autopar.simulator import cpu_node, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -416,8 +416,6 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) ->
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    from autopar.simulator import sharded_dp
-
     # the arguments depend on the context and two module settings a caller may change between
     # evaluations (benchmarks/published_runs.py): worked out once per context and settings
     settings = (sharded_dp.RUNTIME, sharded_dp.REDUCE_BYTES)

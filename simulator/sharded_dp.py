@@ -159,7 +159,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     gather3 = zero >= 3
     # the copies of each sharded layer's buffers (copy_out_s, buffer bytes never negative; a
     # mask multiplies where a select would do: the same numbers for finite ones, fewer calls)
-    cp_param = 2.0 * rows[:, col["fsdp_param_buffer_bytes"]] / unit_s * sharded
+    cp_param = 2.0 * rows[:, col["fsdp_param_buffer_bytes"]] / unit_s
     cp_grad = 2.0 * rows[:, col["fsdp_grad_buffer_bytes"]] * reduce_factor / unit_s * sharded
     fwd, bwd = rows[:, col["fwd_s"]], rows[:, col["bwd_s"]]
     rec = rows[:, col["recompute_s"]]
@@ -173,7 +173,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
         # (carried in the reduce-scatter column, the other traffic of that stream), with its copy-out
         regather = gather3 & (rows[:, col["recompute"]] >= 2)
         rs = rs + np.where(regather, ag, 0.0)
-        rec = rec + np.where(regather, cp_param, 0.0)
+        rec = rec + np.where(regather, cp_param, 0.0)          # (regather: sharded layers only)
         out[:, col["recompute_s"]] = rec
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
     cp_param3 = cp_param * gather3
