@@ -107,7 +107,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
     layer_rank = ctx.layer_rank
-    excess = np.zeros(p)
+    excess = None                         # no DDP all-reduce past the last backward
     ar = rows.dp_allreduce_s
     if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
         ar = ar * (rows.zero <= 1)
@@ -132,6 +132,10 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
     first = rows.data[ctx.starts[:p]].T
-    fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
-    sync = end_r + np.maximum(excess, fsdp_tail)
+    if np.count_nonzero(first[_OFFLOAD]):
+        fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
+    else:                                 # no copy out to the host (a zero term left out)
+        fsdp_tail = first[_RS] * (first[_ZERO] >= 2)
+    # (times are never negative: without DDP the larger of nothing and the tail is the tail)
+    sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
     return after_backward(sync, rows, layer_rank, p), bubble
