@@ -339,11 +339,12 @@ class PlanEvaluator:
         # ---- memory per pipeline rank
         data = rows.data
         sums = ctx.rank_onehot @ data                           # per-rank sums in one product
-        mx = np.maximum.reduceat(data[:, _MAX_COLUMNS], ctx.starts, axis=0)     # per model chunk
+        # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
+        transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
         act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
         out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
-            mx = mx.reshape(ctx.v, p, 3).max(axis=0)
+            transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
             out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
         ddp_active = ctx.no_ddp
         if mesh.dp > 1:
@@ -352,9 +353,9 @@ class PlanEvaluator:
                 ddp_active = ctx.rank_onehot @ ddp_layers > 0
         memory = stage_memory(
             params=sums[:, _PARAM], grads=sums[:, _GRAD], optimizer=sums[:, _OPTIMIZER], host=sums[:, _HOST],
-            activation_per_chunk=act_g, transient_max=mx[:, 0], inflight=ctx.inflight, num_chunks=ctx.v,
+            activation_per_chunk=act_g, transient_max=transient, inflight=ctx.inflight, num_chunks=ctx.v,
             ddp_active=ddp_active, grad_bytes_total=sums[:, _DP_GRAD],
-            fsdp_param_buffer_max=mx[:, 1], fsdp_grad_buffer_max=mx[:, 2], p2p_bytes=out_end)
+            fsdp_param_buffer_max=param_buf, fsdp_grad_buffer_max=grad_buf, p2p_bytes=out_end)
         totals = memory[5]
         # ---- host memory per node: the offloaded state of every device on the node (FSDP's
         # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
