@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import is_not
 from typing import Mapping
@@ -27,7 +27,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, pipeline_p2p
+from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -40,6 +40,11 @@ _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_
 #: columns a step's work and traffic are summed from (SimResult.work, read when asked for)
 _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wire_bytes_per_mb", "dp_wire_bytes_per_step",
                                            "num_measured", "num_estimated", "output_bytes")]
+
+#: columns assemble reads by index (a LayerTable's named columns, without building one)
+_PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
+    COLUMN_INDEX[c] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes", "dp_grad_bytes",
+                              "activation_bytes", "output_bytes", "zero"))
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -83,6 +88,12 @@ class _Context:
     layer_cm_names: list[str]   # rank_cm_names of each layer's pipeline rank
     row_slots: list[int]        # per layer, an integer naming (row_context, its cost model name)
     peak_flops: float           # the first pipeline rank's peak at the plan's precision (for MFU)
+    last_layers: np.ndarray     # the last layer of each virtual stage (ends - 1)
+    no_ddp: np.ndarray          # (p,) False: no pipeline rank holds DDP buckets
+    min_capacity: float         # the smallest pipeline rank's device memory, bytes
+    #: sharded_dp.with_sharded_dp_costs's arguments by (sharded_dp.RUNTIME, REDUCE_BYTES), the
+    #: module settings they depend on beside the context (evaluator._sharded_dp)
+    sharded_args: dict = field(default_factory=dict)
 
 
 class PlanEvaluator:
@@ -277,7 +288,8 @@ class PlanEvaluator:
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
-                       peak_flops=rank_cm[0].peak(plan.precision))
+                       peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
+                       no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()))
         return ctx
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
@@ -326,26 +338,30 @@ class PlanEvaluator:
         p, m, mesh = ctx.p, ctx.num_microbatches, ctx.mesh
         step = float(step_r.max())
         # ---- memory per pipeline rank
-        sums = LayerTable(ctx.rank_onehot @ rows.data)          # per-rank sums in one product
-        mx = np.maximum.reduceat(rows.data[:, _MAX_COLUMNS], ctx.starts, axis=0)     # per model chunk
-        act_g = np.add.reduceat(rows.activation_bytes, ctx.starts).reshape(ctx.v, p)
-        out_end = rows.output_bytes[ctx.ends - 1] if p > 1 else 0.0
+        data = rows.data
+        sums = ctx.rank_onehot @ data                           # per-rank sums in one product
+        # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
+        transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
+        act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+        out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
-            mx = mx.reshape(ctx.v, p, 3).max(axis=0)
+            transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
             out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
-        ddp_layers = rows.zero <= 1
-        ddp_active = ((ctx.rank_onehot @ ddp_layers > 0) if mesh.dp > 1 and ddp_layers.any()
-                      else np.zeros(p, dtype=bool))
+        ddp_active = ctx.no_ddp
+        if mesh.dp > 1:
+            ddp_layers = data[:, _ZERO] <= 1
+            if np.count_nonzero(ddp_layers):            # (count_nonzero: a cheaper any)
+                ddp_active = ctx.rank_onehot @ ddp_layers > 0
         memory = stage_memory(
-            params=sums.param_bytes, grads=sums.grad_bytes, optimizer=sums.optimizer_bytes, host=sums.host_bytes,
-            activation_per_chunk=act_g, transient_max=mx[:, 0], inflight=ctx.inflight, num_chunks=ctx.v,
-            ddp_active=ddp_active, grad_bytes_total=sums.dp_grad_bytes,
-            fsdp_param_buffer_max=mx[:, 1], fsdp_grad_buffer_max=mx[:, 2], p2p_bytes=out_end)
+            params=sums[:, _PARAM], grads=sums[:, _GRAD], optimizer=sums[:, _OPTIMIZER], host=sums[:, _HOST],
+            activation_per_chunk=act_g, transient_max=transient, inflight=ctx.inflight, num_chunks=ctx.v,
+            ddp_active=ddp_active, grad_bytes_total=sums[:, _DP_GRAD],
+            fsdp_param_buffer_max=param_buf, fsdp_grad_buffer_max=grad_buf, p2p_bytes=out_end)
         totals = memory[5]
         # ---- host memory per node: the offloaded state of every device on the node (FSDP's
         # CPUOffloadPolicy keeps each device's sharded parameters, gradients and optimizer state in
         # the host memory of its own node), against the node's host_memory_bytes
-        if memory[6].any():
+        if np.count_nonzero(memory[6]):
             host_per_node = ctx.node_counts @ memory[6]
             host_worst = int(np.argmax(host_per_node - ctx.host_capacity))
             host_fits = bool((host_per_node <= ctx.host_capacity).all())
@@ -388,7 +404,7 @@ class PlanEvaluator:
         return SimResult(
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
-            max_memory_bytes=float(totals.max()), capacity_bytes=float(ctx.capacity.min()),
+            max_memory_bytes=float(totals.max()), capacity_bytes=ctx.min_capacity,
             fits=device_fits and host_fits, device_fits=device_fits, host_fits=host_fits,
             host_bytes_per_node=float(host_per_node[host_worst]),
             host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
@@ -402,15 +418,19 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) ->
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    from autopar.simulator import sharded_dp
-
-    dp = ctx.links.dp
-    return LayerTable(sharded_dp.with_sharded_dp_costs(
-        rows.data, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0),
-        reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES),
-        bandwidth_scale=sharded_dp.gather_bandwidth_scale(sharded_dp.RUNTIME, dp.level, dp.link.bandwidth_GBps,
-                                                          per_gpu_network_GBps),
-        latency_s=(dp.size - 1) * dp.link.latency_s))
+    # the arguments depend on the context and two module settings a caller may change between
+    # evaluations (benchmarks/published_runs.py): worked out once per context and settings
+    settings = (sharded_dp.RUNTIME, sharded_dp.REDUCE_BYTES)
+    args = ctx.sharded_args.get(settings)
+    if args is None:
+        dp = ctx.links.dp
+        args = ctx.sharded_args[settings] = (
+            (COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0)),
+            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES),
+                 bandwidth_scale=sharded_dp.gather_bandwidth_scale(sharded_dp.RUNTIME, dp.level,
+                                                                   dp.link.bandwidth_GBps, per_gpu_network_GBps),
+                 latency_s=(dp.size - 1) * dp.link.latency_s))
+    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args[0], **args[1]))
 
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES

@@ -12,6 +12,8 @@ The functions take numpy arrays (one entry per layer) or plain numbers alike.
 """
 from __future__ import annotations
 
+import numpy as np
+
 
 def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
     """(forward communication, backward gather, backward communication) of a layer per micro-batch.
@@ -22,6 +24,10 @@ def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
     of a model chunk's backward.
     """
     zero2 = zero >= 2
+    if not np.count_nonzero(offload):
+        # nothing on the host: the same terms without the (zero) copies, in fewer operations
+        bwd_gather = allgather_s * (zero >= 3)
+        return allgather_s * zero2, bwd_gather, bwd_gather + reducescatter_s * zero2
     h2d = h2d_s * offload
     fwd_comm = allgather_s * zero2 + h2d
     bwd_gather = (allgather_s + h2d) * (zero >= 3)

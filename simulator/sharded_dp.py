@@ -152,15 +152,15 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     runtime = RUNTIME if runtime is None else runtime
     zero = rows[:, zero_col]
     sharded = zero >= 2
-    if not sharded.any():
+    if not np.count_nonzero(sharded):           # (count_nonzero: a cheaper any)
         return rows
     out = rows.copy()
-    bw, eff = memory_bandwidth_Bps, memory_efficiency
+    unit_s = memory_bandwidth_Bps * memory_efficiency           # bytes per second of one copy pass
     gather3 = zero >= 3
-    pbytes = rows[:, col["fsdp_param_buffer_bytes"]]
-    gbytes = rows[:, col["fsdp_grad_buffer_bytes"]]
-    cp_param = np.where(sharded & (pbytes > 0), 2.0 * pbytes / (bw * eff), 0.0)
-    cp_grad = np.where(sharded & (gbytes > 0), 2.0 * gbytes * reduce_factor / (bw * eff), 0.0)
+    # the copies of each sharded layer's buffers (copy_out_s, buffer bytes never negative; a
+    # mask multiplies where a select would do: the same numbers for finite ones, fewer calls)
+    cp_param = 2.0 * rows[:, col["fsdp_param_buffer_bytes"]] / unit_s
+    cp_grad = 2.0 * rows[:, col["fsdp_grad_buffer_bytes"]] * reduce_factor / unit_s * sharded
     fwd, bwd = rows[:, col["fwd_s"]], rows[:, col["bwd_s"]]
     rec = rows[:, col["recompute_s"]]
     ag, rs = rows[:, col["dp_allgather_s"]], rows[:, col["dp_reducescatter_s"]] * reduce_factor
@@ -173,20 +173,25 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
         # (carried in the reduce-scatter column, the other traffic of that stream), with its copy-out
         regather = gather3 & (rows[:, col["recompute"]] >= 2)
         rs = rs + np.where(regather, ag, 0.0)
-        rec = rec + np.where(regather, cp_param, 0.0)
+        rec = rec + np.where(regather, cp_param, 0.0)          # (regather: sharded layers only)
         out[:, col["recompute_s"]] = rec
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
-    out[:, col["fwd_s"]] = fwd + np.where(gather3, cp_param, 0.0)
-    out[:, col["bwd_s"]] = bwd + np.where(gather3, cp_param, 0.0)
+    cp_param3 = cp_param * gather3
     #    copy-in before each reduce-scatter, on its stream
-    out[:, col["dp_reducescatter_s"]] = rs + cp_grad
+    rs_in = rs + cp_grad
+    out[:, col["dp_reducescatter_s"]] = rs_in
     # 2. compute under collectives: forward under the next layer's gather, backward under this
     #    layer's reduce-scatter and the next gather
-    next_fwd = np.append(ag[1:] * sharded[1:], 0.0)
-    next_bwd = np.concatenate(([0.0], ag[:-1] * gather3[:-1]))
-    bwd_comm = np.where(sharded, rs + cp_grad + next_bwd, 0.0)
-    out[:, col["fwd_s"]] += np.where(sharded, overlap_slowdown_s(fwd, next_fwd, slowdown), 0.0)
-    out[:, col["bwd_s"]] += np.where(sharded, overlap_slowdown_s(bwd + rec, bwd_comm, slowdown), 0.0)
+    n = len(zero)
+    next_fwd = np.empty(n)
+    np.multiply(ag[1:], sharded[1:], out=next_fwd[:-1])
+    next_fwd[-1] = 0.0
+    next_bwd = np.empty(n)
+    next_bwd[0] = 0.0
+    np.multiply(ag[:-1], gather3[:-1], out=next_bwd[1:])
+    # (sharded layers only: the slowdown is masked by ``sharded`` below, so its inputs need not be)
+    out[:, col["fwd_s"]] = fwd + cp_param3 + overlap_slowdown_s(fwd, next_fwd, slowdown) * sharded
+    out[:, col["bwd_s"]] = bwd + cp_param3 + overlap_slowdown_s(bwd + rec, rs_in + next_bwd, slowdown) * sharded
     return out
 
 

@@ -29,8 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.simulator import pipeline_p2p
-from autopar.simulator.layer_table import LayerTable
+from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+
+
+#: columns overlapped_step reads from the first layers' rows
+_RS, _D2H, _OFFLOAD, _ZERO = (COLUMN_INDEX[c] for c in ("dp_reducescatter_s", "d2h_s", "offload", "zero"))
 
 
 def chunk_masks(starts: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -58,9 +62,8 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
                                                   rows.d2h_s, rows.zero, rows.offload)
     fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
-    next_comm[:-1] = fwd_comm[1:]
+    np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])
     next_comm[-1] = 0.0
-    next_comm *= not_tail
     fwd = np.maximum(fwd_c, next_comm) + fwd_comm * head
     bwd = np.maximum(bwd_c, bwd_comm) + bwd_gather * tail
     return fwd, bwd
@@ -98,7 +101,7 @@ def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p
     and ZeRO-1's parameter all-gather."""
     opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
     zero1 = rows.zero == 1
-    if not zero1.any():
+    if not np.count_nonzero(zero1):
         return sync + opt
     return sync + opt + np.bincount(layer_rank, weights=rows.dp_allgather_s * zero1, minlength=p)
 
@@ -115,11 +118,12 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
-    zero = rows.zero
-    ar = rows.dp_allreduce_s * (zero <= 1)
     layer_rank = ctx.layer_rank
-    excess = np.zeros(p)
-    if ar.any():
+    excess = None                         # no DDP all-reduce past the last backward
+    ar = rows.dp_allreduce_s
+    if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
+        ar = ar * (rows.zero <= 1)
+    if np.count_nonzero(ar):
         # time before the end of its chunk's last backward at which a layer's gradient is ready
         cum = np.cumsum(bwd)
         before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
@@ -139,7 +143,11 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = rows.at(ctx.starts[:p])
-    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
-    sync = end_r + np.maximum(excess, fsdp_tail)
+    first = rows.data[ctx.starts[:p]].T
+    if np.count_nonzero(first[_OFFLOAD]):
+        fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
+    else:                                 # no copy out to the host (a zero term left out)
+        fsdp_tail = first[_RS] * (first[_ZERO] >= 2)
+    # (times are never negative: without DDP the larger of nothing and the tail is the tail)
+    sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
     return after_backward(sync, rows, layer_rank, p), bubble
