@@ -130,7 +130,7 @@ def _to_family(ch: LayerChoice, family: str) -> LayerChoice:
 
 # ------------------------------------------------------------------------ pipeline
 def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    if c.num_stages == 1:
+    if c.num_stages == 1 or c.schedule == "interleaved":    # interleaved chunks stay equal (space.schedule_candidates)
         return None
     k = 1 + int(rng.integers(c.num_stages - 1))          # an inner boundary
     step = int(rng.choice([-2, -1, 1, 2]))

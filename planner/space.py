@@ -111,15 +111,20 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
     """(schedule, virtual stages per pipeline rank) for a pipeline of ``pp`` ranks.
 
     pp == 1 has no pipeline ("1f1b" with one stage is plain gradient accumulation).  The
-    interleaved schedule needs at least v * pp layers and a micro-batch count that is a
-    multiple of pp (Narayanan et al. 2021, Sec. 2.2.2).
+    interleaved schedule needs a micro-batch count that is a multiple of pp (Narayanan et al.
+    2021, Sec. 2.2.2) and, here, layers that split into v * pp equal model chunks: the step
+    model's interleaved formula fills the pipeline as if a rank's chunks were equal, and a
+    schedule of unequal chunks runs longer than it prices -- by 20% of the step for one
+    published layout, and more the more micro-batches (docs/validation.md, "The pipelined
+    PTD-P rows") -- so an unequal split would be chosen for a speed it does not have.
+    Megatron-LM asks the same of its interleaved schedule (layers divisible by pp * v).
     """
     if pp == 1:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("gpipe", 1)]
     if num_microbatches % pp == 0:
         for v in range(2, max_virtual_stages + 1):
-            if v * pp <= num_layers:
+            if v * pp <= num_layers and num_layers % (v * pp) == 0:
                 out.append(("interleaved", v))
     return out
 

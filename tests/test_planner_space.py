@@ -25,9 +25,13 @@ def test_microbatches_and_schedules():
     assert microbatch_candidates(24, 4) == [(1, 6), (2, 3), (3, 2), (6, 1)]
     assert microbatch_candidates(24, 5) == []
     assert schedule_candidates(1, 10, 8) == [("1f1b", 1)]
-    assert ("interleaved", 2) in schedule_candidates(4, 10, 8)
     assert all(s != "interleaved" for s, _ in schedule_candidates(4, 10, 6))   # m not a multiple of p
     assert ("interleaved", 3) not in schedule_candidates(4, 10, 8)            # 12 > 10 layers
+    # interleaved only where the layers split into p * v equal chunks
+    assert ("interleaved", 2) in schedule_candidates(4, 16, 8)
+    assert ("interleaved", 2) not in schedule_candidates(4, 10, 8)            # 10 layers, 8 chunks
+    assert [v for s, v in schedule_candidates(2, 24, 4, max_virtual_stages=4) if s == "interleaved"] == [2, 3, 4]
+    assert [v for s, v in schedule_candidates(3, 24, 6, max_virtual_stages=4) if s == "interleaved"] == [2, 4]
 
 
 def test_layer_choices_respect_the_plan_rules():
@@ -41,7 +45,7 @@ def test_layer_choices_respect_the_plan_rules():
 def test_every_move_gives_a_valid_plan():
     from autopar.core.plan import Mesh
 
-    L = 6
+    L = 8
     meshes = tuple(mesh_candidates(16, gpus_per_node=8, num_layers=L, global_batch=32))
     space = MoveSpace(meshes=meshes, can_split=(True,) * L, num_layers=L, global_batch=32)
     styles = [{f"l{i}.a": "colwise", f"l{i}.b": "rowwise"} for i in range(L)]
@@ -53,4 +57,6 @@ def test_every_move_gives_a_valid_plan():
         c = propose(c, rng, space)
         c.to_plan(model=model, styles=styles, precision="bf16", cluster="x").validate(L)
         kinds.add((c.mesh.pp > 1, c.schedule, c.choices[0].zero))
+        if c.schedule == "interleaved":                   # equal model chunks only
+            assert len({b - a for a, b in zip(c.bounds, c.bounds[1:])}) == 1, c.bounds
     assert len(kinds) > 6                                 # the chain moves across the space
