@@ -106,6 +106,22 @@ def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p
     return sync + opt + np.bincount(layer_rank, weights=rows.dp_allgather_s * zero1, minlength=p)
 
 
+def gradient_ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
+    """Per layer: when its gradient is ready, relative to the end of its rank's last backward
+    (negative: earlier).  The layer's own backward ends the backward slots of its chunk's
+    earlier layers before the chunk's last; with v chunks per rank the cool-down runs p
+    backward passes of each later chunk before the next one's, so a chunk's last backward ends
+    that much before the rank's.  ``bwd``: per-layer backward slots; ``b_g``: per-chunk backward."""
+    p, v = ctx.p, ctx.v
+    cum = np.cumsum(bwd)
+    before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
+    chunk_off = np.zeros(len(ctx.starts))
+    if v > 1:
+        b_vp = b_g.reshape(v, p)
+        chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
+    return -(before + chunk_off[ctx.layer_stage])
+
+
 def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction), communication
     overlapping compute (a GPU's streams)."""
@@ -124,15 +140,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
         ar = ar * (rows.zero <= 1)
     if np.count_nonzero(ar):
-        # time before the end of its chunk's last backward at which a layer's gradient is ready
-        cum = np.cumsum(bwd)
-        before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
-        chunk_off = np.zeros(len(ctx.starts))
-        if v > 1:
-            b_vp = b_g.reshape(v, p)
-            # the cool-down runs p backward passes of each later chunk before the next one's
-            chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
-        rel = -(before + chunk_off[ctx.layer_stage])
+        rel = gradient_ready_offsets(ctx, bwd, b_g)
         order = np.lexsort((rel, layer_rank))
         rel_s, ar_s, rank_s = rel[order], ar[order], layer_rank[order]
         total = np.bincount(rank_s, weights=ar_s, minlength=p)

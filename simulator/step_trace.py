@@ -57,7 +57,7 @@ import numpy as np
 from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import layer_effective_times, pipeline_time, rank_ends
+from autopar.simulator.step_model import gradient_ready_offsets, layer_effective_times, pipeline_time, rank_ends
 from autopar.simulator.timeline import Timeline
 
 
@@ -202,21 +202,6 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
     return out, np.array(free)
 
 
-def _ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
-    """Per layer: when its gradient is ready, relative to the end of its rank's last backward
-    (step_model.overlapped_step's ``rel``): its chunk's last backward ends p backward passes of
-    each later-run chunk before the rank's last, and the layer's own backward ends the
-    backward slots of the chunk's earlier layers before the chunk's."""
-    p, v = ctx.p, ctx.v
-    cum = np.cumsum(bwd)
-    before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
-    chunk_off = np.zeros(len(ctx.starts))
-    if v > 1:
-        b_vp = b_g.reshape(v, p)
-        chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
-    return -(before + chunk_off[ctx.layer_stage])
-
-
 def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: int, t: float, rows: LayerTable,
                terms: _Terms, head: np.ndarray, tail: np.ndarray) -> float:
     """Draw the layer slots of one task (layers a..b-1 of virtual stage g) from ``t``; returns
@@ -299,7 +284,7 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
     late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
     base = drawn_end
     ar = rows.dp_allreduce_s * (rows.zero <= 1)
-    rel = _ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
+    rel = gradient_ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
     first = rows.at(ctx.starts[:p])
     fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
     finish = np.zeros(p)
