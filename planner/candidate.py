@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 
-from autopar.core.plan import LayerPlan, Mesh, ModelRef, Pipeline, Plan, Stage, equal_bounds  # noqa: F401 (equal_bounds re-exported)
+from autopar.core.plan import LayerPlan, Mesh, ModelRef, Pipeline, Plan, Stage
 from autopar.planner.space import LayerChoice
 
 

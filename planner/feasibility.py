@@ -14,7 +14,8 @@ from dataclasses import replace
 from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError, NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
-from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.core.plan import equal_bounds
+from autopar.planner.candidate import Candidate
 from autopar.planner.space import LayerChoice, mesh_candidates, microbatch_candidates
 
 MAX_SCALE = 64          # look for up to 64x the nodes

@@ -17,8 +17,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.core.plan import Mesh
-from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.core.plan import Mesh, equal_bounds
+from autopar.planner.candidate import Candidate
 from autopar.planner.space import (RECOMPUTE_CHOICES, ZERO_FAMILIES, LayerChoice, microbatch_candidates,
                                    schedule_candidates, zero_family_of)
 

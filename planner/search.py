@@ -27,9 +27,9 @@ import numpy as np
 from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.graph import OpGraph
-from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan
+from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
 from autopar.core.sharding import megatron_styles
-from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.planner.candidate import Candidate
 from autopar.planner.layer_tables import LayerTables, build_layer_tables
 from autopar.planner.mcmc import metropolis_hastings
 from autopar.planner.moves import MoveSpace, propose

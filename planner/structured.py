@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.errors import InfeasibleError
-from autopar.core.plan import Mesh
-from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.core.plan import Mesh, equal_bounds
+from autopar.planner.candidate import Candidate
 from autopar.planner.ilp import ChoiceNode, group_consecutive, solve_intra_op
 from autopar.planner.layer_tables import LayerTables
 from autopar.planner.stage_dp import partition_stages

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.core.plan import ModelRef
-from autopar.planner.candidate import Candidate, equal_bounds
+from autopar.core.plan import ModelRef, equal_bounds
+from autopar.planner.candidate import Candidate
 from autopar.planner.moves import MoveSpace, propose
 from autopar.planner.space import (LayerChoice, layer_choices, mesh_candidates, microbatch_candidates,
                                    schedule_candidates)
