@@ -121,6 +121,15 @@ class ParallelDims:
         """Data-parallel replicas: each takes ``global_batch / batch_degree`` samples."""
         return self.degree("batch")
 
+    @cached_property
+    def splits_model(self) -> bool:
+        """Whether an axis other than data parallelism has more than one rank, i.e. each rank holds
+        part of the model (its layers, its tensors) or of a sample's tokens.  The runtime then runs
+        data parallelism on FSDP2's machinery rather than ``DistributedDataParallel`` /
+        ``ZeroRedundancyOptimizer`` (runtime/apply_dp.data_parallel_kind), and the simulator
+        prices what runs (simulator/layer_cost.effective_zero, simulator/autocast.autocast_mode)."""
+        return any(getattr(self, a.name) > 1 for a in self.axes if a.splits != "batch")
+
     def describe(self, fmt: str = "{name} {size}", sep: str = " x ", layout_order: bool = False,
                  splits: str | None = None) -> str:
         """``dp 2 x tp 4 x pp 1``: the degrees in field order (``layout_order``: outermost axis

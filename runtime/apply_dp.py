@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from autopar.core.plan import Mesh
+
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,11 +72,11 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
                                    device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def data_parallel_kind(zero: int, dp: int, tp: int, pp: int) -> str:
+def data_parallel_kind(zero: int, mesh: Mesh) -> str:
     """Which native part runs the plan's data parallelism.
 
-    ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  With
-    tensor or pipeline parallelism, ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
+    ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  When
+    another axis splits the model (``mesh.splits_model``: tensor or pipeline parallelism), ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
     machinery: it takes DTensor parameters, which ``DistributedDataParallel`` does not, and
     the pipeline schedules drive its gradient sync per micro-batch, which DDP's reducer does
     not survive) and ZeRO-1 as FSDP2 without reshard (ZeRO-2; ``ZeroRedundancyOptimizer``
@@ -83,9 +85,9 @@ def data_parallel_kind(zero: int, dp: int, tp: int, pp: int) -> str:
     """
     if zero >= 2:
         return "fsdp"
-    if dp == 1:
+    if mesh.dp == 1:
         return "none"
-    if tp > 1 or pp > 1:
+    if mesh.splits_model:
         return "fsdp" if zero == 1 else "replicate"
     return "zero1" if zero == 1 else "ddp"
 

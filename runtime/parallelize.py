@@ -209,7 +209,7 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
     ties = find_ties(meta)
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
-    out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp))
+    out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh))
     if plan.mesh.pp > 1:                                                            # 2
         with torch.device("meta"):
             example, _ = checked.model_file.make_batch(plan.micro_batch, **args)

@@ -33,13 +33,14 @@ OVERRIDE: str | None = None
 FP32_KINDS = frozenset({"norm", "softmax", "loss"})
 
 
-def autocast_mode(zero: int, dp: int, tp: int, pp: int, precision: str) -> str:
-    """How the runtime runs a layer of a plan: autocast with fp32 parameters, or not (see module doc)."""
+def autocast_mode(zero: int, mesh, precision: str) -> str:
+    """How the runtime runs a layer of a plan: autocast with fp32 parameters, or not (see module doc).
+    ``mesh``: the plan's ParallelDims (core/parallel_dims.py)."""
     if OVERRIDE is not None:
         return OVERRIDE
     if precision not in ("bf16", "fp16"):
         return OFF
-    if zero >= 2 or (dp > 1 and (tp > 1 or pp > 1)):
+    if zero >= 2 or (mesh.dp > 1 and mesh.splits_model):
         return OFF
     return FP32_PARAMS
 

@@ -164,7 +164,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
-    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh.dp, tp, mesh.pp, precision)  # autocast.py
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision)  # autocast.py
     styles = lp.tp_styles
     for op in ops:
         w.param_names.update(op.params)
@@ -412,8 +412,9 @@ def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:
 def effective_zero(zero: int, mesh: Mesh) -> int:
     """The ZeRO stage that will run.
 
-    With tensor or pipeline parallelism the runtime runs ZeRO-1 as FSDP2 without reshard
+    When another axis splits the model (tensor or pipeline parallelism: ``mesh.splits_model``)
+    the runtime runs ZeRO-1 as FSDP2 without reshard
     (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; runtime/apply_dp.py,
     data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run.
     """
-    return 2 if zero == 1 and (mesh.tp > 1 or mesh.pp > 1) else zero
+    return 2 if zero == 1 and mesh.splits_model else zero

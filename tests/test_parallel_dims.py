@@ -104,6 +104,20 @@ def test_batch_degree_counts_only_the_axes_that_split_the_batch():
     assert WithContextParallel(dp=4, tp=2, pp=3, cp=2).degree("sequence") == 2
 
 
+def test_splits_model_is_any_axis_besides_data_parallel():
+    # the runtime's choice of DDP / ZeroRedundancyOptimizer against FSDP2's machinery, and the
+    # simulator's price of it, read this one predicate (runtime/apply_dp.data_parallel_kind)
+    from autopar.runtime.apply_dp import data_parallel_kind
+    assert not Mesh(dp=8).splits_model and not Mesh().splits_model
+    assert Mesh(dp=2, tp=2).splits_model and Mesh(pp=2).splits_model
+    assert WithContextParallel(dp=4, cp=2).splits_model                    # a new axis counts too
+    assert not WithContextParallel(dp=4).splits_model
+    assert [data_parallel_kind(z, Mesh(dp=8)) for z in (0, 1, 2, 3)] == ["ddp", "zero1", "fsdp", "fsdp"]
+    assert [data_parallel_kind(z, Mesh(dp=4, pp=2)) for z in (0, 1, 2)] == ["replicate", "fsdp", "fsdp"]
+    assert [data_parallel_kind(z, WithContextParallel(dp=4, cp=2)) for z in (0, 1)] == ["replicate", "fsdp"]
+    assert [data_parallel_kind(z, Mesh(tp=8)) for z in (0, 1, 3)] == ["none", "none", "fsdp"]
+
+
 def _plan(**mesh) -> Plan:
     return uniform_plan(model=ModelRef("m.py", {}, "m", "f"), num_layers=4, micro_batch=2, **mesh)
 

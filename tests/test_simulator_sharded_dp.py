@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from autopar.core.plan import Mesh
 from autopar.simulator.layer_cost import LAYER_COST_FIELDS
 from autopar.simulator.network import ring_bus_bandwidth_GBps
 from autopar.simulator.sharded_dp import copy_out_s, overlap_slowdown_s, reduce_scale, with_sharded_dp_costs
@@ -61,12 +62,12 @@ def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
     from autopar.simulator import autocast as A
 
     # DDP / ZeRO-1 alone, or one dp rank: autocast with fp32 parameters; FSDP2 paths: none; fp32: none
-    assert A.autocast_mode(0, 8, 1, 1, "bf16") == A.FP32_PARAMS
-    assert A.autocast_mode(1, 8, 1, 1, "bf16") == A.FP32_PARAMS
-    assert A.autocast_mode(0, 1, 8, 4, "bf16") == A.FP32_PARAMS
-    assert A.autocast_mode(0, 8, 2, 1, "bf16") == A.OFF          # replicate on FSDP2
-    assert A.autocast_mode(3, 8, 1, 1, "bf16") == A.OFF
-    assert A.autocast_mode(0, 8, 1, 1, "fp32") == A.OFF
+    assert A.autocast_mode(0, Mesh(dp=8), "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(1, Mesh(dp=8), "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, Mesh(tp=8, pp=4), "bf16") == A.FP32_PARAMS
+    assert A.autocast_mode(0, Mesh(dp=8, tp=2), "bf16") == A.OFF          # replicate on FSDP2
+    assert A.autocast_mode(3, Mesh(dp=8), "bf16") == A.OFF
+    assert A.autocast_mode(0, Mesh(dp=8), "fp32") == A.OFF
     assert A.bytes_factor("norm", "layer_norm", A.FP32_PARAMS) == 2.0
     assert A.bytes_factor("loss", None, A.LOW_PARAMS) == 2.0
     assert A.bytes_factor("elementwise", "add", A.FP32_PARAMS) == 2.0      # the fp32 residual stream
