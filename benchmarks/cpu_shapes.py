@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy_local_cpu as acc  # noqa: E402  (same run, idle-wait and error helpers)
-from autopar.core.plan import load_plan  # noqa: E402
+from autopar.core.plan import LayerPlan, Plan, load_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_FILE = REPO / "examples" / "gpt.py"
@@ -84,10 +84,9 @@ def main() -> int:
         plan_path = run_dir / "plan.json"
         if args.replan or not plan_path.is_file():
             _plan(model, args, plan_path)
-        plan = json.loads(plan_path.read_text())
-        world = load_plan(plan_path).world_size
+        plan = load_plan(plan_path)
         staged.append({"name": name, "model": model, "dir": run_dir, "plan": plan, "measured": None,
-                       "world": world, "predicted_s": plan["predicted"]["step_time_s"]})
+                       "world": plan.world_size, "predicted_s": plan.predicted["step_time_s"]})
         print(f"  {name:<14} {_describe(plan)}: predicted {staged[-1]['predicted_s'] * 1e3:.1f} ms", flush=True)
 
     from autopar.report.resimulate import load_profile_dict
@@ -187,24 +186,20 @@ def _reference_step(out: Path, args) -> float:
     return float("nan") if m is None else m.step_time_s
 
 
-def _describe(plan: dict) -> str:
+def _describe(plan: Plan) -> str:
     """The plan in a few words: mesh, micro-batches and the layer choices seen."""
-    mesh = plan["mesh"]
-    pipe = plan.get("pipeline", {})
-    kinds = sorted({_layer_kind(layer) for layer in plan.get("layers", [])})
-    m = pipe.get("num_microbatches", 1)
-    return (f"dp{mesh['dp']} tp{mesh['tp']} pp{mesh['pp']} mb{plan.get('micro_batch')}x{m} "
+    kinds = sorted({_layer_kind(layer) for layer in plan.layers})
+    return (f"{plan.mesh.describe('{name}{size}', sep=' ')} mb{plan.micro_batch}x{plan.pipeline.num_microbatches} "
             + "/".join(k for k in kinds if k))
 
 
-def _layer_kind(layer: dict) -> str:
+def _layer_kind(layer: LayerPlan) -> str:
     parts = []
-    zero = layer.get("zero", 0)
-    if zero:
-        parts.append(f"z{zero}")
-    if layer.get("recompute", "none") != "none":
-        parts.append(f"rc-{layer['recompute']}")
-    if layer.get("tp"):
+    if layer.zero:
+        parts.append(f"z{layer.zero}")
+    if layer.recompute != "none":
+        parts.append(f"rc-{layer.recompute}")
+    if layer.tp:
         parts.append("tp")
     return "+".join(parts)
 
