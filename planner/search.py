@@ -16,6 +16,7 @@ NoFeasiblePlanError says what would make one fit (feasibility.py).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from itertools import groupby
@@ -33,6 +34,7 @@ from autopar.planner.candidate import Candidate
 from autopar.planner.layer_tables import LayerTables, build_layer_tables
 from autopar.planner.mcmc import metropolis_hastings
 from autopar.planner.moves import MoveSpace, propose
+from autopar.planner.screen_bound import layer_time_floor, screen_bound
 from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices, mesh_candidates,
                                    microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
 from autopar.planner.structured import Setting, range_costs, solve_setting
@@ -44,6 +46,9 @@ ALGOS = ("auto", "ilp", "mcmc")
 # A plan with uniform layer choices is preferred to the best one when it is at most this much
 # slower (0.2%: below what the simulator can tell apart; see Planner.tidy).
 TIDY_TOLERANCE = 0.002
+# relative rounding between a setting's bound and its screen score, which sum the same per-layer
+# floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
+_ROUNDING = 1e-9
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total)
 
@@ -119,6 +124,7 @@ class SearchResult:
     num_settings: int
     phase_s: dict[str, float] = field(default_factory=dict)
     method: str = ""
+    num_pruned: int = 0                  # settings never tabled: their bound ruled them out
 
     @property
     def plan(self) -> Plan:
@@ -159,6 +165,7 @@ class Planner:
                                zero_families=tuple(options.zero_families))
         self.seen: dict[Candidate, Evaluated | None] = {}
         self.num_unscreened = 0
+        self.num_pruned = 0                          # settings skipped by their bound (screen_bound.py)
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
         self.table_cache: dict = {}
@@ -322,16 +329,41 @@ class Planner:
         except InfeasibleError:
             return math.inf
 
+    def bound(self, s: Setting) -> float:
+        """A lower bound on ``screen(s)`` that prices one strategy per distinct layer (screen_bound.py)."""
+        floors: dict[str, np.ndarray] = {}
+        rows = []
+        for cm in self.evaluator.rank_cost_models(s.mesh):
+            if cm.name not in floors:
+                floors[cm.name] = layer_time_floor(self.evaluator, styles=self.styles, signatures=self.signatures,
+                                                   mesh=s.mesh, micro_batch=s.micro_batch, zero_family=s.zero_family,
+                                                   precision=self.options.precision, cost_model=cm)
+            rows.append(floors[cm.name])
+        return screen_bound(np.array(rows), s.num_microbatches, s.schedule, s.virtual_stages)
+
     def structured(self, deadline: float) -> list[Evaluated]:
+        """Screen the settings, best bound first, skipping those whose bound exceeds the
+        ``num_screened``-th best score found (they cannot be among the best ``num_screened``,
+        screen_bound.py); assemble and price the best ``num_screened``."""
         settings = self.settings()
         t0 = time.perf_counter()
         screen_deadline = t0 + 0.7 * (deadline - t0)
         self.num_settings = len(settings)
+        keep = self.options.num_screened
+        bounds = [self.bound(s) for s in settings]
+        order = sorted(range(len(settings)), key=lambda k: (bounds[k], k))
         scored: list[tuple[float, int, Setting]] = []
-        for k, s in enumerate(settings):
-            self.progress("screening settings", k, len(settings))
+        best_scores: list[float] = []                  # ascending, the finite scores so far
+        for n, k in enumerate(order):
+            s = settings[k]
+            self.progress("screening settings", n, len(settings))
+            # the bound and the score add the same floats in other orders (prefix sums): a
+            # setting is skipped only when its bound exceeds the incumbent beyond rounding
+            if 0 < keep <= len(best_scores) and bounds[k] > best_scores[keep - 1] * (1.0 + _ROUNDING):
+                self.num_pruned = len(settings) - n    # the rest: bounds ascend
+                break
             if time.perf_counter() > screen_deadline:
-                self.num_unscreened = len(settings) - k
+                self.num_unscreened = len(settings) - n
                 break
             try:
                 t, allowed = self.tables(s)
@@ -340,6 +372,7 @@ class Planner:
                 score = math.inf
             if math.isfinite(score):
                 scored.append((score, k, s))
+                bisect.insort(best_scores, score)
         self.progress("screening settings", len(settings), len(settings))
         scored.sort(key=lambda x: (x[0], x[1]))
         out: list[Evaluated] = []
@@ -465,7 +498,7 @@ class Planner:
         method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
         result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
                               num_infeasible=self.num_infeasible, num_settings=self.num_settings,
-                              phase_s=phase, method=method)
+                              phase_s=phase, method=method, num_pruned=self.num_pruned)
         elapsed = time.perf_counter() - t0
         result.best = self._finish(result.best, result, elapsed)
         result.runner_ups = [self._finish(ev, result, elapsed) for ev in result.runner_ups]
