@@ -4,12 +4,15 @@
    sequence parallelism), ZeRO family, micro-batch size and count, schedule -- the per-layer
    costs come from the simulator's ``layer_cost``; the stage DP splits the layers (pp > 1) and
    the ILP picks each device's per-layer strategies under its memory budget
-   (structured.py).  Settings are first ranked by the DP's predicted latency (a screen that
-   costs no simulation); the best of them are assembled and priced by the simulator.
+   (structured.py).  Settings are screened by the DP's predicted latency (a screen that costs
+   no simulation) in ascending order of a lower bound on it, and one whose bound exceeds the
+   ``num_screened``-th best latency found is never tabled (screen_bound.py); the best
+   ``num_screened`` are assembled and priced by the simulator.
 2. **MCMC** (FlexFlow style, Jia et al. 2019): Metropolis-Hastings over whole plans with the
    simulator as the cost and random local moves (moves.py), started from the best structured
    plans (``algo="auto"``) or from the plain data-parallel corner of the space
-   (``algo="mcmc"``), within a time and an iteration budget.
+   (``algo="mcmc"``), within a time and an iteration budget; a chain stops early once half
+   its iteration budget has passed without a better plan (FlexFlow's rule, mcmc.py).
 
 Every plan returned fits memory on every device (the simulator's ``fits``); when none does,
 NoFeasiblePlanError says what would make one fit (feasibility.py).
@@ -73,6 +76,9 @@ class PlanOptions:
     # more activations: Narayanan et al. 2021, Sec. 2.2.1); MCMC still proposes it
     num_screened: int = 24               # settings the structured phase assembles and simulates
     mcmc_iterations: int = 4000
+    # a chain stops once this many proposals in a row found no better plan; None: half of
+    # mcmc_iterations, FlexFlow's rule (Jia et al. 2019, Sec. 5.2: no improvement for half the budget)
+    mcmc_patience: int | None = None
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
     # knobs the user fixed (None: the search chooses); see planner/constraints.py
@@ -460,8 +466,10 @@ class Planner:
                     self.progress(f"MCMC refine {n + 1}/{len(starts)}", done[0], o.mcmc_iterations)
                 return step(c, rng)
 
+            patience = o.mcmc_patience if o.mcmc_patience is not None else max(1, o.mcmc_iterations // 2)
             res = metropolis_hastings(start.candidate, tick, cost, beta=o.mcmc_beta, seed=o.seed + n,
-                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, keep_trace=False)
+                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, patience=patience,
+                                      keep_trace=False)
             best = self.seen.get(res.best_state)
             if best is not None:
                 found.append(best)

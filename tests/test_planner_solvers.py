@@ -212,6 +212,29 @@ def test_mcmc_time_budget_and_infeasible_states():
     assert res.num_infeasible >= 1 and all(c % 2 == 0 for c in [res.best_state])
 
 
+def test_mcmc_patience_stops_a_chain_that_stopped_improving():
+    """With ``patience`` P the chain is the same chain cut where P proposals in a row have not
+    lowered the best cost (read off the full chain's trace), with that prefix's best state."""
+    full = metropolis_hastings((0, 31), _grid_step, lambda s: _landscape(*s), beta=0.15, seed=3,
+                               max_iterations=3000)
+    best, last, cut = math.inf, 0, None
+    for it, _, current, _ in full.trace:
+        if current < best:
+            best, last = current, it
+        if it - last >= 40:
+            cut = it
+            break
+    assert cut is not None and cut < 3000
+    res = metropolis_hastings((0, 31), _grid_step, lambda s: _landscape(*s), beta=0.15, seed=3,
+                              max_iterations=3000, patience=40)
+    assert res.num_iterations == cut and res.trace == full.trace[:cut]
+    assert res.best_cost == best and _landscape(*res.best_state) == best
+    # a start that nothing beats: exactly P proposals
+    flat = metropolis_hastings(0, lambda s, r: s + 1, lambda s: 0.0 if s == 0 else 1.0, beta=1.0,
+                               max_iterations=1000, patience=25)
+    assert flat.num_iterations == 25 and flat.best_state == 0
+
+
 def _solve_and_compare_with_brute_force(nodes, edges, budget):
     """The ILP's optimum equals brute-force enumeration (or both find nothing that fits)."""
     want, _ = _brute_force_ilp(nodes, edges, budget)
