@@ -315,25 +315,28 @@ class Planner:
         self.table_cache[key] = (per_rank, allowed)
         return per_rank, allowed
 
-    def screen(self, s: Setting, tables: list[LayerTables], allowed) -> float:
-        """Predicted step latency of the setting's DP partition, before any simulation."""
-        cap = self.capacity(s.mesh)
+    def screen(self, s: Setting, tables: list[LayerTables], allowed, cap: float = math.inf) -> float:
+        """Predicted step latency of the setting's DP partition, before any simulation; ``inf``
+        where it is not below ``cap`` and the stage DP could tell without finishing."""
+        capacity = self.capacity(s.mesh)
         m, p, v = s.num_microbatches, s.mesh.pp, s.virtual_stages
         if p == 1 or s.schedule == "interleaved":
             # equal chunks; each of a rank's v chunks gets 1/v of its memory and in-flight count,
             # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
             bounds = equal_bounds(self.num_layers, p * v)
             inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
-            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight, cuttable=self.cuttable,
+            cost = range_costs(tables, s, [c / v for c in capacity], allowed, inflight, cuttable=self.cuttable,
                                ranges=list(zip(bounds[:-1], bounds[1:])))
             lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
             return float(m * max(lat) + (sum(lat) - max(lat)) / v)
         try:
-            return partition_stages(range_costs(tables, s, cap, allowed, cuttable=self.cuttable), p, m).step_latency_s
+            part = partition_stages(range_costs(tables, s, capacity, allowed, cuttable=self.cuttable), p, m,
+                                    upper_bound=cap)
         except InfeasibleError:
             return math.inf
+        return math.inf if part is None else part.step_latency_s
 
     def bound(self, s: Setting) -> float:
         """A lower bound on ``screen(s)`` that prices one strategy per distinct layer (screen_bound.py)."""
@@ -365,7 +368,8 @@ class Planner:
             self.progress("screening settings", n, len(settings))
             # the bound and the score add the same floats in other orders (prefix sums): a
             # setting is skipped only when its bound exceeds the incumbent beyond rounding
-            if 0 < keep <= len(best_scores) and bounds[k] > best_scores[keep - 1] * (1.0 + _ROUNDING):
+            cap = best_scores[keep - 1] * (1.0 + _ROUNDING) if 0 < keep <= len(best_scores) else math.inf
+            if bounds[k] > cap:
                 self.num_pruned = len(settings) - n    # the rest: bounds ascend
                 break
             if time.perf_counter() > screen_deadline:
@@ -373,7 +377,7 @@ class Planner:
                 break
             try:
                 t, allowed = self.tables(s)
-                score = self.screen(s, t, allowed)
+                score = self.screen(s, t, allowed, cap)    # inf: not below the incumbent, left out
             except InfeasibleError:
                 score = math.inf
             if math.isfinite(score):

@@ -145,6 +145,24 @@ def test_stage_dp_with_position_dependent_costs_and_memory_limits(seed):
     assert all(got.bounds[s + 1] - got.bounds[s] <= 3 + (s % 2) for s in range(S))
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_stage_dp_with_an_upper_bound_against_brute_force(seed, m):
+    """Above the brute-force optimum the bound changes nothing (the same partition); below it
+    the DP answers None."""
+    rng = np.random.default_rng(100 + seed)
+    L, S = 9, 3
+    cost = np.stack([_layer_range_costs(rng, L) for _ in range(S)])
+    want, want_bounds = _brute_force_stages(cost, S, m)
+    free = partition_stages(cost, S, m)
+    for above in (want * (1 + 1e-9), want * 1.01, want * 2):
+        got = partition_stages(cost, S, m, upper_bound=above)
+        assert got is not None and got.bounds == free.bounds
+        assert got.step_latency_s == pytest.approx(want, rel=1e-12)
+    for below in (want * (1 - 1e-9), want * 0.9, want / (1 + (m - 1) / S) / 2):
+        assert partition_stages(cost, S, m, upper_bound=below) is None
+
+
 def test_stage_dp_unequal_stages_when_layers_are_unequal():
     # a heavy last layer (an LM head): the optimum gives the last stage fewer layers
     per_layer = np.array([1.0] * 7 + [3.0])
