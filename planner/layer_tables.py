@@ -74,16 +74,17 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                        precision: str, cost_model=None) -> LayerTables:
     """Price every (layer, choice) of a setting through ``evaluator.layer_cost``."""
     L, C = len(styles), len(choices)
-    # identical layers (one signature) have identical rows: priced once, on the first of them
-    # (the signature holds the layer's split, so whether it can split is the same for all)
-    first: dict[str, int] = {}
-    for i, sig in enumerate(signatures):
-        first.setdefault(sig, i)
-    group = {sig: g for g, sig in enumerate(first)}
-    which = np.array([group[sig] for sig in signatures], dtype=np.intp)
+    # identical layers (one signature, a split or none) have identical rows: priced once, on the
+    # first of them, and spread to the others by index
+    keys = [(sig, bool(st)) for sig, st in zip(signatures, styles)]
+    first: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    group = {key: g for g, key in enumerate(first)}
+    which = np.array([group[key] for key in keys], dtype=np.intp)
     cols = np.zeros((6, len(first), C))      # time_mb, step, static, activation, reserve, output
     valid_rows = np.ones((len(first), C), dtype=bool)
-    memo: dict[tuple, tuple] = {}
+    memo: dict[LayerChoice, tuple] = {}
     sharded = _sharded_terms(evaluator, mesh, precision, cost_model)
     for g, i in enumerate(first.values()):
         can_split = bool(styles[i]) and mesh.tp > 1
