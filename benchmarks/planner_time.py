@@ -37,7 +37,8 @@ def main() -> None:
     p = res.best.plan
     print(f"capture {t1 - t0:.1f} s; search {t2 - t1:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in res.phase_s.items())}), "
           f"{c2 - c1:.1f} CPU-seconds (goal {SEARCH_GOAL_S:.0f} s: {'met' if c2 - c1 < SEARCH_GOAL_S else 'MISSED'}); "
-          f"{res.num_settings} settings, {res.num_evaluated} plans priced, {res.num_infeasible} infeasible")
+          f"{res.num_settings} settings ({res.num_pruned} ruled out by their bound), {res.num_evaluated} plans priced, "
+          f"{res.num_infeasible} infeasible")
     print(f"plan: dp{p.mesh.dp} tp{p.mesh.tp} pp{p.mesh.pp} sp={p.mesh.sequence_parallel} mb{p.micro_batch} "
           f"{p.pipeline.schedule}; step {res.best.step_time_s!r} s, MFU {100 * p.predicted['mfu']:.1f}%")
     total = t2 - t0

@@ -74,35 +74,40 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                        precision: str, cost_model=None) -> LayerTables:
     """Price every (layer, choice) of a setting through ``evaluator.layer_cost``."""
     L, C = len(styles), len(choices)
-    time_mb = np.zeros((L, C))
-    step = np.zeros((L, C))
-    static = np.zeros((L, C))
-    act = np.zeros((L, C))
-    reserve = np.zeros((L, C))
-    out = np.zeros(L)
-    valid = np.ones((L, C), dtype=bool)
-    memo: dict[tuple, tuple] = {}
+    # identical layers (one signature, a split or none) have identical rows: priced once, on the
+    # first of them, and spread to the others by index
+    keys = [(sig, bool(st)) for sig, st in zip(signatures, styles)]
+    first: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    group = {key: g for g, key in enumerate(first)}
+    which = np.array([group[key] for key in keys], dtype=np.intp)
+    cols = np.zeros((6, len(first), C))      # time_mb, step, static, activation, reserve, output
+    valid_rows = np.ones((len(first), C), dtype=bool)
+    memo: dict[LayerChoice, tuple] = {}
     sharded = _sharded_terms(evaluator, mesh, precision, cost_model)
-    for i in range(L):
+    for g, i in enumerate(first.values()):
         can_split = bool(styles[i]) and mesh.tp > 1
         for c, ch in enumerate(choices):
             eff = ch if (can_split or not ch.tp) else replace(ch, tp=False)
-            valid[i, c] = eff == ch
-            key = (signatures[i], eff)
-            if key not in memo:
+            valid_rows[g, c] = eff == ch
+            if eff not in memo:
                 lp = LayerPlan(layer=i, tp=tuple(sorted(styles[i].items())) if eff.tp else (),
                                zero=eff.zero, recompute=eff.recompute, offload=eff.offload)
                 lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
                 if sharded is not None and eff.zero >= 2:
                     lc = sharded(lc, lp)
                 t_mb, t_step = fold_layer_cost(lc, eff.zero, eff.offload == "cpu", num_microbatches)
-                memo[key] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
+                memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
                              lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,
                                                                     lc.fsdp_grad_buffer_bytes),
                              lc.output_bytes)
-            time_mb[i, c], step[i, c], static[i, c], act[i, c], reserve[i, c], out[i] = memo[key]
-    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid)
+            cols[:, g, c] = memo[eff]
+        memo.clear()
+    time_mb, step, static, act, reserve = (cols[k][which] for k in range(5))
+    out = cols[5][which, -1] if C else np.zeros(L)
+    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which])
 
 
 def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):

@@ -8,10 +8,12 @@ changes; a proposal with cost ``cost_new`` replaces the current one with probabi
 
 so the chain's stationary distribution is proportional to exp(-beta * cost): improvements
 are always taken, regressions sometimes, which lets the search leave local minima.  The
-search stops at an iteration budget or a time budget, whichever comes first, and returns the
-best state seen.  States are opaque to this module: ``propose(state, rng) -> state`` and
+search stops at an iteration budget or a time budget, whichever comes first, or -- FlexFlow's
+stop rule (Sec. 5.2: the search ends when it has not improved the best strategy found for half
+of its budget) -- once ``patience`` proposals in a row have not improved on the best state;
+it returns the best state seen.  States are opaque to this module: ``propose(state, rng) -> state`` and
 ``cost(state) -> float`` (``inf`` for a state that cannot run, never accepted).  Seeded: with
-the same seed, proposal function and iteration budget the chain is identical.
+the same seed, proposal function, iteration budget and patience the chain is identical.
 """
 from __future__ import annotations
 
@@ -49,16 +51,17 @@ def acceptance_probability(cost_old: float, cost_new: float, beta: float) -> flo
 def metropolis_hastings(initial: State, propose: Callable[[State, np.random.Generator], State],
                         cost: Callable[[State], float], *, beta: float, seed: int = 0,
                         max_iterations: int = 10_000, time_budget_s: float | None = None,
-                        keep_trace: bool = True,
+                        patience: int | None = None, keep_trace: bool = True,
                         clock: Callable[[], float] = time.perf_counter) -> McmcResult[State]:
-    """Run the chain from ``initial``; return the best state visited."""
+    """Run the chain from ``initial``; return the best state visited.  ``patience``: stop after
+    that many proposals in a row that did not lower the best cost (None: never)."""
     rng = np.random.default_rng(seed)
     t0 = clock()
     current, current_cost = initial, float(cost(initial))
     best, best_cost = current, current_cost
     accepted = infeasible = 0
     trace: list[tuple[int, float, float, bool]] = []
-    it = 0
+    it = last_best = 0
     for it in range(1, max_iterations + 1):
         if time_budget_s is not None and clock() - t0 >= time_budget_s:
             it -= 1
@@ -72,8 +75,10 @@ def metropolis_hastings(initial: State, propose: Callable[[State, np.random.Gene
             current, current_cost = candidate, candidate_cost
             accepted += 1
             if current_cost < best_cost:
-                best, best_cost = current, current_cost
+                best, best_cost, last_best = current, current_cost, it
         if keep_trace:
             trace.append((it, candidate_cost, current_cost, take))
+        if patience is not None and it - last_best >= patience:
+            break
     return McmcResult(best_state=best, best_cost=best_cost, num_iterations=it, num_accepted=accepted,
                       num_infeasible=infeasible, elapsed_s=clock() - t0, trace=trace)

@@ -12,6 +12,7 @@ The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings a
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -36,13 +37,26 @@ class MoveSpace:
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
 
 
+def _cumulative(weights: list[float]) -> list[float]:
+    """The normalised cumulative weights, computed as numpy's ``Generator.choice(n, p=...)`` does."""
+    p = np.asarray(weights, dtype=float)
+    cdf = (p / p.sum()).cumsum()
+    cdf /= cdf[-1]
+    return cdf.tolist()
+
+
+#: relative frequency of each kind of move (propose's order)
+_MOVE_CDF = _cumulative([4, 2, 2, 1, 1, 1, 1, 1])
+
+
 def propose(c: Candidate, rng: np.random.Generator, space: MoveSpace) -> Candidate:
     """One random local move; falls back to another kind when a kind does not apply."""
     kinds = [_layer_move, _stage_knob_move, _boundary_move, _zero_family_move, _microbatch_move,
              _schedule_move, _sequence_parallel_move, _mesh_move]
-    weights = np.array([4, 2, 2, 1, 1, 1, 1, 1], dtype=float)
     for _ in range(8):
-        move = kinds[rng.choice(len(kinds), p=weights / weights.sum())]
+        # one uniform draw against the cumulative weights: what Generator.choice(n, p=...) does,
+        # without its checks of p (the same kind for the same draw)
+        move = kinds[bisect.bisect_right(_MOVE_CDF, rng.random())]
         out = move(c, rng, space)
         if out is not None and out != c:
             return out

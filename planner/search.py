@@ -4,18 +4,22 @@
    sequence parallelism), ZeRO family, micro-batch size and count, schedule -- the per-layer
    costs come from the simulator's ``layer_cost``; the stage DP splits the layers (pp > 1) and
    the ILP picks each device's per-layer strategies under its memory budget
-   (structured.py).  Settings are first ranked by the DP's predicted latency (a screen that
-   costs no simulation); the best of them are assembled and priced by the simulator.
+   (structured.py).  Settings are screened by the DP's predicted latency (a screen that costs
+   no simulation) in ascending order of a lower bound on it, and one whose bound exceeds the
+   ``num_screened``-th best latency found is never tabled (screen_bound.py); the best
+   ``num_screened`` are assembled and priced by the simulator.
 2. **MCMC** (FlexFlow style, Jia et al. 2019): Metropolis-Hastings over whole plans with the
    simulator as the cost and random local moves (moves.py), started from the best structured
    plans (``algo="auto"``) or from the plain data-parallel corner of the space
-   (``algo="mcmc"``), within a time and an iteration budget.
+   (``algo="mcmc"``), within a time and an iteration budget; a chain stops early once half
+   its iteration budget has passed without a better plan (FlexFlow's rule, mcmc.py).
 
 Every plan returned fits memory on every device (the simulator's ``fits``); when none does,
 NoFeasiblePlanError says what would make one fit (feasibility.py).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from itertools import groupby
@@ -33,6 +37,7 @@ from autopar.planner.candidate import Candidate
 from autopar.planner.layer_tables import LayerTables, build_layer_tables
 from autopar.planner.mcmc import metropolis_hastings
 from autopar.planner.moves import MoveSpace, propose
+from autopar.planner.screen_bound import layer_time_floor, screen_bound
 from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices, mesh_candidates,
                                    microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
 from autopar.planner.structured import Setting, range_costs, solve_setting
@@ -44,6 +49,9 @@ ALGOS = ("auto", "ilp", "mcmc")
 # A plan with uniform layer choices is preferred to the best one when it is at most this much
 # slower (0.2%: below what the simulator can tell apart; see Planner.tidy).
 TIDY_TOLERANCE = 0.002
+# relative rounding between a setting's bound and its screen score, which sum the same per-layer
+# floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
+_ROUNDING = 1e-9
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total)
 
@@ -68,6 +76,9 @@ class PlanOptions:
     # more activations: Narayanan et al. 2021, Sec. 2.2.1); MCMC still proposes it
     num_screened: int = 24               # settings the structured phase assembles and simulates
     mcmc_iterations: int = 4000
+    # a chain stops once this many proposals in a row found no better plan; None: half of
+    # mcmc_iterations, FlexFlow's rule (Jia et al. 2019, Sec. 5.2: no improvement for half the budget)
+    mcmc_patience: int | None = None
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
     # knobs the user fixed (None: the search chooses); see planner/constraints.py
@@ -119,6 +130,7 @@ class SearchResult:
     num_settings: int
     phase_s: dict[str, float] = field(default_factory=dict)
     method: str = ""
+    num_pruned: int = 0                  # settings never tabled: their bound ruled them out
 
     @property
     def plan(self) -> Plan:
@@ -159,6 +171,7 @@ class Planner:
                                zero_families=tuple(options.zero_families))
         self.seen: dict[Candidate, Evaluated | None] = {}
         self.num_unscreened = 0
+        self.num_pruned = 0                          # settings skipped by their bound (screen_bound.py)
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
         self.table_cache: dict = {}
@@ -302,44 +315,74 @@ class Planner:
         self.table_cache[key] = (per_rank, allowed)
         return per_rank, allowed
 
-    def screen(self, s: Setting, tables: list[LayerTables], allowed) -> float:
-        """Predicted step latency of the setting's DP partition, before any simulation."""
-        cap = self.capacity(s.mesh)
+    def screen(self, s: Setting, tables: list[LayerTables], allowed, cap: float = math.inf) -> float:
+        """Predicted step latency of the setting's DP partition, before any simulation; ``inf``
+        where it is not below ``cap`` and the stage DP could tell without finishing."""
+        capacity = self.capacity(s.mesh)
         m, p, v = s.num_microbatches, s.mesh.pp, s.virtual_stages
         if p == 1 or s.schedule == "interleaved":
             # equal chunks; each of a rank's v chunks gets 1/v of its memory and in-flight count,
             # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
             bounds = equal_bounds(self.num_layers, p * v)
             inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
-            cost = range_costs(tables, s, [c / v for c in cap], allowed, inflight, cuttable=self.cuttable,
+            cost = range_costs(tables, s, [c / v for c in capacity], allowed, inflight, cuttable=self.cuttable,
                                ranges=list(zip(bounds[:-1], bounds[1:])))
             lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
             return float(m * max(lat) + (sum(lat) - max(lat)) / v)
         try:
-            return partition_stages(range_costs(tables, s, cap, allowed, cuttable=self.cuttable), p, m).step_latency_s
+            part = partition_stages(range_costs(tables, s, capacity, allowed, cuttable=self.cuttable), p, m,
+                                    upper_bound=cap)
         except InfeasibleError:
             return math.inf
+        return math.inf if part is None else part.step_latency_s
+
+    def bound(self, s: Setting) -> float:
+        """A lower bound on ``screen(s)`` that prices one strategy per distinct layer (screen_bound.py)."""
+        floors: dict[str, np.ndarray] = {}
+        rows = []
+        for cm in self.evaluator.rank_cost_models(s.mesh):
+            if cm.name not in floors:
+                floors[cm.name] = layer_time_floor(self.evaluator, styles=self.styles, signatures=self.signatures,
+                                                   mesh=s.mesh, micro_batch=s.micro_batch, zero_family=s.zero_family,
+                                                   precision=self.options.precision, cost_model=cm)
+            rows.append(floors[cm.name])
+        return screen_bound(np.array(rows), s.num_microbatches, s.schedule, s.virtual_stages)
 
     def structured(self, deadline: float) -> list[Evaluated]:
+        """Screen the settings, best bound first, skipping those whose bound exceeds the
+        ``num_screened``-th best score found (they cannot be among the best ``num_screened``,
+        screen_bound.py); assemble and price the best ``num_screened``."""
         settings = self.settings()
         t0 = time.perf_counter()
         screen_deadline = t0 + 0.7 * (deadline - t0)
         self.num_settings = len(settings)
+        keep = self.options.num_screened
+        bounds = [self.bound(s) for s in settings]
+        order = sorted(range(len(settings)), key=lambda k: (bounds[k], k))
         scored: list[tuple[float, int, Setting]] = []
-        for k, s in enumerate(settings):
-            self.progress("screening settings", k, len(settings))
+        best_scores: list[float] = []                  # ascending, the finite scores so far
+        for n, k in enumerate(order):
+            s = settings[k]
+            self.progress("screening settings", n, len(settings))
+            # the bound and the score add the same floats in other orders (prefix sums): a
+            # setting is skipped only when its bound exceeds the incumbent beyond rounding
+            cap = best_scores[keep - 1] * (1.0 + _ROUNDING) if 0 < keep <= len(best_scores) else math.inf
+            if bounds[k] > cap:
+                self.num_pruned = len(settings) - n    # the rest: bounds ascend
+                break
             if time.perf_counter() > screen_deadline:
-                self.num_unscreened = len(settings) - k
+                self.num_unscreened = len(settings) - n
                 break
             try:
                 t, allowed = self.tables(s)
-                score = self.screen(s, t, allowed)
+                score = self.screen(s, t, allowed, cap)    # inf: not below the incumbent, left out
             except InfeasibleError:
                 score = math.inf
             if math.isfinite(score):
                 scored.append((score, k, s))
+                bisect.insort(best_scores, score)
         self.progress("screening settings", len(settings), len(settings))
         scored.sort(key=lambda x: (x[0], x[1]))
         out: list[Evaluated] = []
@@ -427,8 +470,10 @@ class Planner:
                     self.progress(f"MCMC refine {n + 1}/{len(starts)}", done[0], o.mcmc_iterations)
                 return step(c, rng)
 
+            patience = o.mcmc_patience if o.mcmc_patience is not None else max(1, o.mcmc_iterations // 2)
             res = metropolis_hastings(start.candidate, tick, cost, beta=o.mcmc_beta, seed=o.seed + n,
-                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, keep_trace=False)
+                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, patience=patience,
+                                      keep_trace=False)
             best = self.seen.get(res.best_state)
             if best is not None:
                 found.append(best)
@@ -465,7 +510,7 @@ class Planner:
         method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
         result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
                               num_infeasible=self.num_infeasible, num_settings=self.num_settings,
-                              phase_s=phase, method=method)
+                              phase_s=phase, method=method, num_pruned=self.num_pruned)
         elapsed = time.perf_counter() - t0
         result.best = self._finish(result.best, result, elapsed)
         result.runner_ups = [self._finish(ev, result, elapsed) for ev in result.runner_ups]

@@ -24,6 +24,7 @@ A 2-D ``cost[i, j]`` applies to every position.  Pure numpy, no I/O.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,11 +50,14 @@ def pipeline_latency(stage_latency_s, num_microbatches: int) -> float:
     return float(t.sum() + (num_microbatches - 1) * t.max())
 
 
-def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -> StagePartition:
+def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int,
+                     upper_bound: float = math.inf) -> StagePartition | None:
     """The partition of layers 0..L-1 into ``num_stages`` contiguous stages minimising eq. 2.
 
     ``cost`` has shape (L, L + 1) or (num_stages, L, L + 1); entries with j <= i are ignored.
-    Raises InfeasibleError when no partition has a finite cost.
+    Raises InfeasibleError when no partition has a finite cost.  ``upper_bound``: a caller that
+    only wants partitions faster than it (a branch and bound's incumbent) gets None when there
+    is none; the search starts its pruning from it.
     """
     cost = np.asarray(cost, dtype=float)
     if cost.ndim == 2:
@@ -75,6 +79,10 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
     if not np.isfinite(unbounded[0]):
         raise InfeasibleError(f"no split of {L} layers into {num_stages} stages fits (every partition "
                               f"has a stage that does not fit)")
+    # every partition's stages sum to at least the unbounded least sum, and its slowest stage
+    # takes at least their mean
+    if unbounded[0] + (num_microbatches - 1) * unbounded[0] / num_stages >= upper_bound:
+        return None
     candidates = np.unique(c[np.isfinite(c)])
     sums: dict[float, float] = {}            # F(S, L) by bound: the enumeration's first bound was bisected
 
@@ -92,7 +100,7 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
             hi = mid
         else:
             lo = mid + 1
-    best_T, best_bound, tried = np.inf, None, 0
+    best_T, best_bound, tried = upper_bound, None, 0
     for t_max in candidates[lo:]:                                  # ascending
         if unbounded[0] + (num_microbatches - 1) * t_max >= best_T:
             break
@@ -103,7 +111,9 @@ def partition_stages(cost: np.ndarray, num_stages: int, num_microbatches: int) -
         T = total + (num_microbatches - 1) * t_max
         if T < best_T:
             best_T, best_bound = T, t_max
-    assert best_bound is not None
+    if best_bound is None:
+        assert math.isfinite(upper_bound)      # with no bound the least feasible t_max gives a partition
+        return None
     _, bounds = _min_sum(band, best_bound, want_bounds=True)
     lat = tuple(float(c[s, bounds[s], bounds[s + 1]]) for s in range(num_stages))
     return StagePartition(bounds=tuple(bounds), stage_latency_s=lat,

@@ -145,6 +145,24 @@ def test_stage_dp_with_position_dependent_costs_and_memory_limits(seed):
     assert all(got.bounds[s + 1] - got.bounds[s] <= 3 + (s % 2) for s in range(S))
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_stage_dp_with_an_upper_bound_against_brute_force(seed, m):
+    """Above the brute-force optimum the bound changes nothing (the same partition); below it
+    the DP answers None."""
+    rng = np.random.default_rng(100 + seed)
+    L, S = 9, 3
+    cost = np.stack([_layer_range_costs(rng, L) for _ in range(S)])
+    want, want_bounds = _brute_force_stages(cost, S, m)
+    free = partition_stages(cost, S, m)
+    for above in (want * (1 + 1e-9), want * 1.01, want * 2):
+        got = partition_stages(cost, S, m, upper_bound=above)
+        assert got is not None and got.bounds == free.bounds
+        assert got.step_latency_s == pytest.approx(want, rel=1e-12)
+    for below in (want * (1 - 1e-9), want * 0.9, want / (1 + (m - 1) / S) / 2):
+        assert partition_stages(cost, S, m, upper_bound=below) is None
+
+
 def test_stage_dp_unequal_stages_when_layers_are_unequal():
     # a heavy last layer (an LM head): the optimum gives the last stage fewer layers
     per_layer = np.array([1.0] * 7 + [3.0])
@@ -210,6 +228,29 @@ def test_mcmc_time_budget_and_infeasible_states():
                               max_iterations=10**6, time_budget_s=10, clock=lambda: float(next(t)))
     assert res.num_iterations == 9
     assert res.num_infeasible >= 1 and all(c % 2 == 0 for c in [res.best_state])
+
+
+def test_mcmc_patience_stops_a_chain_that_stopped_improving():
+    """With ``patience`` P the chain is the same chain cut where P proposals in a row have not
+    lowered the best cost (read off the full chain's trace), with that prefix's best state."""
+    full = metropolis_hastings((0, 31), _grid_step, lambda s: _landscape(*s), beta=0.15, seed=3,
+                               max_iterations=3000)
+    best, last, cut = math.inf, 0, None
+    for it, _, current, _ in full.trace:
+        if current < best:
+            best, last = current, it
+        if it - last >= 40:
+            cut = it
+            break
+    assert cut is not None and cut < 3000
+    res = metropolis_hastings((0, 31), _grid_step, lambda s: _landscape(*s), beta=0.15, seed=3,
+                              max_iterations=3000, patience=40)
+    assert res.num_iterations == cut and res.trace == full.trace[:cut]
+    assert res.best_cost == best and _landscape(*res.best_state) == best
+    # a start that nothing beats: exactly P proposals
+    flat = metropolis_hastings(0, lambda s, r: s + 1, lambda s: 0.0 if s == 0 else 1.0, beta=1.0,
+                               max_iterations=1000, patience=25)
+    assert flat.num_iterations == 25 and flat.best_state == 0
 
 
 def _solve_and_compare_with_brute_force(nodes, edges, budget):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from autopar.core.plan import ModelRef, equal_bounds
 from autopar.planner.candidate import Candidate
@@ -60,3 +61,18 @@ def test_every_move_gives_a_valid_plan():
         if c.schedule == "interleaved":                   # equal model chunks only
             assert len({b - a for a, b in zip(c.bounds, c.bounds[1:])}) == 1, c.bounds
     assert len(kinds) > 6                                 # the chain moves across the space
+
+
+def test_move_kinds_are_drawn_as_numpy_draws_with_the_weights():
+    """propose's draw of a kind equals numpy's Generator.choice over the kinds with the weights
+    (4 for a layer move, 2 for a stage knob or a boundary, 1 for the others), on the same stream."""
+    import bisect
+
+    from autopar.planner.moves import _MOVE_CDF
+
+    weights = np.array([4, 2, 2, 1, 1, 1, 1, 1], dtype=float)
+    a, b = np.random.default_rng(7), np.random.default_rng(7)
+    want = [int(a.choice(8, p=weights / weights.sum())) for _ in range(20000)]
+    got = [bisect.bisect_right(_MOVE_CDF, b.random()) for _ in range(20000)]
+    assert got == want
+    assert np.bincount(got, minlength=8) / len(got) == pytest.approx(weights / weights.sum(), abs=0.01)

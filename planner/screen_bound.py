@@ -1,0 +1,99 @@
+"""A lower bound on a setting's screen score, from one strategy per distinct layer.
+
+The structured phase (search.Planner.structured) ranks every setting by its screen score --
+the step latency of the stage DP over the setting's per-layer tables (layer_tables.py,
+structured.range_costs) -- and assembles only the best ``num_screened``.  The tables price
+every (layer, strategy) pair of the setting; the bound here prices one strategy per distinct
+layer, so a setting whose bound already exceeds the ``num_screened``-th best score found is
+never tabled (branch and bound, Land & Doig 1960; Alpa prunes its stage DP's enumeration
+the same way, Zheng et al. 2022, Sec. 5.2).  Settings screened in ascending order of their
+bound meet good incumbents early.  The pruned settings cannot enter the best ``num_screened``,
+so the settings assembled are the same as without the bound.
+
+Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies (each entry is
+``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, layer_tables.fold_layer_cost):
+
+* it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
+  (overlap.compute_per_pass), and that compute is least without recompute: recompute only adds
+  (a full recompute reruns the whole forward inside backward, of which the outputs it no longer
+  records are a part; a selective one reruns the cheap ops; both add the checkpoint wrapper's
+  per-op overheads -- simulator/layer_cost._recompute);
+* the ZeRO stage and offload within one family leave the compute as it is: the autocast mode
+  and FSDP's per-unit overhead depend on whether the stage that runs is 2 or more, which one
+  family's strategies share (ddp: 0; zero1: 1, run as ZeRO-2 under tp or pp for every layer
+  alike -- layer_cost.effective_zero; fsdp: 2 and 3), and offload moves state, not compute;
+* the sharded-DP terms the tables add (layer_tables._sharded_terms: copy-out, the overlap
+  slowdown, the fp32 reduce-scatter) only add;
+* under FSDP it is also at least the all-gather before forward plus the reduce-scatter after
+  backward (overlap.fsdp_traffic), the same for both stages.
+
+The strategies' once-per-step part (``step_s``: exposed synchronisation, the optimizer) is
+never negative and is left out.  tests/test_planner_bound.py checks the floor against every
+entry of the tables and the bound against the screen score.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autopar.core.plan import LayerPlan, Mesh, equal_bounds
+from autopar.planner.space import ZERO_FAMILIES
+from autopar.simulator.overlap import compute_per_pass
+
+#: the ZeRO stage whose compute every strategy of the family shares (module docstring)
+_FAMILY_ZERO = {family: stages[0] for family, stages in ZERO_FAMILIES.items()}
+
+
+def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: list[str], mesh: Mesh,
+                     micro_batch: int, zero_family: str, precision: str, cost_model) -> np.ndarray:
+    """(L,) seconds per micro-batch below every strategy of the family in the setting's tables.
+
+    Under sequence parallelism a layer that can be split runs split (Planner.tables' mask), so
+    only that split is priced; otherwise the lesser of split and replicated.
+    """
+    zero = _FAMILY_ZERO[zero_family]
+    out = np.zeros(len(styles))
+    memo: dict[tuple, float] = {}
+    for i, st in enumerate(styles):
+        can_split = bool(st) and mesh.tp > 1
+        splits = (True,) if (can_split and mesh.sequence_parallel) else ((True, False) if can_split else (False,))
+        best = math.inf
+        for split in splits:
+            key = (signatures[i], split)
+            if key not in memo:
+                lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
+                               recompute="none", offload="none")
+                lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
+                fwd, bwd = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, 0.0, lc.bwd_s, lc.tp_comm_bwd_s)
+                floor = fwd + bwd
+                if zero_family == "fsdp":
+                    floor = max(floor, lc.dp_allgather_s + lc.dp_reducescatter_s)
+                memo[key] = floor
+            best = min(best, memo[key])
+        out[i] = best
+    return out
+
+
+def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtual_stages: int) -> float:
+    """Lower bound on ``Planner.screen``'s score from per-layer floors ``floors`` (p, L), row r
+    priced on pipeline rank r's devices.
+
+    One rank, or equal interleaved chunks: the screen's own formula, ``m max_r lat_r + (sum_r
+    lat_r - max_r lat_r) / v`` (Narayanan et al. 2021, Sec. 2.2.2), which grows with every
+    ``lat_r``, over the floors of each rank's chunks.  1F1B over p > 1 ranks: the stage DP
+    minimises Alpa's eq. 2, ``sum_s t_s + (m - 1) max_s t_s`` (stage_dp.py); any partition's
+    stages sum to at least the floors' sum S (each layer on its cheapest rank) and its slowest
+    stage holds at least S / p and at least the costliest layer.
+    """
+    p, L = floors.shape
+    m, v = num_microbatches, virtual_stages
+    if p == 1 or schedule == "interleaved":
+        bounds = equal_bounds(L, p * v)
+        chunk = np.add.reduceat(floors, bounds[:-1], axis=1)[np.arange(len(bounds) - 1) % p,
+                                                             np.arange(len(bounds) - 1)]
+        lat = np.bincount(np.arange(len(bounds) - 1) % p, weights=chunk, minlength=p)
+        return float(m * lat.max() + (lat.sum() - lat.max()) / v)
+    cheapest = floors.min(axis=0)
+    total = float(cheapest.sum())
+    return total + (m - 1) * max(total / p, float(cheapest.max()))
