@@ -292,6 +292,17 @@ def pipeline_runtime(family: str):
     return pipeline_p2p.MEGATRON_2021 if family == "PTD-P" else pipeline_p2p.TORCH_PIPELINING
 
 
+def attention_kernel(row: dict) -> str:
+    """The flash-attention kernel a row's run used (profile ``attention_kernels``): llm-foundry's MPT
+    runs used its Triton FlashAttention (scripts/train/benchmarking/submit_benchmarks.py,
+    ``--attn_impl`` default ``triton``, on the mosaicml/pytorch:1.13.1 image, whose PyTorch has no
+    flash SDPA); fms-fsdp's runs PyTorch's SDPA, FlashAttention-2 (the source's attention field).
+    Megatron-LM's 2021 rows run no fused attention (examples/gpt.py ``attention="megatron"``)."""
+    from autopar.simulator.cost_model import DEFAULT_ATTENTION_KERNEL
+
+    return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
@@ -306,6 +317,8 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     graph = graph_cache[key]
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    for cm in cms.values():
+        cm.attention_kernel = attention_kernel(row)              # the kernel the run's attention ran
     plan = row_plan(row, graph, cluster)
     saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients

@@ -194,3 +194,61 @@ def test_bundled_profiles_keep_the_epilogue_overlapped():
     cpu = CostModel.from_profile("local-cpu")
     assert cpu.compute_time_ex("linear", 1e9, 1e6, "fp32", (512, 512, 1.0)) == \
         cpu.compute_time_ex("linear", 1e9, 1e6, "fp32")
+
+
+# ----------------------------------------------------------------- fused attention (flash kernels)
+def _sdpa_op(b, h, s, d, causal, dtype="bfloat16"):
+    from autopar.core.graph import OpNode
+    q = (b, h, s, d)
+    full = 4.0 * b * h * s * s * d                        # the graph's count: the full square (op_costs._sdpa)
+    return OpNode(name="attn", kind="attention", target="torch.scaled_dot_product_attention", module_path="attn",
+                  layer=0, inputs=("input:x",), input_shapes=(q, q, q), output_shape=q, dtype=dtype,
+                  fwd_flops=full, bwd_flops=2.0 * full, bytes_moved=4.0 * 2 * b * h * s * d, causal=causal)
+
+
+def _fwd_bwd(cm, op, dtype="bf16"):
+    return cm.op_time(op, dtype) + cm.op_time(op, dtype, backward=True)
+
+
+@pytest.mark.parametrize("kernel,causal,d,rate_tflops", [
+    # FlashAttention-2 paper (Dao 2023), Fig. 4, A100 80GB SXM4, sequence 2k
+    ("flash2", True, 128, 155), ("flash2", False, 64, 162), ("flash_triton", True, 128, 68),
+    ("flash_triton", True, 64, 79), ("flash", False, 128, 76)])
+def test_flash_attention_priced_at_the_published_rate(kernel, causal, d, rate_tflops):
+    """fwd + bwd of a fused attention = the published rate's own FLOP count over the rate: forward
+    4 b h s^2 d, halved under a causal mask, backward 2.5 forwards (flash-attention's
+    benchmark_flash_attention.py ``flops``), whatever the graph counts for MFU."""
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    cm.attention_kernel = kernel
+    b, h, s = 8, 2048 // d, 2048
+    fa_fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    assert _fwd_bwd(cm, _sdpa_op(b, h, s, d, causal)) == pytest.approx(3.5 * fa_fwd / (rate_tflops * 1e12))
+    assert cm.op_time(_sdpa_op(b, h, s, d, causal), "bf16", backward=True) == \
+        pytest.approx(2.5 * cm.op_time(_sdpa_op(b, h, s, d, causal), "bf16"))
+
+
+def test_flash_attention_between_and_beyond_the_table():
+    """Between tabled lengths the rate is interpolated in log(seq), beyond them held flat; a head dim
+    not tabled takes the nearest one's rates; fp32 has no flash kernel (roofline, efficiency.attention)."""
+    cm = CostModel.from_profile("a100-80gb-sxm")
+
+    def rate(s, d=128):
+        op = _sdpa_op(max(1, 16384 // s), 16, s, d, True)        # 16k tokens, as the figure's setup
+        return 3.5 * (op.fwd_flops / 2) / _fwd_bwd(cm, op) / 1e12
+    assert rate(2048) == pytest.approx(155)
+    assert rate(2896) == pytest.approx((155 + 173) / 2, rel=1e-3)      # 2896 ~ sqrt(2048 * 4096)
+    assert rate(32768) == pytest.approx(189) and rate(256) == pytest.approx(99)
+    assert rate(2048, d=112) == pytest.approx(155)                       # MPT-30B: 7168 / 56 heads
+    op = _sdpa_op(1, 16, 2048, 128, True, dtype="float32")
+    roof = cm.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "fp32")[0]
+    assert cm.op_time(op, "fp32") == pytest.approx(roof)
+
+
+def test_profiles_without_attention_rates_keep_the_roofline():
+    """The CPU profile holds no flash rates: a fused attention costs what the roofline (or the measured
+    op table) says, as before."""
+    cpu = CostModel.from_profile("local-cpu")
+    assert not cpu.attention_kernels
+    op = _sdpa_op(1, 4, 128, 64, True, dtype="float32")
+    t = cpu.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "fp32", variant="sdpa")[0]
+    assert cpu.op_time(op, "fp32") == pytest.approx(max(t, cpu.overhead("op_launch_s")))
