@@ -252,3 +252,31 @@ def test_profiles_without_attention_rates_keep_the_roofline():
     op = _sdpa_op(1, 4, 128, 64, True, dtype="float32")
     t = cpu.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "fp32", variant="sdpa")[0]
     assert cpu.op_time(op, "fp32") == pytest.approx(max(t, cpu.overhead("op_launch_s")))
+
+
+@pytest.mark.parametrize("head_dim,published_tflops", [(64, 17), (128, 32)])
+def test_unfused_attention_against_the_published_pytorch_reference(head_dim, published_tflops):
+    """Attention as matmuls and memory-bound ops (what examples/gpt.py's "math" attention and the
+    Megatron-LM 2021 rows price) against the FlashAttention-2 paper's "Pytorch" bars (Fig. 4,
+    A100 80GB, causal, sequence 2k, hidden 2048, fp16: 17 TFLOP/s at head dim 64, 32 at 128, in
+    the causal-halved count): Q K^T, causal mask, softmax and A V, forward and backward, within 10%.
+    The reference scales K before the product, so gpt.py's scale of the scores is left out."""
+    from pathlib import Path
+    from autopar.core.capture import capture_model_file
+
+    gpt = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+    b, s, hidden = 8, 2048, 2048
+    g = capture_model_file(str(gpt), dict(layers=1, hidden=hidden, heads=hidden // head_dim, seq=s, vocab=128,
+                                          attention="math"), b)
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    total = 0.0
+    for op in g.ops:
+        on_scores = any(len(x) == 4 and x[-2:] == (s, s) for x in (op.output_shape, *op.input_shapes))
+        if not on_scores or op.target == "operator.mul":
+            continue
+        # captured in fp32, priced in bf16: half the bytes (as layer_cost scales them)
+        total += cm.op_time_ex(op, "bf16", bytes_scale=0.5)[0]
+        if op.bwd_flops > 0 or op.saved_bytes > 0:
+            total += cm.op_time_ex(op, "bf16", backward=True, bytes_scale=0.5)[0]
+    fa_count = 3.5 * 4.0 * b * s * s * hidden / 2
+    assert fa_count / total / 1e12 == pytest.approx(published_tflops, rel=0.10)
