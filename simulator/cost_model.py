@@ -436,7 +436,10 @@ def _attention_kernels(raw: Mapping[str, Any]) -> dict:
             continue
         for mask in ("causal", "full"):
             for head_dim, points in (by_mask.get(mask) or {}).items():
-                pts = sorted((float(sq), float(tf) * 1e12) for sq, tf in points if tf)
+                pts = sorted((float(sq), float(tf) * 1e12) for sq, tf in points if tf is not None)
+                if any(sq <= 0 or tf <= 0 for sq, tf in pts) or float(head_dim) <= 0:
+                    raise ValueError(f"attention_kernels.{kernel}.{mask}.{head_dim}: sequence lengths, "
+                                     f"rates and head dims must be positive")
                 if pts:
                     out.setdefault(kernel, {}).setdefault(mask, {})[float(head_dim)] = \
                         (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))

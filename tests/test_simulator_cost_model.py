@@ -280,3 +280,10 @@ def test_unfused_attention_against_the_published_pytorch_reference(head_dim, pub
             total += cm.op_time_ex(op, "bf16", backward=True, bytes_scale=0.5)[0]
     fa_count = 3.5 * 4.0 * b * s * s * hidden / 2
     assert fa_count / total / 1e12 == pytest.approx(published_tflops, rel=0.10)
+
+
+def test_malformed_attention_rates_are_a_user_error():
+    from autopar.core.errors import UserError
+    bad = {**PROFILE, "attention_kernels": {"flash2": {"causal": {"128": [[2048, -5]]}}}}
+    with pytest.raises(UserError, match="attention_kernels"):
+        CostModel.from_profile(bad)
