@@ -302,8 +302,8 @@ class CostModel:
             return (floor if self.host_dispatch_bound else 0.0), False
         variant = op_variant(op.kind, str(getattr(op, "target", "")))
         flash = (self.fused_attention_s(op, flops, dtype, backward)
-                 if op.kind == "attention" and variant == "sdpa" and flops > 0 and
-                 self._curve(op.kind, variant, dtype_key(dtype)) is None else None)
+                 if op.kind == "attention" and "scaled_dot_product" in str(getattr(op, "target", "")) and
+                 flops > 0 and self._curve(op.kind, variant, dtype_key(dtype)) is None else None)
         if flash is not None:
             mem_s = nbytes / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
             t, m = max(flash, mem_s), False
@@ -333,7 +333,7 @@ class CostModel:
         causal = bool(getattr(op, "causal", False))
         table = (by_mask or {}).get("causal" if causal else "full")
         q = op.input_shapes[0] if getattr(op, "input_shapes", None) else ()
-        if not table or len(q) < 2:
+        if not table or len(q) != 4:            # q is [batch, heads, seq, head_dim]
             return None
         seq, head_dim = float(q[-2]), float(q[-1])
         dims = sorted(table)
@@ -429,7 +429,7 @@ class CostModel:
 
 def _attention_kernels(raw: Mapping[str, Any]) -> dict:
     """A profile's ``attention_kernels`` (docs/profiles.md) as kernel -> mask -> head dim ->
-    (sequence lengths, FLOP/s), sorted by sequence length; "about"/"source" entries skipped."""
+    (sequence lengths, FLOP/s), sorted by sequence length; entries that are not tables ("unit") skipped."""
     out: dict = {}
     for kernel, by_mask in raw.items():
         if not isinstance(by_mask, Mapping):

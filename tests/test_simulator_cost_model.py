@@ -287,3 +287,14 @@ def test_malformed_attention_rates_are_a_user_error():
     bad = {**PROFILE, "attention_kernels": {"flash2": {"causal": {"128": [[2048, -5]]}}}}
     with pytest.raises(UserError, match="attention_kernels"):
         CostModel.from_profile(bad)
+
+
+def test_multihead_attention_module_keeps_the_roofline():
+    """nn.MultiheadAttention (kind attention, its projections inside, input [s, b, E]) is not a flash
+    kernel call: the rates do not price it."""
+    from dataclasses import replace
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    op = replace(_sdpa_op(2, 16, 1024, 128, False), target="torch.nn.MultiheadAttention",
+                 input_shapes=((1024, 2, 2048),) * 3)
+    roof = cm.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "bf16", variant="sdpa")[0]
+    assert cm.op_time(op, "bf16") == pytest.approx(roof)
