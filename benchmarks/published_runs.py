@@ -303,10 +303,21 @@ def attention_kernel(row: dict) -> str:
     return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
 
 
+def optimizer_runtime(family: str):
+    """The optimizer step a family's runs used (simulator/optimizer_step.py): the PTD-P rows ran
+    Megatron-LM of 2021 with --fp16 (fp32 main weights beside the fp16 model, gradients copied,
+    unscaled and clipped around the Adam step); the FSDP rows' optimizers step the sharded fp32
+    or bf16 parameters themselves.  The ZeRO-3 rows keep AdamW's price (DeepSpeed's fp16 ZeRO-3
+    optimizer of 2021 is not modelled here)."""
+    from autopar.simulator import optimizer_step
+
+    return optimizer_step.MEGATRON_FP16_2021 if family == "PTD-P" else optimizer_step.TORCH_ADAMW
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator import autocast, pipeline_p2p, sharded_dp
+    from autopar.simulator import autocast, optimizer_step, pipeline_p2p, sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -320,15 +331,18 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     for cm in cms.values():
         cm.attention_kernel = attention_kernel(row)              # the kernel the run's attention ran
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME
+    saved = (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
+             optimizer_step.RUNTIME)
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
     autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
     sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
     pipeline_p2p.RUNTIME = pipeline_runtime(row["family"])     # and its exchange between stages
+    optimizer_step.RUNTIME = optimizer_runtime(row["family"])  # and its optimizer step
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME = saved
+        (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
+         optimizer_step.RUNTIME) = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

@@ -46,6 +46,7 @@ from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
+from autopar.simulator import optimizer_step
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
@@ -417,12 +418,16 @@ class CostModel:
         bound over the state -- Adam (Kingma & Ba 2015, Alg. 1) reads parameter, gradient, m
         and v and writes parameter, m and v: 7 fp32 words = 28 bytes per parameter.  Per
         tensor: the measured fixed cost of one more plain (``optimizer_tensor_s``) or DTensor
-        (``optimizer_dtensor_tensor_s``) parameter.
+        (``optimizer_dtensor_tensor_s``) parameter.  Plus, memory bound, the passes the training
+        code priced runs around AdamW (``optimizer_step.RUNTIME``; none for autopar's runtime).
         """
         if num_params <= 0:
             return 0.0
-        per_element = self.optimizer_element_s or \
-            28.0 / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        hbm_Bps = self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0)
+        per_element = self.optimizer_element_s or 28.0 / hbm_Bps
+        extra = optimizer_step.RUNTIME.extra_bytes_per_param
+        if extra:
+            per_element += extra / hbm_Bps
         return (num_params * per_element + num_tensors * self.overhead("optimizer_tensor_s")
                 + num_dtensor_tensors * self.overhead("optimizer_dtensor_tensor_s"))
 

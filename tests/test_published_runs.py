@@ -95,6 +95,17 @@ def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp2(bench):
     assert sharded_dp.RUNTIME is sharded_dp.FSDP2          # what every plan of the planner is priced as
 
 
+def test_megatron_rows_run_its_fp16_optimizer_and_leave_it_unset(bench, rows):
+    """The PTD-P rows price Megatron-LM 2021's fp16 optimizer step, the others AdamW alone; pricing a
+    row leaves the module's choice as it was (the planner's plans are priced with AdamW)."""
+    from autopar.simulator import optimizer_step
+
+    assert bench.optimizer_runtime("PTD-P") is optimizer_step.MEGATRON_FP16_2021
+    assert bench.optimizer_runtime("FSDP") is bench.optimizer_runtime("ZeRO-3") is optimizer_step.TORCH_ADAMW
+    bench.price_row(rows["megatron21_t1_1.7B"], {})
+    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+
+
 def test_rows_run_their_attention_kernel(bench, rows):
     """llm-foundry's MPT runs used its Triton FlashAttention, fms-fsdp's PyTorch SDPA (FlashAttention-2,
     also what autopar's runtime runs)."""

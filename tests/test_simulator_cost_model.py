@@ -298,3 +298,16 @@ def test_multihead_attention_module_keeps_the_roofline():
                  input_shapes=((1024, 2, 2048),) * 3)
     roof = cm.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "bf16", variant="sdpa")[0]
     assert cm.op_time(op, "bf16") == pytest.approx(roof)
+
+
+def test_optimizer_step_bytes_by_training_code(monkeypatch):
+    """AdamW alone: 28 bytes a parameter at the achievable HBM bandwidth; Megatron-LM 2021's fp16
+    optimizer adds its grad copy (2 + 4), unscale (4 + 4), norm (4) and weight copy (4 + 2) passes."""
+    from autopar.simulator import optimizer_step
+
+    cm = CostModel.from_profile(PROFILE)
+    n, hbm = 1e9, 1e12 * 0.5
+    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+    assert cm.optimizer_time(n) == pytest.approx(28 * n / hbm)
+    monkeypatch.setattr(optimizer_step, "RUNTIME", optimizer_step.MEGATRON_FP16_2021)
+    assert cm.optimizer_time(n) == pytest.approx((28 + 24) * n / hbm)
