@@ -351,7 +351,7 @@ def price_row(row: dict, graph_cache: dict) -> dict:
 
 # ------------------------------------------------------------------------------- fitting
 #: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
-SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.9, 1.0)
 SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
 
 
@@ -414,7 +414,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="price only rows whose id contains this")
     ap.add_argument("--refresh-data", action="store_true", help="rebuild the project's copy from ../shared/validation")
     ap.add_argument("--fit", action="store_true",
-                    help="also fit the overlap slowdown on each half and report the other (slow: 7 passes)")
+                    help="also fit the overlap slowdown on each half and report the other (slow: 13 passes)")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared validation file (default {SHARED})")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()
