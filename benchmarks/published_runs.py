@@ -292,10 +292,32 @@ def pipeline_runtime(family: str):
     return pipeline_p2p.MEGATRON_2021 if family == "PTD-P" else pipeline_p2p.TORCH_PIPELINING
 
 
+def attention_kernel(row: dict) -> str:
+    """The flash-attention kernel a row's run used (profile ``attention_kernels``): llm-foundry's MPT
+    runs used its Triton FlashAttention (scripts/train/benchmarking/submit_benchmarks.py,
+    ``--attn_impl`` default ``triton``, on the mosaicml/pytorch:1.13.1 image, whose PyTorch has no
+    flash SDPA); fms-fsdp's runs PyTorch's SDPA, FlashAttention-2 (the source's attention field).
+    Megatron-LM's 2021 rows run no fused attention (examples/gpt.py ``attention="megatron"``)."""
+    from autopar.simulator.cost_model import DEFAULT_ATTENTION_KERNEL
+
+    return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
+
+
+def optimizer_runtime(family: str):
+    """The optimizer step a family's runs used (simulator/optimizer_step.py): the PTD-P rows ran
+    Megatron-LM of 2021 with --fp16 (fp32 main weights beside the fp16 model, gradients copied,
+    unscaled and clipped around the Adam step); the FSDP rows' optimizers step the sharded fp32
+    or bf16 parameters themselves.  The ZeRO-3 rows keep AdamW's price (DeepSpeed's fp16 ZeRO-3
+    optimizer of 2021 is not modelled here)."""
+    from autopar.simulator import optimizer_step
+
+    return optimizer_step.MEGATRON_FP16_2021 if family == "PTD-P" else optimizer_step.TORCH_ADAMW
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator import autocast, pipeline_p2p, sharded_dp
+    from autopar.simulator import autocast, optimizer_step, pipeline_p2p, sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -306,16 +328,21 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     graph = graph_cache[key]
     cluster = row_cluster(row)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    for cm in cms.values():
+        cm.attention_kernel = attention_kernel(row)              # the kernel the run's attention ran
     plan = row_plan(row, graph, cluster)
-    saved = sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME
+    saved = (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
+             optimizer_step.RUNTIME)
     sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
     autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
     sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
     pipeline_p2p.RUNTIME = pipeline_runtime(row["family"])     # and its exchange between stages
+    optimizer_step.RUNTIME = optimizer_runtime(row["family"])  # and its optimizer step
     try:
         res = simulate(graph, plan, cluster, cms)
     finally:
-        sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME = saved
+        (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
+         optimizer_step.RUNTIME) = saved
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,
@@ -324,7 +351,7 @@ def price_row(row: dict, graph_cache: dict) -> dict:
 
 # ------------------------------------------------------------------------------- fitting
 #: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
-SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.9, 1.0)
 SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
 
 
@@ -387,7 +414,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="price only rows whose id contains this")
     ap.add_argument("--refresh-data", action="store_true", help="rebuild the project's copy from ../shared/validation")
     ap.add_argument("--fit", action="store_true",
-                    help="also fit the overlap slowdown on each half and report the other (slow: 7 passes)")
+                    help="also fit the overlap slowdown on each half and report the other (slow: 13 passes)")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared validation file (default {SHARED})")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()

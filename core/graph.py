@@ -57,6 +57,8 @@ class OpNode:
     saved_bytes: int = 0                     # activation bytes kept for backward (deduplicated graph-wide)
     output_bytes: int = 0                    # bytes of its output
     copy_bytes: float = 0.0                  # forward bytes written by copies its operands' strides force
+    causal: bool = False                     # fused attention with is_causal: the FLOPs stay the full
+                                             # square, a flash kernel skips the masked half (cost_model)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -225,5 +225,6 @@ def _signature(ops: list[OpNode], param_shapes: dict[str, tuple[int, ...]]) -> s
     h = hashlib.sha256()
     for o in ops:
         h.update(repr((o.kind, o.target, o.input_shapes, o.output_shape, o.dtype,
-                       tuple(param_shapes.get(p, ()) for p in o.params))).encode())
+                       tuple(param_shapes.get(p, ()) for p in o.params))
+                      + (("causal",) if o.causal else ())).encode())
     return h.hexdigest()[:16]

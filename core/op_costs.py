@@ -221,6 +221,7 @@ class OpCost:
     bytes_moved: float
     saved: list[tuple[str, int]]                # (key, bytes) of activations kept for backward
     copy_bytes: float = 0.0                     # bytes written by copies the strides force (core/copies.py)
+    causal: bool = False                        # fused attention under a causal mask (its kernel skips half)
 
 
 # ----------------------------------------------------------------------------- rules
@@ -237,7 +238,7 @@ def cost(f: OpFacts) -> OpCost:
         moved = float(2 * out_bytes + f.inputs[0].nbytes)
     kept = [(k, b) for k, b in saved if b > 0]
     return OpCost(kind=kind, fwd_flops=float(fwd), bwd_flops=float(bwd), bytes_moved=moved, saved=kept,
-                  copy_bytes=float(f.attrs.get("copy_bytes", 0.0)))
+                  copy_bytes=float(f.attrs.get("copy_bytes", 0.0)), causal=bool(f.attrs.get("causal", False)))
 
 
 def _act(t: TensorFacts) -> list[tuple[str, int]]:

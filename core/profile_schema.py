@@ -53,6 +53,9 @@ OPTIONAL_KEYS = {
     # runs beside the next tile's main loop ("overlapped": Hopper persistent kernels)
     "gemm_epilogue": "epilogue",
     "host_adam_params_per_s": "positive",
+    # forward + backward rates of flash-attention kernels by mask, head dim and sequence length
+    # (simulator/cost_model.py fused_attention_s; docs/profiles.md)
+    "attention_kernels": "object",
     # written by `autopar profile`
     "machine": "object",
     "measured_at": "text",

@@ -215,6 +215,10 @@ def call_attrs(canon: str, args: tuple, kwargs: dict) -> dict[str, Any]:
     if canon == "group_norm":
         groups = kwargs.get("num_groups", args[1] if len(args) > 1 else 1)
         return {"groups": groups if isinstance(groups, int) else 1}
+    if canon == "sdpa":
+        # only the keyword is read: the functional and the aten overloads put is_causal at
+        # different positions; a causal mask passed positionally is priced as the full square
+        return {"causal": kwargs.get("is_causal") is True}
     return {}
 
 

@@ -9,6 +9,13 @@ they cover the question; otherwise an analytic model answers:
   memory-bound kinds on bytes -- and made non-decreasing with a running maximum, so a larger
   op never costs less than a smaller one.  The variant (layer_norm / rms_norm, gelu / add)
   comes from the op's traced target (``op_variant``).
+* fused attention (``fused_attention_s``): where the profile holds published or measured
+  forward + backward rates of flash-attention kernels by head dimension and sequence length
+  (``attention_kernels``), a ``scaled_dot_product_attention`` in bf16/fp16 is priced from the
+  kernel the run uses (``attention_kernel``) in that table's own FLOP convention: a causal
+  kernel skips the masked half of the score square and its backward is 2.5 forwards
+  (FlashAttention recomputes the scores; Dao 2023, "FlashAttention-2", arXiv 2307.08691,
+  Sec. 4.1).  The graph's FLOP counts keep the full square (MFU as Megatron counts it).
 * framework overheads (``overhead``): no op takes less than one eager dispatch
   (``op_launch_s``; its autograd node ``op_backward_launch_s`` in backward); a tensor-parallel
   module, an FSDP unit and every optimizer parameter tensor add their measured fixed costs
@@ -39,6 +46,7 @@ from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
+from autopar.simulator import optimizer_step
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
@@ -62,6 +70,14 @@ DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "co
 #: per-tensor optimizer work) overlap the GPU's queue while it runs ahead, so they default to 0.
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
+#: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
+#: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
+#: that name no other kernel
+DEFAULT_ATTENTION_KERNEL = "flash2"
+#: backward / forward work of a flash-attention kernel in the convention of its published rates:
+#: five matmuls (the scores recomputed, dV, dP, dQ, dK) against the forward's two (Dao 2023, Sec.
+#: 4.1; flash-attention benchmarks/benchmark_flash_attention.py, ``flops``: bwd = 2.5 x fwd)
+FLASH_BWD_OVER_FWD = 2.5
 #: collective names of the profiler's table -> the cost model's
 _COLLECTIVE_ALIASES = {"send_recv": "p2p"}
 #: one AdamW parameter tensor of the profiler's optimizer rows holds at most this many elements
@@ -133,6 +149,9 @@ class CostModel:
     meeting_waits: MeetingWaits = field(default_factory=MeetingWaits)
     host_dispatch_bound: bool = False     # CPU: the device is the host thread, views cost a dispatch too
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
+    #: kernel -> ("causal" | "full") -> head dim -> ((seq, FLOP/s fwd+bwd), ...) (``fused_attention_s``)
+    attention_kernels: Mapping[str, Any] = field(default_factory=dict)
+    attention_kernel: str = DEFAULT_ATTENTION_KERNEL     # which of them the priced run uses
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
     _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
@@ -153,6 +172,7 @@ class CostModel:
                 num_sms=int(prof.get("num_sms", 0) or 0),
                 gemm_tile=tuple(int(x) for x in prof.get("gemm_tile", (256, 128))),
                 gemm_epilogue=str(prof.get("gemm_epilogue", "overlapped")),
+                attention_kernels=_attention_kernels(prof.get("attention_kernels") or {}),
                 profile=prof,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -281,16 +301,50 @@ class CostModel:
         if flops <= 0 and nbytes <= 0 and copied <= 0:
             # a view or a metadata op: no kernel, but on a CPU the host thread still dispatches it
             return (floor if self.host_dispatch_bound else 0.0), False
-        t, m = (self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
-                                     variant=op_variant(op.kind, str(getattr(op, "target", ""))),
-                                     backward=backward)
-                if flops > 0 or nbytes > 0 else (0.0, True))
+        variant = op_variant(op.kind, str(getattr(op, "target", "")))
+        flash = (self.fused_attention_s(op, flops, dtype, backward)
+                 if op.kind == "attention" and "scaled_dot_product" in str(getattr(op, "target", "")) and
+                 flops > 0 and self._curve(op.kind, variant, dtype_key(dtype)) is None else None)
+        if flash is not None:
+            mem_s = nbytes / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+            t, m = max(flash, mem_s), False
+        else:
+            t, m = (self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
+                                         variant=variant, backward=backward)
+                    if flops > 0 or nbytes > 0 else (0.0, True))
         if copied > 0:
             # copies the operands' strides force (core/copies.py): a read and a write of each byte,
             # priced like the profile's copy rows (their bytes axis counts both)
             tc, mc = self.compute_time_ex("copy", 0.0, 2.0 * copied, dtype)
             t, m = t + tc, m and mc
         return max(t, floor), m
+
+    def fused_attention_s(self, op, flops: float, dtype: str, backward: bool) -> float | None:
+        """Seconds of a fused attention op doing ``flops`` (the graph's full-square count, forward
+        or backward, on this device) with the run's flash kernel, or None where the profile holds
+        no rate for it (fp32, another kernel, no table: the roofline prices it).
+
+        The published rates count a forward as 4 b h s_q s_k d, halved under a causal mask, and a
+        backward as 2.5 of it (``FLASH_BWD_OVER_FWD``); fwd + bwd time = 3.5 x forward / rate.
+        One rate prices both passes (the tables hold their sum); the rate is interpolated in
+        log(seq) at the nearest tabled head dimension, flat beyond the table's ends."""
+        if dtype_key(dtype) not in ("bf16", "fp16"):
+            return None
+        by_mask = self.attention_kernels.get(self.attention_kernel)
+        causal = bool(getattr(op, "causal", False))
+        table = (by_mask or {}).get("causal" if causal else "full")
+        q = op.input_shapes[0] if getattr(op, "input_shapes", None) else ()
+        if not table or len(q) != 4:            # q is [batch, heads, seq, head_dim]
+            return None
+        seq, head_dim = float(q[-2]), float(q[-1])
+        dims = sorted(table)
+        near = min(dims, key=lambda d: (abs(math.log(d / head_dim)), d))
+        seqs, rates = table[near]
+        rate = float(np.interp(math.log(seq), np.log(seqs), rates))
+        # the graph counts a forward as the full square and a backward as 2 forwards
+        fwd_full = flops / 2.0 if backward else flops
+        fwd_kernel = fwd_full / 2.0 if causal else fwd_full
+        return fwd_kernel * (FLASH_BWD_OVER_FWD if backward else 1.0) / rate
 
     def op_time(self, op, dtype: str, shard: int = 1, *, backward: bool = False, scale: float = 1.0) -> float:
         return self.op_time_ex(op, dtype, shard, backward=backward, scale=scale)[0]
@@ -364,14 +418,37 @@ class CostModel:
         bound over the state -- Adam (Kingma & Ba 2015, Alg. 1) reads parameter, gradient, m
         and v and writes parameter, m and v: 7 fp32 words = 28 bytes per parameter.  Per
         tensor: the measured fixed cost of one more plain (``optimizer_tensor_s``) or DTensor
-        (``optimizer_dtensor_tensor_s``) parameter.
+        (``optimizer_dtensor_tensor_s``) parameter.  Plus, memory bound, the passes the training
+        code priced runs around AdamW (``optimizer_step.RUNTIME``; none for autopar's runtime).
         """
         if num_params <= 0:
             return 0.0
-        per_element = self.optimizer_element_s or \
-            28.0 / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        hbm_Bps = self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0)
+        per_element = self.optimizer_element_s or 28.0 / hbm_Bps
+        extra = optimizer_step.RUNTIME.extra_bytes_per_param
+        if extra:
+            per_element += extra / hbm_Bps
         return (num_params * per_element + num_tensors * self.overhead("optimizer_tensor_s")
                 + num_dtensor_tensors * self.overhead("optimizer_dtensor_tensor_s"))
+
+
+def _attention_kernels(raw: Mapping[str, Any]) -> dict:
+    """A profile's ``attention_kernels`` (docs/profiles.md) as kernel -> mask -> head dim ->
+    (sequence lengths, FLOP/s), sorted by sequence length; entries that are not tables ("unit") skipped."""
+    out: dict = {}
+    for kernel, by_mask in raw.items():
+        if not isinstance(by_mask, Mapping):
+            continue
+        for mask in ("causal", "full"):
+            for head_dim, points in (by_mask.get(mask) or {}).items():
+                pts = sorted((float(sq), float(tf) * 1e12) for sq, tf in points if tf is not None)
+                if any(sq <= 0 or tf <= 0 for sq, tf in pts) or float(head_dim) <= 0:
+                    raise ValueError(f"attention_kernels.{kernel}.{mask}.{head_dim}: sequence lengths, "
+                                     f"rates and head dims must be positive")
+                if pts:
+                    out.setdefault(kernel, {}).setdefault(mask, {})[float(head_dim)] = \
+                        (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+    return out
 
 
 def _optimizer_element_s(op_rows: list, tensor_s: float) -> float:

@@ -27,7 +27,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
+from autopar.simulator import cpu_node, optimizer_step, pipeline_p2p, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -451,6 +451,8 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx: _Context, processes: int) ->
     cost.  Other plans are returned unchanged."""
     mesh = ctx.mesh
     if mesh.dp <= 1 or mesh.tp > 1 or mesh.pp > 1 or not (rows.zero <= 1).all():
+        return rows
+    if optimizer_step.RUNTIME.sync_after_flush:      # no buckets: one sync after the backward
         return rows
     cm, link, level = ctx.rank_cm[0], ctx.links.dp.link, ctx.links.dp.level
     grad = rows.dp_grad_bytes

@@ -17,6 +17,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
+from autopar.simulator import optimizer_step
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.topology import MeshLinks
@@ -387,6 +388,11 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params))
         owned = 1.0 / dp if zero == 1 else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
+    if optimizer_step.RUNTIME.sync_after_flush and zero <= 1 and d.allreduce_s:
+        # the training code all-reduces the gradients after the last backward, before its
+        # optimizer step, with nothing to overlap (optimizer_step.py): the serial tail of the step
+        d.optimizer_s += d.allreduce_s
+        d.allreduce_s = 0.0
     if zero >= 2 and param_names and dp > 1:
         d.meetings = 1 + (1 if zero >= 3 else 0) + 1
     return d

@@ -393,3 +393,16 @@ def test_copied_bytes_match_the_clones_of_a_real_forward():
     assert captured == real
     # views that stay views copy nothing: the qkv split and the transposes
     assert all(o.copy_bytes == 0 for o in graph.layer_ops(block) if o.target in ("Tensor.view", "Tensor.transpose"))
+
+
+def test_fused_attention_records_its_causal_mask():
+    """scaled_dot_product_attention(is_causal=True) is marked causal (the cost model prices a flash
+    kernel's skipped half from it); its FLOPs stay the full square."""
+    from pathlib import Path
+    gpt = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+    g = capture_model_file(str(gpt), {"layers": 1, "hidden": 64, "heads": 4, "seq": 32, "vocab": 97,
+                                      "attention": "sdpa"}, 2)
+    attn = [o for o in g.ops if o.kind == "attention"]
+    assert attn and all(o.causal for o in attn)
+    assert attn[0].fwd_flops == pytest.approx(4.0 * 2 * 4 * 32 * 32 * 16)
+    assert not any(o.causal for o in g.ops if o.kind != "attention")

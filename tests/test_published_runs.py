@@ -75,11 +75,13 @@ def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
 
 
 @pytest.mark.parametrize("rid", ["megatron21_t2_ZeRO-3_174.6B_384gpu", "megatron21_t2_ZeRO-3_174.6B_1536gpu",
-                                 "megatron21_t1_1.7B"])
+                                 "megatron21_t1_1.7B", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
+                                 "ibm_fsdp_llama2_7B_a100_128gpu"])
 def test_rows_priced_near_the_published_step(bench, rows, rid):
-    """DeepSpeed ZeRO-3 (April 2021) and Megatron-LM's fused softmax priced as those runs ran
-    (simulator/sharded_dp.py item 4, examples/gpt.py attention="megatron"): the predicted step
-    against the step the published TFLOP/s imply, within 10%."""
+    """DeepSpeed ZeRO-3 (April 2021), Megatron-LM's fused softmax and the runs' flash-attention
+    kernels priced as those runs ran (simulator/sharded_dp.py item 4, examples/gpt.py
+    attention="megatron", profile attention_kernels): the predicted step against the step the
+    published throughput implies, within 10%."""
     r = bench.price_row(rows[rid], {})
     assert r["fits"]
     assert r["predicted_step_s"] == pytest.approx(bench.measured_step_s(rows[rid]), rel=0.10)
@@ -91,3 +93,23 @@ def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp2(bench):
     assert bench.sharded_runtime("ZeRO-3") is sharded_dp.DEEPSPEED_ZERO3_2021
     assert bench.sharded_runtime("FSDP") is sharded_dp.FSDP2
     assert sharded_dp.RUNTIME is sharded_dp.FSDP2          # what every plan of the planner is priced as
+
+
+def test_megatron_rows_run_its_fp16_optimizer_and_leave_it_unset(bench, rows):
+    """The PTD-P rows price Megatron-LM 2021's fp16 optimizer step, the others AdamW alone; pricing a
+    row leaves the module's choice as it was (the planner's plans are priced with AdamW)."""
+    from autopar.simulator import optimizer_step
+
+    assert bench.optimizer_runtime("PTD-P") is optimizer_step.MEGATRON_FP16_2021
+    assert bench.optimizer_runtime("FSDP") is bench.optimizer_runtime("ZeRO-3") is optimizer_step.TORCH_ADAMW
+    bench.price_row(rows["megatron21_t1_1.7B"], {})
+    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+
+
+def test_rows_run_their_attention_kernel(bench, rows):
+    """llm-foundry's MPT runs used its Triton FlashAttention, fms-fsdp's PyTorch SDPA (FlashAttention-2,
+    also what autopar's runtime runs)."""
+    from autopar.simulator.cost_model import DEFAULT_ATTENTION_KERNEL
+
+    assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash_triton"
+    assert bench.attention_kernel(rows["ibm_fsdp_llama2_7B_a100_128gpu"]) == DEFAULT_ATTENTION_KERNEL == "flash2"

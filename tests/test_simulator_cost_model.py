@@ -194,3 +194,158 @@ def test_bundled_profiles_keep_the_epilogue_overlapped():
     cpu = CostModel.from_profile("local-cpu")
     assert cpu.compute_time_ex("linear", 1e9, 1e6, "fp32", (512, 512, 1.0)) == \
         cpu.compute_time_ex("linear", 1e9, 1e6, "fp32")
+
+
+# ----------------------------------------------------------------- fused attention (flash kernels)
+def _sdpa_op(b, h, s, d, causal, dtype="bfloat16"):
+    from autopar.core.graph import OpNode
+    q = (b, h, s, d)
+    full = 4.0 * b * h * s * s * d                        # the graph's count: the full square (op_costs._sdpa)
+    return OpNode(name="attn", kind="attention", target="torch.scaled_dot_product_attention", module_path="attn",
+                  layer=0, inputs=("input:x",), input_shapes=(q, q, q), output_shape=q, dtype=dtype,
+                  fwd_flops=full, bwd_flops=2.0 * full, bytes_moved=4.0 * 2 * b * h * s * d, causal=causal)
+
+
+def _fwd_bwd(cm, op, dtype="bf16"):
+    return cm.op_time(op, dtype) + cm.op_time(op, dtype, backward=True)
+
+
+@pytest.mark.parametrize("kernel,causal,d,rate_tflops", [
+    # FlashAttention-2 paper (Dao 2023), Fig. 4, A100 80GB SXM4, sequence 2k
+    ("flash2", True, 128, 155), ("flash2", False, 64, 162), ("flash_triton", True, 128, 68),
+    ("flash_triton", True, 64, 79), ("flash", False, 128, 76)])
+def test_flash_attention_priced_at_the_published_rate(kernel, causal, d, rate_tflops):
+    """fwd + bwd of a fused attention = the published rate's own FLOP count over the rate: forward
+    4 b h s^2 d, halved under a causal mask, backward 2.5 forwards (flash-attention's
+    benchmark_flash_attention.py ``flops``), whatever the graph counts for MFU."""
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    cm.attention_kernel = kernel
+    b, h, s = 8, 2048 // d, 2048
+    fa_fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    assert _fwd_bwd(cm, _sdpa_op(b, h, s, d, causal)) == pytest.approx(3.5 * fa_fwd / (rate_tflops * 1e12))
+    assert cm.op_time(_sdpa_op(b, h, s, d, causal), "bf16", backward=True) == \
+        pytest.approx(2.5 * cm.op_time(_sdpa_op(b, h, s, d, causal), "bf16"))
+
+
+def test_flash_attention_between_and_beyond_the_table():
+    """Between tabled lengths the rate is interpolated in log(seq), beyond them held flat; a head dim
+    not tabled takes the nearest one's rates; fp32 has no flash kernel (roofline, efficiency.attention)."""
+    cm = CostModel.from_profile("a100-80gb-sxm")
+
+    def rate(s, d=128):
+        op = _sdpa_op(max(1, 16384 // s), 16, s, d, True)        # 16k tokens, as the figure's setup
+        return 3.5 * (op.fwd_flops / 2) / _fwd_bwd(cm, op) / 1e12
+    assert rate(2048) == pytest.approx(155)
+    assert rate(2896) == pytest.approx((155 + 173) / 2, rel=1e-3)      # 2896 ~ sqrt(2048 * 4096)
+    assert rate(32768) == pytest.approx(189) and rate(256) == pytest.approx(99)
+    assert rate(2048, d=112) == pytest.approx(155)                       # MPT-30B: 7168 / 56 heads
+    op = _sdpa_op(1, 16, 2048, 128, True, dtype="float32")
+    roof = cm.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "fp32")[0]
+    assert cm.op_time(op, "fp32") == pytest.approx(roof)
+
+
+def test_profiles_without_attention_rates_keep_the_roofline():
+    """The CPU profile holds no flash rates: a fused attention costs what the roofline (or the measured
+    op table) says, as before."""
+    cpu = CostModel.from_profile("local-cpu")
+    assert not cpu.attention_kernels
+    op = _sdpa_op(1, 4, 128, 64, True, dtype="float32")
+    t = cpu.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "fp32", variant="sdpa")[0]
+    assert cpu.op_time(op, "fp32") == pytest.approx(max(t, cpu.overhead("op_launch_s")))
+
+
+@pytest.mark.parametrize("head_dim,published_tflops", [(64, 17), (128, 32)])
+def test_unfused_attention_against_the_published_pytorch_reference(head_dim, published_tflops):
+    """Attention as matmuls and memory-bound ops (what examples/gpt.py's "math" attention and the
+    Megatron-LM 2021 rows price) against the FlashAttention-2 paper's "Pytorch" bars (Fig. 4,
+    A100 80GB, causal, sequence 2k, hidden 2048, fp16: 17 TFLOP/s at head dim 64, 32 at 128, in
+    the causal-halved count): Q K^T, causal mask, softmax and A V, forward and backward, within 10%.
+    The reference scales K before the product, so gpt.py's scale of the scores is left out."""
+    from pathlib import Path
+    from autopar.core.capture import capture_model_file
+
+    gpt = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+    b, s, hidden = 8, 2048, 2048
+    g = capture_model_file(str(gpt), dict(layers=1, hidden=hidden, heads=hidden // head_dim, seq=s, vocab=128,
+                                          attention="math"), b)
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    total = 0.0
+    for op in g.ops:
+        on_scores = any(len(x) == 4 and x[-2:] == (s, s) for x in (op.output_shape, *op.input_shapes))
+        if not on_scores or op.target == "operator.mul":
+            continue
+        # captured in fp32, priced in bf16: half the bytes (as layer_cost scales them)
+        total += cm.op_time_ex(op, "bf16", bytes_scale=0.5)[0]
+        if op.bwd_flops > 0 or op.saved_bytes > 0:
+            total += cm.op_time_ex(op, "bf16", backward=True, bytes_scale=0.5)[0]
+    fa_count = 3.5 * 4.0 * b * s * s * hidden / 2
+    assert fa_count / total / 1e12 == pytest.approx(published_tflops, rel=0.10)
+
+
+def test_malformed_attention_rates_are_a_user_error():
+    from autopar.core.errors import UserError
+    bad = {**PROFILE, "attention_kernels": {"flash2": {"causal": {"128": [[2048, -5]]}}}}
+    with pytest.raises(UserError, match="attention_kernels"):
+        CostModel.from_profile(bad)
+
+
+def test_multihead_attention_module_keeps_the_roofline():
+    """nn.MultiheadAttention (kind attention, its projections inside, input [s, b, E]) is not a flash
+    kernel call: the rates do not price it."""
+    from dataclasses import replace
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    op = replace(_sdpa_op(2, 16, 1024, 128, False), target="torch.nn.MultiheadAttention",
+                 input_shapes=((1024, 2, 2048),) * 3)
+    roof = cm.compute_time_ex("attention", op.fwd_flops, op.bytes_moved, "bf16", variant="sdpa")[0]
+    assert cm.op_time(op, "bf16") == pytest.approx(roof)
+
+
+def test_optimizer_step_bytes_by_training_code(monkeypatch):
+    """AdamW alone: 28 bytes a parameter at the achievable HBM bandwidth; Megatron-LM 2021's fp16
+    optimizer adds its grad copy (2 + 4), unscale (4 + 4), norm (4) and weight copy (4 + 2) passes."""
+    from autopar.simulator import optimizer_step
+
+    cm = CostModel.from_profile(PROFILE)
+    n, hbm = 1e9, 1e12 * 0.5
+    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+    assert cm.optimizer_time(n) == pytest.approx(28 * n / hbm)
+    monkeypatch.setattr(optimizer_step, "RUNTIME", optimizer_step.MEGATRON_FP16_2021)
+    # its DDP's flatten, divide and copy back (3 x (2 + 2)), then the optimizer's passes
+    assert cm.optimizer_time(n) == pytest.approx((28 + 12 + 24) * n / hbm)
+
+
+def test_gradient_sync_after_the_flush_is_the_steps_serial_tail(monkeypatch):
+    """Megatron-LM 2021 all-reduces the gradients after the last backward (optimizer_step.py): a DDP
+    layer's all-reduce leaves the overlapped column for the serial tail, whole, and the step grows
+    by the part of it that DDP's overlap with backward had hidden."""
+    from autopar.core.cluster import load_cluster
+    from autopar.simulator import optimizer_step
+    from autopar.simulator.configure import config_plan
+    from autopar.simulator.simulate import simulate
+    from sim_graphs import gpt_graph
+
+    g = gpt_graph(4, 1024, 16, 1024, 50304)
+    cluster = load_cluster("dgx-a100-4x8")
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    from autopar.simulator.evaluator import PlanEvaluator
+
+    # tensor parallel 2: the rows keep one all-reduce per layer (DDP's buckets are priced only for
+    # plain data-parallel plans, and not at all for a code that syncs after the flush)
+    plan = config_plan(g, dp=16, tp=2, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+                       zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
+
+    _, plain = PlanEvaluator(g, cluster, cm).prepare(plan)
+    plain_step = simulate(g, plan, cluster, cm).step_time_s
+    monkeypatch.setattr(optimizer_step, "RUNTIME", optimizer_step.MEGATRON_FP16_2021)
+    _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
+    meg_step = simulate(g, plan, cluster, cm).step_time_s
+    ar = plain.column("dp_allreduce_s")
+    assert ar.sum() > 0 and not meg.column("dp_allreduce_s").any()
+    extra = 36 * plain.column("param_numel") / (cm.memory_bandwidth_Bps * cm.efficiency["memory_bound"])
+    assert meg.column("optimizer_s") == pytest.approx(plain.column("optimizer_s") + ar + extra)
+    assert meg_step > plain_step + extra.sum()
+    # a plain data-parallel plan: no buckets either, the whole sync in the tail
+    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+                       zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
+    _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
+    assert not meg.column("dp_allreduce_s").any()

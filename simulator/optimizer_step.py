@@ -1,0 +1,63 @@
+"""What the end of a training step costs besides AdamW's own state, by the code that ran it.
+
+``CostModel.optimizer_time`` prices AdamW as memory bound over its state: per parameter it reads
+the parameter, the gradient, m and v and writes the parameter, m and v (28 bytes in fp32; Kingma &
+Ba 2015, Alg. 1).  That is the whole step of autopar's runtime (``torch.optim.AdamW`` on the
+parameters the runtime trains), whose data-parallel gradient all-reduce (DDP) overlaps the
+backward.  Mixed-precision training code with separate fp16 model weights and fp32 main weights
+runs more element-wise passes at the end of the step, each as bound by HBM as AdamW, and older
+code synchronises gradients only after the last backward:
+
+``MEGATRON_FP16_2021``: Megatron-LM of April 2021 (NVIDIA/Megatron-LM 9ec547c9ff), the code of the
+PTD-P rows of Narayanan et al. 2021, run with ``--fp16`` (fp16 model weights and gradients, fp32
+main weights; ``--accumulate-allreduce-grads-in-fp32`` is off by default, so the gradients are fp16
+and Megatron's DDP keeps no contiguous buffer):
+
+* ``megatron/training.py`` ``train_step``: ``forward_backward_func`` runs the whole pipeline, then
+  ``allreduce_gradients()`` of Megatron's own DDP (``--DDP-impl local``, the default) -- nothing
+  overlaps it (``sync_after_flush``).  ``megatron/model/distributed.py``: with no contiguous
+  buffer it flattens the fp16 gradients into one tensor (read 2 bytes a parameter, write 2),
+  divides it by the data-parallel size in place (2 + 2), all-reduces it and copies it back into
+  the gradients (2 + 2);
+* ``megatron/optimizer/optimizer.py`` ``Float16OptimizerWithFloat16Params.step``:
+  ``_copy_model_grads_to_main_grads``, ``main_grad.float()`` (read 2, write 4);
+  ``_unscale_main_grads_and_check_for_nan``, ``torch._amp_foreach_non_finite_check_and_unscale_``
+  on the fp32 main gradients in place (4 + 4); ``clip_grad_norm_fp32`` (``--clip-grad`` 1.0 in its
+  GPT examples), ``amp_C.multi_tensor_l2norm`` over them (read 4; the scaling pass that follows
+  only when the norm exceeds the threshold is not priced); apex ``FusedAdam`` over the fp32 main
+  weights (AdamW's 28); ``_copy_main_params_to_model_params``, ``amp_C.multi_tensor_scale`` by 1.0
+  from fp32 main to fp16 model weights (read 4, write 2).
+
+12 + 24 = 36 bytes a parameter beyond AdamW's 28.  The found-inf and grad-norm all-reduces over the
+model-parallel group move one number each, and the tied-embedding all-reduce between the first and
+the last stage is small beside the step (docs/validation.md); neither is priced.
+
+``RUNTIME`` is what the simulator prices; it stays ``TORCH_ADAMW`` for every plan the planner
+writes, and benchmarks/published_runs.py sets it per row, as it sets sharded_dp.RUNTIME and
+pipeline_p2p.RUNTIME.  ``simulator/layer_cost.py`` applies ``sync_after_flush`` by moving a
+layer's DDP all-reduce into the step's serial tail (the optimizer column, which the step model
+adds after each pipeline rank's last backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptimizerRuntime:
+    """The end of the step of one training code (module docstring)."""
+    name: str
+    #: bytes per parameter read and written by element-wise passes at the end of the step besides
+    #: AdamW's own state
+    extra_bytes_per_param: float
+    #: the data-parallel gradient all-reduce runs after the last backward, not overlapped with it
+    sync_after_flush: bool = False
+
+
+TORCH_ADAMW = OptimizerRuntime("torch.optim.AdamW", 0.0)
+MEGATRON_FP16_2021 = OptimizerRuntime("Megatron-LM 2021: local DDP after the flush, fp16 optimizer",
+                                      (2 + 2) + (2 + 2) + (2 + 2)             # flatten, divide, copy back
+                                      + (2 + 4) + (4 + 4) + 4 + (4 + 2),     # grad copy, unscale, norm, weight copy
+                                      sync_after_flush=True)
+#: the optimizer step priced; TORCH_ADAMW unless a caller prices a run made otherwise
+RUNTIME: OptimizerRuntime = TORCH_ADAMW
