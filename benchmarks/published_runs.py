@@ -46,7 +46,7 @@ BASE_CLUSTER = {"a100": "dgx-a100-192x8", "h100": "h100-16x8"}
 # ----------------------------------------------------------------------------- the data copy
 #: bytes a gradient element took in the published runs' reduce-scatters: llm-foundry's FSDP mixed
 #: precision (composer DEFAULT and PURE) and fms-fsdp's bfSixteen policy reduce in bf16, DeepSpeed's
-#: fp16 ZeRO-3 in fp16 (the model dtype) -- 2 bytes each (simulator/sharded_dp.py REDUCE_BYTES)
+#: fp16 ZeRO-3 in fp16 (the model dtype) -- 2 bytes each (TrainingCode.reduce_bytes, simulator/training_code.py)
 REDUCE_BYTES = 2.0
 
 
@@ -298,7 +298,7 @@ def attention_kernel(row: dict) -> str:
     ``--attn_impl`` default ``triton``, on the mosaicml/pytorch:1.13.1 image, whose PyTorch has no
     flash SDPA); fms-fsdp's runs PyTorch's SDPA, FlashAttention-2 (the source's attention field).
     Megatron-LM's 2021 rows run no fused attention (examples/gpt.py ``attention="megatron"``)."""
-    from autopar.simulator.cost_model import DEFAULT_ATTENTION_KERNEL
+    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
 
     return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
 
@@ -314,10 +314,21 @@ def optimizer_runtime(family: str):
     return optimizer_step.MEGATRON_FP16_2021 if family == "PTD-P" else optimizer_step.TORCH_ADAMW
 
 
+def row_code(row: dict):
+    """The training code a row's run used, as the simulator prices it (simulator/training_code.py):
+    its sharded data parallelism, its gradients' reduce dtype, its exchange between pipeline
+    stages, its optimizer step, its ops' dtypes and its attention kernel."""
+    from autopar.simulator.training_code import TrainingCode
+
+    family, lay = row["family"], row["layout"]
+    return TrainingCode(sharded=sharded_runtime(family), reduce_bytes=lay["reduce_bytes"],
+                        p2p=pipeline_runtime(family), optimizer=optimizer_runtime(family),
+                        autocast=lay["autocast"], attention_kernel=attention_kernel(row))
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator import autocast, optimizer_step, pipeline_p2p, sharded_dp
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -327,22 +338,10 @@ def price_row(row: dict, graph_cache: dict) -> dict:
         graph_cache[key] = capture_model_file(path, args, mb)
     graph = graph_cache[key]
     cluster = row_cluster(row)
-    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    for cm in cms.values():
-        cm.attention_kernel = attention_kernel(row)              # the kernel the run's attention ran
+    code = row_code(row)                                        # priced as the run's own code ran it
+    cms = {g.gpu: CostModel.from_profile(g.gpu).for_code(code) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    saved = (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
-             optimizer_step.RUNTIME)
-    sharded_dp.REDUCE_BYTES = row["layout"]["reduce_bytes"]     # as the run reduced its gradients
-    autocast.OVERRIDE = row["layout"]["autocast"]               # and as it ran its ops' dtypes
-    sharded_dp.RUNTIME = sharded_runtime(row["family"])        # and its sharded data parallelism
-    pipeline_p2p.RUNTIME = pipeline_runtime(row["family"])     # and its exchange between stages
-    optimizer_step.RUNTIME = optimizer_runtime(row["family"])  # and its optimizer step
-    try:
-        res = simulate(graph, plan, cluster, cms)
-    finally:
-        (sharded_dp.REDUCE_BYTES, autocast.OVERRIDE, sharded_dp.RUNTIME, pipeline_p2p.RUNTIME,
-         optimizer_step.RUNTIME) = saved
+    res = simulate(graph, plan, cluster, cms)
     meas = measured_step_s(row)
     return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
             "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

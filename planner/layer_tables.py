@@ -123,14 +123,14 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
     if cm.host_dispatch_bound or cpu_node.serial_communication(evaluator.cluster, mesh):
         return None
     n = len(LAYER_COST_FIELDS)
-    factor = sharded_dp.reduce_scale(precision, sharded_dp.REDUCE_BYTES)
+    factor = sharded_dp.reduce_scale(precision, cm.code.reduce_bytes)
 
     def add(lc, lp: LayerPlan):
         row = np.array(layer_cost_row(lc) + (float(effective_zero(lp.zero, mesh)),
                                              1.0 if lp.offload == "cpu" else 0.0,
                                              float(RECOMPUTE_CODE[lp.recompute])))
         out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
-                                            cm.efficiency.get("memory_bound", 1.0), factor)
+                                            cm.efficiency.get("memory_bound", 1.0), factor, cm.code.sharded)
         return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})
 
     return add

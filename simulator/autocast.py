@@ -19,25 +19,25 @@ pipeline parallelism, which run on FSDP2's machinery) holds low-precision parame
 The residual stream is recognised as the elementwise ``add`` ops; adds applied to a linear's
 output (rotary embeddings) are counted in fp32 too, an over-count of those few ops.
 
-``OVERRIDE`` lets a caller price a run that was made otherwise (benchmarks/published_runs.py:
+The cost model's training code may name one mode for every layer (``TrainingCode.autocast``,
+simulator/training_code.py) to price a run that was made otherwise (benchmarks/published_runs.py:
 llm-foundry's FSDP runs under composer's ``amp_bf16``, autocast with fp32 -- DEFAULT -- or
 bf16 -- PURE -- parameters).
 """
 from __future__ import annotations
 
 OFF, FP32_PARAMS, LOW_PARAMS = "off", "fp32_params", "low_params"
-#: None: as the runtime runs the plan; else one of the modes above for every layer
-OVERRIDE: str | None = None
 
 #: op kinds on autocast's float32 list (normalisation, softmax and log-softmax, losses)
 FP32_KINDS = frozenset({"norm", "softmax", "loss"})
 
 
-def autocast_mode(zero: int, mesh, precision: str) -> str:
+def autocast_mode(zero: int, mesh, precision: str, override: str | None = None) -> str:
     """How the runtime runs a layer of a plan: autocast with fp32 parameters, or not (see module doc).
-    ``mesh``: the plan's ParallelDims (core/parallel_dims.py)."""
-    if OVERRIDE is not None:
-        return OVERRIDE
+    ``mesh``: the plan's ParallelDims (core/parallel_dims.py); ``override``: one mode for every
+    layer (``TrainingCode.autocast``), None for the runtime's choice."""
+    if override is not None:
+        return override
     if precision not in ("bf16", "fp16"):
         return OFF
     if zero >= 2 or (mesh.dp > 1 and mesh.splits_model):

@@ -12,7 +12,7 @@ they cover the question; otherwise an analytic model answers:
 * fused attention (``fused_attention_s``): where the profile holds published or measured
   forward + backward rates of flash-attention kernels by head dimension and sequence length
   (``attention_kernels``), a ``scaled_dot_product_attention`` in bf16/fp16 is priced from the
-  kernel the run uses (``attention_kernel``) in that table's own FLOP convention: a causal
+  kernel the run uses (``code.attention_kernel``) in that table's own FLOP convention: a causal
   kernel skips the masked half of the score square and its backward is 2.5 forwards
   (FlashAttention recomputes the scores; Dao 2023, "FlashAttention-2", arXiv 2307.08691,
   Sec. 4.1).  The graph's FLOP counts keep the full square (MFU as Megatron counts it).
@@ -36,7 +36,7 @@ came from measurements and which were estimated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,7 +46,7 @@ from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
-from autopar.simulator import optimizer_step
+from autopar.simulator.training_code import AUTOPAR, TrainingCode
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
@@ -70,10 +70,6 @@ DEFAULT_VARIANT = {"linear": "linear", "matmul": "bmm", "attention": "sdpa", "co
 #: per-tensor optimizer work) overlap the GPU's queue while it runs ahead, so they default to 0.
 #: A CPU profile without measurements defaults to 0 everywhere (nothing assumed).
 GPU_OVERHEADS = {"op_launch_s": 5e-6, "op_backward_launch_s": 5e-6}
-#: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
-#: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
-#: that name no other kernel
-DEFAULT_ATTENTION_KERNEL = "flash2"
 #: backward / forward work of a flash-attention kernel in the convention of its published rates:
 #: five matmuls (the scores recomputed, dV, dP, dQ, dK) against the forward's two (Dao 2023, Sec.
 #: 4.1; flash-attention benchmarks/benchmark_flash_attention.py, ``flops``: bwd = 2.5 x fwd)
@@ -151,7 +147,9 @@ class CostModel:
     optimizer_element_s: float = 0.0      # AdamW seconds per parameter element (0: roofline)
     #: kernel -> ("causal" | "full") -> head dim -> ((seq, FLOP/s fwd+bwd), ...) (``fused_attention_s``)
     attention_kernels: Mapping[str, Any] = field(default_factory=dict)
-    attention_kernel: str = DEFAULT_ATTENTION_KERNEL     # which of them the priced run uses
+    #: the training code priced (simulator/training_code.py): autopar's runtime unless a caller
+    #: prices a run made with other code; set it before an evaluator first prices with this model
+    code: TrainingCode = AUTOPAR
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
     _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
@@ -210,6 +208,11 @@ class CostModel:
                 curves = cm._chain_curves if chained else cm._coll_curves
                 curves.setdefault((op, n, level), {})[procs] = _Curve.build(*v)
         return cm
+
+    def for_code(self, code: TrainingCode) -> "CostModel":
+        """The same device priced for another training code (simulator/training_code.py).  The
+        curves built from the profile's tables depend on the device only and are shared."""
+        return replace(self, code=code)
 
     # ------------------------------------------------------------------------ ops
     def peak(self, dtype: str) -> float:
@@ -330,7 +333,7 @@ class CostModel:
         log(seq) at the nearest tabled head dimension, flat beyond the table's ends."""
         if dtype_key(dtype) not in ("bf16", "fp16"):
             return None
-        by_mask = self.attention_kernels.get(self.attention_kernel)
+        by_mask = self.attention_kernels.get(self.code.attention_kernel)
         causal = bool(getattr(op, "causal", False))
         table = (by_mask or {}).get("causal" if causal else "full")
         q = op.input_shapes[0] if getattr(op, "input_shapes", None) else ()
@@ -419,13 +422,14 @@ class CostModel:
         and v and writes parameter, m and v: 7 fp32 words = 28 bytes per parameter.  Per
         tensor: the measured fixed cost of one more plain (``optimizer_tensor_s``) or DTensor
         (``optimizer_dtensor_tensor_s``) parameter.  Plus, memory bound, the passes the training
-        code priced runs around AdamW (``optimizer_step.RUNTIME``; none for autopar's runtime).
+        code priced runs around AdamW (``code.optimizer``, simulator/optimizer_step.py; none for
+        autopar's runtime).
         """
         if num_params <= 0:
             return 0.0
         hbm_Bps = self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0)
         per_element = self.optimizer_element_s or 28.0 / hbm_Bps
-        extra = optimizer_step.RUNTIME.extra_bytes_per_param
+        extra = self.code.optimizer.extra_bytes_per_param
         if extra:
             per_element += extra / hbm_Bps
         return (num_params * per_element + num_tensors * self.overhead("optimizer_tensor_s")

@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import compress
 from operator import is_not
 from typing import Mapping
@@ -27,7 +27,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, optimizer_step, pipeline_p2p, sharded_dp
+from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -79,6 +79,7 @@ class _Context:
     host_when_empty: tuple      # (host bytes per node, worst node, fits) when nothing is offloaded
     p2p_s: float
     p2p_measured: bool
+    p2p_blocking: bool          # the exchange is the last part of each task (pipeline_p2p.task_lengths)
     processes: int              # busy devices per node (topology.busy_devices_per_node)
     serial_comm: bool           # communication takes turns with compute (cpu_node.serial_communication)
     waits_at_meetings: bool     # the profile prices the waits of ranks that meet (cpu_node.with_meeting_waits)
@@ -91,9 +92,8 @@ class _Context:
     last_layers: np.ndarray     # the last layer of each virtual stage (ends - 1)
     no_ddp: np.ndarray          # (p,) False: no pipeline rank holds DDP buckets
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
-    #: sharded_dp.with_sharded_dp_costs's arguments by (sharded_dp.RUNTIME, REDUCE_BYTES), the
-    #: module settings they depend on beside the context (evaluator._sharded_dp)
-    sharded_args: dict = field(default_factory=dict)
+    #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (evaluator._sharded_dp)
+    sharded_args: tuple | None = None
 
 
 class PlanEvaluator:
@@ -283,7 +283,8 @@ class PlanEvaluator:
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
                        capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
-                       p2p_s=p2p_s, p2p_measured=p2p_m, host_when_empty=host_when_empty,
+                       p2p_s=p2p_s, p2p_measured=p2p_m, p2p_blocking=rank_cm[0].code.p2p.blocking,
+                       host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
@@ -418,16 +419,15 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) ->
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    # the arguments depend on the context and two module settings a caller may change between
-    # evaluations (benchmarks/published_runs.py): worked out once per context and settings
-    settings = (sharded_dp.RUNTIME, sharded_dp.REDUCE_BYTES)
-    args = ctx.sharded_args.get(settings)
+    # the arguments depend on the context and the training code priced (cm.code): worked out
+    # once per context
+    args = ctx.sharded_args
     if args is None:
-        dp = ctx.links.dp
-        args = ctx.sharded_args[settings] = (
+        dp, code = ctx.links.dp, cm.code
+        args = ctx.sharded_args = (
             (COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0)),
-            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, sharded_dp.REDUCE_BYTES),
-                 bandwidth_scale=sharded_dp.gather_bandwidth_scale(sharded_dp.RUNTIME, dp.level,
+            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, code.reduce_bytes), runtime=code.sharded,
+                 bandwidth_scale=sharded_dp.gather_bandwidth_scale(code.sharded, dp.level,
                                                                    dp.link.bandwidth_GBps, per_gpu_network_GBps),
                  latency_s=(dp.size - 1) * dp.link.latency_s))
     return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args[0], **args[1]))
@@ -452,7 +452,7 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx: _Context, processes: int) ->
     mesh = ctx.mesh
     if mesh.dp <= 1 or mesh.tp > 1 or mesh.pp > 1 or not (rows.zero <= 1).all():
         return rows
-    if optimizer_step.RUNTIME.sync_after_flush:      # no buckets: one sync after the backward
+    if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
         return rows
     cm, link, level = ctx.rank_cm[0], ctx.links.dp.link, ctx.links.dp.level
     grad = rows.dp_grad_bytes

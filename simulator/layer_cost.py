@@ -17,7 +17,6 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
-from autopar.simulator import optimizer_step
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.topology import MeshLinks
@@ -165,7 +164,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
-    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision)  # autocast.py
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)  # autocast.py
     styles = lp.tp_styles
     for op in ops:
         w.param_names.update(op.params)
@@ -388,7 +387,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params))
         owned = 1.0 / dp if zero == 1 else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
-    if optimizer_step.RUNTIME.sync_after_flush and zero <= 1 and d.allreduce_s:
+    if cm.code.optimizer.sync_after_flush and zero <= 1 and d.allreduce_s:
         # the training code all-reduces the gradients after the last backward, before its
         # optimizer step, with nothing to overlap (optimizer_step.py): the serial tail of the step
         d.optimizer_s += d.allreduce_s

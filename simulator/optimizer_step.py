@@ -32,9 +32,10 @@ and Megatron's DDP keeps no contiguous buffer):
 model-parallel group move one number each, and the tied-embedding all-reduce between the first and
 the last stage is small beside the step (docs/validation.md); neither is priced.
 
-``RUNTIME`` is what the simulator prices; it stays ``TORCH_ADAMW`` for every plan the planner
-writes, and benchmarks/published_runs.py sets it per row, as it sets sharded_dp.RUNTIME and
-pipeline_p2p.RUNTIME.  ``simulator/layer_cost.py`` applies ``sync_after_flush`` by moving a
+Which one is priced is the cost model's training code (``TrainingCode.optimizer``,
+simulator/training_code.py): ``TORCH_ADAMW`` for every plan the planner writes;
+benchmarks/published_runs.py prices the PTD-P rows with ``MEGATRON_FP16_2021``.
+``simulator/layer_cost.py`` applies ``sync_after_flush`` by moving a
 layer's DDP all-reduce into the step's serial tail (the optimizer column, which the step model
 adds after each pipeline rank's last backward).
 """
@@ -59,5 +60,3 @@ MEGATRON_FP16_2021 = OptimizerRuntime("Megatron-LM 2021: local DDP after the flu
                                       (2 + 2) + (2 + 2) + (2 + 2)             # flatten, divide, copy back
                                       + (2 + 4) + (4 + 4) + 4 + (4 + 2),     # grad copy, unscale, norm, weight copy
                                       sync_after_flush=True)
-#: the optimizer step priced; TORCH_ADAMW unless a caller prices a run made otherwise
-RUNTIME: OptimizerRuntime = TORCH_ADAMW

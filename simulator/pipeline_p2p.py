@@ -16,9 +16,9 @@ Two runtimes are described:
   tensor-parallel ranks sends 1/t of the activation over the inter-node link and the receiver
   all-gathers the pieces over NVLink within its tensor-parallel group.
 
-``RUNTIME`` is what the simulator prices; it stays ``TORCH_PIPELINING`` for every plan the
-planner writes.  benchmarks/published_runs.py sets ``MEGATRON_2021`` for the PTD-P rows, as
-sharded_dp.RUNTIME is set for the ZeRO-3 rows.
+Which one is priced is the cost model's training code (``TrainingCode.p2p``,
+simulator/training_code.py): ``TORCH_PIPELINING`` for every plan the planner writes;
+benchmarks/published_runs.py prices the PTD-P rows with ``MEGATRON_2021``.
 """
 from __future__ import annotations
 
@@ -39,28 +39,27 @@ TORCH_PIPELINING = P2PRuntime("torch.distributed.pipelining", blocking=False, sc
 MEGATRON_2021 = P2PRuntime("Megatron-LM 2021 (batch_isend_irecv + synchronize, scatter/gather)",
                            blocking=True, scatter_gather=True)
 
-#: the runtime the simulator prices (set per published row by benchmarks/published_runs.py)
-RUNTIME: P2PRuntime = TORCH_PIPELINING
-
 
 def exchange_time(cm, boundary_bytes: float, tp: int, pp_link, pp_level: str, tp_link, tp_level: str,
                   processes: int | None) -> tuple[float, bool]:
-    """(seconds, measured) of one activation exchange between neighbouring stages under
-    ``RUNTIME``: one send of the whole tensor, or with scatter/gather a send of 1/t of it
-    followed by the all-gather of the t pieces over the tensor-parallel group."""
-    if not (RUNTIME.scatter_gather and tp > 1):
+    """(seconds, measured) of one activation exchange between neighbouring stages under the
+    cost model's code (``cm.code.p2p``): one send of the whole tensor, or with scatter/gather a
+    send of 1/t of it followed by the all-gather of the t pieces over the tensor-parallel group."""
+    if not (cm.code.p2p.scatter_gather and tp > 1):
         return cm.collective_time_ex("p2p", boundary_bytes, 2, pp_link, pp_level, processes=processes)
     send, m1 = cm.collective_time_ex("p2p", boundary_bytes / tp, 2, pp_link, pp_level, processes=processes)
     gather, m2 = cm.collective_time_ex("all_gather", boundary_bytes, tp, tp_link, tp_level, processes=processes)
     return send + gather, m1 and m2
 
 
-def task_lengths(f_g: np.ndarray, b_g: np.ndarray, send_s: float) -> tuple[np.ndarray, np.ndarray, float]:
+def task_lengths(f_g: np.ndarray, b_g: np.ndarray, send_s: float,
+                 blocking: bool) -> tuple[np.ndarray, np.ndarray, float]:
     """(forward and backward length of each model chunk's task, the send left for the pipeline
     formula to charge): a blocking exchange is the last part of every task that sends (each
     chunk's forward but the last chunk's, each chunk's backward but the first's), and nothing is
-    left outside the tasks; an asynchronous send stays outside them."""
-    if not RUNTIME.blocking or len(f_g) < 2:
+    left outside the tasks; an asynchronous send stays outside them.  ``blocking``: the priced
+    code's ``P2PRuntime.blocking``."""
+    if not blocking or len(f_g) < 2:
         return f_g, b_g, send_s
     f_g = f_g.copy()
     b_g = b_g.copy()

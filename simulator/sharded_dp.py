@@ -30,16 +30,17 @@ What this module adds:
 3. The reduce dtype.  The rows price a reduce-scatter at the gradients' training precision (2
    bytes under bf16 / fp16); the runtime reduces them in fp32 (runtime/apply_dp.py,
    ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=torch.float32)``), twice the bytes.
-   ``REDUCE_BYTES`` says how many bytes a reduced gradient element takes, and the reduce-scatter
+   ``TrainingCode.reduce_bytes`` (simulator/training_code.py) says how many bytes a reduced
+   gradient element takes, and the reduce-scatter
    (wire time and copy-in) scales by it over the priced 2 bytes (``reduce_scale``; its latency
    part scales too, which overstates it by (N-1) alpha at most -- small beside the bytes of a
-   layer's gradients).  A run that reduced in bf16 is priced with REDUCE_BYTES = 2
+   layer's gradients).  A run that reduced in bf16 is priced with ``reduce_bytes = 2``
    (benchmarks/published_runs.py does so for the published runs that state it).
 
-4. Which implementation runs (``RUNTIME``).  Everything above is what FSDP2 does -- what
-   autopar's runtime runs, and what every plan the planner writes is priced as.  A published run
-   made with another implementation is priced as that one ran (benchmarks/published_runs.py sets
-   ``RUNTIME`` per row):
+4. Which implementation runs (``TrainingCode.sharded``, simulator/training_code.py).  Everything
+   above is what FSDP2 does -- what autopar's runtime runs, and what every plan the planner writes
+   is priced as.  A published run made with another implementation is priced as that one ran
+   (benchmarks/published_runs.py describes each row's code):
 
    * ``DEEPSPEED_ZERO3_2021``: DeepSpeed ZeRO-3 as of April 2021 (deepspeedai/DeepSpeed
      c4f4ef5d4, the version the ZeRO-3 rows of Narayanan et al. 2021, Table 2 compare against).
@@ -84,9 +85,6 @@ import numpy as np
 NCCL_OVERLAP_SLOWDOWN = 0.6
 
 
-#: bytes of one gradient element as the runtime reduce-scatters it (fp32: runtime/apply_dp.py)
-REDUCE_BYTES = 4.0
-
 
 @dataclass(frozen=True)
 class ShardedRuntime:
@@ -101,8 +99,6 @@ class ShardedRuntime:
 
 FSDP2 = ShardedRuntime("fsdp2", regather_for_recompute=False, node_aggregate_rings=True)
 DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False)
-#: the implementation priced; FSDP2 unless a caller prices a run made otherwise
-RUNTIME: ShardedRuntime = FSDP2
 
 
 def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float) -> float:
@@ -135,7 +131,7 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
                           slowdown: float | None = None, reduce_factor: float = 1.0, *,
-                          runtime: ShardedRuntime | None = None, bandwidth_scale: float = 1.0,
+                          runtime: ShardedRuntime = FSDP2, bandwidth_scale: float = 1.0,
                           latency_s: float = 0.0) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
 
@@ -144,12 +140,11 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     its own reduce-scatter (the prefetch order of evaluator.layer_effective_times).  The unit
     bytes are the unsharded-parameter and -gradient buffers the rows already hold.
     ``reduce_factor`` (``reduce_scale``) scales the reduce-scatter and its copy-in.
-    ``runtime`` (default ``RUNTIME``): the implementation priced (item 4); ``bandwidth_scale``
+    ``runtime``: the implementation priced (item 4); ``bandwidth_scale``
     (``gather_bandwidth_scale``) multiplies the part of each gather and reduce-scatter beyond its
     ring latency ``latency_s`` ((N-1) alpha, what the rows' alpha-beta price holds besides bytes).
     """
     slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
-    runtime = RUNTIME if runtime is None else runtime
     zero = rows[:, zero_col]
     sharded = zero >= 2
     if not np.count_nonzero(sharded):           # (count_nonzero: a cheaper any)
@@ -196,9 +191,10 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
 
 
 def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
-                       memory_efficiency: float, reduce_factor: float = 1.0) -> np.ndarray:
+                       memory_efficiency: float, reduce_factor: float = 1.0,
+                       runtime: ShardedRuntime = FSDP2) -> np.ndarray:
     """``with_sharded_dp_costs`` for one layer whose neighbours are like it (the planner's
     per-layer tables price a layer alone): the middle of three copies of its row, so the gather
     it computes under is its own size."""
     return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
-                                 reduce_factor=reduce_factor)[1]
+                                 reduce_factor=reduce_factor, runtime=runtime)[1]

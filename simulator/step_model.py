@@ -129,7 +129,7 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
     f_g = np.add.reduceat(fwd, ctx.starts)
     b_g = np.add.reduceat(bwd, ctx.starts)
-    f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
+    f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
     end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last

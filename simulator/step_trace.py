@@ -117,7 +117,7 @@ class _Terms:
     pipe: float
     end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
     send_s: float            # the activation send drawn between stages
-    sends_in_task: bool = False   # a blocking exchange (pipeline_p2p.RUNTIME) is the last part of its task
+    sends_in_task: bool = False   # a blocking exchange (P2PRuntime.blocking) is the last part of its task
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
@@ -140,12 +140,12 @@ def _terms(ctx, rows: LayerTable) -> _Terms:
         fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
         f_g = np.add.reduceat(fwd, ctx.starts)
         b_g = np.add.reduceat(bwd, ctx.starts)
-        f_g, b_g, c_pipe = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)
+        f_g, b_g, c_pipe = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)
     pipe, _ = pipeline_time(t_r, m, p, v, c_pipe)
     return _Terms(serial=bool(ctx.serial_comm), fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe,
                   end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s,
-                  sends_in_task=bool(ctx.serial_comm) or pipeline_p2p.RUNTIME.blocking)
+                  sends_in_task=bool(ctx.serial_comm) or ctx.p2p_blocking)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:

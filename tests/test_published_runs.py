@@ -92,24 +92,27 @@ def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp2(bench):
 
     assert bench.sharded_runtime("ZeRO-3") is sharded_dp.DEEPSPEED_ZERO3_2021
     assert bench.sharded_runtime("FSDP") is sharded_dp.FSDP2
-    assert sharded_dp.RUNTIME is sharded_dp.FSDP2          # what every plan of the planner is priced as
+    from autopar.simulator.training_code import AUTOPAR
+    assert AUTOPAR.sharded is sharded_dp.FSDP2             # what every plan of the planner is priced as
 
 
-def test_megatron_rows_run_its_fp16_optimizer_and_leave_it_unset(bench, rows):
-    """The PTD-P rows price Megatron-LM 2021's fp16 optimizer step, the others AdamW alone; pricing a
-    row leaves the module's choice as it was (the planner's plans are priced with AdamW)."""
-    from autopar.simulator import optimizer_step
+def test_megatron_rows_run_its_fp16_optimizer(bench, rows):
+    """The PTD-P rows price Megatron-LM 2021's fp16 optimizer step and pipeline exchange, the others
+    AdamW alone; each row's code is its own (the planner's plans are priced as AUTOPAR)."""
+    from autopar.simulator import optimizer_step, pipeline_p2p, sharded_dp
 
     assert bench.optimizer_runtime("PTD-P") is optimizer_step.MEGATRON_FP16_2021
     assert bench.optimizer_runtime("FSDP") is bench.optimizer_runtime("ZeRO-3") is optimizer_step.TORCH_ADAMW
-    bench.price_row(rows["megatron21_t1_1.7B"], {})
-    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+    megatron = bench.row_code(rows["megatron21_t1_1.7B"])
+    assert megatron.optimizer is optimizer_step.MEGATRON_FP16_2021 and megatron.p2p is pipeline_p2p.MEGATRON_2021
+    zero3 = bench.row_code(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"])
+    assert zero3.sharded is sharded_dp.DEEPSPEED_ZERO3_2021 and zero3.reduce_bytes == 2.0
 
 
 def test_rows_run_their_attention_kernel(bench, rows):
     """llm-foundry's MPT runs used its Triton FlashAttention, fms-fsdp's PyTorch SDPA (FlashAttention-2,
     also what autopar's runtime runs)."""
-    from autopar.simulator.cost_model import DEFAULT_ATTENTION_KERNEL
+    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
 
     assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash_triton"
     assert bench.attention_kernel(rows["ibm_fsdp_llama2_7B_a100_128gpu"]) == DEFAULT_ATTENTION_KERNEL == "flash2"

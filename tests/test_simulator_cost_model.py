@@ -7,6 +7,7 @@ from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Mesh
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator.topology import mesh_links
+from autopar.simulator.training_code import TrainingCode
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=1e12, peak_flops={"fp32": 1e13, "bf16": 1e14},
                efficiency={"linear": 0.5, "memory_bound": 0.5}, collective_efficiency={"intra": 1.0, "inter": 1.0})
@@ -218,8 +219,7 @@ def test_flash_attention_priced_at_the_published_rate(kernel, causal, d, rate_tf
     """fwd + bwd of a fused attention = the published rate's own FLOP count over the rate: forward
     4 b h s^2 d, halved under a causal mask, backward 2.5 forwards (flash-attention's
     benchmark_flash_attention.py ``flops``), whatever the graph counts for MFU."""
-    cm = CostModel.from_profile("a100-80gb-sxm")
-    cm.attention_kernel = kernel
+    cm = CostModel.from_profile("a100-80gb-sxm").for_code(TrainingCode(attention_kernel=kernel))
     b, h, s = 8, 2048 // d, 2048
     fa_fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
     assert _fwd_bwd(cm, _sdpa_op(b, h, s, d, causal)) == pytest.approx(3.5 * fa_fwd / (rate_tflops * 1e12))
@@ -300,21 +300,22 @@ def test_multihead_attention_module_keeps_the_roofline():
     assert cm.op_time(op, "bf16") == pytest.approx(roof)
 
 
-def test_optimizer_step_bytes_by_training_code(monkeypatch):
+def test_optimizer_step_bytes_by_training_code():
     """AdamW alone: 28 bytes a parameter at the achievable HBM bandwidth; Megatron-LM 2021's fp16
     optimizer adds its grad copy (2 + 4), unscale (4 + 4), norm (4) and weight copy (4 + 2) passes."""
     from autopar.simulator import optimizer_step
 
     cm = CostModel.from_profile(PROFILE)
     n, hbm = 1e9, 1e12 * 0.5
-    assert optimizer_step.RUNTIME is optimizer_step.TORCH_ADAMW
+    assert cm.code.optimizer is optimizer_step.TORCH_ADAMW
     assert cm.optimizer_time(n) == pytest.approx(28 * n / hbm)
-    monkeypatch.setattr(optimizer_step, "RUNTIME", optimizer_step.MEGATRON_FP16_2021)
+    megatron = cm.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_2021))
     # its DDP's flatten, divide and copy back (3 x (2 + 2)), then the optimizer's passes
-    assert cm.optimizer_time(n) == pytest.approx((28 + 12 + 24) * n / hbm)
+    assert megatron.optimizer_time(n) == pytest.approx((28 + 12 + 24) * n / hbm)
+    assert cm.optimizer_time(n) == pytest.approx(28 * n / hbm)        # the device's own model unchanged
 
 
-def test_gradient_sync_after_the_flush_is_the_steps_serial_tail(monkeypatch):
+def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
     """Megatron-LM 2021 all-reduces the gradients after the last backward (optimizer_step.py): a DDP
     layer's all-reduce leaves the overlapped column for the serial tail, whole, and the step grows
     by the part of it that DDP's overlap with backward had hidden."""
@@ -336,7 +337,7 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail(monkeypatch):
 
     _, plain = PlanEvaluator(g, cluster, cm).prepare(plan)
     plain_step = simulate(g, plan, cluster, cm).step_time_s
-    monkeypatch.setattr(optimizer_step, "RUNTIME", optimizer_step.MEGATRON_FP16_2021)
+    cm = cm.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_2021))
     _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
     meg_step = simulate(g, plan, cluster, cm).step_time_s
     ar = plain.column("dp_allreduce_s")

@@ -31,15 +31,15 @@ def dgx_a100(nodes):
     ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 1, "interleaved", 148.0),
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, "1f1b", 137.0),
 ])
-def test_megatron_table1(row, monkeypatch):
+def test_megatron_table1(row):
     from autopar.simulator import autocast
+    from autopar.simulator.training_code import TrainingCode
 
-    # Megatron-LM keeps fp16 parameters and runs no torch.autocast (simulator/autocast.py)
-    monkeypatch.setattr(autocast, "OVERRIDE", autocast.OFF)
     name, l, h, a, tp, pp, gpus, B, mb, schedule, published = row
     s, V = 2048, 51200
     g = gpt_graph(l, h, a, s, V)
-    cm = CostModel.from_profile("a100-80gb-sxm")
+    # Megatron-LM keeps fp16 parameters and runs no torch.autocast (simulator/autocast.py)
+    cm = CostModel.from_profile("a100-80gb-sxm").for_code(TrainingCode(autocast=autocast.OFF))
     cl = dgx_a100(gpus // 8)
     dp = gpus // (tp * pp)
     plan = config_plan(g, dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=schedule, virtual_stages=2,

@@ -19,6 +19,7 @@ ends, and it is a possible picture of the schedule.
 """
 import json
 from collections import defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +34,7 @@ from autopar.simulator.simulate import simulate
 from autopar.simulator.step_model import pipeline_time, rank_ends
 from autopar.simulator.step_trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
 from autopar.simulator.timeline import write_chrome_trace
+from autopar.simulator.training_code import AUTOPAR
 from sim_graphs import gpt_graph
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
@@ -102,22 +104,23 @@ def _plan(graph, kw, precision="bf16"):
 def _cases():
     gpu = CostModel.from_profile(PROFILE)
     cpu = CostModel.from_profile(CPU_PROFILE)
-    torch_pp, megatron = pipeline_p2p.TORCH_PIPELINING, pipeline_p2p.MEGATRON_2021
+    # the same GPU priced as Megatron-LM 2021 ran its pipeline exchange (simulator/training_code.py)
+    megatron = replace(gpu, code=replace(AUTOPAR, p2p=pipeline_p2p.MEGATRON_2021))
     for kw in EXACT:
-        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, True, torch_pp, id="gpu-" + _name(kw))
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, True, id="gpu-" + _name(kw))
     for kw in CPU_PLANS:
-        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, True, torch_pp,
+        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, True,
                            id="cpu-" + _name(kw))
     for kw in LATE:
-        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, False, torch_pp, id="late-gpu-" + _name(kw))
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, False, id="late-gpu-" + _name(kw))
     for kw in CPU_LATE:
-        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False, torch_pp,
+        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False,
                            id="late-cpu-" + _name(kw) + f"-v{kw['v']}")
     # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
     # the formula; interleaved with unequal chunks does not
     for kw in [k for k in EXACT + LATE if k["pp"] > 1]:
         late = kw["schedule"] == "interleaved" and kw["pp"] == 4
-        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), gpu, not late, megatron,
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), megatron, not late,
                            id=("late-" if late else "") + "megatron-" + _name(kw))
 
 
@@ -135,9 +138,8 @@ def _end(e):
     return e["start_s"] + e["dur_s"]
 
 
-@pytest.mark.parametrize("graph,plan,cluster,cm,exact,runtime", list(_cases()))
-def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact, runtime, monkeypatch):
-    monkeypatch.setattr(pipeline_p2p, "RUNTIME", runtime)
+@pytest.mark.parametrize("graph,plan,cluster,cm,exact", list(_cases()))
+def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact):
     res = simulate(graph, plan, cluster, cm, timeline=True)
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     assert ctx.serial_comm == (cluster.groups[0].compute_slots > 0)
@@ -153,9 +155,8 @@ def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact, runtime, 
         assert ends == pytest.approx(np.asarray(res.stage_step_s) + trace.late_s, rel=1e-9, abs=0)
 
 
-@pytest.mark.parametrize("graph,plan,cluster,cm,exact,runtime", list(_cases()))
-def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact, runtime, monkeypatch):
-    monkeypatch.setattr(pipeline_p2p, "RUNTIME", runtime)
+@pytest.mark.parametrize("graph,plan,cluster,cm,exact", list(_cases()))
+def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact):
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     events = trace.events
     tol = 1e-12 * max(_end(e) for e in events)
@@ -271,14 +272,13 @@ def test_hand_schedules():
                                                             ("B", 0, 0, 11), ("B", 1, 0, 13)]
 
 
-def test_blocking_exchange_hand_schedule(monkeypatch):
+def test_blocking_exchange_hand_schedule():
     # Megatron-LM 2021 (pipeline_p2p.MEGATRON_2021): the exchange holds the rank, so each send is the
     # last part of the task that sends.  1F1B, p = 2, m = 4, f = b = c = 1: stage 0's forwards and
     # stage 1's backwards last 2.  Stage 0 F0 [0, 2] F1 [2, 4]; stage 1 F0 [2, 3] B0 [3, 5] F1 [5, 6]
     # B1 [6, 8]; stage 0 B0 [5, 6] F2 [6, 8] B1 [8, 9] F3 [9, 11]; stage 1 F2 [8, 9] B2 [9, 11] F3
     # [11, 12] B3 [12, 14]; stage 0 B2 [11, 12] B3 [14, 15]: T_0 = T_1 = 3, sum T + (m - 1) max T = 15
-    monkeypatch.setattr(pipeline_p2p, "RUNTIME", pipeline_p2p.MEGATRON_2021)
-    f_g, b_g, c = pipeline_p2p.task_lengths(np.ones(2), np.ones(2), 1.0)
+    f_g, b_g, c = pipeline_p2p.task_lengths(np.ones(2), np.ones(2), 1.0, pipeline_p2p.MEGATRON_2021.blocking)
     assert f_g.tolist() == [2, 1] and b_g.tolist() == [1, 2] and c == 0.0
     pipe, _ = pipeline_time(f_g + b_g, 4, 2, 1, c)
     terms = _Terms(serial=False, fwd=f_g, bwd=b_g, f_g=f_g, b_g=b_g, pipe=pipe, end_r=rank_ends(pipe, b_g[:2], c),
@@ -298,12 +298,8 @@ def test_scatter_gather_exchange():
     M, t = 64e6, 8
     whole, _ = pipeline_p2p.exchange_time(cm, M, t, pp_link, "inter", tp_link, "intra", None)
     assert whole == pytest.approx(5e-6 + M / (25e9 * 0.9))
-    saved = pipeline_p2p.RUNTIME
-    try:
-        pipeline_p2p.RUNTIME = pipeline_p2p.MEGATRON_2021
-        split, _ = pipeline_p2p.exchange_time(cm, M, t, pp_link, "inter", tp_link, "intra", None)
-    finally:
-        pipeline_p2p.RUNTIME = saved
+    megatron = replace(cm, code=replace(AUTOPAR, p2p=pipeline_p2p.MEGATRON_2021))
+    split, _ = pipeline_p2p.exchange_time(megatron, M, t, pp_link, "inter", tp_link, "intra", None)
     gather, _ = cm.collective_time_ex("all_gather", M, t, tp_link, "intra")
     assert gather == pytest.approx((t - 1) * (3e-6 + M / t / (300e9 * 0.7)))
     assert split == pytest.approx(5e-6 + M / t / (25e9 * 0.9) + gather)

@@ -1,0 +1,49 @@
+"""Which training code runs a priced plan: autopar's runtime, or the code a published run used.
+
+The device's speeds (profiles/*.json) are one half of a price; the other is what the training
+code does with them.  Every plan the planner writes is run by autopar's runtime and priced as
+``AUTOPAR``.  benchmarks/published_runs.py prices runs made with other code (Megatron-LM of
+2021, DeepSpeed ZeRO-3 of 2021, llm-foundry) and describes each with its own ``TrainingCode``.
+
+A ``CostModel`` carries the code it prices (``CostModel.code``), so a price never depends on
+module state: two evaluators of the same graph can price two codes side by side.  Each field
+names the module that owns its mechanism:
+
+* ``sharded``: how sharded data parallelism gathers parameters (simulator/sharded_dp.py, item 4);
+* ``reduce_bytes``: bytes of one gradient element as it is reduce-scattered (sharded_dp.py,
+  item 3; the runtime reduces in fp32, runtime/apply_dp.py);
+* ``p2p``: the pipeline's exchange between stages (simulator/pipeline_p2p.py);
+* ``optimizer``: the end of the step around AdamW (simulator/optimizer_step.py);
+* ``autocast``: None to run each layer as the runtime does (simulator/autocast.py), or one of
+  autocast.py's modes for every layer;
+* ``attention_kernel``: the flash-attention kernel a fused attention runs (the profile's
+  ``attention_kernels``, simulator/cost_model.py ``fused_attention_s``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.simulator.optimizer_step import TORCH_ADAMW, OptimizerRuntime
+from autopar.simulator.pipeline_p2p import TORCH_PIPELINING, P2PRuntime
+from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
+
+#: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
+#: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
+#: that name no other kernel
+DEFAULT_ATTENTION_KERNEL = "flash2"
+
+
+@dataclass(frozen=True)
+class TrainingCode:
+    """What the training code does that a price depends on (module docstring)."""
+    sharded: ShardedRuntime = FSDP2
+    #: fp32: runtime/apply_dp.py ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``
+    reduce_bytes: float = 4.0
+    p2p: P2PRuntime = TORCH_PIPELINING
+    optimizer: OptimizerRuntime = TORCH_ADAMW
+    autocast: str | None = None
+    attention_kernel: str = DEFAULT_ATTENTION_KERNEL
+
+
+#: autopar's runtime (runtime/): what every plan the planner writes is priced as
+AUTOPAR = TrainingCode()
