@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import is_not
+from operator import is_not, ne
 from typing import Mapping
 
 import numpy as np
@@ -29,10 +29,10 @@ from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
-from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
+from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult, StepWork
-from autopar.simulator.step_model import chunk_masks, overlapped_step
+from autopar.simulator.step_model import chunk_masks, layer_effective_times, overlapped_step, step_from_layer_times
 from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
@@ -45,6 +45,9 @@ _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wir
 _PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
     COLUMN_INDEX[c] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes", "dp_grad_bytes",
                               "activation_bytes", "output_bytes", "zero"))
+
+_NUM_COLUMNS = len(COLUMNS)
+_OFFLOAD = COLUMN_INDEX["offload"]
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -94,6 +97,40 @@ class _Context:
     #: sharded_dp.with_sharded_dp_costs's arguments by (sharded_dp.RUNTIME, REDUCE_BYTES), the
     #: module settings they depend on beside the context (evaluator._sharded_dp)
     sharded_args: dict = field(default_factory=dict)
+    #: the per-layer terms are local (_LayerMemo): no DDP buckets, no CPU meeting waits or serial
+    #: communication, each of which reads the whole table
+    memo_ok: bool = False
+    #: per layer, head + 2 tail (chunk_masks): what the step model reads of the layer's position
+    position_class: list = field(default_factory=list)
+    #: _LayerMemo by the module settings the per-layer terms read (_memo_settings)
+    memos: dict = field(default_factory=dict)
+
+
+class _LayerMemo:
+    """What ``prepare`` and ``layer_effective_times`` derive per layer, kept for later plans.
+
+    Layer k's derived row (its row after ddp_bucketed_all_reduces and sharded_dp, then its
+    effective forward and backward time) is a function of the rows of layers k-1 .. k+2 and of
+    k's place in its model chunk: sharded_dp.with_sharded_dp_costs reads the neighbours k-1 and
+    k+1, layer_effective_times the derived row k+1 (both say so; tests/test_simulator_sharded_dp.py
+    and test_simulator_pipeline.py hold them to it), and both apply their elementwise IEEE
+    operations to each layer alone, so layer k's numbers are the same bits whatever the other
+    layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
+    sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.
+    ``values`` maps (those two answers, k's position class, the row ids of k-1 .. k+2) to the
+    derived row; ``ids``, ``table``, ``counts``: the last plan's row ids, its derived table
+    (layers x (columns + 2)) and its number of sharded and of offloaded layers.
+    """
+    __slots__ = ("values", "ids", "table", "counts")
+
+    #: entries kept before the memo starts afresh (each holds one row of about 40 floats)
+    ENTRIES = 1 << 16
+
+    def __init__(self):
+        self.values: dict[tuple, np.ndarray] = {}
+        self.ids: list[int] | None = None
+        self.table: np.ndarray | None = None
+        self.counts = (0, 0)
 
 
 class PlanEvaluator:
@@ -119,7 +156,8 @@ class PlanEvaluator:
              for i in range(self.num_layers)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
-        self._row_cache: dict[tuple, np.ndarray] = {}
+        self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
+        self._row_flags: list[tuple[int, int]] = []      # per row id: (runs sharded, is offloaded)
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
@@ -192,7 +230,8 @@ class PlanEvaluator:
             self.num_layer_costs_computed += 1
         return cost
 
-    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> np.ndarray:
+    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> tuple[np.ndarray, int]:
+        """(the layer's row, an integer naming that row: equal integers, equal rows)."""
         # a search hands the same LayerPlan objects again: by identity first
         by_id = (id(lp), ctx.row_slots[index])
         hit = self._row_by_id.get(by_id)
@@ -200,18 +239,19 @@ class PlanEvaluator:
             return hit[1]
         rel = self._relative_key(index, lp)
         key = (rel, ctx.row_context, ctx.layer_cm_names[index])
-        row = self._row_cache.get(key)
-        if row is None:
+        row_id = self._row_cache.get(key)
+        if row_id is None:
             cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
             row = np.array(layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)),
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
-            self._row_cache[key] = row
+            row_id = self._row_cache[key] = (row, len(self._row_cache))
+            self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0)))   # (sharded, offloaded)
         if len(self._row_by_id) >= _IDENTITY_ENTRIES:
             self._row_by_id.clear()
-        self._row_by_id[by_id] = (lp, row)                 # holding lp keeps its id from reuse
-        return row
+        self._row_by_id[by_id] = (lp, row_id)              # holding lp keeps its id from reuse
+        return row_id
 
     # -------------------------------------------------------------------- context
     def _context(self, plan: Plan) -> tuple[_Context, tuple]:
@@ -290,9 +330,16 @@ class PlanEvaluator:
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()))
+        # DDP buckets (ddp_bucketed_all_reduces) may apply to a plain data-parallel mesh
+        ctx.memo_ok = not (ctx.serial_comm or ctx.waits_at_meetings or (mesh.dp > 1 and mesh.tp == 1 and p == 1))
+        ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()
         return ctx
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
+        return LayerTable(self._rows_and_ids(plan, ctx)[0])
+
+    def _rows_and_ids(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, list[int]]:
+        """The plan's (layers, columns) rows and the integer naming each layer's row (_row)."""
         layers = plan.layers
         if len(layers) != self.num_layers:
             raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {self.num_layers} layers")
@@ -300,38 +347,115 @@ class PlanEvaluator:
         # cost model (_row): rows built for another context with the same rows_key serve
         last = self._last_rows.pop(ctx.rows_key, None)
         if last is not None:
-            old_layers, old_rows = last
-            rows = old_rows
-            if layers is not old_layers:   # the rows are never written after this: a copy only to change them
+            old_layers, rows, ids = last
+            if layers is not old_layers:   # rows and ids are never written after this: copies only to change them
                 # the layers that are other objects (in C: a search keeps the unchanged ones), then
                 # those of them that differ
                 moved = compress(range(len(layers)), map(is_not, layers, old_layers))
                 changed = [i for i in moved if layers[i] != old_layers[i]]
                 if changed:
-                    rows = old_rows.copy()
+                    rows = rows.copy()
+                    ids = ids.copy()
                     for i in changed:
-                        rows[i] = self._row(i, layers[i], ctx)
+                        rows[i], ids[i] = self._row(i, layers[i], ctx)
         else:
-            rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
+            built = [self._row(i, lp, ctx) for i, lp in enumerate(layers)]
+            rows = np.array([r for r, _ in built], dtype=float)
+            ids = [i for _, i in built]
         if len(self._last_rows) >= 64:
             self._last_rows.pop(next(iter(self._last_rows)))      # the least recently used
-        self._last_rows[ctx.rows_key] = (layers, rows)
-        return LayerTable(rows)
+        self._last_rows[ctx.rows_key] = (layers, rows, ids)
+        return rows, ids
 
     # ------------------------------------------------------------------ evaluation
     def prepare(self, plan: Plan) -> tuple[_Context, LayerTable]:
         """The plan's context and its per-layer table, as the step model reads them."""
         ctx, key = self._context(plan)
-        rows = ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, ctx.processes)
+        return ctx, self._derive(self._rows(plan, ctx, key), ctx)
+
+    def _derive(self, rows: LayerTable, ctx: _Context) -> LayerTable:
+        """The plan's rows with the terms that depend on other layers: DDP buckets, sharded data
+        parallelism's copies and overlap, the waits of CPU ranks that meet."""
+        rows = ddp_bucketed_all_reduces(rows, ctx, ctx.processes)
         rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps)   # simulator/sharded_dp.py
         if ctx.waits_at_meetings:
             rows = cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
-        return ctx, rows
+        return rows
 
     def evaluate(self, plan: Plan) -> SimResult:
-        ctx, rows = self.prepare(plan)
-        step_r, bubble = closed_form_step(ctx, rows)
+        ctx, key = self._context(plan)
+        if not ctx.memo_ok:
+            rows = self._derive(self._rows(plan, ctx, key), ctx)
+            step_r, bubble = closed_form_step(ctx, rows)
+            return self.assemble(plan, ctx, rows, step_r, bubble)
+        table = self._derived_table(plan, ctx)
+        rows = LayerTable(table[:, :_NUM_COLUMNS])
+        step_r, bubble = step_from_layer_times(ctx, rows, table[:, _NUM_COLUMNS], table[:, _NUM_COLUMNS + 1])
         return self.assemble(plan, ctx, rows, step_r, bubble)
+
+    def _derived_table(self, plan: Plan, ctx: _Context) -> np.ndarray:
+        """(layers, columns + 2): the plan's derived rows (``_derive``) and each layer's effective
+        forward and backward time (layer_effective_times), the layers unchanged since the last
+        plan of this context taken from it and the changed ones' neighbourhoods from the memo
+        (_LayerMemo): the same numbers as computing them all."""
+        rows, ids = self._rows_and_ids(plan, ctx)
+        settings = _memo_settings()
+        memo = ctx.memos.get(settings)
+        if memo is None:
+            memo = ctx.memos[settings] = _LayerMemo()
+        last = memo.ids
+        num_layers = self.num_layers
+        if last is None:
+            changed = None
+        elif ids is last:
+            return memo.table
+        else:
+            changed = list(compress(range(num_layers), map(ne, ids, last)))
+        row_flags = self._row_flags
+        if changed is None:
+            counts = (sum(row_flags[i][0] for i in ids), sum(row_flags[i][1] for i in ids))
+        else:
+            n_sharded, n_offloaded = memo.counts
+            for k in changed:
+                new, old = row_flags[ids[k]], row_flags[last[k]]
+                n_sharded += new[0] - old[0]
+                n_offloaded += new[1] - old[1]
+            counts = (n_sharded, n_offloaded)
+        # the two whole-table answers and the position class in one small integer
+        code = 16 * (counts[0] > 0) + 8 * (counts[1] > 0)
+        table = None
+        wanted = []
+        if changed is not None and len(changed) <= num_layers // 4:
+            affected = set()
+            for k in changed:
+                affected.update(range(k - 2, k + 2))
+            affected.discard(-1)
+            affected.discard(-2)
+            affected.discard(num_layers)
+            values = memo.values
+            padded = [-1, *ids, -1, -1]
+            cls = ctx.position_class
+            table = memo.table.copy()
+            for k in affected:
+                key = (code + cls[k], padded[k], padded[k + 1], padded[k + 2], padded[k + 3])
+                vec = values.get(key)
+                if vec is None:
+                    wanted.append((k, key))
+                else:
+                    table[k] = vec
+        if table is None or wanted:
+            derived = self._derive(LayerTable(rows), ctx)
+            fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
+            table = np.empty((num_layers, _NUM_COLUMNS + 2))
+            table[:, :_NUM_COLUMNS] = derived.data
+            table[:, _NUM_COLUMNS] = fwd
+            table[:, _NUM_COLUMNS + 1] = bwd
+            if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
+                memo.values.clear()
+            for k, key in wanted:
+                memo.values[key] = table[k].copy()
+        memo.ids, memo.table, memo.counts = ids, table, counts
+        return table
 
     def assemble(self, plan: Plan, ctx: _Context, rows: LayerTable, step_r: np.ndarray, bubble: float,
                  timeline: list | None = None) -> SimResult:
@@ -410,6 +534,11 @@ class PlanEvaluator:
             host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
             work_fn=work, timeline=timeline, stage_step_s=step_r.tolist(), world_size=world,
             peak_flops_per_gpu=peak)
+
+
+def _memo_settings() -> tuple:
+    """The module settings the per-layer terms read when called (_LayerMemo's values hold for one)."""
+    return sharded_dp.RUNTIME, sharded_dp.REDUCE_BYTES, sharded_dp.NCCL_OVERLAP_SLOWDOWN
 
 
 def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) -> LayerTable:

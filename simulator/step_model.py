@@ -125,8 +125,15 @@ def gradient_ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
 def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction), communication
     overlapping compute (a GPU's streams)."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    return step_from_layer_times(ctx, rows, fwd, bwd)
+
+
+def step_from_layer_times(ctx, rows: LayerTable, fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, float]:
+    """``overlapped_step`` from the layers' effective times ``fwd``, ``bwd`` (layer_effective_times
+    of ``rows``): the pipeline, the gradient sync and the optimizer step.  The evaluator's fast
+    path hands in effective times it kept from earlier plans (evaluator._LayerMemo)."""
+    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     f_g = np.add.reduceat(fwd, ctx.starts)
     b_g = np.add.reduceat(bwd, ctx.starts)
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
