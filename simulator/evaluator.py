@@ -32,7 +32,8 @@ from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_
 from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult, StepWork
-from autopar.simulator.step_model import chunk_masks, layer_effective_times, overlapped_step, step_from_layer_times
+from autopar.simulator.step_model import (chunk_masks, last_reduce_scatter, layer_effective_times, overlapped_step,
+                                         step_from_chunk_times)
 from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
@@ -46,8 +47,13 @@ _PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
     COLUMN_INDEX[c] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes", "dp_grad_bytes",
                               "activation_bytes", "output_bytes", "zero"))
 
+_OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
+#: the fast path's derived table (PlanEvaluator._derived_table): the columns, then per layer the
+#: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS and the
+#: step_model.last_reduce_scatter term
 _NUM_COLUMNS = len(COLUMNS)
-_OFFLOAD = COLUMN_INDEX["offload"]
+_FWD, _BWD, _MAXIMA, _LAST_RS = _NUM_COLUMNS, _NUM_COLUMNS + 1, _NUM_COLUMNS + 3, _NUM_COLUMNS + 6
+_TABLE_WIDTH = _NUM_COLUMNS + 7
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -109,25 +115,27 @@ class _Context:
 class _LayerMemo:
     """What ``prepare`` and ``layer_effective_times`` derive per layer, kept for later plans.
 
-    Layer k's derived row (its row after ddp_bucketed_all_reduces and sharded_dp, then its
-    effective forward and backward time) is a function of the rows of layers k-1 .. k+2 and of
-    k's place in its model chunk: sharded_dp.with_sharded_dp_costs reads the neighbours k-1 and
-    k+1, layer_effective_times the derived row k+1 (both say so; tests/test_simulator_sharded_dp.py
-    and test_simulator_pipeline.py hold them to it), and both apply their elementwise IEEE
-    operations to each layer alone, so layer k's numbers are the same bits whatever the other
+    Layer k's derived row (its row after sharded_dp, then its effective forward and backward
+    time and the other per-layer terms of PlanEvaluator._derived_table) is a function of the rows
+    of layers k-1, k, k+1 and of k's place in its model chunk: sharded_dp.with_sharded_dp_costs
+    reads the neighbours k-1 and k+1 and leaves the columns layer_effective_times reads of a
+    layer's successor (its forward communication: dp_allgather_s, h2d_s, zero, offload) a function
+    of the layer's own row (both say so; tests/test_simulator_sharded_dp.py holds them to it).  Both apply elementwise
+    IEEE operations to each layer, so layer k's numbers are the same bits whatever the other
     layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
     sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.
-    ``values`` maps (those two answers, k's position class, the row ids of k-1 .. k+2) to the
-    derived row; ``ids``, ``table``, ``counts``: the last plan's row ids, its derived table
-    (layers x (columns + 2)) and its number of sharded and of offloaded layers.
+    ``values`` maps (those two answers and k's position class in one integer, the row ids of
+    k-1, k, k+1) to the derived row; ``layers``, ``ids``, ``table``, ``counts``: the last plan's
+    layer plans, row ids, derived table and its number of sharded and of offloaded layers.
     """
-    __slots__ = ("values", "ids", "table", "counts")
+    __slots__ = ("values", "layers", "ids", "table", "counts")
 
     #: entries kept before the memo starts afresh (each holds one row of about 40 floats)
     ENTRIES = 1 << 16
 
     def __init__(self):
         self.values: dict[tuple, np.ndarray] = {}
+        self.layers: tuple | None = None
         self.ids: list[int] | None = None
         self.table: np.ndarray | None = None
         self.counts = (0, 0)
@@ -158,6 +166,7 @@ class PlanEvaluator:
         self._cost_cache: dict[tuple, LayerCost] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
         self._row_flags: list[tuple[int, int]] = []      # per row id: (runs sharded, is offloaded)
+        self._row_arrays: list[np.ndarray] = []           # per row id: the row
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
@@ -247,6 +256,7 @@ class PlanEvaluator:
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             row_id = self._row_cache[key] = (row, len(self._row_cache))
+            self._row_arrays.append(row)
             self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0)))   # (sharded, offloaded)
         if len(self._row_by_id) >= _IDENTITY_ENTRIES:
             self._row_by_id.clear()
@@ -388,33 +398,57 @@ class PlanEvaluator:
             rows = self._derive(self._rows(plan, ctx, key), ctx)
             step_r, bubble = closed_form_step(ctx, rows)
             return self.assemble(plan, ctx, rows, step_r, bubble)
-        table = self._derived_table(plan, ctx)
+        table, (n_sharded, _) = self._derived_table(plan, ctx)
         rows = LayerTable(table[:, :_NUM_COLUMNS])
-        step_r, bubble = step_from_layer_times(ctx, rows, table[:, _NUM_COLUMNS], table[:, _NUM_COLUMNS + 1])
-        return self.assemble(plan, ctx, rows, step_r, bubble)
+        # per model chunk, in one call each: the sums of (forward, backward, activation), the
+        # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
+        sums = np.add.reduceat(table[:, _FWD:_FWD + 3], ctx.starts, axis=0)
+        maxima = np.maximum.reduceat(table[:, _MAXIMA:_MAXIMA + 3], ctx.starts, axis=0)
+        step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
+                                               table[ctx.starts[:ctx.p], _LAST_RS])
+        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima.T),
+                             any_ddp=n_sharded < self.num_layers)
 
-    def _derived_table(self, plan: Plan, ctx: _Context) -> np.ndarray:
-        """(layers, columns + 2): the plan's derived rows (``_derive``) and each layer's effective
-        forward and backward time (layer_effective_times), the layers unchanged since the last
-        plan of this context taken from it and the changed ones' neighbourhoods from the memo
-        (_LayerMemo): the same numbers as computing them all."""
-        rows, ids = self._rows_and_ids(plan, ctx)
+    def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int]]:
+        """((layers, _TABLE_WIDTH) table, (sharded layers, offloaded layers)): the plan's derived
+        rows (``_derive``), then per layer its effective forward and backward time
+        (layer_effective_times), its activation bytes, its _MAX_COLUMNS and its
+        step_model.last_reduce_scatter -- the layers unchanged since the last plan of this context
+        taken from it and the changed ones' neighbourhoods from the memo (_LayerMemo): the same
+        numbers as computing them all."""
+        layers = plan.layers
+        num_layers = self.num_layers
+        if len(layers) != num_layers:
+            raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {num_layers} layers")
         settings = _memo_settings()
         memo = ctx.memos.get(settings)
         if memo is None:
             memo = ctx.memos[settings] = _LayerMemo()
-        last = memo.ids
-        num_layers = self.num_layers
-        if last is None:
-            changed = None
-        elif ids is last:
-            return memo.table
-        else:
-            changed = list(compress(range(num_layers), map(ne, ids, last)))
+        old_layers = memo.layers
         row_flags = self._row_flags
-        if changed is None:
+        changed = None
+        if old_layers is None:
+            ids = [self._row(i, lp, ctx)[1] for i, lp in enumerate(layers)]
             counts = (sum(row_flags[i][0] for i in ids), sum(row_flags[i][1] for i in ids))
+        elif layers is old_layers:
+            return memo.table, memo.counts
         else:
+            # the layers that are other objects (in C: a search keeps the unchanged ones), then
+            # those of them whose row differs
+            moved = compress(range(num_layers), map(is_not, layers, old_layers))
+            last = memo.ids
+            ids = None
+            changed = []
+            for i in moved:
+                row_id = self._row(i, layers[i], ctx)[1]
+                if row_id != last[i]:
+                    if ids is None:
+                        ids = last.copy()             # the last plan's ids are never written
+                    ids[i] = row_id
+                    changed.append(i)
+            if ids is None:
+                memo.layers = layers
+                return memo.table, memo.counts
             n_sharded, n_offloaded = memo.counts
             for k in changed:
                 new, old = row_flags[ids[k]], row_flags[last[k]]
@@ -428,51 +462,63 @@ class PlanEvaluator:
         if changed is not None and len(changed) <= num_layers // 4:
             affected = set()
             for k in changed:
-                affected.update(range(k - 2, k + 2))
+                affected.update((k - 1, k, k + 1))
             affected.discard(-1)
-            affected.discard(-2)
             affected.discard(num_layers)
             values = memo.values
-            padded = [-1, *ids, -1, -1]
+            padded = [-1, *ids, -1]
             cls = ctx.position_class
             table = memo.table.copy()
             for k in affected:
-                key = (code + cls[k], padded[k], padded[k + 1], padded[k + 2], padded[k + 3])
+                key = (code + cls[k], padded[k], padded[k + 1], padded[k + 2])
                 vec = values.get(key)
                 if vec is None:
                     wanted.append((k, key))
                 else:
                     table[k] = vec
         if table is None or wanted:
-            derived = self._derive(LayerTable(rows), ctx)
+            row_arrays = self._row_arrays
+            derived = self._derive(LayerTable(np.array([row_arrays[i] for i in ids])), ctx)
             fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
-            table = np.empty((num_layers, _NUM_COLUMNS + 2))
-            table[:, :_NUM_COLUMNS] = derived.data
-            table[:, _NUM_COLUMNS] = fwd
-            table[:, _NUM_COLUMNS + 1] = bwd
+            data = derived.data
+            table = np.empty((num_layers, _TABLE_WIDTH))
+            table[:, :_NUM_COLUMNS] = data
+            table[:, _FWD] = fwd
+            table[:, _BWD] = bwd
+            table[:, _BWD + 1] = data[:, _ACTIVATION]
+            table[:, _MAXIMA:_MAXIMA + 3] = data[:, _MAX_COLUMNS]
+            table[:, _LAST_RS] = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO])
             if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
                 memo.values.clear()
             for k, key in wanted:
                 memo.values[key] = table[k].copy()
-        memo.ids, memo.table, memo.counts = ids, table, counts
-        return table
+        memo.layers, memo.ids, memo.table, memo.counts = layers, ids, table, counts
+        return table, counts
 
     def assemble(self, plan: Plan, ctx: _Context, rows: LayerTable, step_r: np.ndarray, bubble: float,
-                 timeline: list | None = None) -> SimResult:
+                 timeline: list | None = None, chunk_terms: tuple | None = None,
+                 any_ddp: bool | None = None) -> SimResult:
+        """The SimResult of a plan whose step is ``step_r``, ``bubble``; ``chunk_terms``: per model
+        chunk (activation bytes, maxima of the _MAX_COLUMNS), ``any_ddp``: whether some layer runs
+        ZeRO 0 or 1 (DDP buckets), where the caller has them."""
         p, m, mesh = ctx.p, ctx.num_microbatches, ctx.mesh
         step = float(step_r.max())
         # ---- memory per pipeline rank
         data = rows.data
         sums = ctx.rank_onehot @ data                           # per-rank sums in one product
-        # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
-        transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
-        act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+        if chunk_terms is None:
+            # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
+            transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
+            act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+        else:
+            act_g, (transient, param_buf, grad_buf) = chunk_terms
+            act_g = act_g.reshape(ctx.v, p)
         out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
             transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
             out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
         ddp_active = ctx.no_ddp
-        if mesh.dp > 1:
+        if mesh.dp > 1 and any_ddp is not False:
             ddp_layers = data[:, _ZERO] <= 1
             if np.count_nonzero(ddp_layers):            # (count_nonzero: a cheaper any)
                 ddp_active = ctx.rank_onehot @ ddp_layers > 0

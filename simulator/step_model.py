@@ -93,7 +93,10 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
 def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:
     """When each pipeline rank ends its last backward: rank 0 last, each later rank one backward
     of its first chunk (and a send) earlier."""
-    return pipe - np.concatenate(([0.0], np.cumsum(b_first_chunk[:-1] + send_s)))
+    before = np.empty(len(b_first_chunk))
+    before[0] = 0.0
+    np.cumsum(b_first_chunk[:-1] + send_s, out=before[1:])
+    return pipe - before
 
 
 def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int) -> np.ndarray:
@@ -126,16 +129,26 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction), communication
     overlapping compute (a GPU's streams)."""
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
-    return step_from_layer_times(ctx, rows, fwd, bwd)
+    return step_from_chunk_times(ctx, rows, bwd, np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts))
 
 
-def step_from_layer_times(ctx, rows: LayerTable, fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, float]:
-    """``overlapped_step`` from the layers' effective times ``fwd``, ``bwd`` (layer_effective_times
-    of ``rows``): the pipeline, the gradient sync and the optimizer step.  The evaluator's fast
-    path hands in effective times it kept from earlier plans (evaluator._LayerMemo)."""
+def last_reduce_scatter(rs, d2h, offload, zero):
+    """Per layer: what is left of the step after its backward when it is the last layer to finish
+    (the first layer of a rank's chunk 0): a sharded layer's reduce-scatter and its copy out to
+    the host, exposed (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  Arrays or plain numbers."""
+    if not np.count_nonzero(offload):
+        return rs * (zero >= 2)           # no copy out to the host (a zero term left out)
+    return (rs + d2h * offload) * (zero >= 2)
+
+
+def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarray, b_g: np.ndarray,
+                          fsdp_tail: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """``overlapped_step`` from the layers' effective backward times ``bwd`` and their sums per
+    model chunk ``f_g``, ``b_g`` (layer_effective_times of ``rows``): the pipeline, the gradient
+    sync and the optimizer step.  ``fsdp_tail``: last_reduce_scatter of each rank's first layer,
+    where the caller has it.  The evaluator's fast path hands in terms it kept from earlier plans
+    (evaluator._LayerMemo)."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
-    f_g = np.add.reduceat(fwd, ctx.starts)
-    b_g = np.add.reduceat(bwd, ctx.starts)
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
@@ -158,11 +171,9 @@ def step_from_layer_times(ctx, rows: LayerTable, fwd: np.ndarray, bwd: np.ndarra
         val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = rows.data[ctx.starts[:p]].T
-    if np.count_nonzero(first[_OFFLOAD]):
-        fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
-    else:                                 # no copy out to the host (a zero term left out)
-        fsdp_tail = first[_RS] * (first[_ZERO] >= 2)
+    if fsdp_tail is None:
+        first = rows.data[ctx.starts[:p]].T
+        fsdp_tail = last_reduce_scatter(first[_RS], first[_D2H], first[_OFFLOAD], first[_ZERO])
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
     sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
     return after_backward(sync, rows, layer_rank, p), bubble
