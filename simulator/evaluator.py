@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import is_not, ne
+from operator import is_not, le
 from typing import Mapping
 
 import numpy as np
@@ -52,7 +52,7 @@ _OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s"
 #: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS and the
 #: step_model.last_reduce_scatter term
 _NUM_COLUMNS = len(COLUMNS)
-_FWD, _BWD, _MAXIMA, _LAST_RS = _NUM_COLUMNS, _NUM_COLUMNS + 1, _NUM_COLUMNS + 3, _NUM_COLUMNS + 6
+_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS = (_NUM_COLUMNS + i for i in (0, 1, 2, 3, 6))
 _TABLE_WIDTH = _NUM_COLUMNS + 7
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
@@ -81,6 +81,7 @@ class _Context:
     links: MeshLinks
     rank_cm: list[CostModel]    # slowest device's cost model per pipeline rank
     capacity: np.ndarray        # bytes per pipeline rank
+    capacity_list: list         # the same, as floats
     node_counts: np.ndarray     # (distinct nodes, p): devices of each pipeline rank on a node
     host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
@@ -126,7 +127,7 @@ class _LayerMemo:
     sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.
     ``values`` maps (those two answers and k's position class in one integer, the row ids of
     k-1, k, k+1) to the derived row; ``layers``, ``ids``, ``table``, ``counts``: the last plan's
-    layer plans, row ids, derived table and its number of sharded and of offloaded layers.
+    layer plans, row ids, derived table and its numbers of sharded, of offloaded and of ZeRO-1 layers.
     """
     __slots__ = ("values", "layers", "ids", "table", "counts")
 
@@ -138,7 +139,7 @@ class _LayerMemo:
         self.layers: tuple | None = None
         self.ids: list[int] | None = None
         self.table: np.ndarray | None = None
-        self.counts = (0, 0)
+        self.counts = (0, 0, 0)
 
 
 class PlanEvaluator:
@@ -165,7 +166,7 @@ class PlanEvaluator:
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
-        self._row_flags: list[tuple[int, int]] = []      # per row id: (runs sharded, is offloaded)
+        self._row_flags: list[tuple[int, int, int]] = []  # per row id: (sharded, offloaded, ZeRO-1)
         self._row_arrays: list[np.ndarray] = []           # per row id: the row
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
@@ -257,7 +258,8 @@ class PlanEvaluator:
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             row_id = self._row_cache[key] = (row, len(self._row_cache))
             self._row_arrays.append(row)
-            self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0)))   # (sharded, offloaded)
+            # (runs sharded, is offloaded, runs ZeRO-1)
+            self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0), int(row[_ZERO] == 1)))
         if len(self._row_by_id) >= _IDENTITY_ENTRIES:
             self._row_by_id.clear()
         self._row_by_id[by_id] = (lp, row_id)              # holding lp keeps its id from reuse
@@ -332,7 +334,7 @@ class PlanEvaluator:
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
-                       capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
+                       capacity=capacity, capacity_list=capacity.tolist(), inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
                        p2p_s=p2p_s, p2p_measured=p2p_m, host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
@@ -398,19 +400,19 @@ class PlanEvaluator:
             rows = self._derive(self._rows(plan, ctx, key), ctx)
             step_r, bubble = closed_form_step(ctx, rows)
             return self.assemble(plan, ctx, rows, step_r, bubble)
-        table, (n_sharded, _) = self._derived_table(plan, ctx)
+        table, (n_sharded, _, n_zero1) = self._derived_table(plan, ctx)
         rows = LayerTable(table[:, :_NUM_COLUMNS])
-        # per model chunk, in one call each: the sums of (forward, backward, activation), the
+        # per model chunk, in one call each: the sums of (forward, backward, activation) and the
         # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
-        sums = np.add.reduceat(table[:, _FWD:_FWD + 3], ctx.starts, axis=0)
+        sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
         maxima = np.maximum.reduceat(table[:, _MAXIMA:_MAXIMA + 3], ctx.starts, axis=0)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
-                                               table[ctx.starts[:ctx.p], _LAST_RS])
+                                               table[ctx.starts[:ctx.p], _LAST_RS], any_zero1=n_zero1 > 0)
         return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima.T),
                              any_ddp=n_sharded < self.num_layers)
 
-    def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int]]:
-        """((layers, _TABLE_WIDTH) table, (sharded layers, offloaded layers)): the plan's derived
+    def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """((layers, _TABLE_WIDTH) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
         rows (``_derive``), then per layer its effective forward and backward time
         (layer_effective_times), its activation bytes, its _MAX_COLUMNS and its
         step_model.last_reduce_scatter -- the layers unchanged since the last plan of this context
@@ -429,7 +431,7 @@ class PlanEvaluator:
         changed = None
         if old_layers is None:
             ids = [self._row(i, lp, ctx)[1] for i, lp in enumerate(layers)]
-            counts = (sum(row_flags[i][0] for i in ids), sum(row_flags[i][1] for i in ids))
+            counts = tuple(sum(row_flags[i][j] for i in ids) for j in range(3))
         elif layers is old_layers:
             return memo.table, memo.counts
         else:
@@ -449,22 +451,20 @@ class PlanEvaluator:
             if ids is None:
                 memo.layers = layers
                 return memo.table, memo.counts
-            n_sharded, n_offloaded = memo.counts
+            n_sharded, n_offloaded, n_zero1 = memo.counts
             for k in changed:
                 new, old = row_flags[ids[k]], row_flags[last[k]]
                 n_sharded += new[0] - old[0]
                 n_offloaded += new[1] - old[1]
-            counts = (n_sharded, n_offloaded)
+                n_zero1 += new[2] - old[2]
+            counts = (n_sharded, n_offloaded, n_zero1)
         # the two whole-table answers and the position class in one small integer
         code = 16 * (counts[0] > 0) + 8 * (counts[1] > 0)
         table = None
         wanted = []
         if changed is not None and len(changed) <= num_layers // 4:
-            affected = set()
-            for k in changed:
-                affected.update((k - 1, k, k + 1))
-            affected.discard(-1)
-            affected.discard(num_layers)
+            # (a layer named twice is looked up twice: the same value)
+            affected = [j for k in changed for j in (k - 1, k, k + 1) if 0 <= j < num_layers]
             values = memo.values
             padded = [-1, *ids, -1]
             cls = ctx.position_class
@@ -485,7 +485,7 @@ class PlanEvaluator:
             table[:, :_NUM_COLUMNS] = data
             table[:, _FWD] = fwd
             table[:, _BWD] = bwd
-            table[:, _BWD + 1] = data[:, _ACTIVATION]
+            table[:, _ACT] = data[:, _ACTIVATION]
             table[:, _MAXIMA:_MAXIMA + 3] = data[:, _MAX_COLUMNS]
             table[:, _LAST_RS] = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO])
             if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
@@ -502,7 +502,8 @@ class PlanEvaluator:
         chunk (activation bytes, maxima of the _MAX_COLUMNS), ``any_ddp``: whether some layer runs
         ZeRO 0 or 1 (DDP buckets), where the caller has them."""
         p, m, mesh = ctx.p, ctx.num_microbatches, ctx.mesh
-        step = float(step_r.max())
+        stage_step = step_r.tolist()
+        step = max(stage_step)
         # ---- memory per pipeline rank
         data = rows.data
         sums = ctx.rank_onehot @ data                           # per-rank sums in one product
@@ -537,7 +538,8 @@ class PlanEvaluator:
             host_fits = bool((host_per_node <= ctx.host_capacity).all())
         else:                                                   # nothing offloaded: the same, known
             host_per_node, host_worst, host_fits = ctx.host_when_empty
-        device_fits = bool((totals <= ctx.capacity).all())
+        totals_list = totals.tolist()
+        device_fits = all(map(le, totals_list, ctx.capacity_list))
         samples = plan.global_batch
         world = mesh.world_size
         peak = ctx.peak_flops
@@ -574,11 +576,11 @@ class PlanEvaluator:
         return SimResult(
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
-            max_memory_bytes=float(totals.max()), capacity_bytes=ctx.min_capacity,
+            max_memory_bytes=max(totals_list), capacity_bytes=ctx.min_capacity,
             fits=device_fits and host_fits, device_fits=device_fits, host_fits=host_fits,
             host_bytes_per_node=float(host_per_node[host_worst]),
             host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
-            work_fn=work, timeline=timeline, stage_step_s=step_r.tolist(), world_size=world,
+            work_fn=work, timeline=timeline, stage_step_s=stage_step, world_size=world,
             peak_flops_per_gpu=peak)
 
 

@@ -99,10 +99,14 @@ def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarr
     return pipe - before
 
 
-def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int) -> np.ndarray:
+def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int,
+                   any_zero1: bool | None = None) -> np.ndarray:
     """When each pipeline rank ends the step: after the gradient sync ``sync``, the optimizer step
-    and ZeRO-1's parameter all-gather."""
+    and ZeRO-1's parameter all-gather; ``any_zero1``: does some layer run ZeRO-1, where the caller
+    knows."""
     opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
+    if any_zero1 is False:
+        return sync + opt
     zero1 = rows.zero == 1
     if not np.count_nonzero(zero1):
         return sync + opt
@@ -142,12 +146,13 @@ def last_reduce_scatter(rs, d2h, offload, zero):
 
 
 def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarray, b_g: np.ndarray,
-                          fsdp_tail: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+                          fsdp_tail: np.ndarray | None = None,
+                          any_zero1: bool | None = None) -> tuple[np.ndarray, float]:
     """``overlapped_step`` from the layers' effective backward times ``bwd`` and their sums per
     model chunk ``f_g``, ``b_g`` (layer_effective_times of ``rows``): the pipeline, the gradient
-    sync and the optimizer step.  ``fsdp_tail``: last_reduce_scatter of each rank's first layer,
-    where the caller has it.  The evaluator's fast path hands in terms it kept from earlier plans
-    (evaluator._LayerMemo)."""
+    sync and the optimizer step.  ``fsdp_tail`` (last_reduce_scatter of each rank's first layer) and
+    ``any_zero1`` (after_backward): where the caller has them.  The evaluator's fast path
+    hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
@@ -176,4 +181,4 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
         fsdp_tail = last_reduce_scatter(first[_RS], first[_D2H], first[_OFFLOAD], first[_ZERO])
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
     sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
-    return after_backward(sync, rows, layer_rank, p), bubble
+    return after_backward(sync, rows, layer_rank, p, any_zero1), bubble
