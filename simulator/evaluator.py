@@ -406,10 +406,10 @@ class PlanEvaluator:
         # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
         sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
         maxima = np.maximum.reduceat(table[:, _MAXIMA:_MAXIMA + 3], ctx.starts, axis=0)
+        any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
-                                               table[ctx.starts[:ctx.p], _LAST_RS], any_zero1=n_zero1 > 0)
-        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima.T),
-                             any_ddp=n_sharded < self.num_layers)
+                                               table[ctx.starts[:ctx.p], _LAST_RS], any_ddp, n_zero1 > 0)
+        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima.T), any_ddp=any_ddp)
 
     def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
         """((layers, _TABLE_WIDTH) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
@@ -466,11 +466,11 @@ class PlanEvaluator:
             # (a layer named twice is looked up twice: the same value)
             affected = [j for k in changed for j in (k - 1, k, k + 1) if 0 <= j < num_layers]
             values = memo.values
-            padded = [-1, *ids, -1]
             cls = ctx.position_class
+            last_layer = num_layers - 1
             table = memo.table.copy()
             for k in affected:
-                key = (code + cls[k], padded[k], padded[k + 1], padded[k + 2])
+                key = (code + cls[k], ids[k - 1] if k else -1, ids[k], ids[k + 1] if k < last_layer else -1)
                 vec = values.get(key)
                 if vec is None:
                     wanted.append((k, key))

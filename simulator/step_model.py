@@ -146,12 +146,13 @@ def last_reduce_scatter(rs, d2h, offload, zero):
 
 
 def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarray, b_g: np.ndarray,
-                          fsdp_tail: np.ndarray | None = None,
+                          fsdp_tail: np.ndarray | None = None, any_ddp: bool | None = None,
                           any_zero1: bool | None = None) -> tuple[np.ndarray, float]:
     """``overlapped_step`` from the layers' effective backward times ``bwd`` and their sums per
     model chunk ``f_g``, ``b_g`` (layer_effective_times of ``rows``): the pipeline, the gradient
-    sync and the optimizer step.  ``fsdp_tail`` (last_reduce_scatter of each rank's first layer) and
-    ``any_zero1`` (after_backward): where the caller has them.  The evaluator's fast path
+    sync and the optimizer step.  ``fsdp_tail`` (last_reduce_scatter of each rank's first layer),
+    ``any_ddp`` (does some layer run ZeRO 0 or 1) and ``any_zero1`` (after_backward): where the
+    caller has them.  The evaluator's fast path
     hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
     p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s)   # a blocking exchange ends its task
@@ -162,9 +163,11 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     layer_rank = ctx.layer_rank
     excess = None                         # no DDP all-reduce past the last backward
     ar = rows.dp_allreduce_s
-    if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
+    if any_ddp is False:                  # every layer sharded: the mask below leaves nothing
+        ar = None
+    elif np.count_nonzero(ar):            # (none without DDP / ZeRO-1 layers: nothing to mask)
         ar = ar * (rows.zero <= 1)
-    if np.count_nonzero(ar):
+    if ar is not None and np.count_nonzero(ar):
         rel = gradient_ready_offsets(ctx, bwd, b_g)
         order = np.lexsort((rel, layer_rank))
         rel_s, ar_s, rank_s = rel[order], ar[order], layer_rank[order]
