@@ -49,11 +49,13 @@ _PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
 
 _OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
 #: the fast path's derived table (PlanEvaluator._derived_table): the columns, then per layer the
-#: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS and the
-#: step_model.last_reduce_scatter term
+#: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS, the
+#: step_model.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
+#: the output bytes on its last layer (zero elsewhere): both nonnegative, so a chunk's maximum of
+#: them is the value at its first / last layer
 _NUM_COLUMNS = len(COLUMNS)
-_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS = (_NUM_COLUMNS + i for i in (0, 1, 2, 3, 6))
-_TABLE_WIDTH = _NUM_COLUMNS + 7
+_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS, _OUT_END = (_NUM_COLUMNS + i for i in (0, 1, 2, 3, 6, 7))
+_TABLE_WIDTH = _NUM_COLUMNS + 8
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -405,11 +407,12 @@ class PlanEvaluator:
         # per model chunk, in one call each: the sums of (forward, backward, activation) and the
         # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
         sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
-        maxima = np.maximum.reduceat(table[:, _MAXIMA:_MAXIMA + 3], ctx.starts, axis=0)
+        maxima = np.maximum.reduceat(table[:, _MAXIMA:_OUT_END + 1], ctx.starts, axis=0)
         any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
-                                               table[ctx.starts[:ctx.p], _LAST_RS], any_ddp, n_zero1 > 0)
-        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima.T), any_ddp=any_ddp)
+                                               maxima[:ctx.p, 3], any_ddp, n_zero1 > 0)
+        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima[:, :3].T, maxima[:, 4]),
+                             any_ddp=any_ddp)
 
     def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
         """((layers, _TABLE_WIDTH) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
@@ -487,7 +490,8 @@ class PlanEvaluator:
             table[:, _BWD] = bwd
             table[:, _ACT] = data[:, _ACTIVATION]
             table[:, _MAXIMA:_MAXIMA + 3] = data[:, _MAX_COLUMNS]
-            table[:, _LAST_RS] = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO])
+            table[:, _LAST_RS] = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO]) * ctx.head
+            table[:, _OUT_END] = data[:, _OUTPUT] * ctx.tail
             if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
                 memo.values.clear()
             for k, key in wanted:
@@ -499,8 +503,8 @@ class PlanEvaluator:
                  timeline: list | None = None, chunk_terms: tuple | None = None,
                  any_ddp: bool | None = None) -> SimResult:
         """The SimResult of a plan whose step is ``step_r``, ``bubble``; ``chunk_terms``: per model
-        chunk (activation bytes, maxima of the _MAX_COLUMNS), ``any_ddp``: whether some layer runs
-        ZeRO 0 or 1 (DDP buckets), where the caller has them."""
+        chunk (activation bytes, maxima of the _MAX_COLUMNS, output bytes of its last layer),
+        ``any_ddp``: whether some layer runs ZeRO 0 or 1 (DDP buckets), where the caller has them."""
         p, m, mesh = ctx.p, ctx.num_microbatches, ctx.mesh
         stage_step = step_r.tolist()
         step = max(stage_step)
@@ -511,10 +515,12 @@ class PlanEvaluator:
             # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
             transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
             act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+            out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
         else:
-            act_g, (transient, param_buf, grad_buf) = chunk_terms
+            act_g, (transient, param_buf, grad_buf), out_end = chunk_terms
             act_g = act_g.reshape(ctx.v, p)
-        out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
+            if p == 1:
+                out_end = 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
             transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
             out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
