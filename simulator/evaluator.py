@@ -169,7 +169,6 @@ class PlanEvaluator:
         self._cost_cache: dict[tuple, LayerCost] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
         self._row_flags: list[tuple[int, int, int]] = []  # per row id: (sharded, offloaded, ZeRO-1)
-        self._row_arrays: list[np.ndarray] = []           # per row id: the row
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
@@ -259,7 +258,6 @@ class PlanEvaluator:
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
             row_id = self._row_cache[key] = (row, len(self._row_cache))
-            self._row_arrays.append(row)
             # (runs sharded, is offloaded, runs ZeRO-1)
             self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0), int(row[_ZERO] == 1)))
         if len(self._row_by_id) >= _IDENTITY_ENTRIES:
@@ -431,9 +429,10 @@ class PlanEvaluator:
             memo = ctx.memos[settings] = _LayerMemo()
         old_layers = memo.layers
         row_flags = self._row_flags
-        changed = None
+        changed = rows = None
         if old_layers is None:
-            ids = [self._row(i, lp, ctx)[1] for i, lp in enumerate(layers)]
+            # (the rows of the last plan of another context with the same rows_key serve)
+            rows, ids = self._rows_and_ids(plan, ctx)
             counts = tuple(sum(row_flags[i][j] for i in ids) for j in range(3))
         elif layers is old_layers:
             return memo.table, memo.counts
@@ -480,8 +479,9 @@ class PlanEvaluator:
                 else:
                     table[k] = vec
         if table is None or wanted:
-            row_arrays = self._row_arrays
-            derived = self._derive(LayerTable(np.array([row_arrays[i] for i in ids])), ctx)
+            if rows is None:
+                rows, _ = self._rows_and_ids(plan, ctx)
+            derived = self._derive(LayerTable(rows), ctx)
             fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
             data = derived.data
             table = np.empty((num_layers, _TABLE_WIDTH))
