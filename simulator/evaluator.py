@@ -10,6 +10,11 @@
    (``ddp_bucketed_all_reduces``), and on CPU nodes the waits of ranks that meet (cpu_node.py);
 3. the step in closed form (step_model.py; cpu_node.serial_step where communication takes
    turns with compute), and memory per pipeline rank (memory.py) from per-rank sums.
+
+On a GPU plan (no DDP buckets, no CPU waits) ``evaluate`` keeps, per context, the last plan's
+derived table and a memo of each layer's derived row by its neighbourhood (``_LayerMemo``), so
+a plan that changes a few layers looks up a few rows and redoes only the reductions over
+layers; the numbers are the same bits as ``prepare`` + ``closed_form_step`` + ``assemble``.
 """
 from __future__ import annotations
 
@@ -123,18 +128,19 @@ class _LayerMemo:
     of layers k-1, k, k+1 and of k's place in its model chunk: sharded_dp.with_sharded_dp_costs
     reads the neighbours k-1 and k+1 and leaves the columns layer_effective_times reads of a
     layer's successor (its forward communication: dp_allgather_s, h2d_s, zero, offload) a function
-    of the layer's own row (both say so; tests/test_simulator_sharded_dp.py holds them to it).  Both apply elementwise
-    IEEE operations to each layer, so layer k's numbers are the same bits whatever the other
-    layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
+    of the layer's own row (both say so; tests/test_simulator_fast_path.py holds them to it).
+    Both apply elementwise IEEE operations to each layer, so layer k's numbers are the same bits
+    whatever the other layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
     sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.
     ``values`` maps (those two answers and k's position class in one integer, the row ids of
     k-1, k, k+1) to the derived row; ``layers``, ``ids``, ``table``, ``counts``: the last plan's
-    layer plans, row ids, derived table and its numbers of sharded, of offloaded and of ZeRO-1 layers.
+    layer plans, row ids, derived table and its numbers of sharded, of offloaded and of ZeRO-1
+    layers.
     """
     __slots__ = ("values", "layers", "ids", "table", "counts")
 
     #: entries kept before the memo starts afresh (each holds one row of about 40 floats)
-    ENTRIES = 1 << 16
+    ENTRIES = 1 << 14
 
     def __init__(self):
         self.values: dict[tuple, np.ndarray] = {}
@@ -334,7 +340,8 @@ class PlanEvaluator:
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
-                       capacity=capacity, capacity_list=capacity.tolist(), inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
+                       capacity=capacity, capacity_list=capacity.tolist(), inflight=inflight,
+                       node_counts=node_counts, host_capacity=host_capacity,
                        p2p_s=p2p_s, p2p_measured=p2p_m, host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
@@ -490,7 +497,8 @@ class PlanEvaluator:
             table[:, _BWD] = bwd
             table[:, _ACT] = data[:, _ACTIVATION]
             table[:, _MAXIMA:_MAXIMA + 3] = data[:, _MAX_COLUMNS]
-            table[:, _LAST_RS] = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO]) * ctx.head
+            last_rs = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO])
+            table[:, _LAST_RS] = last_rs * ctx.head
             table[:, _OUT_END] = data[:, _OUTPUT] * ctx.tail
             if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
                 memo.values.clear()
