@@ -97,7 +97,7 @@ def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarr
     of its first chunk (and a send) earlier."""
     before = np.empty(len(b_first_chunk))
     before[0] = 0.0
-    np.cumsum(b_first_chunk[:-1] + send_s, out=before[1:])
+    (b_first_chunk[:-1] + send_s).cumsum(out=before[1:])
     return pipe - before
 
 
