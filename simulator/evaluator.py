@@ -10,12 +10,17 @@
    (``ddp_bucketed_all_reduces``), and on CPU nodes the waits of ranks that meet (cpu_node.py);
 3. the step in closed form (step_model.py; cpu_node.serial_step where communication takes
    turns with compute), and memory per pipeline rank (memory.py) from per-rank sums.
+
+On a GPU plan (no DDP buckets, no CPU waits) ``evaluate`` keeps, per context, the last plan's
+derived table and a memo of each layer's derived row by its neighbourhood (``_LayerMemo``), so
+a plan that changes a few layers looks up a few rows and redoes only the reductions over
+layers; the numbers are the same bits as ``prepare`` + ``closed_form_step`` + ``assemble``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
-from operator import is_not
+from operator import is_not, le
 from typing import Mapping
 
 import numpy as np
@@ -29,10 +34,11 @@ from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
-from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
+from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult, StepWork
-from autopar.simulator.step_model import chunk_masks, overlapped_step
+from autopar.simulator.step_model import (chunk_masks, last_reduce_scatter, layer_effective_times, overlapped_step,
+                                         step_from_chunk_times)
 from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
@@ -45,6 +51,16 @@ _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wir
 _PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
     COLUMN_INDEX[c] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes", "dp_grad_bytes",
                               "activation_bytes", "output_bytes", "zero"))
+
+_OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
+#: the fast path's derived table (PlanEvaluator._derived_table): the columns, then per layer the
+#: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS, the
+#: step_model.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
+#: the output bytes on its last layer (zero elsewhere): both nonnegative, so a chunk's maximum of
+#: them is the value at its first / last layer
+_NUM_COLUMNS = len(COLUMNS)
+_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS, _OUT_END = (_NUM_COLUMNS + i for i in (0, 1, 2, 3, 6, 7))
+_TABLE_WIDTH = _NUM_COLUMNS + 8
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -72,6 +88,7 @@ class _Context:
     links: MeshLinks
     rank_cm: list[CostModel]    # slowest device's cost model per pipeline rank
     capacity: np.ndarray        # bytes per pipeline rank
+    capacity_list: list         # the same, as floats
     node_counts: np.ndarray     # (distinct nodes, p): devices of each pipeline rank on a node
     host_capacity: np.ndarray   # (distinct nodes,): the node's host memory, bytes
     inflight: np.ndarray
@@ -94,6 +111,43 @@ class _Context:
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
     #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (evaluator._sharded_dp)
     sharded_args: tuple | None = None
+    #: the per-layer terms are local (_LayerMemo): no DDP buckets, no CPU meeting waits or serial
+    #: communication, each of which reads the whole table
+    memo_ok: bool = False
+    #: per layer, head + 2 tail (chunk_masks): what the step model reads of the layer's position
+    position_class: list = field(default_factory=list)
+    #: _LayerMemo by the module constant the per-layer terms read (_memo_settings)
+    memos: dict = field(default_factory=dict)
+
+
+class _LayerMemo:
+    """What ``prepare`` and ``layer_effective_times`` derive per layer, kept for later plans.
+
+    Layer k's derived row (its row after sharded_dp, then its effective forward and backward
+    time and the other per-layer terms of PlanEvaluator._derived_table) is a function of the rows
+    of layers k-1, k, k+1 and of k's place in its model chunk: sharded_dp.with_sharded_dp_costs
+    reads the neighbours k-1 and k+1 and leaves the columns layer_effective_times reads of a
+    layer's successor (its forward communication: dp_allgather_s, h2d_s, zero, offload) a function
+    of the layer's own row (both say so; tests/test_simulator_fast_path.py holds them to it).
+    Both apply elementwise IEEE operations to each layer, so layer k's numbers are the same bits
+    whatever the other layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
+    sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.
+    ``values`` maps (those two answers and k's position class in one integer, the row ids of
+    k-1, k, k+1) to the derived row; ``layers``, ``ids``, ``table``, ``counts``: the last plan's
+    layer plans, row ids, derived table and its numbers of sharded, of offloaded and of ZeRO-1
+    layers.
+    """
+    __slots__ = ("values", "layers", "ids", "table", "counts")
+
+    #: entries kept before the memo starts afresh (each holds one row of about 40 floats)
+    ENTRIES = 1 << 14
+
+    def __init__(self):
+        self.values: dict[tuple, np.ndarray] = {}
+        self.layers: tuple | None = None
+        self.ids: list[int] | None = None
+        self.table: np.ndarray | None = None
+        self.counts = (0, 0, 0)
 
 
 class PlanEvaluator:
@@ -119,7 +173,8 @@ class PlanEvaluator:
              for i in range(self.num_layers)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
-        self._row_cache: dict[tuple, np.ndarray] = {}
+        self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
+        self._row_flags: list[tuple[int, int, int]] = []  # per row id: (sharded, offloaded, ZeRO-1)
         self._row_contexts: dict[tuple, int] = {}
         self._relkey_cache: dict[tuple, tuple] = {}
         self._rel_ids: dict[tuple, int] = {}
@@ -192,7 +247,8 @@ class PlanEvaluator:
             self.num_layer_costs_computed += 1
         return cost
 
-    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> np.ndarray:
+    def _row(self, index: int, lp: LayerPlan, ctx: _Context) -> tuple[np.ndarray, int]:
+        """(the layer's row, an integer naming that row: equal integers, equal rows)."""
         # a search hands the same LayerPlan objects again: by identity first
         by_id = (id(lp), ctx.row_slots[index])
         hit = self._row_by_id.get(by_id)
@@ -200,18 +256,20 @@ class PlanEvaluator:
             return hit[1]
         rel = self._relative_key(index, lp)
         key = (rel, ctx.row_context, ctx.layer_cm_names[index])
-        row = self._row_cache.get(key)
-        if row is None:
+        row_id = self._row_cache.get(key)
+        if row_id is None:
             cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm)
             row = np.array(layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)),
                                                 1.0 if lp.offload == "cpu" else 0.0,
                                                 float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
-            self._row_cache[key] = row
+            row_id = self._row_cache[key] = (row, len(self._row_cache))
+            # (runs sharded, is offloaded, runs ZeRO-1)
+            self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0), int(row[_ZERO] == 1)))
         if len(self._row_by_id) >= _IDENTITY_ENTRIES:
             self._row_by_id.clear()
-        self._row_by_id[by_id] = (lp, row)                 # holding lp keeps its id from reuse
-        return row
+        self._row_by_id[by_id] = (lp, row_id)              # holding lp keeps its id from reuse
+        return row_id
 
     # -------------------------------------------------------------------- context
     def _context(self, plan: Plan) -> tuple[_Context, tuple]:
@@ -282,7 +340,8 @@ class PlanEvaluator:
                        rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
-                       capacity=capacity, inflight=inflight, node_counts=node_counts, host_capacity=host_capacity,
+                       capacity=capacity, capacity_list=capacity.tolist(), inflight=inflight,
+                       node_counts=node_counts, host_capacity=host_capacity,
                        p2p_s=p2p_s, p2p_measured=p2p_m, p2p_blocking=rank_cm[0].code.p2p.blocking,
                        host_when_empty=host_when_empty,
                        processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
@@ -291,9 +350,16 @@ class PlanEvaluator:
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()))
+        # DDP buckets (ddp_bucketed_all_reduces) may apply to a plain data-parallel mesh
+        ctx.memo_ok = not (ctx.serial_comm or ctx.waits_at_meetings or (mesh.dp > 1 and mesh.tp == 1 and p == 1))
+        ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()
         return ctx
 
     def _rows(self, plan: Plan, ctx: _Context, key: tuple) -> LayerTable:
+        return LayerTable(self._rows_and_ids(plan, ctx)[0])
+
+    def _rows_and_ids(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, list[int]]:
+        """The plan's (layers, columns) rows and the integer naming each layer's row (_row)."""
         layers = plan.layers
         if len(layers) != self.num_layers:
             raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {self.num_layers} layers")
@@ -301,55 +367,174 @@ class PlanEvaluator:
         # cost model (_row): rows built for another context with the same rows_key serve
         last = self._last_rows.pop(ctx.rows_key, None)
         if last is not None:
-            old_layers, old_rows = last
-            rows = old_rows
-            if layers is not old_layers:   # the rows are never written after this: a copy only to change them
+            old_layers, rows, ids = last
+            if layers is not old_layers:   # rows and ids are never written after this: copies only to change them
                 # the layers that are other objects (in C: a search keeps the unchanged ones), then
                 # those of them that differ
                 moved = compress(range(len(layers)), map(is_not, layers, old_layers))
                 changed = [i for i in moved if layers[i] != old_layers[i]]
                 if changed:
-                    rows = old_rows.copy()
+                    rows = rows.copy()
+                    ids = ids.copy()
                     for i in changed:
-                        rows[i] = self._row(i, layers[i], ctx)
+                        rows[i], ids[i] = self._row(i, layers[i], ctx)
         else:
-            rows = np.array([self._row(i, lp, ctx) for i, lp in enumerate(layers)], dtype=float)
+            built = [self._row(i, lp, ctx) for i, lp in enumerate(layers)]
+            rows = np.array([r for r, _ in built], dtype=float)
+            ids = [i for _, i in built]
         if len(self._last_rows) >= 64:
             self._last_rows.pop(next(iter(self._last_rows)))      # the least recently used
-        self._last_rows[ctx.rows_key] = (layers, rows)
-        return LayerTable(rows)
+        self._last_rows[ctx.rows_key] = (layers, rows, ids)
+        return rows, ids
 
     # ------------------------------------------------------------------ evaluation
     def prepare(self, plan: Plan) -> tuple[_Context, LayerTable]:
         """The plan's context and its per-layer table, as the step model reads them."""
         ctx, key = self._context(plan)
-        rows = ddp_bucketed_all_reduces(self._rows(plan, ctx, key), ctx, ctx.processes)
+        return ctx, self._derive(self._rows(plan, ctx, key), ctx)
+
+    def _derive(self, rows: LayerTable, ctx: _Context) -> LayerTable:
+        """The plan's rows with the terms that depend on other layers: DDP buckets, sharded data
+        parallelism's copies and overlap, the waits of CPU ranks that meet."""
+        rows = ddp_bucketed_all_reduces(rows, ctx, ctx.processes)
         rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps)   # simulator/sharded_dp.py
         if ctx.waits_at_meetings:
             rows = cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
-        return ctx, rows
+        return rows
 
     def evaluate(self, plan: Plan) -> SimResult:
-        ctx, rows = self.prepare(plan)
-        step_r, bubble = closed_form_step(ctx, rows)
-        return self.assemble(plan, ctx, rows, step_r, bubble)
+        ctx, key = self._context(plan)
+        if not ctx.memo_ok:
+            rows = self._derive(self._rows(plan, ctx, key), ctx)
+            step_r, bubble = closed_form_step(ctx, rows)
+            return self.assemble(plan, ctx, rows, step_r, bubble)
+        table, (n_sharded, _, n_zero1) = self._derived_table(plan, ctx)
+        rows = LayerTable(table[:, :_NUM_COLUMNS])
+        # per model chunk, in one call each: the sums of (forward, backward, activation) and the
+        # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
+        sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
+        maxima = np.maximum.reduceat(table[:, _MAXIMA:_OUT_END + 1], ctx.starts, axis=0)
+        any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
+        step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
+                                               maxima[:ctx.p, 3], any_ddp, n_zero1 > 0)
+        return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima[:, :3].T, maxima[:, 4]),
+                             any_ddp=any_ddp)
+
+    def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """((layers, _TABLE_WIDTH) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
+        rows (``_derive``), then per layer its effective forward and backward time
+        (layer_effective_times), its activation bytes, its _MAX_COLUMNS and its
+        step_model.last_reduce_scatter -- the layers unchanged since the last plan of this context
+        taken from it and the changed ones' neighbourhoods from the memo (_LayerMemo): the same
+        numbers as computing them all."""
+        layers = plan.layers
+        num_layers = self.num_layers
+        if len(layers) != num_layers:
+            raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {num_layers} layers")
+        settings = _memo_settings()
+        memo = ctx.memos.get(settings)
+        if memo is None:
+            memo = ctx.memos[settings] = _LayerMemo()
+        old_layers = memo.layers
+        row_flags = self._row_flags
+        changed = rows = None
+        if old_layers is None:
+            # (the rows of the last plan of another context with the same rows_key serve)
+            rows, ids = self._rows_and_ids(plan, ctx)
+            counts = tuple(sum(row_flags[i][j] for i in ids) for j in range(3))
+        elif layers is old_layers:
+            return memo.table, memo.counts
+        else:
+            # the layers that are other objects (in C: a search keeps the unchanged ones), then
+            # those of them whose row differs
+            moved = compress(range(num_layers), map(is_not, layers, old_layers))
+            last = memo.ids
+            ids = None
+            changed = []
+            for i in moved:
+                row_id = self._row(i, layers[i], ctx)[1]
+                if row_id != last[i]:
+                    if ids is None:
+                        ids = last.copy()             # the last plan's ids are never written
+                    ids[i] = row_id
+                    changed.append(i)
+            if ids is None:
+                memo.layers = layers
+                return memo.table, memo.counts
+            n_sharded, n_offloaded, n_zero1 = memo.counts
+            for k in changed:
+                new, old = row_flags[ids[k]], row_flags[last[k]]
+                n_sharded += new[0] - old[0]
+                n_offloaded += new[1] - old[1]
+                n_zero1 += new[2] - old[2]
+            counts = (n_sharded, n_offloaded, n_zero1)
+        # the two whole-table answers and the position class in one small integer
+        code = 16 * (counts[0] > 0) + 8 * (counts[1] > 0)
+        table = None
+        wanted = []
+        if changed is not None and len(changed) <= num_layers // 4:
+            # (a layer named twice is looked up twice: the same value)
+            affected = [j for k in changed for j in (k - 1, k, k + 1) if 0 <= j < num_layers]
+            values = memo.values
+            cls = ctx.position_class
+            last_layer = num_layers - 1
+            table = memo.table.copy()
+            for k in affected:
+                key = (code + cls[k], ids[k - 1] if k else -1, ids[k], ids[k + 1] if k < last_layer else -1)
+                vec = values.get(key)
+                if vec is None:
+                    wanted.append((k, key))
+                else:
+                    table[k] = vec
+        if table is None or wanted:
+            if rows is None:
+                rows, _ = self._rows_and_ids(plan, ctx)
+            derived = self._derive(LayerTable(rows), ctx)
+            fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
+            data = derived.data
+            table = np.empty((num_layers, _TABLE_WIDTH))
+            table[:, :_NUM_COLUMNS] = data
+            table[:, _FWD] = fwd
+            table[:, _BWD] = bwd
+            table[:, _ACT] = data[:, _ACTIVATION]
+            table[:, _MAXIMA:_MAXIMA + 3] = data[:, _MAX_COLUMNS]
+            last_rs = last_reduce_scatter(data[:, _RS], data[:, _D2H], data[:, _OFFLOAD], data[:, _ZERO])
+            table[:, _LAST_RS] = last_rs * ctx.head
+            table[:, _OUT_END] = data[:, _OUTPUT] * ctx.tail
+            if len(memo.values) + len(wanted) > _LayerMemo.ENTRIES:
+                memo.values.clear()
+            for k, key in wanted:
+                memo.values[key] = table[k].copy()
+        memo.layers, memo.ids, memo.table, memo.counts = layers, ids, table, counts
+        return table, counts
 
     def assemble(self, plan: Plan, ctx: _Context, rows: LayerTable, step_r: np.ndarray, bubble: float,
-                 timeline: list | None = None) -> SimResult:
+                 timeline: list | None = None, chunk_terms: tuple | None = None,
+                 any_ddp: bool | None = None) -> SimResult:
+        """The SimResult of a plan whose step is ``step_r``, ``bubble``; ``chunk_terms``: per model
+        chunk (activation bytes, maxima of the _MAX_COLUMNS, output bytes of its last layer),
+        ``any_ddp``: whether some layer runs ZeRO 0 or 1 (DDP buckets), where the caller has them."""
         p, m, mesh = ctx.p, ctx.num_microbatches, ctx.mesh
-        step = float(step_r.max())
+        stage_step = step_r.tolist()
+        step = max(stage_step)
         # ---- memory per pipeline rank
         data = rows.data
         sums = ctx.rank_onehot @ data                           # per-rank sums in one product
-        # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
-        transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
-        act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
-        out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
+        if chunk_terms is None:
+            # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
+            transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
+            act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+            out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
+        else:
+            act_g, (transient, param_buf, grad_buf), out_end = chunk_terms
+            act_g = act_g.reshape(ctx.v, p)
+            if p == 1:
+                out_end = 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
             transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
             out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
         ddp_active = ctx.no_ddp
-        if mesh.dp > 1:
+        if mesh.dp > 1 and any_ddp is not False:
             ddp_layers = data[:, _ZERO] <= 1
             if np.count_nonzero(ddp_layers):            # (count_nonzero: a cheaper any)
                 ddp_active = ctx.rank_onehot @ ddp_layers > 0
@@ -368,7 +553,8 @@ class PlanEvaluator:
             host_fits = bool((host_per_node <= ctx.host_capacity).all())
         else:                                                   # nothing offloaded: the same, known
             host_per_node, host_worst, host_fits = ctx.host_when_empty
-        device_fits = bool((totals <= ctx.capacity).all())
+        totals_list = totals.tolist()
+        device_fits = all(map(le, totals_list, ctx.capacity_list))
         samples = plan.global_batch
         world = mesh.world_size
         peak = ctx.peak_flops
@@ -405,12 +591,19 @@ class PlanEvaluator:
         return SimResult(
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
-            max_memory_bytes=float(totals.max()), capacity_bytes=ctx.min_capacity,
+            max_memory_bytes=max(totals_list), capacity_bytes=ctx.min_capacity,
             fits=device_fits and host_fits, device_fits=device_fits, host_fits=host_fits,
             host_bytes_per_node=float(host_per_node[host_worst]),
             host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
-            work_fn=work, timeline=timeline, stage_step_s=step_r.tolist(), world_size=world,
+            work_fn=work, timeline=timeline, stage_step_s=stage_step, world_size=world,
             peak_flops_per_gpu=peak)
+
+
+def _memo_settings() -> tuple:
+    """The module constant the per-layer terms read when called (_LayerMemo's values hold for one
+    value): the fitted overlap slowdown, which benchmarks/published_runs.py --fit varies.  The
+    training code they also read is fixed for an evaluator (its cost models' ``code``)."""
+    return (sharded_dp.NCCL_OVERLAP_SLOWDOWN,)
 
 
 def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) -> LayerTable:

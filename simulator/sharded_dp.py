@@ -143,6 +143,10 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     ``runtime``: the implementation priced (item 4); ``bandwidth_scale``
     (``gather_bandwidth_scale``) multiplies the part of each gather and reduce-scatter beyond its
     ring latency ``latency_s`` ((N-1) alpha, what the rows' alpha-beta price holds besides bytes).
+
+    Locality (the evaluator's memo of derived rows relies on it, evaluator._LayerMemo): row k of
+    the result reads rows k-1, k and k+1 only, and its dp_allgather_s, h2d_s, zero and offload
+    columns row k alone; beyond that, only whether any layer is sharded changes what is computed.
     """
     slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
     zero = rows[:, zero_col]

@@ -57,6 +57,8 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  In backward the communication
     stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
+    Layer k's times read rows k and k+1 (of k+1 its forward communication: dp_allgather_s,
+    h2d_s, zero, offload) and k's masks only (the evaluator's memo relies on it).
     """
     fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
                                                   rows.d2h_s, rows.zero, rows.offload)
@@ -93,13 +95,20 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
 def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:
     """When each pipeline rank ends its last backward: rank 0 last, each later rank one backward
     of its first chunk (and a send) earlier."""
-    return pipe - np.concatenate(([0.0], np.cumsum(b_first_chunk[:-1] + send_s)))
+    before = np.empty(len(b_first_chunk))
+    before[0] = 0.0
+    (b_first_chunk[:-1] + send_s).cumsum(out=before[1:])
+    return pipe - before
 
 
-def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int) -> np.ndarray:
+def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int,
+                   any_zero1: bool | None = None) -> np.ndarray:
     """When each pipeline rank ends the step: after the gradient sync ``sync``, the optimizer step
-    and ZeRO-1's parameter all-gather."""
+    and ZeRO-1's parameter all-gather; ``any_zero1``: does some layer run ZeRO-1, where the caller
+    knows."""
     opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
+    if any_zero1 is False:
+        return sync + opt
     zero1 = rows.zero == 1
     if not np.count_nonzero(zero1):
         return sync + opt
@@ -125,10 +134,29 @@ def gradient_ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
 def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction), communication
     overlapping compute (a GPU's streams)."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
-    f_g = np.add.reduceat(fwd, ctx.starts)
-    b_g = np.add.reduceat(bwd, ctx.starts)
+    return step_from_chunk_times(ctx, rows, bwd, np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts))
+
+
+def last_reduce_scatter(rs, d2h, offload, zero):
+    """Per layer: what is left of the step after its backward when it is the last layer to finish
+    (the first layer of a rank's chunk 0): a sharded layer's reduce-scatter and its copy out to
+    the host, exposed (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  Arrays or plain numbers."""
+    if not np.count_nonzero(offload):
+        return rs * (zero >= 2)           # no copy out to the host (a zero term left out)
+    return (rs + d2h * offload) * (zero >= 2)
+
+
+def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarray, b_g: np.ndarray,
+                          fsdp_tail: np.ndarray | None = None, any_ddp: bool | None = None,
+                          any_zero1: bool | None = None) -> tuple[np.ndarray, float]:
+    """``overlapped_step`` from the layers' effective backward times ``bwd`` and their sums per
+    model chunk ``f_g``, ``b_g`` (layer_effective_times of ``rows``): the pipeline, the gradient
+    sync and the optimizer step.  ``fsdp_tail`` (last_reduce_scatter of each rank's first layer),
+    ``any_ddp`` (does some layer run ZeRO 0 or 1) and ``any_zero1`` (after_backward): where the
+    caller has them.  The evaluator's fast path
+    hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
+    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
     t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
     pipe, bubble = pipeline_time(t_r, m, p, v, c)
@@ -137,9 +165,11 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     layer_rank = ctx.layer_rank
     excess = None                         # no DDP all-reduce past the last backward
     ar = rows.dp_allreduce_s
-    if np.count_nonzero(ar):              # (none without DDP / ZeRO-1 layers: nothing to mask)
+    if any_ddp is False:                  # every layer sharded: the mask below leaves nothing
+        ar = None
+    elif np.count_nonzero(ar):            # (none without DDP / ZeRO-1 layers: nothing to mask)
         ar = ar * (rows.zero <= 1)
-    if np.count_nonzero(ar):
+    if ar is not None and np.count_nonzero(ar):
         rel = gradient_ready_offsets(ctx, bwd, b_g)
         order = np.lexsort((rel, layer_rank))
         rel_s, ar_s, rank_s = rel[order], ar[order], layer_rank[order]
@@ -151,11 +181,9 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
         val = np.where(ar_s > 0, rel_s + suffix, -np.inf)
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
-    first = rows.data[ctx.starts[:p]].T
-    if np.count_nonzero(first[_OFFLOAD]):
-        fsdp_tail = (first[_RS] + first[_D2H] * first[_OFFLOAD]) * (first[_ZERO] >= 2)
-    else:                                 # no copy out to the host (a zero term left out)
-        fsdp_tail = first[_RS] * (first[_ZERO] >= 2)
+    if fsdp_tail is None:
+        first = rows.data[ctx.starts[:p]].T
+        fsdp_tail = last_reduce_scatter(first[_RS], first[_D2H], first[_OFFLOAD], first[_ZERO])
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
     sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
-    return after_backward(sync, rows, layer_rank, p), bubble
+    return after_backward(sync, rows, layer_rank, p, any_zero1), bubble
