@@ -351,7 +351,7 @@ class PlanEvaluator:
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()))
         # DDP buckets (ddp_bucketed_all_reduces) may apply to a plain data-parallel mesh
-        ctx.memo_ok = not (ctx.serial_comm or ctx.waits_at_meetings or (mesh.dp > 1 and mesh.tp == 1 and p == 1))
+        ctx.memo_ok = not (ctx.serial_comm or ctx.waits_at_meetings or (mesh.dp > 1 and not mesh.splits_model))
         ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()
         return ctx
 
@@ -643,7 +643,7 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx: _Context, processes: int) ->
     threads costs milliseconds (profiling/collectives.py), it is most of the data-parallel
     cost.  Other plans are returned unchanged."""
     mesh = ctx.mesh
-    if mesh.dp <= 1 or mesh.tp > 1 or mesh.pp > 1 or not (rows.zero <= 1).all():
+    if mesh.dp <= 1 or mesh.splits_model or not (rows.zero <= 1).all():
         return rows
     if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
         return rows

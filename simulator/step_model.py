@@ -138,6 +138,12 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     return step_from_chunk_times(ctx, rows, bwd, np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts))
 
 
+def ddp_all_reduces(rows: LayerTable) -> np.ndarray:
+    """Per layer: its DDP gradient all-reduce, where the layer runs ZeRO-0 or 1 (a sharded layer
+    reduce-scatters instead: ``last_reduce_scatter``)."""
+    return rows.dp_allreduce_s * (rows.zero <= 1)
+
+
 def last_reduce_scatter(rs, d2h, offload, zero):
     """Per layer: what is left of the step after its backward when it is the last layer to finish
     (the first layer of a rank's chunk 0): a sharded layer's reduce-scatter and its copy out to
@@ -168,7 +174,7 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     if any_ddp is False:                  # every layer sharded: the mask below leaves nothing
         ar = None
     elif np.count_nonzero(ar):            # (none without DDP / ZeRO-1 layers: nothing to mask)
-        ar = ar * (rows.zero <= 1)
+        ar = ddp_all_reduces(rows)
     if ar is not None and np.count_nonzero(ar):
         rel = gradient_ready_offsets(ctx, bwd, b_g)
         order = np.lexsort((rel, layer_rank))

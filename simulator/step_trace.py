@@ -57,7 +57,8 @@ import numpy as np
 from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import gradient_ready_offsets, layer_effective_times, pipeline_time, rank_ends
+from autopar.simulator.step_model import (ddp_all_reduces, gradient_ready_offsets, last_reduce_scatter,
+                                         layer_effective_times, pipeline_time, rank_ends)
 from autopar.simulator.timeline import Timeline
 
 
@@ -283,10 +284,10 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
     # ---- after the last backward (step_model.overlapped_step / cpu_node.serial_step, after_backward)
     late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
     base = drawn_end
-    ar = rows.dp_allreduce_s * (rows.zero <= 1)
+    ar = ddp_all_reduces(rows)
     rel = gradient_ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
     first = rows.at(ctx.starts[:p])
-    fsdp_tail = (first.dp_reducescatter_s + first.d2h_s * first.offload) * (first.zero >= 2)
+    fsdp_tail = last_reduce_scatter(first.dp_reducescatter_s, first.d2h_s, first.offload, first.zero)
     finish = np.zeros(p)
     for r in range(p):
         dev = device_of_rank[r]
