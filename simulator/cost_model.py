@@ -209,6 +209,12 @@ class CostModel:
                 curves.setdefault((op, n, level), {})[procs] = _Curve.build(*v)
         return cm
 
+    @property
+    def achievable_memory_Bps(self) -> float:
+        """Device memory bytes per second a memory-bound kernel reaches: the datasheet bandwidth
+        times the profile's ``memory_bound`` efficiency."""
+        return self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0)
+
     def for_code(self, code: TrainingCode) -> "CostModel":
         """The same device priced for another training code (simulator/training_code.py).  The
         curves built from the profile's tables depend on the device only and are shared."""
@@ -274,7 +280,7 @@ class CostModel:
                 size = bytes_moved or flops
             return curve(size), True
         eff_key = _COMPUTE_KINDS.get(kind)
-        mem_s = bytes_moved / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+        mem_s = bytes_moved / self.achievable_memory_Bps
         if eff_key is None:
             # memory-bound kinds: vector units at the dtype's peak bound the arithmetic side
             return max(flops / self.peak(dkey), mem_s), False
@@ -309,7 +315,7 @@ class CostModel:
                  if op.kind == "attention" and "scaled_dot_product" in str(getattr(op, "target", "")) and
                  flops > 0 and self._curve(op.kind, variant, dtype_key(dtype)) is None else None)
         if flash is not None:
-            mem_s = nbytes / (self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0))
+            mem_s = nbytes / self.achievable_memory_Bps
             t, m = max(flash, mem_s), False
         else:
             t, m = (self.compute_time_ex(op.kind, flops, nbytes, dtype, gemm_shape(op, scale, shard, out_shard, backward),
@@ -427,7 +433,7 @@ class CostModel:
         """
         if num_params <= 0:
             return 0.0
-        hbm_Bps = self.memory_bandwidth_Bps * self.efficiency.get("memory_bound", 1.0)
+        hbm_Bps = self.achievable_memory_Bps
         per_element = self.optimizer_element_s or 28.0 / hbm_Bps
         extra = self.code.optimizer.extra_bytes_per_param
         if extra:
