@@ -94,6 +94,34 @@ def _inter_node_GBps_per_gpu(cluster: dict) -> float | None:
     return None
 
 
+#: What Megatron-LM's own scripts for the SC'21 paper ran (NVIDIA/Megatron-LM 6985e58938, 2021-08-18,
+#: ``examples/sc21/``; later moved to ``examples/academic_paper_scripts/sc21/`` unchanged): per
+#: Table 1 model, ``run_table_1.sh`` gives the micro-batch (``MBS``), the DDP implementation
+#: (``DDP``: ``torch`` = torch DistributedDataParallel, ``local`` = Megatron's own) and, where
+#: the row runs the interleaved schedule, ``--num-layers-per-virtual-pipeline-stage`` (model
+#: chunks per pipeline rank = layers / pp / that; none given = the non-interleaved 1F1B).
+#: Table 1 of the paper states none of these.  Keyed by the row id's size.
+#: (micro-batch, layers per virtual stage or None, DDP implementation)
+SC21_TABLE_1 = {"1.7B": (16, None, "torch"), "3.6B": (16, None, "torch"), "7.5B": (16, None, "torch"),
+                "18.4B": (8, None, "torch"), "39.1B": (4, None, "local"), "76.1B": (2, 5, "local"),
+                "145.6B": (2, 5, "local"), "310.1B": (1, 3, "local"), "529.6B": (1, 1, "local"),
+                "1008.0B": (1, None, "local")}
+#: Table 2's PTD-P rows (174.6B, tp 8, pp 12, micro-batch 1) have no script; ``run_figure_12.sh``
+#: runs the same model and layout (96 layers, hidden 12288, tp 8, pp 12, MBS 1, DDP local)
+#: interleaved with 2 layers per virtual stage, which is taken for them (an inference, so noted
+#: in docs/validation.md).
+SC21_TABLE_2_PTDP = (1, 2, "local")
+
+
+def _megatron_layout(row_id: str, layers: int, pp: int) -> dict:
+    """The Megatron-LM settings of a PTD-P row that the paper's tables leave out (SC21_TABLE_1)."""
+    if row_id.startswith("megatron21_t1_"):
+        mb, per_chunk, ddp = SC21_TABLE_1[row_id.rsplit("_", 1)[1]]
+    else:
+        mb, per_chunk, ddp = SC21_TABLE_2_PTDP
+    return {"micro_batch": mb, "virtual_stages": layers // pp // per_chunk if per_chunk else 1, "ddp": ddp}
+
+
 def copy_from_shared(shared: Path = SHARED) -> dict:
     """The project's copy: each row's figures and source, no prose (see the module docstring)."""
     if not shared.exists():
@@ -114,15 +142,18 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
         source = {k: r["source"][k] for k in ("title", "location", "url", "repo", "path", "commit")
                   if r["source"].get(k)}
         arch = "llama" if m.get("kv_heads") and "Llama" in m["name"] else "gpt"
+        layout = {"dp": p["dp"], "tp": p["tp"], "pp": p["pp"], "micro_batch": p["micro_batch"],
+                  "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"]),
+                  "reduce_bytes": REDUCE_BYTES, "autocast": _autocast(p)}
+        if _family(r) == "PTD-P":
+            layout.update(_megatron_layout(r["id"], m["layers"], p["pp"]))
         rows.append({
             "id": r["id"], "family": _family(r), "gpu": GPU_KEYS[c["gpu"]], "source": source,
             "model": {"name": m["name"], "arch": arch, "mpt": "MPT" in m["name"],
                       **{k: m[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab")}},
             "cluster": {"gpus": c["gpus"], "gpus_per_node": c["gpus_per_node"],
                         "inter_node_GBps_per_gpu": _inter_node_GBps_per_gpu(c)},
-            "layout": {"dp": p["dp"], "tp": p["tp"], "pp": p["pp"], "micro_batch": p["micro_batch"],
-                       "global_batch": p["global_batch"], "recompute": _recompute_label(p["recompute"]),
-                       "reduce_bytes": REDUCE_BYTES, "autocast": _autocast(p)},
+            "layout": layout,
             "measured": measured,
         })
     rows += _ibm_h100_rows(rows)
@@ -250,16 +281,17 @@ def row_cluster(row: dict):
 
 
 def row_plan(row: dict, graph, cluster):
-    """The row's layout as a Plan.  Rows that do not state a micro-batch (Megatron Table 1) use 1;
-    pipelines run interleaved 1F1B with 2 chunks per rank, as the paper's runs (Sec. 5.1)."""
+    """The row's layout as a Plan.  A pipeline runs 1F1B, interleaved where the row has more than one
+    model chunk per rank (``virtual_stages``: the PTD-P rows' from Megatron-LM's scripts, SC21_TABLE_1)."""
     from autopar.simulator.configure import config_plan
 
     lay = row["layout"]
     pp = lay["pp"]
     rec = lay["recompute"]
-    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, micro_batch=lay["micro_batch"] or 1,
-                       global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 else "1f1b",
-                       virtual_stages=2, zero=3 if row["family"] in ("ZeRO-3", "FSDP") else 0,
+    v = lay.get("virtual_stages", 1)
+    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, micro_batch=lay["micro_batch"],
+                       global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
+                       virtual_stages=v, zero=3 if row["family"] in ("ZeRO-3", "FSDP") else 0,
                        recompute="full" if rec in ("full", "partial") else "none", offload="none",
                        precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
     if rec == "partial":
@@ -303,15 +335,20 @@ def attention_kernel(row: dict) -> str:
     return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
 
 
-def optimizer_runtime(family: str):
-    """The optimizer step a family's runs used (simulator/optimizer_step.py): the PTD-P rows ran
+def optimizer_runtime(row: dict):
+    """The optimizer step a row's run used (simulator/optimizer_step.py): the PTD-P rows ran
     Megatron-LM of 2021 with --fp16 (fp32 main weights beside the fp16 model, gradients copied,
-    unscaled and clipped around the Adam step); the FSDP rows' optimizers step the sharded fp32
-    or bf16 parameters themselves.  The ZeRO-3 rows keep AdamW's price (DeepSpeed's fp16 ZeRO-3
-    optimizer of 2021 is not modelled here)."""
+    unscaled and clipped around the Adam step), with its own DDP after the flush or torch's DDP
+    overlapped with the last backward, as the row's script says (``layout.ddp``, SC21_TABLE_1);
+    the FSDP rows' optimizers step the sharded fp32 or bf16 parameters themselves.  The ZeRO-3
+    rows keep AdamW's price (DeepSpeed's fp16 ZeRO-3 optimizer of 2021 is not modelled here)."""
     from autopar.simulator import optimizer_step
 
-    return optimizer_step.MEGATRON_FP16_2021 if family == "PTD-P" else optimizer_step.TORCH_ADAMW
+    if row["family"] != "PTD-P":
+        return optimizer_step.TORCH_ADAMW
+    if row["layout"].get("ddp") == "torch":
+        return optimizer_step.MEGATRON_FP16_TORCH_DDP_2021
+    return optimizer_step.MEGATRON_FP16_2021
 
 
 def row_code(row: dict):
@@ -322,7 +359,7 @@ def row_code(row: dict):
 
     family, lay = row["family"], row["layout"]
     return TrainingCode(sharded=sharded_runtime(family), reduce_bytes=lay["reduce_bytes"],
-                        p2p=pipeline_runtime(family), optimizer=optimizer_runtime(family),
+                        p2p=pipeline_runtime(family), optimizer=optimizer_runtime(row),
                         autocast=lay["autocast"], attention_kernel=attention_kernel(row))
 
 
@@ -332,7 +369,7 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
-    mb = row["layout"]["micro_batch"] or 1
+    mb = row["layout"]["micro_batch"]
     key = (path, tuple(sorted(args.items())), mb)
     if key not in graph_cache:
         graph_cache[key] = capture_model_file(path, args, mb)

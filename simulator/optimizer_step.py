@@ -28,7 +28,18 @@ and Megatron's DDP keeps no contiguous buffer):
   weights (AdamW's 28); ``_copy_main_params_to_model_params``, ``amp_C.multi_tensor_scale`` by 1.0
   from fp32 main to fp16 model weights (read 4, write 2).
 
-12 + 24 = 36 bytes a parameter beyond AdamW's 28.  The found-inf and grad-norm all-reduces over the
+12 + 24 = 36 bytes a parameter beyond AdamW's 28.
+
+``MEGATRON_FP16_TORCH_DDP_2021``: the same code run with ``--DDP-impl torch``, as Megatron-LM's
+scripts for the paper's Table 1 run its models without pipeline parallelism (NVIDIA/Megatron-LM
+6985e58938, ``examples/sc21/run_table_1.sh``, ``DDP=torch`` for 1.7B-18B).  ``megatron/training.py``
+then wraps the model in ``torch.nn.parallel.DistributedDataParallel`` and skips its own
+``allreduce_gradients()``; ``megatron/schedules.py`` runs every micro-batch but the last under
+``no_sync()``, so the all-reduce runs in DDP's buckets during the last backward, overlapped with
+it (Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3).  DDP copies each fp16 gradient into its
+bucket, divides the bucket by the group size and copies it back (``gradient_as_bucket_view`` off
+by default): the same 12 bytes a parameter as the local DDP's flatten, divide and copy-back, on
+the compute stream, so the extra bytes are the same 36; only ``sync_after_flush`` differs.  The found-inf and grad-norm all-reduces over the
 model-parallel group move one number each, and the tied-embedding all-reduce between the first and
 the last stage is small beside the step (docs/validation.md); neither is priced.
 
@@ -41,7 +52,7 @@ adds after each pipeline rank's last backward).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -60,3 +71,6 @@ MEGATRON_FP16_2021 = OptimizerRuntime("Megatron-LM 2021: local DDP after the flu
                                       (2 + 2) + (2 + 2) + (2 + 2)             # flatten, divide, copy back
                                       + (2 + 4) + (4 + 4) + 4 + (4 + 2),     # grad copy, unscale, norm, weight copy
                                       sync_after_flush=True)
+MEGATRON_FP16_TORCH_DDP_2021 = replace(MEGATRON_FP16_2021,
+                                       name="Megatron-LM 2021 with torch DDP: overlapped all-reduce, fp16 optimizer",
+                                       sync_after_flush=False)

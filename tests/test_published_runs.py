@@ -75,7 +75,7 @@ def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
 
 
 @pytest.mark.parametrize("rid", ["megatron21_t2_ZeRO-3_174.6B_384gpu", "megatron21_t2_ZeRO-3_174.6B_1536gpu",
-                                 "megatron21_t1_1.7B", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
+                                 "megatron21_t1_39.1B", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
                                  "ibm_fsdp_llama2_7B_a100_128gpu"])
 def test_rows_priced_near_the_published_step(bench, rows, rid):
     """DeepSpeed ZeRO-3 (April 2021), Megatron-LM's fused softmax and the runs' flash-attention
@@ -101,10 +101,15 @@ def test_megatron_rows_run_its_fp16_optimizer(bench, rows):
     AdamW alone; each row's code is its own (the planner's plans are priced as AUTOPAR)."""
     from autopar.simulator import optimizer_step, pipeline_p2p, sharded_dp
 
-    assert bench.optimizer_runtime("PTD-P") is optimizer_step.MEGATRON_FP16_2021
-    assert bench.optimizer_runtime("FSDP") is bench.optimizer_runtime("ZeRO-3") is optimizer_step.TORCH_ADAMW
-    megatron = bench.row_code(rows["megatron21_t1_1.7B"])
-    assert megatron.optimizer is optimizer_step.MEGATRON_FP16_2021 and megatron.p2p is pipeline_p2p.MEGATRON_2021
+    assert bench.optimizer_runtime(rows["megatron21_t1_1008.0B"]) is optimizer_step.MEGATRON_FP16_2021
+    assert bench.optimizer_runtime(rows["megatron21_t2_PTD-P_174.6B_384gpu"]) is optimizer_step.MEGATRON_FP16_2021
+    # the models without a pipeline ran torch's DDP (run_table_1.sh, DDP=torch)
+    assert bench.optimizer_runtime(rows["megatron21_t1_1.7B"]) is optimizer_step.MEGATRON_FP16_TORCH_DDP_2021
+    assert (bench.optimizer_runtime(rows["ibm_fsdp_llama2_7B_a100_128gpu"])
+            is bench.optimizer_runtime(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"]) is optimizer_step.TORCH_ADAMW)
+    megatron = bench.row_code(rows["megatron21_t1_18.4B"])
+    assert megatron.optimizer is optimizer_step.MEGATRON_FP16_TORCH_DDP_2021
+    assert megatron.p2p is pipeline_p2p.MEGATRON_2021
     zero3 = bench.row_code(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"])
     assert zero3.sharded is sharded_dp.DEEPSPEED_ZERO3_2021 and zero3.reduce_bytes == 2.0
 
@@ -116,3 +121,25 @@ def test_rows_run_their_attention_kernel(bench, rows):
 
     assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash_triton"
     assert bench.attention_kernel(rows["ibm_fsdp_llama2_7B_a100_128gpu"]) == DEFAULT_ATTENTION_KERNEL == "flash2"
+
+
+@pytest.mark.parametrize("size,micro_batch,chunks,ddp", [
+    # NVIDIA/Megatron-LM 6985e58938 examples/sc21/run_table_1.sh, by hand: MBS, then layers / PP /
+    # --num-layers-per-virtual-pipeline-stage (1 where the flag is absent), then DDP
+    ("1.7B", 16, 1, "torch"), ("18.4B", 8, 1, "torch"), ("39.1B", 4, 1, "local"),
+    ("76.1B", 2, 60 // 4 // 5, "local"), ("145.6B", 2, 80 // 8 // 5, "local"), ("310.1B", 1, 96 // 16 // 3, "local"),
+    ("529.6B", 1, 105 // 35 // 1, "local"), ("1008.0B", 1, 1, "local")])
+def test_table1_rows_run_the_papers_scripts(bench, rows, size, micro_batch, chunks, ddp):
+    """Table 1 states no micro-batch, schedule or DDP; the rows take them from the paper's own run
+    scripts, and a row's plan runs the interleaved schedule exactly where the script asks for it."""
+    from autopar.core.capture import capture_model_file
+
+    row = rows[f"megatron21_t1_{size}"]
+    lay = row["layout"]
+    assert (lay["micro_batch"], lay["virtual_stages"], lay["ddp"]) == (micro_batch, chunks, ddp)
+    if lay["pp"] > 1:
+        path, args = bench.model_spec(row)
+        small = dict(args, layers=2 * lay["pp"] * chunks, hidden=8 * args["heads"], vocab=512)  # the same split
+        plan = bench.row_plan(row, capture_model_file(path, small, lay["micro_batch"]), bench.row_cluster(row))
+        assert plan.pipeline.schedule == ("interleaved" if chunks > 1 else "1f1b")
+        assert len(plan.pipeline.stages) == lay["pp"] * chunks
