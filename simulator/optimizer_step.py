@@ -10,8 +10,11 @@ code synchronises gradients only after the last backward:
 
 ``MEGATRON_FP16_2021``: Megatron-LM of April 2021 (NVIDIA/Megatron-LM 9ec547c9ff), the code of the
 PTD-P rows of Narayanan et al. 2021, run with ``--fp16`` (fp16 model weights and gradients, fp32
-main weights; ``--accumulate-allreduce-grads-in-fp32`` is off by default, so the gradients are fp16
-and Megatron's DDP keeps no contiguous buffer):
+main weights; ``--accumulate-allreduce-grads-in-fp32`` and ``--use-contiguous-buffers-in-ddp`` are
+off by default, so the gradients are fp16 and Megatron's DDP keeps no contiguous buffer).  The
+paper's run scripts name 6985e58938 (August 2021, ``examples/sc21/README.md``); between the two the
+passes below are unchanged (that version also frees each fp16 gradient once copied, which saves
+memory, not time):
 
 * ``megatron/training.py`` ``train_step``: ``forward_backward_func`` runs the whole pipeline, then
   ``allreduce_gradients()`` of Megatron's own DDP (``--DDP-impl local``, the default) -- nothing
