@@ -109,10 +109,11 @@ What this module adds:
        shard on the pre-unshard stream (``FlatParamHandle.pre_unshard`` ->
        ``_use_low_precision_shard``); FSDP2 casts the same shard into its gather's input.  It is
        1/N of the unit on a side stream, the same for both, and priced for neither.
-   (d) Prefetch.  ``limit_all_gathers=True`` (fms-fsdp; llm-foundry's pretraining yamls) lets at most two
-       all-gathers be in flight: the CPU waits on the free event of the unit two back before
-       issuing another (``_runtime_utils.py`` ``_unshard``, ``_free_event_queue``); with the
-       CPU running ahead of the GPU this is the one-layer-ahead prefetch the rows already price.
+   (d) Prefetch.  ``limit_all_gathers=True`` (fms-fsdp; llm-foundry's pretraining yamls) lets
+       at most two all-gathers be in flight: the CPU waits on the free event of the unit two back
+       before issuing another (``_runtime_utils.py`` ``_unshard``; ``_limiter_utils.py``
+       ``_FreeEventQueue``, a limit of two); with the CPU running ahead of the GPU this is the
+       one-layer-ahead prefetch the rows already price.
        In backward FSDP1's default ``BACKWARD_PRE`` (fms-fsdp leaves it) issues the next unit's
        gather in the current unit's pre-backward hook; composer's default ``BACKWARD_POST``
        (llm-foundry's MPT runs) issues it in the post-backward hook, before that unit's
