@@ -307,13 +307,19 @@ def row_plan(row: dict, graph, cluster):
     return plan
 
 
-def sharded_runtime(family: str):
-    """The sharded-data-parallel implementation a family's runs used (simulator/sharded_dp.py,
-    item 4): the ZeRO-3 rows ran DeepSpeed of April 2021, the FSDP rows PyTorch FSDP; PTD-P
-    rows shard nothing."""
+def sharded_runtime(row: dict):
+    """The sharded-data-parallel implementation a row's run used (simulator/sharded_dp.py, items 4
+    and 5): the ZeRO-3 rows ran DeepSpeed of April 2021; the FSDP rows PyTorch's FSDP1
+    (``FullyShardedDataParallel``), llm-foundry's MPT runs as torch 1.13 ran it (the
+    mosaicml/pytorch:1.13.1 image, ``attention_kernel``), fms-fsdp's as the nightlies after 2.2
+    did (the IBM/Meta blog's training details); PTD-P rows shard nothing (FSDP2, unused)."""
     from autopar.simulator import sharded_dp
 
-    return sharded_dp.DEEPSPEED_ZERO3_2021 if family == "ZeRO-3" else sharded_dp.FSDP2
+    if row["family"] == "ZeRO-3":
+        return sharded_dp.DEEPSPEED_ZERO3_2021
+    if row["family"] == "FSDP":
+        return sharded_dp.FSDP1_TORCH_1_13 if row["model"].get("mpt") else sharded_dp.FSDP1_TORCH_2_2
+    return sharded_dp.FSDP2
 
 
 def pipeline_runtime(family: str):
@@ -358,7 +364,7 @@ def row_code(row: dict):
     from autopar.simulator.training_code import TrainingCode
 
     family, lay = row["family"], row["layout"]
-    return TrainingCode(sharded=sharded_runtime(family), reduce_bytes=lay["reduce_bytes"],
+    return TrainingCode(sharded=sharded_runtime(row), reduce_bytes=lay["reduce_bytes"],
                         p2p=pipeline_runtime(family), optimizer=optimizer_runtime(row),
                         autocast=lay["autocast"], attention_kernel=attention_kernel(row))
 

@@ -40,7 +40,8 @@ What this module adds:
 4. Which implementation runs (``TrainingCode.sharded``, simulator/training_code.py).  Everything
    above is what FSDP2 does -- what autopar's runtime runs, and what every plan the planner writes
    is priced as.  A published run made with another implementation is priced as that one ran
-   (benchmarks/published_runs.py describes each row's code):
+   (benchmarks/published_runs.py describes each row's code): DeepSpeed's below, PyTorch's FSDP1
+   in item 5.
 
    * ``DEEPSPEED_ZERO3_2021``: DeepSpeed ZeRO-3 as of April 2021 (deepspeedai/DeepSpeed
      c4f4ef5d4, the version the ZeRO-3 rows of Narayanan et al. 2021, Table 2 compare against).
@@ -69,6 +70,58 @@ What this module adds:
      all-reduce (``reduce_scatter`` false in that version's defaults; the rows' configuration
      is not published) -- the first would price the rows faster, the second slower.
 
+5. PyTorch FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``, FULL_SHARD, one
+   ``FlatParameter`` per wrapped block, ``use_orig_params=False``), the implementation the
+   published FSDP runs used: llm-foundry's MPT benchmarks (composer on the
+   mosaicml/pytorch:1.13.1 image) and fms-fsdp's Llama-2 runs (PyTorch nightlies after 2.2;
+   ``main_training.py`` at foundation-model-stack/fms-fsdp 7746dac, 2024-03-13, wraps the model in
+   ``FullyShardedDataParallel`` with ``limit_all_gathers=True``).  ``fully_shard`` (FSDP2) did
+   not exist in either.  What its code does per unit that FSDP2's does not (items 1 and 3 price
+   FSDP2):
+
+   (a) No copy-out.  The all-gather writes straight into the unit's padded unsharded flat buffer
+       (``_flat_param.py``, ``flat_param.py`` in 1.13: ``FlatParamHandle.unshard`` -> ``_all_gather_flat_param``, one
+       ``all_gather_into_tensor`` into ``_full_param_padded``), and the module's parameters are
+       views into it (``_use_unsharded_flat_param`` -> ``_use_unsharded_views``: a ``split`` of
+       the flat tensor, each piece ``view``-ed to its shape).  Nothing is copied after the gather
+       (``ShardedRuntime.copy_out`` False).
+   (b) The gradient.  Because the parameters are views of one flat tensor, autograd assembles the
+       unit's gradient itself: the backward of the ``split`` concatenates the views' gradients into
+       one new flat tensor, on the compute stream, before the ``FlatParameter``'s
+       ``AccumulateGrad`` hook runs (``SplitWithSizesBackward``; facebookresearch/fairscale PR
+       #1180, 2024, shows it in traces of its FSDP1, once per micro-batch per unit) -- a read and
+       a write of the unit's gradient where the next layer's backward waits for it
+       (``grad_concat_on_compute``).  The post-backward hook then works on the reduce-scatter's
+       stream (``_runtime_utils.py``, ``_post_backward_hook`` / ``_reduce_grad``): it divides
+       the whole unsharded gradient in place by the pre-divide factor before the reduce-scatter
+       (``_div_if_needed``; the factor, ``DefaultState._get_gradient_predivide_factor``, doubles
+       from 1 while it divides the world size and stays below world size / factor: about
+       sqrt(world size), 2 or more for any world size of 2 or more) -- one read and write,
+       priced as FSDP2's copy-in is -- and pads the gradient to a multiple of the world size
+       with ``F.pad``.  In torch 1.13 the pad ran on every gradient
+       (``_post_backward_hook``: ``F.pad(unsharded_grad, [0, numel_to_pad])`` with no test;
+       pytorch/pytorch PR #88769, merged November 2022 after the 1.13 release, removed the call
+       for the no-padding case and notes that a zero pad still allocates and copies): a second
+       pass.  The 2.2 code pads only when the numel is not a multiple of the world size
+       (``_get_reduce_scatter_tensors``), which the runs' blocks are (power-of-two widths over
+       8-128 ranks).  Hence ``reduce_prep_passes`` 2 for torch 1.13 and 1 for 2.2.
+   (c) The mixed-precision cast.  Before each gather the fp32 shard is cast to the low-precision
+       shard on the pre-unshard stream (``FlatParamHandle.pre_unshard`` ->
+       ``_use_low_precision_shard``); FSDP2 casts the same shard into its gather's input.  It is
+       1/N of the unit on a side stream, the same for both, and priced for neither.
+   (d) Prefetch.  ``limit_all_gathers=True`` (fms-fsdp; llm-foundry's pretraining yamls) lets
+       at most two all-gathers be in flight: the CPU waits on the free event of the unit two back
+       before issuing another (``_runtime_utils.py`` ``_unshard``; ``_limiter_utils.py``
+       ``_FreeEventQueue``, a limit of two); with the CPU running ahead of the GPU this is the
+       one-layer-ahead prefetch the rows already price.
+       In backward FSDP1's default ``BACKWARD_PRE`` (fms-fsdp leaves it) issues the next unit's
+       gather in the current unit's pre-backward hook; composer's default ``BACKWARD_POST``
+       (llm-foundry's MPT runs) issues it in the post-backward hook, before that unit's
+       reduce-scatter, so both keep the gather one unit ahead and ahead of the reduce-scatter
+       on the process group's one NCCL stream: priced the same.
+   (e) Not modelled: the reduce-scatter output allocated zeroed in 1.13 (``zeros_like``, 1/N of
+       the unit), the post-divide of the shard (1/N), and the per-unit Python of the hooks.
+
 Kept apart from CPU effects: on a gloo profile (``host_dispatch_bound``) communication already
 takes turns with compute (topology.serial_communication) and nothing here applies.
 """
@@ -95,10 +148,24 @@ class ShardedRuntime:
     #: inter-node collectives reach the node's aggregate network (simulator/network.py), not one
     #: GPU's share of it
     node_aggregate_rings: bool
+    #: the unsharded parameters are copied out of the gather's buffer (item 1); FSDP1's are views
+    #: into the buffer the gather writes (item 5a)
+    copy_out: bool = True
+    #: autograd concatenates the unit's gradient into one flat tensor on the compute stream (item 5b)
+    grad_concat_on_compute: bool = False
+    #: read-and-write passes over the unsharded gradient on the reduce-scatter's stream before it:
+    #: FSDP2's copy-in (item 1), FSDP1's pre-divide and, in torch 1.13, its pad (item 5b)
+    reduce_prep_passes: int = 1
 
 
 FSDP2 = ShardedRuntime("fsdp2", regather_for_recompute=False, node_aggregate_rings=True)
 DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False)
+#: FSDP1 as torch 1.13 ran it (llm-foundry's MPT benchmarks) and as the nightlies after 2.2 ran it
+#: (fms-fsdp): item 5
+FSDP1_TORCH_1_13 = ShardedRuntime("fsdp1-torch-1.13", regather_for_recompute=False, node_aggregate_rings=True,
+                                  copy_out=False, grad_concat_on_compute=True, reduce_prep_passes=2)
+FSDP1_TORCH_2_2 = ShardedRuntime("fsdp1-torch-2.2", regather_for_recompute=False, node_aggregate_rings=True,
+                                 copy_out=False, grad_concat_on_compute=True, reduce_prep_passes=1)
 
 
 def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float) -> float:
@@ -172,12 +239,19 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
         # (carried in the reduce-scatter column, the other traffic of that stream), with its copy-out
         regather = gather3 & (rows[:, col["recompute"]] >= 2)
         rs = rs + np.where(regather, ag, 0.0)
-        rec = rec + np.where(regather, cp_param, 0.0)          # (regather: sharded layers only)
+        if runtime.copy_out:
+            rec = rec + np.where(regather, cp_param, 0.0)      # (regather: sharded layers only)
         out[:, col["recompute_s"]] = rec
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
-    cp_param3 = cp_param * gather3
-    #    copy-in before each reduce-scatter, on its stream
-    rs_in = rs + cp_grad
+    #    (none where the parameters are views into the gathered buffer: FSDP1, item 5a)
+    cp_param3 = cp_param * gather3 if runtime.copy_out else 0.0
+    #    copy-in (FSDP2) or pre-divide and pad (FSDP1, item 5b) before each reduce-scatter, on its stream
+    rs_in = rs + cp_grad * runtime.reduce_prep_passes
+    bwd_copies = cp_param3
+    if runtime.grad_concat_on_compute:
+        # FSDP1: autograd concatenates the unit's gradient on the compute stream (item 5b), in the
+        # dtype it was computed in (the rows' gradient bytes, before any reduce-dtype scaling)
+        bwd_copies = bwd_copies + 2.0 * rows[:, col["fsdp_grad_buffer_bytes"]] / unit_s * sharded
     out[:, col["dp_reducescatter_s"]] = rs_in
     # 2. compute under collectives: forward under the next layer's gather, backward under this
     #    layer's reduce-scatter and the next gather
@@ -190,7 +264,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     np.multiply(ag[:-1], gather3[:-1], out=next_bwd[1:])
     # (sharded layers only: the slowdown is masked by ``sharded`` below, so its inputs need not be)
     out[:, col["fwd_s"]] = fwd + cp_param3 + overlap_slowdown_s(fwd, next_fwd, slowdown) * sharded
-    out[:, col["bwd_s"]] = bwd + cp_param3 + overlap_slowdown_s(bwd + rec, rs_in + next_bwd, slowdown) * sharded
+    out[:, col["bwd_s"]] = bwd + bwd_copies + overlap_slowdown_s(bwd + rec, rs_in + next_bwd, slowdown) * sharded
     return out
 
 

@@ -87,13 +87,22 @@ def test_rows_priced_near_the_published_step(bench, rows, rid):
     assert r["predicted_step_s"] == pytest.approx(bench.measured_step_s(rows[rid]), rel=0.10)
 
 
-def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp2(bench):
+def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp1(bench, rows):
+    """The ZeRO-3 rows ran DeepSpeed of 2021; every FSDP row ran FSDP1 (FullyShardedDataParallel):
+    llm-foundry's MPT rows on torch 1.13, fms-fsdp's Llama-2 rows on the nightlies after 2.2; the
+    planner's plans are priced as FSDP2, what autopar's runtime runs (sharded_dp.py items 4, 5)."""
     from autopar.simulator import sharded_dp
-
-    assert bench.sharded_runtime("ZeRO-3") is sharded_dp.DEEPSPEED_ZERO3_2021
-    assert bench.sharded_runtime("FSDP") is sharded_dp.FSDP2
     from autopar.simulator.training_code import AUTOPAR
+
+    assert bench.sharded_runtime(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"]) is sharded_dp.DEEPSPEED_ZERO3_2021
+    fsdp = [r for r in rows.values() if r["family"] == "FSDP"]
+    assert len(fsdp) == 19
+    for r in fsdp:
+        want = sharded_dp.FSDP1_TORCH_1_13 if r["id"].startswith("mpt_") else sharded_dp.FSDP1_TORCH_2_2
+        assert bench.row_code(r).sharded is want, r["id"]
+        assert not want.copy_out and want.grad_concat_on_compute
     assert AUTOPAR.sharded is sharded_dp.FSDP2             # what every plan of the planner is priced as
+    assert sharded_dp.FSDP2.copy_out and not sharded_dp.FSDP2.grad_concat_on_compute
 
 
 def test_megatron_rows_run_its_fp16_optimizer(bench, rows):
