@@ -23,7 +23,9 @@ def test_copy_and_overlap_closed_forms():
     assert overlap_slowdown_s(np.array([1.0, 0.2]), np.array([0.5, 0.5]), 0.5).tolist() == [0.25, 0.1]
 
 
-def test_rows_of_a_sharded_pair_of_layers():
+def _sharded_pair():
+    """(column index, ZeRO column, rows) of two ZeRO-3 layers: 1 s forward, 2 s backward, a 0.4 s
+    gather and a 0.3 s reduce-scatter each, 1 GB of unsharded parameters and gradients."""
     col = {n: i for i, n in enumerate(LAYER_COST_FIELDS)}
     zero_col = len(LAYER_COST_FIELDS)
     rows = np.zeros((2, zero_col + 1))
@@ -32,6 +34,11 @@ def test_rows_of_a_sharded_pair_of_layers():
         rows[k, col["dp_allgather_s"]], rows[k, col["dp_reducescatter_s"]] = 0.4, 0.3
         rows[k, col["fsdp_param_buffer_bytes"]] = rows[k, col["fsdp_grad_buffer_bytes"]] = 1e9
         rows[k, zero_col] = 3
+    return col, zero_col, rows
+
+
+def test_rows_of_a_sharded_pair_of_layers():
+    col, zero_col, rows = _sharded_pair()
     out = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.5)
     cp = 2e9 / 1e12                                       # 2 ms per copy
     # layer 0: forward under layer 1's gather (0.4 s), backward under its reduce-scatter and copy-in
@@ -52,14 +59,7 @@ def test_fsdp1_prices_no_copy_out_and_its_gradient_concat_on_compute():
     closed form of a copy, 2 x bytes / HBM bandwidth, for a 1 GB unit at 1 TB/s (2 ms)."""
     from autopar.simulator.sharded_dp import FSDP1_TORCH_1_13, FSDP1_TORCH_2_2, FSDP2
 
-    col = {n: i for i, n in enumerate(LAYER_COST_FIELDS)}
-    zero_col = len(LAYER_COST_FIELDS)
-    rows = np.zeros((2, zero_col + 1))
-    for k in range(2):
-        rows[k, col["fwd_s"]], rows[k, col["bwd_s"]] = 1.0, 2.0
-        rows[k, col["dp_allgather_s"]], rows[k, col["dp_reducescatter_s"]] = 0.4, 0.3
-        rows[k, col["fsdp_param_buffer_bytes"]] = rows[k, col["fsdp_grad_buffer_bytes"]] = 1e9
-        rows[k, zero_col] = 3
+    col, zero_col, rows = _sharded_pair()
     cp = 2 * 1e9 / 1e12
     fsdp2 = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, runtime=FSDP2)
     new = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, runtime=FSDP1_TORCH_2_2)
