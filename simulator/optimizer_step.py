@@ -42,9 +42,11 @@ then wraps the model in ``torch.nn.parallel.DistributedDataParallel`` and skips 
 it (Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3).  DDP copies each fp16 gradient into its
 bucket, divides the bucket by the group size and copies it back (``gradient_as_bucket_view`` off
 by default): the same 12 bytes a parameter as the local DDP's flatten, divide and copy-back, on
-the compute stream, so the extra bytes are the same 36; only ``sync_after_flush`` differs.  The found-inf and grad-norm all-reduces over the
-model-parallel group move one number each, and the tied-embedding all-reduce between the first and
-the last stage is small beside the step (docs/validation.md); neither is priced.
+the compute stream, so the extra bytes are the same 36; only ``sync_after_flush`` differs.
+
+In both, the found-inf and grad-norm all-reduces over the model-parallel group move one number
+each, and the tied-embedding all-reduce between the first and the last stage is small beside the
+step (docs/validation.md); neither is priced.
 
 Which one is priced is the cost model's training code (``TrainingCode.optimizer``,
 simulator/training_code.py): ``TORCH_ADAMW`` for every plan the planner writes;
