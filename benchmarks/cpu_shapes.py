@@ -1,7 +1,7 @@
 """Does the CPU loop carry over to other models?  The planner's own plans for several GPT shapes
 on the local-cpu cluster, predicted against measured.
 
-    OMP_NUM_THREADS=1 python benchmarks/cpu_shapes.py [--repeats 3] [--steps 12] [--save PATH]
+    OMP_NUM_THREADS=1 python benchmarks/cpu_shapes.py [--fresh-profile] [--repeats 3] [--steps 12] [--save PATH]
 
 For each shape below (depth, width and sequence length each moved away from the accuracy
 benchmark's model, examples/gpt.py layers 4, hidden 128, heads 4, seq 64, vocab 512) it runs
@@ -21,7 +21,9 @@ steps of a one-process plan of the accuracy benchmark's own model run before and
 (no communication in its prediction: how fast the shared machine was) are recorded, and so is,
 before each run, how many times their profiled time three of the profile's own op rows take now
 on two processes (profiling/cpu_speed_check.py; 1.0: as fast as when the profile was made).
-``--breakdown`` runs with the runtime's ``--profile`` and prints the forward / backward /
+``--fresh-profile`` first measures the machine as it is now into a copy of the profile (the
+three commands that made it, ~13 min) and plans and prices with the copy: profile, plan and run
+in one invocation, on one state of a shared machine.  ``--breakdown`` runs with the runtime's ``--profile`` and prints the forward / backward /
 communication / optimizer times beside the simulated ones (the profiler slows the steps a little).
 """
 from __future__ import annotations
@@ -61,6 +63,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per plan; the fastest median step time is kept")
     ap.add_argument("--time-budget", type=float, default=10.0, help="autopar plan's search budget, seconds")
     ap.add_argument("--profile", default=None, help="profile passed to autopar plan (default: the cluster's)")
+    ap.add_argument("--fresh-profile", action="store_true",
+                    help="first measure this machine as it is now: copy the profile to OUT/profile.json, time it "
+                         "again with the three `autopar profile` commands it was made with (PROFILE_COMMANDS, "
+                         "~13 min), and plan and price with it")
     ap.add_argument("--only", default=None, help="comma-separated shape names to run (default: all)")
     ap.add_argument("--out", default=None, help="directory for plans and measurements (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
@@ -77,6 +83,11 @@ def main() -> int:
     load = os.getloadavg()
     print(f"cluster local-cpu, global batch {args.global_batch}, {len(shapes)} shapes, {args.repeats} repeats; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; runs in {out}", flush=True)
+    fresh = None
+    if args.fresh_profile:
+        fresh = _fresh_profile(args.profile or "local-cpu", out / "profile.json", args.idle_wait_s)
+        args.profile = str(out / "profile.json")
+        args.replan = True                     # plans made with another profile do not count
 
     staged = []
     for name, model in shapes:
@@ -145,9 +156,65 @@ def main() -> int:
                         "slowdown_before_run": st["measured"].get("slowdown_before_run")}
                        for st in rows],
             "median_abs_error": med, "target": TARGET, "reference_one_process": reference,
+            "profile": args.profile or "local-cpu", "fresh_profile": fresh,
             "load_average_end": list(load)}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
+
+
+#: how profiles/local-cpu.json was measured (its ``measured_by``): the collectives on 4 processes; the
+#: ops, the collectives on 2, the framework overheads and the meeting waits on 2; the meeting
+#: waits on 4.  ``--fresh-profile`` runs the same three into a copy.
+PROFILE_COMMANDS = (
+    (4, ["--skip-ops", "--skip-overheads", "--skip-sync-wait", "--target-s", "0.3"]),
+    (2, ["--passes", "3", "--target-s", "0.3"]),
+    (4, ["--skip-ops", "--skip-collectives", "--skip-overheads"]),
+)
+
+
+def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
+    """Measure this machine now into ``path``, a copy of the profile ``base`` (PROFILE_COMMANDS):
+    the profile the plans are made and priced with describes the machine they run on, not the one
+    of another hour (a shared host's speed drifts by up to 1.5-2x, docs/profiling.md).  Returns the
+    commands, the seconds they took and, per op kind, the median of new over old op-row times."""
+    from autopar.profiles import profile_path
+    from autopar.report.resimulate import load_profile_dict
+
+    old = load_profile_dict(base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    source = Path(base) if Path(base).is_file() else profile_path(base)
+    path.write_bytes(source.read_bytes())
+    commands, t0 = [], time.monotonic()
+    for nproc, flags in PROFILE_COMMANDS:
+        acc._wait_for_idle(idle_wait_s)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "autopar.cli",
+               "profile", "-o", str(path), *flags]
+        shown = " ".join(["OMP_NUM_THREADS=1", "torchrun", *cmd[3:]])
+        print(f"profiling this machine: {shown}", flush=True)
+        t = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        (path.parent / "profile.log").open("a").write(f"$ {shown}\n{proc.stdout}{proc.stderr}\n")
+        if proc.returncode != 0:
+            raise SystemExit(f"autopar profile failed (exit {proc.returncode}); see {path.parent}/profile.log")
+        commands.append({"command": shown, "seconds": round(time.monotonic() - t, 1)})
+    new = load_profile_dict(str(path))
+    ratios = _op_time_ratios(old, new)
+    print(f"profiled in {time.monotonic() - t0:.0f} s; op rows now take, per kind, the median of "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in sorted(ratios.items())) + " their time in " + base, flush=True)
+    return {"base": base, "commands": commands, "op_time_new_over_old": ratios}
+
+
+def _op_time_ratios(old: dict, new: dict) -> dict[str, float]:
+    """Per op kind, the median over the rows both profiles hold of new / old measured seconds."""
+    def rows(p):
+        return {(r["kind"], r.get("variant"), r["dtype"], tuple(r["shape"])): r["measured_seconds"]
+                for r in p.get("op_table", []) if r.get("measured_seconds")}
+    a, b = rows(old), rows(new)
+    by_kind: dict[str, list[float]] = {}
+    for k in a.keys() & b.keys():
+        by_kind.setdefault(k[0], []).append(b[k] / a[k])
+    return {k: round(statistics.median(v), 3) for k, v in by_kind.items()}
 
 
 def _plan(model: dict, args, plan_path: Path) -> None:
