@@ -194,7 +194,8 @@ def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
         t = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        (path.parent / "profile.log").open("a").write(f"$ {shown}\n{proc.stdout}{proc.stderr}\n")
+        with (path.parent / "profile.log").open("a") as log:
+            log.write(f"$ {shown}\n{proc.stdout}{proc.stderr}\n")
         if proc.returncode != 0:
             raise SystemExit(f"autopar profile failed (exit {proc.returncode}); see {path.parent}/profile.log")
         commands.append({"command": shown, "seconds": round(time.monotonic() - t, 1)})
