@@ -23,8 +23,9 @@ before each run, how many times their profiled time three of the profile's own o
 on two processes (profiling/cpu_speed_check.py; 1.0: as fast as when the profile was made).
 ``--fresh-profile`` first measures the machine as it is now into a copy of the profile (the
 three commands that made it, ~13 min) and plans and prices with the copy: profile, plan and run
-in one invocation, on one state of a shared machine.  ``--breakdown`` runs with the runtime's ``--profile`` and prints the forward / backward /
-communication / optimizer times beside the simulated ones (the profiler slows the steps a little).
+in one invocation, on one state of a shared machine.  ``--breakdown`` runs with the runtime's
+``--profile`` and prints the forward / backward / communication / optimizer times beside the
+simulated ones (the profiler slows the steps a little).
 """
 from __future__ import annotations
 
@@ -207,9 +208,12 @@ def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
 
 
 def _op_time_ratios(old: dict, new: dict) -> dict[str, float]:
-    """Per op kind, the median over the rows both profiles hold of new / old measured seconds."""
+    """Per op kind, the median over the rows both profiles hold of new / old measured seconds (a row
+    named as the speed check names it, cpu_speed_check._case_key)."""
+    from autopar.profiling.cpu_speed_check import _case_key
+
     def rows(p):
-        return {(r["kind"], r.get("variant"), r["dtype"], tuple(r["shape"])): r["measured_seconds"]
+        return {_case_key(r["kind"], r.get("variant"), r["dtype"], r["shape"]): r["measured_seconds"]
                 for r in p.get("op_table", []) if r.get("measured_seconds")}
     a, b = rows(old), rows(new)
     by_kind: dict[str, list[float]] = {}
