@@ -189,7 +189,8 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
             input_shapes=tuple(v.shape for v in op.ins), output_shape=op.outs[0].shape,
             dtype=dtype_name(op.outs[0].dtype), fwd_flops=c.fwd_flops, bwd_flops=c.bwd_flops,
             bytes_moved=c.bytes_moved, params=tuple(op.params), param_numel=numel,
-            saved_bytes=saved, output_bytes=out_bytes, copy_bytes=c.copy_bytes, causal=c.causal))
+            saved_bytes=saved, output_bytes=out_bytes, copy_bytes=c.copy_bytes, causal=c.causal,
+            requires_grad=op.facts.requires_grad))
         # the loss target is handed to the last stage directly: it crosses no layer boundary
         act_reads[op.facts.name] = [(v.ref, nbytes(v)) for v in op.ins
                                     if v.role == "act" and v.ref != LOSS_TARGET]

@@ -59,6 +59,8 @@ class OpNode:
     copy_bytes: float = 0.0                  # forward bytes written by copies its operands' strides force
     causal: bool = False                     # fused attention with is_causal: the FLOPs stay the full
                                              # square, a flash kernel skips the masked half (cost_model)
+    requires_grad: bool = True               # False: autograd records no backward for it (a mask or
+                                             # position built from shapes, an op on raw inputs only)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -124,7 +124,7 @@ CANONICAL: dict[str, str] = {
     "arange": "create", "ones": "create", "zeros": "create", "full": "create", "empty": "create",
     "new_ones": "create", "new_zeros": "create", "new_full": "create", "new_empty": "create",
     "ones_like": "create", "zeros_like": "create", "full_like": "create", "empty_like": "create",
-    "scalar_tensor": "create", "tensor": "create",
+    "scalar_tensor": "create", "tensor": "create", "empty_strided": "create",
     "tril": "tri", "triu": "tri",
 }
 
@@ -233,6 +233,10 @@ def cost(f: OpFacts) -> OpCost:
     in_bytes = sum(t.nbytes for t in f.inputs)
     out_bytes = sum(t.nbytes for t in f.outputs)
     identity = f.canon == "view" or (f.canon == "dropout" and fwd == 0.0)   # p = 0 or eval: returns its input
+    # torch.empty and kin allocate without a kernel (trace_walk.UNINITIALIZED)
+    identity = identity or bool(f.attrs.get("uninitialized"))
+    if f.canon == "baddbmm" and f.attrs.get("beta") == 0.0 and len(f.inputs) >= 3:
+        in_bytes -= f.inputs[0].nbytes          # beta = 0: the GEMM does not read C (cuBLAS, beta == 0)
     moved = 0.0 if identity else float(in_bytes + out_bytes)
     if f.canon == "embedding":    # a gather reads only the rows it returns
         moved = float(2 * out_bytes + f.inputs[0].nbytes)
@@ -295,7 +299,7 @@ def _matmul(f: OpFacts):
     k = a.shape[-1] if a.shape else 1
     fwd = 2.0 * f.out.numel * k
     bwd = _matmul_bwd(a, b, fwd)
-    if f.canon == "baddbmm":                                  # + beta * C
+    if f.canon == "baddbmm" and f.attrs.get("beta") != 0.0:  # + beta * C
         fwd += f.out.numel
     saved = (_act(a) if b.requires_grad else []) + (_act(b) if a.requires_grad else [])
     kind = "linear" if "param" in (a.role, b.role) else "matmul"

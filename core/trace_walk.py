@@ -127,6 +127,8 @@ class Walk:
         param_names = list(dict.fromkeys(v.fqn for v in ins if v.role == "param" and v.fqn))
         if all(o.role == "param" for o in outs):
             param_names = []                 # a view of a weight: its consumer owns the weight
+        if canon == "create" and UNINITIALIZED.intersection(str(target).split(".")):
+            attrs = {**(attrs or {}), "uninitialized": True}      # an allocation: no kernel writes it
         facts = OpFacts(name=name, canon=canon, inputs=[v.facts() for v in ins],
                         outputs=[o.facts() for o in outs], attrs=dict(attrs or {}))
         self.ops.append(TracedOp(facts=facts, target=target, module_path=module_path, ins=ins,
@@ -184,6 +186,10 @@ def order_operands(canon: str, ins: list[Val]) -> list[Val]:
     return ins
 
 
+#: the traced names of allocations: their memory is not written (``torch.empty`` and kin)
+UNINITIALIZED = frozenset({"empty", "new_empty", "empty_like", "empty_strided"})
+
+
 def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
     if canon == "dropout":
         return {"p": float(getattr(mod, "p", 0.0)), "train": mod.training}
@@ -199,6 +205,10 @@ def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
 
 
 def call_attrs(canon: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if canon == "baddbmm":
+        # beta is keyword-only in torch.baddbmm, Tensor.baddbmm and aten.baddbmm
+        beta = kwargs.get("beta", 1)
+        return {"beta": float(beta)} if isinstance(beta, (int, float)) else {}
     if canon == "einsum":
         eq = kwargs.get("equation", args[0] if args else None)
         return {"equation": eq} if isinstance(eq, str) else {}

@@ -302,7 +302,11 @@ class CostModel:
 
         Backward moves about twice the forward's bytes (it reads the saved activations and the
         output gradient and writes the input gradient, plus the weight gradient for linears).
+        An op autograd records no backward for (``requires_grad`` False: a mask or a position
+        built from shapes, an op on raw inputs only) runs nothing in backward.
         """
+        if backward and not getattr(op, "requires_grad", True):
+            return 0.0, False
         flops = (op.bwd_flops if backward else op.fwd_flops) * scale / shard
         nbytes = op.bytes_moved * bytes_scale * scale / shard * (2.0 if backward else 1.0)
         floor = self.overhead("op_backward_launch_s" if backward else "op_launch_s")
@@ -489,6 +493,10 @@ def gemm_shape(op, scale: float, shard: int, out_shard: int, backward: bool) -> 
     """
     shape = op.output_shape
     if op.kind not in ("linear", "matmul") or len(shape) < 2:
+        return None
+    if op.kind == "matmul" and "einsum" in str(getattr(op, "target", "")):
+        # an einsum's output dims come in the equation's order ("bhts,bshd->bthd" puts the
+        # batch between m and n), which the graph does not keep: no wave model, full waves
         return None
     if op.kind == "linear":
         m = scale

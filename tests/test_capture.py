@@ -406,3 +406,73 @@ def test_fused_attention_records_its_causal_mask():
     assert attn and all(o.causal for o in attn)
     assert attn[0].fwd_flops == pytest.approx(4.0 * 2 * 4 * 32 * 32 * 16)
     assert not any(o.causal for o in g.ops if o.kind != "attention")
+
+
+# ------------------------------------------------- ops that cost nothing, or less than they touch
+class _ScoresBlock(torch.nn.Module):
+    """Attention scores as Megatron-LM writes them: ``baddbmm`` into ``torch.empty`` with beta 0,
+    a causal mask built from shapes and added, and the product with V by matmul or by einsum."""
+
+    def __init__(self, use_einsum: bool):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.use_einsum = use_einsum
+
+    def forward(self, q_NSD, k_NDS, v_BSHD):
+        n, s, _ = q_NSD.shape
+        q = q_NSD * self.scale                                  # the grad source
+        buf = torch.empty(n, s, s, dtype=q.dtype, device=q.device)
+        scores = torch.baddbmm(buf, q, k_NDS, beta=0.0, alpha=0.5)
+        mask = torch.full((s, s), -1e4, device=q.device).triu(1)
+        probs = torch.softmax(scores + mask, dim=-1)            # [b*h, s, s]
+        b, _, h, _ = v_BSHD.shape
+        probs = probs.view(b, h, s, s)
+        if self.use_einsum:
+            return torch.einsum("bhts,bshd->bthd", probs, v_BSHD)
+        return torch.matmul(probs, v_BSHD.transpose(1, 2)).transpose(1, 2)
+
+
+def _scores_graph(use_einsum: bool, b: int = 2, h: int = 4, s: int = 64, d: int = 16):
+    with torch.device("meta"):
+        inputs = (torch.empty(b * h, s, d), torch.empty(b * h, d, s), torch.empty(b, s, h, d))
+        return capture(_ScoresBlock(use_einsum), inputs, model_name="scores", batch_size=b), (b, h, s, d)
+
+
+def test_allocation_and_beta_zero_move_no_bytes_and_shape_only_ops_have_no_backward():
+    from autopar.simulator.cost_model import CostModel
+
+    g, (b, h, s, d) = _scores_graph(use_einsum=False)
+    by_target = {}
+    for o in g.ops:
+        by_target.setdefault(o.target.split(".")[-2] if o.target.startswith("aten.") else o.target, []).append(o)
+    empty = [o for o in g.ops if "empty" in o.target]
+    assert empty and all(o.bytes_moved == 0 for o in empty)      # an allocation runs no kernel
+    bmm = next(o for o in g.ops if "baddbmm" in o.target)
+    # beta = 0: cuBLAS reads A and B and writes C, never reads C (closed form, fp32 bytes)
+    assert bmm.bytes_moved == 4 * (b * h * s * d * 2 + b * h * s * s)
+    assert bmm.fwd_flops == 2 * b * h * s * s * d
+    # the mask is built from shapes: real autograd records nothing for it, and neither may we
+    mask = torch.full((s, s), -1e4).triu(1)
+    assert not mask.requires_grad
+    tri = next(o for o in g.ops if "triu" in o.target)
+    assert tri.requires_grad is False
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    assert cm.op_time_ex(tri, "fp32", backward=True)[0] == 0.0
+    assert cm.op_time_ex(bmm, "fp32", backward=True)[0] > 0.0
+
+
+def test_an_einsum_product_is_priced_as_the_matmul_it_spells():
+    """The einsum's output comes in the equation's order ([b, t, h, d]); the GEMM is the same."""
+    from autopar.simulator.cost_model import CostModel
+
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    times = {}
+    for use in (True, False):
+        # 4 x 27 heads of 2048 x 128 outputs: 864 tiles of 256 x 128, 8 full waves on 108 SMs,
+        # so the matmul form pays no partial wave; kernels far above the launch floor
+        g, _ = _scores_graph(use, b=4, h=27, s=2048, d=128)
+        last = next(o for o in reversed(g.ops) if o.kind == "matmul")
+        times[use] = sum(cm.op_time_ex(last, "fp16", backward=bw, bytes_scale=0.5)[0] for bw in (False, True))
+        times[(use, "flops")] = last.fwd_flops
+    assert times[(True, "flops")] == times[(False, "flops")]
+    assert times[True] == pytest.approx(times[False], rel=0.05)
