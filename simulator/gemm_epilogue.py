@@ -13,8 +13,9 @@ share one K and reach their epilogues together, so the wave's output leaves at t
 bandwidth.  The cost a GEMM pays on top of its main loop is then its output bytes over the
 memory bandwidth -- a fixed cost per output element, so a small K (hidden sizes 768-2048, or
 tensor parallelism shrinking K) loses a larger share: relative to the main loop it is
-out_bytes * peak * eff / (2 K * bandwidth), about 179 / K on an A100 in bf16 with the main
-loop at 0.934 of peak (see ``main_loop_efficiency``).
+out_bytes * peak * eff / (2 K * bandwidth), about 250 / K on an A100 in bf16 with the main
+loop at 0.963 of peak and the stores at the profile's memory-bound 0.59 of the bandwidth (see
+``main_loop_efficiency``).
 
 Hopper's persistent warp-specialised kernels (CUTLASS 3.x "KernelTmaWarpSpecializedPingpong":
 one consumer warp group's epilogue runs while the other's main loop keeps the tensor cores

@@ -21,7 +21,9 @@ def _op(name, kind, module, layer, inputs, in_shapes, out_shape, fwd, bytes_move
 
 
 def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1,
-              with_embeddings: bool = True) -> OpGraph:
+              with_embeddings: bool = True, fused_softmax: bool = False) -> OpGraph:
+    """A GPT block stack as OpNodes; ``fused_softmax``: the causal mask is applied inside the
+    softmax kernel (Megatron-LM's scaled_upper_triang_masked_softmax), not as an op of its own."""
     b, s, h, a = batch, seq, hidden, heads
     d = h // a
     sbh = s * b * h
@@ -59,11 +61,13 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
             _op(n + "heads", "view", m + ".attn", li, [n + "qkv"], [(b, s, 3 * h)], (b, a, s, 3 * d), 0, 0, 0),
             _op(n + "scores", "matmul", m + ".attn", li, [n + "heads", n + "heads"], [(b, a, s, d), (b, a, d, s)],
                 (b, a, s, s), 2 * b * s * s * h, 2 * (2 * sbh + a * s * s * b), 4 * sbh),
+        ] + ([] if fused_softmax else [
             _op(n + "causal", "other", m + ".attn", li, [n + "ln1"], [(b, s, h)], (s, s), 0, 0, 0),
             _op(n + "mask", "elementwise", m + ".attn", li, [n + "scores", n + "causal"], [(b, a, s, s), (s, s)],
                 (b, a, s, s), a * s * s * b, 4 * a * s * s * b, 0),
-            _op(n + "softmax", "softmax", m + ".attn", li, [n + "mask"], [(b, a, s, s)], (b, a, s, s),
-                5 * a * s * s * b, 4 * a * s * s * b, 2 * a * s * s * b),
+        ]) + [
+            _op(n + "softmax", "softmax", m + ".attn", li, [n + "scores" if fused_softmax else n + "mask"],
+                [(b, a, s, s)], (b, a, s, s), 5 * a * s * s * b, 4 * a * s * s * b, 2 * a * s * s * b),
             _op(n + "attn_drop", "dropout", m + ".attn", li, [n + "softmax"], [(b, a, s, s)], (b, a, s, s),
                 2 * a * s * s * b, 5 * a * s * s * b, a * s * s * b),
             _op(n + "context", "matmul", m + ".attn", li, [n + "attn_drop", n + "heads"], [(b, a, s, s), (b, a, s, d)],

@@ -38,7 +38,7 @@ def test_megatron_table1(row):
 
     name, l, h, a, tp, pp, gpus, B, mb, schedule, published = row
     s, V = 2048, 51200
-    g = gpt_graph(l, h, a, s, V)
+    g = gpt_graph(l, h, a, s, V, fused_softmax=True)      # Megatron-LM's fused scale-mask-softmax
     # Megatron-LM keeps fp16 parameters and runs no torch.autocast (simulator/autocast.py)
     cm = CostModel.from_profile("a100-80gb-sxm").for_code(TrainingCode(autocast=autocast.OFF))
     cl = dgx_a100(gpus // 8)
