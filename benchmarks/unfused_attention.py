@@ -36,6 +36,7 @@ Writes benchmarks/results/unfused_attention.{txt,json}.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -95,18 +96,23 @@ class EagerAttention(nn.Module):
         return torch.einsum("bhts,bshd->bthd", probs, v)
 
 
-def price_point(cm, causal: bool, head_dim: int, batch: int, seq: int) -> dict:
-    """Predicted forward and backward seconds of one point, and its per-op parts."""
+@functools.lru_cache(maxsize=None)
+def _graph(causal: bool, head_dim: int, batch: int, seq: int):
+    """One point's attention captured on meta (the same for every profile and efficiency)."""
     from autopar.core.capture import capture
 
     heads = WIDTH // head_dim
     with torch.device("meta"):
         qkv = torch.empty(batch, seq, 3, heads, head_dim, dtype=torch.float16)
         model = EagerAttention(causal).to(torch.float16)
-    graph = capture(model, (qkv,), model_name="eager_attention", batch_size=batch)
+    return capture(model, (qkv,), model_name="eager_attention", batch_size=batch)
+
+
+def price_point(cm, causal: bool, head_dim: int, batch: int, seq: int) -> dict:
+    """Predicted forward and backward seconds of one point, and its per-op parts."""
     fwd = bwd = 0.0
     parts = []
-    for op in graph.ops:
+    for op in _graph(causal, head_dim, batch, seq).ops:
         if op.params:                       # the grad source, not part of the benchmark
             continue
         f, _ = cm.op_time_ex(op, "fp16")
@@ -122,15 +128,17 @@ def benchmark_flops(batch: int, seq: int, heads: int, head_dim: int, causal: boo
     return 3.5 * 4 * batch * seq ** 2 * heads * head_dim / (2 if causal else 1)
 
 
-def run(memory_bound: dict[str, float] | None = None) -> dict:
-    """Every point priced with the bundled profiles, or with ``memory_bound[profile]`` in place of
-    a profile's ``efficiency.memory_bound``."""
+def run(memory_bound: dict[str, float] | None = None, profiles: tuple[str, ...] = tuple(SOURCES)) -> dict:
+    """Every point of ``profiles`` priced with the bundled profiles, or with ``memory_bound[profile]``
+    in place of a profile's ``efficiency.memory_bound``."""
     from dataclasses import replace
 
     from autopar.simulator.cost_model import CostModel
 
     points = []
     for (profile, causal, head_dim), measured in MEASURED_TFLOPS.items():
+        if profile not in profiles:
+            continue
         cm = CostModel.from_profile(profile)
         if memory_bound and profile in memory_bound:
             cm = replace(cm, efficiency={**cm.efficiency, "memory_bound": memory_bound[profile]})
@@ -149,8 +157,7 @@ def implied_memory_bound(profile: str, lo: float = 0.2, hi: float = 1.0, steps: 
     """The ``efficiency.memory_bound`` at which the profile's points have a mean signed error of
     zero (bisection; the price falls monotonically as the efficiency rises)."""
     def mean_error(e: float) -> float:
-        pts = [p for p in run({profile: e})["points"] if p["profile"] == profile]
-        return statistics.fmean(p["error"] for p in pts)
+        return statistics.fmean(p["error"] for p in run({profile: e}, (profile,))["points"])
 
     for _ in range(steps):
         mid = 0.5 * (lo + hi)

@@ -442,9 +442,6 @@ def test_allocation_and_beta_zero_move_no_bytes_and_shape_only_ops_have_no_backw
     from autopar.simulator.cost_model import CostModel
 
     g, (b, h, s, d) = _scores_graph(use_einsum=False)
-    by_target = {}
-    for o in g.ops:
-        by_target.setdefault(o.target.split(".")[-2] if o.target.startswith("aten.") else o.target, []).append(o)
     empty = [o for o in g.ops if "empty" in o.target]
     assert empty and all(o.bytes_moved == 0 for o in empty)      # an allocation runs no kernel
     bmm = next(o for o in g.ops if "baddbmm" in o.target)

@@ -274,13 +274,11 @@ def test_unfused_attention_against_the_published_pytorch_reference(profile, caus
     points of each GPU for a zero mean error, so these single points hold within 15%; a capture or
     pricing change that moves them further (an allocation priced as a write, a backward charged to
     a mask, an einsum's GEMM mis-shaped) fails here."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "unfused_attention.py"
-    spec = importlib.util.spec_from_file_location("unfused_attention", path)
-    ua = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ua)
+    from plain_loop import load          # a file loaded as a module once, cached in sys.modules
+
+    ua = load(Path(__file__).resolve().parent.parent / "benchmarks" / "unfused_attention.py")
     batch, seq = 8, 2048
     p = ua.price_point(CostModel.from_profile(profile), causal, head_dim, batch, seq)
     flops = ua.benchmark_flops(batch, seq, ua.WIDTH // head_dim, head_dim, causal)
