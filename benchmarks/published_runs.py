@@ -394,49 +394,74 @@ def price_row(row: dict, graph_cache: dict) -> dict:
 # ------------------------------------------------------------------------------- fitting
 #: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
 SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.9, 1.0)
+#: the values of sharded_dp.SHARDED_RING_EFFICIENCY the fit tries; 0.85 is the profiles' all-reduce
+#: figure (collective_efficiency.inter), i.e. no term
+RING_GRID = (0.3, 0.33, 0.36, 0.39, 0.42, 0.45, 0.5, 0.6, 0.85)
 SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
 
 
-def fit_slowdown(errors_by_value: dict[float, list[tuple[str, float]]], ids: set[str]) -> float:
-    """The grid value whose median |error| over the rows ``ids`` is least (the smaller on a tie)."""
+def reads_ring_efficiency(row: dict) -> bool:
+    """Whether a sharded row's price reads SHARDED_RING_EFFICIENCY rather than the overlap slowdown
+    (simulator/sharded_dp.py, items 2 and 6): its data-parallel group spans nodes (the sharded rows
+    run dp over all their GPUs) on the node's aggregate network.  Every sharded row reads exactly
+    one of the two constants, so each is priced once per value of its own constant."""
+    c = row["cluster"]
+    return sharded_runtime(row).node_aggregate_rings and c["gpus"] > c["gpus_per_node"]
+
+
+def fit_constants(errors_by_value: dict, ids: set[str]):
+    """The grid value (a number or a tuple of numbers) whose median |error| over the rows ``ids``
+    is least (the smaller on a tie)."""
     def score(v):
         return statistics.median(abs(e) for rid, e in errors_by_value[v] if rid in ids)
     return min(sorted(errors_by_value), key=score)
 
 
 def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[str], dict]:
-    """Fit the overlap slowdown on each half's sharded rows, report the other half (and both)."""
+    """Fit the overlap slowdown and the ring efficiency together on each half's sharded rows,
+    report the other half (and both)."""
     from autopar.simulator import sharded_dp
 
     sharded = [r for r in rows if r["family"] in SHARDED_FAMILIES]
-    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN
-    by_value: dict[float, list] = {}
-    results_by_value: dict[float, list] = {}
+    ring_rows = [r for r in sharded if reads_ring_efficiency(r)]
+    slow_rows = [r for r in sharded if not reads_ring_efficiency(r)]
+    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY
+    by_slowdown, by_ring = {}, {}
     try:
         for v in SLOWDOWN_GRID:
             sharded_dp.NCCL_OVERLAP_SLOWDOWN = v
-            res = [price_row(r, cache) for r in sharded]
-            results_by_value[v] = res
-            by_value[v] = [(r["id"], r["error"]) for r in res]
+            by_slowdown[v] = [price_row(r, cache) for r in slow_rows]
+        sharded_dp.NCCL_OVERLAP_SLOWDOWN = saved[0]
+        for v in RING_GRID:
+            sharded_dp.SHARDED_RING_EFFICIENCY = v
+            by_ring[v] = [price_row(r, cache) for r in ring_rows]
     finally:
-        sharded_dp.NCCL_OVERLAP_SLOWDOWN = saved
+        sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = saved
+    results_by_pair = {(s, e): by_slowdown[s] + by_ring[e] for s in SLOWDOWN_GRID for e in RING_GRID}
+    errors_by_pair = {k: [(r["id"], r["error"]) for r in v] for k, v in results_by_pair.items()}
+
+    def table(pair, half):
+        return family_table([dict(r, half=halves[r["id"]]) for r in results_by_pair[pair] if halves[r["id"]] == half])
+
     lines, out = [], {}
     for fit_half, test_half in (("A", "B"), ("B", "A")):
-        ids = {r["id"] for r in sharded if halves[r["id"]] == fit_half}
-        v = fit_slowdown(by_value, ids)
-        test = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == test_half]
-        fitted = [dict(r, half=halves[r["id"]]) for r in results_by_value[v] if halves[r["id"]] == fit_half]
-        out[f"fit_{fit_half}"] = {"slowdown": v, "fitted_half": family_table(fitted), "held_back_half": family_table(test)}
-        lines += format_table(f"NCCL_OVERLAP_SLOWDOWN fitted on half {fit_half}: {v}; fitted half {fit_half}:",
-                              family_table(fitted))
-        lines += format_table(f"  ... held-back half {test_half}:", family_table(test))
-    for h in "AB":
-        base = [dict(r, half=halves[r["id"]]) for r in results_by_value[0.0] if halves[r["id"]] == h]
-        out[f"without_slowdown_{h}"] = family_table(base)
-        lines += format_table(f"without the overlap slowdown (0.0), half {h}:", family_table(base))
-    v_all = fit_slowdown(by_value, {r["id"] for r in sharded})
-    out["fit_all"] = v_all
-    lines.append(f"fitted on all sharded rows: {v_all} (sharded_dp.NCCL_OVERLAP_SLOWDOWN = {saved} in the code)")
+        pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == fit_half})
+        out[f"fit_{fit_half}"] = {"slowdown": pair[0], "ring_efficiency": pair[1],
+                                  "fitted_half": table(pair, fit_half), "held_back_half": table(pair, test_half)}
+        lines += format_table(f"fitted on half {fit_half}: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY "
+                              f"{pair[1]}; fitted half {fit_half}:", table(pair, fit_half))
+        lines += format_table(f"  ... held-back half {test_half}:", table(pair, test_half))
+    for name, pair in (("without the ring term (ring efficiency 0.85, the all-reduce figure), slowdown "
+                        f"{saved[0]}", (saved[0], 0.85)),
+                       ("without the overlap slowdown (0.0), ring efficiency " f"{saved[1]}", (0.0, saved[1])),
+                       ("without either (slowdown 0.0, ring efficiency 0.85)", (0.0, 0.85))):
+        for h in "AB":
+            out[f"{name.split(' (')[0].replace(' ', '_')}_{h}"] = table(pair, h)
+            lines += format_table(f"{name}, half {h}:", table(pair, h))
+    pair = fit_constants(errors_by_pair, {r["id"] for r in sharded})
+    out["fit_all"] = {"slowdown": pair[0], "ring_efficiency": pair[1]}
+    lines.append(f"fitted on all sharded rows: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY {pair[1]} "
+                 f"(in the code: {saved[0]}, {saved[1]})")
     return lines, out
 
 
@@ -456,7 +481,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="price only rows whose id contains this")
     ap.add_argument("--refresh-data", action="store_true", help="rebuild the project's copy from ../shared/validation")
     ap.add_argument("--fit", action="store_true",
-                    help="also fit the overlap slowdown on each half and report the other (slow: 13 passes)")
+                    help="also fit the overlap slowdown and the ring efficiency on each half and report the other")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared validation file (default {SHARED})")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()

@@ -113,8 +113,9 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
 def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
     """A function adding to a sharded layer's LayerCost what the simulator adds to whole plans'
     rows (simulator/sharded_dp.py: FSDP2's copy-out and copy-in, the NCCL overlap slowdown, the
-    fp32 reduce-scatter), so the tables rank FSDP choices as the full price will; None where
-    those terms do not apply (a CPU profile's ranks take turns: evaluator._sharded_dp)."""
+    fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
+    choices as the full price will; None where those terms do not apply (a CPU profile's ranks
+    take turns: evaluator._sharded_dp)."""
     from autopar.simulator import cpu_node, sharded_dp
     from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero, layer_cost_row
     from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
@@ -124,13 +125,17 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
         return None
     n = len(LAYER_COST_FIELDS)
     factor = sharded_dp.reduce_scale(precision, cm.code.reduce_bytes)
+    dp = evaluator.links(mesh).dp
+    terms = sharded_dp.collective_terms(cm.code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps, dp.link.latency_s,
+                                        evaluator.cluster.inter_node.bandwidth_GBps,
+                                        cm.collective_efficiency.get("inter", 1.0))
 
     def add(lc, lp: LayerPlan):
         row = np.array(layer_cost_row(lc) + (float(effective_zero(lp.zero, mesh)),
                                              1.0 if lp.offload == "cpu" else 0.0,
                                              float(RECOMPUTE_CODE[lp.recompute])))
         out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
-                                            cm.efficiency.get("memory_bound", 1.0), factor, cm.code.sharded)
+                                            cm.efficiency.get("memory_bound", 1.0), factor, **terms)
         return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})
 
     return add

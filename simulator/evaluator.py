@@ -601,9 +601,10 @@ class PlanEvaluator:
 
 def _memo_settings() -> tuple:
     """The module constant the per-layer terms read when called (_LayerMemo's values hold for one
-    value): the fitted overlap slowdown, which benchmarks/published_runs.py --fit varies.  The
-    training code they also read is fixed for an evaluator (its cost models' ``code``)."""
-    return (sharded_dp.NCCL_OVERLAP_SLOWDOWN,)
+    value): the fitted overlap slowdown and ring efficiency, which benchmarks/published_runs.py
+    --fit varies.  The training code they also read is fixed for an evaluator (its cost models'
+    ``code``)."""
+    return (sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY)
 
 
 def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) -> LayerTable:
@@ -612,18 +613,19 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) ->
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    # the arguments depend on the context and the training code priced (cm.code): worked out
-    # once per context
-    args = ctx.sharded_args
-    if args is None:
+    # the arguments depend on the context, the training code priced (cm.code) and the module
+    # constants (_memo_settings): worked out once per context and constants
+    settings = _memo_settings()
+    if ctx.sharded_args is None or ctx.sharded_args[0] != settings:
         dp, code = ctx.links.dp, cm.code
-        args = ctx.sharded_args = (
+        ctx.sharded_args = (settings,
             (COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0)),
-            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, code.reduce_bytes), runtime=code.sharded,
-                 bandwidth_scale=sharded_dp.gather_bandwidth_scale(code.sharded, dp.level,
-                                                                   dp.link.bandwidth_GBps, per_gpu_network_GBps),
-                 latency_s=(dp.size - 1) * dp.link.latency_s))
-    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args[0], **args[1]))
+            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, code.reduce_bytes),
+                 **sharded_dp.collective_terms(code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps,
+                                               dp.link.latency_s, per_gpu_network_GBps,
+                                               cm.collective_efficiency.get("inter", 1.0))))
+    _, args, kwargs = ctx.sharded_args
+    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args, **kwargs))
 
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES

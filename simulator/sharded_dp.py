@@ -24,8 +24,33 @@ What this module adds:
    Distributed Deep Learning Training Platforms", ISCA: overlapped GEMMs slowed by the
    collectives' SM and memory use).  Priced as: each second of compute that runs under a
    collective takes ``1 + NCCL_OVERLAP_SLOWDOWN`` seconds (``overlap_slowdown_s``).  The
-   constant is the one free parameter of this module; benchmarks/published_runs.py --fit fits
-   it on one half of the published runs and reports the other half, both ways.
+   constant is one of this module's two free parameters; benchmarks/published_runs.py --fit fits
+   them on one half of the published runs and reports the other half, both ways.
+
+   Which collectives it applies to (``overlap_slowdown``): those that stream at the speed of the
+   node's own links -- a group within one node, over NVLink (hundreds of GB/s through each GPU's
+   HBM, on as many channels as the NVLink rings take), and DeepSpeed's per-GPU gathers (item 4).
+   A ring that spans nodes on the node's aggregate network (FSDP1, FSDP2: simulator/network.py)
+   is paced by the network adapters: its kernels move at most the GPU's share of the node's
+   network through HBM (12.5 GB/s on the IBM H100 rows' 800 Gb/s nodes, under 0.4% of an H100's
+   HBM bandwidth) and spend the collective waiting on the network, so the compute under it is not
+   slowed here; what such a ring costs is its own length (item 6).
+
+6. What a sharded collective over nodes reaches.  The profiles' ``collective_efficiency.inter``
+   (0.85 of the node's network) is an all-reduce figure: the "average bus bandwidth" of an
+   nccl-tests all-reduce sweep over 3 nodes (NVIDIA/nccl-tests issue #119, simulator/network.py).
+   The all-gathers and reduce-scatters of sharded data parallelism over tens of nodes reach less:
+   one published measurement on 32 nodes of 8 H100 (eight 400 Gb/s adapters a node, 2 GB
+   messages) gave all-reduce 340 GB/s of bus bandwidth and all-gather 200 GB/s -- 0.85 and 0.5 of
+   the node's 400 GB/s network (NVIDIA/nccl issue #1218; that run forced 16 channels).  NCCL runs
+   all-gather and reduce-scatter on rings only, where all-reduce can take its trees, whose
+   inter-node traffic per node does not grow with the ring.  Priced as: over a group that spans
+   nodes on the node's aggregate network, a sharded all-gather or reduce-scatter reaches
+   ``SHARDED_RING_EFFICIENCY`` of the node's network (``gather_bandwidth_scale``).  The
+   constant is fitted by benchmarks/published_runs.py --fit with the overlap slowdown (item 2), on
+   one half of the published runs, and reported on the other, both ways; the measurement above
+   is what it is checked against, not where it comes from.  DeepSpeed's per-GPU gathers (item 4b)
+   keep the figure their own rows imply.
 
 3. The reduce dtype.  The rows price a reduce-scatter at the gradients' training precision (2
    bytes under bf16 / fp16); the runtime reduces them in fp32 (runtime/apply_dp.py,
@@ -135,7 +160,12 @@ import numpy as np
 #: item 2).  Fitted by ``python benchmarks/published_runs.py --fit`` on the sharded-data-parallel
 #: rows of the published runs; the value below is the fit on all of them, and the benchmark prints
 #: what each half's fit does on the other half (benchmarks/results/published_runs.txt).
-NCCL_OVERLAP_SLOWDOWN = 0.55
+NCCL_OVERLAP_SLOWDOWN = 0.5
+
+#: the fraction of the node's network a sharded all-gather or reduce-scatter reaches on a ring over
+#: nodes (item 6).  Fitted by ``python benchmarks/published_runs.py --fit`` with
+#: NCCL_OVERLAP_SLOWDOWN; the value below is the fit on all sharded rows.
+SHARDED_RING_EFFICIENCY = 0.39
 
 
 
@@ -168,12 +198,38 @@ FSDP1_TORCH_2_2 = ShardedRuntime("fsdp1-torch-2.2", regather_for_recompute=False
                                  copy_out=False, grad_concat_on_compute=True, reduce_prep_passes=1)
 
 
-def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float) -> float:
-    """Factor on the bandwidth part of a sharded collective's time: the node-aggregate ring's
-    bandwidth over one GPU's share where the runtime does not reach the aggregate (item 4b)."""
-    if runtime.node_aggregate_rings or level != "inter" or per_gpu_GBps <= 0:
+def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float,
+                           inter_efficiency: float, ring_efficiency: float | None = None) -> float:
+    """Factor on the bandwidth part of a sharded collective's time, over the price of the rows
+    (the group's link at the profile's ``inter_efficiency`` for a group over nodes): on a ring
+    over nodes the node's network at ``ring_efficiency`` (item 6; default
+    SHARDED_RING_EFFICIENCY), and where the runtime does not reach the node's aggregate, the
+    aggregate ring's bandwidth over one GPU's share (item 4b)."""
+    if level != "inter":
+        return 1.0
+    if runtime.node_aggregate_rings:
+        ring_efficiency = SHARDED_RING_EFFICIENCY if ring_efficiency is None else ring_efficiency
+        return max(1.0, inter_efficiency / ring_efficiency)
+    if per_gpu_GBps <= 0:
         return 1.0
     return max(1.0, ring_GBps / per_gpu_GBps)
+
+
+def overlap_slowdown(runtime: ShardedRuntime, level: str, slowdown: float | None = None) -> float:
+    """The overlap slowdown (item 2) of compute under a runtime's sharded collectives at ``level``:
+    none under a ring over nodes on the node's aggregate network, paced by the network."""
+    if level == "inter" and runtime.node_aggregate_rings:
+        return 0.0
+    return NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
+
+
+def collective_terms(runtime: ShardedRuntime, level: str, group_size: int, link_GBps: float, link_latency_s: float,
+                     per_gpu_GBps: float, inter_efficiency: float) -> dict:
+    """``with_sharded_dp_costs``'s keyword arguments for a data-parallel group: the slowdown, the
+    bandwidth scale and the ring latency ((N-1) alpha) of its collectives (items 2, 4b, 6)."""
+    return dict(runtime=runtime, slowdown=overlap_slowdown(runtime, level),
+                bandwidth_scale=gather_bandwidth_scale(runtime, level, link_GBps, per_gpu_GBps, inter_efficiency),
+                latency_s=(group_size - 1) * link_latency_s)
 
 
 def reduce_scale(precision: str, reduce_bytes: float) -> float:
@@ -269,10 +325,9 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
 
 
 def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
-                       memory_efficiency: float, reduce_factor: float = 1.0,
-                       runtime: ShardedRuntime = FSDP2) -> np.ndarray:
+                       memory_efficiency: float, reduce_factor: float = 1.0, **terms) -> np.ndarray:
     """``with_sharded_dp_costs`` for one layer whose neighbours are like it (the planner's
     per-layer tables price a layer alone): the middle of three copies of its row, so the gather
-    it computes under is its own size."""
+    it computes under is its own size.  ``terms``: ``collective_terms`` of the plan's group."""
     return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
-                                 reduce_factor=reduce_factor, runtime=runtime)[1]
+                                 reduce_factor=reduce_factor, **terms)[1]

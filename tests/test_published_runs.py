@@ -58,8 +58,8 @@ def test_error_sign_and_family_summary(bench):
 
 def test_fit_picks_least_median_on_its_half(bench):
     by_value = {0.0: [("a", 0.3), ("b", 0.2)], 0.5: [("a", 0.05), ("b", 0.4)]}
-    assert bench.fit_slowdown(by_value, {"a"}) == 0.5
-    assert bench.fit_slowdown(by_value, {"b"}) == 0.0
+    assert bench.fit_constants(by_value, {"a"}) == 0.5
+    assert bench.fit_constants(by_value, {"b"}) == 0.0
 
 
 def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
@@ -152,3 +152,28 @@ def test_table1_rows_run_the_papers_scripts(bench, rows, size, micro_batch, chun
         plan = bench.row_plan(row, capture_model_file(path, small, lay["micro_batch"]), bench.row_cluster(row))
         assert plan.pipeline.schedule == ("interleaved" if chunks > 1 else "1f1b")
         assert len(plan.pipeline.stages) == lay["pp"] * chunks
+
+
+def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
+    """The fit prices each sharded row once per value of the constant it reads
+    (``reads_ring_efficiency``): a row on a ring over nodes does not move with the overlap slowdown,
+    a row within one node (or on DeepSpeed's per-GPU gathers) not with the ring efficiency."""
+    from autopar.simulator import sharded_dp
+
+    ring, node, zero3 = (rows[i] for i in ("ibm_fsdp_llama2_7B_a100_128gpu", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
+                                          "megatron21_t2_ZeRO-3_174.6B_384gpu"))
+    assert bench.reads_ring_efficiency(ring) and not bench.reads_ring_efficiency(node)
+    assert not bench.reads_ring_efficiency(zero3)
+    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY
+    cache: dict = {}
+    try:
+        steps = {}
+        for s, e in ((0.0, 0.3), (1.0, 0.3), (0.0, 0.85)):
+            sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = s, e
+            steps[s, e] = [bench.price_row(r, cache)["predicted_step_s"] for r in (ring, node, zero3)]
+    finally:
+        sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = saved
+    assert steps[0.0, 0.3][0] == steps[1.0, 0.3][0]                                # the ring row: efficiency only
+    assert steps[0.0, 0.3][0] > steps[0.0, 0.85][0]
+    for k in (1, 2):                                                                  # the others: slowdown only
+        assert steps[0.0, 0.3][k] == steps[0.0, 0.85][k] < steps[1.0, 0.3][k]

@@ -117,9 +117,12 @@ def _cases():
         yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False,
                            id="late-cpu-" + _name(kw) + f"-v{kw['v']}")
     # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
-    # the formula; interleaved with unequal chunks does not
+    # the formula; interleaved with unequal chunks does not, nor interleaved where the layers'
+    # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, layer_cost.effective_zero;
+    # over the two nodes its gathers take 167 us against an 80 us forward, sharded_dp.py item 6:
+    # the trace ends 0.7 us after the formula)
     for kw in [k for k in EXACT + LATE if k["pp"] > 1]:
-        late = kw["schedule"] == "interleaved" and kw["pp"] == 4
+        late = kw["schedule"] == "interleaved" and (kw["pp"] == 4 or kw["zero"] == 1)
         yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), megatron, not late,
                            id=("late-" if late else "") + "megatron-" + _name(kw))
 
