@@ -402,11 +402,13 @@ SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
 
 def reads_ring_efficiency(row: dict) -> bool:
     """Whether a sharded row's price reads SHARDED_RING_EFFICIENCY rather than the overlap slowdown
-    (simulator/sharded_dp.py, items 2 and 6): its data-parallel group spans nodes (the sharded rows
-    run dp over all their GPUs) on the node's aggregate network.  Every sharded row reads exactly
+    (simulator/sharded_dp.py ``network_paced``, items 2 and 6; the sharded rows run dp over all
+    their GPUs, so their group spans nodes where the row does).  Every sharded row reads exactly
     one of the two constants, so each is priced once per value of its own constant."""
+    from autopar.simulator import sharded_dp
+
     c = row["cluster"]
-    return sharded_runtime(row).node_aggregate_rings and c["gpus"] > c["gpus_per_node"]
+    return sharded_dp.network_paced(sharded_runtime(row), "inter" if c["gpus"] > c["gpus_per_node"] else "intra")
 
 
 def fit_constants(errors_by_value: dict, ids: set[str]):
@@ -446,18 +448,22 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
     lines, out = [], {}
     for fit_half, test_half in (("A", "B"), ("B", "A")):
         pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == fit_half})
+        fitted, held = table(pair, fit_half), table(pair, test_half)
         out[f"fit_{fit_half}"] = {"slowdown": pair[0], "ring_efficiency": pair[1],
-                                  "fitted_half": table(pair, fit_half), "held_back_half": table(pair, test_half)}
+                                  "fitted_half": fitted, "held_back_half": held}
         lines += format_table(f"fitted on half {fit_half}: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY "
-                              f"{pair[1]}; fitted half {fit_half}:", table(pair, fit_half))
-        lines += format_table(f"  ... held-back half {test_half}:", table(pair, test_half))
-    for name, pair in (("without the ring term (ring efficiency 0.85, the all-reduce figure), slowdown "
-                        f"{saved[0]}", (saved[0], 0.85)),
-                       ("without the overlap slowdown (0.0), ring efficiency " f"{saved[1]}", (0.0, saved[1])),
-                       ("without either (slowdown 0.0, ring efficiency 0.85)", (0.0, 0.85))):
+                              f"{pair[1]}; fitted half {fit_half}:", fitted)
+        lines += format_table(f"  ... held-back half {test_half}:", held)
+    for key, name, pair in (
+            ("without_the_ring_term", f"without the ring term (ring efficiency 0.85, the all-reduce figure), "
+                                      f"slowdown {saved[0]}", (saved[0], 0.85)),
+            ("without_the_overlap_slowdown", f"without the overlap slowdown (0.0), ring efficiency {saved[1]}",
+             (0.0, saved[1])),
+            ("without_either", "without either (slowdown 0.0, ring efficiency 0.85)", (0.0, 0.85))):
         for h in "AB":
-            out[f"{name.split(' (')[0].replace(' ', '_')}_{h}"] = table(pair, h)
-            lines += format_table(f"{name}, half {h}:", table(pair, h))
+            t = table(pair, h)
+            out[f"{key}_{h}"] = t
+            lines += format_table(f"{name}, half {h}:", t)
     pair = fit_constants(errors_by_pair, {r["id"] for r in sharded})
     out["fit_all"] = {"slowdown": pair[0], "ring_efficiency": pair[1]}
     lines.append(f"fitted on all sharded rows: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY {pair[1]} "

@@ -207,7 +207,7 @@ def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float
     aggregate ring's bandwidth over one GPU's share (item 4b)."""
     if level != "inter":
         return 1.0
-    if runtime.node_aggregate_rings:
+    if network_paced(runtime, level):
         ring_efficiency = SHARDED_RING_EFFICIENCY if ring_efficiency is None else ring_efficiency
         return max(1.0, inter_efficiency / ring_efficiency)
     if per_gpu_GBps <= 0:
@@ -215,12 +215,16 @@ def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float
     return max(1.0, ring_GBps / per_gpu_GBps)
 
 
-def overlap_slowdown(runtime: ShardedRuntime, level: str, slowdown: float | None = None) -> float:
+def network_paced(runtime: ShardedRuntime, level: str) -> bool:
+    """Whether a runtime's sharded collectives at ``level`` run on a ring over nodes on the node's
+    aggregate network: priced at SHARDED_RING_EFFICIENCY and slowing no compute (items 2, 6)."""
+    return level == "inter" and runtime.node_aggregate_rings
+
+
+def overlap_slowdown(runtime: ShardedRuntime, level: str) -> float:
     """The overlap slowdown (item 2) of compute under a runtime's sharded collectives at ``level``:
-    none under a ring over nodes on the node's aggregate network, paced by the network."""
-    if level == "inter" and runtime.node_aggregate_rings:
-        return 0.0
-    return NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
+    none under a ring over nodes, paced by the network (``network_paced``)."""
+    return 0.0 if network_paced(runtime, level) else NCCL_OVERLAP_SLOWDOWN
 
 
 def collective_terms(runtime: ShardedRuntime, level: str, group_size: int, link_GBps: float, link_latency_s: float,
