@@ -8,7 +8,10 @@ stages of transformer blocks, the Megatron column/row split on every layer.  For
 global batch 2304, full recompute; micro-batch and schedule as its script ran them, or faster).  Prints, per case, the planner's
 predicted throughput over the grid's best (>= 1.0 means the planner is at least as fast).
 
-    python benchmarks/planner_vs_grid.py [--time-budget 40] [--only NAME]
+    python benchmarks/planner_vs_grid.py [--time-budget 40] [--only NAME] [--wider K]
+
+``--wider K`` gives the search K times its default breadth (settings assembled, MCMC iterations,
+MCMC starts): whether a longer search finds faster plans than the default one returns.
 """
 from __future__ import annotations
 
@@ -101,7 +104,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-budget", type=float, default=40.0)
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
+    ap.add_argument("--wider", type=int, default=1,
+                    help="search K times as many settings, MCMC iterations and MCMC starts as the default")
     args = ap.parse_args()
+    base = PlanOptions(global_batch=1)
+    breadth = dict(num_screened=base.num_screened * args.wider, mcmc_iterations=base.mcmc_iterations * args.wider,
+                   mcmc_starts=base.mcmc_starts * args.wider)
     print(f"{'case':<26} {'grid best (s)':>13} {'planner (s)':>12} {'ratio':>6}  grid config / planner mesh")
     for name, margs, cname, nodes, gb in CASES:
         if args.only and args.only not in name:
@@ -112,7 +120,7 @@ def main() -> None:
         t0 = time.perf_counter()
         grid_s, cfg, n = grid_best(graph, cluster, cms, gb)
         grid_time = time.perf_counter() - t0
-        res = search(graph, cluster, cms, PlanOptions(global_batch=gb, time_budget_s=args.time_budget))
+        res = search(graph, cluster, cms, PlanOptions(global_batch=gb, time_budget_s=args.time_budget, **breadth))
         p = res.best.plan
         ratio = grid_s / res.best.step_time_s
         print(f"{name:<26} {grid_s:>13.3f} {res.best.step_time_s:>12.3f} {ratio:>6.3f}  {cfg} ({n} configs, "

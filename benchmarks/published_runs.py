@@ -411,11 +411,19 @@ def reads_ring_efficiency(row: dict) -> bool:
     return sharded_dp.network_paced(sharded_runtime(row), "inter" if c["gpus"] > c["gpus_per_node"] else "intra")
 
 
-def fit_constants(errors_by_value: dict, ids: set[str]):
-    """The grid value (a number or a tuple of numbers) whose median |error| over the rows ``ids``
-    is least (the smaller on a tie)."""
+#: what a fit minimises over the rows of its half (``fit_constants``): the median |error| is the
+#: benchmark's criterion; the others are printed beside it to show how firmly a half's rows fix
+#: the constants (least absolute deviations and least squares, the two textbook estimators)
+LOSSES = {"median": lambda errors: statistics.median(abs(e) for e in errors),
+          "absolute": lambda errors: statistics.fmean(abs(e) for e in errors),
+          "squared": lambda errors: statistics.fmean(e * e for e in errors)}
+
+
+def fit_constants(errors_by_value: dict, ids: set[str], loss: str = "median"):
+    """The grid value (a number or a tuple of numbers) whose ``LOSSES[loss]`` over the errors of
+    the rows ``ids`` is least (the smaller value on a tie)."""
     def score(v):
-        return statistics.median(abs(e) for rid, e in errors_by_value[v] if rid in ids)
+        return LOSSES[loss]([e for rid, e in errors_by_value[v] if rid in ids])
     return min(sorted(errors_by_value), key=score)
 
 
@@ -464,6 +472,17 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
             t = table(pair, h)
             out[f"{key}_{h}"] = t
             lines += format_table(f"{name}, half {h}:", t)
+    lines.append("the same cross-fit under the other losses (LOSSES), held-back half only:")
+    out["other_losses"] = {}
+    for loss in ("absolute", "squared"):
+        out["other_losses"][loss] = {}
+        for fit_half, test_half in (("A", "B"), ("B", "A")):
+            pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == fit_half}, loss)
+            held = table(pair, test_half)
+            out["other_losses"][loss][f"fit_{fit_half}"] = {"slowdown": pair[0], "ring_efficiency": pair[1],
+                                                           "held_back_half": held}
+            lines += format_table(f"  {loss} loss, fitted on half {fit_half}: NCCL_OVERLAP_SLOWDOWN {pair[0]}, "
+                                  f"SHARDED_RING_EFFICIENCY {pair[1]}; held-back half {test_half}:", held)
     pair = fit_constants(errors_by_pair, {r["id"] for r in sharded})
     out["fit_all"] = {"slowdown": pair[0], "ring_efficiency": pair[1]}
     lines.append(f"fitted on all sharded rows: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY {pair[1]} "

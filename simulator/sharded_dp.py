@@ -25,7 +25,12 @@ What this module adds:
    collectives' SM and memory use).  Priced as: each second of compute that runs under a
    collective takes ``1 + NCCL_OVERLAP_SLOWDOWN`` seconds (``overlap_slowdown_s``).  The
    constant is one of this module's two free parameters; benchmarks/published_runs.py --fit fits
-   them on one half of the published runs and reports the other half, both ways.
+   them on one half of the published runs and reports the other half, both ways.  The fitted
+   value is above what a published characterisation measured (Lee et al. 2025, arXiv
+   2507.03114, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+   Learning": compute overlapped with communication on 4 A100 / H100 slowed 18.9% on average and
+   40% at most), so it stands for more than the kernels' contention; docs/validation.md, "How
+   firmly the halves fix the overlap slowdown", says what the rows let it absorb.
 
    Which collectives it applies to (``overlap_slowdown``): those that stream at the speed of the
    node's own links -- a group within one node, over NVLink (hundreds of GB/s through each GPU's

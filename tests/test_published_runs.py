@@ -62,6 +62,20 @@ def test_fit_picks_least_median_on_its_half(bench):
     assert bench.fit_constants(by_value, {"b"}) == 0.0
 
 
+def test_fit_losses_weigh_one_large_error_differently(bench):
+    # one row far off at 0.0 and two exact; at 0.5 all three a little off (by hand: median 0 /
+    # 0.12, mean |e| 0.1 / 0.12, mean e^2 0.03 / 0.0144)
+    by_value = {0.0: [("a", 0.0), ("b", 0.0), ("c", 0.3)], 0.5: [("a", 0.12), ("b", -0.12), ("c", 0.12)]}
+    ids = {"a", "b", "c"}
+    assert bench.fit_constants(by_value, ids) == 0.0
+    assert bench.fit_constants(by_value, ids, "absolute") == 0.0
+    assert bench.fit_constants(by_value, ids, "squared") == 0.5
+    # two rows a little off beat one row far off under least absolute deviations, not under the median
+    by_value = {0.0: [("a", 0.0), ("b", 0.0), ("c", 0.3)], 0.5: [("a", 0.05), ("b", 0.05), ("c", 0.05)]}
+    assert bench.fit_constants(by_value, ids) == 0.0
+    assert bench.fit_constants(by_value, ids, "absolute") == 0.5
+
+
 def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
     # Narayanan et al. 2021 Table 2, ZeRO-3 without model parallelism, GPT 174.6B, batch 1536:
     # 144 / 88 / 44 TFLOP/s per GPU on 384 / 768 / 1536 GPUs, Eq. 3 FLOPs by hand
