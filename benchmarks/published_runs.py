@@ -453,10 +453,16 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
     def table(pair, half):
         return family_table([dict(r, half=halves[r["id"]]) for r in results_by_pair[pair] if halves[r["id"]] == half])
 
+    def fit_on(half, loss="median"):
+        """(the pair fitted on ``half`` under ``loss``, the other half, its table there)"""
+        pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == half}, loss)
+        other = "B" if half == "A" else "A"
+        return pair, other, table(pair, other)
+
     lines, out = [], {}
-    for fit_half, test_half in (("A", "B"), ("B", "A")):
-        pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == fit_half})
-        fitted, held = table(pair, fit_half), table(pair, test_half)
+    for fit_half in "AB":
+        pair, test_half, held = fit_on(fit_half)
+        fitted = table(pair, fit_half)
         out[f"fit_{fit_half}"] = {"slowdown": pair[0], "ring_efficiency": pair[1],
                                   "fitted_half": fitted, "held_back_half": held}
         lines += format_table(f"fitted on half {fit_half}: NCCL_OVERLAP_SLOWDOWN {pair[0]}, SHARDED_RING_EFFICIENCY "
@@ -476,9 +482,8 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
     out["other_losses"] = {}
     for loss in ("absolute", "squared"):
         out["other_losses"][loss] = {}
-        for fit_half, test_half in (("A", "B"), ("B", "A")):
-            pair = fit_constants(errors_by_pair, {r["id"] for r in sharded if halves[r["id"]] == fit_half}, loss)
-            held = table(pair, test_half)
+        for fit_half in "AB":
+            pair, test_half, held = fit_on(fit_half, loss)
             out["other_losses"][loss][f"fit_{fit_half}"] = {"slowdown": pair[0], "ring_efficiency": pair[1],
                                                            "held_back_half": held}
             lines += format_table(f"  {loss} loss, fitted on half {fit_half}: NCCL_OVERLAP_SLOWDOWN {pair[0]}, "
