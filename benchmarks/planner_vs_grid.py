@@ -107,9 +107,8 @@ def main() -> None:
     ap.add_argument("--wider", type=int, default=1,
                     help="search K times as many settings, MCMC iterations and MCMC starts as the default")
     args = ap.parse_args()
-    base = PlanOptions(global_batch=1)
-    breadth = dict(num_screened=base.num_screened * args.wider, mcmc_iterations=base.mcmc_iterations * args.wider,
-                   mcmc_starts=base.mcmc_starts * args.wider)
+    # PlanOptions' defaults, K times (a dataclass keeps a field's default as its class attribute)
+    breadth = {k: getattr(PlanOptions, k) * args.wider for k in ("num_screened", "mcmc_iterations", "mcmc_starts")}
     print(f"{'case':<26} {'grid best (s)':>13} {'planner (s)':>12} {'ratio':>6}  grid config / planner mesh")
     for name, margs, cname, nodes, gb in CASES:
         if args.only and args.only not in name:
