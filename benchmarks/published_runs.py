@@ -157,9 +157,12 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
             "measured": measured,
         })
     rows += _ibm_h100_rows(rows)
+    rows += mpt_table_rows(rows)
     return {"about": "Figures of published training runs (throughput, layout, model and cluster) with their "
                      "sources, copied from ../shared/validation/published_runs.json (and the H100 columns of "
-                     "the IBM/Meta FSDP blog's Table 1) by benchmarks/published_runs.py --refresh-data.", "rows": rows}
+                     "the IBM/Meta FSDP blog's Table 1, and the rest of llm-foundry's A100 80GB table, "
+                     "benchmarks/data/mpt_a100_80gb.csv) by benchmarks/published_runs.py --refresh-data.",
+            "rows": rows}
 
 
 #: Runs the shared file does not hold: the H100 columns of the IBM/Meta FSDP blog's Table 1
@@ -184,6 +187,48 @@ def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
             "layout": {"dp": 96, "tp": 1, "pp": 1, "micro_batch": 2, "global_batch": 192, "recompute": rec,
                        "reduce_bytes": REDUCE_BYTES, "autocast": "off"},
             "measured": {"metric": "tokens_per_s_per_gpu", "value": tps, "mfu": mfu, "hfu": hfu}})
+    return out
+
+
+#: Every row of llm-foundry's A100 80GB table (MPT_TABLE's source), of which the shared file holds 12
+MPT_TABLE = ROOT / "benchmarks" / "data" / "mpt_a100_80gb.csv"
+
+
+def mpt_table_rows(rows: list[dict], table: Path = MPT_TABLE) -> list[dict]:
+    """The rows of llm-foundry's A100 80GB table (``MPT_TABLE``) that ``rows`` do not hold, as
+    rows of the project's copy: each size's dimensions from the held rows of that size, the run's
+    sequence length, micro-batch, global batch, checkpointing and precision from the table, on
+    nodes of 8 GPUs with 1600 Gb/s each.  A table row that ``rows`` already hold (by id) must agree
+    with it on the measured figures."""
+    import csv
+
+    held = {r["id"]: r for r in rows}
+    by_size = {r["model"]["name"].split("-", 1)[1]: r for r in rows if r["model"].get("mpt")}
+    lines = [ln for ln in table.read_text().splitlines() if not ln.startswith("#")]
+    out = []
+    for t in csv.DictReader(lines):
+        seq, gpus, mb = int(t["seq_len"]), int(t["gpus"]), int(t["micro_batch"])
+        rid = f"mpt_a100_80gb_{t['size']}_seq{seq}_{gpus}gpu_mbs{mb}"
+        measured = {"metric": "tokens_per_s_per_gpu", "value": int(t["tokens_per_s_per_gpu"]),
+                    "mfu": float(t["mfu_pct"]) / 100, "hfu": float(t["hfu_pct"]) / 100}
+        if rid in held:
+            if held[rid]["measured"] != measured:
+                raise SystemExit(f"{table.name}: row {rid} disagrees with the shared file's "
+                                 f"({measured} against {held[rid]['measured']})")
+            continue
+        base = by_size[t["size"]]
+        recompute = "full" if t["activation_checkpointing"] == "True" else "none"
+        assert t["sharding"] == "FULL_SHARD" and gpus % 8 == 0, t
+        out.append({
+            "id": rid, "family": "FSDP", "gpu": "a100",
+            "source": {**base["source"], "location": base["source"]["location"] + ", every row (benchmarks/data/"
+                                                                                  + table.name + ")"},
+            "model": {**base["model"], "seq_len": seq},
+            "cluster": {"gpus": gpus, "gpus_per_node": 8, "inter_node_GBps_per_gpu": 1600 / 8 / 8},
+            "layout": {"dp": gpus, "tp": 1, "pp": 1, "micro_batch": mb, "global_batch": int(t["global_batch"]),
+                       "recompute": recompute, "reduce_bytes": REDUCE_BYTES,
+                       "autocast": _autocast({"precision": f"{t['precision']} (MP mode {t['mp_mode']})"})},
+            "measured": measured})
     return out
 
 
@@ -310,15 +355,20 @@ def row_plan(row: dict, graph, cluster):
 def sharded_runtime(row: dict):
     """The sharded-data-parallel implementation a row's run used (simulator/sharded_dp.py, items 4
     and 5): the ZeRO-3 rows ran DeepSpeed of April 2021; the FSDP rows PyTorch's FSDP1
-    (``FullyShardedDataParallel``), llm-foundry's MPT runs as torch 1.13 ran it (the
-    mosaicml/pytorch:1.13.1 image, ``attention_kernel``), fms-fsdp's as the nightlies after 2.2
-    did (the IBM/Meta blog's training details); PTD-P rows shard nothing (FSDP2, unused)."""
+    (``FullyShardedDataParallel``) as torch 2 runs it -- fms-fsdp's on the nightlies after 2.2 (the
+    IBM/Meta blog's training details), llm-foundry's MPT table on torch 2.1: the table of
+    ``MPT_TABLE``'s revision was written by mosaicml/llm-foundry b2a43a147 (#543, 2023-10-19), whose
+    ``scripts/train/benchmarking/sweep.sh`` submits every A100 80GB run with
+    ``IMAGE="mosaicml/pytorch:2.1.0_cu121-python3.10-ubuntu20.04"`` (the table's earlier revisions,
+    5f43bf16..c6cfb428, ran the 1.13.1 image and other figures).  FSDP1's terms priced here (item 5)
+    are the same in 2.1 and 2.2 (the pad of item 5b went in November 2022, PR #88769).  PTD-P rows
+    shard nothing (FSDP2, unused)."""
     from autopar.simulator import sharded_dp
 
     if row["family"] == "ZeRO-3":
         return sharded_dp.DEEPSPEED_ZERO3_2021
     if row["family"] == "FSDP":
-        return sharded_dp.FSDP1_TORCH_1_13 if row["model"].get("mpt") else sharded_dp.FSDP1_TORCH_2_2
+        return sharded_dp.FSDP1_TORCH_2_2
     return sharded_dp.FSDP2
 
 
@@ -332,13 +382,21 @@ def pipeline_runtime(family: str):
 
 def attention_kernel(row: dict) -> str:
     """The flash-attention kernel a row's run used (profile ``attention_kernels``): llm-foundry's MPT
-    runs used its Triton FlashAttention (scripts/train/benchmarking/submit_benchmarks.py,
-    ``--attn_impl`` default ``triton``, on the mosaicml/pytorch:1.13.1 image, whose PyTorch has no
-    flash SDPA); fms-fsdp's runs PyTorch's SDPA, FlashAttention-2 (the source's attention field).
-    Megatron-LM's 2021 rows run no fused attention (examples/gpt.py ``attention="megatron"``)."""
+    runs used ``attn_impl: triton`` (``submit_benchmarks.py`` default at b2a43a147, which the sweep
+    does not override), i.e. ``llmfoundry/models/layers/flash_attn_triton.py``
+    (``triton_flash_attn_fn``), a copy of flash-attention's own ``flash_attn_triton.py``.  No
+    published benchmark times that kernel; its docstring says that its forward is generally faster
+    and its backward slower than FlashAttention's CUDA kernel, forward and backward together
+    "slightly slower" -- so it is priced at FlashAttention (v1)'s published rates (``flash``), the
+    nearest measured figure, a little optimistic by its author's account.  (The "Triton" bars of the
+    FlashAttention-2 paper time another kernel: OpenAI Triton's ``triton.ops.flash_attention``,
+    ``attention_triton`` in flash-attention 4f285b35 ``benchmarks/benchmark_causal.py``; profile
+    ``flash_triton``.)  fms-fsdp's runs used PyTorch's SDPA, FlashAttention-2 (the source's
+    attention field).  Megatron-LM's 2021 rows run no fused attention (examples/gpt.py
+    ``attention="megatron"``)."""
     from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
 
-    return "flash_triton" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
+    return "flash" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
 
 
 def optimizer_runtime(row: dict):

@@ -40,6 +40,31 @@ def test_mpt_row_step_and_mfu(bench, rows):
     assert row["measured"]["mfu"] == pytest.approx(0.4445)
 
 
+def test_mpt_table_rows_from_the_readme_figures(bench, rows, tmp_path):
+    """Rows built from llm-foundry's A100 80GB table (benchmarks/data/mpt_a100_80gb.csv) against the
+    README's own figures, by hand; a table row the shared file also holds must agree with it."""
+    mpt = [r for r in rows.values() if r["id"].startswith("mpt_")]
+    assert len(mpt) == 61 and len({r["id"] for r in mpt}) == 61
+    # README row "7b | 65536 | 8 | a100_80gb | 46.97 | 62.63 | ... | 1 | 2 | 16 | 0 | 8108 | 1013 |
+    # 1048576 | amp_bf16 | DEFAULT | FULL_SHARD | True": 16 sequences of 65536 at 1013 tokens/s/GPU on 8
+    row = rows["mpt_a100_80gb_7b_seq65536_8gpu_mbs1"]
+    assert bench.measured_step_s(row) == pytest.approx(16 * 65536 / (1013 * 8), rel=1e-12)
+    assert row["layout"] == {"dp": 8, "tp": 1, "pp": 1, "micro_batch": 1, "global_batch": 16, "recompute": "full",
+                             "reduce_bytes": 2.0, "autocast": "fp32_params"}
+    assert row["model"]["seq_len"] == 65536 and row["model"]["hidden"] == 4096 and row["model"]["layers"] == 32
+    assert row["measured"]["hfu"] == pytest.approx(0.6263)
+    # "70b | 2048 | 32 | ... | 2 | 16 | 1024 | ... | 373 | ... | bf16 | PURE": bf16 parameters, 4 nodes
+    row = rows["mpt_a100_80gb_70b_seq2048_32gpu_mbs2"]
+    assert row["layout"]["autocast"] == "low_params" and row["cluster"]["gpus"] == 32
+    assert bench.measured_step_s(row) == pytest.approx(1024 * 2048 / (373 * 32), rel=1e-12)
+    # the MPT rows of the shared file are rows of the table: a disagreeing figure is refused
+    shared_13b = dict(rows["mpt_a100_80gb_13b_seq2048_8gpu_mbs2"])
+    shared_13b["measured"] = dict(shared_13b["measured"], value=2263)
+    base = [r for r in rows.values() if r["id"] != "mpt_a100_80gb_13b_seq2048_8gpu_mbs2"]
+    with pytest.raises(SystemExit, match="13b_seq2048_8gpu_mbs2 disagrees"):
+        bench.mpt_table_rows(base + [shared_13b])
+
+
 def test_error_sign_and_family_summary(bench):
     # predicted step 0.8 s for a measured 1.0 s: the simulator promises 25% more throughput
     assert bench.throughput_error(0.8, 1.0) == pytest.approx(0.25)
@@ -102,17 +127,18 @@ def test_rows_priced_near_the_published_step(bench, rows, rid):
 
 
 def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp1(bench, rows):
-    """The ZeRO-3 rows ran DeepSpeed of 2021; every FSDP row ran FSDP1 (FullyShardedDataParallel):
-    llm-foundry's MPT rows on torch 1.13, fms-fsdp's Llama-2 rows on the nightlies after 2.2; the
-    planner's plans are priced as FSDP2, what autopar's runtime runs (sharded_dp.py items 4, 5)."""
+    """The ZeRO-3 rows ran DeepSpeed of 2021; every FSDP row ran FSDP1 (FullyShardedDataParallel)
+    on torch 2: llm-foundry's MPT table on the 2.1 image (its sweep.sh at b2a43a147), fms-fsdp's
+    Llama-2 rows on the nightlies after 2.2; the planner's plans are priced as FSDP2, what
+    autopar's runtime runs (sharded_dp.py items 4, 5)."""
     from autopar.simulator import sharded_dp
     from autopar.simulator.training_code import AUTOPAR
 
     assert bench.sharded_runtime(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"]) is sharded_dp.DEEPSPEED_ZERO3_2021
     fsdp = [r for r in rows.values() if r["family"] == "FSDP"]
-    assert len(fsdp) == 19
+    assert len(fsdp) == 69               # 61 MPT (llm-foundry's A100 80GB table), 4 + 4 IBM/Meta
+    want = sharded_dp.FSDP1_TORCH_2_2
     for r in fsdp:
-        want = sharded_dp.FSDP1_TORCH_1_13 if r["id"].startswith("mpt_") else sharded_dp.FSDP1_TORCH_2_2
         assert bench.row_code(r).sharded is want, r["id"]
         assert not want.copy_out and want.grad_concat_on_compute
     assert AUTOPAR.sharded is sharded_dp.FSDP2             # what every plan of the planner is priced as
@@ -138,11 +164,12 @@ def test_megatron_rows_run_its_fp16_optimizer(bench, rows):
 
 
 def test_rows_run_their_attention_kernel(bench, rows):
-    """llm-foundry's MPT runs used its Triton FlashAttention, fms-fsdp's PyTorch SDPA (FlashAttention-2,
-    also what autopar's runtime runs)."""
+    """llm-foundry's MPT runs used its copy of flash-attention's Triton kernel, priced at FlashAttention
+    (v1)'s published rates (its author: "slightly slower" than that kernel); fms-fsdp's PyTorch SDPA
+    (FlashAttention-2, also what autopar's runtime runs)."""
     from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
 
-    assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash_triton"
+    assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash"
     assert bench.attention_kernel(rows["ibm_fsdp_llama2_7B_a100_128gpu"]) == DEFAULT_ATTENTION_KERNEL == "flash2"
 
 
