@@ -358,9 +358,10 @@ def sharded_runtime(row: dict):
     (``FullyShardedDataParallel``) as torch 2 runs it -- fms-fsdp's on the nightlies after 2.2 (the
     IBM/Meta blog's training details), llm-foundry's MPT table on torch 2.1: the table of
     ``MPT_TABLE``'s revision was written by mosaicml/llm-foundry b2a43a147 (#543, 2023-10-19), whose
-    ``scripts/train/benchmarking/sweep.sh`` submits every A100 80GB run with
-    ``IMAGE="mosaicml/pytorch:2.1.0_cu121-python3.10-ubuntu20.04"`` (the table's earlier revisions,
-    5f43bf16..c6cfb428, ran the 1.13.1 image and other figures).  FSDP1's terms priced here (item 5)
+    ``scripts/train/benchmarking/sweep.sh`` submits the A100 80GB runs with ``--image $IMAGE``,
+    ``IMAGE="mosaicml/pytorch:2.1.0_cu121-python3.10-ubuntu20.04"`` (four 7B lines name
+    ``$IMAGE0`` / ``$IMAGE1``, set nowhere in the script; the table's earlier revisions,
+    5f43bf16..c6cfb428, ran the 1.13.1 image and had other figures).  FSDP1's terms priced here (item 5)
     are the same in 2.1 and 2.2 (the pad of item 5b went in November 2022, PR #88769).  PTD-P rows
     shard nothing (FSDP2, unused)."""
     from autopar.simulator import sharded_dp
