@@ -190,7 +190,7 @@ def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
     return out
 
 
-#: Every row of llm-foundry's A100 80GB table (MPT_TABLE's source), of which the shared file holds 12
+#: Every row of llm-foundry's A100 80GB table (61 runs), of which the shared file holds 11
 MPT_TABLE = ROOT / "benchmarks" / "data" / "mpt_a100_80gb.csv"
 
 
