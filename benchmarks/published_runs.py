@@ -416,16 +416,31 @@ def optimizer_runtime(row: dict):
     return optimizer_step.MEGATRON_FP16_2021
 
 
+def recompute_early_stop(row: dict) -> bool:
+    """Whether a row's activation checkpointing stops its recompute at the last saved tensor
+    (simulator/layer_cost.py ``_recompute``): non-reentrant ``torch.utils.checkpoint`` on PyTorch
+    2.1 or later does.  The FSDP rows ran it: llm-foundry's pretraining yamls at b2a43a147 set
+    ``activation_checkpointing_reentrant: false`` (``scripts/train/yamls/pretrain/mpt-*.yaml``),
+    which composer turns into ``checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT)``
+    (``composer/trainer/dist_strategy.py``), on torch 2.1; fms-fsdp 7746dac wraps its blocks the same
+    way (``fms_fsdp/policies/ac_handler.py``) on the nightlies after 2.2.  Megatron-LM of 2021 (the
+    PTD-P rows, and the Megatron-LM the ZeRO-3 rows ran under DeepSpeed) checkpoints with its own
+    reentrant ``CheckpointFunction`` (NVIDIA/Megatron-LM 6985e58938 ``megatron/mpu/random.py``: the
+    backward reruns the whole forward under ``enable_grad``)."""
+    return row["family"] == "FSDP"
+
+
 def row_code(row: dict):
     """The training code a row's run used, as the simulator prices it (simulator/training_code.py):
     its sharded data parallelism, its gradients' reduce dtype, its exchange between pipeline
-    stages, its optimizer step, its ops' dtypes and its attention kernel."""
+    stages, its optimizer step, its ops' dtypes, its attention kernel and its recompute."""
     from autopar.simulator.training_code import TrainingCode
 
     family, lay = row["family"], row["layout"]
     return TrainingCode(sharded=sharded_runtime(row), reduce_bytes=lay["reduce_bytes"],
                         p2p=pipeline_runtime(family), optimizer=optimizer_runtime(row),
-                        autocast=lay["autocast"], attention_kernel=attention_kernel(row))
+                        autocast=lay["autocast"], attention_kernel=attention_kernel(row),
+                        recompute_early_stop=recompute_early_stop(row))
 
 
 def price_row(row: dict, graph_cache: dict) -> dict:

@@ -14,10 +14,12 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
 ``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, layer_tables.fold_layer_cost):
 
 * it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
-  (overlap.compute_per_pass), and that compute is least without recompute: recompute only adds
-  (a full recompute reruns the whole forward inside backward, of which the outputs it no longer
-  records are a part; a selective one reruns the cheap ops; both add the checkpoint wrapper's
-  per-op overheads -- simulator/layer_cost._recompute);
+  (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
+  selective recompute only adds (it reruns the cheap ops and adds the checkpoint wrapper's per-op
+  overheads), while a full one that stops early (simulator/layer_cost._recompute) reruns the
+  forward up to its last saved tensor and no longer records the outputs of the forward it
+  checkpoints -- on a CPU profile, whose autograd recording costs per byte, that can come to a
+  little less than no recompute, so the floor is the lesser of the two;
 * the ZeRO stage and offload within one family leave the compute as it is: the autocast mode
   and FSDP's per-unit overhead depend on whether the stage that runs is 2 or more, which one
   family's strategies share (ddp: 0; zero1: 1, run as ZeRO-2 under tp or pp for every layer
@@ -62,13 +64,17 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
         for split in splits:
             key = (signatures[i], split)
             if key not in memo:
-                lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
-                               recompute="none", offload="none")
-                lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
-                fwd, bwd = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, 0.0, lc.bwd_s, lc.tp_comm_bwd_s)
-                floor = fwd + bwd
-                if zero_family == "fsdp":
-                    floor = max(floor, lc.dp_allgather_s + lc.dp_reducescatter_s)
+                floor = math.inf
+                for recompute in ("none", "full"):
+                    lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
+                                   recompute=recompute, offload="none")
+                    lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
+                    fwd, bwd = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, lc.recompute_s, lc.bwd_s,
+                                                lc.tp_comm_bwd_s)
+                    compute = fwd + bwd
+                    if zero_family == "fsdp":
+                        compute = max(compute, lc.dp_allgather_s + lc.dp_reducescatter_s)
+                    floor = min(floor, compute)
                 memo[key] = floor
             best = min(best, memo[key])
         out[i] = best

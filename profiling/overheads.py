@@ -37,7 +37,10 @@ linear under ``no_grad`` measured 0.16 ms):
 * ``recompute_{full,selective}_{fwd,bwd}_per_op_s``: what the runtime's checkpoint wrapper
   (runtime/recompute.py) adds per op of the wrapped module, beyond re-running its forward: a
   tiny pre-norm MLP block (norm, linear, GELU, linear, residual add: 5 ops) plain and wrapped,
-  forward, and backward less one forward (the recompute itself, priced from the op table).  The
+  forward, and backward less what the recompute reruns (priced from the op table: for the full
+  wrapper the forward up to the last saved tensor -- norm, linear, GELU; profiles measured before
+  this rule subtracted the whole forward, so their backward figure is low by the projection's and
+  the add's forward over 5, two tiny ops' dispatch; for the selective one the whole forward).  The
   non-reentrant wrapper packs and unpacks every saved tensor through hooks; the selective one
   also runs its policy in a dispatch mode on every ATen op, forward and recompute -- on this
   2-core CPU ~0.1 ms an op, more than the ops of a small block cost (a GPT block of hidden 128:
@@ -169,12 +172,16 @@ def _recompute(device, t) -> dict[str, float]:
     plain = _ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device)
     pf, pb = _fwd_bwd_times(plain, x, t)
     out = {}
+    # what a full recompute reruns: the forward up to the block's last saved tensor, the output
+    # projection's operands, packed before its kernel runs (simulator/layer_cost.py _recompute):
+    # norm, linear and GELU, not the projection or the residual add
+    rerun = t(lambda: plain.act(plain.fc(plain.norm(x))))
     for mode in ("full", "selective"):
         wrapped = wrap_for_recompute(_ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device), mode)
         wf, wb = _fwd_bwd_times(wrapped, x, t)
         out[f"recompute_{mode}_fwd_per_op_s"] = (wf - pf) / RECOMPUTE_BLOCK_OPS
         # the backward re-runs the forward (priced from the op table): only what is beyond it
-        out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - pf) / RECOMPUTE_BLOCK_OPS
+        out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - (rerun if mode == "full" else pf)) / RECOMPUTE_BLOCK_OPS
     return out
 
 

@@ -22,6 +22,11 @@ from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.topology import MeshLinks
 
 MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
+#: kinds whose backward needs only their inputs (and weight): autograd saves those before the op's
+#: kernel runs (the generated ``VariableType`` code builds an op's ``SavedVariable`` inputs, and so
+#: calls the saved-tensor pack hook, before it redispatches to the kernel), so a recompute that
+#: stops at such an op's saved tensors never runs its kernel (``_recompute``)
+SAVES_INPUTS_ONLY = frozenset({"linear", "matmul", "conv"})
 
 
 @dataclass(frozen=True)
@@ -101,22 +106,24 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     tp = mesh.tp
     sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
 
-    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale)
+    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
+                    layer.module_paths)
     _add_module_overheads(work, cm)
-    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes)
+    early_stop = lp.recompute == "full" and cm.code.recompute_early_stop
+    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes,
+                           work.early_stop_skipped_ops if early_stop else frozenset())
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes)
 
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
     # between meetings (cpu_node.with_meeting_waits)
-    meetings = (len(layout.collectives) + (tpc.fwd_meetings if lp.recompute == "full" else 0)) if tp > 1 else 0
+    meetings = (len(layout.collectives) + rec.tp_meetings) if tp > 1 else 0
     meetings += dp.meetings
     # the device's own work shares the node's compute slots (the host optimizer runs on the host)
     fwd_s = work.fwd_s * compute_stretch
     bwd_s = work.bwd_s * compute_stretch
-    recompute_s = (rec.recompute_s - tpc.fwd_s) * compute_stretch + tpc.fwd_s if lp.recompute == "full" \
-        else rec.recompute_s * compute_stretch
+    recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
     optimizer_s = dp.optimizer_s if lp.offload == "cpu" else dp.optimizer_s * compute_stretch
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
@@ -127,7 +134,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
         fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,
-        tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + (tpc.wire_fwd if lp.recompute == "full" else 0.0),
+        tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + rec.tp_wire,
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
         num_estimated=work.estimated + tpc.estimated + dp.estimated)
@@ -146,6 +153,9 @@ class _OpWork:
     saved_bytes: float = 0.0               # kept for backward
     matmul_output_bytes: float = 0.0       # outputs of MATMUL_KINDS (what selective recompute keeps)
     autograd_kept_s: float = 0.0           # the per-byte autograd part: outputs kept for backward
+    early_stop_skipped_s: float = 0.0      # forward time of the ops a recompute that stops early skips
+    early_stop_skipped_flops: float = 0.0
+    early_stop_skipped_ops: frozenset = frozenset()
     param_names: set[str] = field(default_factory=set)       # parameter tensors of the layer
     dtensor_params: set[str] = field(default_factory=set)    # ... held as DTensors by tensor parallelism
     num_tp_modules: int = 0
@@ -156,10 +166,13 @@ class _OpWork:
 
 
 def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, cm: CostModel,
-             scale: float, act_scale: float) -> _OpWork:
+             scale: float, act_scale: float, units: tuple[str, ...] = ()) -> _OpWork:
     """Compute: each op's forward and backward time from the cost model, with the autograd
-    recording cost of ops that keep tensors for backward; FLOPs, parameters and activations."""
+    recording cost of ops that keep tensors for backward; FLOPs, parameters and activations.
+    ``units``: the layer's top-level modules, each of which a recompute wraps on its own (the
+    ops a recompute that stops early skips are found per unit, ``_recompute``)."""
     w = _OpWork()
+    tails: dict[str, list] = {}            # unit -> [seconds, FLOPs, op names] since its last saver
     tp = mesh.tp
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
@@ -181,6 +194,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0
         bscale *= _autocast.bytes_factor(op.kind, op_variant(op.kind, str(op.target)), amp) if floating else 1.0  # autocast bytes
+        t_fwd = 0.0
         if op.fwd_flops > 0 or op.bytes_moved > 0 or op.copy_bytes > 0:
             w.priced_ops += 1
             osh = layout.output_shard.get(op.name, 1)
@@ -192,6 +206,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
                 t += autograd_op + kept
                 w.autograd_kept_s += kept
             w.fwd_s += t
+            t_fwd = t
             w.measured += m
             w.estimated += not m
             if op.kind not in MATMUL_KINDS:
@@ -203,14 +218,31 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
             w.estimated += not m
         elif op.kind == "view" and cm.host_dispatch_bound:
             # no kernel, but the host thread dispatches it (and autograd records it) each pass
-            w.fwd_s += cm.overhead("op_launch_s")
+            t_fwd = cm.overhead("op_launch_s")
+            w.fwd_s += t_fwd
             w.bwd_s += cm.overhead("op_backward_launch_s")
+        unit = next((u for u in units if op.module_path == u or op.module_path.startswith(u + ".")), None)
+        if unit is not None:
+            # the tail of the unit since its last op that saves tensors for backward, that op included
+            # where it saves only its inputs (SAVES_INPUTS_ONLY): what an early-stopped recompute skips
+            flops = op.fwd_flops * scale / shard
+            # (a matmul saves its operands even where the graph counts their bytes at another op)
+            if getattr(op, "requires_grad", True) and (op.kind in SAVES_INPUTS_ONLY or op.saved_bytes > 0):
+                tails[unit] = [t_fwd, flops, [op.name]] if op.kind in SAVES_INPUTS_ONLY else [0.0, 0.0, []]
+            else:
+                tail = tails.setdefault(unit, [0.0, 0.0, []])
+                tail[0] += t_fwd
+                tail[1] += flops
+                tail[2].append(op.name)
         w.fwd_flops += op.fwd_flops * scale / shard
         w.bwd_flops += op.bwd_flops * scale / shard
         w.param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
         w.saved_bytes += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
         if op.kind in MATMUL_KINDS:
             w.matmul_output_bytes += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
+    w.early_stop_skipped_s = sum(t[0] for t in tails.values())
+    w.early_stop_skipped_flops = sum(t[1] for t in tails.values())
+    w.early_stop_skipped_ops = frozenset(n for t in tails.values() for n in t[2])
     return w
 
 
@@ -239,15 +271,22 @@ class _TensorParallelComm:
     wire_fwd: float = 0.0                  # bytes this device sends for them
     wire_bwd: float = 0.0
     fwd_meetings: int = 0                  # forward collectives: the ranks meet at each
+    # the forward collectives on the outputs of the ops an early-stopped recompute skips
+    skipped_fwd_s: float = 0.0
+    skipped_wire: float = 0.0
+    skipped_meetings: int = 0
     measured: int = 0
     estimated: int = 0
 
 
 def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, scale: float, act_scale: float,
-                     node_processes: int | None) -> _TensorParallelComm:
+                     node_processes: int | None, skipped_ops: frozenset = frozenset()) -> _TensorParallelComm:
     """Tensor parallelism: the collectives the layout puts after the split modules (Shoeybi et
     al. 2019, Sec. 3: f/g all-reduces; with sequence parallelism all-gather/reduce-scatter pairs,
-    Korthikanti et al. 2022, Sec. 4.2.2), on the tensor-parallel group's link."""
+    Korthikanti et al. 2022, Sec. 4.2.2), on the tensor-parallel group's link.  ``skipped_ops``:
+    the ops a recompute that stops early does not run; the all-reduce or reduce-scatter of such
+    an op's output does not run in it either (an all-gather of its input, issued before the op,
+    does)."""
     c = _TensorParallelComm()
     for coll in layout.collectives:
         nbytes = coll.bytes * scale * act_scale
@@ -259,6 +298,10 @@ def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks,
             c.wire_fwd += wire
             c.fwd_s += t
             c.fwd_meetings += 1
+            if coll.at in skipped_ops and coll.kind in ("all_reduce", "reduce_scatter"):
+                c.skipped_fwd_s += t
+                c.skipped_wire += wire
+                c.skipped_meetings += 1
         else:
             c.wire_bwd += wire
             c.bwd_s += t
@@ -271,6 +314,9 @@ class _Recompute:
     recompute_flops: float
     activation_bytes: float                # kept for backward per micro-batch
     transient_bytes: float                 # materialised again during this layer's backward
+    tp_s: float = 0.0                      # the tp collectives in recompute_s
+    tp_wire: float = 0.0                   # ... the bytes this device sends for them
+    tp_meetings: int = 0                   # ... where the ranks meet
 
 
 def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_bytes: float,
@@ -279,11 +325,27 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
     input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
     reruns the cheap ops between them.  Adjusts ``w``: a checkpointed forward keeps nothing, and
     the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
-    selective policy's dispatch mode on every op)."""
+    selective policy's dispatch mode on every op).
+
+    A full recompute by non-reentrant ``torch.utils.checkpoint`` (``cm.code.recompute_early_stop``)
+    stops once it has rebuilt the last tensor the forward saved for backward: its recomputation
+    hook counts the tensors packed and raises ``_StopRecomputationError`` at the last
+    (torch/utils/checkpoint.py, ``_recomputation_hook``; on by default since PyTorch 2.1,
+    pytorch/pytorch PR #96866, "Make early stop the default for checkpoint").  So the ops after a
+    wrapped module's last saving op never rerun, nor does that op's kernel where it saves only its
+    inputs (SAVES_INPUTS_ONLY): in a transformer block the MLP's output projection and the residual
+    add after it -- a third of the block's matmul FLOPs at an MLP ratio of 4.  A reentrant
+    checkpoint (an ``autograd.Function`` that reruns the forward under ``enable_grad``) has no such
+    stop."""
     saved = w.saved_bytes
     if lp.recompute == "full":
-        out = _Recompute(w.fwd_s + tpc.fwd_s, w.fwd_flops,
-                         min(saved, layer_input_bytes) if saved > 0 else layer_input_bytes, saved)
+        early = cm.code.recompute_early_stop
+        skip_s = w.early_stop_skipped_s if early else 0.0
+        tp_s = tpc.fwd_s - (tpc.skipped_fwd_s if early else 0.0)
+        out = _Recompute(w.fwd_s - skip_s + tp_s, w.fwd_flops - (w.early_stop_skipped_flops if early else 0.0),
+                         min(saved, layer_input_bytes) if saved > 0 else layer_input_bytes, saved,
+                         tp_s=tp_s, tp_wire=tpc.wire_fwd - (tpc.skipped_wire if early else 0.0),
+                         tp_meetings=tpc.fwd_meetings - (tpc.skipped_meetings if early else 0))
         w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
     elif lp.recompute == "selective":
         activation = min(saved, layer_input_bytes + w.matmul_output_bytes)

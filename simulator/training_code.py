@@ -17,7 +17,9 @@ names the module that owns its mechanism:
 * ``autocast``: None to run each layer as the runtime does (simulator/autocast.py), or one of
   autocast.py's modes for every layer;
 * ``attention_kernel``: the flash-attention kernel a fused attention runs (the profile's
-  ``attention_kernels``, simulator/cost_model.py ``fused_attention_s``).
+  ``attention_kernels``, simulator/cost_model.py ``fused_attention_s``);
+* ``recompute_early_stop``: whether a full recompute stops once it has rebuilt the last tensor the
+  layer's backward needs (simulator/layer_cost.py ``_recompute``).
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ class TrainingCode:
     optimizer: OptimizerRuntime = TORCH_ADAMW
     autocast: str | None = None
     attention_kernel: str = DEFAULT_ATTENTION_KERNEL
+    #: non-reentrant ``torch.utils.checkpoint`` (runtime/recompute.py's ``checkpoint_wrapper``,
+    #: torch 2.1 on) stops a layer's recompute at its last saved tensor; a reentrant checkpoint
+    #: (Megatron-LM's and DeepSpeed's ``CheckpointFunction`` of 2021) reruns the whole forward
+    recompute_early_stop: bool = True
 
 
 #: autopar's runtime (runtime/): what every plan the planner writes is priced as

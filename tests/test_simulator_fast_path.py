@@ -38,7 +38,7 @@ def _random_table(rng: np.random.Generator, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("runtime,bandwidth_scale", [(sharded_dp.FSDP2, 1.0), (sharded_dp.FSDP2, 3.0),
                                                      (sharded_dp.DEEPSPEED_ZERO3_2021, 2.5),
-                                                     (sharded_dp.FSDP1_TORCH_1_13, 1.0)])
+                                                     (sharded_dp.FSDP1_TORCH_2_2, 1.0)])
 def test_sharded_dp_rows_are_local(runtime, bandwidth_scale):
     """Row k of with_sharded_dp_costs reads rows k-1, k, k+1 only; its successor columns row k alone."""
     rng = np.random.default_rng(3)

@@ -93,8 +93,12 @@ def test_simulate_and_evaluate_agree(kw):
 def test_reprice_changes_only_changed_layers():
     from dataclasses import replace
 
+    from autopar.simulator.training_code import TrainingCode
+
     g = gpt_graph(24, 1024, 16, 1024, 8000)
-    cm = CostModel.from_profile(PROFILE)
+    # a recompute that reruns the whole forward (a reentrant checkpoint; the runtime's stops early,
+    # layer_cost._recompute), so that the closed form below is one forward
+    cm = CostModel.from_profile(PROFILE).for_code(TrainingCode(recompute_early_stop=False))
     ev = PlanEvaluator(g, _cluster(), cm)
     plan = config_plan(g, dp=2, tp=4, pp=1, micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
