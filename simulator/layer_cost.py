@@ -106,12 +106,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     tp = mesh.tp
     sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
 
-    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
-                    layer.module_paths)
-    _add_module_overheads(work, cm)
+    # a full recompute that stops early (_recompute): what it skips is found only where it applies
     early_stop = lp.recompute == "full" and cm.code.recompute_early_stop
-    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes,
-                           work.early_stop_skipped_ops if early_stop else frozenset())
+    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
+                    layer.module_paths if early_stop else ())
+    _add_module_overheads(work, cm)
+    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes)
 
@@ -169,8 +169,9 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
              scale: float, act_scale: float, units: tuple[str, ...] = ()) -> _OpWork:
     """Compute: each op's forward and backward time from the cost model, with the autograd
     recording cost of ops that keep tensors for backward; FLOPs, parameters and activations.
-    ``units``: the layer's top-level modules, each of which a recompute wraps on its own (the
-    ops a recompute that stops early skips are found per unit, ``_recompute``)."""
+    ``units``: the layer's top-level modules, each of which a recompute wraps on its own, where
+    a recompute that stops early applies (the ops it skips are found per unit, ``_recompute``;
+    none where ``units`` is empty)."""
     w = _OpWork()
     tails: dict[str, list] = {}            # unit -> [seconds, FLOPs, op names] since its last saver
     tp = mesh.tp
@@ -339,13 +340,12 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
     stop."""
     saved = w.saved_bytes
     if lp.recompute == "full":
-        early = cm.code.recompute_early_stop
-        skip_s = w.early_stop_skipped_s if early else 0.0
-        tp_s = tpc.fwd_s - (tpc.skipped_fwd_s if early else 0.0)
-        out = _Recompute(w.fwd_s - skip_s + tp_s, w.fwd_flops - (w.early_stop_skipped_flops if early else 0.0),
+        # (the skipped figures are zero where the recompute does not stop early: compute_layer_cost)
+        tp_s = tpc.fwd_s - tpc.skipped_fwd_s
+        out = _Recompute(w.fwd_s - w.early_stop_skipped_s + tp_s, w.fwd_flops - w.early_stop_skipped_flops,
                          min(saved, layer_input_bytes) if saved > 0 else layer_input_bytes, saved,
-                         tp_s=tp_s, tp_wire=tpc.wire_fwd - (tpc.skipped_wire if early else 0.0),
-                         tp_meetings=tpc.fwd_meetings - (tpc.skipped_meetings if early else 0))
+                         tp_s=tp_s, tp_wire=tpc.wire_fwd - tpc.skipped_wire,
+                         tp_meetings=tpc.fwd_meetings - tpc.skipped_meetings)
         w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
     elif lp.recompute == "selective":
         activation = min(saved, layer_input_bytes + w.matmul_output_bytes)
