@@ -156,6 +156,8 @@ def copy_from_shared(shared: Path = SHARED) -> dict:
             "layout": layout,
             "measured": measured,
         })
+        if rows[-1]["model"]["mpt"]:
+            rows[-1]["torch"] = mpt_torch(r["id"])
     rows += _ibm_h100_rows(rows)
     rows += mpt_table_rows(rows)
     return {"about": "Figures of published training runs (throughput, layout, model and cluster) with their "
@@ -193,6 +195,21 @@ def _ibm_h100_rows(a100_rows: list[dict]) -> list[dict]:
 #: Every row of llm-foundry's A100 80GB table (61 runs), of which the shared file holds 11
 MPT_TABLE = ROOT / "benchmarks" / "data" / "mpt_a100_80gb.csv"
 
+#: The rows of that table run on torch 1.13.1; the rest ran on 2.1.0 (``sharded_runtime``).  The
+#: table at 061f2c7c is b2a43a147's re-run on the 2.1 image, but it keeps the two 70B rows of its
+#: first revision, 300cc5c58 (2023-05-03): their figures equal that revision's to the last digit,
+#: with its precision "bf16" and MP mode "PURE" (that revision's ``submit_benchmarks.py`` defaults,
+#: ``--precisions bf16``, ``--fsdp_config_mixed_precision PURE``; no re-run row has them).  That
+#: revision's ``sweep.sh`` submits both 70B runs with ``IMAGE="mosaicml/pytorch:1.13.1_cu117-
+#: python3.10-ubuntu20.04"``, its ``setup.py`` pins ``torch==1.13.1``, and its README says "TODO:
+#: Update tables with torch 2.0 after next Composer release".
+MPT_TORCH_1_13 = frozenset({"mpt_a100_80gb_70b_seq2048_64gpu_mbs8", "mpt_a100_80gb_70b_seq2048_32gpu_mbs2"})
+
+
+def mpt_torch(row_id: str) -> str:
+    """The torch version a row of llm-foundry's A100 table ran on (``MPT_TORCH_1_13``)."""
+    return "1.13.1" if row_id in MPT_TORCH_1_13 else "2.1.0"
+
 
 def mpt_table_rows(rows: list[dict], table: Path = MPT_TABLE) -> list[dict]:
     """The rows of llm-foundry's A100 80GB table (``MPT_TABLE``) that ``rows`` do not hold, as
@@ -228,7 +245,7 @@ def mpt_table_rows(rows: list[dict], table: Path = MPT_TABLE) -> list[dict]:
             "layout": {"dp": gpus, "tp": 1, "pp": 1, "micro_batch": mb, "global_batch": int(t["global_batch"]),
                        "recompute": recompute, "reduce_bytes": REDUCE_BYTES,
                        "autocast": _autocast({"precision": f"{t['precision']} (MP mode {t['mp_mode']})"})},
-            "measured": measured})
+            "measured": measured, "torch": mpt_torch(rid)})
     return out
 
 
@@ -361,16 +378,23 @@ def sharded_runtime(row: dict):
     ``scripts/train/benchmarking/sweep.sh`` submits the A100 80GB runs with ``--image $IMAGE``,
     ``IMAGE="mosaicml/pytorch:2.1.0_cu121-python3.10-ubuntu20.04"`` (four 7B lines name
     ``$IMAGE0`` / ``$IMAGE1``, set nowhere in the script; the table's earlier revisions,
-    5f43bf16..c6cfb428, ran the 1.13.1 image and had other figures).  FSDP1's terms priced here (item 5)
-    are the same in 2.1 and 2.2 (the pad of item 5b went in November 2022, PR #88769).  PTD-P rows
-    shard nothing (FSDP2, unused)."""
+    5f43bf16..c6cfb428, ran the 1.13.1 image and had other figures), but for its two 70B rows, kept
+    from the 1.13.1 runs (``MPT_TORCH_1_13``) and priced as FSDP1 in torch 1.13, with its pad
+    pass (item 5b).  FSDP1's terms priced here (item 5) are the same in 2.1 and 2.2 (the pad of
+    item 5b went in November 2022, PR #88769).  PTD-P rows shard nothing (FSDP2, unused)."""
     from autopar.simulator import sharded_dp
 
     if row["family"] == "ZeRO-3":
         return sharded_dp.DEEPSPEED_ZERO3_2021
     if row["family"] == "FSDP":
-        return sharded_dp.FSDP1_TORCH_2_2
+        return sharded_dp.FSDP1_TORCH_1_13 if _torch_1(row) else sharded_dp.FSDP1_TORCH_2_2
     return sharded_dp.FSDP2
+
+
+def _torch_1(row: dict) -> bool:
+    """Whether a row ran on torch 1.x (the rows of llm-foundry's table say which, ``MPT_TORCH_1_13``;
+    fms-fsdp's ran on the nightlies after 2.2)."""
+    return row.get("torch", "").startswith("1.")
 
 
 def pipeline_runtime(family: str):
@@ -426,8 +450,10 @@ def recompute_early_stop(row: dict) -> bool:
     way (``fms_fsdp/policies/ac_handler.py``) on the nightlies after 2.2.  Megatron-LM of 2021 (the
     PTD-P rows, and the Megatron-LM the ZeRO-3 rows ran under DeepSpeed) checkpoints with its own
     reentrant ``CheckpointFunction`` (NVIDIA/Megatron-LM 6985e58938 ``megatron/mpu/random.py``: the
-    backward reruns the whole forward under ``enable_grad``)."""
-    return row["family"] == "FSDP"
+    backward reruns the whole forward under ``enable_grad``).  The two 70B rows of llm-foundry's
+    table ran torch 1.13.1 (``MPT_TORCH_1_13``), whose non-reentrant checkpoint reruns the whole
+    forward: the early stop came with 2.1 (pytorch/pytorch PR #96866)."""
+    return row["family"] == "FSDP" and not _torch_1(row)
 
 
 def row_code(row: dict):

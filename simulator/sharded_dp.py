@@ -103,15 +103,15 @@ What this module adds:
 5. PyTorch FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``, FULL_SHARD, one
    ``FlatParameter`` per wrapped block, ``use_orig_params=False``), the implementation the
    published FSDP runs used: llm-foundry's MPT benchmarks (composer; the table the data copies was
-   run on the mosaicml/pytorch:2.1.0 image, its earlier revisions on 1.13.1 --
-   benchmarks/published_runs.py ``sharded_runtime``) and fms-fsdp's Llama-2 runs (PyTorch nightlies after 2.2;
+   run on the mosaicml/pytorch:2.1.0 image, its earlier revisions on 1.13.1, and its two 70B rows
+   are kept from those -- benchmarks/published_runs.py ``sharded_runtime``) and fms-fsdp's Llama-2 runs (PyTorch nightlies after 2.2;
    ``main_training.py`` at foundation-model-stack/fms-fsdp 7746dac, 2024-03-13, wraps the model in
    ``FullyShardedDataParallel`` with ``limit_all_gathers=True``).  ``fully_shard`` (FSDP2) did
    not exist in either.  What its code does per unit that FSDP2's does not (items 1 and 3 price
    FSDP2):
 
    (a) No copy-out.  The all-gather writes straight into the unit's padded unsharded flat buffer
-       (``_flat_param.py``: ``FlatParamHandle.unshard`` -> ``_all_gather_flat_param``, one
+       (``_flat_param.py``, ``flat_param.py`` in 1.13: ``FlatParamHandle.unshard`` -> ``_all_gather_flat_param``, one
        ``all_gather_into_tensor`` into ``_full_param_padded``), and the module's parameters are
        views into it (``_use_unsharded_flat_param`` -> ``_use_unsharded_views``: a ``split`` of
        the flat tensor, each piece ``view``-ed to its shape).  Nothing is copied after the gather
@@ -128,10 +128,14 @@ What this module adds:
        (``_div_if_needed``; the factor, ``DefaultState._get_gradient_predivide_factor``, doubles
        from 1 while it divides the world size and stays below world size / factor: about
        sqrt(world size), 2 or more for any world size of 2 or more) -- one read and write,
-       priced as FSDP2's copy-in is.  It pads the gradient to a multiple of the world size only
-       where its numel is not one (``_get_reduce_scatter_tensors``; pytorch/pytorch PR #88769,
-       November 2022, removed the unconditional pad of torch 1.13), and the runs' blocks are
-       multiples (power-of-two widths over 8-128 ranks): no second pass.
+       priced as FSDP2's copy-in is -- and pads the gradient to a multiple of the world size
+       with ``F.pad``.  In torch 1.13 the pad ran on every gradient (``_post_backward_hook``:
+       ``F.pad(unsharded_grad, [0, numel_to_pad])`` with no test; pytorch/pytorch PR #88769,
+       merged November 2022 after the 1.13 release, removed the call where no padding is needed
+       and notes that a zero pad still allocates and copies): a second pass.  From 2.0 the pad
+       runs only where the numel is not a multiple of the world size
+       (``_get_reduce_scatter_tensors`` in 2.2), which the runs' blocks are (power-of-two widths
+       over 8-128 ranks).  Hence ``reduce_prep_passes`` 2 for torch 1.13 and 1 for 2.1 / 2.2.
    (c) The mixed-precision cast.  Before each gather the fp32 shard is cast to the low-precision
        shard on the pre-unshard stream (``FlatParamHandle.pre_unshard`` ->
        ``_use_low_precision_shard``); FSDP2 casts the same shard into its gather's input.  It is
@@ -146,7 +150,8 @@ What this module adds:
        (llm-foundry's MPT runs) issues it in the post-backward hook, before that unit's
        reduce-scatter, so both keep the gather one unit ahead and ahead of the reduce-scatter
        on the process group's one NCCL stream: priced the same.
-   (e) Not modelled: the post-divide of the shard (1/N) and the per-unit Python of the hooks.
+   (e) Not modelled: the reduce-scatter output allocated zeroed in 1.13 (``zeros_like``, 1/N of
+       the unit), the post-divide of the shard (1/N), and the per-unit Python of the hooks.
 
 Kept apart from CPU effects: on a gloo profile (``host_dispatch_bound``) communication already
 takes turns with compute (topology.serial_communication) and nothing here applies.
@@ -184,11 +189,18 @@ class ShardedRuntime:
     copy_out: bool = True
     #: autograd concatenates the unit's gradient into one flat tensor on the compute stream (item 5b)
     grad_concat_on_compute: bool = False
+    #: read-and-write passes over the unsharded gradient on the reduce-scatter's stream before it:
+    #: FSDP2's copy-in (item 1), FSDP1's pre-divide and, in torch 1.13, its pad (item 5b)
+    reduce_prep_passes: int = 1
 
 
 FSDP2 = ShardedRuntime("fsdp2", regather_for_recompute=False, node_aggregate_rings=True)
 DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False)
-#: FSDP1 as torch 2.1 (llm-foundry's table) and the nightlies after 2.2 (fms-fsdp) run it: item 5
+#: FSDP1 as torch 1.13 ran it (llm-foundry's 70B A100 rows, kept from the table's 1.13 revision:
+#: benchmarks/published_runs.py ``MPT_TORCH_1_13``) and as torch 2.1 (the rest of llm-foundry's
+#: table) and the nightlies after 2.2 (fms-fsdp) run it: item 5
+FSDP1_TORCH_1_13 = ShardedRuntime("fsdp1-torch-1.13", regather_for_recompute=False, node_aggregate_rings=True,
+                                  copy_out=False, grad_concat_on_compute=True, reduce_prep_passes=2)
 FSDP1_TORCH_2_2 = ShardedRuntime("fsdp1-torch-2.2", regather_for_recompute=False, node_aggregate_rings=True,
                                  copy_out=False, grad_concat_on_compute=True)
 
@@ -300,8 +312,9 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     # 1. copy-out after each gather (forward; backward again under ZeRO-3), on the compute stream
     #    (none where the parameters are views into the gathered buffer: FSDP1, item 5a)
     cp_param3 = cp_param * gather3 if runtime.copy_out else 0.0
-    #    copy-in (FSDP2) or pre-divide (FSDP1, item 5b) before each reduce-scatter, on its stream
-    rs_in = rs + cp_grad
+    #    copy-in (FSDP2) or pre-divide and, in torch 1.13, pad (FSDP1, item 5b) before each
+    #    reduce-scatter, on its stream
+    rs_in = rs + cp_grad * runtime.reduce_prep_passes
     bwd_copies = cp_param3
     if runtime.grad_concat_on_compute:
         # FSDP1: autograd concatenates the unit's gradient on the compute stream (item 5b), in the

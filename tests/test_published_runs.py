@@ -127,20 +127,29 @@ def test_rows_priced_near_the_published_step(bench, rows, rid):
 
 
 def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp1(bench, rows):
-    """The ZeRO-3 rows ran DeepSpeed of 2021; every FSDP row ran FSDP1 (FullyShardedDataParallel)
-    on torch 2: llm-foundry's MPT table on the 2.1 image (its sweep.sh at b2a43a147), fms-fsdp's
-    Llama-2 rows on the nightlies after 2.2; the planner's plans are priced as FSDP2, what
-    autopar's runtime runs (sharded_dp.py items 4, 5)."""
+    """The ZeRO-3 rows ran DeepSpeed of 2021; every FSDP row ran FSDP1 (FullyShardedDataParallel):
+    llm-foundry's MPT table on the 2.1 image (its sweep.sh at b2a43a147) but for its two 70B rows,
+    kept from the table's first revision on the 1.13.1 image; fms-fsdp's Llama-2 rows on the
+    nightlies after 2.2.  The planner's plans are priced as FSDP2, what autopar's runtime runs
+    (sharded_dp.py items 4, 5)."""
     from autopar.simulator import sharded_dp
     from autopar.simulator.training_code import AUTOPAR
 
     assert bench.sharded_runtime(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"]) is sharded_dp.DEEPSPEED_ZERO3_2021
     fsdp = [r for r in rows.values() if r["family"] == "FSDP"]
     assert len(fsdp) == 69               # 61 MPT (llm-foundry's A100 80GB table), 4 + 4 IBM/Meta
-    want = sharded_dp.FSDP1_TORCH_2_2
+    # the rows whose figures are those of 300cc5c58's table (2023-05-03, "bf16 | PURE"), by hand
+    old = {"mpt_a100_80gb_70b_seq2048_64gpu_mbs8", "mpt_a100_80gb_70b_seq2048_32gpu_mbs2"}
     for r in fsdp:
-        assert bench.row_code(r).sharded is want, r["id"]
-        assert not want.copy_out and want.grad_concat_on_compute
+        code = bench.row_code(r)
+        if r["id"] in old:
+            assert r["torch"] == "1.13.1" and code.sharded is sharded_dp.FSDP1_TORCH_1_13, r["id"]
+            assert not code.recompute_early_stop          # the early stop came with torch 2.1
+        else:
+            assert r.get("torch", "2.1.0") == "2.1.0" and code.sharded is sharded_dp.FSDP1_TORCH_2_2, r["id"]
+            assert code.recompute_early_stop
+        assert not code.sharded.copy_out and code.sharded.grad_concat_on_compute
+    assert (sharded_dp.FSDP1_TORCH_1_13.reduce_prep_passes, sharded_dp.FSDP1_TORCH_2_2.reduce_prep_passes) == (2, 1)
     assert AUTOPAR.sharded is sharded_dp.FSDP2             # what every plan of the planner is priced as
     assert sharded_dp.FSDP2.copy_out and not sharded_dp.FSDP2.grad_concat_on_compute
 

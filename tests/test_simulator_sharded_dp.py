@@ -54,25 +54,27 @@ def test_rows_of_a_sharded_pair_of_layers():
 
 def test_fsdp1_prices_no_copy_out_and_its_gradient_concat_on_compute():
     """FSDP1 gathers into the buffer its parameters view (no copy-out), while autograd concatenates
-    each unit's gradient on the compute stream, and its post-backward pre-divides the gradient on
-    the reduce-scatter's stream (sharded_dp.py item 5): against the closed form of a copy,
-    2 x bytes / HBM bandwidth, for a 1 GB unit at 1 TB/s (2 ms)."""
-    from autopar.simulator.sharded_dp import FSDP1_TORCH_2_2, FSDP2
+    each unit's gradient on the compute stream, and its post-backward pre-divides (and, in torch
+    1.13, pads) the gradient on the reduce-scatter's stream (sharded_dp.py item 5): against the
+    closed form of a copy, 2 x bytes / HBM bandwidth, for a 1 GB unit at 1 TB/s (2 ms)."""
+    from autopar.simulator.sharded_dp import FSDP1_TORCH_1_13, FSDP1_TORCH_2_2, FSDP2
 
     col, zero_col, rows = _sharded_pair()
     cp = 2 * 1e9 / 1e12
     fsdp2 = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, runtime=FSDP2)
     new = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, runtime=FSDP1_TORCH_2_2)
+    old = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.0, runtime=FSDP1_TORCH_1_13)
     for k in range(2):
         # FSDP2: a copy-out in forward and in backward; FSDP1: none in forward
         assert fsdp2[k, col["fwd_s"]] == pytest.approx(1.0 + cp)
-        assert new[k, col["fwd_s"]] == pytest.approx(1.0)
+        assert new[k, col["fwd_s"]] == old[k, col["fwd_s"]] == pytest.approx(1.0)
         assert fsdp2[k, col["fwd_s"]] - new[k, col["fwd_s"]] == pytest.approx(copy_out_s(1e9, 1e12, 1.0))
         # backward: FSDP2 copies the parameters out; FSDP1 concatenates the gradient instead
         assert fsdp2[k, col["bwd_s"]] == pytest.approx(2.0 + cp)
-        assert new[k, col["bwd_s"]] == pytest.approx(2.0 + cp)
-        # the reduce-scatter's stream: FSDP2's copy-in, FSDP1's pre-divide
+        assert new[k, col["bwd_s"]] == old[k, col["bwd_s"]] == pytest.approx(2.0 + cp)
+        # the reduce-scatter's stream: FSDP2's copy-in, FSDP1's pre-divide, 1.13's pre-divide and pad
         assert fsdp2[k, col["dp_reducescatter_s"]] == new[k, col["dp_reducescatter_s"]] == pytest.approx(0.3 + cp)
+        assert old[k, col["dp_reducescatter_s"]] == pytest.approx(0.3 + 2 * cp)
     # with the overlap slowdown on, FSDP1's forward is the bare compute plus the slowdown under the
     # next layer's gather (0.5 x 0.4 s), no copy
     slow = with_sharded_dp_costs(rows, col, zero_col, 1e12, 1.0, slowdown=0.5, runtime=FSDP1_TORCH_2_2)
