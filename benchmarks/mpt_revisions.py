@@ -26,10 +26,8 @@ Writes benchmarks/results/mpt_revisions.txt.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,11 +37,6 @@ import published_runs as pr  # noqa: E402
 
 OLD_TABLE = pr.ROOT / "benchmarks" / "data" / "mpt_a100_80gb_torch113.csv"
 RESULTS = pr.RESULTS / "mpt_revisions.txt"
-
-
-def read_table(path: Path) -> list[dict]:
-    lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
-    return list(csv.DictReader(lines))
 
 
 def _key(t: dict) -> tuple:
@@ -88,13 +81,7 @@ def rows_over_nodes(old: list[dict], new_rows: list[dict]) -> list[dict]:
         if r["model"].get("mpt"):
             bases.setdefault(r["model"]["name"], {**r, "id": "base_" + r["id"]})
     wanted = [t for t in old if int(t["gpus"]) > 8 and t["size"] != "70b"]
-    with tempfile.TemporaryDirectory() as d:
-        table = Path(d) / "over_nodes.csv"
-        with table.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(wanted[0]))
-            w.writeheader()
-            w.writerows(wanted)
-        rows = pr.mpt_table_rows(list(bases.values()), table)
+    rows = pr.mpt_table_rows(list(bases.values()), OLD_TABLE, records=wanted)
     return [{**r, "id": r["id"] + "_torch113", "torch": "1.13.1"} for r in rows]
 
 
@@ -108,8 +95,7 @@ def speedups(old_row: dict, new_row: dict, cache: dict) -> dict:
             "unchanged_error": 1.0 / measured - 1.0, "old_error": po["error"], "new_error": pn["error"]}
 
 
-def summary(results: list[dict], key: str) -> str:
-    errs = [r[key] for r in results]
+def summary(errs: list[float]) -> str:
     if not errs:
         return "no pairs"
     return (f"median |error| {100 * statistics.median(abs(e) for e in errs):4.1f}%, "
@@ -120,7 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()
-    todo = pairs(read_table(OLD_TABLE), pr.load_rows(), read_table(pr.MPT_TABLE))
+    todo = pairs(pr.read_mpt_table(OLD_TABLE), pr.load_rows(), pr.read_mpt_table(pr.MPT_TABLE))
     cache: dict = {}
     t0 = time.perf_counter()
     lines = [f"{'layout (2.1.0 row id)':<42} {'ckpt':>4} {'measured':>8} {'predicted':>9} {'error':>7}"
@@ -138,23 +124,23 @@ def main() -> int:
     lines.append("speed-up of 2.1.0 over 1.13.1 (throughput ratio); error = predicted / measured - 1")
     for label, sel in (("checkpointed", True), ("not checkpointed", False)):
         sub = [r for r in results if r["checkpointed"] == sel]
-        lines.append(f"  {label:<17} {len(sub):>3} pairs: simulator {summary(sub, 'error')};"
-                     f"  no change (1.0): {summary(sub, 'unchanged_error')}")
-    lines.append(f"  {'all':<17} {len(results):>3} pairs: simulator {summary(results, 'error')};"
-                 f"  no change (1.0): {summary(results, 'unchanged_error')}")
+        lines.append(f"  {label:<17} {len(sub):>3} pairs: simulator {summary([r['error'] for r in sub])};"
+                     f"  no change (1.0): {summary([r['unchanged_error'] for r in sub])}")
+    lines.append(f"  {'all':<17} {len(results):>3} pairs: simulator {summary([r['error'] for r in results])};"
+                 f"  no change (1.0): {summary([r['unchanged_error'] for r in results])}")
     lines.append("each run priced on its own (throughput error, as benchmarks/published_runs.py):")
     for label, key in (("1.13.1 runs", "old_error"), ("2.1.0 runs", "new_error")):
-        lines.append(f"  {label:<17} {len(results):>3} runs:  {summary(results, key)}")
+        lines.append(f"  {label:<17} {len(results):>3} runs:  {summary([r[key] for r in results])}")
     lines.append("")
     lines.append(f"{'1.13.1 runs over nodes':<42} {'ckpt':>4} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     over = []
-    for row in rows_over_nodes(read_table(OLD_TABLE), pr.load_rows()):
+    for row in rows_over_nodes(pr.read_mpt_table(OLD_TABLE), pr.load_rows()):
         r = pr.price_row(row, cache)
         over.append(r["error"])
         lines.append(f"{row['id']:<42} {'yes' if row['layout']['recompute'] != 'none' else 'no':>4} "
                      f"{r['measured_step_s']:>10.3f} {r['predicted_step_s']:>11.3f} {100 * r['error']:>+6.1f}%")
         print(lines[-1], flush=True)
-    lines.append(f"  {'over nodes':<17} {len(over):>3} runs:  {summary([{'e': e} for e in over], 'e')}")
+    lines.append(f"  {'over nodes':<17} {len(over):>3} runs:  {summary(over)}")
     lines.append(f"({2 * len(results) + len(over)} runs priced in {time.perf_counter() - t0:.0f} s)")
     print("\n".join(lines[len(results) + 1:len(results) + 10]))
     print(lines[-2])

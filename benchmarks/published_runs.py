@@ -211,19 +211,23 @@ def mpt_torch(row_id: str) -> str:
     return "1.13.1" if row_id in MPT_TORCH_1_13 else "2.1.0"
 
 
-def mpt_table_rows(rows: list[dict], table: Path = MPT_TABLE) -> list[dict]:
-    """The rows of llm-foundry's A100 80GB table (``MPT_TABLE``) that ``rows`` do not hold, as
-    rows of the project's copy: each size's dimensions from the held rows of that size, the run's
-    sequence length, micro-batch, global batch, checkpointing and precision from the table, on
-    nodes of 8 GPUs with 1600 Gb/s each.  A table row that ``rows`` already hold (by id) must agree
-    with it on the measured figures."""
+def read_mpt_table(table: Path) -> list[dict]:
+    """The records of one of the project's copies of an llm-foundry table (a CSV with # comments)."""
     import csv
 
+    return list(csv.DictReader(ln for ln in table.read_text().splitlines() if not ln.startswith("#")))
+
+
+def mpt_table_rows(rows: list[dict], table: Path = MPT_TABLE, records: list[dict] | None = None) -> list[dict]:
+    """The rows of llm-foundry's A100 80GB table (``MPT_TABLE``; or ``records``, records of the
+    table copied in ``table``) that ``rows`` do not hold, as rows of the project's copy: each size's
+    dimensions from the held rows of that size, the run's sequence length, micro-batch, global
+    batch, checkpointing and precision from the table, on nodes of 8 GPUs with 1600 Gb/s each.  A
+    table row that ``rows`` already hold (by id) must agree with it on the measured figures."""
     held = {r["id"]: r for r in rows}
     by_size = {r["model"]["name"].split("-", 1)[1]: r for r in rows if r["model"].get("mpt")}
-    lines = [ln for ln in table.read_text().splitlines() if not ln.startswith("#")]
     out = []
-    for t in csv.DictReader(lines):
+    for t in read_mpt_table(table) if records is None else records:
         seq, gpus, mb = int(t["seq_len"]), int(t["gpus"]), int(t["micro_batch"])
         rid = f"mpt_a100_80gb_{t['size']}_seq{seq}_{gpus}gpu_mbs{mb}"
         measured = {"metric": "tokens_per_s_per_gpu", "value": int(t["tokens_per_s_per_gpu"]),

@@ -22,13 +22,13 @@ def bench():
 def pairs(bench):
     pr = bench.pr
     return {new["id"]: (old, new) for old, new in
-            bench.pairs(bench.read_table(bench.OLD_TABLE), pr.load_rows(), bench.read_table(pr.MPT_TABLE))}
+            bench.pairs(pr.read_mpt_table(bench.OLD_TABLE), pr.load_rows(), pr.read_mpt_table(pr.MPT_TABLE))}
 
 
 def test_pairs_of_distinct_runs(bench, pairs):
     """Every layout both A100 80GB tables ran, less the two 70B runs the re-run table kept as they were
     (same figures to the last digit): 86 rows at 300cc5c58, 61 at 061f2c7c, 57 layouts in both."""
-    old = bench.read_table(bench.OLD_TABLE)
+    old = bench.pr.read_mpt_table(bench.OLD_TABLE)
     assert len(old) == 86
     assert len(pairs) == 55
     assert not any("70b" in rid for rid in pairs)
@@ -77,7 +77,7 @@ def test_runs_over_nodes_from_the_readme(bench):
     the 70B pair aside; "30b | 2048 | 64 | a100_80gb | 52.93 | 70.57 | 16 | 3 | 3072 | ... | 876 |
     ... | bf16 | PURE | FULL_SHARD | True" by hand, on 8 nodes of 8 GPUs."""
     pr = bench.pr
-    rows = {r["id"]: r for r in bench.rows_over_nodes(bench.read_table(bench.OLD_TABLE), pr.load_rows())}
+    rows = {r["id"]: r for r in bench.rows_over_nodes(pr.read_mpt_table(bench.OLD_TABLE), pr.load_rows())}
     assert len(rows) == 24 and not any("70b" in rid for rid in rows)
     row = rows["mpt_a100_80gb_30b_seq2048_64gpu_mbs16_torch113"]
     assert row["torch"] == "1.13.1" and row["layout"]["autocast"] == "low_params"
