@@ -1,21 +1,16 @@
 """benchmarks/mpt_revisions.py: the pairs of runs of llm-foundry's MPT table before and after its
 re-run on torch 2.1, against the README figures of both revisions by hand."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from plain_loop import load          # a file loaded as a module once, cached in sys.modules
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("mpt_revisions", ROOT / "benchmarks" / "mpt_revisions.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load(ROOT / "benchmarks" / "mpt_revisions.py")
 
 
 @pytest.fixture(scope="module")

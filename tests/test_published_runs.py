@@ -1,19 +1,16 @@
 """benchmarks/published_runs.py: measured step times, errors and per-family figures against hand
 computations from the published figures (not from the benchmark's own pricing)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from plain_loop import load          # a file loaded as a module once, cached in sys.modules
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load(ROOT / "benchmarks" / "published_runs.py")
 
 
 @pytest.fixture(scope="module")
