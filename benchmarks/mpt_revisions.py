@@ -46,43 +46,40 @@ def _key(t: dict) -> tuple:
 FIGURES = ("mfu_pct", "hfu_pct", "tokens_per_s_per_gpu")
 
 
+def torch113_rows(records: list[dict], new_rows: list[dict]) -> list[dict]:
+    """Records of the 1.13.1 table as rows, built as published_runs builds the re-run table's
+    (``mpt_table_rows``: each size's dimensions from the project's copy, the record's layout,
+    precision and figures, nodes of 8 GPUs with 1600 Gb/s -- the heading the re-run table files the
+    kept 70B runs under; the first revision names no network), on torch 1.13.1."""
+    bases = {}
+    for r in new_rows:
+        if r["model"].get("mpt"):
+            bases.setdefault(r["model"]["name"], {**r, "id": "base_" + r["id"]})
+    rows = pr.mpt_table_rows(list(bases.values()), OLD_TABLE, records=records)
+    return [{**r, "id": r["id"] + "_torch113", "torch": "1.13.1"} for r in rows]
+
+
 def pairs(old: list[dict], new_rows: list[dict], new_table: list[dict]) -> list[tuple[dict, dict]]:
     """(1.13.1 row, 2.1.0 row) for every layout both tables ran as a distinct run: the 2.1.0 row
-    from the project's copy of the published runs, the 1.13.1 row built from it with the old
-    run's precision, torch version and figures."""
+    from the project's copy of the published runs, the 1.13.1 row from the old run's record
+    (``torch113_rows``); the two share their layout but for the precision."""
     by_id = {r["id"]: r for r in new_rows}
     new_by_key = {_key(t): t for t in new_table}
+    paired = [t for t in old if _key(t) in new_by_key and any(new_by_key[_key(t)][f] != t[f] for f in FIGURES)]
     out = []
-    for t in old:
-        n = new_by_key.get(_key(t))
-        if n is None or all(n[f] == t[f] for f in FIGURES):
-            continue
-        assert n["activation_checkpointing"] == t["activation_checkpointing"], (t, n)
-        size, seq, gpus, mb, _ = _key(t)
-        new = by_id[f"mpt_a100_80gb_{size}_seq{seq}_{gpus}gpu_mbs{mb}"]
+    for old_row in torch113_rows(paired, new_rows):
+        new = by_id[old_row["id"].removesuffix("_torch113")]
         assert new.get("torch") == "2.1.0", new["id"]
-        old_row = {**new, "id": new["id"] + "_torch113", "torch": "1.13.1",
-                   "layout": {**new["layout"],
-                              "autocast": pr._autocast({"precision": f"{t['precision']} (MP mode {t['mp_mode']})"})},
-                   "measured": {"metric": "tokens_per_s_per_gpu", "value": int(t["tokens_per_s_per_gpu"]),
-                                "mfu": float(t["mfu_pct"]) / 100, "hfu": float(t["hfu_pct"]) / 100}}
+        assert ({**old_row["layout"], "autocast": None} == {**new["layout"], "autocast": None}
+                and old_row["model"] == new["model"] and old_row["cluster"] == new["cluster"]), new["id"]
         out.append((old_row, new))
     return out
 
 
 def rows_over_nodes(old: list[dict], new_rows: list[dict]) -> list[dict]:
     """The 1.13.1 table's runs on 16-64 GPUs that the 2.1 re-run did not repeat (the 70B pair aside,
-    which benchmarks/published_runs.py prices), as rows: built as published_runs builds the re-run
-    table's (``mpt_table_rows``: each size's dimensions, nodes of 8 GPUs with 1600 Gb/s -- the
-    heading the re-run table files the kept 70B runs under; the first revision names no network),
-    on torch 1.13.1."""
-    bases = {}
-    for r in new_rows:
-        if r["model"].get("mpt"):
-            bases.setdefault(r["model"]["name"], {**r, "id": "base_" + r["id"]})
-    wanted = [t for t in old if int(t["gpus"]) > 8 and t["size"] != "70b"]
-    rows = pr.mpt_table_rows(list(bases.values()), OLD_TABLE, records=wanted)
-    return [{**r, "id": r["id"] + "_torch113", "torch": "1.13.1"} for r in rows]
+    which benchmarks/published_runs.py prices), as rows (``torch113_rows``)."""
+    return torch113_rows([t for t in old if int(t["gpus"]) > 8 and t["size"] != "70b"], new_rows)
 
 
 def speedups(old_row: dict, new_row: dict, cache: dict) -> dict:
