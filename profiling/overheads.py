@@ -37,10 +37,12 @@ linear under ``no_grad`` measured 0.16 ms):
 * ``recompute_{full,selective}_{fwd,bwd}_per_op_s``: what the runtime's checkpoint wrapper
   (runtime/recompute.py) adds per op of the wrapped module, beyond re-running its forward: a
   tiny pre-norm MLP block (norm, linear, GELU, linear, residual add: 5 ops) plain and wrapped,
-  forward, and backward less what the recompute reruns (priced from the op table: for the full
-  wrapper the forward up to the last saved tensor -- norm, linear, GELU; profiles measured before
-  this rule subtracted the whole forward, so their backward figure is low by the projection's and
-  the add's forward over 5, two tiny ops' dispatch; for the selective one the whole forward).  The
+  forward, and backward less what the simulator prices the recompute as rerunning
+  (``recompute_rerun``: for the full wrapper the forward up to the last saved tensor -- norm,
+  linear, GELU; for the selective one the ops between the matmuls -- norm, GELU, add.  Profiles
+  measured before these rules subtracted the whole forward, so their backward figures are low by
+  the forward of what is not rerun over 5: for the full wrapper the projection and the add, two
+  tiny ops' dispatch; for the selective one the two linears).  The
   non-reentrant wrapper packs and unpacks every saved tensor through hooks; the selective one
   also runs its policy in a dispatch mode on every ATen op, forward and recompute -- on this
   2-core CPU ~0.1 ms an op, more than the ops of a small block cost (a GPT block of hidden 128:
@@ -172,17 +174,26 @@ def _recompute(device, t) -> dict[str, float]:
     plain = _ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device)
     pf, pb = _fwd_bwd_times(plain, x, t)
     out = {}
-    # what a full recompute reruns: the forward up to the block's last saved tensor, the output
-    # projection's operands, packed before its kernel runs (simulator/layer_cost.py _recompute):
-    # norm, linear and GELU, not the projection or the residual add
-    rerun = t(lambda: plain.act(plain.fc(plain.norm(x))))
     for mode in ("full", "selective"):
         wrapped = wrap_for_recompute(_ProbeBlock(RECOMPUTE_BLOCK_SHAPE[-1]).to(device), mode)
         wf, wb = _fwd_bwd_times(wrapped, x, t)
         out[f"recompute_{mode}_fwd_per_op_s"] = (wf - pf) / RECOMPUTE_BLOCK_OPS
-        # the backward re-runs the forward (priced from the op table): only what is beyond it
-        out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - (rerun if mode == "full" else pf)) / RECOMPUTE_BLOCK_OPS
+        # the backward re-runs part of the forward (priced from the op table): only what is beyond it
+        out[f"recompute_{mode}_bwd_per_op_s"] = (wb - pb - t(recompute_rerun(plain, x, mode))) / RECOMPUTE_BLOCK_OPS
     return out
+
+
+def recompute_rerun(block: _ProbeBlock, x, mode: str):
+    """The part of the probe block's forward that simulator/layer_cost.py ``_recompute`` prices as a
+    recompute's rerun, as a callable to time.  Full: the forward up to the block's last saved tensor,
+    the output projection's operands, packed before its kernel runs -- norm, linear and GELU, not
+    the projection or the residual add.  Selective: the ops outside MATMUL_KINDS (``cheap_fwd_s``)
+    -- norm, GELU and the residual add, on the matmuls' kept outputs."""
+    if mode == "full":
+        return lambda: block.act(block.fc(block.norm(x)))
+    fc_out = block.fc(block.norm(x)).detach()
+    proj_out = block.proj(block.act(fc_out)).detach()
+    return lambda: (block.norm(x), block.act(fc_out), x + proj_out)
 
 
 #: [batch, seq, hidden] of the autograd probe's sizes, and its chain of blocks

@@ -114,6 +114,31 @@ def test_recompute_wrapper_overhead_per_op(mode):
     assert none.fwd_s == pytest.approx(_layer_costs(Mesh(dp=1, pp=1, tp=1), LayerPlan(1, ()), zero_ov)[1].fwd_s)
 
 
+@pytest.mark.parametrize("mode,expected", [("full", ["layer_norm", "linear", "gelu"]),
+                                           ("selective", ["layer_norm", "gelu", "add"])])
+def test_recompute_probe_subtracts_what_the_simulator_prices_as_rerun(mode, expected):
+    """profiling/overheads.py times the wrapper's backward less the rerun the simulator prices
+    (layer_cost._recompute): full, the forward up to the last saved tensor (the projection's
+    operands); selective, the ops between the kept matmul outputs -- by the ops each rerun calls."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from autopar.profiling.overheads import _ProbeBlock, recompute_rerun
+
+    called = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            called.append(getattr(func, "__name__", str(func)).strip("_"))
+            return func(*args, **(kwargs or {}))
+
+    block = _ProbeBlock(8)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    rerun = recompute_rerun(block, x, mode)
+    with Record():
+        rerun()
+    assert [c for c in called if c in ("layer_norm", "linear", "gelu", "add")] == expected
+
+
 def test_autograd_recording_per_op_and_per_kept_byte():
     """A forward with gradients costs, per op autograd records, autograd_fwd_op_s plus
     autograd_fwd_per_byte_s per byte of its output; a fully recomputed layer's forward keeps
