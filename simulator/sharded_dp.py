@@ -98,7 +98,11 @@ What this module adds:
      ``stage3_max_reuse_distance`` (default 1e9 elements), which keeps some of a block's last
      sub-modules gathered between the recomputed forward and backward, and its default gradient
      all-reduce (``reduce_scatter`` false in that version's defaults; the rows' configuration
-     is not published) -- the first would price the rows faster, the second slower.
+     is not published) -- the first would price the rows faster, the second slower; nor the
+     drain of the device at every sub-module's fetch (``stage3.py`` ``_synchronize_communication``),
+     which leaves a gather to overlap only the compute up to the next fetch: docs/validation.md,
+     "How firmly the halves fix the overlap slowdown", gives what a span model of it reads and
+     why it was not adopted (its per-parameter calls' ring latency at 1536 ranks).
 
 5. PyTorch FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``, FULL_SHARD, one
    ``FlatParameter`` per wrapped block, ``use_orig_params=False``), the implementation the
