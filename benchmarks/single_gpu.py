@@ -78,16 +78,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _model_args(pairs: list[str], on_gpu: bool) -> dict:
-    args = dict(GPU_MODEL if on_gpu else CPU_MODEL)
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--model-arg {pair!r}: expected KEY=VALUE")
-        args[key] = int(value) if value.lstrip("-").isdigit() else value
-    return args
-
-
 def _plan(graph, cluster, cfg: Config, micro_batch: int, precision: str):
     from autopar.simulator.configure import config_plan
 
@@ -103,7 +93,7 @@ def main(argv=None) -> int:
 
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
-    from autopar.core.measured import read_measured
+    from autopar.core.modelfile import parse_model_args
     from autopar.core.plan import save_plan
     from autopar.report.resimulate import PlanContext, load_profile_dict, simulate_figures
 
@@ -112,7 +102,7 @@ def main(argv=None) -> int:
     cluster = load_cluster(args.cluster or ("h100-16x8" if on_gpu else "local-cpu"))
     precision = args.precision or ("bf16" if on_gpu else "fp32")
     micro_batch = args.micro_batch or (8 if on_gpu else acc.MICRO_BATCH)
-    model = _model_args(args.model_arg, on_gpu)
+    model = {**(GPU_MODEL if on_gpu else CPU_MODEL), **parse_model_args(args.model_arg)}
     graph = capture_model_file(MODEL_FILE, model, batch_size=micro_batch)
     ctx = PlanContext(graph=graph, cluster=cluster, profile=load_profile_dict(profile_name), profile_name=profile_name)
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
