@@ -159,21 +159,16 @@ def main() -> int:
         # in it, so its measured step tells how fast the shared machine was at the time
         _, ref_sim = _write_plan(REFERENCE, ctx, args.profile, out / "reference")
         reference = {"sim_s": ref_sim["step_time_s"], "measured_before_s": _reference_step(out, args, profile)}
-    for round_index in range(max(1, args.repeats) if to_run else 0):
-        order = to_run if round_index % 2 == 0 else to_run[::-1]
-        print(f"round {round_index + 1} of {args.repeats}: {len(order)} runs", flush=True)
-        for st in order:
-            busy = _wait_for_idle(args.idle_wait_s)
-            slow = _wait_for_speed(profile, args)
-            t0 = time.perf_counter()
-            m = _run(st["dir"] / "plan.json", st["cfg"].world_size, args.steps, args.timeout, args.breakdown)
-            st["wall_s"] += time.perf_counter() - t0
-            if m is not None and (st["measured"] is None or m.step_time_s < st["measured"].step_time_s):
-                st["measured"] = replace(m, extra={**m.extra, "cpu_busy_before_run": busy,
-                                                   "slowdown_before_run": slow})
-    for st in to_run:                  # each run rewrote measured.json: keep the kept run's on disk
-        if st["measured"] is not None:
-            (st["dir"] / "measured.json").write_text(st["measured"].to_json_text())
+    def run_one(st):
+        busy = _wait_for_idle(args.idle_wait_s)
+        slow = _wait_for_speed(profile, args)
+        t0 = time.perf_counter()
+        m = _run(st["dir"] / "plan.json", st["cfg"].world_size, args.steps, args.timeout, args.breakdown)
+        st["wall_s"] += time.perf_counter() - t0
+        return None if m is None else replace(m, extra={**m.extra, "cpu_busy_before_run": busy,
+                                                        "slowdown_before_run": slow})
+
+    run_in_rounds(to_run, args.repeats, run_one)
 
     if reference is not None:
         reference["measured_after_s"] = _reference_step(out, args, profile)
@@ -271,6 +266,23 @@ def _run(plan_path: Path, world: int, steps: int, timeout_s: int, breakdown: boo
     if proc.returncode != 0 or not measured.is_file():
         return None
     return read_measured(measured)
+
+
+def run_in_rounds(staged: list[dict], repeats: int, run_one) -> None:
+    """Run every staged plan ``repeats`` times in rounds -- each plan once per round, the order
+    reversed on every other round -- keeping in ``st["measured"]`` the run (``run_one(st)``: a
+    Measured, or None when it failed) with the lowest median step, and write the kept run's
+    measured.json back over the last run's."""
+    for round_index in range(max(1, repeats) if staged else 0):
+        order = staged if round_index % 2 == 0 else staged[::-1]
+        print(f"round {round_index + 1} of {repeats}: {len(order)} runs", flush=True)
+        for st in order:
+            m = run_one(st)
+            if m is not None and (st["measured"] is None or m.step_time_s < st["measured"].step_time_s):
+                st["measured"] = m
+    for st in staged:
+        if st["measured"] is not None:
+            (st["dir"] / "measured.json").write_text(st["measured"].to_json_text())
 
 
 def _cpu_busy_fraction(interval_s: float = 1.0) -> float:

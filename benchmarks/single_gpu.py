@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accuracy_local_cpu as acc  # noqa: E402  (the runner and error helpers of the CPU benchmark)
+import accuracy_local_cpu as acc  # noqa: E402  (the CPU benchmark's runner, rounds and error helpers)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_FILE = REPO / "examples" / "gpt.py"
@@ -119,15 +119,7 @@ def main(argv=None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_plan(plan.with_predicted(dict(sim), profile=profile_name, cluster_file=cluster.source), run_dir / "plan.json")
         staged.append({"cfg": cfg, "sim": sim, "dir": run_dir, "measured": None})
-    for round_index in range(max(1, args.repeats)):
-        print(f"round {round_index + 1} of {args.repeats}", flush=True)
-        for st in staged if round_index % 2 == 0 else staged[::-1]:
-            m = acc._run(st["dir"] / "plan.json", 1, args.steps, args.timeout)
-            if m is not None and (st["measured"] is None or m.step_time_s < st["measured"].step_time_s):
-                st["measured"] = m
-    for st in staged:                  # each run rewrote measured.json: keep the kept run's on disk
-        if st["measured"] is not None:
-            (st["dir"] / "measured.json").write_text(st["measured"].to_json_text())
+    acc.run_in_rounds(staged, args.repeats, lambda st: acc._run(st["dir"] / "plan.json", 1, args.steps, args.timeout))
 
     rows = []
     print(f"{'plan':<24} {'sim step':>10} {'meas step':>10} {'error':>8} {'sim mem':>10} {'meas mem':>10} {'error':>8}")
