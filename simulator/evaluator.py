@@ -191,8 +191,16 @@ class PlanEvaluator:
         # the objects keeps their ids from being reused while the entry lives
         self._ctx_by_identity: dict[tuple, tuple] = {}
         self.num_layer_costs_computed = 0
+        self._units: list | None = None                 # _fetch_units
 
     # ------------------------------------------------------------------ layer table
+    def _fetch_units(self) -> list:
+        """Each layer's gathered sub-modules (zero3_fetch_spans.layer_units), worked out once."""
+        if self._units is None:
+            from autopar.simulator.zero3_fetch_spans import layer_units
+            self._units = [layer_units(self.graph.layer_ops(i)) for i in range(self.num_layers)]
+        return self._units
+
     def _relative_key(self, index: int, lp: LayerPlan) -> int:
         """The layer's choice relative to the layer (its signature, styles by path within the layer,
         ZeRO, recompute, offload), as an integer: identical blocks under the same choice share it."""
@@ -397,7 +405,7 @@ class PlanEvaluator:
         """The plan's rows with the terms that depend on other layers: DDP buckets, sharded data
         parallelism's copies and overlap, the waits of CPU ranks that meet."""
         rows = ddp_bucketed_all_reduces(rows, ctx, ctx.processes)
-        rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps)   # simulator/sharded_dp.py
+        rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps, self._fetch_units)  # sharded_dp.py
         if ctx.waits_at_meetings:
             rows = cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
         return rows
@@ -607,9 +615,11 @@ def _memo_settings() -> tuple:
     return (sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY)
 
 
-def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) -> LayerTable:
+def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float, fetch_units=None) -> LayerTable:
     """simulator/sharded_dp.py on a GPU plan's rows (a CPU profile's ranks take turns already);
-    ``per_gpu_network_GBps``: one GPU's share of its node's network (the cluster's inter_node)."""
+    ``per_gpu_network_GBps``: one GPU's share of its node's network (the cluster's inter_node);
+    ``fetch_units``: a callable giving each layer's gathered units, read where the priced code
+    drains the device at each fetch (sharded_dp item 4c)."""
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
@@ -624,6 +634,8 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float) ->
                  **sharded_dp.collective_terms(code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps,
                                                dp.link.latency_s, per_gpu_network_GBps,
                                                cm.collective_efficiency.get("inter", 1.0))))
+        if code.sharded.drains_each_fetch and fetch_units is not None:
+            ctx.sharded_args[2]["units"] = fetch_units()
     _, args, kwargs = ctx.sharded_args
     return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args, **kwargs))
 

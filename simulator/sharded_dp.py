@@ -94,15 +94,23 @@ What this module adds:
      i.e. a fixed per-GPU traffic of about four model sizes in fp16 (three gathers and the
      reduce-scatter, 4 x 349 GB) at about 21 GB/s a GPU -- one 200 Gb/s adapter at the
      profile's inter-node efficiency.  This is a choice made on the rows of half A; the
-     benchmark's half B (the 384-GPU row) is held back from it.  Not modelled: DeepSpeed's
-     ``stage3_max_reuse_distance`` (default 1e9 elements), which keeps some of a block's last
-     sub-modules gathered between the recomputed forward and backward, and its default gradient
-     all-reduce (``reduce_scatter`` false in that version's defaults; the rows' configuration
-     is not published) -- the first would price the rows faster, the second slower; nor the
-     drain of the device at every sub-module's fetch (``stage3.py`` ``_synchronize_communication``),
-     which leaves a gather to overlap only the compute up to the next fetch: docs/validation.md,
-     "How firmly the halves fix the overlap slowdown", gives what a span model of it reads and
-     why it was not adopted (its per-parameter calls' ring latency at 1536 ranks).
+     benchmark's half B (the 384-GPU row) is held back from it.  Not modelled: its default
+     gradient all-reduce (``reduce_scatter`` false in that version's config defaults; the rows'
+     configuration is not published), which would price the rows slower.
+     (c) Every sub-module's fetch drains the device (``stage3.py`` ``fetch_sub_module`` ->
+     ``_synchronize_communication``: a wait on every gather in flight, then
+     ``torch.cuda.synchronize()``) and then prefetches the next weight only, so a gather overlaps
+     the compute up to the next fetch and no more; parameters under 1e5 elements stay gathered,
+     and ``stage3_max_reuse_distance`` (1e9 elements) keeps a block's last weight gathered from
+     its recomputed forward to its backward.  A ZeRO-3 layer is priced fetch by fetch
+     (simulator/zero3_fetch_spans.py, ``_priced_by_fetch``), which replaces (a)'s third gather
+     and item 1's copy-out on the compute stream for it: the spans carry the gathers, their
+     copy-out on the NCCL stream and the zero fill before each, and the gradient reductions.
+     The ring latency stays one (N-1) alpha per layer and pass, as every collective of the rows
+     is priced, not one per parameter's call: docs/validation.md, "The ZeRO-3 rows priced fetch
+     by fetch", says why.  The evaluator hands in each layer's units (its graph's ops); the
+     planner's per-layer tables (``layer_among_equals``) price FSDP2 only and never take this
+     path.
 
 5. PyTorch FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``, FULL_SHARD, one
    ``FlatParameter`` per wrapped block, ``use_orig_params=False``), the implementation the
@@ -168,9 +176,10 @@ import numpy as np
 
 #: extra compute time per second of compute overlapped by a collective (see the module docstring,
 #: item 2).  Fitted by ``python benchmarks/published_runs.py --fit`` on the sharded-data-parallel
-#: rows of the published runs: the median fit on all 85 rows picks 0.5 (docs/validation.md,
-#: "Recompute that stops early"; half B picks 0.5, half A 0.3).
-NCCL_OVERLAP_SLOWDOWN = 0.5
+#: rows of the published runs: with the ZeRO-3 rows priced fetch by fetch (item 4c) the median fit
+#: on all 85 rows picks 0.3, half A 0.3 and half B 0.4 (docs/validation.md, "The ZeRO-3 rows priced
+#: fetch by fetch"; before item 4c all rows and half B picked 0.5).
+NCCL_OVERLAP_SLOWDOWN = 0.3
 
 #: the fraction of the node's network a sharded all-gather or reduce-scatter reaches on a ring over
 #: nodes (item 6).  Fitted by ``python benchmarks/published_runs.py --fit`` with
@@ -196,10 +205,14 @@ class ShardedRuntime:
     #: read-and-write passes over the unsharded gradient on the reduce-scatter's stream before it:
     #: FSDP2's copy-in (item 1), FSDP1's pre-divide and, in torch 1.13, its pad (item 5b)
     reduce_prep_passes: int = 1
+    #: every sub-module's fetch drains the device and prefetches one weight ahead (item 4c,
+    #: simulator/zero3_fetch_spans.py)
+    drains_each_fetch: bool = False
 
 
 FSDP2 = ShardedRuntime("fsdp2", regather_for_recompute=False, node_aggregate_rings=True)
-DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False)
+DEEPSPEED_ZERO3_2021 = ShardedRuntime("deepspeed-zero3-2021", regather_for_recompute=True, node_aggregate_rings=False,
+                                      drains_each_fetch=True)
 #: FSDP1 as torch 1.13 ran it (llm-foundry's 70B A100 rows, kept from the table's 1.13 revision:
 #: benchmarks/published_runs.py ``MPT_TORCH_1_13``) and as torch 2.1 (the rest of llm-foundry's
 #: table) and the nightlies after 2.2 (fms-fsdp) run it: item 5
@@ -270,7 +283,7 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
                           slowdown: float | None = None, reduce_factor: float = 1.0, *,
                           runtime: ShardedRuntime = FSDP2, bandwidth_scale: float = 1.0,
-                          latency_s: float = 0.0) -> np.ndarray:
+                          latency_s: float = 0.0, units: list | None = None) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
 
     ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
@@ -281,6 +294,10 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     ``runtime``: the implementation priced (item 4); ``bandwidth_scale``
     (``gather_bandwidth_scale``) multiplies the part of each gather and reduce-scatter beyond its
     ring latency ``latency_s`` ((N-1) alpha, what the rows' alpha-beta price holds besides bytes).
+
+    ``units``: per layer, its gathered sub-modules (zero3_fetch_spans.layer_units, None for a
+    layer without); where the runtime drains the device at each fetch (item 4c) a ZeRO-3 layer
+    with units is priced fetch by fetch (``_priced_by_fetch``) instead of by the terms below.
 
     Locality (the evaluator's memo of derived rows relies on it, evaluator._LayerMemo): row k of
     the result reads rows k-1, k and k+1 only, and its dp_allgather_s, h2d_s, zero and offload
@@ -305,6 +322,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
         ag = np.where(ag > 0, latency_s + np.maximum(ag - latency_s, 0.0) * bandwidth_scale, 0.0)
         rs = np.where(rs > 0, latency_s + np.maximum(rs - latency_s, 0.0) * bandwidth_scale, 0.0)
         out[:, col["dp_allgather_s"]] = ag
+    reduce_only = rs
     if runtime.regather_for_recompute:
         # item 4a: the recomputed forward gathers again, on the backward's communication stream
         # (carried in the reduce-scatter column, the other traffic of that stream), with its copy-out
@@ -337,7 +355,35 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     # (sharded layers only: the slowdown is masked by ``sharded`` below, so its inputs need not be)
     out[:, col["fwd_s"]] = fwd + cp_param3 + overlap_slowdown_s(fwd, next_fwd, slowdown) * sharded
     out[:, col["bwd_s"]] = bwd + bwd_copies + overlap_slowdown_s(bwd + rec, rs_in + next_bwd, slowdown) * sharded
+    if runtime.drains_each_fetch and units is not None:
+        _priced_by_fetch(out, rows, col, gather3, units, ag, reduce_only,
+                         rows[:, col["fsdp_param_buffer_bytes"]] / unit_s, slowdown)
     return out
+
+
+def _priced_by_fetch(out: np.ndarray, rows: np.ndarray, col: dict, gather3: np.ndarray, units: list,
+                     ag: np.ndarray, rs: np.ndarray, copy_pass_s: np.ndarray, slowdown: float) -> None:
+    """Item 4c: the ZeRO-3 layers with gathered units priced span by span
+    (zero3_fetch_spans.layer_pass_times), in place.  The forward column takes the forward's spans
+    (at least its gathers, so the step model's max with the next gather keeps it); the backward
+    column the recompute and backward's spans less the recompute column, which the step model
+    adds back; the reduce-scatter column what those spans communicate beyond the backward gather
+    the step model adds (fsdp_traffic), so that where the spans are bound by communication the
+    step model's max reads the same total."""
+    from autopar.simulator.zero3_fetch_spans import layer_pass_times
+
+    for k in np.flatnonzero(gather3):
+        u = units[k] if k < len(units) else None
+        if u is None:
+            continue
+        r = rows[k]
+        rec = r[col["recompute_s"]]
+        fwd, back, back_comm = layer_pass_times(u, r[col["fwd_s"]], rec, r[col["bwd_s"]], ag[k], rs[k],
+                                                copy_pass_s[k], slowdown, recomputed=r[col["recompute"]] >= 2)
+        out[k, col["fwd_s"]] = fwd
+        out[k, col["recompute_s"]] = rec
+        out[k, col["bwd_s"]] = back - rec
+        out[k, col["dp_reducescatter_s"]] = max(back_comm - ag[k], 0.0)
 
 
 def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
