@@ -33,6 +33,7 @@ from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
+from autopar.simulator.zero3_fetch_spans import layer_units
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -197,7 +198,6 @@ class PlanEvaluator:
     def _fetch_units(self) -> list:
         """Each layer's gathered sub-modules (zero3_fetch_spans.layer_units), worked out once."""
         if self._units is None:
-            from autopar.simulator.zero3_fetch_spans import layer_units
             self._units = [layer_units(self.graph.layer_ops(i)) for i in range(self.num_layers)]
         return self._units
 

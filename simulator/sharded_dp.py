@@ -174,6 +174,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.simulator.zero3_fetch_spans import layer_pass_times
+
 #: extra compute time per second of compute overlapped by a collective (see the module docstring,
 #: item 2).  Fitted by ``python benchmarks/published_runs.py --fit`` on the sharded-data-parallel
 #: rows of the published runs: with the ZeRO-3 rows priced fetch by fetch (item 4c) the median fit
@@ -370,8 +372,6 @@ def _priced_by_fetch(out: np.ndarray, rows: np.ndarray, col: dict, gather3: np.n
     adds back; the reduce-scatter column what those spans communicate beyond the backward gather
     the step model adds (fsdp_traffic), so that where the spans are bound by communication the
     step model's max reads the same total."""
-    from autopar.simulator.zero3_fetch_spans import layer_pass_times
-
     for k in np.flatnonzero(gather3):
         u = units[k] if k < len(units) else None
         if u is None:

@@ -132,19 +132,15 @@ def drained_spans_s(compute, gather, zero_fill, reduce, slowdown: float) -> floa
     drains = np.flatnonzero(gather > 0)
     if len(drains) == 0:
         return float(compute.sum())
-    n = len(compute)
-    total = 0.0
-    spans = len(drains)
-    span_reduce = [float(reduce[drains[k]:(drains[k + 1] if k + 1 < spans else n)].sum()
-                         + (reduce[:drains[0]].sum() if k + 1 == spans else 0.0)) for k in range(spans)]
-    for k in range(spans):
-        a = drains[k]
-        b = drains[k + 1] if k + 1 < spans else n
-        c = float(compute[a:b].sum()) + (float(compute[:drains[0]].sum()) if k + 1 == spans else 0.0)
-        nxt = drains[(k + 1) % spans]
-        comm = float(gather[nxt]) + span_reduce[k - 1]          # the reductions of the span before
-        total += float(zero_fill[nxt]) + max(c + slowdown * min(c, comm), comm)
-    return total
+    # the sequence is cyclic: start it at the first drain, so that span k runs from drains[k] to
+    # drains[k + 1] (the last to the end) and the visits before the first drain close the last span
+    first = drains[0]
+    compute, gather, zero_fill, reduce = (np.roll(a, -first) for a in (compute, gather, zero_fill, reduce))
+    drains = drains - first
+    c = np.add.reduceat(compute, drains)
+    nxt = np.roll(drains, -1)                                    # the draining visit each span prefetches
+    comm = gather[nxt] + np.roll(np.add.reduceat(reduce, drains), 1)   # + the reductions of the span before
+    return float((zero_fill[nxt] + np.maximum(c + slowdown * np.minimum(c, comm), comm)).sum())
 
 
 def layer_pass_times(units: LayerUnits, fwd_s: float, recompute_s: float, bwd_s: float, gather_s: float,
