@@ -82,10 +82,15 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
     linears: set[str] = set()
     crossed: set[str] = set()
     hit_leaf = False
-    stack: list[tuple[str, OpNode, int]] = [(op.inputs[0], op, 0)] if op.inputs else []
+    # Each entry carries the op whose output a joining operand is measured against: the nearest
+    # reader that is not a view.  A rotary table reaches the rotation through views of its own
+    # (transformers 5 unsqueezes cos/sin inside the attention module), and a view's output is as
+    # large as its input, so measuring against the view would take the table for the residual
+    # stream and drop the attention pair.
+    stack: list[tuple[str, OpNode, int, OpNode]] = [(op.inputs[0], op, 0, op)] if op.inputs else []
     seen: set[str] = set()
     while stack:
-        name, reader, idx = stack.pop()
+        name, reader, idx, joins = stack.pop()
         node = by_name.get(name)
         if node is not None and node.kind in PASS_THROUGH_KINDS | {"linear"}:
             if name in seen:
@@ -96,13 +101,14 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
                 continue
             crossed.add(name)
             inputs = node.inputs[:3] if node.kind == "attention" else node.inputs
-            stack.extend((src, node, i) for i, src in enumerate(inputs))
+            ref = joins if node.kind == "view" else node
+            stack.extend((src, node, i, ref) for i, src in enumerate(inputs))
             continue
         if name not in graph_kind or (node is None and graph_kind.get(name) == "other") or \
                 (node is not None and node.kind == "other"):
             continue                                   # graph input, constant, mask or position table
         shape = reader.input_shapes[idx] if idx < len(reader.input_shapes) else ()
-        if reader is op or _numel(shape) >= _numel(reader.output_shape):
+        if reader is op or joins is op or _numel(shape) >= _numel(joins.output_shape):
             hit_leaf = True
     return linears, crossed, hit_leaf
 
