@@ -19,9 +19,10 @@ modules, so module-level transformations apply to it as a whole (``parallelize``
 needed by the next stage besides the hidden state (rotary tables, an attention mask) is sent
 along with it.
 
-A stage may receive only what the previous stage sends: a forward whose stages need a value
-from an earlier, non-adjacent stage (or a non-tensor value) cannot be pipelined, and the
-runtime says so.
+A stage receives only what the previous stage sends, so a value made on one stage and read
+two or more stages later is relayed by the stages between (``_relay_across_stages``); a forward
+whose stages need a non-tensor value from another stage cannot be pipelined, and the runtime
+says so.
 
 Schedules: GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021, PipeDream-Flush),
 interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), with ``scale_grads=True`` so gradients are
@@ -136,6 +137,7 @@ def split_into_stages(model: nn.Module, layer_paths: list[tuple[str, ...]], stag
                 f"so it cannot be cut into stages. Plan with pp = 1 for this model.") from None
         cut_by = "export"
     stage_of = _assign_stages(gm.graph, owner, stage_of_layer)
+    _relay_across_stages(gm, stage_of)
     split = split_module(gm, model, lambda node: stage_of[node.name], keep_original_order=True)
     _attrs_into_stages(split)
     stages = [_restore_names(stage, model, fresh=cut_by == "export") for stage in _check_chain(split, num_stages)]
@@ -260,6 +262,38 @@ def _assign_stages(graph: fx.Graph, owner: dict[str, int], stage_of_layer: list[
         users = [stage[u.name] for u in node.users if u.name in stage]
         stage[node.name] = min(users) if users else 0
     return stage
+
+
+def _relay(value):
+    """Hand a value on unchanged: a stage between the one that makes a value and the one that
+    reads it passes it through (``_relay_across_stages``)."""
+    return value
+
+
+def _relay_across_stages(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """A value made on stage s and read on stage t > s + 1 (transformers 5's rotary tables and
+    attention mask, made once before the first block and read by every block) is handed on by
+    every stage in between: a ``_relay`` node on each of stages s + 1 .. t - 1, so that each
+    stage receives only what the previous one sends (``PipelineStage`` receives from its
+    neighbour alone).  The relayed tensors cost one extra send per boundary they cross."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op in ("output", "get_attr") or node.name not in stage_of:
+            continue
+        s = stage_of[node.name]
+        far = [u for u in node.users if u.op != "output" and stage_of.get(u.name, s) > s + 1]
+        if not far:
+            continue
+        relays: dict[int, fx.Node] = {}
+        prev = node
+        for k in range(s + 1, max(stage_of[u.name] for u in far)):
+            with graph.inserting_after(prev):
+                prev = graph.call_function(_relay, (prev,))
+            stage_of[prev.name] = k
+            relays[k] = prev
+        for user in far:
+            user.replace_input_with(node, relays[stage_of[user.name] - 1])
+    gm.recompile()
 
 
 def _check_chain(split: fx.GraphModule, num_stages: int) -> list[nn.Module]:

@@ -56,7 +56,10 @@ LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_
 #           kind: {layer name: TP styles} for kinds that split "pre"/"post" modules}
 MODELS: dict[str, dict] = {
     # sequence parallelism: Hugging Face layers take hidden_states= by keyword, norms are LlamaRMSNorm
-    "hf_llama": dict(kinds={**CORE, "tp": TP, "tp_sp": TP_SP, "pp": PP}, tp=LLAMA_TP),
+    # pp_interleaved: four stages of one layer each, so the rotary tables and the mask that
+    # transformers 5 makes before the first block are relayed through stage 1 to stage 2
+    "hf_llama": dict(kinds={**CORE, "tp": TP, "tp_sp": TP_SP, "pp": PP, "pp_interleaved": PP_INTERLEAVED},
+                     tp=LLAMA_TP),
     "hf_qwen2": dict(kinds={**CORE, **TIED_EXTRA, "tp": TP, "tp_vocab": TP, "pp": PP, "pp_zero3": PP_ZERO3},
                      tp=LLAMA_TP, tp_vocab={"pre": {"model.embed_tokens": "rowwise"}, "post": {"lm_head": "colwise"}}),
     "hf_bert": dict(kinds={**CORE, "tp": TP, "pp": PP, "pp_recompute": PP_RECOMPUTE},
