@@ -255,6 +255,10 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
     out_path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(prof, out_path)
     print(f"    wrote {out_path}", flush=True)
+    if device.type == "cuda":
+        # the runs of part (b) are other processes on the same GPU: hand back this one's cached blocks
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     return prof
 
 

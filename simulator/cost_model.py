@@ -45,6 +45,7 @@ import numpy as np
 from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
+from autopar.simulator.clocks import peak_flops_at_clock
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
 from autopar.simulator.training_code import AUTOPAR, TrainingCode
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
@@ -161,7 +162,7 @@ class CostModel:
         try:
             cm = cls(
                 name=str(prof["name"]),
-                peak_flops={k: float(v) for k, v in prof["peak_flops"].items()},
+                peak_flops=peak_flops_at_clock(prof),             # simulator/clocks.py: the clock it holds
                 memory_bandwidth_Bps=float(prof["memory_bandwidth_Bps"]),
                 efficiency={k: float(v) for k, v in prof.get("efficiency", {}).items()},
                 collective_efficiency={k: float(v) for k, v in prof.get("collective_efficiency", {}).items()},
