@@ -20,7 +20,10 @@ Three parts, each one job of an existing module:
     ``profiling.ops.measure_ops`` (forward, CUDA events), the framework overheads by
     ``profiling.overheads.measure_overheads`` (``--no-overheads`` skips them), written by
     ``profiling.profile_file.build_profile`` over the bundled ``h100-sxm`` profile into
-    ``profiles/h100-sxm-measured.json`` with the command in ``measured_by``.
+    ``profiles/h100-sxm-measured.json`` with the command in ``measured_by``.  Then the clock under
+    sustained load (``--clock-seconds``, 20 s): the block's w1 GEMM back to back while NVML reports
+    the SM clock, board power and power limit -- what a profile's ``power_limit_W`` and
+    ``sustained_clock_MHz`` mean (simulator/clocks.py, docs/profiles.md "GPU variants").
 
 (b) **Training steps.**  examples/llama.py at Llama 3 8B's widths (hidden 4096, 32 heads, 8 KV
     heads, FFN 14336, vocab 128256, seq 8192) with 4 layers, bf16, one GPU: eager with recompute
@@ -109,6 +112,8 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=None,
                     help="comma-separated plan names (default: all: " + ", ".join(c.name for c in CONFIGS) + ")")
     ap.add_argument("--no-overheads", action="store_true", help="skip the framework overheads in part (a)")
+    ap.add_argument("--clock-seconds", type=float, default=20.0,
+                    help="seconds of back-to-back GEMMs for the clock under sustained load (GPU only; 0 skips)")
     ap.add_argument("--base-profile", default=None,
                     help="profile the measured one starts from and the steps are also priced on "
                          "(default: h100-sxm on a GPU, local-cpu with --tiny)")
@@ -215,6 +220,81 @@ def _cross_entropy_case(tokens: int, vocab: int, dt: str, fp32: bool):
 REFERENCE_VARIANTS = ("silu", "rope", "cross_entropy_fwd_bwd", "cross_entropy_fp32_fwd_bwd")
 
 
+# -------------------------------------------------- (a') the clock under sustained load
+def summarize_clock_samples(samples: list[dict]) -> dict:
+    """The figures of a sustained run: medians over its second half (the clock settles once the
+    board reaches its power limit; NVIDIA, nvidia-smi documentation, "Clocks Event Reasons: SW Power
+    Cap"), each sample ``{"t_s", "sm_clock_MHz", "power_W", "tflops"}`` (a missing reading is None)."""
+    import statistics
+
+    half = [x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2] if samples else []
+
+    def med(key):
+        vals = [x[key] for x in half if x.get(key) is not None]
+        return statistics.median(vals) if vals else None
+    return {"samples": len(samples), "seconds": samples[-1]["t_s"] if samples else 0.0,
+            "sm_clock_MHz": med("sm_clock_MHz"), "power_W": med("power_W"), "tflops": med("tflops")}
+
+
+def sustained_gemm(dims: dict, micro_batch: int, dtype: str, device, seconds: float) -> dict:
+    """The block's widest GEMM (tokens x hidden by hidden x ffn, w1) back to back for ``seconds``,
+    sampled every ~0.1 s: the SM clock, board power and power limit from NVML (nvidia-ml-py's
+    ``pynvml``, where importable) and the achieved TFLOP/s (CUDA events).  What the profile's
+    ``sustained_clock_MHz`` and ``power_limit_W`` mean (simulator/clocks.py), measured."""
+    import time
+
+    import torch
+    from autopar.profiling.op_sweeps import DTYPES
+
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device"}
+    nvml = handle = None
+    info: dict = {}
+    try:
+        import pynvml as nvml
+
+        nvml.nvmlInit()
+        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        info["max_sm_clock_MHz"] = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
+        info["power_limit_W"] = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
+    except Exception as e:                      # no NVML, no permission, an index it does not know
+        info["nvml"] = f"unavailable: {e!r}"
+        handle = None
+
+    def reading(fn, *a):
+        try:
+            return fn(handle, *a) if handle is not None else None
+        except Exception:
+            return None
+    t, h, f = micro_batch * dims["seq"], dims["hidden"], dims["ffn"]
+    x = torch.randn(t, h, device=device, dtype=DTYPES[dtype])
+    w = torch.randn(f, h, device=device, dtype=DTYPES[dtype])
+    flops = 2.0 * t * h * f
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize(device)
+    calls = 1
+    samples, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        start.record()
+        for _ in range(calls):
+            torch.nn.functional.linear(x, w)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        if ms < 50.0:                            # grow the chunk to ~0.1 s
+            calls = max(calls + 1, int(calls * 100.0 / max(ms, 1e-3)))
+        clock = reading(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_SM) if handle is not None else None
+        power = reading(nvml.nvmlDeviceGetPowerUsage) if handle is not None else None
+        samples.append({"t_s": time.perf_counter() - t0, "sm_clock_MHz": clock,
+                        "power_W": power / 1000.0 if power is not None else None,
+                        "tflops": flops * calls / (ms / 1e3) / 1e12 if ms > 0 else None})
+    del x, w
+    torch.cuda.empty_cache()
+    return {**info, "gemm": [t, h, f], "dtype": dtype, **summarize_clock_samples(samples)}
+
+
 def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base_profile: str, out_path: Path,
                     command: str) -> dict:
     """Part (a): time the cases, build the profile over ``base_profile``, validate and write it."""
@@ -240,6 +320,10 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
         print("    framework overheads", flush=True)
         overheads = measure_overheads(device, policy, quick=True)
     desc = machine.describe(device, 1, None)
+    clocks = sustained_gemm(dims, micro_batch, dtype, device, args.clock_seconds) if args.clock_seconds > 0 else \
+        {"skipped": "--clock-seconds 0"}
+    print(f"    clock under sustained load: {clocks}", flush=True)
+    desc["sustained_gemm"] = clocks
     base = load_profile(base_profile)
     base["op_table"], base["collective_table"], base["measured_by"] = [], [], None
     prof = build_profile(base=base, name=out_path.stem, device_kind="gpu" if device.type == "cuda" else "cpu",
@@ -247,6 +331,12 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
                          op_rows=rows, collective_rows=None, memory_bytes=desc.get("gpu_memory_bytes"),
                          overheads=overheads)
     prof["name"] = out_path.stem
+    if clocks.get("power_limit_W"):
+        # recorded, not applied: the measured op rows already ran at this limit's clock, so the
+        # profile states no sustained_clock_MHz (simulator/clocks.py would scale the peaks again)
+        prof["power_limit_W"] = clocks["power_limit_W"]
+        prof["sources"]["power_limit_W"] = (f"measured: NVML enforced power limit during `{command}`; the SM clock "
+                                            f"and GEMM rate it held under sustained load are in machine.sustained_gemm")
     prof["description"] = (f"{desc.get('gpu_name') or desc['cpu_model']}: op rates at Llama 3 8B shapes measured by "
                            f"benchmarks/gpu_truth.py over the bundled profile {base_profile} (its links, attention "
                            f"kernels and collective efficiencies kept); rows with reference: true are for the record, "
@@ -384,6 +474,7 @@ def main(argv=None) -> int:
               "micro_batch": micro_batch, "precision": precision, "cluster": cluster.name,
               "profiles": {p: (str(profile_out) if p == profile_out.stem else p) for p in profiles},
               "steps": args.steps, "repeats": args.repeats, "plans": rows,
+              "sustained_gemm": (profiles.get(profile_out.stem) or {}).get("machine", {}).get("sustained_gemm"),
               "error": "simulated / measured - 1"}
     save.parent.mkdir(parents=True, exist_ok=True)
     save.write_text(json.dumps(result, indent=1) + "\n")

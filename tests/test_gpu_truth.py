@@ -74,3 +74,19 @@ def test_gpu_truth_tiny_mode_measures_ops_runs_plans_and_prices_them(tmp_path):
         sim = row["simulated"]["measured-profile"]
         assert sim["step_s"] == pytest.approx(plan["predicted"]["step_time_s"])
         assert sim["step_error"] == pytest.approx(sim["step_s"] / measured["step_time_s"] - 1)
+
+
+def test_sustained_clock_figures_are_second_half_medians():
+    """The clock under sustained load is read once the board has settled: medians over the
+    second half of the samples, a reading NVML did not give left out."""
+    from plain_loop import load
+
+    truth = load(ROOT / "benchmarks" / "gpu_truth.py")
+    samples = [{"t_s": float(i), "sm_clock_MHz": c, "power_W": p, "tflops": f}
+               for i, (c, p, f) in enumerate([(1980, 300, 700), (1980, 690, 760), (1755, 700, 700),
+                                              (1710, 700, 680), (1740, None, 690), (1725, 699, 685)], start=1)]
+    s = truth.summarize_clock_samples(samples)
+    # second half: t >= 3 -> clocks 1755, 1710, 1740, 1725; power 700, 700, 699; TFLOP/s 700, 680, 690, 685
+    assert (s["samples"], s["seconds"]) == (6, 6.0)
+    assert s["sm_clock_MHz"] == (1725 + 1740) / 2 and s["power_W"] == 700 and s["tflops"] == (685 + 690) / 2
+    assert truth.summarize_clock_samples([])["sm_clock_MHz"] is None
