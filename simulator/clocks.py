@@ -8,7 +8,9 @@ the silicon; the clock is not: under a board power limit the GPU lowers its SM c
 power fits (NVIDIA, nvidia-smi documentation, "Clocks Throttle Reasons: SW Power Cap").  So a
 part sold or run at another power limit, on the same die, keeps the datasheet peaks scaled by
 ``sustained_clock_MHz / boost_clock_MHz`` -- the profile's optional keys, each with its source
-(docs/profiles.md, "GPU variants").  HBM bandwidth is the memory's own clock and is stated as
+(docs/profiles.md, "GPU variants") -- and so do the published flash-attention rates the profile
+carries (``attention_kernels``, measured on the boost part; the cost model's ``clock_ratio``), a
+compute-bound kernel's rate being proportional to the clock.  HBM bandwidth is the memory's own clock and is stated as
 ``memory_bandwidth_Bps`` for the part.
 
 A profile without both keys keeps its peaks: the bundled 700 W profiles take their efficiencies

@@ -147,6 +147,13 @@ def test_gpu_variant_derives_its_rates_from_its_clock_and_cites_it():
     cm = CostModel.from_profile("h100-sxm-96gb-500w")
     assert cm.peak("bf16") == pytest.approx(1671e12 / 2, rel=0.002)
     assert cm.peak("fp32") == pytest.approx(prof["peak_flops"]["fp32"] * clock_ratio(prof))
+    # a flash-attention kernel's published rate (measured on the SXM5) runs at the same clock ratio
+    from types import SimpleNamespace
+
+    op = SimpleNamespace(causal=True, input_shapes=((2, 32, 8192, 128),))
+    slow = cm.fused_attention_s(op, 1e12, "bf16", backward=False)
+    fast = CostModel.from_profile("h100-sxm").fused_attention_s(op, 1e12, "bf16", backward=False)
+    assert slow / fast == pytest.approx(prof["boost_clock_MHz"] / prof["sustained_clock_MHz"])
     # a profile without the clocks keeps its datasheet peaks
     assert CostModel.from_profile("h100-sxm").peak("bf16") == load_profile("h100-sxm")["peak_flops"]["bf16"]
     for bad in ({"sustained_clock_MHz": 0}, {"power_limit_W": "500 W"}):
