@@ -10,7 +10,8 @@ Three parts, each one job of an existing module:
 (a) **Op rates.**  The cases of ``profiling/op_sweeps.py`` (its case makers, unchanged) at the shapes
     of a Llama 3 8B layer at ``--micro-batch`` x seq tokens: every linear of the block (q/o 4096 x
     4096, the GQA k/v projections at N = 1024, the SwiGLU w1/w3 at 14336 and w2 back) and the
-    128K-vocabulary output projection; causal SDPA at seq 8192, head dim 128; RMS and layer norm;
+    128K-vocabulary output projection; causal SDPA forward + backward at seq 1024-8192, head dim
+    128 (written over the profile's flash2 causal series, ``attention_series``); RMS and layer norm;
     the element-wise rows (gelu -- what the cost model prices SiLU from, simulator/cost_model.py
     ``op_variant`` --, add, masked fill) at the SwiGLU and residual sizes; the embedding; copies
     (the measured memory bandwidth).  Rows the cost model does not read, for the record
@@ -139,7 +140,11 @@ def llama_op_cases(dims: dict, micro_batch: int, dtype: str) -> list:
     cases = []
     for k, n in ((h, h), (h, kv * hd), (h, ffn), (ffn, h), (h, vocab)):
         cases += sw._linear((t, k, n), dtype)
-    cases += [c for c in sw._attention((micro_batch, heads, seq, hd), dtype) if c.kind == "attention"]
+    # causal SDPA forward + backward at the step's tokens, sequence lengths up to the model's (the
+    # profile's attention_kernels series, ``attention_series``); no forward-only rows: a measured
+    # "sdpa" curve would replace the fwd+bwd rates and price the backward from the forward's
+    lengths = sorted({max(1, seq // 8), max(1, seq // 4), max(1, seq // 2), seq})
+    cases += [_sdpa_fwd_bwd_case(max(1, t // s), heads, s, hd, dtype) for s in lengths]
     cases += sw._norm((t, h), dtype)
     for n in (t * h, t * ffn):
         cases += sw._elementwise((n,), dtype)
@@ -149,6 +154,47 @@ def llama_op_cases(dims: dict, micro_batch: int, dtype: str) -> list:
     cases += [_silu_case(t * ffn, dtype), _rope_case(micro_batch, heads, seq, hd, dtype)]
     cases += [_cross_entropy_case(t, vocab, dtype, fp32) for fp32 in (False, True)]
     return cases
+
+
+def _sdpa_fwd_bwd_case(b: int, heads: int, seq: int, hd: int, dt: str):
+    """Causal ``scaled_dot_product_attention`` forward and backward (the closure runs both under
+    ``enable_grad``), whichever kernel SDPA dispatches to on this machine: what autopar's runtime
+    and examples/llama.py run.  FLOPs in the graph's convention (forward the full square 4 b h s^2 d,
+    backward twice that: 12 b h s^2 d in all, core/op_costs.py)."""
+    import torch
+    import torch.nn.functional as F
+    from autopar.core.dtypes import PRECISION_BYTES
+    from autopar.profiling.op_sweeps import DTYPES, OpCase
+
+    es = PRECISION_BYTES[dt]
+
+    def build(device):
+        q, k, v = (torch.randn(b, heads, seq, hd, device=device, dtype=DTYPES[dt]).requires_grad_(True)
+                   for _ in range(3))
+        grad = torch.randn(b, heads, seq, hd, device=device, dtype=DTYPES[dt])
+
+        def call():
+            with torch.enable_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            q.grad = k.grad = v.grad = None
+        return call
+    # q, k, v read and the output written forward; backward reads them, the output and its
+    # gradient, and writes three gradients
+    traffic = (4 + 9) * b * heads * seq * hd * es
+    return OpCase("attention", "sdpa_causal_fwd_bwd", dt, (b, heads, seq, hd), 12.0 * b * heads * seq * seq * hd,
+                  float(traffic), build)
+
+
+def attention_series(rows: list[dict]) -> dict[str, list[list[float]]]:
+    """The measured causal SDPA rows as a profile's ``attention_kernels`` series: head dim ->
+    [[seq, TFLOP/s]], in the published rates' convention (docs/profiles.md: a causal forward is
+    4 b h s^2 d / 2, a backward 2.5 forwards), the one ``CostModel.fused_attention_s`` reads."""
+    out: dict[str, list[list[float]]] = {}
+    for r in sorted((r for r in rows if r["variant"] == "sdpa_causal_fwd_bwd"), key=lambda r: r["shape"][2]):
+        b, h, s, d = r["shape"]
+        work = 4.0 * b * h * s * s * d / 2.0 * 3.5
+        out.setdefault(str(d), []).append([s, round(work / r["measured_seconds"] / 1e12, 3)])
+    return out
 
 
 def _silu_case(n: int, dt: str):
@@ -217,7 +263,7 @@ def _cross_entropy_case(tokens: int, vocab: int, dt: str, fp32: bool):
                   float(6 * n * 3), float(traffic), build)
 
 
-REFERENCE_VARIANTS = ("silu", "rope", "cross_entropy_fwd_bwd", "cross_entropy_fp32_fwd_bwd")
+REFERENCE_VARIANTS = ("silu", "rope", "cross_entropy_fwd_bwd", "cross_entropy_fp32_fwd_bwd", "sdpa_causal_fwd_bwd")
 
 
 # -------------------------------------------------- (a') the clock under sustained load
@@ -331,6 +377,16 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
                          op_rows=rows, collective_rows=None, memory_bytes=desc.get("gpu_memory_bytes"),
                          overheads=overheads)
     prof["name"] = out_path.stem
+    series = attention_series(rows)
+    if series:
+        # the kernel SDPA runs here replaces the published flash2 causal series at the measured head
+        # dims (what TrainingCode.attention_kernel "flash2" means: SDPA's kernel, simulator/training_code.py)
+        kernels = prof.setdefault("attention_kernels", {})
+        kernels.setdefault("flash2", {}).setdefault("causal", {}).update(series)
+        prof["sources"]["attention_kernels.flash2.causal"] = (
+            f"measured by `{command}`: causal scaled_dot_product_attention forward + backward at "
+            f"head dims {', '.join(series)} (torch {torch.__version__}, whichever kernel SDPA dispatches to), in "
+            f"the published convention; the other series are the bundled profile's published figures")
     if clocks.get("power_limit_W"):
         # recorded, not applied: the measured op rows already ran at this limit's clock, so the
         # profile states no sustained_clock_MHz (simulator/clocks.py would scale the peaks again)

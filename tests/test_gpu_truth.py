@@ -41,18 +41,26 @@ def test_gpu_truth_tiny_mode_measures_ops_runs_plans_and_prices_them(tmp_path):
     assert set(linears) == {(t, h, h), (t, h, kv * hd), (t, h, ffn), (t, ffn, h), (t, h, vocab)}
     for (m, k, n), r in linears.items():
         assert r["flops"] == 2.0 * m * k * n
-    attn = [r for r in prof["op_table"] if r["kind"] == "attention"]
-    assert [r["shape"] for r in attn] == [[mb, heads, seq, hd]] and attn[0]["flops"] == 4.0 * mb * heads * seq * seq * hd
+    # causal SDPA forward + backward at the step's tokens, seq/8 .. seq, as the flash2 causal series
+    attn = sorted((r for r in prof["op_table"] if r["kind"] == "attention"), key=lambda r: r["shape"][2])
+    assert [r["shape"] for r in attn] == [[t // s, heads, s, hd] for s in (8, 16, 32, 64)]
+    assert all(r["variant"] == "sdpa_causal_fwd_bwd" and r["reference"] for r in attn)
+    assert all(r["flops"] == 12.0 * b * hh * s * s * d for r in attn for b, hh, s, d in [r["shape"]])
+    published = [[s, round(4.0 * b * hh * s * s * d / 2 * 3.5 / r["measured_seconds"] / 1e12, 3)]
+                 for r in attn for b, hh, s, d in [r["shape"]]]
+    assert prof["attention_kernels"]["flash2"]["causal"][str(hd)] == published
     variants = {(r["kind"], r["variant"]) for r in prof["op_table"]}
     assert {("norm", "rms_norm"), ("elementwise", "gelu"), ("copy", "copy"), ("elementwise", "silu"),
             ("elementwise", "rope"), ("loss", "cross_entropy_fwd_bwd"), ("loss", "cross_entropy_fp32_fwd_bwd")} <= variants
     assert all(r.get("reference") for r in prof["op_table"]
                if r["variant"] in ("silu", "rope", "cross_entropy_fwd_bwd", "cross_entropy_fp32_fwd_bwd"))
+    assert not any(r.get("reference") for r in prof["op_table"] if r["kind"] in ("linear", "norm", "copy"))
     # the cost model prices a linear of a measured shape at its measured (isotonic) time
     cm = CostModel.from_profile(prof)
     r = linears[(t, h, kv * hd)]
     sec, measured = cm.compute_time_ex("linear", r["flops"], r["bytes"], "fp32", variant="linear")
     assert measured and sec == pytest.approx(r["seconds"])
+    assert cm._curve("attention", "sdpa", "fp32") is None     # no forward-only curve replaces the fwd+bwd rates
     assert not (ROOT / "profiles" / "cpu-tiny-measured.json").exists()
 
     # (b) + (c) the plans ran through the runtime as named; the figures are the runs' and the plans'
