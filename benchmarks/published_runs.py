@@ -639,11 +639,11 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
 
 # ------------------------------------------------------------------------------- output
 def format_table(title: str, table: dict) -> list[str]:
-    lines = [title, f"  {'family/gpu':<14} {'rows':>4} {'median |err|':>12} {'mean signed':>11}  worst row"]
+    lines = [title, f"  {'family/gpu':<22} {'rows':>4} {'median |err|':>12} {'mean signed':>11}  worst row"]
     for k, s in table.items():
         if not s["rows"]:
             continue
-        lines.append(f"  {k:<14} {s['rows']:>4} {100 * s['median_abs']:>11.1f}% {100 * s['mean_signed']:>+10.1f}%  "
+        lines.append(f"  {k:<22} {s['rows']:>4} {100 * s['median_abs']:>11.1f}% {100 * s['mean_signed']:>+10.1f}%  "
                      f"{s['worst_id']} ({100 * s['worst']:+.1f}%)")
     return lines
 
