@@ -91,3 +91,26 @@ def test_the_price_reruns_wk_wo_and_w3_and_keeps_their_outputs_out():
     assert every_other.activation_bytes < all_saved.activation_bytes
     with pytest.raises(ValueError, match="every_other"):
         recomputed_matmuls(ops, "odd")
+
+
+def test_the_steps_hardware_flops_count_the_rerun_matmuls():
+    """A step's hardware FLOPs (HFU) under the policy exceed autopar's by the rerun matmuls' forward
+    FLOPs of every block, per sample of the global batch."""
+    from autopar.core.cluster import load_cluster
+    from autopar.simulator.configure import config_plan
+    from autopar.simulator.simulate import simulate
+
+    graph = capture_model_file(str(ROOT / "examples" / "llama.py"), LLAMA, 2)
+    cluster = load_cluster("h100-16x8", nodes=1)
+    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+                       zero=0, recompute="selective", offload="none", precision="bf16", sequence_parallel=False,
+                       cluster_name=cluster.name)
+
+    def hw_flops(policy):
+        cm = CostModel.from_profile("h100-sxm").for_code(TrainingCode(selective_mm_policy=policy))
+        res = simulate(graph, plan, cluster, cm)
+        return res.hw_tflops_per_gpu * res.step_time_s * 1e12
+    rerun = sum(o.fwd_flops for lp in plan.layers if lp.recompute == "selective"
+                for ops in [graph.layer_ops(lp.layer)] for o in ops if o.name in recomputed_matmuls(ops, "every_other"))
+    assert rerun > 0
+    assert hw_flops("every_other") - hw_flops("all") == pytest.approx(rerun * 4 / 2, rel=1e-6)
