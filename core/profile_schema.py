@@ -53,6 +53,12 @@ OPTIONAL_KEYS = {
     # runs beside the next tile's main loop ("overlapped": Hopper persistent kernels)
     "gemm_epilogue": "epilogue",
     "host_adam_params_per_s": "positive",
+    # a GPU variant (simulator/clocks.py; docs/profiles.md "GPU variants"): the board power limit the
+    # figures hold at, and the SM clock the datasheet peaks are quoted at and the one the part holds
+    # under sustained load at that limit (the peaks are scaled by their ratio)
+    "power_limit_W": "positive",
+    "boost_clock_MHz": "positive",
+    "sustained_clock_MHz": "positive",
     # forward + backward rates of flash-attention kernels by mask, head dim and sequence length
     # (simulator/cost_model.py fused_attention_s; docs/profiles.md)
     "attention_kernels": "object",

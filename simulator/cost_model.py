@@ -45,6 +45,7 @@ import numpy as np
 from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
+from autopar.simulator.clocks import clock_ratio, peak_flops_at_clock
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
 from autopar.simulator.training_code import AUTOPAR, TrainingCode
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
@@ -150,6 +151,9 @@ class CostModel:
     #: the training code priced (simulator/training_code.py): autopar's runtime unless a caller
     #: prices a run made with other code; set it before an evaluator first prices with this model
     code: TrainingCode = AUTOPAR
+    #: sustained / boost clock of a GPU variant (simulator/clocks.py): scales the peaks (done in
+    #: ``from_profile``) and the published flash-attention rates, measured at the boost part's clock
+    clock_ratio: float = 1.0
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
     _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
@@ -161,7 +165,7 @@ class CostModel:
         try:
             cm = cls(
                 name=str(prof["name"]),
-                peak_flops={k: float(v) for k, v in prof["peak_flops"].items()},
+                peak_flops=peak_flops_at_clock(prof),             # simulator/clocks.py: the clock it holds
                 memory_bandwidth_Bps=float(prof["memory_bandwidth_Bps"]),
                 efficiency={k: float(v) for k, v in prof.get("efficiency", {}).items()},
                 collective_efficiency={k: float(v) for k, v in prof.get("collective_efficiency", {}).items()},
@@ -171,6 +175,7 @@ class CostModel:
                 gemm_tile=tuple(int(x) for x in prof.get("gemm_tile", (256, 128))),
                 gemm_epilogue=str(prof.get("gemm_epilogue", "overlapped")),
                 attention_kernels=_attention_kernels(prof.get("attention_kernels") or {}),
+                clock_ratio=clock_ratio(prof),
                 profile=prof,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -353,7 +358,8 @@ class CostModel:
         dims = sorted(table)
         near = min(dims, key=lambda d: (abs(math.log(d / head_dim)), d))
         seqs, rates = table[near]
-        rate = float(np.interp(math.log(seq), np.log(seqs), rates))
+        # a compute-bound kernel at another SM clock runs at its rate times the clock ratio (clocks.py)
+        rate = float(np.interp(math.log(seq), np.log(seqs), rates)) * self.clock_ratio
         # the graph counts a forward as the full square and a backward as 2 forwards
         fwd_full = flops / 2.0 if backward else flops
         fwd_kernel = fwd_full / 2.0 if causal else fwd_full

@@ -34,6 +34,7 @@ from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
 from autopar.simulator.zero3_fetch_spans import layer_units
+from autopar.simulator.selective_mm_policy import recomputed_matmuls
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
 from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
@@ -169,9 +170,13 @@ class PlanEvaluator:
         self._sig = [layer.signature for layer in graph.layers]
         b0 = max(1, graph.batch_size)
         self._layer_fwd_flops = np.array([layer.fwd_flops for layer in graph.layers]) / b0
+        # what a selective recompute reruns: the cheap ops, and the matmuls the code's policy does not
+        # save (simulator/selective_mm_policy.py; every group runs the same code)
+        policy = next(iter(self._cms.values())).code.selective_mm_policy
         self._layer_cheap_fwd_flops = np.array(
-            [sum(o.fwd_flops for o in graph.layer_ops(i) if o.kind not in MATMUL_KINDS)
-             for i in range(self.num_layers)]) / b0
+            [sum(o.fwd_flops for o in ops if o.kind not in MATMUL_KINDS or o.name in rerun)
+             for ops in (list(graph.layer_ops(i)) for i in range(self.num_layers))
+             for rerun in (recomputed_matmuls(ops, policy),)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)

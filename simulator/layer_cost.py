@@ -19,6 +19,7 @@ from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
+from autopar.simulator.selective_mm_policy import recomputed_matmuls
 from autopar.simulator.topology import MeshLinks
 
 MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
@@ -156,6 +157,9 @@ class _OpWork:
     early_stop_skipped_s: float = 0.0      # forward time of the ops a recompute that stops early skips
     early_stop_skipped_flops: float = 0.0
     early_stop_skipped_ops: frozenset = frozenset()
+    rerun_mm_fwd_s: float = 0.0            # matmuls a selective recompute reruns (selective_mm_policy.py)
+    rerun_mm_fwd_flops: float = 0.0
+    rerun_mm_output_bytes: float = 0.0
     param_names: set[str] = field(default_factory=set)       # parameter tensors of the layer
     dtensor_params: set[str] = field(default_factory=set)    # ... held as DTensors by tensor parallelism
     num_tp_modules: int = 0
@@ -180,6 +184,8 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
     amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)  # autocast.py
     styles = lp.tp_styles
+    ops = list(ops)
+    rerun_mms = recomputed_matmuls(ops, cm.code.selective_mm_policy) if lp.recompute == "selective" else frozenset()
     for op in ops:
         w.param_names.update(op.params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
@@ -213,6 +219,10 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
             if op.kind not in MATMUL_KINDS:
                 w.cheap_fwd_s += t
                 w.cheap_fwd_flops += op.fwd_flops * scale / shard
+            elif op.name in rerun_mms:
+                w.rerun_mm_fwd_s += t
+                w.rerun_mm_fwd_flops += op.fwd_flops * scale / shard
+                w.rerun_mm_output_bytes += op.output_bytes * scale * act_scale / osh
             t, m = cm.op_time_ex(op, precision, shard, backward=True, scale=scale, bytes_scale=bscale, out_shard=osh)
             w.bwd_s += t
             w.measured += m
@@ -348,8 +358,10 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
                          tp_meetings=tpc.fwd_meetings - tpc.skipped_meetings)
         w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
     elif lp.recompute == "selective":
-        activation = min(saved, layer_input_bytes + w.matmul_output_bytes)
-        out = _Recompute(w.cheap_fwd_s, w.cheap_fwd_flops, activation, max(0.0, saved - activation))
+        # the matmuls the code's policy does not save rerun too (simulator/selective_mm_policy.py)
+        activation = min(saved, layer_input_bytes + w.matmul_output_bytes - w.rerun_mm_output_bytes)
+        out = _Recompute(w.cheap_fwd_s + w.rerun_mm_fwd_s, w.cheap_fwd_flops + w.rerun_mm_fwd_flops, activation,
+                         max(0.0, saved - activation))
     else:
         out = _Recompute(0.0, 0.0, saved, 0.0)
     if lp.recompute in ("full", "selective"):

@@ -19,7 +19,8 @@ names the module that owns its mechanism:
 * ``attention_kernel``: the flash-attention kernel a fused attention runs (the profile's
   ``attention_kernels``, simulator/cost_model.py ``fused_attention_s``);
 * ``recompute_early_stop``: whether a full recompute stops once it has rebuilt the last tensor the
-  layer's backward needs (simulator/layer_cost.py ``_recompute``).
+  layer's backward needs (simulator/layer_cost.py ``_recompute``);
+* ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ class TrainingCode:
     #: torch 2.1 on) stops a layer's recompute at its last saved tensor; a reentrant checkpoint
     #: (Megatron-LM's and DeepSpeed's ``CheckpointFunction`` of 2021) reruns the whole forward
     recompute_early_stop: bool = True
+    #: which matmul outputs a selective recompute saves (simulator/selective_mm_policy.py): "all"
+    #: (runtime/recompute.py) or "every_other" (torchtitan's op-level policy of 2024)
+    selective_mm_policy: str = "all"
 
 
 #: autopar's runtime (runtime/): what every plan the planner writes is priced as

@@ -45,7 +45,17 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_bundled_list_is_complete():
-    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100"}
+    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100", "h100-96gb-500w-1x8"}
+
+
+def test_grand_teton_cluster_takes_the_variant_from_its_profile():
+    """The torchtitan benchmark's host: 8 GPUs, NVLink4 450 and 400 Gb/s per GPU (torchtitan's hardware
+    statement), and the GPU's memory from the profile it names (94 GiB usable of the 96 GB HBM2e)."""
+    c = load_cluster("h100-96gb-500w-1x8")
+    assert c.world_size == 8 and [g.gpu for g in c.groups] == ["h100-sxm-96gb-500w"] and c.backend == "nccl"
+    assert c.groups[0].intra_node.bandwidth_GBps == 450 and c.inter_node.bandwidth_GBps == 400 / 8
+    assert c.groups[0].gpu_memory_bytes == 94 * 2**30
+    assert load_cluster("h100-96gb-500w-1x8", nodes=16).world_size == 128
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -23,10 +23,10 @@ LINK_KEYS = ("nvlink_GBps", "nvlink_latency_us", "pcie_GBps", "pcie_latency_us",
 
 
 def test_bundled_names():
-    assert available_profiles() == ["a100-80gb-sxm", "h100-sxm", "h200", "local-cpu"]
+    assert available_profiles() == ["a100-80gb-sxm", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu"]
 
 
-@pytest.mark.parametrize("name", ["a100-80gb-sxm", "h100-sxm", "h200", "local-cpu"])
+@pytest.mark.parametrize("name", ["a100-80gb-sxm", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu"])
 def test_profile_loads_and_cites_every_figure(name):
     prof = load_profile(name)
     assert prof["name"] == name and profile_path(name).name == f"{name}.json"
@@ -118,10 +118,44 @@ def test_measured_rows_with_extra_keys_are_accepted(good):
 
 
 def test_unknown_name_and_missing_file_list_the_profiles(tmp_path):
-    with pytest.raises(ProfileError, match="a100-80gb-sxm, h100-sxm, h200, local-cpu"):
+    with pytest.raises(ProfileError, match="a100-80gb-sxm, h100-sxm, h100-sxm-96gb-500w, h200, local-cpu"):
         load_profile("b200")
     with pytest.raises(ProfileError, match="does not exist"):
         load_profile(str(tmp_path / "none.json"))
     (tmp_path / "broken.json").write_text('{"name": "x",\n "device": }')
     with pytest.raises(ProfileError, match="line 2"):
         load_profile(str(tmp_path / "broken.json"))
+
+
+def test_gpu_variant_derives_its_rates_from_its_clock_and_cites_it():
+    """H100 SXM 96 GB HBM2e at 500 W (torchtitan's hardware statement): the SXM5 datasheet peaks on
+    the same die, scaled by sustained / boost clock (simulator/clocks.py): 1545 / 1830 of 989.4 is the
+    H100 NVL datasheet's dense bf16 figure, 1,671 / 2 TFLOP/s; 2.4 TB/s; 500 W; each figure cited."""
+    from autopar.simulator.clocks import clock_ratio
+    from autopar.simulator.cost_model import CostModel
+
+    prof = load_profile("h100-sxm-96gb-500w")
+    flops, _ = DATASHEET["h100-sxm"]
+    for dtype, value in flops.items():
+        assert prof["peak_flops"][dtype] == pytest.approx(value, rel=0.005), dtype
+    assert prof["memory_bandwidth_Bps"] == 2.4e12 and prof["power_limit_W"] == 500
+    assert prof["memory_bytes"] == 94 * 2**30
+    for key in ("power_limit_W", "boost_clock_MHz", "sustained_clock_MHz"):
+        assert prof["sources"][key].strip()
+    # 989.4 TFLOP/s = 132 SMs x 4096 FLOPs per SM per clock x the boost clock (H100 whitepaper)
+    assert prof["boost_clock_MHz"] * 1e6 * 132 * 4096 == pytest.approx(989.4e12, rel=1e-3)
+    cm = CostModel.from_profile("h100-sxm-96gb-500w")
+    assert cm.peak("bf16") == pytest.approx(1671e12 / 2, rel=0.002)
+    assert cm.peak("fp32") == pytest.approx(prof["peak_flops"]["fp32"] * clock_ratio(prof))
+    # a flash-attention kernel's published rate (measured on the SXM5) runs at the same clock ratio
+    from types import SimpleNamespace
+
+    op = SimpleNamespace(causal=True, input_shapes=((2, 32, 8192, 128),))
+    slow = cm.fused_attention_s(op, 1e12, "bf16", backward=False)
+    fast = CostModel.from_profile("h100-sxm").fused_attention_s(op, 1e12, "bf16", backward=False)
+    assert slow / fast == pytest.approx(prof["boost_clock_MHz"] / prof["sustained_clock_MHz"])
+    # a profile without the clocks keeps its datasheet peaks
+    assert CostModel.from_profile("h100-sxm").peak("bf16") == load_profile("h100-sxm")["peak_flops"]["bf16"]
+    for bad in ({"sustained_clock_MHz": 0}, {"power_limit_W": "500 W"}):
+        with pytest.raises(ProfileError, match=next(iter(bad))):
+            load_profile({**prof, **bad})

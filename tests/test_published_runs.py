@@ -1,5 +1,6 @@
 """benchmarks/published_runs.py: measured step times, errors and per-family figures against hand
 computations from the published figures (not from the benchmark's own pricing)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,26 @@ def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
     assert steps[0.0, 0.3][0] > steps[0.0, 0.85][0]
     for k in (1, 2):                                                                  # the others: slowdown only
         assert steps[0.0, 0.3][k] == steps[0.0, 0.85][k] < steps[1.0, 0.3][k]
+
+
+def test_autopar_family_is_torchtitans_eager_row_priced_as_autopars_code(bench, rows):
+    """torchtitan's Table 1 eager row (FSDP2, Llama 3.1 8B on 8 H100 96 GB at 500 W) is the AUTOPAR
+    family: priced as autopar's runtime (FSDP2, fp32 reduce, SDPA flash) but for torchtitan's
+    op-level selective checkpointing, on the variant's own profile; the compile and float8 rows of
+    the same table are listed as not yet priced."""
+    from dataclasses import replace
+
+    from autopar.simulator.training_code import AUTOPAR
+
+    row = rows["torchtitan24_8b_8gpu_FSDP"]
+    assert (row["family"], row["gpu"]) == ("AUTOPAR", "h100-96gb-500w")
+    assert bench.row_code(row) == replace(AUTOPAR, selective_mm_policy="every_other")
+    assert row["layout"]["recompute"] == "selective" and row["layout"]["reduce_bytes"] == AUTOPAR.reduce_bytes
+    cluster = bench.row_cluster(row)
+    assert cluster.world_size == 8 and [g.gpu for g in cluster.groups] == ["h100-sxm-96gb-500w"]
+    # 131072 tokens a step at 5,762 tokens/s on each of 8 GPUs
+    assert bench.measured_step_s(row) == pytest.approx(16 * 8192 / (5762 * 8))
+    data = json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())
+    assert {r["id"] for r in data["not_yet_priced"]} == {"torchtitan24_8b_8gpu_FSDP_torchcompile",
+                                                          "torchtitan24_8b_8gpu_FSDP_torchcompile_Float8"}
+    assert not any(r["id"] in {x["id"] for x in data["not_yet_priced"]} for r in data["rows"])
