@@ -171,12 +171,17 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
     act_outputs: dict[str, tuple[str, int]] = {v.ref: (v.producer, nbytes(v)) for v in walk.graph_inputs}
     for op, layer in zip(walk.ops, layer_of):
         c = cost(op.facts)
-        numel = 0
+        numel = frozen = 0
+        frozen_names = []
         for fqn in op.params:
             canon = params.canonical.get(fqn, fqn)
+            p = params.by_name.get(fqn)
+            if p is not None and not p.requires_grad:
+                frozen_names.append(fqn)
             if canon not in counted:
                 counted.add(canon)
-                numel += params.by_name[fqn].numel() if fqn in params.by_name else 0
+                numel += p.numel() if p is not None else 0
+                frozen += p.numel() if p is not None and not p.requires_grad else 0
         saved = 0
         for key, size_bytes in c.saved:
             if key not in saved_keys:
@@ -189,6 +194,7 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
             input_shapes=tuple(v.shape for v in op.ins), output_shape=op.outs[0].shape,
             dtype=dtype_name(op.outs[0].dtype), fwd_flops=c.fwd_flops, bwd_flops=c.bwd_flops,
             bytes_moved=c.bytes_moved, params=tuple(op.params), param_numel=numel,
+            frozen_params=tuple(frozen_names), frozen_numel=frozen,
             saved_bytes=saved, output_bytes=out_bytes, copy_bytes=c.copy_bytes, causal=c.causal,
             requires_grad=op.facts.requires_grad))
         # the loss target is handed to the last stage directly: it crosses no layer boundary

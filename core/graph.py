@@ -33,6 +33,7 @@ OP_KINDS = (
     "reduction",    # sum / mean / pooling
     "loss",         # cross entropy, mse
     "view",         # reshape, transpose, slicing, cat: no arithmetic
+    "rnn",          # nn.LSTM / nn.GRU / nn.RNN: per time step and layer, the gate GEMMs and the cell
     "leaf",         # a module kept opaque because no tracer could enter it
     "other",
 )
@@ -61,6 +62,10 @@ class OpNode:
                                              # square, a flash kernel skips the masked half (cost_model)
     requires_grad: bool = True               # False: autograd records no backward for it (a mask or
                                              # position built from shapes, an op on raw inputs only)
+    frozen_params: tuple[str, ...] = ()      # those of ``params`` with requires_grad=False (a LoRA
+                                             # base weight): no gradient, no optimizer state
+    frozen_numel: int = 0                    # elements of param_numel that are frozen (trainable:
+                                             # param_numel - frozen_numel)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -68,6 +73,7 @@ class OpNode:
         d["input_shapes"] = [list(s) for s in self.input_shapes]
         d["output_shape"] = list(self.output_shape)
         d["params"] = list(self.params)
+        d["frozen_params"] = list(self.frozen_params)
         return d
 
 
@@ -85,6 +91,7 @@ class Layer:
     input_bytes: int                         # bytes of the activation entering the layer (pipeline send size)
     output_bytes: int                        # bytes of the activation leaving the layer
     signature: str                           # equal for structurally identical layers (solved once)
+    frozen_numel: int = 0                    # of param_numel, elements with requires_grad=False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

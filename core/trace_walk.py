@@ -198,6 +198,12 @@ def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
         return {"normalized_numel": math.prod(shape)} if shape else {}
     if canon == "group_norm":
         return {"groups": getattr(mod, "num_groups", 1)}
+    if canon == "rnn":
+        return {"mode": str(getattr(mod, "mode", "LSTM")), "input_size": int(getattr(mod, "input_size", 0)),
+                "hidden_size": int(getattr(mod, "hidden_size", 0)), "num_layers": int(getattr(mod, "num_layers", 1)),
+                "bidirectional": bool(getattr(mod, "bidirectional", False)),
+                "batch_first": bool(getattr(mod, "batch_first", False)),
+                "proj_size": int(getattr(mod, "proj_size", 0) or 0), "bias": bool(getattr(mod, "bias", True))}
     if canon == "mha":
         return {"batch_first": bool(getattr(mod, "batch_first", False)),
                 "num_heads": int(getattr(mod, "num_heads", 1)), "embed_dim": int(getattr(mod, "embed_dim", 0))}
