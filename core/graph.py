@@ -66,6 +66,9 @@ class OpNode:
                                              # base weight): no gradient, no optimizer state
     frozen_numel: int = 0                    # elements of param_numel that are frozen (trainable:
                                              # param_numel - frozen_numel)
+    tied_numel: int = 0                      # elements of parameters it uses that an op of an earlier
+                                             # layer counted (a tied weight: not in param_numel)
+    tied_frozen_numel: int = 0               # ... of which frozen
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -92,11 +95,15 @@ class Layer:
     output_bytes: int                        # bytes of the activation leaving the layer
     signature: str                           # equal for structurally identical layers (solved once)
     frozen_numel: int = 0                    # of param_numel, elements with requires_grad=False
+    #: parameters it uses that an earlier layer holds (a tied LM head): (canonical name, that
+    #: layer's index, elements); a pipeline stage holding this layer but not that one keeps a copy
+    tied_params: tuple[tuple[str, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["module_paths"] = list(self.module_paths)
         d["ops"] = list(self.ops)
+        d["tied_params"] = [list(t) for t in self.tied_params]
         return d
 
 

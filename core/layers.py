@@ -222,13 +222,14 @@ def build_layers(ops: list[OpNode], names: list[tuple[str, str]], blocks: BlockR
 
 
 def _signature(ops: list[OpNode], param_shapes: dict[str, tuple[int, ...]]) -> str:
-    """Hash of op kinds, targets, shapes, parameter shapes and which parameters are frozen --
-    not names."""
+    """Hash of op kinds, targets, shapes, parameter shapes, which parameters are frozen and which
+    an earlier layer holds (tied) -- not names."""
     h = hashlib.sha256()
     for o in ops:
         h.update(repr((o.kind, o.target, o.input_shapes, o.output_shape, o.dtype,
                        tuple(param_shapes.get(p, ()) for p in o.params))
                       + (("causal",) if o.causal else ())
                       + (("frozen", tuple(o.params.index(p) for p in o.frozen_params)) if o.frozen_params else ())
+                      + (("tied", o.tied_numel, o.tied_frozen_numel) if o.tied_numel else ())
                       ).encode())
     return h.hexdigest()[:16]

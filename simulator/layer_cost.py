@@ -62,6 +62,13 @@ class LayerCost:
     meetings: float = 0.0        # blocking collectives per micro-batch where the ranks meet (tp, FSDP)
     num_measured: int = 0
     num_estimated: int = 0
+    # a copy of the tied weights this layer uses and an earlier layer holds (simulator/tied_copies.py):
+    # its state on the device, under this layer's plan, where the layer's pipeline stage keeps one
+    tied_param_bytes: float = 0.0
+    tied_grad_bytes: float = 0.0
+    tied_optimizer_bytes: float = 0.0
+    tied_host_bytes: float = 0.0
+    tied_dp_grad_bytes: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -137,7 +144,21 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + rec.tp_wire,
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
-        num_estimated=work.estimated + tpc.estimated + dp.estimated)
+        num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
+
+
+def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[str, float]:
+    """The state of a copy of the layer's tied weights (``tied_*`` fields): split by tensor
+    parallelism like the op that uses it, sharded by ZeRO and offloaded like the layer's own."""
+    if not w.tied_numel:
+        return {}
+    trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
+    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp, trainable)
+    host = 0.0
+    if lp.offload == "cpu":
+        p, g, o, host = 0.0, 0.0, 0.0, p + g + o
+    return dict(tied_param_bytes=p, tied_grad_bytes=g, tied_optimizer_bytes=o, tied_host_bytes=host,
+                tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])
 
 
 @dataclass
@@ -151,6 +172,8 @@ class _OpWork:
     cheap_fwd_flops: float = 0.0
     param_numel: float = 0.0               # after the tensor-parallel split
     frozen_numel: float = 0.0              # ... of which requires_grad=False (no gradient, no optimizer state)
+    tied_numel: float = 0.0                # tied weights an earlier layer holds (after the split)
+    tied_frozen_numel: float = 0.0
     saved_bytes: float = 0.0               # kept for backward
     matmul_output_bytes: float = 0.0       # outputs of MATMUL_KINDS (what selective recompute keeps)
     autograd_kept_s: float = 0.0           # the per-byte autograd part: outputs kept for backward
@@ -242,6 +265,11 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
         w.bwd_flops += op.bwd_flops * scale / shard
         local_numel = _local_param_numel(op, layout, styles.get(op.module_path))
         w.param_numel += local_numel
+        tied = getattr(op, "tied_numel", 0)
+        if tied:
+            tied_shard = layout.param_shard.get(op.name, 1)
+            w.tied_numel += tied / tied_shard
+            w.tied_frozen_numel += getattr(op, "tied_frozen_numel", 0) / tied_shard
         frozen = getattr(op, "frozen_numel", 0)
         if frozen:
             # the split keeps each tensor's share; a frozen and a trainable tensor of one module split
