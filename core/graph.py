@@ -140,6 +140,11 @@ class OpGraph:
         return self.fwd_flops + self.bwd_flops
 
     @property
+    def trainable_params(self) -> int:
+        """Parameter elements that require grad (frozen ones, ``OpNode.frozen_numel``, left out)."""
+        return self.params_total - sum(o.frozen_numel for o in self.ops)
+
+    @property
     def saved_bytes(self) -> int:
         return sum(layer.saved_bytes for layer in self.layers)
 
@@ -199,6 +204,7 @@ class OpGraph:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "params": self.params_total,
+            "trainable_params": self.trainable_params,
             "param_dtype": self.param_dtype,
             "fwd_flops": self.fwd_flops,
             "bwd_flops": self.bwd_flops,
