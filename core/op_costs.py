@@ -27,11 +27,13 @@ Conventions and sources
   (2*B*T*H*P) and the cell's pointwise work per hidden element (our per-element convention
   below: LSTM 3 sigmoids + 2 tanh + 3 mul + 1 add = 24; GRU 2 sigmoids + tanh + 3 mul +
   2 add/sub = 17; RNN tanh 4 or relu 1).  Backward = 2x the GEMMs (input and weight
-  gradients; frozen weights skip theirs) + 1x the pointwise part.  Kept for backward per
-  step, layer and direction (the fused cells' saved tensors, derivatives.yaml
-  ``_thnn_fused_lstm_cell`` / ``_thnn_fused_gru_cell``, and the GEMMs' inputs): the layer's
-  input x_t and h_{t-1}, the G gate pre-activations, and an LSTM's cell state c_t (the
-  layer's output h_t is the next layer's input, or the module's output).
+  gradients; frozen weights skip theirs; no gradient of a zero initial state) + 1x the
+  pointwise part -- the GEMM FLOPs both ways are what ``torch.utils.flop_counter`` counts of
+  the cells' decomposition (tests/test_capture_rnn.py).  Kept for backward: what the cells'
+  autograd decomposition (aten ``lstm_cell`` / ``gru_cell`` / ``rnn_tanh_cell``, run where no
+  fused kernel applies) saves, see ``_rnn``; a fused kernel keeps about as much (CUDA's
+  ``_thnn_fused_lstm_cell`` saves c_{t-1}, c_t and a 4H workspace, derivatives.yaml), oneDNN's
+  CPU LSTM less.
 * Everything else is memory bound; we count one FLOP per elementary arithmetic operation per
   element, with the number of operations each op evaluates in ``FLOPS_PER_ELEMENT``.  Their
   backward is ``BWD_FACTOR`` x forward: 2 for norms and softmax (a reduction for the mean of
@@ -468,21 +470,34 @@ def _rnn(f: OpFacts):
         T, B = (x.shape[1], x.shape[0]) if a.get("batch_first") else (x.shape[0], x.shape[1])
     else:                                                   # unbatched [T, I]
         T, B = (x.shape[0] if x.shape else 1), 1
-    weights = [t for t in f.inputs if t.role == "param"]
-    w_grad = any(t.requires_grad for t in weights)
-    gemm = cellwise = 0.0
+    w_grad = any(t.requires_grad for t in f.inputs if t.role == "param")
+    # an initial state passed in (h_0, c_0) is an activation operand besides x
+    state_grad = any(t.requires_grad for t in f.inputs[1:] if t.role == "act")
+    gemm = skipped = cellwise = 0.0
     saved_elems = 0
     I = int(a.get("input_size", x.shape[-1] if x.shape else 0))
     for layer in range(L):
         width = I if layer == 0 else Hr * dirs
         gemm += dirs * 2.0 * B * T * gates * H * (width + Hr)
-        gemm += dirs * 2.0 * B * T * H * P                    # the LSTM projection h = W_hr h
-        cellwise += dirs * B * T * H * (cell + (2 * gates if a.get("bias", True) else 0))
-        saved_elems += dirs * B * T * (width + Hr + gates * H + (H if mode == "LSTM" else 0))
+        gemm += dirs * 2.0 * B * T * H * P                    # an LSTM's projection h = W_hr h
+        # the sum of the two GEMMs, the two biases, and the cell, per gate / hidden element
+        cellwise += dirs * B * T * H * (cell + gates * (1 + (2 if a.get("bias", True) else 0)))
+        # backward needs no gradient of a zero initial state (W_hh^T at the first step), nor of a
+        # raw input that does not require grad (W_ih^T on x, first layer)
+        skipped += 0.0 if state_grad else dirs * 2.0 * B * gates * H * Hr
+        if layer == 0 and not x.requires_grad:
+            skipped += dirs * 2.0 * B * T * gates * H * width
+        # kept: the layer's input (shared by the directions), and per direction and step what the
+        # cell's autograd decomposition saves -- LSTM h_{t-1}, the 4 gate activations, c_{t-1} and
+        # tanh(c_t); GRU h_{t-1}, r, z, the hidden part of n, n and h_{t-1} - n; RNN its output
+        # h_t, which the next step's GEMM keeps as h_{t-1} (so T + 1 states: h_0 .. h_T)
+        per_dir = (B * (T + 1) * H if mode.startswith("RNN")
+                   else B * T * (Hr + gates * H + 2 * H))
+        saved_elems += B * T * width + dirs * per_dir
     fwd = gemm + cellwise
-    # the gradients of h_{t-1} and x_t run whenever anything upstream needs them (the recurrence
-    # does, through every step): one GEMM per forward GEMM; the weight gradients a second
-    bwd = gemm * (1 + int(w_grad)) + cellwise
+    # one GEMM per forward GEMM for the gradients of x_t and h_{t-1} (the recurrence needs them at
+    # every step), a second for the weight gradients
+    bwd = gemm - skipped + (gemm if w_grad else 0.0) + cellwise
     saved = _synthetic(f, "rnn", saved_elems * x.itemsize) if (x.requires_grad or w_grad) else []
     return "rnn", fwd, bwd, saved
 

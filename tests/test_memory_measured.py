@@ -105,3 +105,78 @@ def test_tied_head_copy_on_the_last_stage_is_counted(measured):
     _assert_state_matches(rows, "tied_pp2")
     # the embedding (64 x 32) is on both stages: the last holds the head's copy of it
     assert rows[1]["params_bytes"] >= 64 * 32 * 4, rows
+
+
+# ---------------------------------------------------------------- capture and planner, no run
+def test_capture_records_frozen_parameters_per_op_and_layer():
+    import torch
+
+    from autopar.core.modelfile import load_model_file
+
+    g = _graph(PLAN_MODELS / "lora_lm.py")
+    with torch.device("meta"):
+        model = load_model_file(PLAN_MODELS / "lora_lm.py").build()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert g.trainable_params == trainable == 2 * 2 * (32 * 2 + 2 * 128)     # 2 blocks x 2 adapters (A, B)
+    base = g.op("blocks_0_fc_base")
+    assert base.frozen_numel == base.param_numel == 128 * 32 + 128
+    assert set(base.frozen_params) == {"blocks.0.fc.base.weight", "blocks.0.fc.base.bias"}
+    assert g.op("blocks_0_fc_lora_a").frozen_numel == 0
+    for layer in g.layers:
+        assert layer.frozen_numel == sum(o.frozen_numel for o in g.layer_ops(layer.index))
+
+
+def test_capture_names_the_tied_weight_in_the_later_layer():
+    g = _graph(ZOO / "tied_lm.py")
+    assert g.layers[-1].tied_params == (("embed.weight", 0, 64 * 32),)
+    assert g.op("head").tied_numel == 64 * 32 and g.op("head").param_numel == 0
+    assert all(not layer.tied_params for layer in g.layers[:-1])
+
+
+@pytest.mark.parametrize("bounds", [(0, 1, 4), (0, 2, 4), (0, 3, 4)])
+def test_tied_copy_follows_the_stage_cut(bounds):
+    """Wherever the stages are cut, the rank without the embedding holds the head's copy of it;
+    one stage (pp 1) holds the weight once."""
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from test_simulator_memory import PROFILE, _cluster
+
+    g, plan = _plan(ZOO / "tied_lm.py", dict(pp=2, num_microbatches=2, schedule="gpipe", stage_bounds=bounds))
+    ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))
+    memory = ev.evaluate(plan).memory
+    for rank in range(2):
+        own = sum(l.param_numel for l in g.layers[bounds[rank]:bounds[rank + 1]])
+        extra = 64 * 32 if rank == 1 else 0
+        assert memory[rank].params_bytes == 4 * (own + extra)
+        assert memory[rank].optimizer_bytes == 8 * (own + extra)
+    _, one = _plan(ZOO / "tied_lm.py", dict(dp=2))
+    assert ev.evaluate(one).memory[0].params_bytes == 4 * g.params_total
+
+
+def test_planner_range_costs_count_the_tied_copy():
+    """The stage DP's memory of a layer range holds the copy exactly where the simulator does:
+    a range that starts after the embedding and holds the head."""
+    import numpy as np
+
+    from autopar.core.plan import Mesh
+    from autopar.planner.layer_tables import build_layer_tables
+    from autopar.planner.space import LayerChoice
+    from autopar.planner.structured import Setting, _range_sums
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from test_simulator_memory import PROFILE, _cluster
+
+    g = _graph(ZOO / "tied_lm.py")
+    ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))
+    mesh = Mesh(dp=1, tp=1, pp=2)
+    choices = [LayerChoice(tp=False, zero=0, recompute="none", offload="none")]
+    tables = build_layer_tables(ev, styles=[{}] * len(g.layers), signatures=[l.signature for l in g.layers],
+                                choices=choices, mesh=mesh, micro_batch=MICRO_BATCH, num_microbatches=2,
+                                precision="fp32")
+    setting = Setting(mesh, MICRO_BATCH, 2, "gpipe", 1, "ddp")
+    starts, ends = np.array([0, 1, 3, 3]), np.array([4, 4, 4, 3 + 1])
+    _, base, _ = _range_sums(tables, setting, 2, None, starts, ends)
+    _, base_untied, _ = _range_sums(
+        type(tables)(**{**tables.__dict__, "tied_uses": ()}), setting, 2, None, starts, ends)
+    copy = 16 * 64 * 32                    # fp32 parameter, gradient and AdamW's two moments
+    assert (base - base_untied)[:, 0].tolist() == [0, copy, copy, copy]
