@@ -9,6 +9,7 @@ parameter match AdamW's fp32 parameter, gradient, exp_avg and exp_avg_sq).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -28,7 +29,11 @@ CASES = {
     "lora_zero3": (PLAN_MODELS / "lora_lm.py", dict(dp=2, zero=3)),
     "lstm_ddp": (PLAN_MODELS / "lstm_lm.py", dict(dp=2)),
     "tied_pp2": (ZOO / "tied_lm.py", dict(pp=2, num_microbatches=2, schedule="gpipe")),
-    "tied_pp2_lora": (PLAN_MODELS / "lora_lm.py", dict(pp=2, num_microbatches=2, schedule="gpipe")),
+    "lora_pp2": (PLAN_MODELS / "lora_lm.py", dict(pp=2, num_microbatches=2, schedule="gpipe")),
+    "tied_pp2_interleaved": (ZOO / "tied_lm.py", dict(pp=2, num_microbatches=2, schedule="interleaved",
+                                                      virtual_stages=2)),
+    # a Hugging Face model (captured through torch.export) with tie_word_embeddings=True
+    "qwen2_tied_pp2": (ZOO / "hf_qwen2.py", dict(pp=2, num_microbatches=2, schedule="gpipe")),
 }
 
 
@@ -55,6 +60,8 @@ def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory_measured")
     cases = []
     for name, (model, kw) in CASES.items():
+        if model.stem.startswith("hf_") and importlib.util.find_spec("transformers") is None:
+            continue
         _, plan = _plan(model, kw)
         save_plan(plan, tmp / f"{name}.json")
         cases.append({"name": name, "plan": str(tmp / f"{name}.json"), "measured": str(tmp / f"{name}.measured.json"),
@@ -86,7 +93,7 @@ def _assert_state_matches(measured_rows: list[dict], name: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["lora_ddp", "lora_zero3", "tied_pp2_lora"])
+@pytest.mark.parametrize("name", ["lora_ddp", "lora_zero3", "lora_pp2"])
 def test_lora_frozen_base_has_no_gradient_or_optimizer_state(measured, name):
     rows = measured[name]
     _assert_state_matches(rows, name)
@@ -100,10 +107,13 @@ def test_lstm_weights_are_counted(measured):
 
 
 @pytest.mark.multiproc
-def test_tied_head_copy_on_the_last_stage_is_counted(measured):
-    rows = measured["tied_pp2"]
-    _assert_state_matches(rows, "tied_pp2")
-    # the embedding (64 x 32) is on both stages: the last holds the head's copy of it
+@pytest.mark.parametrize("name", ["tied_pp2", "tied_pp2_interleaved", "qwen2_tied_pp2"])
+def test_tied_head_copy_on_the_last_stage_is_counted(measured, name):
+    if name.startswith("qwen2"):
+        pytest.importorskip("transformers")
+    rows = measured[name]
+    _assert_state_matches(rows, name)
+    # the embedding (vocabulary 64 x hidden 32) is on both stages: the last holds the head's copy
     assert rows[1]["params_bytes"] >= 64 * 32 * 4, rows
 
 
