@@ -207,7 +207,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     styles = lp.tp_styles
     for op in ops:
         w.param_names.update(op.params)
-        w.frozen_names.update(getattr(op, "frozen_params", ()))
+        w.frozen_names.update(op.frozen_params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
         # runtime splits a vocabulary table row-wise), or (sequence parallel) a norm whose input
         # and weight are DTensors (runtime/apply_tp.py)
@@ -265,12 +265,12 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
         w.bwd_flops += op.bwd_flops * scale / shard
         local_numel = _local_param_numel(op, layout, styles.get(op.module_path))
         w.param_numel += local_numel
-        tied = getattr(op, "tied_numel", 0)
+        tied = op.tied_numel
         if tied:
             tied_shard = layout.param_shard.get(op.name, 1)
             w.tied_numel += tied / tied_shard
-            w.tied_frozen_numel += getattr(op, "tied_frozen_numel", 0) / tied_shard
-        frozen = getattr(op, "frozen_numel", 0)
+            w.tied_frozen_numel += op.tied_frozen_numel / tied_shard
+        frozen = op.frozen_numel
         if frozen:
             # the split keeps each tensor's share; a frozen and a trainable tensor of one module split
             # alike except a row-wise bias (_local_param_numel), counted here at the weight's share

@@ -190,3 +190,26 @@ def test_planner_range_costs_count_the_tied_copy():
         type(tables)(**{**tables.__dict__, "tied_uses": ()}), setting, 2, None, starts, ends)
     copy = 16 * 64 * 32                    # fp32 parameter, gradient and AdamW's two moments
     assert (base - base_untied)[:, 0].tolist() == [0, copy, copy, copy]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_parameters_send_no_gradient(zero):
+    """DDP all-reduces, and FSDP reduce-scatters, only the gradients that exist: a layer of
+    frozen weights (the LoRA model's embedding, "pre") sends none; a block only its adapters'.
+    FSDP still gathers the frozen weights (they are sharded like the others)."""
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from test_simulator_memory import PROFILE, _cluster
+
+    g, plan = _plan(PLAN_MODELS / "lora_lm.py", dict(dp=2, zero=zero))
+    ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))
+    pre, block = (ev.layer_cost(i, plan.layers[i], plan.mesh, MICRO_BATCH, "fp32") for i in (0, 1))
+    assert pre.dp_grad_bytes == 0 and pre.dp_allreduce_s == 0 and pre.dp_reducescatter_s == 0
+    assert pre.dp_wire_bytes_per_step == 0
+    adapters = 2 * (32 * 2 + 2 * 128)
+    assert block.dp_grad_bytes == 4 * adapters
+    if zero == 0:
+        assert block.dp_allreduce_s > 0
+    else:
+        assert pre.dp_allgather_s > 0 and block.dp_reducescatter_s > 0
+        assert pre.dp_wire_bytes_per_mb == 2 * 0.5 * 4 * g.layers[0].param_numel    # two gathers, no reduce
