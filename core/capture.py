@@ -174,7 +174,7 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
     for op, layer in zip(walk.ops, layer_of):
         c = cost(op.facts)
         numel = frozen = tied = tied_frozen = 0
-        frozen_names, tied_uses = [], []
+        frozen_names = []
         for fqn in op.params:
             canon = params.canonical.get(fqn, fqn)
             p = params.by_name.get(fqn)
@@ -186,13 +186,13 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
                 counted[canon] = layer
                 numel += size
                 frozen += size if is_frozen else 0
-            elif counted[canon] != layer:
+            elif counted[canon] != layer and canon not in tied_by_layer.setdefault(layer, {}):
                 # a weight tied across layers (or a module reused by two): counted once, where first
                 # used; a pipeline stage that holds this layer but not that one keeps its own copy
+                # (named once per layer, at the layer's first op that uses it)
                 tied += size
                 tied_frozen += size if is_frozen else 0
-                tied_uses.append((canon, counted[canon], size))
-        tied_by_layer.setdefault(layer, {}).update({u[0]: u for u in tied_uses})
+                tied_by_layer[layer][canon] = (canon, counted[canon], size)
         saved = 0
         for key, size_bytes in c.saved:
             if key not in saved_keys:

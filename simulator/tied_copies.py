@@ -32,7 +32,8 @@ def uses(graph) -> list[tuple[int, int, float]]:
     for layer in graph.layers:
         total = float(sum(n for _, _, n in layer.tied_params))
         for name, _, numel in layer.tied_params:
-            prev = max(j for j in users[name] if j < layer.index)
+            # (-1: no earlier user, the owner lying after it -- then the copy is priced here)
+            prev = max((j for j in users[name] if j < layer.index), default=-1)
             out.append((layer.index, prev, numel / total if total else 0.0))
     return out
 
