@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from autopar.core.errors import UserError
-from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in
+from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
 
@@ -163,7 +163,10 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
 
     con = Console()
     m = plan.mesh
-    con.print(f"[bold]{graph.model_name}[/] ({graph.params_total / 1e9:.2f}B parameters) on [bold]{cluster.name}[/] "
+    trainable = (f", {fmt_count(graph.trainable_params)} trainable"
+                 if graph.trainable_params != graph.params_total else "")
+    con.print(f"[bold]{graph.model_name}[/] ({fmt_count(graph.params_total)} parameters{trainable}) on "
+              f"[bold]{cluster.name}[/] "
               f"({cluster.world_size} devices): {m.describe()}"
               f"{' + sequence parallel' if m.sequence_parallel else ''}, {plan.pipeline.schedule} with "
               f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
