@@ -49,3 +49,10 @@ def test_simulate_prints_a_small_model_in_kib(capsys):
     assert rc in (0, None), out
     assert "Memory per device (KiB)" in out, out
     assert "TFLOP/s" not in out and ("MFLOP/s" in out or "GFLOP/s" in out), out
+
+
+def test_report_figures_in_their_unit():
+    from autopar.report.report_cli import _fmt
+
+    assert _fmt(200 * 1024, "B") == "200 KiB"
+    assert _fmt(3 * 2**30, "B") == "3.00 GiB"
