@@ -73,6 +73,7 @@ CANONICAL: dict[str, str] = {
     "Conv1d": "conv", "Conv2d": "conv", "Conv3d": "conv",
     "embedding": "embedding", "Embedding": "embedding",
     "LSTM": "rnn", "GRU": "rnn", "RNN": "rnn",
+    "lstm": "rnn", "gru": "rnn", "rnn_tanh": "rnn", "rnn_relu": "rnn",     # aten (torch.export)
     # norms
     "layer_norm": "layer_norm", "native_layer_norm": "layer_norm", "LayerNorm": "layer_norm",
     "rms_norm": "rms_norm", "fused_rms_norm": "rms_norm", "RMSNorm": "rms_norm",

@@ -87,3 +87,27 @@ def test_bidirectional_gru_flops():
     gemm = 2 * (2 * B * T * 3 * H * (H + H)) + 2 * (2 * B * T * 3 * H * (2 * H + H))
     assert op.fwd_flops == gemm + 2 * 2 * B * T * H * (RNN_CELL_FLOPS["GRU"] + 3 * 3)
     assert op.output_shape == (B, T, 2 * H)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("args", [{}, {"cell": "gru"}, {"cell": "rnn", "bidirectional": True}])
+def test_export_path_prices_the_aten_op_alike(args):
+    """A model fx cannot trace is captured through torch.export, where the module is one
+    ``aten.lstm`` / ``gru`` / ``rnn_tanh`` op: the same parameters, FLOPs and kept bytes."""
+    from autopar.core.modelfile import load_model_file
+    from autopar.core.op_costs import cost
+    from autopar.core.trace_export import trace_export
+    from autopar.core.trace_walk import ParamIndex
+
+    mf = load_model_file(MODEL)
+    with torch.device("meta"):
+        model = mf.build(**args)
+        inputs, _ = mf.make_batch(B, **args)
+    model.train()
+    walk = trace_export(model, tuple(inputs), ParamIndex(model))
+    (exported,) = [o for o in walk.ops if o.facts.canon == "rnn"]
+    c = cost(exported.facts)
+    (traced,) = [o for o in capture_model_file(str(MODEL), args, B).ops if o.kind == "rnn"]
+    assert (c.fwd_flops, c.bwd_flops, sum(b for _, b in c.saved)) == \
+        (traced.fwd_flops, traced.bwd_flops, traced.saved_bytes)
+    assert sorted(exported.params) == sorted(traced.params)
