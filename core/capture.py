@@ -19,6 +19,7 @@ loss recording and the assembly of the ``OpGraph``.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -164,19 +165,34 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
               model_file: str, model_args: dict, batch_size: int) -> OpGraph:
     blocks = find_blocks(module, [op.module_path for op in walk.ops])
     layer_of, names = assign_layers([op.module_path for op in walk.ops], blocks)
-    counted: set[str] = set()
+    counted: dict[str, int] = {}           # canonical parameter name -> the layer whose op counted it
     saved_keys: set[str] = set()
+    tied_by_layer: dict[int, dict[str, tuple[str, int, int]]] = {}
     ops: list[OpNode] = []
     act_reads: dict[str, list[tuple[str, int]]] = {}
     act_outputs: dict[str, tuple[str, int]] = {v.ref: (v.producer, nbytes(v)) for v in walk.graph_inputs}
     for op, layer in zip(walk.ops, layer_of):
         c = cost(op.facts)
-        numel = 0
+        numel = frozen = tied = tied_frozen = 0
+        frozen_names = []
         for fqn in op.params:
             canon = params.canonical.get(fqn, fqn)
+            p = params.by_name.get(fqn)
+            size = p.numel() if p is not None else 0
+            is_frozen = p is not None and not p.requires_grad
+            if is_frozen:
+                frozen_names.append(fqn)
             if canon not in counted:
-                counted.add(canon)
-                numel += params.by_name[fqn].numel() if fqn in params.by_name else 0
+                counted[canon] = layer
+                numel += size
+                frozen += size if is_frozen else 0
+            elif counted[canon] != layer and canon not in tied_by_layer.setdefault(layer, {}):
+                # a weight tied across layers (or a module reused by two): counted once, where first
+                # used; a pipeline stage that holds this layer but not that one keeps its own copy
+                # (named once per layer, at the layer's first op that uses it)
+                tied += size
+                tied_frozen += size if is_frozen else 0
+                tied_by_layer[layer][canon] = (canon, counted[canon], size)
         saved = 0
         for key, size_bytes in c.saved:
             if key not in saved_keys:
@@ -189,6 +205,7 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
             input_shapes=tuple(v.shape for v in op.ins), output_shape=op.outs[0].shape,
             dtype=dtype_name(op.outs[0].dtype), fwd_flops=c.fwd_flops, bwd_flops=c.bwd_flops,
             bytes_moved=c.bytes_moved, params=tuple(op.params), param_numel=numel,
+            frozen_params=tuple(frozen_names), frozen_numel=frozen, tied_numel=tied, tied_frozen_numel=tied_frozen,
             saved_bytes=saved, output_bytes=out_bytes, copy_bytes=c.copy_bytes, causal=c.causal,
             requires_grad=op.facts.requires_grad))
         # the loss target is handed to the last stage directly: it crosses no layer boundary
@@ -200,6 +217,9 @@ def _assemble(walk: Walk, module: torch.nn.Module, params: ParamIndex, *, model_
     param_shapes = {n: tuple(p.shape) for n, p in params.by_name.items()}
     layers, sequential = build_layers(ops, names, blocks, act_reads, act_outputs,
                                       [v.ref for v in walk.graph_outputs], param_shapes)
+    if tied_by_layer:
+        layers = [replace(l, tied_params=tuple(tied_by_layer[l.index].values())) if tied_by_layer.get(l.index) else l
+                  for l in layers]
     graph = OpGraph(model_name=model_name, model_file=model_file, model_args=model_args,
                     batch_size=batch_size, ops=ops, layers=layers, params_total=params.total,
                     param_dtype=params.dtype, seq_len=_seq_len(walk.graph_inputs),

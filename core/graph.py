@@ -33,6 +33,7 @@ OP_KINDS = (
     "reduction",    # sum / mean / pooling
     "loss",         # cross entropy, mse
     "view",         # reshape, transpose, slicing, cat: no arithmetic
+    "rnn",          # nn.LSTM / nn.GRU / nn.RNN: per time step and layer, the gate GEMMs and the cell
     "leaf",         # a module kept opaque because no tracer could enter it
     "other",
 )
@@ -61,6 +62,13 @@ class OpNode:
                                              # square, a flash kernel skips the masked half (cost_model)
     requires_grad: bool = True               # False: autograd records no backward for it (a mask or
                                              # position built from shapes, an op on raw inputs only)
+    frozen_params: tuple[str, ...] = ()      # those of ``params`` with requires_grad=False (a LoRA
+                                             # base weight): no gradient, no optimizer state
+    frozen_numel: int = 0                    # elements of param_numel that are frozen (trainable:
+                                             # param_numel - frozen_numel)
+    tied_numel: int = 0                      # elements of parameters it uses that an op of an earlier
+                                             # layer counted (a tied weight: not in param_numel)
+    tied_frozen_numel: int = 0               # ... of which frozen
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -68,6 +76,7 @@ class OpNode:
         d["input_shapes"] = [list(s) for s in self.input_shapes]
         d["output_shape"] = list(self.output_shape)
         d["params"] = list(self.params)
+        d["frozen_params"] = list(self.frozen_params)
         return d
 
 
@@ -85,11 +94,16 @@ class Layer:
     input_bytes: int                         # bytes of the activation entering the layer (pipeline send size)
     output_bytes: int                        # bytes of the activation leaving the layer
     signature: str                           # equal for structurally identical layers (solved once)
+    frozen_numel: int = 0                    # of param_numel, elements with requires_grad=False
+    #: parameters it uses that an earlier layer holds (a tied LM head): (canonical name, that
+    #: layer's index, elements); a pipeline stage holding this layer but not that one keeps a copy
+    tied_params: tuple[tuple[str, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["module_paths"] = list(self.module_paths)
         d["ops"] = list(self.ops)
+        d["tied_params"] = [list(t) for t in self.tied_params]
         return d
 
 
@@ -124,6 +138,11 @@ class OpGraph:
     def flops_per_step(self) -> float:
         """Forward + backward FLOPs for one pass over ``batch_size`` samples (no recompute)."""
         return self.fwd_flops + self.bwd_flops
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameter elements that require grad (frozen ones, ``OpNode.frozen_numel``, left out)."""
+        return self.params_total - sum(o.frozen_numel for o in self.ops)
 
     @property
     def saved_bytes(self) -> int:
@@ -185,6 +204,7 @@ class OpGraph:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "params": self.params_total,
+            "trainable_params": self.trainable_params,
             "param_dtype": self.param_dtype,
             "fwd_flops": self.fwd_flops,
             "bwd_flops": self.bwd_flops,

@@ -14,6 +14,7 @@ import json
 import sys
 
 from autopar.core.modelfile import add_model_arguments, parse_model_args
+from autopar.core.units import fmt_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,9 @@ def _print_table(graph, fold: bool) -> None:
     console.print(table)
     if fold and any(folded for _, folded in groups):
         console.print("Folded rows (xN) show the figures of ONE layer; totals count all of them.")
+    if graph.trainable_params != graph.params_total:
+        console.print(f"trainable parameters: {_count(graph.trainable_params)} of {_count(graph.params_total)} "
+                      f"(the others have requires_grad=False: no gradient, no optimizer state)")
     console.print(f"FLOPs per step (forward + backward, no recompute): {_flops(graph.flops_per_step)}"
                   f"; saved activations per step: {_bytes(graph.saved_bytes)}")
     console.print(f"capture: {graph.capture_method} in {graph.capture_s:.2f} s; "
@@ -105,7 +109,4 @@ def _flops(n: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    return fmt_bytes(n)            # core/units.py: the unit that shows the figure

@@ -211,6 +211,7 @@ def build_layers(ops: list[OpNode], names: list[tuple[str, str]], blocks: BlockR
         layers.append(Layer(
             index=i, name=name, kind=kind, module_paths=paths, ops=tuple(o.name for o in members),
             param_numel=sum(o.param_numel for o in members),
+            frozen_numel=sum(o.frozen_numel for o in members),
             fwd_flops=sum(o.fwd_flops for o in members),
             bwd_flops=sum(o.bwd_flops for o in members),
             saved_bytes=sum(o.saved_bytes for o in members),
@@ -221,10 +222,14 @@ def build_layers(ops: list[OpNode], names: list[tuple[str, str]], blocks: BlockR
 
 
 def _signature(ops: list[OpNode], param_shapes: dict[str, tuple[int, ...]]) -> str:
-    """Hash of op kinds, targets, shapes and parameter shapes -- not names."""
+    """Hash of op kinds, targets, shapes, parameter shapes, which parameters are frozen and which
+    an earlier layer holds (tied) -- not names."""
     h = hashlib.sha256()
     for o in ops:
         h.update(repr((o.kind, o.target, o.input_shapes, o.output_shape, o.dtype,
                        tuple(param_shapes.get(p, ()) for p in o.params))
-                      + (("causal",) if o.causal else ())).encode())
+                      + (("causal",) if o.causal else ())
+                      + (("frozen", tuple(o.params.index(p) for p in o.frozen_params)) if o.frozen_params else ())
+                      + (("tied", o.tied_numel, o.tied_frozen_numel) if o.tied_numel else ())
+                      ).encode())
     return h.hexdigest()[:16]

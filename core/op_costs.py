@@ -19,6 +19,21 @@ Conventions and sources
   contraction, Smith & Gray 2018, "opt_einsum", JOSS 3(26)); backward one forward per operand
   that requires grad, each keeping the others.
 * Convolution: 2 * out_numel * (C_in / groups) * prod(kernel) (+ out_numel for the bias).
+* Recurrent modules (nn.LSTM, nn.GRU, nn.RNN; the equations of their torch.nn documentation):
+  every time step of every layer and direction computes its G gates (LSTM 4, GRU 3, RNN 1) as
+  two GEMMs, W_ih x_t and W_hh h_{t-1}, so forward = sum over layers and directions of
+  2*B*T*G*H*(I_l + H_r) (I_l the layer's input width: input_size, then H_r * directions;
+  H_r = proj_size or H), plus the two bias adds (2*B*T*G*H), an LSTM's projection
+  (2*B*T*H*P) and the cell's pointwise work per hidden element (our per-element convention
+  below: LSTM 3 sigmoids + 2 tanh + 3 mul + 1 add = 24; GRU 2 sigmoids + tanh + 3 mul +
+  2 add/sub = 17; RNN tanh 4 or relu 1).  Backward = 2x the GEMMs (input and weight
+  gradients; frozen weights skip theirs; no gradient of a zero initial state) + 1x the
+  pointwise part -- the GEMM FLOPs both ways are what ``torch.utils.flop_counter`` counts of
+  the cells' decomposition (tests/test_capture_rnn.py).  Kept for backward: what the cells'
+  autograd decomposition (aten ``lstm_cell`` / ``gru_cell`` / ``rnn_tanh_cell``, run where no
+  fused kernel applies) saves, see ``_rnn``; a fused kernel keeps about as much (CUDA's
+  ``_thnn_fused_lstm_cell`` saves c_{t-1}, c_t and a 4H workspace, derivatives.yaml), oneDNN's
+  CPU LSTM less.
 * Everything else is memory bound; we count one FLOP per elementary arithmetic operation per
   element, with the number of operations each op evaluates in ``FLOPS_PER_ELEMENT``.  Their
   backward is ``BWD_FACTOR`` x forward: 2 for norms and softmax (a reduction for the mean of
@@ -57,6 +72,8 @@ CANONICAL: dict[str, str] = {
     "convolution": "conv", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
     "Conv1d": "conv", "Conv2d": "conv", "Conv3d": "conv",
     "embedding": "embedding", "Embedding": "embedding",
+    "LSTM": "rnn", "GRU": "rnn", "RNN": "rnn",
+    "lstm": "rnn", "gru": "rnn", "rnn_tanh": "rnn", "rnn_relu": "rnn",     # aten (torch.export)
     # norms
     "layer_norm": "layer_norm", "native_layer_norm": "layer_norm", "LayerNorm": "layer_norm",
     "rms_norm": "rms_norm", "fused_rms_norm": "rms_norm", "RMSNorm": "rms_norm",
@@ -132,7 +149,7 @@ CANONICAL: dict[str, str] = {
 KIND: dict[str, str] = {
     "linear": "linear", "addmm": "linear", "addmm_conv1d": "linear",
     "matmul": "matmul", "baddbmm": "matmul", "einsum": "matmul",
-    "sdpa": "attention", "mha": "attention", "conv": "conv", "embedding": "embedding",
+    "sdpa": "attention", "mha": "attention", "conv": "conv", "embedding": "embedding", "rnn": "rnn",
     "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "group_norm": "norm",
     "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
     "sum": "reduction", "mean": "reduction", "amax": "reduction", "argmax": "reduction",
@@ -431,6 +448,61 @@ def _norm(f: OpFacts):
     return "norm", fwd, bwd, _act(x) + _synthetic(f, "stats", stats)
 
 
+#: gates per time step (torch.nn.LSTM / GRU / RNN documentation: i, f, g, o; r, z, n; one)
+RNN_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+#: the cell's pointwise FLOPs per hidden element (FLOPS_PER_ELEMENT's convention: sigmoid and
+#: tanh 4, mul/add 1): LSTM c = f*c + i*g, h = o*tanh(c) after 3 sigmoids and a tanh on the
+#: gates; GRU n = tanh(x_n + r*h_n), h = (1-z)*n + z*h after 2 sigmoids
+RNN_CELL_FLOPS = {"LSTM": 3 * 4 + 2 * 4 + 3 + 1, "GRU": 2 * 4 + 4 + 3 + 2, "RNN_TANH": 4, "RNN_RELU": 1}
+
+
+def _rnn(f: OpFacts):
+    """nn.LSTM / nn.GRU / nn.RNN as one op (module docstring).  ``attrs``: mode, input_size,
+    hidden_size, num_layers, bidirectional, batch_first, proj_size, bias."""
+    a = f.attrs
+    mode = a.get("mode", "LSTM")
+    gates, cell = RNN_GATES.get(mode, 1), RNN_CELL_FLOPS.get(mode, 4)
+    H, L = int(a.get("hidden_size", 0)), int(a.get("num_layers", 1))
+    P = int(a.get("proj_size", 0) or 0)
+    Hr = P or H
+    dirs = 2 if a.get("bidirectional") else 1
+    x = f.inputs[0]
+    if len(x.shape) == 3:
+        T, B = (x.shape[1], x.shape[0]) if a.get("batch_first") else (x.shape[0], x.shape[1])
+    else:                                                   # unbatched [T, I]
+        T, B = (x.shape[0] if x.shape else 1), 1
+    w_grad = any(t.requires_grad for t in f.inputs if t.role == "param")
+    # an initial state passed in (h_0, c_0) is an activation operand besides x
+    state_grad = any(t.requires_grad for t in f.inputs[1:] if t.role == "act")
+    gemm = skipped = cellwise = 0.0
+    saved_elems = 0
+    I = int(a.get("input_size", x.shape[-1] if x.shape else 0))
+    for layer in range(L):
+        width = I if layer == 0 else Hr * dirs
+        gemm += dirs * 2.0 * B * T * gates * H * (width + Hr)
+        gemm += dirs * 2.0 * B * T * H * P                    # an LSTM's projection h = W_hr h
+        # the sum of the two GEMMs, the two biases, and the cell, per gate / hidden element
+        cellwise += dirs * B * T * H * (cell + gates * (1 + (2 if a.get("bias", True) else 0)))
+        # backward needs no gradient of a zero initial state (W_hh^T at the first step), nor of a
+        # raw input that does not require grad (W_ih^T on x, first layer)
+        skipped += 0.0 if state_grad else dirs * 2.0 * B * gates * H * Hr
+        if layer == 0 and not x.requires_grad:
+            skipped += dirs * 2.0 * B * T * gates * H * width
+        # kept: the layer's input (shared by the directions), and per direction and step what the
+        # cell's autograd decomposition saves -- LSTM h_{t-1}, the 4 gate activations, c_{t-1} and
+        # tanh(c_t); GRU h_{t-1}, r, z, the hidden part of n, n and h_{t-1} - n; RNN its output
+        # h_t, which the next step's GEMM keeps as h_{t-1} (so T + 1 states: h_0 .. h_T)
+        per_dir = (B * (T + 1) * H if mode.startswith("RNN")
+                   else B * T * (Hr + gates * H + 2 * H))
+        saved_elems += B * T * width + dirs * per_dir
+    fwd = gemm + cellwise
+    # one GEMM per forward GEMM for the gradients of x_t and h_{t-1} (the recurrence needs them at
+    # every step), a second for the weight gradients
+    bwd = gemm - skipped + (gemm if w_grad else 0.0) + cellwise
+    saved = _synthetic(f, "rnn", saved_elems * x.itemsize) if (x.requires_grad or w_grad) else []
+    return "rnn", fwd, bwd, saved
+
+
 def _softmax(f: OpFacts):
     fwd = FLOPS_PER_ELEMENT[f.canon] * f.out.numel
     return "softmax", fwd, BWD_FACTOR[f.canon] * fwd, _act(f.out)
@@ -543,7 +615,7 @@ def _other(f: OpFacts):
 
 _RULES: dict[str, Callable] = {
     "linear": _linear, "addmm": _addmm, "addmm_conv1d": _addmm, "matmul": _matmul,
-    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "mha": _mha, "conv": _conv, "embedding": _embedding,
+    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "mha": _mha, "conv": _conv, "embedding": _embedding, "rnn": _rnn,
     "layer_norm": _norm, "rms_norm": _norm, "batch_norm": _norm, "group_norm": _norm,
     "softmax": _softmax, "log_softmax": _softmax, "dropout": _dropout,
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "argmax": _reduction,

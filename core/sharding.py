@@ -209,8 +209,9 @@ def _tensor_bytes(name: str, reader: OpNode, by_graph: dict[str, OpNode]) -> flo
 
 #: Ops that mix the positions of a sequence: under sequence parallelism they must run inside a
 #: column/row pair, where the activations are whole along the sequence (Korthikanti et al. 2022,
-#: Sec. 4.2.2: only the norms and dropouts between the pairs run on sequence shards).
-SEQUENCE_MIXING_KINDS = frozenset({"attention"})
+#: Sec. 4.2.2: only the norms and dropouts between the pairs run on sequence shards); a recurrent
+#: module (op_costs._rnn) runs through every position in turn.
+SEQUENCE_MIXING_KINDS = frozenset({"attention", "rnn"})
 
 
 def sequence_mixing_outside_pairs(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.op_costs import canonical
-from autopar.core.trace_walk import (ParamIndex, Val, Walk, call_attrs, order_operands,
+from autopar.core.trace_walk import (ParamIndex, Val, Walk, aten_rnn_attrs, call_attrs, order_operands,
                                      owner_path, param_val)
 
 
@@ -54,8 +54,8 @@ def trace_export(module: torch.nn.Module, inputs: tuple, params: ParamIndex) -> 
         if canon == "cast" and isinstance(val, torch.Tensor) and ins and ins[0].dtype == val.dtype:
             canon = "view"
         ins = order_operands(canon, ins)
-        walk.add_op(n.name, canon, str(n.target), owner_path(n), ins, val,
-                    call_attrs(canon, n.args, n.kwargs))
+        attrs = aten_rnn_attrs(name, n.args, ins) if canon == "rnn" else call_attrs(canon, n.args, n.kwargs)
+        walk.add_op(n.name, canon, str(n.target), owner_path(n), ins, val, attrs)
     return walk
 
 

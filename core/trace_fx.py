@@ -239,6 +239,9 @@ def _walk_symbolic(gm: fx.GraphModule, root: torch.nn.Module, results: dict[str,
                 attrs["param_numel"] = routed_expert_numel(mod, walk.routing[n.target])
             if canon == "embedding":
                 ins = ins[:1]
+            if canon == "rnn":
+                _add_rnn(walk, n.name, class_name(cls), n.target, ins, res, attrs, prm)
+                continue
             walk.add_op(n.name, canon, class_name(cls), n.target, ins, res, attrs, prm)
             continue
         if n.op == "call_function" and n.target is operator.getitem and \
@@ -256,6 +259,23 @@ def _walk_symbolic(gm: fx.GraphModule, root: torch.nn.Module, results: dict[str,
         if copied:
             attrs["copy_bytes"] = copied           # strides made it copy (core/copies.py)
         walk.add_op(n.name, canon, target, owner_path(n), ins, res, attrs)
+
+
+def _add_rnn(walk: Walk, name: str, target: str, path: str, ins: list[Val], res: Any, attrs: dict,
+             prm: list[Val]) -> None:
+    """A recurrent module returns ``(output, h_n)`` (GRU, RNN) or ``(output, (h_n, c_n))`` (LSTM):
+    the op is recorded on its tensors, flattened, and the value keeps the nested structure for
+    the ``getitem``s that unpack it.  The initial state, when passed, is an input like ``x``."""
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.Tensor)):
+        walk.add_op(name, "rnn", target, path, ins, res, attrs, prm)       # (a PackedSequence: unpriced)
+        return
+    state = res[1]
+    nested = isinstance(state, tuple)
+    flat = [res[0], *(state if nested else (state,))]
+    walk.add_op(name, "rnn", target, path, ins, flat, attrs, prm)
+    vals = walk.vals.get(name)
+    if isinstance(vals, tuple) and nested:
+        walk.vals[name] = (vals[0], tuple(vals[1:]))
 
 
 def leaf_fallback(module, inputs, params, first_failed, sym_err, exp_err, where) -> Walk:

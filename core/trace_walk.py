@@ -198,10 +198,38 @@ def module_attrs(mod: torch.nn.Module, canon: str) -> dict[str, Any]:
         return {"normalized_numel": math.prod(shape)} if shape else {}
     if canon == "group_norm":
         return {"groups": getattr(mod, "num_groups", 1)}
+    if canon == "rnn":
+        return {"mode": str(getattr(mod, "mode", "LSTM")), "input_size": int(getattr(mod, "input_size", 0)),
+                "hidden_size": int(getattr(mod, "hidden_size", 0)), "num_layers": int(getattr(mod, "num_layers", 1)),
+                "bidirectional": bool(getattr(mod, "bidirectional", False)),
+                "batch_first": bool(getattr(mod, "batch_first", False)),
+                "proj_size": int(getattr(mod, "proj_size", 0) or 0), "bias": bool(getattr(mod, "bias", True))}
     if canon == "mha":
         return {"batch_first": bool(getattr(mod, "batch_first", False)),
                 "num_heads": int(getattr(mod, "num_heads", 1)), "embed_dim": int(getattr(mod, "embed_dim", 0))}
     return {}
+
+
+#: aten's recurrent ops (torch.export) by name
+ATEN_RNN_MODES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+
+
+def aten_rnn_attrs(name: str, args: tuple, ins: list[Val]) -> dict[str, Any]:
+    """``module_attrs`` of an ``nn.LSTM``/``GRU``/``RNN`` from the aten op it exports to:
+    ``aten.lstm.input(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+    batch_first)`` (gru, rnn_tanh, rnn_relu alike; ``hx`` is [h_0, c_0] for an LSTM, h_0
+    otherwise).  The sizes come from the operands: the input's last dim, the cell state's
+    (LSTM) or h_0's last dim for the hidden size, h_0's for an LSTM's projection."""
+    def flag(i: int, default):
+        return args[i] if len(args) > i and isinstance(args[i], (bool, int)) else default
+
+    mode = ATEN_RNN_MODES.get(name.strip("_"), "LSTM")
+    states = [v for v in ins[1:] if v.role != "param"]
+    hidden = states[-1].shape[-1] if states and states[-1].shape else 0
+    proj = states[0].shape[-1] if mode == "LSTM" and len(states) > 1 and states[0].shape[-1] != hidden else 0
+    return {"mode": mode, "input_size": int(ins[0].shape[-1]) if ins and ins[0].shape else 0,
+            "hidden_size": int(hidden), "num_layers": int(flag(4, 1)), "bidirectional": bool(flag(7, False)),
+            "batch_first": bool(flag(8, False)), "proj_size": int(proj), "bias": bool(flag(3, True))}
 
 
 def call_attrs(canon: str, args: tuple, kwargs: dict) -> dict[str, Any]:

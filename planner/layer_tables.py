@@ -13,7 +13,8 @@ the solvers read:
   Sec. 3.2.3); FSDP prefetches the next all-gather behind the current layer's compute (Zhao et
   al. 2023, Sec. 3.3), so only what exceeds that compute shows -- plus the optimizer step);
 * ``static_bytes`` parameters, gradients and optimizer state on the device, and
-  ``activation_bytes`` kept for backward per micro-batch (times the micro-batches in flight).
+  ``activation_bytes`` kept for backward per micro-batch (times the micro-batches in flight);
+  ``tied_bytes`` a copy of a tied weight, counted by stage (simulator/tied_copies.py).
 
 These are the ILP's node costs and memory (ilp.py eq. 1, 1b); the simulator prices the
 assembled plan exactly afterwards, so the folding only has to rank strategies well.
@@ -26,6 +27,7 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
+from autopar.simulator import tied_copies
 from autopar.simulator.memory import fsdp_buffer_bytes
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 
@@ -40,6 +42,10 @@ class LayerTables:
     reserve_bytes: np.ndarray            # (L, C) transient peak terms (max, not sum, over layers)
     output_bytes: np.ndarray             # (L,) boundary activation per micro-batch (pipeline sends)
     valid: np.ndarray                    # (L, C) bool: the choice is a real option for the layer
+    #: (L, C) state of a copy of the tied weights the layer uses, held where its stage does not
+    #: hold an earlier user (simulator/tied_copies.py; ``tied_uses`` says which)
+    tied_bytes: np.ndarray | None = None
+    tied_uses: tuple = ()
 
     @property
     def num_layers(self) -> int:
@@ -82,7 +88,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
         first.setdefault(key, i)
     group = {key: g for g, key in enumerate(first)}
     which = np.array([group[key] for key in keys], dtype=np.intp)
-    cols = np.zeros((6, len(first), C))      # time_mb, step, static, activation, reserve, output
+    cols = np.zeros((7, len(first), C))      # time_mb, step, static, activation, reserve, output, tied
     valid_rows = np.ones((len(first), C), dtype=bool)
     memo: dict[LayerChoice, tuple] = {}
     sharded = _sharded_terms(evaluator, mesh, precision, cost_model)
@@ -102,12 +108,15 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                              lc.activation_bytes,
                              lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,
                                                                     lc.fsdp_grad_buffer_bytes),
-                             lc.output_bytes)
+                             lc.output_bytes,
+                             lc.tied_param_bytes + lc.tied_grad_bytes + lc.tied_optimizer_bytes)
             cols[:, g, c] = memo[eff]
         memo.clear()
     time_mb, step, static, act, reserve = (cols[k][which] for k in range(5))
     out = cols[5][which, -1] if C else np.zeros(L)
-    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which])
+    uses = tuple(tied_copies.uses(evaluator.graph))
+    tied = cols[6][which] if uses else None
+    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which], tied, uses)
 
 
 def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):

@@ -1,11 +1,13 @@
 """Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
 from __future__ import annotations
 
+from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in
 from autopar.planner.candidate import describe_difference
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.1f} GiB"
+    """Bytes in the unit that shows them (core/units.py): a small model's KiB, not "0.0 GiB"."""
+    return fmt_bytes(x)
 
 
 def fold_layers(plan) -> list[tuple[int, int, str]]:
@@ -57,7 +59,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
         t.add_row(f"{a}" if a == b else f"{a}-{b}", names, text)
     console.print(t)
     console.print(f"[bold]predicted[/bold]   step {pred['step_time_s']:.3f} s, {pred['tokens_per_s']:,.0f} tokens/s, "
-                  f"{pred['samples_per_s']:,.1f} samples/s, {pred['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+                  f"{pred['samples_per_s']:,.1f} samples/s, {fmt_flop_rate(pred['tflops_per_gpu'] * 1e12)} per GPU, "
                   f"MFU {100 * pred['mfu']:.1f}%, bubble {100 * pred.get('bubble_fraction', 0):.1f}%")
     errs, close, why = confidence or ([None] * (1 + len(result.runner_ups)), [False] * (1 + len(result.runner_ups)), "")
     if errs[0] is not None:
@@ -65,14 +67,18 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
     elif why:
         console.print("[bold]validated[/bold]   " + escape(why))
     full = min(g.gpu_memory_bytes for g in cluster.groups)
-    mt = Table(title=f"memory per device (each pipeline rank); capacity = {_gib(full)} less "
+    stages = pred.get("memory_per_stage", [])
+    # one unit for the table, the one that shows its largest figure (core/units.py)
+    # (the capacity, usually far larger, carries its own)
+    unit, scale = byte_unit(max([mb["total_bytes"] for mb in stages], default=0.0))
+    mt = Table(title=f"memory per device (each pipeline rank), {unit}; capacity = {_gib(full)} less "
                      f"{100 * headroom:.1f}% headroom for allocator fragmentation and workspaces",
                show_edge=False)
     for col in ("pp rank", "params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
         mt.add_column(col, justify="right")
-    for r, mb in enumerate(pred.get("memory_per_stage", [])):
-        mt.add_row(str(r), _gib(mb["params_bytes"]), _gib(mb["grads_bytes"]), _gib(mb["optimizer_bytes"]),
-                   _gib(mb["activations_bytes"]), _gib(mb["comm_buffer_bytes"]), _gib(mb["total_bytes"]),
+    for r, mb in enumerate(stages):
+        mt.add_row(str(r), *(fmt_in(mb[k], scale) for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                                           "activations_bytes", "comm_buffer_bytes", "total_bytes")),
                    _gib(pred["capacity_bytes"]))
     console.print(mt)
     if "host_bytes_per_node" in pred:

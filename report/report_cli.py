@@ -17,6 +17,7 @@ from pathlib import Path
 
 from autopar.core.errors import UserError
 from autopar.core.measured import CPU_RSS_GROWTH, Measured, MeasuredFileError, read_measured
+from autopar.core.units import fmt_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,7 +150,7 @@ def _fmt(value: float, unit: str) -> str:
     if unit == "s":
         return f"{value * 1e3:.3f} ms"
     if unit == "B":
-        return f"{value / 2**20:.2f} MiB"
+        return fmt_bytes(value)
     if unit == "":
         return f"{value:.4f}"
     return f"{value:.4g} {unit}"

@@ -53,7 +53,8 @@ from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elem
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 
 # Op kind -> efficiency key of the profile; kinds not listed are memory-bound.
-_COMPUTE_KINDS = {"linear": "linear", "matmul": "matmul", "attention": "attention", "conv": "conv"}
+_COMPUTE_KINDS = {"linear": "linear", "matmul": "matmul", "attention": "attention", "conv": "conv",
+                  "rnn": "matmul"}     # a recurrent module's work is its gate GEMMs (op_costs._rnn)
 _DTYPE_KEY = {"float32": "fp32", "fp32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "bf16": "bf16",
               "float16": "fp16", "fp16": "fp16", "float64": "fp32"}
 #: kinds whose measured rows are looked up by FLOPs; every other kind by bytes moved

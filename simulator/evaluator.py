@@ -32,7 +32,7 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp
+from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp, tied_copies
 from autopar.simulator.zero3_fetch_spans import layer_units
 from autopar.simulator.selective_mm_policy import recomputed_matmuls
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
@@ -53,6 +53,10 @@ _WORK_COLUMNS = [COLUMN_INDEX[c] for c in ("recompute", "tp_wire_bytes", "dp_wir
 _PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD, _ACTIVATION, _OUTPUT, _ZERO = (
     COLUMN_INDEX[c] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes", "dp_grad_bytes",
                               "activation_bytes", "output_bytes", "zero"))
+#: the state columns and, in the same order, those of a tied weight's copy (tied_copies.py)
+_STATE = [_PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD]
+_TIED_STATE = [COLUMN_INDEX[f"tied_{c}"] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes",
+                                                   "dp_grad_bytes")]
 
 _OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
 #: the fast path's derived table (PlanEvaluator._derived_table): the columns, then per layer the
@@ -120,6 +124,8 @@ class _Context:
     position_class: list = field(default_factory=list)
     #: _LayerMemo by the module constant the per-layer terms read (_memo_settings)
     memos: dict = field(default_factory=dict)
+    #: per layer, the share of its tied weights' copies its chunk holds (tied_copies.held_share)
+    tied_share: np.ndarray | None = None
 
 
 class _LayerMemo:
@@ -166,6 +172,7 @@ class PlanEvaluator:
                 raise ValueError(f"no cost model for GPU types {missing}")
             self._cms = dict(cost_model)
         self.num_layers = len(graph.layers)
+        self._tied_uses = tied_copies.uses(graph)        # tied weights used by several layers
         self._prefix = [layer.name + "." for layer in graph.layers]
         self._sig = [layer.signature for layer in graph.layers]
         b0 = max(1, graph.batch_size)
@@ -533,6 +540,11 @@ class PlanEvaluator:
         # ---- memory per pipeline rank
         data = rows.data
         sums = ctx.rank_onehot @ data                           # per-rank sums in one product
+        if self._tied_uses:
+            # the copies of tied weights a later stage keeps (tied_copies.py), at their layer's plan
+            if ctx.tied_share is None:
+                ctx.tied_share = tied_copies.held_share(self._tied_uses, ctx.starts, self.num_layers)
+            sums[:, _STATE] += ctx.rank_onehot @ (data[:, _TIED_STATE] * ctx.tied_share[:, None])
         if chunk_terms is None:
             # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
             transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)

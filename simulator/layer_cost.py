@@ -63,6 +63,13 @@ class LayerCost:
     meetings: float = 0.0        # blocking collectives per micro-batch where the ranks meet (tp, FSDP)
     num_measured: int = 0
     num_estimated: int = 0
+    # a copy of the tied weights this layer uses and an earlier layer holds (simulator/tied_copies.py):
+    # its state on the device, under this layer's plan, where the layer's pipeline stage keeps one
+    tied_param_bytes: float = 0.0
+    tied_grad_bytes: float = 0.0
+    tied_optimizer_bytes: float = 0.0
+    tied_host_bytes: float = 0.0
+    tied_dp_grad_bytes: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -138,7 +145,21 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + rec.tp_wire,
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
-        num_estimated=work.estimated + tpc.estimated + dp.estimated)
+        num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
+
+
+def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[str, float]:
+    """The state of a copy of the layer's tied weights (``tied_*`` fields): split by tensor
+    parallelism like the op that uses it, sharded by ZeRO and offloaded like the layer's own."""
+    if not w.tied_numel:
+        return {}
+    trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
+    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp, trainable)
+    host = 0.0
+    if lp.offload == "cpu":
+        p, g, o, host = 0.0, 0.0, 0.0, p + g + o
+    return dict(tied_param_bytes=p, tied_grad_bytes=g, tied_optimizer_bytes=o, tied_host_bytes=host,
+                tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])
 
 
 @dataclass
@@ -151,6 +172,9 @@ class _OpWork:
     bwd_flops: float = 0.0
     cheap_fwd_flops: float = 0.0
     param_numel: float = 0.0               # after the tensor-parallel split
+    frozen_numel: float = 0.0              # ... of which requires_grad=False (no gradient, no optimizer state)
+    tied_numel: float = 0.0                # tied weights an earlier layer holds (after the split)
+    tied_frozen_numel: float = 0.0
     saved_bytes: float = 0.0               # kept for backward
     matmul_output_bytes: float = 0.0       # outputs of MATMUL_KINDS (what selective recompute keeps)
     autograd_kept_s: float = 0.0           # the per-byte autograd part: outputs kept for backward
@@ -161,6 +185,7 @@ class _OpWork:
     rerun_mm_fwd_flops: float = 0.0
     rerun_mm_output_bytes: float = 0.0
     param_names: set[str] = field(default_factory=set)       # parameter tensors of the layer
+    frozen_names: set[str] = field(default_factory=set)      # ... those with requires_grad=False
     dtensor_params: set[str] = field(default_factory=set)    # ... held as DTensors by tensor parallelism
     num_tp_modules: int = 0
     num_sp_norms: int = 0
@@ -188,6 +213,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     rerun_mms = recomputed_matmuls(ops, cm.code.selective_mm_policy) if lp.recompute == "selective" else frozenset()
     for op in ops:
         w.param_names.update(op.params)
+        w.frozen_names.update(op.frozen_params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
         # runtime splits a vocabulary table row-wise), or (sequence parallel) a norm whose input
         # and weight are DTensors (runtime/apply_tp.py)
@@ -247,7 +273,18 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
                 tail[2].append(op.name)
         w.fwd_flops += op.fwd_flops * scale / shard
         w.bwd_flops += op.bwd_flops * scale / shard
-        w.param_numel += _local_param_numel(op, layout, styles.get(op.module_path))
+        local_numel = _local_param_numel(op, layout, styles.get(op.module_path))
+        w.param_numel += local_numel
+        tied = op.tied_numel
+        if tied:
+            tied_shard = layout.param_shard.get(op.name, 1)
+            w.tied_numel += tied / tied_shard
+            w.tied_frozen_numel += op.tied_frozen_numel / tied_shard
+        frozen = op.frozen_numel
+        if frozen:
+            # the split keeps each tensor's share; a frozen and a trainable tensor of one module split
+            # alike except a row-wise bias (_local_param_numel), counted here at the weight's share
+            w.frozen_numel += local_numel * frozen / op.param_numel if frozen < op.param_numel else local_numel
         w.saved_bytes += op.saved_bytes * scale * act_scale / layout.saved_shard.get(op.name, 1)
         if op.kind in MATMUL_KINDS:
             w.matmul_output_bytes += op.output_bytes * scale * act_scale / layout.output_shard.get(op.name, 1)
@@ -397,22 +434,31 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     """Data parallelism with ZeRO and offload: state bytes (memory.state_bytes), the gradient
     all-reduce (DDP, ZeRO-1) or FSDP's all-gather and reduce-scatter, ZeroRedundancyOptimizer's
     parameter broadcasts, host copies and the optimizer step.  Adds FSDP's per-unit overhead to
-    ``w`` (profiling/overheads.py, fsdp_unit_*)."""
+    ``w`` (profiling/overheads.py, fsdp_unit_*).
+
+    Frozen parameters (requires_grad=False: a LoRA base weight) are held, gathered and broadcast
+    like the others but have no gradient and no optimizer state: autograd gives them no
+    ``.grad``, so DDP leaves them out of its buckets (DistributedDataParallel registers
+    reducer hooks only on parameters that require grad), FSDP2 reduce-scatters only the
+    gradients that exist, and AdamW creates state lazily, on the first step that finds a
+    gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``)."""
     d = _DataParallel()
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
     p_b, g_b, _ = STATE_BYTES[precision_class(precision)]
     param_numel, param_names = w.param_numel, w.param_names
+    trainable = max(0.0, param_numel - w.frozen_numel)
+    trainable_names = param_names - w.frozen_names
     if zero >= 2 and param_names:          # one FSDP unit per layer with parameters
         unit_bytes = param_numel * p_b     # its full parameters (the per-byte part: flat-buffer copies)
         w.fwd_s += cm.overhead("fsdp_unit_fwd_s") + cm.overhead("fsdp_unit_fwd_per_byte_s") * unit_bytes
         w.bwd_s += cm.overhead("fsdp_unit_bwd_s") + cm.overhead("fsdp_unit_bwd_per_byte_s") * unit_bytes
-    d.param_bytes, d.grad_bytes, d.optimizer_bytes = state_bytes(param_numel, precision, zero, dp)
+    d.param_bytes, d.grad_bytes, d.optimizer_bytes = state_bytes(param_numel, precision, zero, dp, trainable)
     offload = lp.offload == "cpu"
     if offload:
         d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
-    d.grad_sync_bytes = grad_sync_bytes = param_numel * g_b
+    d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
@@ -420,10 +466,11 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     dpl = links.dp
     if dp > 1 or zero >= 2:
         if zero <= 1:
-            d.allreduce_s, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level,
-                                                     processes=node_processes)
-            d.measured += m
-            d.estimated += not m
+            if grad_sync_bytes:            # (a layer of frozen parameters only: nothing to reduce)
+                d.allreduce_s, m = cm.collective_time_ex("all_reduce", grad_sync_bytes, dp, dpl.link, dpl.level,
+                                                         processes=node_processes)
+                d.measured += m
+                d.estimated += not m
             if zero == 1 and param_names:
                 # updated parameters sent from their owners after the step: ZeroRedundancyOptimizer
                 # broadcasts each parameter tensor from the rank that owns it (torch.distributed.
@@ -438,10 +485,13 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         else:
             d.allgather_s, m = cm.collective_time_ex("all_gather", param_full_bytes, dp, dpl.link, dpl.level,
                                                      processes=node_processes)
-            d.reducescatter_s, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link,
-                                                          dpl.level, processes=node_processes)
-            d.measured += m + m2
-            d.estimated += (not m) + (not m2)
+            d.measured += m
+            d.estimated += not m
+            if grad_sync_bytes:
+                d.reducescatter_s, m2 = cm.collective_time_ex("reduce_scatter", grad_sync_bytes, dp, dpl.link,
+                                                              dpl.level, processes=node_processes)
+                d.measured += m2
+                d.estimated += not m2
     if zero <= 1:
         d.wire_bytes_per_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
             (ring_wire_bytes("all_gather", param_full_bytes, dp) if zero == 1 else 0.0)
@@ -449,7 +499,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         gathers = 2 if zero >= 3 else 1
         d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
-    shard_params = param_numel / (dp if zero >= 1 else 1)
+    shard_params = trainable / (dp if zero >= 1 else 1)      # the optimizer steps trainable ones only
     if offload:
         d.h2d_s = cm.h2d_time(param_full_bytes / dp, links.host)
         d.d2h_s = cm.h2d_time(grad_sync_bytes / dp, links.host)
@@ -457,8 +507,8 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     else:
         # FSDP2 holds every parameter as a DTensor; tensor parallelism those of its modules;
         # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank
-        n_tensors = float(len(param_names))
-        n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params))
+        n_tensors = float(len(trainable_names))
+        n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params & trainable_names))
         owned = 1.0 / dp if zero == 1 else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
     if cm.code.optimizer.sync_after_flush and zero <= 1 and d.allreduce_s:
@@ -467,7 +517,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.optimizer_s += d.allreduce_s
         d.allreduce_s = 0.0
     if zero >= 2 and param_names and dp > 1:
-        d.meetings = 1 + (1 if zero >= 3 else 0) + 1
+        d.meetings = 1 + (1 if zero >= 3 else 0) + (1 if grad_sync_bytes else 0)
     return d
 
 

@@ -33,13 +33,18 @@ def precision_class(precision: str) -> str:
     return "fp32" if precision == "fp32" else "mixed"
 
 
-def state_bytes(num_params: float, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes on one device for ``num_params`` tp-local parameters."""
+def state_bytes(num_params: float, precision: str, zero: int, dp: int,
+                trainable: float | None = None) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes on one device for ``num_params`` tp-local parameters, of
+    which ``trainable`` (default: all) require grad: a frozen parameter (requires_grad=False)
+    has no gradient and no optimizer state -- in mixed precision no fp32 master copy either,
+    which ZeRO's 12 bytes include (Sec. 3.1)."""
     p, g, o = STATE_BYTES[precision_class(precision)]
     dp = max(1, dp)
+    t = num_params if trainable is None else trainable
     return (num_params * p / (dp if zero >= 3 else 1),
-            num_params * g / (dp if zero >= 2 else 1),
-            num_params * o / (dp if zero >= 1 else 1))
+            t * g / (dp if zero >= 2 else 1),
+            t * o / (dp if zero >= 1 else 1))
 
 
 def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatches: int,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
 
@@ -152,7 +153,8 @@ def _degrees(args: argparse.Namespace, world_size: int) -> dict[str, int]:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 2**30:.2f}"
+    """Bytes in the unit that shows them (core/units.py): a small model's KiB, not "0.00" GiB."""
+    return fmt_bytes(x)
 
 
 def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
@@ -161,7 +163,10 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
 
     con = Console()
     m = plan.mesh
-    con.print(f"[bold]{graph.model_name}[/] ({graph.params_total / 1e9:.2f}B parameters) on [bold]{cluster.name}[/] "
+    trainable = (f", {fmt_count(graph.trainable_params)} trainable"
+                 if graph.trainable_params != graph.params_total else "")
+    con.print(f"[bold]{graph.model_name}[/] ({fmt_count(graph.params_total)} parameters{trainable}) on "
+              f"[bold]{cluster.name}[/] "
               f"({cluster.world_size} devices): {m.describe()}"
               f"{' + sequence parallel' if m.sequence_parallel else ''}, {plan.pipeline.schedule} with "
               f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
@@ -169,24 +174,28 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     t = Table(title="Predicted step", show_header=False)
     t.add_row("step time", f"{r.step_time_s:.4g} s")
     t.add_row("throughput", f"{r.samples_per_s:.4g} samples/s, {r.tokens_per_s:.4g} tokens/s")
-    t.add_row("model TFLOP/s per GPU (MFU)", f"{r.tflops_per_gpu:.1f} ({100 * r.mfu:.1f}% of {r.peak_flops_per_gpu / 1e12:.0f})")
-    t.add_row("hardware TFLOP/s per GPU (with recompute)", f"{r.hw_tflops_per_gpu:.1f}")
+    t.add_row("model FLOP/s per GPU (MFU)", f"{fmt_flop_rate(r.tflops_per_gpu * 1e12)} ({100 * r.mfu:.1f}% of "
+              f"{fmt_flop_rate(r.peak_flops_per_gpu)})")
+    t.add_row("hardware FLOP/s per GPU (with recompute)", fmt_flop_rate(r.hw_tflops_per_gpu * 1e12))
     t.add_row("pipeline bubble", f"{100 * r.bubble_fraction:.1f}%")
     world = max(1, plan.mesh.world_size)
-    t.add_row("sent per device per step (mean)", f"intra-node {r.comm_bytes['intra'] / world / 1e9:.2f} GB, "
-              f"inter-node {r.comm_bytes['inter'] / world / 1e9:.2f} GB")
+    t.add_row("sent per device per step (mean)", f"intra-node {fmt_bytes(r.comm_bytes['intra'] / world)}, "
+              f"inter-node {fmt_bytes(r.comm_bytes['inter'] / world)}")
     t.add_row("cost figures", f"{r.sources['measured']} measured, {r.sources['estimated']} estimated")
     con.print(t)
-    mt = Table(title=f"Memory per device (GiB), capacity {_gb(r.capacity_bytes)}")
+    # one unit for the table, the one that shows its largest figure (core/units.py)
+    unit, scale = byte_unit(max([b.total_bytes for b in r.memory] + [b.host_bytes for b in r.memory], default=0.0))
+    mt = Table(title=f"Memory per device ({unit}), capacity {_gb(r.capacity_bytes)}")
     for col in ("pipeline rank", "params", "grads", "optimizer", "activations", "comm buffers", "total", "host"):
         mt.add_column(col, justify="right")
     for i, b in enumerate(r.memory):
         style = "red" if b.total_bytes > r.capacity_bytes else None
-        mt.add_row(str(i), _gb(b.params_bytes), _gb(b.grads_bytes), _gb(b.optimizer_bytes), _gb(b.activations_bytes),
-                   _gb(b.comm_buffer_bytes), _gb(b.total_bytes), _gb(b.host_bytes), style=style)
+        mt.add_row(str(i), *(fmt_in(x, scale) for x in (b.params_bytes, b.grads_bytes, b.optimizer_bytes,
+                                                          b.activations_bytes, b.comm_buffer_bytes, b.total_bytes,
+                                                          b.host_bytes)), style=style)
     con.print(mt)
-    host = (f"host memory: {_gb(r.host_bytes_per_node)} GiB offloaded on the fullest node, of "
-            f"{_gb(r.host_capacity_bytes)} GiB")
+    host = (f"host memory: {_gb(r.host_bytes_per_node)} offloaded on the fullest node, of "
+            f"{_gb(r.host_capacity_bytes)}")
     con.print(host if r.host_fits else f"[red]{host}: does NOT fit[/]")
     con.print("[green]fits in memory[/]" if r.fits else
               "[red]does NOT fit in memory on every device[/]" if not r.device_fits else
