@@ -86,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
     model_args = parse_model_args(args.model_args)
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
+    _note_other_machine(cluster, args.profile)
     precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
     if args.top_k < 0:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
@@ -165,6 +166,21 @@ def main(args: argparse.Namespace) -> int:
         for line in summary_lines(outcome):
             console.print(line, markup=False, highlight=False)
     return 0
+
+
+def _note_other_machine(cluster, profile: str | None) -> None:
+    """On a CPU cluster, say so when its profile was measured on another kind of machine
+    (core/host_match.py): the op rows are that processor's speed."""
+    if cluster.backend != "gloo":
+        return
+    from autopar.core.errors import paragraph
+    from autopar.core.host_match import advice, mismatch
+    from autopar.profiles import load_profile
+
+    for name in sorted({profile or g.gpu for g in cluster.groups}):
+        diff = mismatch(load_profile(name))
+        if diff:
+            print(paragraph(advice(name, diff)), file=sys.stderr)
 
 
 def _check_trial_args(args) -> int:
