@@ -1,6 +1,6 @@
 """Does the profile ``autopar plan --trial-steps`` calibrates predict a plan it did not measure?
 
-    OMP_NUM_THREADS=1 python benchmarks/trial_steps.py [--trial-steps 8] [--held-out "--zero 1"] [--save PATH]
+    OMP_NUM_THREADS=1 python benchmarks/trial_steps.py [--trial-steps 8] [--breakdown] [--held-out "--zero 1"] [--save PATH]
 
 1. ``autopar plan examples/gpt.py --cluster local-cpu --global-batch G --trial-steps N`` as a user
    runs it: the winner and the runner-ups within the validation band (three plans or more) run
@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="held-out runs; the fastest is kept")
     ap.add_argument("--held-out", default="--zero 1", help="autopar plan knobs of the plan not measured")
     ap.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="over the accuracy model")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="pass --trial-breakdown: the trials run with the runtime's --profile and the calibration "
+                         "fits their per-phase times too")
     ap.add_argument("--out", default=None)
     ap.add_argument("--save", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
@@ -60,6 +63,8 @@ def main() -> int:
 
     plan_path = out / "plan.json"
     cmd = base + ["-o", str(plan_path), "--trial-steps", str(args.trial_steps), "--json"]
+    if args.breakdown:
+        cmd.append("--trial-breakdown")
     print("$ " + shlex.join(["autopar", *cmd[3:]]), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)   # progress on stderr
     if proc.returncode != 0:

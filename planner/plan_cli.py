@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trial.add_argument("--trial-plans", type=int, default=None, metavar="K",
                        help="with --trial-steps: try at least K plans, filling the band up with the next fastest "
                             "runner-ups (default 3; at most --top-k + 1)")
+    trial.add_argument("--trial-breakdown", action="store_true",
+                       help="with --trial-steps: run the trials with the runtime's --profile, so the calibration "
+                            "also fits each trial's forward, backward, communication and optimizer times (the "
+                            "profiler slows every trial's steps a little)")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -186,8 +190,9 @@ def _note_other_machine(cluster, profile: str | None) -> None:
 def _check_trial_args(args) -> int:
     """The number of plans --trial-steps tries (checked before the search), and its outputs writable."""
     if args.trial_steps is None:
-        if args.trial_plans is not None:
-            raise UserError("--trial-plans says how many plans --trial-steps runs; add --trial-steps N, or drop it.")
+        if args.trial_plans is not None or args.trial_breakdown:
+            raise UserError("--trial-plans and --trial-breakdown say how --trial-steps runs its trials; add "
+                            "--trial-steps N, or drop them.")
         return 0
     if args.trial_steps < 1:
         raise UserError(f"--trial-steps is {args.trial_steps}; it must be a positive number of training steps.")
@@ -218,7 +223,7 @@ def _trial(result, conf_errors, cluster, args, trial_plans: int, provenance: dic
     with contextlib.redirect_stdout(stream):               # a multi-node plan's commands (autopar run)
         outcome = trial_shortlist(result, conf_errors, cluster, steps=args.trial_steps, output=args.output,
                                   min_plans=trial_plans, provenance=provenance, profile=args.profile,
-                                  say=say_to(stream))
+                                  say=say_to(stream), breakdown=args.trial_breakdown)
     kept = outcome.kept.evaluated
     if kept is not result.best:
         others = [ev for ev in [result.best] + list(result.runner_ups) if ev is not kept]

@@ -67,6 +67,7 @@ class TrialOutcome:
     band: float
     band_source: str
     multi_node: bool
+    breakdown: bool = False        # the trials ran with the runtime's --profile
     calibrated_profile: Path | None = None
     calibration_note: str = ""
     calibration: object = None     # report.calibrate.CalibrationResult
@@ -119,9 +120,11 @@ Launch = Callable[..., int]
 
 
 def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str | Path, multi_node: bool,
-               provenance: dict, say: Callable[..., None], launch: Launch | None = None) -> list[Trial]:
+               provenance: dict, say: Callable[..., None], launch: Launch | None = None,
+               breakdown: bool = False) -> list[Trial]:
     """Write each plan of ``evaluated`` (Evaluated, predicted order) under the trials folder and
-    start it with ``launch`` (default: autopar run's ``run_plan``); one line per trial."""
+    start it with ``launch`` (default: autopar run's ``run_plan``; ``breakdown``: with the
+    runtime's ``--profile``); one line per trial."""
     from autopar.core.measured import MeasuredFileError, read_measured
     from autopar.core.plan import save_plan
     from autopar.core.errors import UserError
@@ -147,7 +150,7 @@ def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str 
         if multi_node:
             t.error = "several nodes: not run here"
             say(head + "  -> run on every node:")
-            code = launch(plan_path, steps=steps, warmup_steps=warmup)
+            code = launch(plan_path, steps=steps, warmup_steps=warmup, profile=breakdown)
             t.wall_s = time.perf_counter() - t0
             if code != 0:
                 t.error = f"autopar run exited {code}"
@@ -155,7 +158,7 @@ def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str 
         say(head, end="")                       # the rest of the line when the run ends
         try:
             with open(t.log_path, "w") as log:
-                code = launch(plan_path, steps=steps, warmup_steps=warmup, log=log)
+                code = launch(plan_path, steps=steps, warmup_steps=warmup, profile=breakdown, log=log)
         except UserError as e:
             code, t.error = 2, str(e)
         t.wall_s = time.perf_counter() - t0
@@ -209,7 +212,7 @@ def calibrate_trials(trials: list[Trial], profile: str | None, output: Path):
 def trial_provenance(outcome: TrialOutcome, steps: int) -> dict:
     """What plan.json records of the trials (``provenance.trial_steps``)."""
     kept = outcome.kept
-    return {"steps": steps, "warmup_steps": min(WARMUP_STEPS, steps - 1),
+    return {"steps": steps, "warmup_steps": min(WARMUP_STEPS, steps - 1), "breakdown": outcome.breakdown,
             "band": outcome.band, "band_source": outcome.band_source,
             "kept": kept.index, "kept_because": ("lowest measured step time" if kept.measured_s is not None
                                                  else "nothing was measured: the predicted winner"),
@@ -221,7 +224,7 @@ def trial_provenance(outcome: TrialOutcome, steps: int) -> dict:
 
 def trial_shortlist(result, errors: list, cluster, *, steps: int, output: str | Path, min_plans: int,
                     provenance: dict, profile: str | None, say: Callable[..., None],
-                    launch: Launch | None = None) -> TrialOutcome:
+                    launch: Launch | None = None, breakdown: bool = False) -> TrialOutcome:
     """Steps 1-4 of the module docstring for a search result (best first, then the runner-ups,
     with ``errors`` their FamilyErrors from planner/confidence.py)."""
     from autopar.core.errors import UserError
@@ -236,9 +239,10 @@ def trial_shortlist(result, errors: list, cluster, *, steps: int, output: str | 
     say(f"trial steps: {len(picks)} plans, {steps} steps each ({inside} within the validation band of "
         f"{100 * band:.1f}%: {band_source}); runs in {folder}")
     trials = run_trials([plans[i] for i, _ in picks], [b for _, b in picks], steps=steps, output=output,
-                        multi_node=multi_node, provenance=provenance, say=say, launch=launch)
+                        multi_node=multi_node, provenance=provenance, say=say, launch=launch,
+                        breakdown=breakdown)
     outcome = TrialOutcome(trials=trials, kept=keep_fastest(trials), band=band, band_source=band_source,
-                           multi_node=multi_node)
+                           multi_node=multi_node, breakdown=breakdown)
     if outcome.measured:
         try:
             res = calibrate_trials(trials, profile, profile_out)

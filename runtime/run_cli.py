@@ -62,18 +62,22 @@ def torchrun_command(args: argparse.Namespace, nproc_per_node: int | str, rdzv_e
             *runtime_arguments(args)]
 
 
-def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = None, log=None) -> int:
+def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = None, profile: bool = False,
+             log=None) -> int:
     """``autopar run PLAN --steps N [--warmup-steps W]`` as a function: the launch path other
     verbs reuse (``autopar plan --trial-steps``), so they start a plan exactly as a user would.
 
     Writes measured.json beside the plan; returns the exit code (a plan for several nodes prints
-    its per-node commands and starts nothing).  ``log``: an open text file that takes torchrun's
-    output and the command line instead of this process's stdout and stderr."""
+    its per-node commands and starts nothing).  ``profile``: ``--profile`` (the per-phase breakdown
+    in measured.json).  ``log``: an open text file that takes torchrun's output and the command
+    line instead of this process's stdout and stderr."""
     parser = argparse.ArgumentParser(prog="autopar run")
     add_arguments(parser)
     argv = [str(plan_path), "--steps", str(steps)]
     if warmup_steps is not None:
         argv += ["--warmup-steps", str(warmup_steps)]
+    if profile:
+        argv.append("--profile")
     return main(parser.parse_args(argv), log=log)
 
 
