@@ -244,6 +244,7 @@ def trial_shortlist(result, errors: list, cluster, *, steps: int, output: str | 
     outcome = TrialOutcome(trials=trials, kept=keep_fastest(trials), band=band, band_source=band_source,
                            multi_node=multi_node, breakdown=breakdown)
     if outcome.measured:
+        say(f"refitting the profile to the {len(outcome.measured)} measured trials (report --calibrate's fit) ...")
         try:
             res = calibrate_trials(trials, profile, profile_out)
             outcome.calibrated_profile, outcome.calibration = profile_out, res
