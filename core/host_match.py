@@ -15,10 +15,18 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-#: the command that re-times a copy's op table on this machine (2 processes, one per core of the
-#: 2-core host; the thread clock of profiling/timing.py keeps other work out of the rows)
-QUICK_PROFILE = ("OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m autopar.cli profile -o {out} "
+#: the command that re-times a copy's op table on this machine, with as many processes busy as
+#: timed the profile's rows (``ranks``; profiles/local-cpu.json: 2, one per core of the 2-core
+#: host); the thread clock of profiling/timing.py keeps other work out of the rows
+QUICK_PROFILE = ("OMP_NUM_THREADS=1 torchrun --nproc-per-node {processes} -m autopar.cli profile -o {out} "
                  "--skip-collectives --skip-overheads --skip-sync-wait")
+
+
+def op_processes(profile: Mapping) -> int:
+    """How many processes were busy when the profile's op rows were timed (their ``ranks``; 1 when
+    the rows do not say)."""
+    ranks = [r.get("ranks") for r in profile.get("op_table") or [] if isinstance(r.get("ranks"), int)]
+    return max(ranks) if ranks else 1
 
 
 def this_host() -> dict:
@@ -56,8 +64,9 @@ def mismatch(profile: Mapping, host: Mapping | None = None) -> list[str]:
     return out
 
 
-def advice(profile_name: str, differences: list[str]) -> str:
+def advice(profile_name: str, differences: list[str], processes: int = 2) -> str:
     """One paragraph for a user planning with a CPU profile of another machine."""
+    command = QUICK_PROFILE.format(out="mine.json", processes=processes)
     return (f"note: profile {profile_name} was measured on another machine ({'; '.join(differences)}), so its op "
             f"times may be off by up to 2x here. Re-time its op table on this machine in a few minutes: copy the "
-            f"profile to mine.json, run `{QUICK_PROFILE.format(out='mine.json')}`, and plan with --profile mine.json.")
+            f"profile to mine.json, run `{command}`, and plan with --profile mine.json.")

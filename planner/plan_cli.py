@@ -178,13 +178,14 @@ def _note_other_machine(cluster, profile: str | None) -> None:
     if cluster.backend != "gloo":
         return
     from autopar.core.errors import paragraph
-    from autopar.core.host_match import advice, mismatch
+    from autopar.core.host_match import advice, mismatch, op_processes
     from autopar.profiles import load_profile
 
     for name in sorted({profile or g.gpu for g in cluster.groups}):
-        diff = mismatch(load_profile(name))
+        prof = load_profile(name)
+        diff = mismatch(prof)
         if diff:
-            print(paragraph(advice(name, diff)), file=sys.stderr)
+            print(paragraph(advice(name, diff, op_processes(prof))), file=sys.stderr)
 
 
 def _check_trial_args(args) -> int:
