@@ -28,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -71,7 +71,6 @@ class TrialOutcome:
     calibrated_profile: Path | None = None
     calibration_note: str = ""
     calibration: object = None     # report.calibrate.CalibrationResult
-    notes: list[str] = field(default_factory=list)
 
     @property
     def measured(self) -> list[Trial]:
