@@ -138,3 +138,17 @@ def test_trial_steps_on_several_nodes_prints_the_commands(tmp_path):
     assert len(rec["trials"]) >= 1 and all(t["measured_step_time_s"] is None for t in rec["trials"])
     assert "--nnodes" in out.stderr and rec["kept"] == 1 and rec["calibrated_profile"] is None
     assert not (tmp_path / "plan.calibrated-profile.json").exists()
+
+
+def test_report_with_needs_calibrate_and_plan_trial_flags_need_trial_steps(tmp_path):
+    """Flags that only make sense with another are refused with exit 2 before any work."""
+    rep = subprocess.run([sys.executable, "-m", "autopar.cli", "report", "a.json", "b.json", "--with", "c.json",
+                          "d.json"], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
+    flat = lambda text: " ".join(text.split())  # noqa: E731  (messages are wrapped as paragraphs)
+    assert rep.returncode == 2 and "--with adds runs to the --calibrate fit" in flat(rep.stderr)
+    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-plans", "2", timeout=120)
+    assert out.returncode == 2 and "add --trial-steps N" in flat(out.stderr)
+    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-steps", "2",
+                    "--trial-plans", "5", timeout=120)
+    assert out.returncode == 2 and "raise --top-k to 4" in flat(out.stderr)
+    assert not (tmp_path / "plan.json").exists() and not (tmp_path / "plan.trials").exists()
