@@ -68,6 +68,10 @@ def main() -> int:
                     help="first measure this machine as it is now: copy the profile to OUT/profile.json, time it "
                          "again with the three `autopar profile` commands it was made with (PROFILE_COMMANDS, "
                          "~13 min), and plan and price with it")
+    ap.add_argument("--quick-profile", action="store_true",
+                    help="first re-time only the op table of a copy of the profile on this machine "
+                         "(QUICK_PROFILE_COMMANDS: one sweep on 2 processes, by the thread clock, ~3 min) and plan "
+                         "and price with it; collectives, overheads and meeting waits stay the profile's")
     ap.add_argument("--only", default=None, help="comma-separated shape names to run (default: all)")
     ap.add_argument("--out", default=None, help="directory for plans and measurements (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
@@ -81,12 +85,15 @@ def main() -> int:
 
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-cpu-shapes-"))
     shapes = [(n, {**BASE, **kw}) for n, kw in SHAPES if args.only is None or n in args.only.split(",")]
-    load = os.getloadavg()
+    load = load_start = os.getloadavg()
     print(f"cluster local-cpu, global batch {args.global_batch}, {len(shapes)} shapes, {args.repeats} repeats; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; runs in {out}", flush=True)
     fresh = None
-    if args.fresh_profile:
-        fresh = _fresh_profile(args.profile or "local-cpu", out / "profile.json", args.idle_wait_s)
+    if args.fresh_profile and args.quick_profile:
+        raise SystemExit("--fresh-profile and --quick-profile each make the profile; give one")
+    if args.fresh_profile or args.quick_profile:
+        fresh = _fresh_profile(args.profile or "local-cpu", out / "profile.json", args.idle_wait_s,
+                               QUICK_PROFILE_COMMANDS if args.quick_profile else PROFILE_COMMANDS)
         args.profile = str(out / "profile.json")
         args.replan = True                     # plans made with another profile do not count
 
@@ -148,6 +155,7 @@ def main() -> int:
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.save:
+        fresh_kind = "quick" if args.quick_profile else "full" if args.fresh_profile else None
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save).write_text(json.dumps({
             "command": " ".join(["OMP_NUM_THREADS=1", "python", *sys.argv]),
@@ -157,7 +165,8 @@ def main() -> int:
                         "slowdown_before_run": st["measured"].get("slowdown_before_run")}
                        for st in rows],
             "median_abs_error": med, "target": TARGET, "reference_one_process": reference,
-            "profile": args.profile or "local-cpu", "fresh_profile": fresh,
+            "profile": args.profile or "local-cpu", "fresh_profile": fresh, "fresh_profile_kind": fresh_kind,
+            "load_average_start": list(load_start), "machine": _machine(),
             "load_average_end": list(load)}, indent=1) + "\n")
         print(f"wrote {args.save}")
     return 0
@@ -171,9 +180,16 @@ PROFILE_COMMANDS = (
     (2, ["--passes", "3", "--target-s", "0.3"]),
     (4, ["--skip-ops", "--skip-collectives", "--skip-overheads"]),
 )
+#: ``--quick-profile``: the op table alone, one sweep on 2 processes (one per core), timed by the
+#: thread clock (profiling/timing.py), so the machine's other work does not inflate it: what
+#: changes between machines and hours is the op speed (this host has been an AMD EPYC with
+#: AVX2 and an Intel Xeon with AVX-512 on different days, profiles/local-cpu.json ``machine``)
+QUICK_PROFILE_COMMANDS = (
+    (2, ["--skip-collectives", "--skip-overheads", "--skip-sync-wait"]),
+)
 
 
-def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
+def _fresh_profile(base: str, path: Path, idle_wait_s: float, profile_commands=PROFILE_COMMANDS) -> dict:
     """Measure this machine now into ``path``, a copy of the profile ``base`` (PROFILE_COMMANDS):
     the profile the plans are made and priced with describes the machine they run on, not the one
     of another hour (a shared host's speed drifts by up to 1.5-2x, docs/profiling.md).  Returns the
@@ -186,7 +202,7 @@ def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
     source = Path(base) if Path(base).is_file() else profile_path(base)
     path.write_bytes(source.read_bytes())
     commands, t0 = [], time.monotonic()
-    for nproc, flags in PROFILE_COMMANDS:
+    for nproc, flags in profile_commands:
         acc._wait_for_idle(idle_wait_s)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "autopar.cli",
                "profile", "-o", str(path), *flags]
@@ -205,6 +221,16 @@ def _fresh_profile(base: str, path: Path, idle_wait_s: float) -> dict:
     print(f"profiled in {time.monotonic() - t0:.0f} s; op rows now take, per kind, the median of "
           + ", ".join(f"{k} {v:.2f}x" for k, v in sorted(ratios.items())) + " their time in " + base, flush=True)
     return {"base": base, "commands": commands, "op_time_new_over_old": ratios}
+
+
+def _machine() -> dict:
+    """This host's CPU, as the profile's ``machine`` names it (profiling/machine.py)."""
+    import torch
+
+    from autopar.profiling.machine import describe
+
+    d = describe(torch.device("cpu"), 1, None)
+    return {k: d.get(k) for k in ("cpu_model", "num_cpu_cores", "cpu_capability")}
 
 
 def _op_time_ratios(old: dict, new: dict) -> dict[str, float]:

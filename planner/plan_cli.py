@@ -56,6 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"fraction of each device's memory a plan leaves free for allocator fragmentation "
                              f"and workspaces (default {DEFAULT_MEMORY_HEADROOM:.3f}: the mean fragmentation GMLake, "
                              f"Guo et al. 2024, measured for PyTorch's allocator on LLM training, 9.2 of 80 GB)")
+    trial = parser.add_argument_group("trial steps", "measure the shortlist before choosing (planner/trial_steps.py)")
+    trial.add_argument("--trial-steps", type=int, default=None, metavar="N",
+                       help="run the winner and the runner-ups within its validation band for N steps each with "
+                            "'autopar run' (one node; several: print the commands), keep the fastest measured, "
+                            "and refit the profile to all trials into <plan>.calibrated-profile.json")
+    trial.add_argument("--trial-plans", type=int, default=None, metavar="K",
+                       help="with --trial-steps: try at least K plans, filling the band up with the next fastest "
+                            "runner-ups (default 3; at most --top-k + 1)")
+    trial.add_argument("--trial-breakdown", action="store_true",
+                       help="with --trial-steps: run the trials with the runtime's --profile, so the calibration "
+                            "also fits each trial's forward, backward, communication and optimizer times (the "
+                            "profiler slows every trial's steps a little)")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -74,9 +86,11 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     check_writable(args.output, "-o")                 # before the search, not after it
+    trial_plans = _check_trial_args(args)
     model_args = parse_model_args(args.model_args)
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
+    _note_other_machine(cluster, args.profile)
     precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
     if args.top_k < 0:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
@@ -115,12 +129,22 @@ def main(args: argparse.Namespace) -> int:
         conf_why = "the better-validated plan was refused by the runtime check (see left out)"
     # how to load this cluster again (autopar report / simulate re-price the plan with it)
     cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
-    plan = result.best.plan.with_predicted(
-        result.best.plan.predicted, cluster_ref=cluster_ref, cluster_nodes=args.nodes,
-        memory_headroom=options.memory_headroom,
-        runtime_check="skipped (--no-runtime-check)" if executable is None else
-        f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
-        left_out=[x.to_dict() for x in left_out])
+    provenance = dict(cluster_ref=cluster_ref, cluster_nodes=args.nodes, memory_headroom=options.memory_headroom,
+                      runtime_check="skipped (--no-runtime-check)" if executable is None else
+                      f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
+                      left_out=[x.to_dict() for x in left_out])
+    outcome = None
+    if args.trial_steps is not None:
+        result, conf_errors, conf_close, outcome = _trial(result, conf_errors, cluster, args, trial_plans,
+                                                          provenance)
+        if outcome.kept.index != 1:
+            conf_why = (f"trial {outcome.kept.index} measured the fastest step of the trials "
+                        f"({1e3 * outcome.kept.measured_s:.1f} ms)")
+    plan = result.best.plan.with_predicted(result.best.plan.predicted, **provenance)
+    if outcome is not None:
+        from autopar.planner.trial_steps import trial_provenance
+
+        plan = plan.with_predicted(plan.predicted, trial_steps=trial_provenance(outcome, args.trial_steps))
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
     command = torchrun_command(cluster, args.output, plan.world_size)
@@ -131,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
                                "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
         out["validation"] = {"why": conf_why, "plans": [  # best first, then the runner-ups
             {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(conf_errors, conf_close)]}
+        if outcome is not None:
+            out["trial_steps"] = plan.provenance["trial_steps"]
         json.dump(out, sys.stdout, indent=2, default=float)
         print()
         return 0
@@ -138,7 +164,73 @@ def main(args: argparse.Namespace) -> int:
 
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
                confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
+    if outcome is not None:
+        from autopar.planner.trial_steps import summary_lines
+
+        for line in summary_lines(outcome):
+            console.print(line, markup=False, highlight=False)
     return 0
+
+
+def _note_other_machine(cluster, profile: str | None) -> None:
+    """On a CPU cluster, say so when its profile was measured on another kind of machine
+    (core/host_match.py): the op rows are that processor's speed."""
+    if cluster.backend != "gloo":
+        return
+    from autopar.core.errors import paragraph
+    from autopar.core.host_match import advice, mismatch, op_processes
+    from autopar.profiles import load_profile
+
+    for name in sorted({profile or g.gpu for g in cluster.groups}):
+        prof = load_profile(name)
+        diff = mismatch(prof)
+        if diff:
+            print(paragraph(advice(name, diff, op_processes(prof))), file=sys.stderr)
+
+
+def _check_trial_args(args) -> int:
+    """The number of plans --trial-steps tries (checked before the search), and its outputs writable."""
+    if args.trial_steps is None:
+        if args.trial_plans is not None or args.trial_breakdown:
+            raise UserError("--trial-plans and --trial-breakdown say how --trial-steps runs its trials; add "
+                            "--trial-steps N, or drop them.")
+        return 0
+    if args.trial_steps < 1:
+        raise UserError(f"--trial-steps is {args.trial_steps}; it must be a positive number of training steps.")
+    from autopar.planner.trial_steps import DEFAULT_TRIAL_PLANS, trial_paths
+    from autopar.core.output_file import check_writable
+
+    k = DEFAULT_TRIAL_PLANS if args.trial_plans is None else args.trial_plans
+    if k < 1:
+        raise UserError(f"--trial-plans is {k}; it must be 1 or more.")
+    if k > args.top_k + 1:
+        raise UserError(f"--trial-plans is {k} but the search keeps only --top-k {args.top_k} runner-ups besides "
+                        f"the winner; raise --top-k to {k - 1} or more.")
+    folder, profile_out = trial_paths(args.output)
+    check_writable(folder / "1" / "plan.json", "--trial-steps (trial folder)")
+    check_writable(profile_out, "--trial-steps (calibrated profile)")
+    return k
+
+
+def _trial(result, conf_errors, cluster, args, trial_plans: int, provenance: dict):
+    """Run the shortlist (planner/trial_steps.py) and put the kept plan first; returns the result,
+    its validation marks in the new order and the TrialOutcome."""
+    import contextlib
+
+    from autopar.planner import confidence
+    from autopar.planner.trial_steps import say_to, trial_shortlist
+
+    stream = sys.stderr if args.json else sys.stdout       # --json keeps stdout for the JSON
+    with contextlib.redirect_stdout(stream):               # a multi-node plan's commands (autopar run)
+        outcome = trial_shortlist(result, conf_errors, cluster, steps=args.trial_steps, output=args.output,
+                                  min_plans=trial_plans, provenance=provenance, profile=args.profile,
+                                  say=say_to(stream), breakdown=args.trial_breakdown)
+    kept = outcome.kept.evaluated
+    if kept is not result.best:
+        others = [ev for ev in [result.best] + list(result.runner_ups) if ev is not kept]
+        result = replace(result, best=kept, runner_ups=others)
+    _, errs, close, _ = confidence.apply(result, cluster, reorder=False)
+    return result, errs, close, outcome
 
 
 def check_kinds(graph, model_file: str, cluster, options):

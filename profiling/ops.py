@@ -25,19 +25,26 @@ import torch
 
 from autopar.profiling.op_sweeps import COMPUTE_KINDS, OpCase
 from autopar.profiling.isotonic import monotone_seconds
-from autopar.profiling.timing import RepeatPolicy, time_call
+from autopar.profiling.timing import RepeatPolicy, thread_clock_valid, time_call
 
 
 def measure_ops(cases: Iterable[OpCase], device: torch.device, policy: RepeatPolicy,
-                on_case: Callable[[OpCase], None] | None = None) -> list[dict]:
-    """One row per case: kind, variant, dtype, shape, flops, bytes, seconds (+ sampling details)."""
+                on_case: Callable[[OpCase], None] | None = None, clock: str = "auto") -> list[dict]:
+    """One row per case: kind, variant, dtype, shape, flops, bytes, seconds (+ sampling details).
+
+    ``clock``: "auto" times by the thread's CPU time where that measures the op whole (a CPU with
+    one intra-op thread: an op's cost without the time other processes held the core,
+    profiling/timing.py) and by the host clock otherwise; "wall" always by the host clock (the
+    speed check, which asks how fast the machine runs now)."""
+    if clock == "auto":
+        clock = "thread" if thread_clock_valid(device) else "wall"
     rows = []
     for case in cases:
         if on_case is not None:
             on_case(case)
         with torch.no_grad(), _tf32(device, case.dtype == "tf32"):
             fn = _rotating(case, device)
-            t = time_call(fn, device, policy)
+            t = time_call(fn, device, policy, clock=clock)
         del fn
         gc.collect()
         if device.type == "cuda":
@@ -45,7 +52,7 @@ def measure_ops(cases: Iterable[OpCase], device: torch.device, policy: RepeatPol
         rows.append({"kind": case.kind, "variant": case.variant, "dtype": case.dtype, "shape": list(case.shape),
                      "flops": case.flops, "bytes": case.bytes, "seconds": t.median_s,
                      "measured_seconds": t.median_s, "num_samples": t.num_samples,
-                     "calls_per_sample": t.calls_per_sample, "spread": round(t.spread, 4)})
+                     "calls_per_sample": t.calls_per_sample, "spread": round(t.spread, 4), "clock": clock})
     return rows
 
 

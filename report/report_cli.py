@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="refit the profile's efficiency factors to this measurement (needs -o)")
     p.add_argument("-o", "--output", metavar="PROFILE_JSON", help="where --calibrate writes the new profile")
+    p.add_argument("--with", dest="with_runs", nargs=2, action="append", metavar=("PLAN", "MEASURED"),
+                   help="with --calibrate: fit to this run too (repeatable); one fit over every run, each "
+                        "re-simulated with the same profile")
     p.add_argument("--profile", default=None, help="profile to simulate with (default: the plan's)")
     p.add_argument("--cluster", default=None, help="cluster file (default: the one recorded in the plan)")
 
@@ -41,6 +44,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.output and not args.calibrate:
         raise UserError("-o is where --calibrate writes the new profile; add --calibrate, or drop -o.")
+    if args.with_runs and not args.calibrate:
+        raise UserError("--with adds runs to the --calibrate fit; add --calibrate -o PROFILE_JSON, or drop --with.")
     if args.calibrate and not args.output:
         raise UserError("--calibrate needs -o PROFILE_JSON: the file to write the calibrated profile to.")
     for flag, path in (("-o", args.output), ("--html", args.html), ("--png", args.png)):
@@ -67,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
     if args.calibrate:
         from autopar.profiles import load_profile
 
-        calibration = _calibrate(ctx, plan, measured, Path(args.output), Path(args.plan).stem, args.measured)
+        calibration = _calibrate(ctx, plan, measured, Path(args.output), Path(args.plan).stem, args.measured,
+                                 more=args.with_runs or ())
         load_profile(calibration.profile)          # the schema's checks before anything is written
         write_text_atomic(args.output, json.dumps(calibration.profile, indent=1) + "\n")
 
@@ -112,19 +118,54 @@ def load_measured(path: str) -> Measured:
     return m
 
 
-def _calibrate(ctx, plan, measured, output: Path, name: str, measured_path: str):
+def _calibrate(ctx, plan, measured, output: Path, name: str, measured_path: str, more=()):
+    """The profile refitted to this run and the ``more`` runs ((plan path, measured path) pairs,
+    ``--with``), each re-simulated on its own cluster with the same profile."""
+    runs = [(name, ctx, plan, measured)]
+    for plan_path, measured_path_k in more:
+        from autopar.core.plan import load_plan
+        from autopar.report import compare, resimulate
+
+        plan_k, measured_k = load_plan(plan_path), load_measured(measured_path_k)
+        compare.check_same_run(plan_k.model.fingerprint, plan_k.world_size, measured_k, plan_path, measured_path_k)
+        ctx_k = resimulate.load_context(plan_k, plan_path, profile=ctx.profile_name)
+        runs.append((_run_name(plan_path, [r[0] for r in runs]), ctx_k, plan_k, measured_k))
+    return calibrate_runs(ctx.profile, runs, output, ", ".join([measured_path, *(m for _, m in more)]))
+
+
+def _run_name(plan_path: str, taken: list[str]) -> str:
+    """A name for a run in the calibration's report: the plan file's stem, or with its folder
+    when that stem is taken (trial-1/plan.json, trial-2/plan.json)."""
+    p = Path(plan_path)
+    name = p.stem
+    if name in taken:
+        name = f"{p.parent.name}/{p.stem}"
+    k = 2
+    while name in taken:
+        name, k = f"{p.stem}-{k}", k + 1
+    return name
+
+
+def calibrate_runs(profile: dict, runs, output: Path, measured_paths: str):
+    """``profile`` refitted to several measured runs at once (report/calibrate.py): ``runs`` is a
+    list of (name, PlanContext, Plan, Measured); each run is one observation, predicted by
+    re-simulating its plan on its context's graph and cluster.  Used by ``report --calibrate``
+    (one run, or more with ``--with``) and by ``autopar plan --trial-steps`` (every trial)."""
     from autopar.report.calibrate import Observation, calibrate
     from autopar.report.resimulate import simulate_figures
 
-    obs = Observation(name=name, measured=measured.figures(),
-                      predict=lambda prof: simulate_figures(ctx, plan, prof)[0])
+    def predictor(ctx, plan):
+        return lambda prof: simulate_figures(ctx, plan, prof, timeline=True)[0]
+
+    obs = [Observation(name=name, measured=measured.figures(), predict=predictor(ctx, plan))
+           for name, ctx, plan, measured in runs]
     try:
-        res = calibrate(ctx.profile, [obs])
+        res = calibrate(profile, obs)
     except ValueError as e:
-        raise UserError(f"--calibrate cannot fit the profile to {measured_path}: {e}. Calibration needs a "
+        raise UserError(f"calibration cannot fit the profile to {measured_paths}: {e}. Calibration needs a "
                         f"measured.json with positive step, forward/backward or communication times from a run "
                         f"of this plan ('autopar run PLAN --profile'); nothing was written to {output}.") from None
-    res.profile["name"] = output.stem
+    res.profile["name"] = Path(output).stem
     return res
 
 

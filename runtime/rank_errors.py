@@ -128,9 +128,10 @@ def report_failure(exc: BaseException) -> int:
     return code
 
 
-def relaunch_exit(returncode: int, error_file: str) -> int:
+def relaunch_exit(returncode: int, error_file: str, stream=None) -> int:
     """``autopar run``'s exit code after torchrun returned ``returncode``: the first failing
-    rank's code, its message repeated last (torchrun's summary comes between)."""
+    rank's code, its message repeated last (torchrun's summary comes between) on ``stream``
+    (default stderr)."""
     if returncode == 0:
         return 0
     try:
@@ -138,8 +139,8 @@ def relaunch_exit(returncode: int, error_file: str) -> int:
     except (OSError, ValueError):
         return returncode
     if record.get("user_error"):
-        print(_paragraph(record["message"]), file=sys.stderr, flush=True)
+        print(_paragraph(record["message"]), file=stream or sys.stderr, flush=True)
     else:
-        print(f"autopar run: rank {record.get('rank')} failed first; its traceback is above.", file=sys.stderr,
-              flush=True)
+        print(f"autopar run: rank {record.get('rank')} failed first; its traceback is above.",
+              file=stream or sys.stderr, flush=True)
     return int(record.get("exit_code", returncode))

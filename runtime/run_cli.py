@@ -62,7 +62,26 @@ def torchrun_command(args: argparse.Namespace, nproc_per_node: int | str, rdzv_e
             *runtime_arguments(args)]
 
 
-def main(args: argparse.Namespace) -> int:
+def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = None, profile: bool = False,
+             log=None) -> int:
+    """``autopar run PLAN --steps N [--warmup-steps W]`` as a function: the launch path other
+    verbs reuse (``autopar plan --trial-steps``), so they start a plan exactly as a user would.
+
+    Writes measured.json beside the plan; returns the exit code (a plan for several nodes prints
+    its per-node commands and starts nothing).  ``profile``: ``--profile`` (the per-phase breakdown
+    in measured.json).  ``log``: an open text file that takes torchrun's output and the command
+    line instead of this process's stdout and stderr."""
+    parser = argparse.ArgumentParser(prog="autopar run")
+    add_arguments(parser)
+    argv = [str(plan_path), "--steps", str(steps)]
+    if warmup_steps is not None:
+        argv += ["--warmup-steps", str(warmup_steps)]
+    if profile:
+        argv.append("--profile")
+    return main(parser.parse_args(argv), log=log)
+
+
+def main(args: argparse.Namespace, log=None) -> int:
     from autopar.runtime.plan_check import check_plan
 
     from autopar.runtime.output_paths import check_output_paths
@@ -103,11 +122,11 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    print(f"autopar run: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return _call_and_report(cmd)
+    print(f"autopar run: {shlex.join(cmd)}", file=log or sys.stderr, flush=True)
+    return _call_and_report(cmd, log)
 
 
-def _call_and_report(cmd: list[str]) -> int:
+def _call_and_report(cmd: list[str], log=None) -> int:
     """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
     failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``)."""
     import os
@@ -118,8 +137,9 @@ def _call_and_report(cmd: list[str]) -> int:
     cmd = [("autopar.runtime.launch" if c == "torch.distributed.run" else c) for c in cmd]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as d:
         error_file = os.path.join(d, "first_failure.json")
-        code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file})
-        return relaunch_exit(code, error_file)
+        code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file}, stdout=log,
+                               stderr=None if log is None else subprocess.STDOUT)
+        return relaunch_exit(code, error_file, log)
 
 
 def plan_nodes(plan) -> tuple[str, list[int]] | None:
