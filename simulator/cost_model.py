@@ -46,6 +46,7 @@ from autopar.core.cluster import Link
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
+from autopar.simulator.calibration import FITTED, Calibration
 from autopar.simulator.training_code import AUTOPAR, TrainingCode
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
@@ -150,6 +151,9 @@ class CostModel:
     #: the training code priced (simulator/training_code.py): autopar's runtime unless a caller
     #: prices a run made with other code; set it before an evaluator first prices with this model
     code: TrainingCode = AUTOPAR
+    #: the fitted constants priced with (simulator/calibration.py): the last fit unless a caller
+    #: (benchmarks/published_runs.py --fit, a test) prices another value
+    calibration: Calibration = FITTED
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
     _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
@@ -219,6 +223,11 @@ class CostModel:
         """The same device priced for another training code (simulator/training_code.py).  The
         curves built from the profile's tables depend on the device only and are shared."""
         return replace(self, code=code)
+
+    def for_calibration(self, calibration: Calibration) -> "CostModel":
+        """The same device priced with other fitted constants (simulator/calibration.py); the
+        profile's curves are shared, as in ``for_code``."""
+        return replace(self, calibration=calibration)
 
     # ------------------------------------------------------------------------ ops
     def peak(self, dtype: str) -> float:
