@@ -121,7 +121,13 @@ def main(args: argparse.Namespace) -> int:
         runtime_check="skipped (--no-runtime-check)" if executable is None else
         f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
         left_out=[x.to_dict() for x in left_out])
-    result.best = replace(result.best, plan=plan)
+    # plan.json's figures are those 'autopar simulate plan.json' gives (simulator/plan_price.py)
+    graphs = {graph.batch_size: graph}
+    result.best = _priced(replace(result.best, plan=plan), cluster, cost_models, graphs)
+    result.runner_ups = [_priced(replace(ev, plan=ev.plan.with_predicted(ev.plan.predicted,
+                                                                         memory_headroom=options.memory_headroom)),
+                                 cluster, cost_models, graphs) for ev in result.runner_ups]
+    plan = result.best.plan
     save_plan(plan, args.output)
     command = torchrun_command(cluster, args.output, plan.world_size)
     if args.json:
@@ -198,6 +204,18 @@ def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> 
         parts += [f"--nnodes {len(counts)}", "--rdzv-backend c10d", "--rdzv-endpoint HOST:PORT"]
     parts += ["-m autopar.runtime", plan_path]
     return " ".join(parts)
+
+
+def _priced(ev, cluster, cost_models, graphs: dict):
+    """``ev`` with the figures ``autopar simulate`` gives its plan: the model captured at the
+    plan's micro-batch (``graphs``: by batch size, shared between plans) on the cluster less the
+    plan's headroom (simulator/plan_price.py)."""
+    from autopar.simulator.plan_price import plan_graph, price_plan
+
+    mb = ev.plan.micro_batch
+    graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(ev.plan)
+    res = price_plan(ev.plan, cluster, cost_models, graph=graph)
+    return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
 
 
 def _difference(best, ev) -> str:
