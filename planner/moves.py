@@ -20,8 +20,8 @@ import numpy as np
 
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
-from autopar.planner.space import (RECOMPUTE_CHOICES, ZERO_FAMILIES, LayerChoice, microbatch_candidates,
-                                   schedule_candidates, zero_family_of)
+from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
+from autopar.planner.space import RECOMPUTE_CHOICES, LayerChoice, microbatch_candidates, schedule_candidates
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerCho
     for split in splits:
         for zero in ZERO_FAMILIES[family]:
             for rc in space.recompute_choices:
-                for off in ("none", "cpu") if (space.allow_offload and zero >= 2) else ("none",):
+                for off in ("none", "cpu") if (space.allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(_interned(split, zero, rc, off))
     return out
 
@@ -129,7 +129,7 @@ def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def _zero_family_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     current = zero_family_of(c.choices[0].zero)
-    families = [f for f in space.zero_families if f != current and not (f == "zero1" and c.mesh.dp == 1)]
+    families = [f for f in space.zero_families if f != current and not (f == "zero1" and not zero1_shards(c.mesh.dp))]
     if not families:
         return None
     family = families[int(rng.integers(len(families)))]
@@ -223,7 +223,7 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
     else:
         bounds = equal_bounds(space.num_layers, mesh.pp * v)
     choices = c.choices
-    if mesh.dp == 1 and choices[0].zero == 1:
+    if not zero1_shards(mesh.dp) and choices[0].zero == 1:
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))

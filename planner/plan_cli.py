@@ -151,13 +151,10 @@ def check_kinds(graph, model_file: str, cluster, options):
     """What the runtime runs for this model (planner/runtime_check.py), at the tp degrees the
     cluster admits."""
     from autopar.core.modelfile import load_model_file
+    from autopar.planner.constraints import cluster_meshes
     from autopar.planner.runtime_check import find_executable
-    from autopar.planner.space import mesh_candidates
 
-    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=len(graph.layers),
-                             global_batch=options.global_batch,
-                             max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
-                             tp_inside_node=options.tp_inside_node)
+    meshes = cluster_meshes(options, cluster, len(graph.layers))
     degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
     return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision)
 

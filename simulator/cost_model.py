@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from autopar.core.cluster import Link
+from autopar.core.dtypes import precision_bytes
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
@@ -299,7 +300,7 @@ class CostModel:
             eff *= self.wave_efficiency(*gemm_mnb)
             if self.gemm_epilogue == "exposed":
                 epilogue_s = exposed_epilogue_s(gemm_output_elements(*gemm_mnb, flops, backward),
-                                                2.0 if dkey in ("bf16", "fp16") else 4.0,
+                                                float(precision_bytes(dkey)),
                                                 self.memory_bandwidth_Bps, self.efficiency.get("memory_bound", 1.0))
         # the output write is part of mem_s already: an exposed epilogue adds to the main loop,
         # never beyond the memory roofline

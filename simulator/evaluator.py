@@ -29,6 +29,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, Plan
+from autopar.core.rules import interleaved_microbatches_ok
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
@@ -307,7 +308,7 @@ class PlanEvaluator:
         if stages[-1].end != self.num_layers:
             raise InfeasibleError(f"pipeline stages end at layer {stages[-1].end}, the model has {self.num_layers}")
         v = len(stages) // p
-        if v > 1 and pl.schedule == "interleaved" and pl.num_microbatches % p:
+        if v > 1 and pl.schedule == "interleaved" and not interleaved_microbatches_ok(pl.num_microbatches, p):
             raise InfeasibleError(f"the interleaved schedule needs micro-batches ({pl.num_microbatches}) "
                                   f"divisible by pipeline ranks ({p})")
         if mesh.world_size > self.cluster.world_size:

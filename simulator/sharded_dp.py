@@ -174,6 +174,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.core.dtypes import precision_bytes
 from autopar.simulator.calibration import Calibration
 from autopar.simulator.zero3_fetch_spans import layer_pass_times
 
@@ -257,8 +258,8 @@ def collective_terms(runtime: ShardedRuntime, level: str, group_size: int, link_
 
 def reduce_scale(precision: str, reduce_bytes: float) -> float:
     """Reduce-scatter bytes over those the rows priced: mixed precision prices 2 bytes a gradient,
-    fp32 4 (simulator/memory.py STATE_BYTES)."""
-    priced = 4.0 if precision == "fp32" else 2.0
+    fp32 4 (core/dtypes.py precision_bytes; simulator/memory.py STATE_BYTES)."""
+    priced = float(precision_bytes(precision))
     return max(1.0, reduce_bytes / priced)
 
 
