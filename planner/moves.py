@@ -195,13 +195,23 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
     return replace(c, mesh=space.meshes[space.meshes.index(mesh)])
 
 
+#: the chance that a mesh move goes to a neighbouring mesh (one axis doubled, another halved)
+#: rather than to any admitted mesh.  Set by hand with the first planner (commit 3f9d03e), not
+#: fitted: mostly local proposals keep the chain's acceptance rate up near a good plan (a
+#: neighbour shares most of the plan's costs), and one proposal in five jumps anywhere so that a
+#: chain is not confined to the meshes next to its start (FlexFlow's search, Jia et al. 2019,
+#: likewise proposes one random change at a time).  It changes which plans MCMC
+#: visits, so the recorded plans depend on it (planner_vs_grid.py re-measures a change).
+NEAR_MESH_PROBABILITY = 0.8
+
+
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     """Another admitted mesh, preferring neighbours (one axis doubled, another halved)."""
     cur = c.mesh
     near = [m for m in space.meshes if m != cur and m.sequence_parallel == (cur.sequence_parallel and m.tp > 1)
             and sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp]).round(6).tolist()) in
             ([-1.0, 0.0, 1.0],)]
-    pool = near if near and rng.random() < 0.8 else [m for m in space.meshes if m != cur]
+    pool = near if near and rng.random() < NEAR_MESH_PROBABILITY else [m for m in space.meshes if m != cur]
     if not pool:
         return None
     mesh = pool[int(rng.integers(len(pool)))]
