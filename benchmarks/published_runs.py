@@ -511,8 +511,11 @@ def row_code(row: dict):
                         recompute_early_stop=recompute_early_stop(row))
 
 
-def price_row(row: dict, graph_cache: dict) -> dict:
+def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
+    """The row priced as its own code ran it, with the fitted constants ``calibration``
+    (simulator/calibration.py; None: the last fit, ``FITTED``)."""
     from autopar.core.capture import capture_model_file
+    from autopar.simulator.calibration import FITTED
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
@@ -524,7 +527,8 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     graph = graph_cache[key]
     cluster = row_cluster(row)
     code = row_code(row)                                        # priced as the run's own code ran it
-    cms = {g.gpu: CostModel.from_profile(g.gpu).for_code(code) for g in cluster.groups}
+    calibration = FITTED if calibration is None else calibration
+    cms = {g.gpu: CostModel.from_profile(g.gpu).for_code(code).for_calibration(calibration) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
     res = simulate(graph, plan, cluster, cms)
     meas = measured_step_s(row)
@@ -534,16 +538,16 @@ def price_row(row: dict, graph_cache: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------- fitting
-#: the values of sharded_dp.NCCL_OVERLAP_SLOWDOWN the fit tries
+#: the values of Calibration.nccl_overlap_slowdown (simulator/calibration.py) the fit tries
 SLOWDOWN_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.9, 1.0)
-#: the values of sharded_dp.SHARDED_RING_EFFICIENCY the fit tries; 0.85 is the profiles' all-reduce
+#: the values of Calibration.sharded_ring_efficiency the fit tries; 0.85 is the profiles' all-reduce
 #: figure (collective_efficiency.inter), i.e. no term
 RING_GRID = (0.3, 0.33, 0.36, 0.39, 0.42, 0.45, 0.5, 0.6, 0.85)
 SHARDED_FAMILIES = ("ZeRO-3", "FSDP")
 
 
 def reads_ring_efficiency(row: dict) -> bool:
-    """Whether a sharded row's price reads SHARDED_RING_EFFICIENCY rather than the overlap slowdown
+    """Whether a sharded row's price reads the ring efficiency rather than the overlap slowdown
     (simulator/sharded_dp.py ``network_paced``, items 2 and 6; the sharded rows run dp over all
     their GPUs, so their group spans nodes where the row does).  Every sharded row reads exactly
     one of the two constants, so each is priced once per value of its own constant."""
@@ -571,24 +575,20 @@ def fit_constants(errors_by_value: dict, ids: set[str], loss: str = "median"):
 
 def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[str], dict]:
     """Fit the overlap slowdown and the ring efficiency together on each half's sharded rows,
-    report the other half (and both)."""
-    from autopar.simulator import sharded_dp
+    report the other half (and both).  Each grid value is priced with cost models of its own
+    calibration (simulator/calibration.py); nothing is reassigned."""
+    from dataclasses import replace
+
+    from autopar.simulator.calibration import FITTED
 
     sharded = [r for r in rows if r["family"] in SHARDED_FAMILIES]
     ring_rows = [r for r in sharded if reads_ring_efficiency(r)]
     slow_rows = [r for r in sharded if not reads_ring_efficiency(r)]
-    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY
-    by_slowdown, by_ring = {}, {}
-    try:
-        for v in SLOWDOWN_GRID:
-            sharded_dp.NCCL_OVERLAP_SLOWDOWN = v
-            by_slowdown[v] = [price_row(r, cache) for r in slow_rows]
-        sharded_dp.NCCL_OVERLAP_SLOWDOWN = saved[0]
-        for v in RING_GRID:
-            sharded_dp.SHARDED_RING_EFFICIENCY = v
-            by_ring[v] = [price_row(r, cache) for r in ring_rows]
-    finally:
-        sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = saved
+    saved = FITTED.nccl_overlap_slowdown, FITTED.sharded_ring_efficiency
+    by_slowdown = {v: [price_row(r, cache, replace(FITTED, nccl_overlap_slowdown=v)) for r in slow_rows]
+                   for v in SLOWDOWN_GRID}
+    by_ring = {v: [price_row(r, cache, replace(FITTED, sharded_ring_efficiency=v)) for r in ring_rows]
+               for v in RING_GRID}
     results_by_pair = {(s, e): by_slowdown[s] + by_ring[e] for s in SLOWDOWN_GRID for e in RING_GRID}
     errors_by_pair = {k: [(r["id"], r["error"]) for r in v] for k, v in results_by_pair.items()}
 

@@ -136,6 +136,14 @@ class Cluster:
             return self.inter_node
         return min((self.groups[d.group].intra_node for d in devs), key=lambda link: link.bandwidth_GBps)
 
+    def with_memory_headroom(self, fraction: float) -> "Cluster":
+        """The cluster as a plan is searched and priced against: each device's memory less
+        ``fraction`` of it (planner/headroom.py says why and how much)."""
+        if fraction <= 0:
+            return self
+        return replace(self, groups=tuple(replace(g, gpu_memory_bytes=int(g.gpu_memory_bytes * (1.0 - fraction)))
+                                          for g in self.groups))
+
     def scaled(self, nodes: int) -> "Cluster":
         """The same homogeneous cluster with ``nodes`` nodes (for what-if questions, --nodes)."""
         from autopar.core.errors import ClusterFileError

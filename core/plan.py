@@ -28,6 +28,7 @@ from autopar.core.errors import PlanFileError
 from autopar.core.jsonfile import read_json_object
 from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 from autopar.core.parallel_dims import AXES, AXIS_NAMES, ParallelDims
+from autopar.core.rules import interleaved_microbatches_ok, offload_allowed, zeros_mix
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -149,6 +150,9 @@ class Plan:
             _bad("pipeline.stages", len(p.stages), f"a multiple of mesh.pp = {m.pp} stages")
         if len(p.stages) > m.pp and p.schedule != "interleaved":
             _bad("pipeline.schedule", p.schedule, f"'interleaved' for {len(p.stages)} stages on {m.pp} pipeline ranks")
+        if len(p.stages) > m.pp and not interleaved_microbatches_ok(p.num_microbatches, m.pp):
+            _bad("pipeline.num_microbatches", p.num_microbatches,
+                 f"a multiple of mesh.pp = {m.pp} for the interleaved schedule (core/rules.py)")
         expected_start = 0
         for i, s in enumerate(p.stages):
             if s.index != i or s.start != expected_start or s.end <= s.start:
@@ -171,14 +175,14 @@ class Plan:
                 _bad(f"{where}.recompute", lp.recompute, f"one of {', '.join(RECOMPUTE)}")
             if lp.offload not in OFFLOAD:
                 _bad(f"{where}.offload", lp.offload, f"one of {', '.join(OFFLOAD)}")
-            if lp.offload != "none" and lp.zero < 2:
+            if lp.offload != "none" and not offload_allowed(lp.zero):
                 _bad(f"{where}.offload", lp.offload, "'none' unless zero is 2 or 3 (offload runs through FSDP)")
             for mod, style in lp.tp:
                 if style not in TP_STYLES:
                     _bad(f"{where}.tp[{mod!r}]", style, f"one of {', '.join(TP_STYLES)}")
             if lp.tp and m.tp == 1:
                 _bad(f"{where}.tp", dict(lp.tp), "empty when mesh.tp is 1")
-        if zeros & {0, 1} and len(zeros) > 1:
+        if not zeros_mix(zeros):
             _bad("layers[*].zero", sorted(zeros),
                  "one value for every layer when DDP (0) or ZeRO-1 (1) is used; only 2 and 3 may be mixed")
         if self.precision not in PRECISIONS:

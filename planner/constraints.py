@@ -15,7 +15,8 @@ from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
 from autopar.core.parallel_dims import DEGREE_NAMES
 from autopar.core.plan import Mesh
-from autopar.planner.space import mesh_candidates, zero_family_of
+from autopar.core.rules import offload_allowed, tp_cap, zero1_shards, zero_family_of
+from autopar.planner.space import mesh_candidates
 
 
 def _reason(ex, *kinds: str) -> str:
@@ -27,12 +28,16 @@ def _reason(ex, *kinds: str) -> str:
 
 def candidate_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
     """The meshes the search may use: the cluster's, cut by the fixed axes and what runs."""
-    o, ex = options, options.executable
-    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=num_layers,
-                             global_batch=o.global_batch,
-                             max_tp=o.max_tp or (cluster.gpus_per_node if o.tp_inside_node else None),
-                             tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel)
-    return [m for m in meshes if mesh_allowed(m, o)]
+    return [m for m in cluster_meshes(options, cluster, num_layers) if mesh_allowed(m, options)]
+
+
+def cluster_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
+    """Every mesh the cluster admits for these options (core/rules.py: tp_admitted, pp_admitted,
+    dp_admitted; the tp cap ``tp_cap``), before the fixed axes and the runtime's verdict."""
+    o = options
+    return mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=num_layers,
+                           global_batch=o.global_batch, max_tp=tp_cap(cluster.gpus_per_node, o.max_tp, o.tp_inside_node),
+                           tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel)
 
 
 def mesh_allowed(m: Mesh, o) -> bool:
@@ -91,14 +96,14 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if o.zero >= 2 and ex is not None and not ex.fsdp:
             raise UserError(f"--zero {o.zero}: the runtime cannot shard this model with FSDP: "
                             f"{_reason(ex, 'ZeRO-2/3 (FSDP)')}. Use --zero 0 or 1.")
-        if o.zero == 1 and o.dp == 1:
+        if o.zero == 1 and o.dp is not None and not zero1_shards(o.dp):
             raise UserError("--zero 1 shards the optimizer over data-parallel ranks; it needs --dp > 1.")
         changes["zero_families"] = (zero_family_of(o.zero),)
     if o.offload is not None:
         if o.offload not in ("none", "cpu"):
             raise UserError(f"--offload {o.offload}: it is 'none' or 'cpu'.")
         if o.offload == "cpu":
-            if o.zero is not None and o.zero < 2:
+            if o.zero is not None and not offload_allowed(o.zero):
                 raise UserError("--offload cpu goes through FSDP; it needs --zero 2 or 3.")
             if ex is not None and not ex.offload:
                 raise UserError(f"--offload cpu: the runtime cannot offload this model: {_reason(ex, 'offload')}.")

@@ -16,7 +16,8 @@ from autopar.core.errors import InfeasibleError, NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import equal_bounds
 from autopar.planner.candidate import Candidate
-from autopar.planner.space import LayerChoice, mesh_candidates, microbatch_candidates
+from autopar.planner.constraints import cluster_meshes
+from autopar.planner.space import LayerChoice, microbatch_candidates
 
 MAX_SCALE = 64          # look for up to 64x the nodes
 
@@ -37,10 +38,7 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
     styles = [megatron_styles(graph, i) for i in range(L)]
     model = ModelRef(graph.model_file, dict(graph.model_args), graph.model_name, graph.fingerprint)
     ev = PlanEvaluator(graph, cluster, cost_model)
-    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=L,
-                             global_batch=options.global_batch,
-                             max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
-                             tp_inside_node=options.tp_inside_node, sequence_parallel=options.sequence_parallel)
+    meshes = cluster_meshes(options, cluster, L)
     least, fits = float("inf"), False
     recompute = "full" if "full" in options.recompute else options.recompute[-1]
     offloads = ("cpu", "none") if options.allow_offload else ("none",)

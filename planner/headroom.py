@@ -16,8 +16,6 @@ plans use.  ``--memory-headroom`` sets another fraction (0 keeps none).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from autopar.core.cluster import Cluster
 
 GMLAKE_AVG_FRAGMENTATION_BYTES = 9.2e9      # Guo et al. 2024: mean memory saved over eight LLMs
@@ -26,8 +24,6 @@ DEFAULT_MEMORY_HEADROOM = GMLAKE_AVG_FRAGMENTATION_BYTES / GMLAKE_DEVICE_BYTES  
 
 
 def with_headroom(cluster: Cluster, fraction: float) -> Cluster:
-    """The cluster as the search sees it: each device's memory less ``fraction`` of it."""
-    if fraction <= 0:
-        return cluster
-    groups = tuple(replace(g, gpu_memory_bytes=int(g.gpu_memory_bytes * (1.0 - fraction))) for g in cluster.groups)
-    return replace(cluster, groups=groups)
+    """The cluster as the search sees it: each device's memory less ``fraction`` of it
+    (``Cluster.with_memory_headroom``, which ``autopar simulate plan.json`` applies too)."""
+    return cluster.with_memory_headroom(fraction)

@@ -137,7 +137,7 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
     dp = evaluator.links(mesh).dp
     terms = sharded_dp.collective_terms(cm.code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps, dp.link.latency_s,
                                         evaluator.cluster.inter_node.bandwidth_GBps,
-                                        cm.collective_efficiency.get("inter", 1.0))
+                                        cm.collective_efficiency.get("inter", 1.0), cm.calibration)
 
     def add(lc, lp: LayerPlan):
         row = np.array(layer_cost_row(lc) + (float(effective_zero(lp.zero, mesh)),

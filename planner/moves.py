@@ -20,8 +20,8 @@ import numpy as np
 
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
-from autopar.planner.space import (RECOMPUTE_CHOICES, ZERO_FAMILIES, LayerChoice, microbatch_candidates,
-                                   schedule_candidates, zero_family_of)
+from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
+from autopar.planner.space import RECOMPUTE_CHOICES, LayerChoice, microbatch_candidates, schedule_candidates
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerCho
     for split in splits:
         for zero in ZERO_FAMILIES[family]:
             for rc in space.recompute_choices:
-                for off in ("none", "cpu") if (space.allow_offload and zero >= 2) else ("none",):
+                for off in ("none", "cpu") if (space.allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(_interned(split, zero, rc, off))
     return out
 
@@ -129,7 +129,7 @@ def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def _zero_family_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     current = zero_family_of(c.choices[0].zero)
-    families = [f for f in space.zero_families if f != current and not (f == "zero1" and c.mesh.dp == 1)]
+    families = [f for f in space.zero_families if f != current and not (f == "zero1" and not zero1_shards(c.mesh.dp))]
     if not families:
         return None
     family = families[int(rng.integers(len(families)))]
@@ -195,13 +195,23 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
     return replace(c, mesh=space.meshes[space.meshes.index(mesh)])
 
 
+#: the chance that a mesh move goes to a neighbouring mesh (one axis doubled, another halved)
+#: rather than to any admitted mesh.  Set by hand with the first planner (commit 3f9d03e), not
+#: fitted: mostly local proposals keep the chain's acceptance rate up near a good plan (a
+#: neighbour shares most of the plan's costs), and one proposal in five jumps anywhere so that a
+#: chain is not confined to the meshes next to its start (FlexFlow's search, Jia et al. 2019,
+#: likewise proposes one random change at a time).  It changes which plans MCMC
+#: visits, so the recorded plans depend on it (planner_vs_grid.py re-measures a change).
+NEAR_MESH_PROBABILITY = 0.8
+
+
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     """Another admitted mesh, preferring neighbours (one axis doubled, another halved)."""
     cur = c.mesh
     near = [m for m in space.meshes if m != cur and m.sequence_parallel == (cur.sequence_parallel and m.tp > 1)
             and sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp]).round(6).tolist()) in
             ([-1.0, 0.0, 1.0],)]
-    pool = near if near and rng.random() < 0.8 else [m for m in space.meshes if m != cur]
+    pool = near if near and rng.random() < NEAR_MESH_PROBABILITY else [m for m in space.meshes if m != cur]
     if not pool:
         return None
     mesh = pool[int(rng.integers(len(pool)))]
@@ -223,7 +233,7 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
     else:
         bounds = equal_bounds(space.num_layers, mesh.pp * v)
     choices = c.choices
-    if mesh.dp == 1 and choices[0].zero == 1:
+    if not zero1_shards(mesh.dp) and choices[0].zero == 1:
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))

@@ -133,6 +133,15 @@ def main(args: argparse.Namespace) -> int:
                       runtime_check="skipped (--no-runtime-check)" if executable is None else
                       f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
                       left_out=[x.to_dict() for x in left_out])
+    # plan.json's figures are those 'autopar simulate plan.json' gives (simulator/plan_price.py);
+    # trials compare their measurements with these
+    graphs = {graph.batch_size: graph}
+    result.best = _priced(replace(result.best, plan=result.best.plan.with_predicted(result.best.plan.predicted,
+                                                                                    **provenance)),
+                          cluster, cost_models, graphs)
+    result.runner_ups = [_priced(replace(ev, plan=ev.plan.with_predicted(ev.plan.predicted,
+                                                                         memory_headroom=options.memory_headroom)),
+                                 cluster, cost_models, graphs) for ev in result.runner_ups]
     outcome = None
     if args.trial_steps is not None:
         result, conf_errors, conf_close, outcome = _trial(result, conf_errors, cluster, args, trial_plans,
@@ -237,13 +246,10 @@ def check_kinds(graph, model_file: str, cluster, options):
     """What the runtime runs for this model (planner/runtime_check.py), at the tp degrees the
     cluster admits."""
     from autopar.core.modelfile import load_model_file
+    from autopar.planner.constraints import cluster_meshes
     from autopar.planner.runtime_check import find_executable
-    from autopar.planner.space import mesh_candidates
 
-    meshes = mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=len(graph.layers),
-                             global_batch=options.global_batch,
-                             max_tp=options.max_tp or (cluster.gpus_per_node if options.tp_inside_node else None),
-                             tp_inside_node=options.tp_inside_node)
+    meshes = cluster_meshes(options, cluster, len(graph.layers))
     degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
     return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision)
 
@@ -290,6 +296,18 @@ def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> 
         parts += [f"--nnodes {len(counts)}", "--rdzv-backend c10d", "--rdzv-endpoint HOST:PORT"]
     parts += ["-m autopar.runtime", plan_path]
     return " ".join(parts)
+
+
+def _priced(ev, cluster, cost_models, graphs: dict):
+    """``ev`` with the figures ``autopar simulate`` gives its plan: the model captured at the
+    plan's micro-batch (``graphs``: by batch size, shared between plans) on the cluster less the
+    plan's headroom (simulator/plan_price.py)."""
+    from autopar.simulator.plan_price import plan_graph, price_plan
+
+    mb = ev.plan.micro_batch
+    graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(ev.plan)
+    res = price_plan(ev.plan, cluster, cost_models, graph=graph)
+    return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
 
 
 def _difference(best, ev) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, LayerPlan
 from autopar.core.sharding import megatron_styles
@@ -167,7 +168,7 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
     device = torch.device("cpu")
     template = _template(view, model_file, args)
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in _named_tensors(template)}
-    real = sum(math.prod(s) * 4 for s, _ in shapes.values()) <= REAL_TENSOR_BYTES
+    real = sum(math.prod(s) * dtype_bytes("float32") for s, _ in shapes.values()) <= REAL_TENSOR_BYTES   # fp32 template
     m = plan.mesh
     # the last rank: it holds the smallest shard of an uneven split (a 1-wide Linear split in
     # two leaves it nothing), where rank 0 would run

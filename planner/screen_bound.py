@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
-from autopar.planner.space import ZERO_FAMILIES
+from autopar.core.rules import ZERO_FAMILIES
 from autopar.simulator.overlap import compute_per_pass
 
 #: the ZeRO stage whose compute every strategy of the family shares (module docstring)

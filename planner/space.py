@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 
 from autopar.core.parallel_dims import factorisations
 from autopar.core.plan import LayerPlan, Mesh
-
-#: ZeRO "families": DDP (0) and ZeRO-1 (1) apply to the whole model; stages 2 and 3 may be
-#: mixed per layer (FSDP wraps layers one by one) -- the rule of core/plan.py Plan.validate().
-ZERO_FAMILIES: dict[str, tuple[int, ...]] = {"ddp": (0,), "zero1": (1,), "fsdp": (2, 3)}
+# the ZeRO families and the rules below live in core/rules.py (ZERO_FAMILIES, zero_family_of are
+# imported from here too)
+from autopar.core.rules import (ZERO_FAMILIES, dp_admitted, interleaved_microbatches_ok, offload_allowed,
+                                pp_admitted, tp_admitted, zero1_shards, zero_family_of)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -75,19 +75,15 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     divides the global batch.  With tp > 1 each mesh comes with and without sequence
     parallelism.
     """
-    limit = max_tp or world_size
-
     def tp_degrees(left: int) -> list[int]:
-        tps = [t for t in powers_of_two_up_to(min(limit, left)) if left % t == 0]
-        if tp_inside_node:
-            tps = [t for t in tps if t <= gpus_per_node and gpus_per_node % t == 0]
-        return tps
+        return [t for t in powers_of_two_up_to(left) if left % t == 0
+                and tp_admitted(t, gpus_per_node=gpus_per_node, max_tp=max_tp, tp_inside_node=tp_inside_node)]
 
     def pp_degrees(left: int) -> list[int]:
-        return [p for p in divisors(left) if p <= num_layers]
+        return [p for p in divisors(left) if pp_admitted(p, num_layers)]
 
     def dp_degrees(left: int) -> list[int]:
-        return [left] if global_batch % left == 0 else []
+        return [left] if dp_admitted(left, global_batch) else []
 
     out: list[Mesh] = []
     for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "dp": dp_degrees}):
@@ -122,7 +118,7 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
     if pp == 1:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("gpipe", 1)]
-    if num_microbatches % pp == 0:
+    if interleaved_microbatches_ok(num_microbatches, pp):
         for v in range(2, max_virtual_stages + 1):
             if v * pp <= num_layers and num_layers % (v * pp) == 0:
                 out.append(("interleaved", v))
@@ -137,25 +133,21 @@ def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
     Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()).
     """
     zeros = ZERO_FAMILIES[zero_family]
-    if dp == 1 and zero_family != "fsdp":
+    if not zero1_shards(dp) and zero_family != "fsdp":
         zeros = (0,) if zero_family == "ddp" else ()
     splits = (True, False) if tp > 1 and can_split else (False,)
     out = []
     for split in splits:
         for zero in zeros:
             for recompute in RECOMPUTE_CHOICES:
-                for offload in ("none", "cpu") if (allow_offload and zero >= 2) else ("none",):
+                for offload in ("none", "cpu") if (allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(LayerChoice(tp=split, zero=zero, recompute=recompute, offload=offload))
     return out
 
 
 def zero_families(dp: int) -> list[str]:
     """ZeRO-1 with one data-parallel rank shards nothing: it is DDP; FSDP still offloads."""
-    return ["ddp", "fsdp"] if dp == 1 else ["ddp", "zero1", "fsdp"]
-
-
-def zero_family_of(zero: int) -> str:
-    return {0: "ddp", 1: "zero1", 2: "fsdp", 3: "fsdp"}[zero]
+    return ["ddp", "zero1", "fsdp"] if zero1_shards(dp) else ["ddp", "fsdp"]
 
 
 def with_sequence_parallel(mesh: Mesh, on: bool) -> Mesh:

@@ -276,7 +276,7 @@ def _optimizer_case(shape) -> OpCase:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4)
         return opt.step
-    return OpCase("optimizer", "adamw", "fp32", shape, 12.0 * n, float(7 * 4 * n), build)
+    return OpCase("optimizer", "adamw", "fp32", shape, 12.0 * n, float(7 * PRECISION_BYTES["fp32"] * n), build)
 
 
 _CASE_MAKERS = {"linear": _linear, "matmul": _matmul, "attention": _attention, "conv": _conv, "norm": _norm,

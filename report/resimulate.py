@@ -54,13 +54,14 @@ def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = Non
                      timeline: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The simulated figures (predicted block + breakdown + memory per rank) and the events."""
     from autopar.simulator.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.plan_price import price_plan
 
     from autopar.core.errors import InfeasibleError
 
     cm = CostModel.from_profile(dict(profile if profile is not None else ctx.profile))
     try:
-        res = simulate(ctx.graph, plan, ctx.cluster, cm, timeline=timeline)
+        # priced as plan.json's predicted block and 'autopar simulate plan.json' (simulator/plan_price.py)
+        res = price_plan(plan, ctx.cluster, cm, graph=ctx.graph, timeline=timeline)
     except InfeasibleError as e:
         raise UserError(f"the plan cannot be simulated on cluster {ctx.cluster.name}: {e}. Pass the cluster it was "
                         f"made for with --cluster.") from None

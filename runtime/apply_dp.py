@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from autopar.core import rules
 from autopar.core.plan import Mesh
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,23 +74,9 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
 
 
 def data_parallel_kind(zero: int, mesh: Mesh) -> str:
-    """Which native part runs the plan's data parallelism.
-
-    ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  When
-    another axis splits the model (``mesh.splits_model``: tensor or pipeline parallelism), ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
-    machinery: it takes DTensor parameters, which ``DistributedDataParallel`` does not, and
-    the pipeline schedules drive its gradient sync per micro-batch, which DDP's reducer does
-    not survive) and ZeRO-1 as FSDP2 without reshard (ZeRO-2; ``ZeroRedundancyOptimizer``
-    cannot broadcast DTensor parameters) -- the same arithmetic, with the gradients sharded as
-    well.  ``none``: one dp rank and nothing to shard or offload.
-    """
-    if zero >= 2:
-        return "fsdp"
-    if mesh.dp == 1:
-        return "none"
-    if mesh.splits_model:
-        return "fsdp" if zero == 1 else "replicate"
-    return "zero1" if zero == 1 else "ddp"
+    """Which native part runs the plan's data parallelism: ``ddp``, ``zero1``, ``fsdp``,
+    ``replicate`` or ``none`` (the rule and why: core/rules.py ``data_parallel_kind``)."""
+    return rules.data_parallel_kind(zero, mesh.dp, mesh.splits_model)
 
 
 def build_optimizer(params: list[nn.Parameter], zero: int, dp_mesh: DeviceMesh, lr: float,

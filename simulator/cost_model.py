@@ -43,10 +43,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from autopar.core.cluster import Link
+from autopar.core.dtypes import precision_bytes
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.simulator.clocks import clock_ratio, peak_flops_at_clock
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
+from autopar.simulator.calibration import FITTED, Calibration
 from autopar.simulator.training_code import AUTOPAR, TrainingCode
 from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
@@ -155,6 +157,9 @@ class CostModel:
     #: sustained / boost clock of a GPU variant (simulator/clocks.py): scales the peaks (done in
     #: ``from_profile``) and the published flash-attention rates, measured at the boost part's clock
     clock_ratio: float = 1.0
+    #: the fitted constants priced with (simulator/calibration.py): the last fit unless a caller
+    #: (benchmarks/published_runs.py --fit, a test) prices another value
+    calibration: Calibration = FITTED
     _op_curves: dict = field(default_factory=dict, repr=False)
     _coll_curves: dict = field(default_factory=dict, repr=False)
     _chain_curves: dict = field(default_factory=dict, repr=False)     # rows timed as chains of calls
@@ -226,6 +231,11 @@ class CostModel:
         curves built from the profile's tables depend on the device only and are shared."""
         return replace(self, code=code)
 
+    def for_calibration(self, calibration: Calibration) -> "CostModel":
+        """The same device priced with other fitted constants (simulator/calibration.py); the
+        profile's curves are shared, as in ``for_code``."""
+        return replace(self, calibration=calibration)
+
     # ------------------------------------------------------------------------ ops
     def peak(self, dtype: str) -> float:
         key = dtype_key(dtype)
@@ -296,7 +306,7 @@ class CostModel:
             eff *= self.wave_efficiency(*gemm_mnb)
             if self.gemm_epilogue == "exposed":
                 epilogue_s = exposed_epilogue_s(gemm_output_elements(*gemm_mnb, flops, backward),
-                                                2.0 if dkey in ("bf16", "fp16") else 4.0,
+                                                float(precision_bytes(dkey)),
                                                 self.memory_bandwidth_Bps, self.efficiency.get("memory_bound", 1.0))
         # the output write is part of mem_s already: an exposed epilogue adds to the main loop,
         # never beyond the memory roofline

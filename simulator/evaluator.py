@@ -29,6 +29,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, Plan
+from autopar.core.rules import interleaved_microbatches_ok
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
@@ -122,7 +123,7 @@ class _Context:
     memo_ok: bool = False
     #: per layer, head + 2 tail (chunk_masks): what the step model reads of the layer's position
     position_class: list = field(default_factory=list)
-    #: _LayerMemo by the module constant the per-layer terms read (_memo_settings)
+    #: _LayerMemo by the calibration the per-layer terms read (_memo_settings)
     memos: dict = field(default_factory=dict)
     #: per layer, the share of its tied weights' copies its chunk holds (tied_copies.held_share)
     tied_share: np.ndarray | None = None
@@ -319,7 +320,7 @@ class PlanEvaluator:
         if stages[-1].end != self.num_layers:
             raise InfeasibleError(f"pipeline stages end at layer {stages[-1].end}, the model has {self.num_layers}")
         v = len(stages) // p
-        if v > 1 and pl.schedule == "interleaved" and pl.num_microbatches % p:
+        if v > 1 and pl.schedule == "interleaved" and not interleaved_microbatches_ok(pl.num_microbatches, p):
             raise InfeasibleError(f"the interleaved schedule needs micro-batches ({pl.num_microbatches}) "
                                   f"divisible by pipeline ranks ({p})")
         if mesh.world_size > self.cluster.world_size:
@@ -451,7 +452,7 @@ class PlanEvaluator:
         num_layers = self.num_layers
         if len(layers) != num_layers:
             raise InfeasibleError(f"plan has {len(layers)} layer entries, the model {num_layers} layers")
-        settings = _memo_settings()
+        settings = _memo_settings(ctx)
         memo = ctx.memos.get(settings)
         if memo is None:
             memo = ctx.memos[settings] = _LayerMemo()
@@ -624,12 +625,12 @@ class PlanEvaluator:
             peak_flops_per_gpu=peak)
 
 
-def _memo_settings() -> tuple:
-    """The module constant the per-layer terms read when called (_LayerMemo's values hold for one
-    value): the fitted overlap slowdown and ring efficiency, which benchmarks/published_runs.py
-    --fit varies.  The training code they also read is fixed for an evaluator (its cost models'
-    ``code``)."""
-    return (sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY)
+def _memo_settings(ctx: _Context):
+    """What the per-layer terms read besides the rows (_LayerMemo's values hold for one value):
+    the fitted constants (simulator/calibration.py) of the cost model priced with, which
+    benchmarks/published_runs.py --fit varies by passing cost models of other calibrations.  The
+    training code they also read is fixed for an evaluator (its cost models' ``code``)."""
+    return ctx.rank_cm[0].calibration
 
 
 def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float, fetch_units=None) -> LayerTable:
@@ -640,9 +641,9 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float, fe
     cm = ctx.rank_cm[0]
     if cm.host_dispatch_bound or ctx.serial_comm:
         return rows
-    # the arguments depend on the context, the training code priced (cm.code) and the module
-    # constants (_memo_settings): worked out once per context and constants
-    settings = _memo_settings()
+    # the arguments depend on the context, the training code priced (cm.code) and the fitted
+    # constants (cm.calibration, _memo_settings): worked out once per context and calibration
+    settings = _memo_settings(ctx)
     if ctx.sharded_args is None or ctx.sharded_args[0] != settings:
         dp, code = ctx.links.dp, cm.code
         ctx.sharded_args = (settings,
@@ -650,7 +651,7 @@ def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float, fe
             dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, code.reduce_bytes),
                  **sharded_dp.collective_terms(code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps,
                                                dp.link.latency_s, per_gpu_network_GBps,
-                                               cm.collective_efficiency.get("inter", 1.0))))
+                                               cm.collective_efficiency.get("inter", 1.0), cm.calibration)))
         if code.sharded.drains_each_fetch and fetch_units is not None:
             ctx.sharded_args[2]["units"] = fetch_units()
     _, args, kwargs = ctx.sharded_args

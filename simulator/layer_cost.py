@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field, fields
 
+from autopar.core import rules as _rules
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.dtypes import dtype_bytes, precision_bytes
@@ -543,7 +544,7 @@ def effective_zero(zero: int, mesh: Mesh) -> int:
 
     When another axis splits the model (tensor or pipeline parallelism: ``mesh.splits_model``)
     the runtime runs ZeRO-1 as FSDP2 without reshard
-    (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; runtime/apply_dp.py,
-    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run.
+    (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; core/rules.py,
+    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.effective_zero).
     """
-    return 2 if zero == 1 and mesh.splits_model else zero
+    return _rules.effective_zero(zero, mesh.splits_model)

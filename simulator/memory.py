@@ -20,8 +20,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-#: bytes per parameter (params, grads, optimizer) -- ZeRO Sec. 3.1 (mixed) and Adam in fp32.
-STATE_BYTES = {"mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+from autopar.core.dtypes import DTYPE_BYTES, PRECISION_BYTES
+
+#: bytes per parameter (params, grads, optimizer) -- ZeRO Sec. 3.1 (mixed: 16-bit parameters and
+#: gradients, an fp32 master copy and Adam's two moments) and Adam in fp32 (two moments); element
+#: sizes from core/dtypes.py
+_F32, _LOW = float(DTYPE_BYTES["float32"]), float(PRECISION_BYTES["bf16"])
+STATE_BYTES = {"mixed": (_LOW, _LOW, 3 * _F32), "fp32": (_F32, _F32, 2 * _F32)}
 
 #: PyTorch DDP default bucket size (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25);
 #: two buckets are in flight at once (one reducing, one filling).

@@ -23,7 +23,7 @@ What this module adds:
    memory bandwidth (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in
    Distributed Deep Learning Training Platforms", ISCA: overlapped GEMMs slowed by the
    collectives' SM and memory use).  Priced as: each second of compute that runs under a
-   collective takes ``1 + NCCL_OVERLAP_SLOWDOWN`` seconds (``overlap_slowdown_s``).  The
+   collective takes ``1 + nccl_overlap_slowdown`` seconds (``overlap_slowdown_s``).  The
    constant is one of this module's two free parameters; benchmarks/published_runs.py --fit fits
    them on one half of the published runs and reports the other half, both ways.  The fitted
    value is above what a published characterisation measured (Lee et al. 2025, arXiv
@@ -51,7 +51,7 @@ What this module adds:
    all-gather and reduce-scatter on rings only, where all-reduce can take its trees, whose
    inter-node traffic per node does not grow with the ring.  Priced as: over a group that spans
    nodes on the node's aggregate network, a sharded all-gather or reduce-scatter reaches
-   ``SHARDED_RING_EFFICIENCY`` of the node's network (``gather_bandwidth_scale``).  The
+   ``sharded_ring_efficiency`` of the node's network (``gather_bandwidth_scale``).  The
    constant is fitted by benchmarks/published_runs.py --fit with the overlap slowdown (item 2), on
    one half of the published runs, and reported on the other, both ways; the measurement above
    is what it is checked against, not where it comes from.  DeepSpeed's per-GPU gathers (item 4b)
@@ -174,20 +174,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.core.dtypes import precision_bytes
+from autopar.simulator.calibration import Calibration
 from autopar.simulator.zero3_fetch_spans import layer_pass_times
 
-#: extra compute time per second of compute overlapped by a collective (see the module docstring,
-#: item 2).  Fitted by ``python benchmarks/published_runs.py --fit`` on the sharded-data-parallel
-#: rows of the published runs: with the ZeRO-3 rows priced fetch by fetch (item 4c) the median fit
-#: on all 85 rows picks 0.3, half A 0.3 and half B 0.4 (docs/validation.md, "The ZeRO-3 rows priced
-#: fetch by fetch"; before item 4c all rows and half B picked 0.5).
-NCCL_OVERLAP_SLOWDOWN = 0.3
-
-#: the fraction of the node's network a sharded all-gather or reduce-scatter reaches on a ring over
-#: nodes (item 6).  Fitted by ``python benchmarks/published_runs.py --fit`` with
-#: NCCL_OVERLAP_SLOWDOWN; the value below is the fit on all sharded rows.
-SHARDED_RING_EFFICIENCY = 0.39
-
+#: the two fitted constants (items 2 and 6) are fields of simulator/calibration.py's ``Calibration``,
+#: which the cost model carries (``CostModel.calibration``) and the callers below pass in
 
 
 @dataclass(frozen=True)
@@ -225,16 +217,15 @@ FSDP1_TORCH_2_2 = ShardedRuntime("fsdp1-torch-2.2", regather_for_recompute=False
 
 
 def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float, per_gpu_GBps: float,
-                           inter_efficiency: float, ring_efficiency: float | None = None) -> float:
+                           inter_efficiency: float, ring_efficiency: float) -> float:
     """Factor on the bandwidth part of a sharded collective's time, over the price of the rows
     (the group's link at the profile's ``inter_efficiency`` for a group over nodes): on a ring
-    over nodes the node's network at ``ring_efficiency`` (item 6; default
-    SHARDED_RING_EFFICIENCY), and where the runtime does not reach the node's aggregate, the
+    over nodes the node's network at ``ring_efficiency`` (item 6; the calibration's
+    ``sharded_ring_efficiency``), and where the runtime does not reach the node's aggregate, the
     aggregate ring's bandwidth over one GPU's share (item 4b)."""
     if level != "inter":
         return 1.0
     if network_paced(runtime, level):
-        ring_efficiency = SHARDED_RING_EFFICIENCY if ring_efficiency is None else ring_efficiency
         return max(1.0, inter_efficiency / ring_efficiency)
     if per_gpu_GBps <= 0:
         return 1.0
@@ -243,29 +234,32 @@ def gather_bandwidth_scale(runtime: ShardedRuntime, level: str, ring_GBps: float
 
 def network_paced(runtime: ShardedRuntime, level: str) -> bool:
     """Whether a runtime's sharded collectives at ``level`` run on a ring over nodes on the node's
-    aggregate network: priced at SHARDED_RING_EFFICIENCY and slowing no compute (items 2, 6)."""
+    aggregate network: priced at the calibration's sharded_ring_efficiency and slowing no compute (items 2, 6)."""
     return level == "inter" and runtime.node_aggregate_rings
 
 
-def overlap_slowdown(runtime: ShardedRuntime, level: str) -> float:
+def overlap_slowdown(runtime: ShardedRuntime, level: str, calibration: Calibration) -> float:
     """The overlap slowdown (item 2) of compute under a runtime's sharded collectives at ``level``:
-    none under a ring over nodes, paced by the network (``network_paced``)."""
-    return 0.0 if network_paced(runtime, level) else NCCL_OVERLAP_SLOWDOWN
+    none under a ring over nodes, paced by the network (``network_paced``), else the
+    calibration's ``nccl_overlap_slowdown``."""
+    return 0.0 if network_paced(runtime, level) else calibration.nccl_overlap_slowdown
 
 
 def collective_terms(runtime: ShardedRuntime, level: str, group_size: int, link_GBps: float, link_latency_s: float,
-                     per_gpu_GBps: float, inter_efficiency: float) -> dict:
+                     per_gpu_GBps: float, inter_efficiency: float, calibration: Calibration) -> dict:
     """``with_sharded_dp_costs``'s keyword arguments for a data-parallel group: the slowdown, the
-    bandwidth scale and the ring latency ((N-1) alpha) of its collectives (items 2, 4b, 6)."""
-    return dict(runtime=runtime, slowdown=overlap_slowdown(runtime, level),
-                bandwidth_scale=gather_bandwidth_scale(runtime, level, link_GBps, per_gpu_GBps, inter_efficiency),
+    bandwidth scale and the ring latency ((N-1) alpha) of its collectives (items 2, 4b, 6), at the
+    fitted constants of ``calibration`` (simulator/calibration.py)."""
+    return dict(runtime=runtime, slowdown=overlap_slowdown(runtime, level, calibration),
+                bandwidth_scale=gather_bandwidth_scale(runtime, level, link_GBps, per_gpu_GBps, inter_efficiency,
+                                                       calibration.sharded_ring_efficiency),
                 latency_s=(group_size - 1) * link_latency_s)
 
 
 def reduce_scale(precision: str, reduce_bytes: float) -> float:
     """Reduce-scatter bytes over those the rows priced: mixed precision prices 2 bytes a gradient,
-    fp32 4 (simulator/memory.py STATE_BYTES)."""
-    priced = 4.0 if precision == "fp32" else 2.0
+    fp32 4 (core/dtypes.py precision_bytes; simulator/memory.py STATE_BYTES)."""
+    priced = float(precision_bytes(precision))
     return max(1.0, reduce_bytes / priced)
 
 
@@ -283,7 +277,7 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 
 
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
-                          slowdown: float | None = None, reduce_factor: float = 1.0, *,
+                          slowdown: float, reduce_factor: float = 1.0, *,
                           runtime: ShardedRuntime = FSDP2, bandwidth_scale: float = 1.0,
                           latency_s: float = 0.0, units: list | None = None) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
@@ -305,7 +299,6 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     the result reads rows k-1, k and k+1 only, and its dp_allgather_s, h2d_s, zero and offload
     columns row k alone; beyond that, only whether any layer is sharded changes what is computed.
     """
-    slowdown = NCCL_OVERLAP_SLOWDOWN if slowdown is None else slowdown
     zero = rows[:, zero_col]
     sharded = zero >= 2
     if not np.count_nonzero(sharded):           # (count_nonzero: a cheaper any)

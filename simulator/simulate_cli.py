@@ -110,7 +110,12 @@ def main(args: argparse.Namespace) -> int:
                         f"cluster {cluster.name} has {cluster.world_size}. Lower a degree or add nodes with --nodes.")
     try:
         plan.validate(len(graph.layers))
-        result = simulate(graph, plan, cluster, cms, timeline=bool(args.trace))
+        if target.suffix == ".json":    # the figures the plan file holds (simulator/plan_price.py)
+            from autopar.simulator.plan_price import price_plan
+
+            result = price_plan(plan, cluster, cms, graph=graph, timeline=bool(args.trace))
+        else:
+            result = simulate(graph, plan, cluster, cms, timeline=bool(args.trace))
     except InfeasibleError as e:
         raise UserError(f"cannot simulate this configuration: {e}") from None
     sim_s = time.perf_counter() - t0 - capture_s

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.core.dtypes import DTYPE_BYTES
+
 from autopar.simulator.optimizer_step import TORCH_ADAMW, OptimizerRuntime
 from autopar.simulator.pipeline_p2p import TORCH_PIPELINING, P2PRuntime
 from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
@@ -41,7 +43,7 @@ class TrainingCode:
     """What the training code does that a price depends on (module docstring)."""
     sharded: ShardedRuntime = FSDP2
     #: fp32: runtime/apply_dp.py ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``
-    reduce_bytes: float = 4.0
+    reduce_bytes: float = float(DTYPE_BYTES["float32"])
     p2p: P2PRuntime = TORCH_PIPELINING
     optimizer: OptimizerRuntime = TORCH_ADAMW
     autocast: str | None = None

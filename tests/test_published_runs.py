@@ -206,21 +206,17 @@ def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
     """The fit prices each sharded row once per value of the constant it reads
     (``reads_ring_efficiency``): a row on a ring over nodes does not move with the overlap slowdown,
     a row within one node (or on DeepSpeed's per-GPU gathers) not with the ring efficiency."""
-    from autopar.simulator import sharded_dp
+    from autopar.simulator.calibration import Calibration
 
     ring, node, zero3 = (rows[i] for i in ("ibm_fsdp_llama2_7B_a100_128gpu", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
                                           "megatron21_t2_ZeRO-3_174.6B_384gpu"))
     assert bench.reads_ring_efficiency(ring) and not bench.reads_ring_efficiency(node)
     assert not bench.reads_ring_efficiency(zero3)
-    saved = sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY
     cache: dict = {}
-    try:
-        steps = {}
-        for s, e in ((0.0, 0.3), (1.0, 0.3), (0.0, 0.85)):
-            sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = s, e
-            steps[s, e] = [bench.price_row(r, cache)["predicted_step_s"] for r in (ring, node, zero3)]
-    finally:
-        sharded_dp.NCCL_OVERLAP_SLOWDOWN, sharded_dp.SHARDED_RING_EFFICIENCY = saved
+    steps = {}
+    for s, e in ((0.0, 0.3), (1.0, 0.3), (0.0, 0.85)):
+        cal = Calibration(nccl_overlap_slowdown=s, sharded_ring_efficiency=e)
+        steps[s, e] = [bench.price_row(r, cache, cal)["predicted_step_s"] for r in (ring, node, zero3)]
     assert steps[0.0, 0.3][0] == steps[1.0, 0.3][0]                                # the ring row: efficiency only
     assert steps[0.0, 0.3][0] > steps[0.0, 0.85][0]
     for k in (1, 2):                                                                  # the others: slowdown only

@@ -42,7 +42,7 @@ def _random_table(rng: np.random.Generator, n: int) -> np.ndarray:
 def test_sharded_dp_rows_are_local(runtime, bandwidth_scale):
     """Row k of with_sharded_dp_costs reads rows k-1, k, k+1 only; its successor columns row k alone."""
     rng = np.random.default_rng(3)
-    kw = dict(reduce_factor=2.0, runtime=runtime, bandwidth_scale=bandwidth_scale, latency_s=1e-5)
+    kw = dict(slowdown=0.3, reduce_factor=2.0, runtime=runtime, bandwidth_scale=bandwidth_scale, latency_s=1e-5)
     for _ in range(40):
         n = int(rng.integers(3, 30))
         rows = _random_table(rng, n)

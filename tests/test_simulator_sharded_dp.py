@@ -118,9 +118,9 @@ def test_deepspeed_2021_gathers_again_for_recompute_at_one_adapter_share():
     from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE
 
     # one GPU's 25 GB/s share of a node whose ring reaches 200 GB/s: 8 times the wire time
-    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "inter", 200.0, 25.0, 0.85) == 8.0
-    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "intra", 300.0, 25.0, 0.85) == 1.0
-    assert gather_bandwidth_scale(FSDP2, "intra", 300.0, 25.0, 0.85) == 1.0
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "inter", 200.0, 25.0, 0.85, 0.39) == 8.0
+    assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "intra", 300.0, 25.0, 0.85, 0.39) == 1.0
+    assert gather_bandwidth_scale(FSDP2, "intra", 300.0, 25.0, 0.85, 0.39) == 1.0
     col = COLUMN_INDEX
     rows = np.zeros((2, len(COLUMNS)))
     for k in range(2):
@@ -179,21 +179,23 @@ def test_planner_tables_carry_the_sharded_terms_of_the_full_price():
 
 def test_ring_over_nodes_at_its_own_efficiency_and_without_overlap_slowdown():
     """sharded_dp.py items 2 and 6: a sharded ring over nodes on the node's aggregate network reaches
-    SHARDED_RING_EFFICIENCY of it where the rows priced the profile's all-reduce efficiency, and the
+    the calibration's sharded_ring_efficiency of it where the rows priced the profile's all-reduce efficiency, and the
     compute under it is not slowed; within a node (NVLink) the slowdown applies and the bandwidth
     stays; DeepSpeed's per-GPU gathers keep the slowdown and their own share (item 4b)."""
     from autopar.simulator import sharded_dp as S
+    from autopar.simulator.calibration import Calibration
     from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS
 
+    cal = Calibration(nccl_overlap_slowdown=0.45, sharded_ring_efficiency=0.4)
     # 0.85 priced, 0.5 reached: 1.7 times the wire time (NVIDIA/nccl issue #1218's two figures)
     assert S.gather_bandwidth_scale(S.FSDP2, "inter", 100.0, 12.5, 0.85, ring_efficiency=0.5) == pytest.approx(1.7)
     assert S.gather_bandwidth_scale(S.FSDP1_TORCH_2_2, "inter", 100.0, 12.5, 0.85,
                                     ring_efficiency=0.5) == pytest.approx(1.7)
     # never faster than priced
     assert S.gather_bandwidth_scale(S.FSDP2, "inter", 100.0, 12.5, 0.85, ring_efficiency=0.9) == 1.0
-    assert S.overlap_slowdown(S.FSDP2, "inter") == 0.0
-    assert S.overlap_slowdown(S.FSDP2, "intra") == S.NCCL_OVERLAP_SLOWDOWN
-    assert S.overlap_slowdown(S.DEEPSPEED_ZERO3_2021, "inter") == S.NCCL_OVERLAP_SLOWDOWN
+    assert S.overlap_slowdown(S.FSDP2, "inter", cal) == 0.0
+    assert S.overlap_slowdown(S.FSDP2, "intra", cal) == 0.45
+    assert S.overlap_slowdown(S.DEEPSPEED_ZERO3_2021, "inter", cal) == 0.45
 
     col = COLUMN_INDEX
     rows = np.zeros((3, len(COLUMNS)))
@@ -202,14 +204,14 @@ def test_ring_over_nodes_at_its_own_efficiency_and_without_overlap_slowdown():
         # 95 hops of 5 us of ring latency + 0.004 s on the wire, for the gather and the reduce-scatter
         rows[k, col["dp_allgather_s"]] = rows[k, col["dp_reducescatter_s"]] = 95 * 5e-6 + 0.004
         rows[k, col["zero"]] = 3
-    terms = S.collective_terms(S.FSDP1_TORCH_2_2, "inter", 96, 100.0, 5e-6, 12.5, 0.85)
+    terms = S.collective_terms(S.FSDP1_TORCH_2_2, "inter", 96, 100.0, 5e-6, 12.5, 0.85, cal)
     assert terms["slowdown"] == 0.0 and terms["latency_s"] == pytest.approx(95 * 5e-6)
     out = S.with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, **terms)
-    wire = 0.004 * 0.85 / S.SHARDED_RING_EFFICIENCY
+    wire = 0.004 * 0.85 / 0.4
     assert out[1, col["dp_allgather_s"]] == pytest.approx(95 * 5e-6 + wire)
     assert out[1, col["fwd_s"]] == pytest.approx(0.010)       # FSDP1: no copy-out, no slowdown
     # within a node the same rows keep their wire time and the forward runs under the next gather slower
-    terms = S.collective_terms(S.FSDP1_TORCH_2_2, "intra", 8, 300.0, 1e-6, 12.5, 0.85)
+    terms = S.collective_terms(S.FSDP1_TORCH_2_2, "intra", 8, 300.0, 1e-6, 12.5, 0.85, cal)
     out = S.with_sharded_dp_costs(rows, col, col["zero"], 1e12, 1.0, **terms)
     assert out[1, col["dp_allgather_s"]] == pytest.approx(rows[1, col["dp_allgather_s"]])
-    assert out[1, col["fwd_s"]] == pytest.approx(0.010 + S.NCCL_OVERLAP_SLOWDOWN * rows[2, col["dp_allgather_s"]])
+    assert out[1, col["fwd_s"]] == pytest.approx(0.010 + 0.45 * rows[2, col["dp_allgather_s"]])

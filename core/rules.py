@@ -1,0 +1,102 @@
+"""The rulebook: what makes a plan legal, which data-parallel machinery runs it, which meshes a
+cluster admits.  Each rule is written here once; ``Plan.validate`` (core/plan.py), the planner's
+space, moves and constraints (planner/space.py, moves.py, constraints.py), the simulator
+(layer_cost.effective_zero) and the runtime (runtime/apply_dp.py) import it.
+
+Plain Python over ints and strings: no torch, no numpy (tests/test_core_rules.py imports it with
+torch blocked), so the planner, the CLI's checks and the runtime read the same rules.
+"""
+from __future__ import annotations
+
+# ------------------------------------------------------------------ ZeRO families
+#: ZeRO "families" (Rajbhandari et al. 2020): DDP (stage 0) and ZeRO-1 (1) apply to the whole
+#: model, one optimizer over all parameters; stages 2 and 3 may be mixed per layer, since FSDP
+#: wraps layers one by one (``zeros_mix``)
+ZERO_FAMILIES: dict[str, tuple[int, ...]] = {"ddp": (0,), "zero1": (1,), "fsdp": (2, 3)}
+_FAMILY_OF = {zero: family for family, zeros in ZERO_FAMILIES.items() for zero in zeros}
+
+
+def zero_family_of(zero: int) -> str:
+    """The family of a ZeRO stage: ``"ddp"`` (0), ``"zero1"`` (1), ``"fsdp"`` (2, 3)."""
+    return _FAMILY_OF[zero]
+
+
+def zeros_mix(zeros) -> bool:
+    """Whether a plan may give its layers these ZeRO stages together: DDP (0) and ZeRO-1 (1) are
+    one choice for every layer; only 2 and 3 (FSDP units) may be mixed."""
+    zeros = set(zeros)
+    return len(zeros) <= 1 or not zeros & {0, 1}
+
+
+def offload_allowed(zero: int) -> bool:
+    """CPU offload runs through FSDP (``CPUOffloadPolicy`` of FSDP2, runtime/apply_dp.py): a layer
+    may offload only at ZeRO 2 or 3."""
+    return zero >= 2
+
+
+def zero1_shards(dp: int) -> bool:
+    """ZeRO-1 shards optimizer state over the data-parallel ranks: with one it shards nothing."""
+    return dp > 1
+
+
+# ------------------------------------------------------------------ data-parallel machinery
+def effective_zero(zero: int, splits_model: bool) -> int:
+    """The ZeRO stage that runs.  When another axis splits the model (tensor or pipeline
+    parallelism: ``Mesh.splits_model``) ZeRO-1 runs as FSDP2 without reshard, i.e. ZeRO-2
+    (``ZeroRedundancyOptimizer`` cannot broadcast DTensor parameters; ``data_parallel_kind``)."""
+    return 2 if zero == 1 and splits_model else zero
+
+
+def data_parallel_kind(zero: int, dp: int, splits_model: bool) -> str:
+    """Which native part runs a layer's data parallelism.
+
+    ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  When
+    another axis splits the model, ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
+    machinery: it takes DTensor parameters, which ``DistributedDataParallel`` does not, and the
+    pipeline schedules drive its gradient sync per micro-batch, which DDP's reducer does not
+    survive) and ZeRO-1 as FSDP2 without reshard (``effective_zero``) -- the same arithmetic,
+    with the gradients sharded as well.  ``none``: one dp rank and nothing to shard or offload.
+    """
+    if zero >= 2:
+        return "fsdp"
+    if dp == 1:
+        return "none"
+    if splits_model:
+        return "fsdp" if zero == 1 else "replicate"
+    return "zero1" if zero == 1 else "ddp"
+
+
+# ------------------------------------------------------------------ pipeline
+def interleaved_microbatches_ok(num_microbatches: int, pp: int) -> bool:
+    """The interleaved 1F1B schedule runs micro-batches in groups of ``pp`` (Narayanan et al.
+    2021, Sec. 2.2.2; torch.distributed.pipelining's ``ScheduleInterleaved1F1B`` asks the same):
+    the count must be a multiple of the pipeline ranks."""
+    return num_microbatches % pp == 0
+
+
+# ------------------------------------------------------------------ mesh admission
+def tp_cap(gpus_per_node: int, max_tp: int | None, tp_inside_node: bool) -> int | None:
+    """The largest tensor-parallel degree asked for: ``max_tp`` (--max-tp), else the GPUs of a node
+    when tp stays inside one, else none."""
+    return max_tp or (gpus_per_node if tp_inside_node else None)
+
+
+def tp_admitted(tp: int, *, gpus_per_node: int, max_tp: int | None = None, tp_inside_node: bool = True) -> bool:
+    """A tensor-parallel degree the planner may use: a power of two (head and hidden counts are),
+    at most ``max_tp`` and, with ``tp_inside_node``, a divisor of the GPUs per node, so that a tp
+    group (consecutive ranks) never crosses a node."""
+    if tp < 1 or tp & (tp - 1):
+        return False
+    if max_tp is not None and tp > max_tp:
+        return False
+    return not tp_inside_node or (tp <= gpus_per_node and gpus_per_node % tp == 0)
+
+
+def pp_admitted(pp: int, num_layers: int) -> bool:
+    """A pipeline degree: at most one stage per layer."""
+    return 1 <= pp <= num_layers
+
+
+def dp_admitted(dp: int, global_batch: int) -> bool:
+    """A data-parallel degree: it divides the global batch (every replica takes as many samples)."""
+    return dp >= 1 and global_batch % dp == 0
