@@ -218,6 +218,8 @@ def _check_even_splits(model, plan: Plan) -> None:
     (Shoeybi et al. 2019, Sec. 3), which is what the simulator prices (each rank 1/tp of the
     work).  DTensor would shard unevenly (a 1-wide Linear split in two leaves one rank
     nothing), on which the collectives of a real process group fail: refuse such a split."""
+    from autopar.runtime.apply_tp import is_conv1d
+
     tp = plan.mesh.tp
     if tp == 1:
         return
@@ -227,7 +229,9 @@ def _check_even_splits(model, plan: Plan) -> None:
                 weight = model.get_submodule(fqn).weight
             except AttributeError:
                 continue
-            dim = 0 if (style == "colwise") != isinstance(model.get_submodule(fqn), torch.nn.Embedding) else 1
+            # Linear: colwise dim 0; Embedding and Conv1D (weight [in, out]): colwise dim 1
+            transposed = isinstance(model.get_submodule(fqn), torch.nn.Embedding) or is_conv1d(model.get_submodule(fqn))
+            dim = 0 if (style == "colwise") != transposed else 1
             size = int(weight.shape[dim])
             if size % tp:
                 raise ValueError(f"{fqn} ({type(model.get_submodule(fqn)).__name__} {tuple(weight.shape)}) split "

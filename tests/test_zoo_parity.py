@@ -86,6 +86,12 @@ MODELS: dict[str, dict] = {
                     tp={"fc": "colwise", "proj": "rowwise"},
                     tp_vocab={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "mha_dict": dict(kinds={**CORE, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
+    # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
+    # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
+    "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    # transformers 5 Mixtral: attention split, the router and the stacked experts
+    # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
+    "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
     # the splits the planner offers for these (core/sharding.megatron_styles): pre/post only
     "moe": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP},
                 tp_prepost={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
@@ -105,6 +111,11 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
     "mha_dict": {"tp_sp": (TP_SP, "mixes sequence positions", "nn.MultiheadAttention is not split by the tp "
                                                                "styles: on a sequence shard it attends to half "
                                                                "the sequence")},
+    # it ran and trained another model (loss 1.9e-4 off the plain loop at step 3): each rank's
+    # replicated experts got the gradient of its own sequence shard only
+    "hf_mixtral": {"tp_sp": (TP_SP, "neither a tp split nor a norm covers", "the router and the experts are "
+                                                                            "replicated parameters on sequence "
+                                                                            "shards")},
     "hf_t5": {"pp": (PP, "pipeline", "the decoder blocks take the encoder's output besides their own input: "
                                      "the layers do not pass one activation")},
 }
