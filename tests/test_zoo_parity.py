@@ -92,6 +92,9 @@ MODELS: dict[str, dict] = {
     # transformers 5 Mixtral: attention split, the router and the stacked experts
     # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
     "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
+    # one layer holding the embedding (row-wise, vocabulary-parallel) and the decoder (column-wise,
+    # logits gathered): no Linear pair, so neither pairs with the other
+    "lstm_lm": dict(kinds={"ddp": DDP, "tp_vocab": TP}, tp_vocab={"model": {"encoder": "rowwise", "decoder": "colwise"}}),
     # the splits the planner offers for these (core/sharding.megatron_styles): pre/post only
     "moe": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP},
                 tp_prepost={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
