@@ -428,7 +428,15 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):
     """Per layer, whether its split runs at every kept degree; the kept degrees; SP or not."""
+    from autopar.core.sharding import fused_projections
+
     L = len(probe.graph.layers)
+    fused = [m for i in range(L) for m in fused_projections(probe.graph, i)]
+    if degrees and fused:
+        left.append(LeftOut("tp of fused projections",
+                            f"{', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''} ({len(fused)} in all): each "
+                            f"output is cut into parts (q, k, v) along its features, so a column split would hand "
+                            f"rank 0 all of q and part of k and train another model; they stay whole"))
     candidates = [i for i in range(L) if probe.styles[i]]
     if not degrees:
         return [False] * L, [], False
