@@ -30,6 +30,11 @@ from autopar.core.graph import OpGraph, OpNode
 
 #: Ops that keep a tensor-parallel split on the hidden/head dimension when their input has it.
 PASS_THROUGH_KINDS = frozenset({"elementwise", "view", "attention", "matmul", "softmax", "dropout"})
+#: Ops that keep the split only when they work within one head: a norm or a reduction over the
+#: last dim of a tensor viewed as [..., heads, head_dim] (Qwen3's and Gemma 3's per-head q/k
+#: RMSNorm), where the last dim is smaller than the projection's output features.  Over the
+#: whole feature dim (OLMo 2's q_norm) they would need every rank's features.
+PER_HEAD_KINDS = frozenset({"reduction", "norm"})
 
 @dataclass(frozen=True)
 class TPCollective:
@@ -92,7 +97,7 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
     while stack:
         name, reader, idx, joins = stack.pop()
         node = by_name.get(name)
-        if node is not None and node.kind in PASS_THROUGH_KINDS | {"linear"}:
+        if node is not None and node.kind in PASS_THROUGH_KINDS | PER_HEAD_KINDS | {"linear"}:
             if name in seen:
                 continue
             seen.add(name)
@@ -134,6 +139,24 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
     return sorted(fused)
 
 
+def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> bool:
+    """Every norm or reduction crossed works within one head (``PER_HEAD_KINDS``): it reduces
+    only the last dim, of a tensor of 4 or more dims ([batch, seq, heads, head_dim] or
+    [batch, heads, seq, head_dim]), whose size is below every column linear's output features."""
+    features = [by_name[n].output_shape[-1] for n in linears if by_name[n].output_shape]
+    for name in crossed:
+        node = by_name[name]
+        if node.kind not in PER_HEAD_KINDS:
+            continue
+        shape = tuple(node.input_shapes[0]) if node.input_shapes else ()
+        out = tuple(node.output_shape or ())
+        if len(shape) < 4 or not features or shape[-1] >= min(features):
+            return False
+        if out not in (shape, shape[:-1], shape[:-1] + (1,)):
+            return False                      # it reduces some dim other than the last
+    return True
+
+
 def _pairs(graph: OpGraph, layer_index: int):
     """[(colwise linear op names, pass-through op names, rowwise linear op name)] in topological order."""
     pairs, role, ops, by_name, _fused = _pairs_and_fused(graph, layer_index)
@@ -161,6 +184,8 @@ def _pairs_and_fused(graph: OpGraph, layer_index: int):
         if not linears or hit_leaf or any(role.get(n) == "rowwise" for n in linears):
             continue
         if o.name in role:
+            continue
+        if not _per_head_only(linears, crossed, by_name):
             continue
         fused = _fused_parts(linears, crossed, by_name)
         if fused:

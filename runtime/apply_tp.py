@@ -95,9 +95,15 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
                                conv1d=is_conv1d(module.get_submodule(fqn)))
             if gather_at_parent:
                 plan[_parent(fqn)] = _gather_sequence(module.get_submodule(_parent(fqn)))
+        head_norms = _region_norms(module, path, styles, parents_with_row & parents_with_col)
+        for fqn in head_norms:
+            # a per-head norm inside the TP region (Qwen3's q_norm over [.., heads, head_dim])
+            # sees this rank's heads: its replicated weight's gradient is summed over the tp
+            # ranks (SequenceParallel on the heads dim: Replicate weight, Partial -> Replicate grad)
+            plan[fqn] = SequenceParallel(sequence_dim=-2, use_local_output=True)
         if sp:
             for name, sub in module.get_submodule(path).named_modules():
-                if _is_norm(sub):
+                if _is_norm(sub) and f"{path}.{name}" not in head_norms:
                     plan[f"{path}.{name}"] = SequenceParallel(use_local_output=True)
     # enter / leave each run of sequence-parallel layers with full activations
     for i, ((path, _), sp) in enumerate(zip(layer_styles, sp_layers)):
@@ -117,6 +123,29 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
     for fqn, style in plan.items():
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
     _divide_head_counts(module, plan, tp_mesh.size())
+
+
+def _region_norms(module: nn.Module, path: str, styles: dict[str, str], parents: set[str]) -> list[str]:
+    """The norms inside each column/row pair's parent module (the attention, say), which run on
+    this rank's heads; any other parameter there that no split covers is refused: it would be
+    replicated while each rank's gradient covers only its own heads."""
+    norms = []
+    for parent in sorted(p for p in parents if p not in ("", path)):
+        covered = set()
+        for name, sub in module.get_submodule(parent).named_modules():
+            fqn = f"{parent}.{name}" if name else parent
+            if fqn in styles:
+                covered.update(id(p) for p in sub.parameters())
+            elif name and _is_norm(sub):
+                norms.append(fqn)
+                covered.update(id(p) for p in sub.parameters())
+        loose = [f"{parent}.{n}" for n, p in module.get_submodule(parent).named_parameters() if id(p) not in covered]
+        if loose:
+            raise PlanFileError(
+                f"tensor parallelism: {parent} splits its projections over the tp ranks but also holds "
+                f"{', '.join(loose[:3])}, which no split covers; each rank would train it on its own heads only. "
+                f"Leave {parent} unsplit (plan tp without its column/row pair).")
+    return norms
 
 
 def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[str, str]) -> None:

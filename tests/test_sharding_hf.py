@@ -1,7 +1,7 @@
 """The Megatron split analysis (core/sharding.megatron_styles) on tiny transformers 5 models built
 from their config classes (no download): the attention's q/k/v -> o pair and the MLP's pair are
-found through transformers' attention-interface functions, grouped-query projections and rotary
-tables; a fused projection cut into q/k/v (GPT-2's Conv1D ``c_attn``) is left whole, with its
+found through transformers' attention-interface functions, grouped-query projections, rotary
+tables and per-head q/k norms; a fused projection cut into q/k/v (GPT-2's Conv1D ``c_attn``) is left whole, with its
 module named, while its MLP is split; a mixture of experts' stacked expert parameters are not
 Linear modules, so only its attention pairs."""
 from __future__ import annotations
@@ -27,6 +27,10 @@ def _build(kind: str):
         return T.GemmaForCausalLM(T.GemmaConfig(**COMMON, head_dim=8))
     if kind == "qwen2":
         return T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, use_sliding_window=False))
+    if kind == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8, use_sliding_window=False))
+    if kind == "olmo2":
+        return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON))
     if kind == "mixtral":
         return T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                                     sliding_window=None))
@@ -67,6 +71,14 @@ def test_llama_family_splits_attention_and_mlp(kind):
     name, styles = _block_styles(kind)
     assert name == "model.layers.0"
     assert styles == {**ATTENTION, **SWIGLU}
+
+
+def test_per_head_qk_norm_keeps_the_attention_pair():
+    """Qwen3 normalises q and k per head (RMSNorm over head_dim after the heads are viewed out):
+    each rank's heads are whole, so the attention splits.  OLMo 2 normalises the whole q_proj
+    output (over every head's features): that norm needs all ranks' features, so it does not."""
+    assert _block_styles("qwen3")[1] == {**ATTENTION, **SWIGLU}
+    assert _block_styles("olmo2")[1] == SWIGLU
 
 
 def test_mixtral_splits_attention_and_leaves_the_stacked_experts_whole():

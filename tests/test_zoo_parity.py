@@ -92,6 +92,10 @@ MODELS: dict[str, dict] = {
     # transformers 5 Mixtral: attention split, the router and the stacked experts
     # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
     "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
+    # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
+    # over the tp ranks (runtime/apply_tp._region_norms)
+    # (at the default learning rate AdamW's near-sign updates hide a per-rank gradient: 1e-2 shows it)
+    "hf_qwen3": dict(kinds={"tp": TP, "tp_sp": TP_SP}, tp=LLAMA_TP, lr=1e-2),
     # one layer holding the embedding (row-wise, vocabulary-parallel) and the decoder (column-wise,
     # logits gathered): no Linear pair, so neither pairs with the other
     "lstm_lm": dict(kinds={"ddp": DDP, "tp_vocab": TP}, tp_vocab={"model": {"encoder": "rowwise", "decoder": "colwise"}}),
@@ -193,7 +197,8 @@ def run_models(names: list[str], tmp: Path) -> dict[str, dict[str, dict]]:
         for kind, kw in kinds.items():
             base = tmp / name / kind
             cases.append({"model": name, "kind": kind, "plan": str(_plan(name, kind, kw, base.with_suffix(".json"))),
-                          "measured": f"{base}.measured.json", "result": f"{base}.result.json", "steps": STEPS})
+                          "measured": f"{base}.measured.json", "result": f"{base}.result.json", "steps": STEPS,
+                          **({"lr": MODELS[name]["lr"]} if "lr" in MODELS[name] else {})})
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     out = torchrun(2, str(WORKER), str(spec), timeout_s=900)
@@ -210,7 +215,8 @@ def run_model(name: str, tmp: Path) -> dict[str, dict]:
 
 @functools.lru_cache(maxsize=None)
 def plain(name: str, chunks: int):
-    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks)
+    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks,
+                                  lr=MODELS[name].get("lr", plain_loop.LR))
 
 
 @pytest.fixture(scope="module")
