@@ -180,6 +180,7 @@ class Planner:
         self.num_pruned = 0                          # settings skipped by their bound (screen_bound.py)
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
+        self.ilp_cache_split: dict = {}              # ILP solutions with every splittable layer split
         self.table_cache: dict = {}
         self.plan_parts: dict = {}       # Candidate.to_plan's memo: shared pipelines and layer plans
         self._choices_admitted: dict[int, tuple] = {}   # id(choices) -> (choices, admitted)
@@ -417,7 +418,7 @@ class Planner:
                     # that can be split split (the plan the tp degree was chosen for)
                     c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
                                       cuttable=self.cuttable, allowed=self._split_all(t[0].choices, allowed),
-                                      ilp_cache=self.ilp_cache)
+                                      ilp_cache=self.ilp_cache_split)     # its key does not hold allowed
             except InfeasibleError:
                 self.num_infeasible += 1
                 continue

@@ -76,10 +76,13 @@ def _two_device_cluster(tmp_path: Path) -> Path:
     return path
 
 
-def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path):
+@pytest.mark.parametrize("search_kw", [{}, {"algo": "ilp", "sequence_parallel": False}], ids=["auto", "ilp-no-sp"])
+def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path, search_kw):
     """hf_llama on 2 gloo devices with --tp 2: the layers' collectives cost more than their
     compute on this cluster, so the cheapest candidate left every layer whole (the issue: a tp=2
-    mesh and no split).  Now the best plan and every runner-up split at least one layer."""
+    mesh and no split).  Now the best plan and every runner-up split at least one layer: MCMC's
+    candidates are rejected (``auto``), the structured phase's ILP is solved again with the
+    splits forced (``ilp`` without sequence parallelism, whose meshes force no split)."""
     pytest.importorskip("transformers")
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
@@ -90,7 +93,7 @@ def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path):
     cluster = load_cluster(str(_two_device_cluster(tmp_path)))
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     result = search(graph, cluster, cms, PlanOptions(global_batch=8, precision="fp32", tp=2, time_budget_s=4,
-                                                     mcmc_iterations=300))
+                                                     mcmc_iterations=300, **search_kw))
     plans = [result.best.plan] + [ev.plan for ev in result.runner_ups]
     for plan in plans:
         assert plan.mesh.tp == 2
