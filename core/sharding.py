@@ -30,6 +30,11 @@ from autopar.core.graph import OpGraph, OpNode
 
 #: Ops that keep a tensor-parallel split on the hidden/head dimension when their input has it.
 PASS_THROUGH_KINDS = frozenset({"elementwise", "view", "attention", "matmul", "softmax", "dropout"})
+#: Ops that keep the split only when they work within one head: a norm or a reduction over the
+#: last dim of a tensor viewed as [..., heads, head_dim] (Qwen3's and Gemma 3's per-head q/k
+#: RMSNorm), where the last dim is smaller than the projection's output features.  Over the
+#: whole feature dim (OLMo 2's q_norm) they would need every rank's features.
+PER_HEAD_KINDS = frozenset({"reduction", "norm"})
 
 @dataclass(frozen=True)
 class TPCollective:
@@ -92,7 +97,7 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
     while stack:
         name, reader, idx, joins = stack.pop()
         node = by_name.get(name)
-        if node is not None and node.kind in PASS_THROUGH_KINDS | {"linear"}:
+        if node is not None and node.kind in PASS_THROUGH_KINDS | PER_HEAD_KINDS | {"linear"}:
             if name in seen:
                 continue
             seen.add(name)
@@ -113,13 +118,65 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
     return linears, crossed, hit_leaf
 
 
+def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> list[str]:
+    """The linears among ``linears`` whose output is cut into parts along its output features
+    before the row-wise linear reads it: a fused projection (GPT-2's ``c_attn`` split into q, k
+    and v; a fused ``gate_up`` chunked in two).  A column split hands each rank a contiguous
+    block of those features -- all of q and half of k on rank 0 of 2 -- so the parts would mix
+    across ranks and the split would train another model; such a pair is not offered.  A cut
+    of the per-head dimension after the heads are viewed out (GPT-NeoX's interleaved qkv,
+    rotary's rotate-half) is not one: its size is the head dim, not the output features."""
+    features = {n: by_name[n].output_shape[-1] for n in linears if by_name[n].output_shape}
+    fused = set()
+    for name in crossed:
+        node = by_name[name]
+        if node.kind != "view" or not node.input_shapes or not node.output_shape:
+            continue
+        before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
+        if len(before) != len(after) or not before or _numel(after) >= _numel(before) or before[-1] == after[-1]:
+            continue                                   # not a cut of the last dim
+        fused.update(n for n, f in features.items() if f == before[-1])
+    return sorted(fused)
+
+
+def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> bool:
+    """Every norm or reduction crossed works within one head (``PER_HEAD_KINDS``): it reduces
+    only the last dim, of a tensor of 4 or more dims ([batch, seq, heads, head_dim] or
+    [batch, heads, seq, head_dim]), whose size is below every column linear's output features."""
+    features = [by_name[n].output_shape[-1] for n in linears if by_name[n].output_shape]
+    for name in crossed:
+        node = by_name[name]
+        if node.kind not in PER_HEAD_KINDS:
+            continue
+        shape = tuple(node.input_shapes[0]) if node.input_shapes else ()
+        out = tuple(node.output_shape or ())
+        if len(shape) < 4 or not features or shape[-1] >= min(features):
+            return False
+        if out not in (shape, shape[:-1], shape[:-1] + (1,)):
+            return False                      # it reduces some dim other than the last
+    return True
+
+
 def _pairs(graph: OpGraph, layer_index: int):
     """[(colwise linear op names, pass-through op names, rowwise linear op name)] in topological order."""
+    pairs, role, ops, by_name, _fused = _pairs_and_fused(graph, layer_index)
+    return pairs, role, ops, by_name
+
+
+def fused_projections(graph: OpGraph, layer_index: int) -> list[str]:
+    """Module paths of the fused projections of a layer that no pair splits (``_fused_parts``):
+    the reason a layer's attention (or MLP) stays whole under tensor parallelism."""
+    _, _, _, by_name, fused = _pairs_and_fused(graph, layer_index)
+    return sorted({by_name[n].module_path for n in fused})
+
+
+def _pairs_and_fused(graph: OpGraph, layer_index: int):
     ops, by_name, _ = _layer_index(graph, layer_index)
     graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
     order = {o.name: i for i, o in enumerate(ops)}
     role: dict[str, str] = {}
     pairs = []
+    fused_seen: list[str] = []
     for o in ops:
         if o.kind != "linear" or not o.inputs:
             continue
@@ -128,11 +185,17 @@ def _pairs(graph: OpGraph, layer_index: int):
             continue
         if o.name in role:
             continue
+        if not _per_head_only(linears, crossed, by_name):
+            continue
+        fused = _fused_parts(linears, crossed, by_name)
+        if fused:
+            fused_seen += fused
+            continue
         for n in linears:
             role[n] = "colwise"
         role[o.name] = "rowwise"
         pairs.append((tuple(sorted(linears, key=order.__getitem__)), tuple(crossed), o.name))
-    return pairs, role, ops, by_name
+    return pairs, role, ops, by_name, fused_seen
 
 
 def _loss_feeders(ops: list[OpNode], by_name: dict[str, OpNode], consumers: dict[str, list[str]],

@@ -16,6 +16,7 @@ from autopar.core.graph import OpGraph
 from autopar.core.parallel_dims import DEGREE_NAMES
 from autopar.core.plan import Mesh
 from autopar.core.rules import offload_allowed, tp_cap, zero1_shards, zero_family_of
+from autopar.core.sharding import megatron_styles
 from autopar.planner.space import mesh_candidates
 
 
@@ -24,6 +25,16 @@ def _reason(ex, *kinds: str) -> str:
         if x.kind in kinds:
             return x.reason
     return "the runtime check left it out"
+
+
+def nothing_to_split(graph: OpGraph, tp: int, ex) -> UserError:
+    """The refusal of ``--tp`` > 1 for a model none of whose layers has a split: such a plan
+    would hold a tp mesh and run the whole model on every rank of it."""
+    why = _reason(ex, "tensor parallel") if ex is not None and any(x.kind == "tensor parallel" for x in ex.left_out) \
+        else ("no layer has a Megatron column/row pair of Linear (or Conv1D) modules, a vocabulary embedding or a "
+              "Linear head feeding the loss")
+    return UserError(f"--tp {tp}: model {graph.model_name or graph.model_file} has nothing tensor parallelism can "
+                     f"split: {why}. Every tp rank would compute the whole model; use --tp 1 or leave --tp out.")
 
 
 def candidate_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
@@ -78,6 +89,9 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if world % prod or (len(fixed) == len(DEGREE_NAMES) and prod != world):
         raise UserError(f"{' x '.join(f'{k} {v}' for k, v in fixed.items())} = {prod} does not fit the cluster's "
                         f"{world} devices ({' x '.join(DEGREE_NAMES)} must equal {world}).")
+    if o.tp and o.tp > 1 and (ex is not None and not any(ex.splittable) or
+                              ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
+        raise nothing_to_split(graph, o.tp, ex)
     if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
         raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
                         f"{_reason(ex, f'tp={o.tp}', 'tensor parallel')}. Use --tp 1 or leave --tp out.")

@@ -219,6 +219,8 @@ def _check_even_splits(model, plan: Plan) -> None:
     (Shoeybi et al. 2019, Sec. 3), which is what the simulator prices (each rank 1/tp of the
     work).  DTensor would shard unevenly (a 1-wide Linear split in two leaves one rank
     nothing), on which the collectives of a real process group fail: refuse such a split."""
+    from autopar.runtime.apply_tp import is_conv1d
+
     tp = plan.mesh.tp
     if tp == 1:
         return
@@ -228,7 +230,9 @@ def _check_even_splits(model, plan: Plan) -> None:
                 weight = model.get_submodule(fqn).weight
             except AttributeError:
                 continue
-            dim = 0 if (style == "colwise") != isinstance(model.get_submodule(fqn), torch.nn.Embedding) else 1
+            # Linear: colwise dim 0; Embedding and Conv1D (weight [in, out]): colwise dim 1
+            transposed = isinstance(model.get_submodule(fqn), torch.nn.Embedding) or is_conv1d(model.get_submodule(fqn))
+            dim = 0 if (style == "colwise") != transposed else 1
             size = int(weight.shape[dim])
             if size % tp:
                 raise ValueError(f"{fqn} ({type(model.get_submodule(fqn)).__name__} {tuple(weight.shape)}) split "
@@ -425,7 +429,15 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):
     """Per layer, whether its split runs at every kept degree; the kept degrees; SP or not."""
+    from autopar.core.sharding import fused_projections
+
     L = len(probe.graph.layers)
+    fused = [m for i in range(L) for m in fused_projections(probe.graph, i)]
+    if degrees and fused:
+        left.append(LeftOut("tp of fused projections",
+                            f"{', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''} ({len(fused)} in all): each "
+                            f"output is cut into parts (q, k, v) along its features, so a column split would hand "
+                            f"rank 0 all of q and part of k and train another model; they stay whole"))
     candidates = [i for i in range(L) if probe.styles[i]]
     if not degrees:
         return [False] * L, [], False

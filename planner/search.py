@@ -176,6 +176,12 @@ class Planner:
                               fingerprint=graph.fingerprint)
         self.cluster_label = f"{cluster.name} ({cluster.source})" if cluster.source else cluster.name
         self.meshes = candidate_meshes(options, cluster, self.num_layers)
+        if not any(self.styles):
+            # a tp > 1 mesh with no layer split runs the whole model on every tp rank
+            from autopar.planner.constraints import nothing_to_split
+            if options.tp is not None and options.tp > 1:
+                raise nothing_to_split(graph, options.tp, ex)
+            self.meshes = [m for m in self.meshes if m.tp == 1]
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
                                max_micro_batch=options.max_micro_batch,
@@ -187,6 +193,7 @@ class Planner:
         self.num_pruned = 0                          # settings skipped by their bound (screen_bound.py)
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
+        self.ilp_cache_split: dict = {}              # ILP solutions with every splittable layer split
         self.table_cache: dict = {}
         self.plan_parts: dict = {}       # Candidate.to_plan's memo: shared pipelines and layer plans
         self._choices_admitted: dict[int, tuple] = {}   # id(choices) -> (choices, admitted)
@@ -221,7 +228,12 @@ class Planner:
             return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False
-        return True
+        return self.splits_something(c)
+
+    def splits_something(self, c: Candidate) -> bool:
+        """A tp > 1 mesh splits at least one layer: without one, every tp rank computes the
+        whole model (tp - 1 ranks of each group wasted), which is never the plan meant."""
+        return c.mesh.tp == 1 or any(ch.tp and self.styles[i] for i, ch in enumerate(c.choices))
 
     def _admits_choices(self, choices: tuple[LayerChoice, ...]) -> bool:
         o = self.options
@@ -328,6 +340,11 @@ class Planner:
         self.table_cache[key] = (per_rank, allowed)
         return per_rank, allowed
 
+    def _split_all(self, choices, allowed: np.ndarray | None) -> np.ndarray:
+        """``allowed`` with the unsplit choices of every splittable layer ruled out."""
+        forced = np.array([[ch.tp or not self.styles[i] for ch in choices] for i in range(self.num_layers)])
+        return forced if allowed is None else forced & allowed
+
     def screen(self, s: Setting, tables: list[LayerTables], allowed, cap: float = math.inf) -> float:
         """Predicted step latency of the setting's DP partition, before any simulation; ``inf``
         where it is not below ``cap`` and the stage DP could tell without finishing."""
@@ -409,6 +426,12 @@ class Planner:
                 c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
                                   cuttable=self.cuttable,
                                   allowed=allowed, ilp_cache=self.ilp_cache)
+                if not self.splits_something(c):
+                    # the ILP left every layer whole on a tp mesh: solve again with every layer
+                    # that can be split split (the plan the tp degree was chosen for)
+                    c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
+                                      cuttable=self.cuttable, allowed=self._split_all(t[0].choices, allowed),
+                                      ilp_cache=self.ilp_cache_split)     # its key does not hold allowed
             except InfeasibleError:
                 self.num_infeasible += 1
                 continue

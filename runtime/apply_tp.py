@@ -34,11 +34,12 @@ full gradient lives only during the embedding's backward, not until the step.
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -58,9 +59,10 @@ def resolve_tp_styles(module: nn.Module, layer_name: str, styles: dict[str, str]
         if target is None:
             raise PlanFileError(f"{where}: tp names module {fqn!r}, which the model does not have. "
                                 f"Use module names from 'autopar inspect' (e.g. {layer_name}.attn.qkv).")
-        if not isinstance(names[target], (nn.Linear, nn.Embedding)):
+        if not isinstance(names[target], (nn.Linear, nn.Embedding)) and not is_conv1d(names[target]):
             raise PlanFileError(f"{where}: tp module {fqn!r} is a {type(names[target]).__name__}; only "
-                                f"nn.Linear and nn.Embedding can be split column- or row-wise.")
+                                f"nn.Linear, transformers' Conv1D and nn.Embedding can be split column- or "
+                                f"row-wise.")
         out[target] = style
     return out
 
@@ -75,21 +77,33 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
     if tp_mesh.size() == 1:
         return
     plan: dict[str, object] = {}
-    sp_layers = [sequence_parallel and _has_pair(styles) and bool(path) for path, styles in layer_styles]
+    matmul = {f for _, styles in layer_styles for f in styles if _is_matmul(module.get_submodule(f))}
+    sp_layers = [sequence_parallel and _has_pair(styles, matmul) and bool(path) for path, styles in layer_styles]
     for (path, styles), sp in zip(layer_styles, sp_layers):
-        parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise"}
-        parents_with_col = {_parent(f) for f, s in styles.items() if s == "colwise"}
+        if sp:
+            _check_sequence_parallel_params(module, path, styles)
+        # a pair is a column- and a row-wise Linear (or Conv1D) under one parent; a row-wise
+        # embedding is a vocabulary-parallel lookup, never the second half of a pair
+        parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise" and f in matmul}
+        parents_with_col = {_parent(f) for f, s in styles.items() if s == "colwise" and f in matmul}
         for fqn, style in styles.items():
-            paired = _parent(fqn) in (parents_with_row if style == "colwise" else parents_with_col)
+            paired = fqn in matmul and _parent(fqn) in (parents_with_row if style == "colwise" else parents_with_col)
             # the sequence is all-gathered where the TP region starts: at the colwise module's
             # parent (attn, mlp), whose forward may read the sequence length from its input
             gather_at_parent = sp and style == "colwise" and _parent(fqn) not in ("", path)
-            plan[fqn] = _style(style, paired, sp and not gather_at_parent, sp)
+            plan[fqn] = _style(style, paired, sp and not gather_at_parent, sp,
+                               conv1d=is_conv1d(module.get_submodule(fqn)))
             if gather_at_parent:
                 plan[_parent(fqn)] = _gather_sequence(module.get_submodule(_parent(fqn)))
+        head_norms = _region_norms(module, path, styles, parents_with_row & parents_with_col)
+        for fqn in head_norms:
+            # a per-head norm inside the TP region (Qwen3's q_norm over [.., heads, head_dim])
+            # sees this rank's heads: its replicated weight's gradient is summed over the tp
+            # ranks (SequenceParallel on the heads dim: Replicate weight, Partial -> Replicate grad)
+            plan[fqn] = SequenceParallel(sequence_dim=-2, use_local_output=True)
         if sp:
             for name, sub in module.get_submodule(path).named_modules():
-                if _is_norm(sub):
+                if _is_norm(sub) and f"{path}.{name}" not in head_norms:
                     plan[f"{path}.{name}"] = SequenceParallel(use_local_output=True)
     # enter / leave each run of sequence-parallel layers with full activations
     for i, ((path, _), sp) in enumerate(zip(layer_styles, sp_layers)):
@@ -109,6 +123,50 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
     for fqn, style in plan.items():
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
     _divide_head_counts(module, plan, tp_mesh.size())
+
+
+def _region_norms(module: nn.Module, path: str, styles: dict[str, str], parents: set[str]) -> list[str]:
+    """The norms inside each column/row pair's parent module (the attention, say), which run on
+    this rank's heads; any other parameter there that no split covers is refused: it would be
+    replicated while each rank's gradient covers only its own heads."""
+    norms = []
+    for parent in sorted(p for p in parents if p not in ("", path)):
+        covered = set()
+        for name, sub in module.get_submodule(parent).named_modules():
+            fqn = f"{parent}.{name}" if name else parent
+            if fqn in styles:
+                covered.update(id(p) for p in sub.parameters())
+            elif name and _is_norm(sub):
+                norms.append(fqn)
+                covered.update(id(p) for p in sub.parameters())
+        loose = [f"{parent}.{n}" for n, p in module.get_submodule(parent).named_parameters() if id(p) not in covered]
+        if loose:
+            raise PlanFileError(
+                f"tensor parallelism: {parent} splits its projections over the tp ranks but also holds "
+                f"{', '.join(loose[:3])}, which no split covers; each rank would train it on its own heads only. "
+                f"Leave {parent} unsplit (plan tp without its column/row pair).")
+    return norms
+
+
+def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[str, str]) -> None:
+    """Under sequence parallelism a layer's activations between its TP regions are sequence
+    shards, so a replicated parameter used there (other than a norm's, which ``SequenceParallel``
+    sums over the tp ranks) would get the gradient of this rank's tokens only and the replicas
+    would drift apart -- a mixture of experts' router and stacked experts (transformers 5
+    Mixtral) are such parameters.  Refuse the layout instead of training another model."""
+    layer = module.get_submodule(path)
+    covered = set()
+    for name, sub in layer.named_modules():
+        fqn = f"{path}.{name}" if name else path
+        if fqn in styles or _is_norm(sub):
+            covered.update(id(p) for p in sub.parameters())
+    loose = [f"{path}.{n}" for n, p in layer.named_parameters() if id(p) not in covered]
+    if loose:
+        raise PlanFileError(
+            f"sequence parallelism: layer {path} holds parameters that neither a tp split nor a norm covers "
+            f"({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}); on a sequence shard their gradients "
+            f"would cover one rank's tokens only. Plan sequence_parallel false for this model, or split those "
+            f"modules too.")
 
 
 def keep_embedding_grads_sharded(module: nn.Module) -> None:
@@ -183,17 +241,68 @@ def _is_norm(module: nn.Module) -> bool:
             and all(p.dim() == 1 for p in params))
 
 
-def _style(style: str, paired: bool, sp_input: bool, sp_output: bool | None = None):
+def _style(style: str, paired: bool, sp_input: bool, sp_output: bool | None = None, conv1d: bool = False):
     sp_output = sp_input if sp_output is None else sp_output
     if style == "colwise":
-        return ColwiseParallel(input_layouts=Shard(SEQ_DIM) if sp_input else Replicate(),
-                               output_layouts=Shard(-1) if paired else Replicate())
-    return RowwiseParallel(input_layouts=Shard(-1) if paired else Replicate(),
-                           output_layouts=Shard(SEQ_DIM) if sp_output else Replicate())
+        cls = Conv1DColwise if conv1d else ColwiseParallel
+        return cls(input_layouts=Shard(SEQ_DIM) if sp_input else Replicate(),
+                   output_layouts=Shard(-1) if paired else Replicate())
+    cls = Conv1DRowwise if conv1d else RowwiseParallel
+    return cls(input_layouts=Shard(-1) if paired else Replicate(),
+               output_layouts=Shard(SEQ_DIM) if sp_output else Replicate())
 
 
-def _has_pair(styles: dict[str, str]) -> bool:
-    return "colwise" in styles.values() and "rowwise" in styles.values()
+def is_conv1d(module: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): ``y = addmm(bias, x, W)``
+    with ``W`` of shape ``[in, out]`` -- a Linear with its weight transposed.  Recognised by
+    name and shape so that the runtime needs no ``transformers`` import."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1])
+
+
+def _is_matmul(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _distribute_conv1d(module: nn.Module, device_mesh: DeviceMesh, weight: Placement, bias: Placement,
+                       src_data_rank) -> None:
+    for name, placement in (("weight", weight), ("bias", bias)):
+        param = getattr(module, name, None)
+        if param is not None:
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class Conv1DColwise(ColwiseParallel):
+    """Column split of a ``Conv1D``: its weight is ``[in, out]``, so the output features are dim 1
+    (and the bias's dim 0); input and output layouts as ``ColwiseParallel``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh,
+            lambda _n, m, mesh: _distribute_conv1d(m, mesh, Shard(1), Shard(0), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """Row split of a ``Conv1D``: weight ``[in, out]`` sharded on dim 0 (the input features),
+    bias replicated (added once to the reduced sum); layouts as ``RowwiseParallel``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh,
+            lambda _n, m, mesh: _distribute_conv1d(m, mesh, Shard(0), Replicate(), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def _has_pair(styles: dict[str, str], matmul: set[str]) -> bool:
+    kinds = {s for f, s in styles.items() if f in matmul}
+    return kinds == {"colwise", "rowwise"}
 
 
 def _parent(fqn: str) -> str:

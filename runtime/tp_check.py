@@ -6,10 +6,10 @@ longer fits), as a multi-rank traceback.  Here the model is built on the meta de
 memory) and each module the plan splits is checked against the dims the style shards
 (Megatron-LM's column / row split; Shoeybi et al. 2019, Sec. 3):
 
-* ``colwise``: an ``nn.Linear``'s ``out_features`` (weight dim 0), an ``nn.Embedding``'s
-  ``embedding_dim``;
-* ``rowwise``: an ``nn.Linear``'s ``in_features`` (weight dim 1), an ``nn.Embedding``'s
-  ``num_embeddings``;
+* ``colwise``: an ``nn.Linear``'s ``out_features`` (weight dim 0), a ``Conv1D``'s output
+  features (weight dim 1), an ``nn.Embedding``'s ``embedding_dim``;
+* ``rowwise``: an ``nn.Linear``'s ``in_features`` (weight dim 1), a ``Conv1D``'s input features
+  (weight dim 0), an ``nn.Embedding``'s ``num_embeddings``;
 * the split module's parent (the attention block): every head count the runtime divides by
   tp (``apply_tp``'s own list of attributes), and, where the parent names its head size
   (``head_dim`` / ``head_size``), each rank's share of the split features must hold whole heads.
@@ -28,6 +28,11 @@ _HEAD_SIZE_ATTRS = ("head_dim", "head_size", "d_head")
 
 
 def _split_dim(module: nn.Module, style: str) -> tuple[str, int]:
+    from autopar.runtime.apply_tp import is_conv1d
+
+    if is_conv1d(module):            # weight [in, out]
+        return ("output features", module.weight.shape[1]) if style == "colwise" else \
+            ("input features", module.weight.shape[0])
     if isinstance(module, nn.Linear):
         return ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
     return ("embedding_dim", module.embedding_dim) if style == "colwise" else ("num_embeddings",

@@ -89,6 +89,19 @@ MODELS: dict[str, dict] = {
                     tp={"fc": "colwise", "proj": "rowwise"},
                     tp_vocab={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "mha_dict": dict(kinds={**CORE, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
+    # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
+    # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
+    "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    # transformers 5 Mixtral: attention split, the router and the stacked experts
+    # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
+    "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
+    # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
+    # over the tp ranks (runtime/apply_tp._region_norms)
+    # (at the default learning rate AdamW's near-sign updates hide a per-rank gradient: 1e-2 shows it)
+    "hf_qwen3": dict(kinds={"tp": TP, "tp_sp": TP_SP}, tp=LLAMA_TP, lr=1e-2),
+    # one layer holding the embedding (row-wise, vocabulary-parallel) and the decoder (column-wise,
+    # logits gathered): no Linear pair, so neither pairs with the other
+    "lstm_lm": dict(kinds={"ddp": DDP, "tp_vocab": TP}, tp_vocab={"model": {"encoder": "rowwise", "decoder": "colwise"}}),
     # the splits the planner offers for these (core/sharding.megatron_styles): pre/post only
     "moe": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP},
                 tp_prepost={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
@@ -108,6 +121,11 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
     "mha_dict": {"tp_sp": (TP_SP, "mixes sequence positions", "nn.MultiheadAttention is not split by the tp "
                                                                "styles: on a sequence shard it attends to half "
                                                                "the sequence")},
+    # it ran and trained another model (loss 1.9e-4 off the plain loop at step 3): each rank's
+    # replicated experts got the gradient of its own sequence shard only
+    "hf_mixtral": {"tp_sp": (TP_SP, "neither a tp split nor a norm covers", "the router and the experts are "
+                                                                            "replicated parameters on sequence "
+                                                                            "shards")},
     "hf_t5": {"pp": (PP, "pipeline", "the decoder blocks take the encoder's output besides their own input: "
                                      "the layers do not pass one activation")},
 }
@@ -116,7 +134,13 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
 LEFT_OUT = {
     ("nanogpt", "tp of c_attn"): "c_attn's output is split with the global n_embd and viewed with the global "
                                  "head count: a column-wise c_attn cannot run on local heads (the runtime "
-                                 "crashes in the forward: the planner must not offer it)",
+                                 "crashes in the forward); the planner does not offer it (a fused projection, "
+                                 "core/sharding._fused_parts)",
+    ("hf_gpt2", "tp of c_attn"): "a fused q/k/v Conv1D: an even column split mixes q, k and v across ranks; the "
+                                 "planner leaves it whole (core/sharding._fused_parts), so no attention split "
+                                 "and no tp_sp (the attention would see one rank's sequence shard)",
+    ("hf_mixtral", "tp of the experts"): "MixtralExperts holds stacked parameters (gate_up_proj fused), not "
+                                         "nn.Linear: no column/row split; the experts stay replicated",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
@@ -176,7 +200,8 @@ def run_models(names: list[str], tmp: Path) -> dict[str, dict[str, dict]]:
         for kind, kw in kinds.items():
             base = tmp / name / kind
             cases.append({"model": name, "kind": kind, "plan": str(_plan(name, kind, kw, base.with_suffix(".json"))),
-                          "measured": f"{base}.measured.json", "result": f"{base}.result.json", "steps": STEPS})
+                          "measured": f"{base}.measured.json", "result": f"{base}.result.json", "steps": STEPS,
+                          **({"lr": MODELS[name]["lr"]} if "lr" in MODELS[name] else {})})
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     out = torchrun(2, str(WORKER), str(spec), timeout_s=900)
@@ -193,7 +218,8 @@ def run_model(name: str, tmp: Path) -> dict[str, dict]:
 
 @functools.lru_cache(maxsize=None)
 def plain(name: str, chunks: int):
-    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks)
+    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks,
+                                  lr=MODELS[name].get("lr", plain_loop.LR))
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def main() -> None:
         result = Path(case["result"])
         try:
             report = run(RunOptions(plan_path=Path(case["plan"]), steps=case["steps"], warmup_steps=0,
-                                    measured_path=Path(case["measured"]), log_every=case["steps"]))
+                                    measured_path=Path(case["measured"]), log_every=case["steps"],
+                                    **({"lr": case["lr"]} if "lr" in case else {})))
             out = {"losses": list(report.losses)}
         except UserError as e:
             out = {"refused": str(e)}

@@ -1,0 +1,103 @@
+"""The Megatron split analysis (core/sharding.megatron_styles) on tiny transformers 5 models built
+from their config classes (no download): the attention's q/k/v -> o pair and the MLP's pair are
+found through transformers' attention-interface functions, grouped-query projections, rotary
+tables and per-head q/k norms; a fused projection cut into q/k/v (GPT-2's Conv1D ``c_attn``) is left whole, with its
+module named, while its MLP is split; a mixture of experts' stacked expert parameters are not
+Linear modules, so only its attention pairs."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=16, use_cache=False, bos_token_id=0, eos_token_id=1,
+              pad_token_id=None, tie_word_embeddings=False)
+
+
+def _build(kind: str):
+    T = transformers
+    if kind == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    if kind == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**COMMON, sliding_window=None))
+    if kind == "gemma":
+        return T.GemmaForCausalLM(T.GemmaConfig(**COMMON, head_dim=8))
+    if kind == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, use_sliding_window=False))
+    if kind == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8, use_sliding_window=False))
+    if kind == "olmo2":
+        return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON))
+    if kind == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                    sliding_window=None))
+    if kind == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                              use_cache=False, bos_token_id=0, eos_token_id=1))
+    raise ValueError(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(kind: str):
+    import torch
+
+    from autopar.core.capture import capture
+
+    with torch.device("meta"):
+        model = _build(kind)
+        model.config._attn_implementation = "sdpa"
+        tokens = torch.randint(0, 64, (2, 8))
+    return capture(model, (tokens,), model_name=kind)
+
+
+def _block_styles(kind: str, index: int = 1) -> tuple[str, dict[str, str]]:
+    from autopar.core.sharding import megatron_styles
+
+    g = _graph(kind)
+    layer = g.layers[index]
+    return layer.name, {k.removeprefix(layer.name + "."): v for k, v in megatron_styles(g, index).items()}
+
+
+ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+             "self_attn.o_proj": "rowwise"}
+SWIGLU = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma", "qwen2"])
+def test_llama_family_splits_attention_and_mlp(kind):
+    name, styles = _block_styles(kind)
+    assert name == "model.layers.0"
+    assert styles == {**ATTENTION, **SWIGLU}
+
+
+def test_per_head_qk_norm_keeps_the_attention_pair():
+    """Qwen3 normalises q and k per head (RMSNorm over head_dim after the heads are viewed out):
+    each rank's heads are whole, so the attention splits.  OLMo 2 normalises the whole q_proj
+    output (over every head's features): that norm needs all ranks' features, so it does not."""
+    assert _block_styles("qwen3")[1] == {**ATTENTION, **SWIGLU}
+    assert _block_styles("olmo2")[1] == SWIGLU
+
+
+def test_mixtral_splits_attention_and_leaves_the_stacked_experts_whole():
+    from autopar.core.sharding import fused_projections
+
+    name, styles = _block_styles("mixtral")
+    assert styles == ATTENTION                 # the router Linear is no pair: it feeds top-k, not a Linear
+    assert fused_projections(_graph("mixtral"), 1) == []
+
+
+def test_gpt2_conv1d_mlp_split_and_fused_qkv_left_whole():
+    from autopar.core.sharding import fused_projections, megatron_styles
+
+    g = _graph("gpt2")
+    name, styles = _block_styles("gpt2")
+    assert name == "transformer.h.0"
+    # Conv1D's addmm is a linear; c_attn's output is split into q, k, v along its features:
+    # a column split would give rank 0 all of q and half of k, so the attention is not split
+    assert styles == {"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    assert fused_projections(g, 1) == ["transformer.h.0.attn.c_attn"]
+    assert megatron_styles(g, 0) == {"transformer.wte": "rowwise"}
+    assert megatron_styles(g, len(g.layers) - 1) == {"lm_head": "colwise"}
