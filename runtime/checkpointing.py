@@ -33,12 +33,16 @@ Retention: after each save rank 0 deletes the oldest complete checkpoints beyond
 to fall back on.
 
 The model and optimizer state dicts come from ``torch.distributed.checkpoint.state_dict``
-(``get_model_state_dict`` / ``get_optimizer_state_dict``): keys are the model's own FQNs and
-sharded tensors are DTensors, so a checkpoint written under one layout loads under another.
-Pipeline ranks each hold their stages' keys; DCP merges them into one checkpoint.  One
-special case: ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's
-optimizer partition is saved beside the DCP files as ``zero1_rank<R>.pt`` (resumable under
-the same layout only).
+(``get_model_state_dict`` / ``get_optimizer_state_dict``) and are saved under canonical keys
+(``state_names``): the un-pipelined model's fully-qualified names, one key per tied parameter
+(its first name), a tied copy held by several pipeline stages written by the first of them.
+Sharded tensors are DTensors, so a checkpoint written under one layout -- pipeline, ZeRO-3,
+TP, DDP, any number of ranks -- loads under any other; on load each part asks for its
+entries' canonical keys (a stage holding the tied LM head reads the embedding's entry), and
+what DCP cannot give a layout is a ``CheckpointError``, not DCP's traceback.  Pipeline ranks
+each hold their stages' keys; DCP merges them into one checkpoint.  One special case: ZeRO-1's
+``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's optimizer partition is saved
+beside the DCP files as ``zero1_rank<R>.pt`` (resumable under the same layout only).
 
 The step number and the batches are functions of the step (batches are seeded by step), so a
 resumed run continues exactly where the checkpoint was taken.
@@ -56,12 +60,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
+from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
 
 LATEST = "latest.json"
 MANIFEST = "manifest.json"
@@ -112,14 +119,18 @@ def _is_zero1(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, ZeroRedundancyOptimizer)
 
 
-def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
-    model_sd: dict = {}
-    optim_sd: dict = {}
-    for part, opt in zip(parts, optimizers):
-        model_sd.update(get_model_state_dict(part))
-        if not _is_zero1(opt):
-            optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
-    return {"model": model_sd, "optim": optim_sd}
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], names: StateNames | None,
+           *, for_save: bool) -> tuple[dict, list[tuple[dict, dict, dict, dict]]]:
+    """This rank's model and optimizer state under the checkpoint's canonical keys
+    (``state_names``), and per part (its model state, model key map, optimizer state,
+    optimizer key map) for ``load_checkpoint``."""
+    names = names or StateNames(stages=tuple(range(len(parts))))
+    model_states = [get_model_state_dict(part) for part in parts]
+    optim_states = [{} if _is_zero1(opt) else get_optimizer_state_dict(part, opt, options=_FLAT)
+                    for part, opt in zip(parts, optimizers)]
+    model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
+    optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
+    return {"model": model_sd, "optim": optim_sd}, list(zip(model_states, model_keys, optim_states, optim_keys))
 
 
 def file_digest(path: Path) -> dict:
@@ -144,7 +155,8 @@ def _own_files(path: Path, rank: int) -> list[Path]:
 
 
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                    identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP) -> Path:
+                    identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
+                    names: StateNames | None = None) -> Path:
     """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``."""
     directory = Path(directory)
     path = step_dir(directory, step)
@@ -152,7 +164,7 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
     if rank == 0 and path.exists():              # an interrupted save of this step: start clean
         shutil.rmtree(path)
     dist.barrier()
-    dcp.save(_state(parts, optimizers), checkpoint_id=str(path))
+    dcp.save(_state(parts, optimizers, names, for_save=True)[0], checkpoint_id=str(path))
     for opt in optimizers:
         if _is_zero1(opt):
             torch.save(opt.optim.state_dict(), path / f"zero1_rank{rank}.pt")
@@ -308,7 +320,7 @@ def _what_to_do(path: Path) -> str:
 
 
 def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-           identity: CheckpointIdentity, steps: int) -> Resumed | None:
+           identity: CheckpointIdentity, steps: int, names: StateNames | None = None) -> Resumed | None:
     """Load the newest checkpoint under ``directory`` after checking it (None: nothing to resume).
     Every rank calls it."""
     check_directory(directory)
@@ -331,16 +343,49 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
     manifest = read_manifest(path)
     check_manifest(path, manifest, identity)
     verify_files(path, manifest)                 # before DCP unpickles .metadata
-    load_checkpoint(path, parts, optimizers)
+    load_checkpoint(path, parts, optimizers, names)
     return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]])
 
 
-def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-    state = _state(parts, optimizers)
-    dcp.load(state, checkpoint_id=str(path))
-    for part, opt in zip(parts, optimizers):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    names: StateNames | None = None) -> None:
+    state, per_part = _state(parts, optimizers, names, for_save=False)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded under this plan's layout: DCP could not read every entry this "
+            f"rank holds into it ({_first_failure(e)}). Its files passed their checksums and its model is this "
+            f"plan's, so the entries it lacks were not written by the layout that saved it. Resume it with the "
+            f"plan that wrote it, or start afresh with a new --checkpoint-dir.") from None
+    for part, opt, (model_own, model_keys, optim_own, optim_keys) in zip(parts, optimizers, per_part):
+        model_sd = {k: _as_laid_out(state["model"][c], model_own[k]) for k, c in model_keys.items()}
+        set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
         if _is_zero1(opt):
             opt.optim.load_state_dict(torch.load(path / f"zero1_rank{dist.get_rank()}.pt", weights_only=True))
         else:
-            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+            optim_sd = {k: _as_laid_out(state["optim"][c], optim_own[k]) for k, c in optim_keys.items()}
+            set_optimizer_state_dict(part, opt, optim_sd, options=_FLAT)
+
+
+def _first_failure(e: CheckpointException) -> str:
+    for failure in e.failures.values():
+        return f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+    return str(e).splitlines()[0][:300]
+
+
+def _as_laid_out(loaded, own):
+    """``loaded`` (a value DCP read) in the layout of ``own`` (this part's entry): itself where
+    DCP read it into ``own`` or the layouts agree; else through the full tensor -- only a tied
+    parameter held by two stages of one rank under different tensor-parallel layouts.  Every
+    rank holding the part runs the same conversions, so the collectives match."""
+    if loaded is own or not isinstance(own, torch.Tensor) or not isinstance(loaded, torch.Tensor):
+        return loaded
+    own_d, loaded_d = isinstance(own, DTensor), isinstance(loaded, DTensor)
+    if own_d == loaded_d and (not own_d or (own.device_mesh == loaded.device_mesh
+                                            and own.placements == loaded.placements)):
+        return loaded
+    full = loaded.full_tensor() if loaded_d else loaded
+    if own_d:
+        return distribute_tensor(full.to(own.device), own.device_mesh, own.placements)
+    return full

@@ -166,7 +166,8 @@ class Trainer:
         self.first_step, self.losses = 0, []
         self.identity = checkpointing.CheckpointIdentity.of_plan(plan)
         if opts.checkpoint_dir is not None:
-            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps)
+            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps,
+                                           names=pm.state_names)
             if resumed is not None:
                 self.first_step, self.losses = resumed.step, resumed.losses
                 self.log(f"resumed from {resumed.path} (step {self.first_step}, checksums verified)")
@@ -214,7 +215,8 @@ class Trainer:
         if checkpoint_now:
             loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, ctx.device)
             path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
-                                                 self.identity, self.losses, keep=opts.keep_checkpoints)
+                                                 self.identity, self.losses, keep=opts.keep_checkpoints,
+                                                 names=self.pm.state_names)
             self.log(f"checkpoint {path}")
 
     def finish(self) -> Measured:
