@@ -3,6 +3,8 @@ before they are read, the newest ``keep`` kept.
 
 Layout under ``--checkpoint-dir``::
 
+    lock.json             the run using the folder (``checkpoint_lock``), while it runs
+    step_00000012.partial/  a save in progress: renamed to step_00000012 once complete
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
@@ -14,7 +16,11 @@ Layout under ``--checkpoint-dir``::
 (the one the plan was made for), the layout it was saved under (world size, mesh, ZeRO
 stage), the global losses of the steps so far -- and the size and SHA-256 of every other file
 in the folder.  It is written by rank 0 after every rank has written and hashed its own files,
-so a folder without one is an interrupted save.
+and the folder is renamed from ``step_N.partial`` to ``step_N`` after it, so a ``step_N``
+folder is complete; a write that fails on any rank (a full disk) removes the partial folder and
+stops the run with one ``CheckpointError`` on every rank, the newest checkpoint being still the
+last complete one.  (A ``step_N`` without a manifest -- an older autopar's interrupted save --
+is skipped.)
 
 Resume (``resume``) takes the newest ``step_*`` folder that has a manifest and, before DCP
 reads anything, checks: the folder holds only files autopar writes; the manifest's model
@@ -68,6 +74,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
+from autopar.runtime.checkpoint_lock import LOCK
 from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
 
 LATEST = "latest.json"
@@ -76,6 +83,8 @@ FORMAT = "autopar-checkpoint"
 VERSION = 1
 DEFAULT_KEEP = 3
 _STEP_DIR = re.compile(r"step_(\d{8,})$")
+_PARTIAL_SUFFIX = ".partial"
+_PARTIAL_DIR = re.compile(r"step_(\d{8,})\.partial$")
 # what a checkpoint folder may hold besides the manifest: DCP's index and shards, ZeRO-1 partitions
 _CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)$")
 # write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
@@ -154,34 +163,93 @@ def _own_files(path: Path, rank: int) -> list[Path]:
     return own
 
 
+def partial_dir(directory: Path, step: int) -> Path:
+    """Where step ``step`` is written before it is renamed to ``step_dir`` (one name all ranks agree on)."""
+    return Path(directory) / f"{step_dir(directory, step).name}{_PARTIAL_SUFFIX}"
+
+
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
                     names: StateNames | None = None) -> Path:
-    """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``."""
+    """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``.
+
+    Every file is written into ``step_N.partial``; rank 0 writes the manifest there last and
+    renames the folder to ``step_N`` (one atomic rename), so a ``step_N`` folder is always
+    complete.  A write that fails on any rank (a full disk) removes the partial folder and
+    raises the same ``CheckpointError`` on every rank: the newest checkpoint is still the
+    last complete one."""
     directory = Path(directory)
-    path = step_dir(directory, step)
+    path, partial = step_dir(directory, step), partial_dir(directory, step)
     rank = dist.get_rank()
-    if rank == 0 and path.exists():              # an interrupted save of this step: start clean
-        shutil.rmtree(path)
+    if rank == 0:                                # an interrupted save of this step: start clean
+        shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(parts, optimizers, names, for_save=True)[0], checkpoint_id=str(path))
-    for opt in optimizers:
-        if _is_zero1(opt):
-            torch.save(opt.optim.state_dict(), path / f"zero1_rank{rank}.pt")
-    dist.barrier()                               # every file is written (.metadata included)
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, {p.name: file_digest(p) for p in _own_files(path, rank)})
+    try:
+        dcp.save(_state(parts, optimizers, names, for_save=True)[0], checkpoint_id=str(partial))
+    except CheckpointException as e:             # raised on every rank (DCP gathers the failures)
+        _abandon(directory, step, partial, _first_failure(e))
+    error, digests = None, {}
+    try:
+        for opt in optimizers:
+            if _is_zero1(opt):
+                torch.save(opt.optim.state_dict(), partial / f"zero1_rank{rank}.pt")
+        dist.barrier()                           # every file is written (.metadata included)
+        digests = {p.name: file_digest(p) for p in _own_files(partial, rank)}
+    except (OSError, RuntimeError) as e:         # torch.save reports a failed write as RuntimeError
+        error = f"rank {rank}: {_os_reason(e)}"
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, digests))
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        _abandon(directory, step, partial, errors[0])
+    verdict: list = [None]
     if rank == 0:
-        files = {name: d for mine in digests for name, d in mine.items()}
+        files = {name: d for _, mine in gathered for name, d in mine.items()}
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
                     "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
                     "losses": list(losses), "files": dict(sorted(files.items()))}
-        write_text_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        write_text_atomic(directory / LATEST,
-                          json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
-        prune(directory, keep)
-    dist.barrier()
+        try:
+            write_text_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            if path.exists():                    # a folder of this step without a manifest (an older autopar's)
+                shutil.rmtree(path)
+            partial.rename(path)
+        except OSError as e:
+            verdict = [f"rank 0: {_os_reason(e)}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        _abandon(directory, step, partial, verdict[0])
+    if rank == 0:
+        try:
+            write_text_atomic(directory / LATEST,
+                              json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
+            prune(directory, keep)
+        except OSError as e:
+            verdict = [f"rank 0: {_os_reason(e)}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise CheckpointError(
+            f"checkpoint {path} was saved (its manifest is written), but then {LATEST} could not be updated or older "
+            f"checkpoints pruned ({verdict[0]}). A rerun resumes from it; free space in {directory} first.")
     return path
+
+
+def _os_reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f': {e.filename}' if e.filename else ''}"
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def _abandon(directory: Path, step: int, partial: Path, reason: str) -> None:
+    """A save that failed: rank 0 removes its partial folder; every rank raises alike."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    found = latest_checkpoint(directory)
+    kept = (f"The newest complete checkpoint, {found[1]}, is kept; a rerun resumes from it"
+            if found else "No earlier checkpoint exists; a rerun starts afresh")
+    raise CheckpointError(
+        f"saving the checkpoint of step {step} into {directory} failed ({reason}); nothing of it was kept and "
+        f"training stopped there. {kept}. Free space in {directory} (or give a --checkpoint-dir on a disk with "
+        f"room) and rerun.")
 
 
 def prune(directory: Path, keep: int) -> list[Path]:
@@ -192,6 +260,8 @@ def prune(directory: Path, keep: int) -> list[Path]:
     if complete:
         newest = complete[-1][0]
         gone += [p for s, p in partial if s < newest]
+    # saves that died before their rename (the folder is locked by this run: none is in progress)
+    gone += sorted(p for p in Path(directory).iterdir() if _PARTIAL_DIR.match(p.name) and p.is_dir())
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
@@ -218,8 +288,8 @@ def check_directory(directory: Path) -> None:
         raise CheckpointError(f"--checkpoint-dir {directory} is a file, not a folder. Give a new folder "
                               f"(it is created) or one an earlier 'autopar run' wrote.")
     foreign = sorted(p.name for p in directory.iterdir()
-                     if not (p.name == LATEST or _TEMP_FILE.match(p.name) or
-                             (_STEP_DIR.match(p.name) and p.is_dir())))
+                     if not (p.name in (LATEST, LOCK) or _TEMP_FILE.match(p.name) or
+                             ((_STEP_DIR.match(p.name) or _PARTIAL_DIR.match(p.name)) and p.is_dir())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise CheckpointError(
@@ -369,8 +439,10 @@ def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.o
 
 
 def _first_failure(e: CheckpointException) -> str:
-    for failure in e.failures.values():
-        return f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+    """The first rank's exception inside DCP's (DCP keeps each as (exception, stack))."""
+    for rank, failure in sorted(e.failures.items()):
+        failure = failure[0] if isinstance(failure, tuple) and failure else failure
+        return f"rank {rank}: {_os_reason(failure)}"
     return str(e).splitlines()[0][:300]
 
 
