@@ -253,8 +253,9 @@ def _abandon(directory: Path, step: int, partial: Path, reason: str) -> None:
 
 
 def prune(directory: Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep``, and interrupted saves (no
-    manifest) older than the newest complete one; returns what was deleted."""
+    """Delete complete checkpoints beyond the newest ``keep``, folders without a manifest older
+    than the newest complete one, and ``step_N.partial`` folders of saves that died before
+    their rename; returns what was deleted."""
     complete, partial = _step_dirs(directory)
     gone = [p for _, p in complete[:-keep]] if keep > 0 else []
     if complete:
