@@ -8,7 +8,7 @@ Layout under ``--checkpoint-dir``::
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
-        zero1_rank<R>.pt  ZeRO-1 only: each rank's optimizer partition
+        zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
         manifest.json     autopar's record of the checkpoint, written last
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
 
@@ -46,9 +46,10 @@ Sharded tensors are DTensors, so a checkpoint written under one layout -- pipeli
 TP, DDP, any number of ranks -- loads under any other; on load each part asks for its
 entries' canonical keys (a stage holding the tied LM head reads the embedding's entry), and
 what DCP cannot give a layout is a ``CheckpointError``, not DCP's traceback.  Pipeline ranks
-each hold their stages' keys; DCP merges them into one checkpoint.  One special case: ZeRO-1's
-``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's optimizer partition is saved
-beside the DCP files as ``zero1_rank<R>.pt`` (resumable under the same layout only).
+each hold their stages' keys, and ZeRO-1's ranks (``ZeroRedundancyOptimizer``) the keys of
+the parameters their partition updates; DCP merges them into one checkpoint.  (An older
+autopar saved ZeRO-1's partitions beside the DCP files as ``zero1_rank<R>.pt``: such a
+checkpoint still resumes, under its own layout only.)
 
 The step number and the batches are functions of the step (batches are seeded by step), so a
 resumed run continues exactly where the checkpoint was taken.
@@ -128,14 +129,24 @@ def _is_zero1(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, ZeroRedundancyOptimizer)
 
 
+def _local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters: ZeRO-1's partition (an AdamW over the
+    parameters this rank updates), else the optimizer itself."""
+    return opt.optim if _is_zero1(opt) else opt
+
+
 def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], names: StateNames | None,
-           *, for_save: bool) -> tuple[dict, list[tuple[dict, dict, dict, dict]]]:
+           *, for_save: bool, legacy_zero1: bool = False) -> tuple[dict, list[tuple[dict, dict, dict, dict]]]:
     """This rank's model and optimizer state under the checkpoint's canonical keys
     (``state_names``), and per part (its model state, model key map, optimizer state,
-    optimizer key map) for ``load_checkpoint``."""
+    optimizer key map) for ``load_checkpoint``.  ZeRO-1's partitions hold disjoint keys, so
+    DCP joins them into the whole optimizer state like any other layout's.  ``legacy_zero1``:
+    loading a checkpoint that holds ZeRO-1's partitions as ``zero1_rank<R>.pt`` files (an
+    older autopar's) -- its DCP files hold no ZeRO-1 optimizer state."""
     names = names or StateNames(stages=tuple(range(len(parts))))
     model_states = [get_model_state_dict(part) for part in parts]
-    optim_states = [{} if _is_zero1(opt) else get_optimizer_state_dict(part, opt, options=_FLAT)
+    optim_states = [{} if legacy_zero1 and _is_zero1(opt) else
+                    get_optimizer_state_dict(part, _local_optimizer(opt), options=_FLAT)
                     for part, opt in zip(parts, optimizers)]
     model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
     optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
@@ -190,12 +201,9 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
         _abandon(directory, step, partial, _first_failure(e))
     error, digests = None, {}
     try:
-        for opt in optimizers:
-            if _is_zero1(opt):
-                torch.save(opt.optim.state_dict(), partial / f"zero1_rank{rank}.pt")
         dist.barrier()                           # every file is written (.metadata included)
         digests = {p.name: file_digest(p) for p in _own_files(partial, rank)}
-    except (OSError, RuntimeError) as e:         # torch.save reports a failed write as RuntimeError
+    except OSError as e:
         error = f"rank {rank}: {_os_reason(e)}"
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (error, digests))
@@ -420,7 +428,8 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     names: StateNames | None = None) -> None:
-    state, per_part = _state(parts, optimizers, names, for_save=False)
+    legacy_zero1 = any(path.glob("zero1_rank*.pt"))
+    state, per_part = _state(parts, optimizers, names, for_save=False, legacy_zero1=legacy_zero1)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as e:
@@ -432,11 +441,11 @@ def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.o
     for part, opt, (model_own, model_keys, optim_own, optim_keys) in zip(parts, optimizers, per_part):
         model_sd = {k: _as_laid_out(state["model"][c], model_own[k]) for k, c in model_keys.items()}
         set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
-        if _is_zero1(opt):
+        if legacy_zero1 and _is_zero1(opt):
             opt.optim.load_state_dict(torch.load(path / f"zero1_rank{dist.get_rank()}.pt", weights_only=True))
         else:
             optim_sd = {k: _as_laid_out(state["optim"][c], optim_own[k]) for k, c in optim_keys.items()}
-            set_optimizer_state_dict(part, opt, optim_sd, options=_FLAT)
+            set_optimizer_state_dict(part, _local_optimizer(opt), optim_sd, options=_FLAT)
 
 
 def _first_failure(e: CheckpointException) -> str:

@@ -9,7 +9,8 @@ one plan, saves, and the next plan resumes the same folder:
 
 * pp2 (GPipe) -> ZeRO-3 (dp2) -> tp2 with the vocabulary split (embedding row-wise, head
   column-wise), 2 steps each;
-* ZeRO-3 -> pp2 interleaved (4 stages) -> DDP, the other way round;
+* ZeRO-3 -> pp2 interleaved (4 stages) -> ZeRO-1 (``ZeroRedundancyOptimizer``: each rank
+  saves and loads its partition's entries) -> DDP, the other way round;
 * 2 ranks -> 4 ranks: DDP on 2 ranks, then dp2 x pp2 on 4; and 4 -> 2: dp2 x pp2 on 4 ranks,
   then ZeRO-3 on 2;
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
@@ -51,6 +52,7 @@ PP2 = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe")
 PP2_INTERLEAVED = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2)
 ZERO3 = dict(dp=2, micro_batch=2, zero=3)
 DDP = dict(dp=2, micro_batch=2)
+ZERO1 = dict(dp=2, micro_batch=2, zero=1)
 TP2_VOCAB = dict(tp=2, micro_batch=2, num_microbatches=2)
 DP2_PP2 = dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="gpipe")
 TP_STYLES = {"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}
@@ -59,7 +61,7 @@ BLOCK_TP = {"fc": "colwise", "proj": "rowwise"}
 # chain name -> the plans it runs, in order, each for LEG steps on the same folder
 CHAINS = {
     "pp2_zero3_tp2": [("pp2", PP2), ("zero3", ZERO3), ("tp2_vocab", TP2_VOCAB)],
-    "zero3_ppi_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("ddp", DDP)],
+    "zero3_ppi_zero1_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("zero1", ZERO1), ("ddp", DDP)],
 }
 # a Hugging Face model with tie_word_embeddings: its pipeline stages are cut from the
 # torch.export graph (each stage holds the tied tensor under one of its names)
