@@ -14,6 +14,10 @@ clear message and a non-zero exit code, with nothing lost.
   refused before any process starts;
 * a make_batch that ignores batch_size; --steps at or below the checkpoint's step: refused;
 * --keep-checkpoints keeps the newest N;
+* a checkpoint folder locked by a live process is refused at start (exit 2, naming its pid and
+  host), a stale lock taken over; a save whose writer fails like a full disk on one rank stops
+  the run with one message (exit 2), leaves no folder of that step and keeps the previous
+  checkpoint, from which a rerun ends on the reference;
 * a collective's figure is never below the same call timed back to back (a CPU collective
   was recorded at 1e-7 s).
 
