@@ -7,7 +7,8 @@ replicate units), ``materialize`` -- on the model built on the meta device, insi
 process group (``torch.testing._internal.distributed.fake_pg``: collectives return at once,
 any world size in one process), and then one forward and backward of a micro-batch under
 ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: nothing is
-allocated or computed).  What raises there would raise on the real ranks: a column split of a
+allocated or computed) -- under a pipeline, with the schedule's merge of the last stage's
+outputs over micro-batches.  What raises there would raise on the real ranks: a column split of a
 fused QKV projection followed by a ``view`` with global sizes, a column split of a 1-wide
 Linear, a position bias under TP, stages whose layers do not pass one activation, FSDP units
 nested in other units or tied parameters across units.
@@ -156,6 +157,7 @@ REAL_TENSOR_BYTES = 256 << 20
 def _run(plan: Plan, view: "ModelView", model_file) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.runtime import apply_pp
     from autopar.runtime.mesh import RankContext
     from autopar.runtime.parallelize import build_stage_parts
     from autopar.runtime.plan_check import CheckedPlan, LayerSpec
@@ -206,6 +208,10 @@ def _run(plan: Plan, view: "ModelView", model_file) -> None:
             out = _call(parts[0], inputs)
             for part in parts[1:]:
                 out = _call(part, out if isinstance(out, tuple) else (out,))
+            if plan.mesh.pp > 1:
+                # the schedule merges the last stage's outputs of the micro-batches at the end of
+                # every step (a 0-d output once crashed torch's merge there): merge two
+                apply_pp.merge_microbatch_outputs([out, out])
             if built.restore_output is not None:
                 out = built.restore_output(out)
             loss = model_file.loss(out, target)

@@ -26,7 +26,12 @@ says so.
 
 Schedules: GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021, PipeDream-Flush),
 interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), with ``scale_grads=True`` so gradients are
-averaged over the micro-batches.  Stage i runs on pp rank i % pp.
+averaged over the micro-batches.  Stage i runs on pp rank i % pp.  At the end of a step the
+schedule merges the last stage's outputs of the micro-batches into the batch's
+(``merge_microbatch_outputs``): tensors are joined along the batch dim, as torch's default
+merge does, but a 0-d tensor -- a Hugging Face MoE model's router loss, a loss the forward
+returns -- has no batch dim to join along (torch's merge crashed on it: "zero-dimensional
+tensor cannot be concatenated") and is averaged instead.
 
 Profiler regions: the schedules label their actions inconsistently (1F1B not at all; GPipe's
 "Forward i" and the interleaved runtime's "PP:0F3" also hold the wait for the received
@@ -44,8 +49,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.microbatch import merge_chunks
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.profiler import record_function
 
 from autopar.core.errors import PlanFileError
@@ -376,6 +382,32 @@ def _in_order(args, prev_call: fx.Node) -> bool:
     return idx == list(range(len(args)))
 
 
+def merge_microbatch_outputs(chunks: list):
+    """The last stage's outputs of the micro-batches (one per micro-batch, same structure) as
+    the batch's: tensors with a batch dim joined along dim 0 (torch's ``merge_chunks`` with its
+    default spec, DTensors included); a 0-d tensor -- a mean over its micro-batch's samples,
+    such as a router's auxiliary loss -- averaged over the equal micro-batches, the mean over
+    the batch; any other value taken from the first micro-batch."""
+    flat = [tree_flatten(c) for c in chunks]
+    leaves, spec = flat[0]
+    batched = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    joined = merge_chunks([[f[0][i] for i in batched] for f in flat], None) if batched else []
+    out = list(leaves)
+    for i, value in zip(batched, joined):
+        out[i] = value
+    for i, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor) and v.dim() == 0:
+            out[i] = sum(f[0][i] for f in flat) / len(flat)
+    return tree_unflatten(out, spec)
+
+
+def _merging(cls: type) -> type:
+    """The schedule class with ``merge_microbatch_outputs`` as its merge of the outputs.  (torch's
+    own hook, ``output_merge_spec``, is a spec per output leaf given before the first step,
+    when the last stage's outputs are not known yet.)"""
+    return type(cls.__name__, (cls,), {"_merge_outputs": lambda self, chunks: merge_microbatch_outputs(chunks)})
+
+
 def runnable_schedule(schedule: str, num_microbatches: int, num_stages: int) -> str:
     """The schedule torch runs for the plan's: 1F1B with fewer micro-batches than stages runs
     as GPipe.
@@ -399,7 +431,7 @@ def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh
     group = pp_mesh.get_group()
     stages = [LabelledStage(mod, index, num_stages, device, group=group)
               for index, mod in sorted(stage_modules.items())]
-    cls = SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)]
+    cls = _merging(SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)])
     user_loss = loss_fn
     loss_fn = labelled_loss(lambda output, target: user_loss(restore_output(output), target))
     if schedule == "interleaved":

@@ -3,10 +3,12 @@ before they are read, the newest ``keep`` kept.
 
 Layout under ``--checkpoint-dir``::
 
+    lock.json             the run using the folder (``checkpoint_lock``), while it runs
+    step_00000012.partial/  a save in progress: renamed to step_00000012 once complete
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
-        zero1_rank<R>.pt  ZeRO-1 only: each rank's optimizer partition
+        zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
         manifest.json     autopar's record of the checkpoint, written last
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
 
@@ -14,7 +16,11 @@ Layout under ``--checkpoint-dir``::
 (the one the plan was made for), the layout it was saved under (world size, mesh, ZeRO
 stage), the global losses of the steps so far -- and the size and SHA-256 of every other file
 in the folder.  It is written by rank 0 after every rank has written and hashed its own files,
-so a folder without one is an interrupted save.
+and the folder is renamed from ``step_N.partial`` to ``step_N`` after it, so a ``step_N``
+folder is complete; a write that fails on any rank (a full disk) removes the partial folder and
+stops the run with one ``CheckpointError`` on every rank, the newest checkpoint being still the
+last complete one.  (A ``step_N`` without a manifest -- an older autopar's interrupted save --
+is skipped.)
 
 Resume (``resume``) takes the newest ``step_*`` folder that has a manifest and, before DCP
 reads anything, checks: the folder holds only files autopar writes; the manifest's model
@@ -33,12 +39,17 @@ Retention: after each save rank 0 deletes the oldest complete checkpoints beyond
 to fall back on.
 
 The model and optimizer state dicts come from ``torch.distributed.checkpoint.state_dict``
-(``get_model_state_dict`` / ``get_optimizer_state_dict``): keys are the model's own FQNs and
-sharded tensors are DTensors, so a checkpoint written under one layout loads under another.
-Pipeline ranks each hold their stages' keys; DCP merges them into one checkpoint.  One
-special case: ZeRO-1's ``ZeroRedundancyOptimizer`` has no DCP state dict; each rank's
-optimizer partition is saved beside the DCP files as ``zero1_rank<R>.pt`` (resumable under
-the same layout only).
+(``get_model_state_dict`` / ``get_optimizer_state_dict``) and are saved under canonical keys
+(``state_names``): the un-pipelined model's fully-qualified names, one key per tied parameter
+(its first name), a tied copy held by several pipeline stages written by the first of them.
+Sharded tensors are DTensors, so a checkpoint written under one layout -- pipeline, ZeRO-3,
+TP, DDP, any number of ranks -- loads under any other; on load each part asks for its
+entries' canonical keys (a stage holding the tied LM head reads the embedding's entry), and
+what DCP cannot give a layout is a ``CheckpointError``, not DCP's traceback.  Pipeline ranks
+each hold their stages' keys, and ZeRO-1's ranks (``ZeroRedundancyOptimizer``) the keys of
+the parameters their partition updates; DCP merges them into one checkpoint.  (An older
+autopar saved ZeRO-1's partitions beside the DCP files as ``zero1_rank<R>.pt``: such a
+checkpoint still resumes, under its own layout only.)
 
 The step number and the batches are functions of the step (batches are seeded by step), so a
 resumed run continues exactly where the checkpoint was taken.
@@ -56,12 +67,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
+from autopar.runtime.checkpoint_lock import LOCK
+from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
 
 LATEST = "latest.json"
 MANIFEST = "manifest.json"
@@ -69,6 +84,8 @@ FORMAT = "autopar-checkpoint"
 VERSION = 1
 DEFAULT_KEEP = 3
 _STEP_DIR = re.compile(r"step_(\d{8,})$")
+_PARTIAL_SUFFIX = ".partial"
+_PARTIAL_DIR = re.compile(r"step_(\d{8,})\.partial$")
 # what a checkpoint folder may hold besides the manifest: DCP's index and shards, ZeRO-1 partitions
 _CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)$")
 # write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
@@ -112,14 +129,28 @@ def _is_zero1(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, ZeroRedundancyOptimizer)
 
 
-def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
-    model_sd: dict = {}
-    optim_sd: dict = {}
-    for part, opt in zip(parts, optimizers):
-        model_sd.update(get_model_state_dict(part))
-        if not _is_zero1(opt):
-            optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
-    return {"model": model_sd, "optim": optim_sd}
+def _local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters: ZeRO-1's partition (an AdamW over the
+    parameters this rank updates), else the optimizer itself."""
+    return opt.optim if _is_zero1(opt) else opt
+
+
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], names: StateNames | None,
+           *, for_save: bool, legacy_zero1: bool = False) -> tuple[dict, list[tuple[dict, dict, dict, dict]]]:
+    """This rank's model and optimizer state under the checkpoint's canonical keys
+    (``state_names``), and per part (its model state, model key map, optimizer state,
+    optimizer key map) for ``load_checkpoint``.  ZeRO-1's partitions hold disjoint keys, so
+    DCP joins them into the whole optimizer state like any other layout's.  ``legacy_zero1``:
+    loading a checkpoint that holds ZeRO-1's partitions as ``zero1_rank<R>.pt`` files (an
+    older autopar's) -- its DCP files hold no ZeRO-1 optimizer state."""
+    names = names or StateNames(stages=tuple(range(len(parts))))
+    model_states = [get_model_state_dict(part) for part in parts]
+    optim_states = [{} if legacy_zero1 and _is_zero1(opt) else
+                    get_optimizer_state_dict(part, _local_optimizer(opt), options=_FLAT)
+                    for part, opt in zip(parts, optimizers)]
+    model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
+    optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
+    return {"model": model_sd, "optim": optim_sd}, list(zip(model_states, model_keys, optim_states, optim_keys))
 
 
 def file_digest(path: Path) -> dict:
@@ -143,43 +174,103 @@ def _own_files(path: Path, rank: int) -> list[Path]:
     return own
 
 
+def partial_dir(directory: Path, step: int) -> Path:
+    """Where step ``step`` is written before it is renamed to ``step_dir`` (one name all ranks agree on)."""
+    return Path(directory) / f"{step_dir(directory, step).name}{_PARTIAL_SUFFIX}"
+
+
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                    identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP) -> Path:
-    """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``."""
+                    identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
+                    names: StateNames | None = None) -> Path:
+    """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``.
+
+    Every file is written into ``step_N.partial``; rank 0 writes the manifest there last and
+    renames the folder to ``step_N`` (one atomic rename), so a ``step_N`` folder is always
+    complete.  A write that fails on any rank (a full disk) removes the partial folder and
+    raises the same ``CheckpointError`` on every rank: the newest checkpoint is still the
+    last complete one."""
     directory = Path(directory)
-    path = step_dir(directory, step)
+    path, partial = step_dir(directory, step), partial_dir(directory, step)
     rank = dist.get_rank()
-    if rank == 0 and path.exists():              # an interrupted save of this step: start clean
-        shutil.rmtree(path)
+    if rank == 0:                                # an interrupted save of this step: start clean
+        shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(parts, optimizers), checkpoint_id=str(path))
-    for opt in optimizers:
-        if _is_zero1(opt):
-            torch.save(opt.optim.state_dict(), path / f"zero1_rank{rank}.pt")
-    dist.barrier()                               # every file is written (.metadata included)
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, {p.name: file_digest(p) for p in _own_files(path, rank)})
+    try:
+        dcp.save(_state(parts, optimizers, names, for_save=True)[0], checkpoint_id=str(partial))
+    except CheckpointException as e:             # raised on every rank (DCP gathers the failures)
+        _abandon(directory, step, partial, _first_failure(e))
+    error, digests = None, {}
+    try:
+        dist.barrier()                           # every file is written (.metadata included)
+        digests = {p.name: file_digest(p) for p in _own_files(partial, rank)}
+    except OSError as e:
+        error = f"rank {rank}: {_os_reason(e)}"
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, digests))
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        _abandon(directory, step, partial, errors[0])
+    verdict: list = [None]
     if rank == 0:
-        files = {name: d for mine in digests for name, d in mine.items()}
+        files = {name: d for _, mine in gathered for name, d in mine.items()}
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
                     "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
                     "losses": list(losses), "files": dict(sorted(files.items()))}
-        write_text_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        write_text_atomic(directory / LATEST,
-                          json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
-        prune(directory, keep)
-    dist.barrier()
+        try:
+            write_text_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            if path.exists():                    # a folder of this step without a manifest (an older autopar's)
+                shutil.rmtree(path)
+            partial.rename(path)
+        except OSError as e:
+            verdict = [f"rank 0: {_os_reason(e)}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        _abandon(directory, step, partial, verdict[0])
+    if rank == 0:
+        try:
+            write_text_atomic(directory / LATEST,
+                              json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
+            prune(directory, keep)
+        except OSError as e:
+            verdict = [f"rank 0: {_os_reason(e)}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise CheckpointError(
+            f"checkpoint {path} was saved (its manifest is written), but then {LATEST} could not be updated or older "
+            f"checkpoints pruned ({verdict[0]}). A rerun resumes from it; free space in {directory} first.")
     return path
 
 
+def _os_reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f': {e.filename}' if e.filename else ''}"
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def _abandon(directory: Path, step: int, partial: Path, reason: str) -> None:
+    """A save that failed: rank 0 removes its partial folder; every rank raises alike."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    found = latest_checkpoint(directory)
+    kept = (f"The newest complete checkpoint, {found[1]}, is kept; a rerun resumes from it"
+            if found else "No earlier checkpoint exists; a rerun starts afresh")
+    raise CheckpointError(
+        f"saving the checkpoint of step {step} into {directory} failed ({reason}); nothing of it was kept and "
+        f"training stopped there. {kept}. Free space in {directory} (or give a --checkpoint-dir on a disk with "
+        f"room) and rerun.")
+
+
 def prune(directory: Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest ``keep``, and interrupted saves (no
-    manifest) older than the newest complete one; returns what was deleted."""
+    """Delete complete checkpoints beyond the newest ``keep``, folders without a manifest older
+    than the newest complete one, and ``step_N.partial`` folders of saves that died before
+    their rename; returns what was deleted."""
     complete, partial = _step_dirs(directory)
     gone = [p for _, p in complete[:-keep]] if keep > 0 else []
     if complete:
         newest = complete[-1][0]
         gone += [p for s, p in partial if s < newest]
+    # saves that died before their rename (the folder is locked by this run: none is in progress)
+    gone += sorted(p for p in Path(directory).iterdir() if _PARTIAL_DIR.match(p.name) and p.is_dir())
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
@@ -206,8 +297,8 @@ def check_directory(directory: Path) -> None:
         raise CheckpointError(f"--checkpoint-dir {directory} is a file, not a folder. Give a new folder "
                               f"(it is created) or one an earlier 'autopar run' wrote.")
     foreign = sorted(p.name for p in directory.iterdir()
-                     if not (p.name == LATEST or _TEMP_FILE.match(p.name) or
-                             (_STEP_DIR.match(p.name) and p.is_dir())))
+                     if not (p.name in (LATEST, LOCK) or _TEMP_FILE.match(p.name) or
+                             ((_STEP_DIR.match(p.name) or _PARTIAL_DIR.match(p.name)) and p.is_dir())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise CheckpointError(
@@ -308,7 +399,7 @@ def _what_to_do(path: Path) -> str:
 
 
 def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-           identity: CheckpointIdentity, steps: int) -> Resumed | None:
+           identity: CheckpointIdentity, steps: int, names: StateNames | None = None) -> Resumed | None:
     """Load the newest checkpoint under ``directory`` after checking it (None: nothing to resume).
     Every rank calls it."""
     check_directory(directory)
@@ -331,16 +422,52 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
     manifest = read_manifest(path)
     check_manifest(path, manifest, identity)
     verify_files(path, manifest)                 # before DCP unpickles .metadata
-    load_checkpoint(path, parts, optimizers)
+    load_checkpoint(path, parts, optimizers, names)
     return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]])
 
 
-def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-    state = _state(parts, optimizers)
-    dcp.load(state, checkpoint_id=str(path))
-    for part, opt in zip(parts, optimizers):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        if _is_zero1(opt):
+def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    names: StateNames | None = None) -> None:
+    legacy_zero1 = any(path.glob("zero1_rank*.pt"))
+    state, per_part = _state(parts, optimizers, names, for_save=False, legacy_zero1=legacy_zero1)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded under this plan's layout: DCP could not read every entry this "
+            f"rank holds into it ({_first_failure(e)}). Its files passed their checksums and its model is this "
+            f"plan's, so the entries it lacks were not written by the layout that saved it. Resume it with the "
+            f"plan that wrote it, or start afresh with a new --checkpoint-dir.") from None
+    for part, opt, (model_own, model_keys, optim_own, optim_keys) in zip(parts, optimizers, per_part):
+        model_sd = {k: _as_laid_out(state["model"][c], model_own[k]) for k, c in model_keys.items()}
+        set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+        if legacy_zero1 and _is_zero1(opt):
             opt.optim.load_state_dict(torch.load(path / f"zero1_rank{dist.get_rank()}.pt", weights_only=True))
         else:
-            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+            optim_sd = {k: _as_laid_out(state["optim"][c], optim_own[k]) for k, c in optim_keys.items()}
+            set_optimizer_state_dict(part, _local_optimizer(opt), optim_sd, options=_FLAT)
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first rank's exception inside DCP's (DCP keeps each as (exception, stack))."""
+    for rank, failure in sorted(e.failures.items()):
+        failure = failure[0] if isinstance(failure, tuple) and failure else failure
+        return f"rank {rank}: {_os_reason(failure)}"
+    return str(e).splitlines()[0][:300]
+
+
+def _as_laid_out(loaded, own):
+    """``loaded`` (a value DCP read) in the layout of ``own`` (this part's entry): itself where
+    DCP read it into ``own`` or the layouts agree; else through the full tensor -- only a tied
+    parameter held by two stages of one rank under different tensor-parallel layouts.  Every
+    rank holding the part runs the same conversions, so the collectives match."""
+    if loaded is own or not isinstance(own, torch.Tensor) or not isinstance(loaded, torch.Tensor):
+        return loaded
+    own_d, loaded_d = isinstance(own, DTensor), isinstance(loaded, DTensor)
+    if own_d == loaded_d and (not own_d or (own.device_mesh == loaded.device_mesh
+                                            and own.placements == loaded.placements)):
+        return loaded
+    full = loaded.full_tensor() if loaded_d else loaded
+    if own_d:
+        return distribute_tensor(full.to(own.device), own.device_mesh, own.placements)
+    return full

@@ -40,6 +40,7 @@ from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
+from autopar.runtime.state_names import StateNames
 from autopar.runtime.ties import TieGroup, TiedGradSum, find_ties, retie, untie_across_stages
 
 
@@ -61,6 +62,8 @@ class ParallelModel:
     warnings: list[str] = field(default_factory=list)
     # sums the gradients of tied parameters copied onto several pipeline stages (runtime.ties)
     tied_grad_sum: Callable[[list[nn.Module]], None] | None = None
+    # the checkpoint's key of every state-dict entry of the parts (runtime.state_names)
+    state_names: StateNames = field(default_factory=StateNames)
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -192,6 +195,7 @@ class StageParts:
     restore_output: Callable | None = None       # the model's output structure from the last stage's
     cut_by: str = "none"                         # "fx", "export" or "none" (no pipeline)
     cross_stage_ties: list = field(default_factory=list)
+    ties: list[TieGroup] = field(default_factory=list)   # on the model as built (ties.find_ties)
 
 
 def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
@@ -209,7 +213,7 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
     ties = find_ties(meta)
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
-    out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh))
+    out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh), ties=ties)
     if plan.mesh.pp > 1:                                                            # 2
         with torch.device("meta"):
             example, _ = checked.model_file.make_batch(plan.micro_batch, **args)
@@ -276,4 +280,5 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
+                         state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local)

@@ -28,7 +28,7 @@ from torch.profiler import record_function
 
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
-from autopar.runtime import checkpointing, loss_guard
+from autopar.runtime import checkpoint_lock, checkpointing, loss_guard
 from autopar.runtime.batch_check import check_batch_rows
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
@@ -151,6 +151,25 @@ class Trainer:
         plan = self.plan = self.checked.plan
         self.ctx = ctx = init_distributed(plan.mesh)
         set_place(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
+        self.locked = False
+        if opts.checkpoint_dir is not None:       # one run per checkpoint folder (checkpoint_lock)
+            taken_over = checkpoint_lock.acquire_on_rank0(opts.checkpoint_dir, opts.plan_path)
+            self.locked = True
+            if taken_over:
+                self.log(f"note: {taken_over}")
+        try:
+            self._setup(opts)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        if self.locked:
+            checkpoint_lock.release(self.opts.checkpoint_dir)
+            self.locked = False
+
+    def _setup(self, opts: RunOptions) -> None:
+        plan, ctx = self.plan, self.ctx
         self.memory = MemoryProbe(ctx.device)
         self.memory.start()
         torch.manual_seed(opts.seed)
@@ -166,7 +185,8 @@ class Trainer:
         self.first_step, self.losses = 0, []
         self.identity = checkpointing.CheckpointIdentity.of_plan(plan)
         if opts.checkpoint_dir is not None:
-            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps)
+            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps,
+                                           names=pm.state_names)
             if resumed is not None:
                 self.first_step, self.losses = resumed.step, resumed.losses
                 self.log(f"resumed from {resumed.path} (step {self.first_step}, checksums verified)")
@@ -214,7 +234,8 @@ class Trainer:
         if checkpoint_now:
             loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, ctx.device)
             path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
-                                                 self.identity, self.losses, keep=opts.keep_checkpoints)
+                                                 self.identity, self.losses, keep=opts.keep_checkpoints,
+                                                 names=self.pm.state_names)
             self.log(f"checkpoint {path}")
 
     def finish(self) -> Measured:
@@ -240,11 +261,15 @@ class Trainer:
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
                      f"max_memory_bytes {report.max_memory_bytes}")
         dist.barrier()
+        self.release_lock()
         return report
 
 
 def run(opts: RunOptions) -> Measured:
     trainer = Trainer(opts)
-    for step in range(trainer.first_step, opts.steps):
-        trainer.step(step)
-    return trainer.finish()
+    try:
+        for step in range(trainer.first_step, opts.steps):
+            trainer.step(step)
+        return trainer.finish()
+    finally:
+        trainer.release_lock()

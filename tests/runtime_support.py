@@ -122,15 +122,19 @@ def consolidated_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_matches_reference(measured_path: Path, checkpoint_dir: Path, ref, label: str,
-                             steps: int = STEPS) -> None:
+                             steps: int = STEPS, aliases: dict[str, str] | None = None) -> None:
+    """``aliases``: tied names -> the canonical name under which the checkpoint holds them
+    (``runtime.state_names``); the reference's every name is checked against the checkpoint's."""
     m = json.loads(measured_path.read_text())
     assert len(m["losses"]) == steps, (label, m["losses"])
     diffs = [abs(a - b) for a, b in zip(m["losses"], ref.losses)]
     assert max(diffs) <= LOSS_ATOL, f"{label}: losses {m['losses']} vs reference {ref.losses}"
     params = consolidated_params(checkpoint_dir)
-    assert set(ref.params) <= set(params), (label, sorted(set(ref.params) - set(params)))
+    aliases = aliases or {}
+    saved = {name: aliases.get(name, name) for name in ref.params}
+    assert set(saved.values()) <= set(params), (label, sorted(set(saved.values()) - set(params)))
     for name, want in ref.params.items():
-        got = params[name].float()
+        got = params[saved[name]].float()
         assert got.shape == want.shape, (label, name, got.shape, want.shape)
         diff = (got - want).abs()
         noise = ref.grad_abs_max[name] < NOISE_GRAD

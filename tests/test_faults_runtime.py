@@ -14,6 +14,10 @@ clear message and a non-zero exit code, with nothing lost.
   refused before any process starts;
 * a make_batch that ignores batch_size; --steps at or below the checkpoint's step: refused;
 * --keep-checkpoints keeps the newest N;
+* a checkpoint folder locked by a live process is refused at start (exit 2, naming its pid and
+  host), a stale lock taken over; a save whose writer fails like a full disk on one rank stops
+  the run with one message (exit 2), leaves no folder of that step and keeps the previous
+  checkpoint, from which a rerun ends on the reference;
 * a collective's figure is never below the same call timed back to back (a CPU collective
   was recorded at 1e-7 s).
 
@@ -348,3 +352,65 @@ def test_checkpoint_folder_without_manifests_is_refused(trained, tmp_path):
     identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=2, mesh={}, zero=0)
     with pytest.raises(checkpointing.CheckpointError, match="no checkpoint with a manifest.json"):
         checkpointing.resume(ckpt, [], [], identity, steps=10)
+
+
+# ------------------------------------------------------------------ one run per folder, saves that fail
+
+@pytest.mark.multiproc
+def test_checkpoint_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    """A folder locked by a live process (this test's, standing in for another run) is refused
+    at start, naming the folder and the holder's pid and host, with nothing written; a lock
+    whose process is gone (a run killed with -9) is taken over and removed at the end."""
+    import os
+    import socket
+
+    from autopar.runtime import checkpoint_lock
+
+    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint_lock.acquire(ckpt, "the-other-run.json")
+    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt)
+    assert_clean_refusal(out, 2, f"--checkpoint-dir {ckpt} is in use by another run", f"pid {os.getpid()}",
+                         f"on host {socket.gethostname()}", "the-other-run.json", "another --checkpoint-dir")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["lock.json"]
+    assert not (tmp_path / "measured.json").exists()
+    checkpoint_lock.release(ckpt)
+    # a lock left by a process that no longer exists
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (ckpt / "lock.json").write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
+                                                "plan": "killed.json", "started": "earlier"}))
+    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    assert f"took over {ckpt / 'lock.json'}" in out.stdout and f"pid {gone.stdout.strip()}" in out.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
+
+
+@pytest.mark.multiproc
+def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(tmp_path):
+    """Rank 1's writer fails like a full disk in the save of step 4 (after writing part of its
+    shard): the run stops with one message (exit 2, no traceback), step 4 leaves no folder, step
+    2 stays the newest checkpoint, and a rerun resumes from it to the reference's losses and
+    weights."""
+    from runtime_support import free_port
+
+    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
+    ckpt = tmp_path / "ckpt"
+    worker = Path(__file__).resolve().parent / "failing_save_worker.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "autopar.runtime.launch", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(worker), str(plan), "--steps", "6",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--warmup-steps", "1",
+         "--measured", str(tmp_path / "measured.json")],
+        env=worker_env(AUTOPAR_TEST_FULL_DISK="1:step_00000004"), cwd=ROOT, capture_output=True, text=True,
+        timeout=TIMEOUT_S)
+    assert_clean_refusal(out, 2, "saving the checkpoint of step 4", "No space left on device",
+                         "step_00000002, is kept; a rerun resumes from it")
+    flat = "".join((out.stdout + out.stderr).split())
+    assert flat.count("savingthecheckpointofstep4") == 1, out.stderr[-5000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 2
+    out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    assert "resumed from" in out.stdout and "step_00000002" in out.stdout
+    assert_matches_reference(tmp_path / "measured.json", ckpt, reference(4), "after a failed save", steps=4)

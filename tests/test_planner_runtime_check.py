@@ -98,3 +98,30 @@ def test_sequence_parallel_kept_where_attention_is_inside_the_pairs():
     graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 32, "heads": 4, "seq": 8,
                                                              "vocab": 64})
     assert ex.sequence_parallel, _left(ex)
+
+
+def test_pipeline_check_merges_a_zero_dim_output_over_micro_batches(monkeypatch):
+    """moe_aux returns {"logits", "aux_loss": 0-d}: the schedule merges the last stage's outputs
+    of the micro-batches at the end of a step, where torch's default merge (concatenation along
+    dim 0) crashed at run time.  The check runs the runtime's merge: it keeps the pipeline, and
+    with torch's default merge in its place it would have left the pipeline out."""
+    from torch.distributed.pipelining.microbatch import merge_chunks
+
+    from autopar.runtime import apply_pp
+
+    _, ex = _executable(ZOO / "moe_aux.py")
+    assert ex.pipeline, _left(ex)
+    monkeypatch.setattr(apply_pp, "merge_microbatch_outputs", lambda chunks: merge_chunks(chunks, None))
+    _, ex = _executable(ZOO / "moe_aux.py")
+    assert not ex.pipeline and "zero-dimensional tensor" in _left(ex)["pipeline"], _left(ex)
+
+
+def test_merge_microbatch_outputs_joins_batches_and_averages_zero_dim_tensors():
+    import torch
+
+    from autopar.runtime.apply_pp import merge_microbatch_outputs
+
+    a = (torch.ones(2, 3), torch.tensor(1.0))
+    b = (torch.zeros(1, 3), torch.tensor(4.0))
+    logits, aux = merge_microbatch_outputs([a, b])
+    assert torch.equal(logits, torch.cat([a[0], b[0]])) and aux.item() == 2.5

@@ -108,6 +108,10 @@ MODELS: dict[str, dict] = {
     "two_tower": dict(kinds={**CORE, "tp": TP, "tp_prepost": TP},
                       tp={"0": "colwise"}, tp_prepost={"post": {"head.0": "colwise", "head.2": "rowwise"}}),
     "cnn_bn": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP}, tp_prepost={"post": {"fc": "colwise"}}),
+    # {"logits", "aux_loss": 0-d}: the pipeline schedules merge a 0-d output over micro-batches
+    "moe_aux": dict(kinds={**CORE, "tp": TP, "pp": PP, "pp_1f1b": PP_1F1B, "pp_interleaved": PP_INTERLEAVED,
+                           "pp_zero3": PP_ZERO3},
+                    tp={"fc": "colwise", "proj": "rowwise"}),
 }
 
 # kinds the runtime refuses for a model: (plan kwargs, a fragment of the refusal, the reason)
@@ -185,8 +189,9 @@ def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
 
 
 def chunks_for(name: str, kw: dict) -> int:
-    """Row blocks the plain loop splits the global batch into: BatchNorm sees each rank's micro-batch."""
-    if name != "cnn_bn":
+    """Row blocks the plain loop splits the global batch into: BatchNorm's statistics and the
+    router's load-balancing loss are computed over each rank's micro-batch."""
+    if name not in ("cnn_bn", "moe_aux"):
         return 1
     return kw.get("dp", 1) * kw.get("num_microbatches", 1)
 
