@@ -34,21 +34,22 @@ import torch.nn as nn
 COMPILED_ATTR = "_autopar_compiled"
 
 
-def compile_module_forward(module: nn.Module) -> None:
+def compile_module_forward(module: nn.Module, backend: str = "inductor") -> None:
     """Replace ``module.forward`` by its ``torch.compile``d version (once)."""
     if getattr(module, COMPILED_ATTR, False):
         return
-    module.forward = torch.compile(module.forward)
+    module.forward = torch.compile(module.forward, backend=backend)
     setattr(module, COMPILED_ATTR, True)
 
 
-def apply_compile(part: nn.Module, block_paths: list[list[str]]) -> list[str]:
+def apply_compile(part: nn.Module, block_paths: list[list[str]], backend: str = "inductor") -> list[str]:
     """Compile, inside ``part``, the forward of each listed block module; returns the paths
-    compiled.  ``block_paths``: per block layer, its module paths present in ``part``."""
+    compiled.  ``block_paths``: per block layer, its module paths present in ``part``;
+    ``backend``: torch.compile's (the runtime always uses inductor)."""
     done = []
     for paths in block_paths:
         for path in paths:
-            compile_module_forward(part.get_submodule(path))
+            compile_module_forward(part.get_submodule(path), backend)
             done.append(path)
     return done
 
