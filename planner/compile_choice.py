@@ -3,8 +3,8 @@
 The search ranks plans eager; this step then prices each kept plan (best and runner-ups) both
 ways with the same simulator (the compile term is simulator/compile_fusion.py) and keeps, per
 plan, the faster.  Compile shortens only the blocks' memory-bound work and keeps their memory,
-so it cannot make a plan infeasible; it rarely reorders plans, and where it does the best plan
-is re-picked from the re-priced list.
+so it cannot make a plan infeasible; it rarely reorders plans, and where a runner-up becomes
+faster than the best by more than the search's tidy tolerance it becomes the best.
 
 What is not priced into the step, and decides the default where the search is free:
 
@@ -44,14 +44,16 @@ class CompileChoice:
                 "compiled_step_s": self.compiled_step_s}
 
 
-def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool | None) -> tuple[SearchResult,
-                                                                                                  CompileChoice]:
+def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool | None,
+                   memory_headroom: float = 0.0) -> tuple[SearchResult, CompileChoice]:
     """The result with every kept plan's ``compile`` decided (``flag``: fixed by the user) and
-    re-priced; the best plan re-picked if compile reorders them."""
+    re-priced on the cluster as the search saw it (``memory_headroom``); the best plan
+    re-picked if compile reorders them."""
+    from autopar.planner.headroom import with_headroom
     from autopar.simulator.evaluator import PlanEvaluator
 
-    ev = PlanEvaluator(graph, cluster, cost_models)
     gloo = cluster.backend == "gloo"
+    ev = PlanEvaluator(graph, with_headroom(cluster, memory_headroom), cost_models)
     choices: list[tuple[Evaluated, CompileChoice]] = []
     for item in [result.best] + list(result.runner_ups):
         eager_plan = replace(item.plan, compile=False)
@@ -64,16 +66,22 @@ def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool
         else:
             on = compiled.step_time_s < eager.step_time_s * (1.0 - TIDY_TOLERANCE)
             why = "faster" if on else "saves less than 0.2%"
-        chosen = compiled if on else eager
-        plan = (compiled_plan if on else eager_plan).with_predicted(
-            {**dict(item.plan.predicted), **chosen.predicted_dict()}) if item.plan.predicted else \
-            (compiled_plan if on else eager_plan)
-        choices.append((Evaluated(item.candidate, plan, chosen),
+        if on:
+            plan = compiled_plan.with_predicted(compiled.predicted_dict()) if item.plan.predicted else compiled_plan
+            chosen = Evaluated(item.candidate, plan, compiled)
+        else:
+            chosen = Evaluated(item.candidate, eager_plan, item.result)     # as the search priced it
+        choices.append((chosen,
                         CompileChoice(on, why, eager.step_time_s, compiled.step_time_s)))
-    choices.sort(key=lambda c: c[0].step_time_s)
-    result.best = choices[0][0]
-    result.runner_ups = [c[0] for c in choices[1:]]
-    return result, choices[0][1]
+    # the search's order stands (its tidy step prefers a simpler plan within TIDY_TOLERANCE)
+    # unless compile makes a runner-up faster than the best by more than that
+    fastest = min(range(len(choices)), key=lambda i: choices[i][0].step_time_s)
+    if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
+        fastest = 0
+    order = [fastest] + [i for i in range(len(choices)) if i != fastest]
+    result.best = choices[fastest][0]
+    result.runner_ups = [choices[i][0] for i in order[1:]]
+    return result, choices[fastest][1]
 
 
 def compile_wrapper_blocks(plan: Plan, graph, model_file) -> list[str]:

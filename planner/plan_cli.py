@@ -105,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         result = _search_with_progress(console, graph, cluster, cost_models, options)
     from autopar.planner.compile_choice import choose_compile
-    result, compile_choice = choose_compile(result, graph, cluster, cost_models, args.compile)
+    result, compile_choice = choose_compile(result, graph, cluster, cost_models, args.compile,
+                                            options.memory_headroom)
     # each plan's family validation error; a better-validated plan within the band goes first
     # (planner/confidence.py), and the runtime check then takes the first plan it can run
     from autopar.planner import confidence
