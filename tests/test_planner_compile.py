@@ -40,6 +40,7 @@ def test_compile_knob(capsys, tmp_path, flag, want):
     chosen = choice["compiled_step_s"] if want else choice["eager_step_s"]
     assert plan["predicted"]["step_time_s"] == pytest.approx(chosen)
     assert "compile " + ("on" if want else "off") in shown["compile"]
+    assert choice["distinct_blocks"] == 1 and "1 distinct block graph" in shown["compile"]   # 4 identical blocks
 
 
 def test_runtime_check_applies_the_compile_wrapper_to_every_block():
