@@ -5,7 +5,9 @@ micro-batch 2, sequence 8192) eager and compiled, with the simulator's compile t
     python benchmarks/compile_rows.py
 
 Measured (../shared/validation/published_runs.json, torchtitan benchmark end of 2024, Table 1):
-eager 5,762, compiled 6,667 tokens/s/GPU (+15.7%).  The rows themselves are benchmarks/
+eager 5,762, compiled 6,667 (+15.7%), compiled + float8 linears 8,532 (+48.1%) tokens/s/GPU.
+Float8 is priced with simulator/float8.py's tensorwise recipe on the blocks' linears (the fp8
+all-gather and the weight copies are not yet in the step).  The rows themselves are benchmarks/
 published_runs.py's (priced there with the project's fitted terms); this script isolates what
 the compile flag changes in the same plan on the stock H100 profile.
 """
@@ -19,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared") if p.is_dir()),
               ROOT.parent / "shared") / "validation" / "published_runs.json"   # beside the repo or its worktrees
-ROW_IDS = ("torchtitan24_8b_8gpu_FSDP", "torchtitan24_8b_8gpu_FSDP_torchcompile")
+ROW_IDS = ("torchtitan24_8b_8gpu_FSDP", "torchtitan24_8b_8gpu_FSDP_torchcompile",
+           "torchtitan24_8b_8gpu_FSDP_torchcompile_Float8")
 
 
 def measured() -> dict[str, float]:
@@ -43,7 +46,10 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
                         schedule="1f1b", virtual_stages=1, zero=3, recompute="selective", offload="none",
                         precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
     out = {}
-    for name, plan in (("eager", eager), ("compile", replace(eager, compile=True))):
+    fp8_layers = tuple(replace(lp, precision="fp8") if graph.layers[lp.layer].kind not in ("pre", "post") else lp
+                       for lp in eager.layers)
+    for name, plan in (("eager", eager), ("compile", replace(eager, compile=True)),
+                       ("compile_float8", replace(eager, compile=True, layers=fp8_layers))):
         r = simulate(graph, plan, cluster, cms)
         out[name] = {"step_s": r.step_time_s, "tokens_per_s_per_gpu": 8 * micro_batch * seq / r.step_time_s / 8}
     return out
@@ -52,12 +58,14 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
 def main() -> int:
     got = price()
     meas = measured()
-    pred = got["compile"]["tokens_per_s_per_gpu"] / got["eager"]["tokens_per_s_per_gpu"] - 1
-    print(f"predicted: eager {got['eager']['tokens_per_s_per_gpu']:.0f}, compile "
-          f"{got['compile']['tokens_per_s_per_gpu']:.0f} tokens/s/GPU ({pred:+.1%})")
-    if len(meas) == 2:
-        e, c = (meas[i] for i in ROW_IDS)
-        print(f"measured:  eager {e:.0f}, compile {c:.0f} tokens/s/GPU ({c / e - 1:+.1%})")
+    e = got["eager"]["tokens_per_s_per_gpu"]
+    c, f = got["compile"]["tokens_per_s_per_gpu"], got["compile_float8"]["tokens_per_s_per_gpu"]
+    print(f"predicted: eager {e:.0f}, compile {c:.0f} ({c / e - 1:+.1%}), compile + float8 {f:.0f} ({f / e - 1:+.1%}) "
+          f"tokens/s/GPU")
+    if len(meas) == 3:
+        e, c, f = (meas[i] for i in ROW_IDS)
+        print(f"measured:  eager {e:.0f}, compile {c:.0f} ({c / e - 1:+.1%}), compile + float8 {f:.0f} "
+              f"({f / e - 1:+.1%}) tokens/s/GPU")
     return 0
 
 

@@ -204,15 +204,16 @@ class PlanEvaluator:
 
     def _relative_key(self, index: int, lp: LayerPlan) -> int:
         """The layer's choice relative to the layer (its signature, styles by path within the layer,
-        ZeRO, recompute, offload), as an integer: identical blocks under the same choice share it."""
-        k = (index, lp.tp, lp.zero, lp.recompute, lp.offload)
+        ZeRO, recompute, offload, own precision), as an integer: identical blocks under the same
+        choice share it."""
+        k = (index, lp.tp, lp.zero, lp.recompute, lp.offload, lp.precision)
         rel = self._relkey_cache.get(k)
         if rel is None:
             prefix = self._prefix[index]
             styles = tuple(sorted((m[len(prefix):] if m.startswith(prefix) else m, s) for m, s in lp.tp))
             # a small integer names the relative key in the caches' keys (cheap to hash)
-            rel = self._rel_ids.setdefault((self._sig[index], styles, lp.zero, lp.recompute, lp.offload),
-                                           len(self._rel_ids))
+            rel = self._rel_ids.setdefault((self._sig[index], styles, lp.zero, lp.recompute, lp.offload,
+                                            lp.precision), len(self._rel_ids))
             self._relkey_cache[k] = rel
         return rel
 

@@ -1,7 +1,9 @@
 """Float8 training of one linear (torchao's ``Float8Linear``): what it costs against bf16.
 
-Not yet wired into ``layer_cost`` (the runtime does not train float8 yet, and the planner does
-not offer it); these are the terms it will price a layer with ``precision: fp8`` by.
+``layer_cost`` prices the linears of a layer with ``precision: fp8`` by these terms (the
+runtime does not train float8 yet, and the planner does not offer it: only a plan written with
+fp8 layers, or a benchmark, is priced so).  The fp8 all-gather and the weight copies are
+reported here but not yet in the layer's data-parallel and memory terms.
 
 Mechanism (torchao.float8, README "float8 training"; Micikevicius et al. 2022, "FP8 Formats
 for Deep Learning"): each of the linear's three GEMMs -- forward ``y = x W^T``, input
@@ -42,6 +44,7 @@ class Float8LinearCost:
     """One linear of shape [m, k] x [k, n] (m tokens, k in, n out), fwd + bwd, on one device."""
     gemm_s: float                  # the three GEMMs at the fp8 rate
     cast_s: float                  # the six operand casts (amax reductions included)
+    fwd_s: float                   # forward: its GEMM and the casts of x and W
     bf16_gemm_s: float             # the same three GEMMs in bf16 (for the summary)
     allgather_bytes_per_weight: int  # FSDP2 all-gather bytes per weight element
     transient_weight_bytes: int    # fp8 copies of the weight while the layer runs
@@ -72,6 +75,7 @@ def float8_linear_cost(m: int, k: int, n: int, cm, recipe: str = "tensorwise") -
     floor = cm.overhead("op_launch_s")
     per_cast = [max(e * CAST_BYTES[recipe] / cm.achievable_memory_Bps, CAST_KERNELS[recipe] * floor)
                 for e in elements]
-    return Float8LinearCost(gemm_s=gemm_s, cast_s=sum(per_cast), bf16_gemm_s=bf16_gemm_s,
+    return Float8LinearCost(gemm_s=gemm_s, cast_s=sum(per_cast), fwd_s=gemm_s / 3 + per_cast[0] + per_cast[1],
+                            bf16_gemm_s=bf16_gemm_s,
                             allgather_bytes_per_weight=FP8_BYTES if recipe == "tensorwise" else BF16_BYTES,
                             transient_weight_bytes=2 * FP8_BYTES * n * k)

@@ -114,6 +114,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     early_stop = lp.recompute == "full" and cm.code.recompute_early_stop
     work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
                     layer.module_paths if early_stop else ())
+    if lp.precision == "fp8":
+        _float8(graph, layer_index, work, layout, cm, scale)
     if compiled and layer.kind not in ("pre", "post"):
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
@@ -259,6 +261,23 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     w.early_stop_skipped_flops = sum(t[1] for t in tails.values())
     w.early_stop_skipped_ops = frozenset(n for t in tails.values() for n in t[2])
     return w
+
+
+def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float) -> None:
+    """A layer with ``precision: fp8``: each linear with a weight costs torchao's float8 GEMMs and
+    casts (simulator/float8.py) instead of its bf16 time; on this device's share of the GEMM
+    (the tp split divides its output or input features)."""
+    from autopar.simulator.float8 import float8_linear_cost
+
+    for op in graph.layer_ops(layer_index):
+        if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
+            continue
+        n, k = op.output_shape[-1], op.input_shapes[0][-1]
+        m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
+        c = float8_linear_cost(int(round(m)), k, n / layout.compute_shard.get(op.name, 1), cm)
+        w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
+        w.bwd_s += (c.total_s - c.fwd_s) - w.op_bwd_s.get(op.name, 0.0)
+        w.op_fwd_s[op.name], w.op_bwd_s[op.name] = c.fwd_s, c.total_s - c.fwd_s
 
 
 def _compiled(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, lp: LayerPlan, mesh: Mesh,

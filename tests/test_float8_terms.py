@@ -44,3 +44,37 @@ def test_profile_fp8_peak_wins_over_the_datasheet_ratio():
     assert t.gemm_s == pytest.approx(6 * 1024**3 / (3e14 * 0.5))
     with pytest.raises(ValueError):
         float8_linear_cost(8, 8, 8, cm, "blockwise")
+
+
+def test_layer_cost_prices_an_fp8_layers_linears_by_these_terms():
+    """A layer of one 4096 x 4096 linear on 4096 tokens: with precision fp8 its forward costs the
+    fp8 GEMM and the casts of x and W, its backward the other two GEMMs and four casts, in place
+    of the bf16 op's time (roofline: no autograd overheads on this profile)."""
+    from autopar.core.cluster import Cluster, Link, NodeGroup
+    from autopar.core.graph import Layer, OpGraph, OpNode
+    from autopar.core.plan import LayerPlan, Mesh
+    from autopar.simulator.evaluator import PlanEvaluator
+
+    cm = CostModel.from_profile(PROFILE)
+    m = n = k = 4096
+    op = OpNode(name="fc", kind="linear", target="torch.nn.Linear", module_path="blocks.0.fc", layer=0,
+                inputs=("input:x",), input_shapes=((m, k),), output_shape=(m, n), dtype="bfloat16",
+                fwd_flops=2.0 * m * n * k, bwd_flops=4.0 * m * n * k, bytes_moved=2.0 * (m * k + k * n + m * n),
+                params=("blocks.0.fc.weight",), param_numel=n * k, saved_bytes=2 * m * k, output_bytes=2 * m * n)
+    layer = Layer(index=0, name="blocks.0", kind="Block", module_paths=("blocks.0",), ops=("fc",), param_numel=n * k,
+                  fwd_flops=op.fwd_flops, bwd_flops=op.bwd_flops, saved_bytes=op.saved_bytes, input_bytes=2 * m * k,
+                  output_bytes=2 * m * n, signature="b")
+    g = OpGraph(model_name="t", model_file="<t>", model_args={}, batch_size=1, ops=[op], layers=[layer],
+                params_total=n * k, param_dtype="bfloat16")
+    cluster = Cluster("c", (NodeGroup("n", "t", 1, 1, 80 * 2**30, Link(100.0, 2.0), 2**40, Link(20.0, 10.0)),),
+                      Link(10.0, 8.0))
+    ev = PlanEvaluator(g, cluster, cm)
+    mesh = Mesh(dp=1, pp=1, tp=1)
+    bf16 = ev.layer_cost(0, LayerPlan(layer=0), mesh, 1, "bf16", cm)
+    fp8 = ev.layer_cost(0, LayerPlan(layer=0, precision="fp8"), mesh, 1, "bf16", cm)
+    c = float8_linear_cost(m, k, n, cm)
+    eager_f, _ = cm.op_time_ex(op, "bf16")
+    eager_b, _ = cm.op_time_ex(op, "bf16", backward=True)
+    assert fp8.fwd_s - bf16.fwd_s == pytest.approx(c.fwd_s - eager_f, rel=1e-9)
+    assert fp8.bwd_s - bf16.bwd_s == pytest.approx((c.total_s - c.fwd_s) - eager_b, rel=1e-9)
+    assert fp8.fwd_s < bf16.fwd_s and fp8.bwd_s < bf16.bwd_s
