@@ -146,3 +146,24 @@ def test_layer_cost_bandwidth_bound_saves_the_fused_away_traffic():
     assert eager.fwd_s - compiled.fwd_s == pytest.approx(fp32 * big_e / bw + node, rel=1e-9)
     assert eager.bwd_s - compiled.bwd_s == pytest.approx(fp32 * 2 * big_e / bw, rel=1e-9)
     assert compiled.hw_flops == eager.hw_flops and compiled.activation_bytes == eager.activation_bytes
+
+
+def test_simulate_cli_compile_flag(capsys):
+    """``autopar simulate --compile`` prices the configuration compiled: GPT-2 small's unfused
+    attention (scale, mask, softmax, dropout between its two batched GEMMs) and its GELU chains
+    fuse, so the step is shorter, and the JSON says compile."""
+    import json
+    from pathlib import Path
+
+    from autopar.cli import main
+
+    gpt = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
+    base = ["simulate", gpt, "--model-arg", "size=gpt2-small", "--model-arg", "layers=2",
+            "--cluster", "h100-16x8", "--nodes", "1", "--dp", "8", "--micro-batch", "4", "--json"]
+    out = {}
+    for extra in ((), ("--compile",)):
+        assert main(base + list(extra)) == 0
+        out[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert out[True]["plan"]["compile"] is True and out[False]["plan"]["compile"] is False
+    assert out[True]["step_time_s"] < out[False]["step_time_s"]
+    assert out[True]["max_memory_bytes"] == out[False]["max_memory_bytes"]    # activations kept as eager
