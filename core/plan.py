@@ -42,6 +42,11 @@ ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gra
 OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
 TP_STYLES = ("colwise", "rowwise")  # Megatron column / row split of a Linear's weight
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights
+# A layer's own precision ("" = the plan's): "fp8" trains its linears in float8 (torchao's
+# Float8Linear: GEMM inputs cast to e4m3/e5m2 with per-tensor or per-row scales, output and
+# master weights as the plan's bf16); only on top of a bf16 plan, only on devices with fp8
+# tensor cores (compute capability 8.9 / Hopper and later).
+LAYER_PRECISIONS = ("bf16", "fp8")
 
 
 #: the plan's mesh: one degree per named parallel axis (core/parallel_dims.py)
@@ -80,6 +85,7 @@ class LayerPlan:
     zero: int = 0
     recompute: str = "none"
     offload: str = "none"
+    precision: str = ""                    # "" = the plan's precision; "fp8": float8 linears
 
     @property
     def tp_styles(self) -> dict[str, str]:
@@ -104,6 +110,9 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     precision: str = "fp32"
     cluster: str = ""                      # cluster name, and the file it came from
+    # regional torch.compile of every repeated block (runtime/apply_compile.py); plans written
+    # before the key existed load as False
+    compile: bool = False
     predicted: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -116,6 +125,14 @@ class Plan:
     def zero(self) -> int:
         """The largest ZeRO stage of any layer (decides DDP / ZeRO-1 / FSDP at run time)."""
         return max((lp.zero for lp in self.layers), default=0)
+
+    def layer_precision(self, layer: int) -> str:
+        """The precision layer ``layer`` trains in: its own, else the plan's."""
+        return self.layers[layer].precision or self.precision
+
+    @property
+    def uses_fp8(self) -> bool:
+        return any(lp.precision == "fp8" for lp in self.layers)
 
     def with_predicted(self, predicted: Mapping[str, Any], **provenance: Any) -> "Plan":
         return replace(self, predicted=dict(predicted), provenance={**self.provenance, **provenance})
@@ -180,6 +197,15 @@ class Plan:
             for mod, style in lp.tp:
                 if style not in TP_STYLES:
                     _bad(f"{where}.tp[{mod!r}]", style, f"one of {', '.join(TP_STYLES)}")
+            if lp.precision and lp.precision not in LAYER_PRECISIONS:
+                _bad(f"{where}.precision", lp.precision, f"one of {', '.join(LAYER_PRECISIONS)} (or absent: the "
+                                                         f"plan's precision)")
+            if lp.precision == "fp8" and self.precision != "bf16":
+                _bad(f"{where}.precision", lp.precision, f"'bf16' or absent while the plan's precision is "
+                                                         f"{self.precision!r} (float8 linears train on top of bf16)")
+            if lp.precision == "bf16" and self.precision != "bf16":
+                _bad(f"{where}.precision", lp.precision, f"absent or 'fp8' (the plan's precision is "
+                                                         f"{self.precision!r})")
             if lp.tp and m.tp == 1:
                 _bad(f"{where}.tp", dict(lp.tp), "empty when mesh.tp is 1")
         if not zeros_mix(zeros):
@@ -199,11 +225,13 @@ class Plan:
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
             "precision": self.precision,
+            "compile": self.compile,
             "pipeline": {"schedule": self.pipeline.schedule,
                          "num_microbatches": self.pipeline.num_microbatches,
                          "stages": [{"index": s.index, "layers": [s.start, s.end]} for s in self.pipeline.stages]},
             "layers": [{"layer": lp.layer, "tp": dict(lp.tp), "zero": lp.zero,
-                        "recompute": lp.recompute, "offload": lp.offload} for lp in self.layers],
+                        "recompute": lp.recompute, "offload": lp.offload,
+                        **({"precision": lp.precision} if lp.precision else {})} for lp in self.layers],
             "predicted": dict(self.predicted),
             "provenance": dict(self.provenance),
         }
@@ -232,6 +260,7 @@ class Plan:
                 global_batch=_int(d, "global_batch", ""),
                 micro_batch=_int(d, "micro_batch", ""),
                 precision=str(d.get("precision", "fp32")),
+                compile=_flag(d, "compile", ""),
                 pipeline=Pipeline(schedule=_text(pl, "schedule", "pipeline."),
                                   num_microbatches=_int(pl, "num_microbatches", "pipeline."),
                                   stages=tuple(_stage(s, i) for i, s in enumerate(stages))),
@@ -310,7 +339,7 @@ def _layer(x: Any, i: int) -> LayerPlan:
     return LayerPlan(layer=_int(x, "layer", where + "."),
                      tp=tuple(sorted((str(k), str(v)) for k, v in tp.items())),
                      zero=_int(x, "zero", where + ".", 0), recompute=str(x.get("recompute", "none")),
-                     offload=str(x.get("offload", "none")))
+                     offload=str(x.get("offload", "none")), precision=str(x.get("precision", "")))
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> None:
@@ -353,7 +382,8 @@ def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, 
                  virtual_stages: int = 1, tp_styles_per_layer: Mapping[int, Mapping[str, str]] | None = None,
                  sequence_parallel: bool = False, zero: int = 0, recompute: str = "none",
                  offload: str = "none", precision: str = "fp32", cluster: str = "",
-                 stage_bounds: list[int] | None = None) -> Plan:
+                 stage_bounds: list[int] | None = None, compile: bool = False,
+                 layer_precision: str = "") -> Plan:
     """A Megatron-style plan: the same choice on every layer, stages of (nearly) equal size.
 
     ``stage_bounds`` (``[0, b1, ..., num_layers]``) overrides the equal split.
@@ -364,8 +394,9 @@ def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, 
     stages = tuple(Stage(i, stage_bounds[i], stage_bounds[i + 1]) for i in range(len(stage_bounds) - 1))
     styles = tp_styles_per_layer or {}
     layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if tp > 1 else (),
-                             zero=zero, recompute=recompute, offload=offload) for i in range(num_layers))
+                             zero=zero, recompute=recompute, offload=offload, precision=layer_precision)
+                   for i in range(num_layers))
     return Plan(model=model, mesh=Mesh(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel),
                 global_batch=dp * micro_batch * num_microbatches, micro_batch=micro_batch,
                 pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
-                layers=layers, precision=precision, cluster=cluster)
+                layers=layers, precision=precision, cluster=cluster, compile=compile)

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --trial-steps: run the trials with the runtime's --profile, so the calibration "
                             "also fits each trial's forward, backward, communication and optimizer times (the "
                             "profiler slows every trial's steps a little)")
+    fix.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="regional torch.compile of every block: on, off, or (default) chosen by the planner "
+                          "(planner/compile_choice.py)")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -115,6 +118,9 @@ def main(args: argparse.Namespace) -> int:
         result = search(graph, cluster, cost_models, options)
     else:
         result = _search_with_progress(console, graph, cluster, cost_models, options)
+    from autopar.planner.compile_choice import choose_compile
+    result, compile_choice = choose_compile(result, graph, cluster, cost_models, args.compile,
+                                            options.memory_headroom)
     # each plan's family validation error; a better-validated plan within the band goes first
     # (planner/confidence.py), and the runtime check then takes the first plan it can run
     from autopar.planner import confidence
@@ -127,12 +133,19 @@ def main(args: argparse.Namespace) -> int:
     _, conf_errors, conf_close, _ = confidence.apply(result, cluster, reorder=False)
     if result.best is not preferred:
         conf_why = "the better-validated plan was refused by the runtime check (see left out)"
+    compile_note = ""
+    if result.best.plan.compile and executable is not None:
+        from autopar.core.modelfile import load_model_file
+        from autopar.planner.compile_choice import compile_wrapper_blocks
+
+        blocks = compile_wrapper_blocks(result.best.plan, graph, load_model_file(args.model_file))
+        compile_note = f"; compile wrapper applied to {len(blocks)} blocks on the meta model (no compiled forward)"
     # how to load this cluster again (autopar report / simulate re-price the plan with it)
     cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
     provenance = dict(cluster_ref=cluster_ref, cluster_nodes=args.nodes, memory_headroom=options.memory_headroom,
                       runtime_check="skipped (--no-runtime-check)" if executable is None else
-                      f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too",
-                      left_out=[x.to_dict() for x in left_out])
+                      f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too" + compile_note,
+                      left_out=[x.to_dict() for x in left_out], compile_choice=compile_choice.to_dict())
     # plan.json's figures are those 'autopar simulate plan.json' gives (simulator/plan_price.py);
     # trials compare their measurements with these
     graphs = {graph.batch_size: graph}
@@ -162,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
                "capture_s": round(capture_s, 3),
                "runner_ups": [{"predicted": dict(ev.plan.predicted), "mesh": ev.plan.to_dict()["mesh"],
                                "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
+        out["compile"] = compile_choice.summary()
         out["validation"] = {"why": conf_why, "plans": [  # best first, then the runner-ups
             {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(conf_errors, conf_close)]}
         if outcome is not None:
@@ -173,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
 
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
                confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
+    (console.print if console is not None else print)(compile_choice.summary())
     if outcome is not None:
         from autopar.planner.trial_steps import summary_lines
 

@@ -109,7 +109,9 @@ def plan_runs(plan: Plan, graph: OpGraph, model_file, view: "ModelView | None" =
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # the runtime's own warnings reach the user at run time
-            _run(plan, view or ModelView.whole(graph), model_file)
+            # compile is checked apart (planner/compile_choice.compile_wrapper_blocks: the wrapper is
+            # applied, no compiled forward runs); the fake forward and backward run the plan eager
+            _run(replace(plan, compile=False), view or ModelView.whole(graph), model_file)
     except Exception as e:  # noqa: BLE001 - whatever the runtime raises is the verdict
         return _short(e)
     finally:

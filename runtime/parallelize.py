@@ -8,6 +8,9 @@ The order (one place, the same for every plan; torchtitan's order):
 3. tensor (+ sequence) parallelism on each local stage -- ``apply_tp.apply_tp``;
 4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
    forward is the parallel one);
+4b. with ``plan.compile``: ``torch.compile`` of each block's forward -- ``apply_compile`` (after
+   TP and recompute so both are inside the compiled region, before FSDP2/DDP whose hooks stay
+   outside it);
 5. FSDP2 per layer + root for ZeRO-2/3 (+ CPU offload, mixed precision) -- ``apply_dp.apply_fsdp``
    (still on meta: every rank only ever allocates its shards); with tensor parallelism, ZeRO-0
    runs as ``replicate`` here and ZeRO-1 as FSDP2 without reshard, and the same under pipelining
@@ -31,6 +34,7 @@ import torch.nn as nn
 
 from autopar.core.errors import PlanFileError
 from autopar.core.plan import Plan
+from autopar.runtime.apply_compile import apply_compile
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
@@ -132,6 +136,9 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
         retie(part, ties)             # parallelize_module gives each module its own parameter
     # 4. recompute
     apply_recompute(part, [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)])
+    # 4b. regional compile of the blocks (not "pre"/"post")
+    if plan.compile:
+        apply_compile(part, [paths for paths, layer in zip(unit_paths, held) if layer.name not in ("pre", "post")])
     # 5. FSDP2 (ZeRO-2/3), or replicate (DDP of a TP model)
     fsdp_paths = _untie_units(part, [_with_params(part, paths) for paths in unit_paths], ties)
     units = [(paths, layer.plan.zero, layer.plan.offload) for paths, layer in zip(fsdp_paths, held)]
@@ -268,7 +275,9 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     notes = []
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
-                     "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer")
+                     "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"
+                     + ("; its stages call no block module, so compile is not applied (they run eager)"
+                        if plan.compile else ""))
     runs_as = runnable_schedule(plan.pipeline.schedule, plan.pipeline.num_microbatches, num_stages)
     if plan.mesh.pp > 1 and runs_as != plan.pipeline.schedule:
         notes.append(f"schedule {plan.pipeline.schedule} with {plan.pipeline.num_microbatches} micro-batches for "

@@ -5,7 +5,8 @@ malformed plan (``load_plan`` validates every field), model file missing, world 
 the launch different from the plan's mesh, graph fingerprint of the model file (captured with
 the plan's model arguments) different from the one the plan was made for, and a layer count
 that differs from the captured graph's, and a tensor-parallel split whose dims (or head
-counts) the tp degree does not divide (``autopar.runtime.tp_check``).
+counts) the tp degree does not divide (``autopar.runtime.tp_check``), and float8 layers on a
+machine without fp8 support (``autopar.runtime.fp8_check``).
 """
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
             f"plan file {plan_path} has pp = {plan.mesh.pp}, but the captured forward of {model_path} does not "
             f"pass one activation from layer to layer, so it cannot be cut into pipeline stages. "
             f"Plan with pp = 1 for this model.")
+    from autopar.runtime.fp8_check import check_fp8
+
+    check_fp8(plan, plan_path)
     layers = tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
                    for i, g in enumerate(graph.layers))
     checked = CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)

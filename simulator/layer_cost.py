@@ -18,6 +18,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
+from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.selective_mm_policy import recomputed_matmuls
@@ -99,7 +100,8 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
                        micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
-                       compute_stretch: float = 1.0, node_processes: int | None = None) -> LayerCost:
+                       compute_stretch: float = 1.0, node_processes: int | None = None,
+                       compiled: bool = False) -> LayerCost:
     """The cost of layer ``layer_index`` under ``lp``, in parts: the ops' compute
     (``_op_work``), the framework overheads of the modules tensor parallelism wraps
     (``_add_module_overheads``), the tensor-parallel collectives (``_tensor_parallel``),
@@ -108,7 +110,9 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ``compute_stretch`` (>= 1) slows the device's own work -- compute, framework overheads,
     the optimizer step -- when more devices of a node compute than it has compute slots
     (cpu_node.compute_stretch); collectives are priced from the rows measured with
-    ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing)."""
+    ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing).
+    ``compiled``: the plan compiles each block (runtime/apply_compile.py): a block layer's fused
+    memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py)."""
     layer = graph.layers[layer_index]
     scale = micro_batch / max(1, graph.batch_size)
     act_scale = precision_bytes(precision) / dtype_bytes(graph.param_dtype)
@@ -119,6 +123,10 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     early_stop = lp.recompute == "full" and cm.code.recompute_early_stop
     work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
                     layer.module_paths if early_stop else ())
+    if lp.precision == "fp8":
+        _float8(graph, layer_index, work, layout, cm, scale)
+    if compiled and layer.kind not in ("pre", "post"):
+        _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
     tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
@@ -191,6 +199,10 @@ class _OpWork:
     num_tp_modules: int = 0
     num_sp_norms: int = 0
     priced_ops: int = 0                    # ops that run a kernel (views and identities do not)
+    op_fwd_s: dict[str, float] = field(default_factory=dict)   # each op's eager forward seconds
+    op_bwd_s: dict[str, float] = field(default_factory=dict)   # ... and backward
+    compile_regions: int = 0               # compiled: fused kernels replacing ...
+    compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
     estimated: int = 0
 
@@ -241,6 +253,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
                 w.autograd_kept_s += kept
             w.fwd_s += t
             t_fwd = t
+            w.op_fwd_s[op.name] = t
             w.measured += m
             w.estimated += not m
             if op.kind not in MATMUL_KINDS:
@@ -252,6 +265,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
                 w.rerun_mm_output_bytes += op.output_bytes * scale * act_scale / osh
             t, m = cm.op_time_ex(op, precision, shard, backward=True, scale=scale, bytes_scale=bscale, out_shard=osh)
             w.bwd_s += t
+            w.op_bwd_s[op.name] = t
             w.measured += m
             w.estimated += not m
         elif op.kind == "view" and cm.host_dispatch_bound:
@@ -259,6 +273,8 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
             t_fwd = cm.overhead("op_launch_s")
             w.fwd_s += t_fwd
             w.bwd_s += cm.overhead("op_backward_launch_s")
+            w.op_fwd_s[op.name] = t_fwd
+            w.op_bwd_s[op.name] = cm.overhead("op_backward_launch_s")
         unit = next((u for u in units if op.module_path == u or op.module_path.startswith(u + ".")), None)
         if unit is not None:
             # the tail of the unit since its last op that saves tensors for backward, that op included
@@ -293,6 +309,55 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     w.early_stop_skipped_flops = sum(t[1] for t in tails.values())
     w.early_stop_skipped_ops = frozenset(n for t in tails.values() for n in t[2])
     return w
+
+
+def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float) -> None:
+    """A layer with ``precision: fp8``: each linear with a weight costs torchao's float8 GEMMs and
+    casts (simulator/float8.py) instead of its bf16 time; on this device's share of the GEMM
+    (the tp split divides its output or input features)."""
+    from autopar.simulator.float8 import float8_linear_cost
+
+    for op in graph.layer_ops(layer_index):
+        if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
+            continue
+        n, k = op.output_shape[-1], op.input_shapes[0][-1]
+        m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
+        c = float8_linear_cost(int(round(m)), k, n / layout.compute_shard.get(op.name, 1), cm)
+        w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
+        w.bwd_s += (c.total_s - c.fwd_s) - w.op_bwd_s.get(op.name, 0.0)
+        w.op_fwd_s[op.name], w.op_bwd_s[op.name] = c.fwd_s, c.total_s - c.fwd_s
+
+
+def _compiled(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
+              precision: str, cm: CostModel, scale: float) -> None:
+    """Take off ``w`` what regional compile removes (simulator/compile_fusion.py): each fused
+    region's eager ops cost one kernel moving the region's fused bytes, at the bytes per element
+    the eager ops were priced at (the plan's precision, and fp32 where autocast runs an op in
+    fp32: the region's largest such factor); selective recompute reruns the fused kernels, not
+    the eager ops."""
+    ops = graph.layer_ops(layer_index)
+    by_name = {op.name: op for op in ops}
+    every = graph._ops_by_name()
+    regions = fused_regions(ops, graph_consumers(graph), lambda n: every[n].output_bytes if n in every else None)
+    prec_bytes = precision_bytes(precision)
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)
+
+    def fused_time(r, backward: bool) -> float:
+        first = by_name[r.ops[0]]
+        shard = layout.compute_shard.get(first.name, 1)
+        bscale = prec_bytes / dtype_bytes(first.dtype) * max(
+            _autocast.bytes_factor(by_name[n].kind, op_variant(by_name[n].kind, str(by_name[n].target)), amp)
+            for n in r.ops)
+        nbytes = (r.read_bytes + r.write_bytes) * bscale * scale / shard * (2.0 if backward else 1.0)
+        flops = (r.bwd_flops if backward else r.fwd_flops) * scale / shard
+        t, _ = cm.compute_time_ex("elementwise", flops, nbytes, precision)
+        return max(t, cm.overhead("op_backward_launch_s" if backward else "op_launch_s"))
+
+    saving = compile_saving(regions, w.op_fwd_s, w.op_bwd_s, fused_time, cm.overhead("autograd_fwd_op_s"))
+    w.fwd_s -= saving.fwd_s
+    w.bwd_s -= saving.bwd_s
+    w.cheap_fwd_s = max(0.0, w.cheap_fwd_s - saving.fwd_s)
+    w.compile_regions, w.compile_fused_ops = saving.regions, saving.fused_ops
 
 
 def _add_module_overheads(w: _OpWork, cm: CostModel) -> None:

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters")
     g.add_argument("--sequence-parallel", action="store_true", help="split activations over tp between regions")
+    g.add_argument("--compile", action="store_true",
+                   help="regional torch.compile of every block (simulator/compile_fusion.py)")
     parser.add_argument("--profile", default=None, help="profile name or JSON (default: the cluster's GPU type)")
     parser.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (open in Perfetto)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -104,6 +106,10 @@ def main(args: argparse.Namespace) -> int:
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
                            offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
                            cluster_name=cluster.name)
+        if args.compile:
+            from dataclasses import replace
+
+            plan = replace(plan, compile=True)
     capture_s = time.perf_counter() - t0
     if plan.world_size > cluster.world_size:
         raise UserError(f"the configuration needs {' x '.join(plan.mesh.degrees)} = {plan.world_size} devices; "
@@ -128,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
                    plan={**plan.mesh.degrees,
                          "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
                          "num_microbatches": plan.pipeline.num_microbatches, "schedule": plan.pipeline.schedule,
-                         "precision": plan.precision})
+                         "precision": plan.precision, "compile": plan.compile})
         if args.trace:
             out["trace"] = str(args.trace)
             out["trace_end_s"] = _trace_end_s(result.timeline)

@@ -1,0 +1,106 @@
+"""The plan's compile knob: price the search's plans with regional ``torch.compile`` on and off.
+
+The search ranks plans eager; this step then prices each kept plan (best and runner-ups) both
+ways with the same simulator (the compile term is simulator/compile_fusion.py) and keeps, per
+plan, the faster.  Compile shortens only the blocks' memory-bound work and keeps their memory,
+so it cannot make a plan infeasible; it rarely reorders plans, and where a runner-up becomes
+faster than the best by more than the search's tidy tolerance it becomes the best.
+
+What is not priced into the step, and decides the default where the search is free:
+
+* **Compile time.**  Inductor compiles each distinct block once when the run starts (the
+  summary says so).  On a CPU (gloo) cluster that is C++ code generation and a gcc build per
+  block setting -- measured here, a first step of 3 minutes for a 4-block GPT whose steps take
+  50 ms (tests/test_runtime_compile.py's cases) -- longer than any CPU run autopar plans, so on
+  gloo clusters compile stays off unless ``--compile`` asks for it.  On GPU clusters it is on
+  where it saves more than the simulator can tell apart (``TIDY_TOLERANCE``, 0.2%).
+
+``--compile`` / ``--no-compile`` fix it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.core.plan import Plan
+from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    compile: bool
+    why: str
+    eager_step_s: float
+    compiled_step_s: float
+    distinct_blocks: int = 0       # block graphs inductor compiles at the start (one per block signature)
+
+    def summary(self) -> str:
+        gain = self.eager_step_s / self.compiled_step_s - 1.0 if self.compiled_step_s > 0 else 0.0
+        state = "on" if self.compile else "off"
+        return (f"compile {state} ({self.why}): predicted step {self.compiled_step_s:.4g} s compiled vs "
+                f"{self.eager_step_s:.4g} s eager ({gain:+.1%} throughput); compile time is not in the step: "
+                f"inductor compiles {self.distinct_blocks} distinct block graph(s) (forward and backward) once "
+                f"at the start of the run")
+
+    def to_dict(self) -> dict:
+        return {"compile": self.compile, "why": self.why, "eager_step_s": self.eager_step_s,
+                "compiled_step_s": self.compiled_step_s, "distinct_blocks": self.distinct_blocks}
+
+
+def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool | None,
+                   memory_headroom: float = 0.0) -> tuple[SearchResult, CompileChoice]:
+    """The result with every kept plan's ``compile`` decided (``flag``: fixed by the user) and
+    re-priced on the cluster as the search saw it (``memory_headroom``); the best plan
+    re-picked if compile reorders them."""
+    from autopar.planner.headroom import with_headroom
+    from autopar.simulator.evaluator import PlanEvaluator
+
+    gloo = cluster.backend == "gloo"
+    ev = PlanEvaluator(graph, with_headroom(cluster, memory_headroom), cost_models)
+    # structurally identical blocks share one compiled graph (dynamo guards on the class and shapes)
+    distinct = len({l.signature for l in graph.layers if l.kind not in ("pre", "post")})
+    choices: list[tuple[Evaluated, CompileChoice]] = []
+    for item in [result.best] + list(result.runner_ups):
+        eager_plan = replace(item.plan, compile=False)
+        compiled_plan = replace(item.plan, compile=True)
+        eager, compiled = ev.evaluate(eager_plan), ev.evaluate(compiled_plan)
+        if flag is not None:
+            on, why = flag, "--compile" if flag else "--no-compile"
+        elif gloo:
+            on, why = False, "gloo cluster: compiling takes longer than the CPU runs autopar plans; --compile turns it on"
+        else:
+            on = compiled.step_time_s < eager.step_time_s * (1.0 - TIDY_TOLERANCE)
+            why = "faster" if on else "saves less than 0.2%"
+        if on:
+            plan = compiled_plan.with_predicted(compiled.predicted_dict()) if item.plan.predicted else compiled_plan
+            chosen = Evaluated(item.candidate, plan, compiled)
+        else:
+            chosen = Evaluated(item.candidate, eager_plan, item.result)     # as the search priced it
+        choices.append((chosen,
+                        CompileChoice(on, why, eager.step_time_s, compiled.step_time_s, distinct)))
+    # the search's order stands (its tidy step prefers a simpler plan within TIDY_TOLERANCE)
+    # unless compile makes a runner-up faster than the best by more than that
+    fastest = min(range(len(choices)), key=lambda i: choices[i][0].step_time_s)
+    if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
+        fastest = 0
+    order = [fastest] + [i for i in range(len(choices)) if i != fastest]
+    result.best = choices[fastest][0]
+    result.runner_ups = [choices[i][0] for i in order[1:]]
+    return result, choices[fastest][1]
+
+
+def compile_wrapper_blocks(plan: Plan, graph, model_file) -> list[str]:
+    """The block modules the runtime's compile step wraps for ``plan``'s model, applied to the
+    model built on the meta device without running a compiled forward (compiling on the fake
+    ranks of the runtime check would generate code for fake tensors: minutes on a CPU, and the
+    check's forward proves nothing about inductor's kernels).  The check's forward and
+    backward run the same plan eager."""
+    from autopar.runtime.apply_compile import apply_compile
+    from autopar.runtime.materialize import build_meta_model
+    from autopar.runtime.parallelize import layer_units
+    from autopar.runtime.plan_check import LayerSpec
+
+    meta = build_meta_model(model_file, dict(plan.model.args))
+    held = [LayerSpec(index=i, name=l.name, module_paths=tuple(l.module_paths), plan=plan.layers[i])
+            for i, l in enumerate(graph.layers)]
+    units = layer_units(meta, held)
+    return apply_compile(meta, [paths for paths, layer in zip(units, held) if layer.name not in ("pre", "post")])

@@ -1,0 +1,80 @@
+"""simulator/float8.py on hand-computed cases (a roofline device: bf16 peak 1e14 FLOP/s, linear
+efficiency 0.5, memory 1e12 B/s x 0.5, launch floor 5 us)."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.simulator.cost_model import CostModel
+from autopar.simulator.float8 import float8_linear_cost
+
+PROFILE = dict(name="t", memory_bandwidth_Bps=1e12, peak_flops={"fp32": 1e13, "bf16": 1e14},
+               efficiency={"linear": 0.5, "memory_bound": 0.5}, collective_efficiency={"intra": 1.0, "inter": 1.0})
+
+
+def test_square_linear_tensorwise_and_rowwise():
+    cm = CostModel.from_profile(PROFILE)
+    n = 4096
+    t = float8_linear_cost(n, n, n, cm, "tensorwise")
+    # three GEMMs of 2 n^3 = 4.123e11 FLOPs: bf16 at 0.5e14 -> 8.246 ms; fp8 at twice the rate -> 4.123 ms
+    assert t.bf16_gemm_s == pytest.approx(6 * n**3 / 0.5e14)
+    assert t.gemm_s == pytest.approx(6 * n**3 / 1.0e14)
+    # six casts of n^2 elements, 5 bytes each (amax read 2 + cast read 2, write 1) at 5e11 B/s: 1.007 ms
+    assert t.cast_s == pytest.approx(6 * n * n * 5 / 5e11)
+    assert t.speedup == pytest.approx((6 * n**3 / 0.5e14) / (6 * n**3 / 1e14 + 6 * n * n * 5 / 5e11))   # 1.61
+    assert (t.allgather_bytes_per_weight, t.transient_weight_bytes) == (1, 2 * n * n)
+    r = float8_linear_cost(n, n, n, cm, "rowwise")
+    assert r.cast_s == pytest.approx(6 * n * n * 3 / 5e11) and r.gemm_s == t.gemm_s
+    assert r.allgather_bytes_per_weight == 2          # rowwise all-gathers bf16
+
+
+def test_few_tokens_are_launch_bound():
+    """16 tokens: each cast of x or dy moves under 1 us of bytes, so it costs its kernels' launch
+    floors (tensorwise: 2 x 5 us); the weight casts (4096 x 4096) stay bandwidth-bound."""
+    cm = CostModel.from_profile(PROFILE)
+    t = float8_linear_cost(16, 4096, 4096, cm, "tensorwise")
+    small = 4 * 2 * 5e-6                                    # x, dy, dy^T, x^T
+    weights = 2 * 4096 * 4096 * 5 / 5e11                    # W, W^T
+    assert t.cast_s == pytest.approx(small + weights)
+    assert t.speedup < 1.0                                  # float8 does not pay on a skinny GEMM
+
+
+def test_profile_fp8_peak_wins_over_the_datasheet_ratio():
+    cm = CostModel.from_profile({**PROFILE, "peak_flops": {**PROFILE["peak_flops"], "fp8": 3e14}})
+    t = float8_linear_cost(1024, 1024, 1024, cm)
+    assert t.gemm_s == pytest.approx(6 * 1024**3 / (3e14 * 0.5))
+    with pytest.raises(ValueError):
+        float8_linear_cost(8, 8, 8, cm, "blockwise")
+
+
+def test_layer_cost_prices_an_fp8_layers_linears_by_these_terms():
+    """A layer of one 4096 x 4096 linear on 4096 tokens: with precision fp8 its forward costs the
+    fp8 GEMM and the casts of x and W, its backward the other two GEMMs and four casts, in place
+    of the bf16 op's time (roofline: no autograd overheads on this profile)."""
+    from autopar.core.cluster import Cluster, Link, NodeGroup
+    from autopar.core.graph import Layer, OpGraph, OpNode
+    from autopar.core.plan import LayerPlan, Mesh
+    from autopar.simulator.evaluator import PlanEvaluator
+
+    cm = CostModel.from_profile(PROFILE)
+    m = n = k = 4096
+    op = OpNode(name="fc", kind="linear", target="torch.nn.Linear", module_path="blocks.0.fc", layer=0,
+                inputs=("input:x",), input_shapes=((m, k),), output_shape=(m, n), dtype="bfloat16",
+                fwd_flops=2.0 * m * n * k, bwd_flops=4.0 * m * n * k, bytes_moved=2.0 * (m * k + k * n + m * n),
+                params=("blocks.0.fc.weight",), param_numel=n * k, saved_bytes=2 * m * k, output_bytes=2 * m * n)
+    layer = Layer(index=0, name="blocks.0", kind="Block", module_paths=("blocks.0",), ops=("fc",), param_numel=n * k,
+                  fwd_flops=op.fwd_flops, bwd_flops=op.bwd_flops, saved_bytes=op.saved_bytes, input_bytes=2 * m * k,
+                  output_bytes=2 * m * n, signature="b")
+    g = OpGraph(model_name="t", model_file="<t>", model_args={}, batch_size=1, ops=[op], layers=[layer],
+                params_total=n * k, param_dtype="bfloat16")
+    cluster = Cluster("c", (NodeGroup("n", "t", 1, 1, 80 * 2**30, Link(100.0, 2.0), 2**40, Link(20.0, 10.0)),),
+                      Link(10.0, 8.0))
+    ev = PlanEvaluator(g, cluster, cm)
+    mesh = Mesh(dp=1, pp=1, tp=1)
+    bf16 = ev.layer_cost(0, LayerPlan(layer=0), mesh, 1, "bf16", cm)
+    fp8 = ev.layer_cost(0, LayerPlan(layer=0, precision="fp8"), mesh, 1, "bf16", cm)
+    c = float8_linear_cost(m, k, n, cm)
+    eager_f, _ = cm.op_time_ex(op, "bf16")
+    eager_b, _ = cm.op_time_ex(op, "bf16", backward=True)
+    assert fp8.fwd_s - bf16.fwd_s == pytest.approx(c.fwd_s - eager_f, rel=1e-9)
+    assert fp8.bwd_s - bf16.bwd_s == pytest.approx((c.total_s - c.fwd_s) - eager_b, rel=1e-9)
+    assert fp8.fwd_s < bf16.fwd_s and fp8.bwd_s < bf16.bwd_s
