@@ -85,7 +85,7 @@ def data_parallel_kind(zero: int, mesh: Mesh) -> str:
     """
     if zero >= 2:
         return "fsdp"
-    if mesh.dp == 1:
+    if mesh.dp * mesh.cp == 1:          # cp ranks average their gradients too (runtime/apply_cp.py)
         return "none"
     if mesh.splits_model:
         return "fsdp" if zero == 1 else "replicate"
