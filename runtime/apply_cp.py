@@ -49,7 +49,27 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from autopar.core.cp_support import cp_refusal
+from autopar.core.errors import PlanFileError, UserError
 from autopar.runtime.mesh import RankContext
+
+
+def check_cp_plan(checked) -> None:
+    """Refuse (exit 2) a plan with cp > 1 the model or this runtime cannot run: the model's
+    reason (core/cp_support.py), or a combination the runtime does not implement yet."""
+    plan, where = checked.plan, f"plan file {checked.plan_path}"
+    reason = cp_refusal(checked.graph, plan.mesh.cp)
+    if reason:
+        raise PlanFileError(f"{where} has cp = {plan.mesh.cp}, but {checked.model_file.path} cannot take context "
+                            f"parallelism: {reason}. Plan with cp = 1 for this model.")
+    unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the schedules run the forward themselves"),
+                   (plan.mesh.tp > 1, "tensor parallelism (tp > 1): not implemented or tested together yet"),
+                   (any(l.recompute != "none" for l in plan.layers),
+                    "recompute: the recomputed forward would run outside the context-parallel attention")]
+    for bad, what in unsupported:
+        if bad:
+            raise PlanFileError(f"{where} has cp = {plan.mesh.cp} with {what}. Plan context parallelism with dp "
+                                f"and ZeRO only (pp = 1, tp = 1, recompute none), or cp = 1.")
 
 
 def head_tail_positions(seq: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -126,12 +146,13 @@ class CPAttention(TorchFunctionMode):
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
         if attn_mask is not None:
-            raise NotImplementedError(
+            raise UserError(
                 "context parallelism supports F.scaled_dot_product_attention with is_causal=True or without a "
                 "mask; this model passes an explicit attn_mask (a padding or custom mask), which the head-tail "
-                "layout cannot slice")
+                "layout cannot slice; plan with cp = 1 for this model")
         if dropout_p:
-            raise NotImplementedError("context parallelism with attention dropout is not supported (dropout_p > 0)")
+            raise UserError("context parallelism with attention dropout is not supported (dropout_p > 0): run the "
+                            "model with attention dropout 0, or plan with cp = 1")
         seq_dim = -2
         assert query.shape[seq_dim] == self.local, (query.shape, self.local)
         # K and V travel in one collective: two gathers would each have a backward collective,
