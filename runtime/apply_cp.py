@@ -10,7 +10,7 @@ Attention runs over the whole sequence by an all-gather of K and V across the cp
 followed by the rank's own queries against the gathered keys -- the all-gather variant Llama 3
 trained with (Dubey et al. 2024, Sec. 3.3.2 "Context parallelism"), which is also
 ``_RotateMethod.ALL_GATHER`` of torch's ``context_parallel``.  The gather is
-``torch.distributed._functional_collectives.all_gather_tensor_autograd`` (its backward
+``torch.distributed._functional_collectives.all_gather_single_autograd`` (its backward
 reduce-scatters: each chunk's gradient summed over the ranks that read it goes back to its
 owner; ``torch.distributed.nn.functional.all_gather`` is not used because on gloo its
 backward scatters from group rank ``i`` as if it were global rank ``i``, which fails in any
@@ -143,7 +143,7 @@ class CPAttention(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         if attn_mask is not None:
             raise UserError(
@@ -158,7 +158,7 @@ class CPAttention(TorchFunctionMode):
         # K and V travel in one collective: two gathers would each have a backward collective,
         # and nothing orders those two alike on every rank
         kv = torch.cat([key, value], dim=-1).movedim(seq_dim, 0).contiguous()
-        gathered = all_gather_tensor_autograd(kv, 0, self.group).movedim(0, seq_dim)
+        gathered = all_gather_single_autograd(kv, 0, self.group).movedim(0, seq_dim)
         keys, values = gathered.split([key.shape[-1], value.shape[-1]], dim=-1)
         mask = None
         if is_causal:
