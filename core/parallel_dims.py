@@ -48,10 +48,13 @@ class Axis:
     plan_default: int | None = None
 
 
-#: outermost to innermost: ranks = arange(world).view(dp, pp, tp)
+#: outermost to innermost: ranks = arange(world).view(dp, pp, cp, tp) -- cp between pp and tp as
+#: picotron's ``view(dp, pp, cp, tp)``: it talks in every attention layer, but less than tp
 AXES: tuple[Axis, ...] = (
     Axis("dp", "batch", "data-parallel degree"),
     Axis("pp", "layers", "pipeline-parallel degree (ranks)"),
+    Axis("cp", "sequence", "context-parallel degree (each rank holds 1/cp of every sequence's tokens)",
+         plan_default=1),
     Axis("tp", "tensors", "tensor-parallel degree (Megatron column/row pairs)", innermost=True),
 )
 AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)
@@ -73,6 +76,7 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
 
     # ------------------------------------------------------------ shape

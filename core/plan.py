@@ -377,7 +377,7 @@ def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1,
+def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                  micro_batch: int = 1, num_microbatches: int = 1, schedule: str = "1f1b",
                  virtual_stages: int = 1, tp_styles_per_layer: Mapping[int, Mapping[str, str]] | None = None,
                  sequence_parallel: bool = False, zero: int = 0, recompute: str = "none",
@@ -396,7 +396,7 @@ def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, 
     layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if tp > 1 else (),
                              zero=zero, recompute=recompute, offload=offload, precision=layer_precision)
                    for i in range(num_layers))
-    return Plan(model=model, mesh=Mesh(dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel),
+    return Plan(model=model, mesh=Mesh(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel),
                 global_batch=dp * micro_batch * num_microbatches, micro_batch=micro_batch,
                 pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
                 layers=layers, precision=precision, cluster=cluster, compile=compile)

@@ -101,6 +101,16 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if ex is not None and not ex.pipeline:
             raise UserError(f"--pp {o.pp}: the runtime cannot cut this model into pipeline stages: "
                             f"{_reason(ex, 'pipeline')}. Use --pp 1 or leave --pp out.")
+    if o.cp and o.cp > 1:
+        from autopar.core.cp_support import cp_refusal
+
+        reason = cp_refusal(graph, o.cp)
+        if reason:
+            raise UserError(f"--cp {o.cp}: {graph.model_file} cannot take context parallelism: {reason}. "
+                            f"Use --cp 1 or leave --cp out.")
+        raise UserError(f"--cp {o.cp}: the simulator does not price context parallelism yet (its K/V exchange and "
+                        f"the sequence-split activations), so the planner cannot plan it; write the plan with "
+                        f"autopar.core.plan.uniform_plan(cp={o.cp}, ...) to run it, or leave --cp out.")
     if o.fixed_schedule is not None and o.pp == 1:
         raise UserError(f"--schedule {o.fixed_schedule} is a pipeline schedule; it needs --pp > 1.")
     changes: dict = {}

@@ -98,6 +98,7 @@ class PlanOptions:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     micro_batch: int | None = None
     zero: int | None = None              # one ZeRO stage on every layer
     offload: str | None = None           # "none" | "cpu" on every layer

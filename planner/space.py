@@ -85,8 +85,12 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     def dp_degrees(left: int) -> list[int]:
         return [left] if dp_admitted(left, global_batch) else []
 
+    def cp_degrees(left: int) -> list[int]:
+        return [1]         # until the simulator prices context parallelism (docs/design.md)
+
     out: list[Mesh] = []
-    for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "dp": dp_degrees}):
+    for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "cp": cp_degrees,
+                                               "dp": dp_degrees}):
         out.append(Mesh(**degrees))
         if degrees["tp"] > 1 and sequence_parallel:
             out.append(Mesh(**degrees, sequence_parallel=True))

@@ -75,8 +75,10 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
 
 def data_parallel_kind(zero: int, mesh: Mesh) -> str:
     """Which native part runs the plan's data parallelism: ``ddp``, ``zero1``, ``fsdp``,
-    ``replicate`` or ``none`` (the rule and why: core/rules.py ``data_parallel_kind``)."""
-    return rules.data_parallel_kind(zero, mesh.dp, mesh.splits_model)
+    ``replicate`` or ``none`` (the rule and why: core/rules.py ``data_parallel_kind``).  The
+    context-parallel ranks of a data-parallel rank average their gradients too
+    (runtime/apply_cp.py), so the reducing degree is dp x cp."""
+    return rules.data_parallel_kind(zero, mesh.dp * mesh.cp, mesh.splits_model)
 
 
 def build_optimizer(params: list[nn.Parameter], zero: int, dp_mesh: DeviceMesh, lr: float,

@@ -35,6 +35,7 @@ import torch.nn as nn
 from autopar.core.errors import PlanFileError
 from autopar.core.plan import Plan
 from autopar.runtime.apply_compile import apply_compile
+from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
@@ -68,6 +69,8 @@ class ParallelModel:
     tied_grad_sum: Callable[[list[nn.Module]], None] | None = None
     # the checkpoint's key of every state-dict entry of the parts (runtime.state_names)
     state_names: StateNames = field(default_factory=StateNames)
+    # the sequence split and attention of context parallelism (runtime.apply_cp); None when cp = 1
+    cp: ContextParallel | None = None
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -145,10 +148,10 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     units = [u for u in units if u[0]]
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, ctx.submesh("dp"), units, root_zero=root.zero, root_offload=root.offload,
+        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), units, root_zero=root.zero, root_offload=root.offload,
                    precision=plan.precision, device=ctx.device)
     elif dp_kind == "replicate":
-        apply_replicate(part, ctx.submesh("dp"), [u[0] for u in units], plan.precision)
+        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [u[0] for u in units], plan.precision)
     return part
 
 
@@ -185,10 +188,10 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
         part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop())
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, ctx.submesh("dp"), [], root_zero=root.zero, root_offload=root.offload,
+        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), [], root_zero=root.zero, root_offload=root.offload,
                    precision=plan.precision, device=ctx.device)
     elif dp_kind == "replicate":
-        apply_replicate(part, ctx.submesh("dp"), [], plan.precision)
+        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [], plan.precision)
     return part
 
 
@@ -254,7 +257,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                               lambda i: plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank)
     del source
     local, dp_kind = built.parts, built.dp_kind
-    parts, dp_mesh = [], ctx.submesh("dp")
+    parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
@@ -285,7 +288,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                      f"per stage; the order differs only on the last stages, the bubble is the same)")
     warnings = batch_norm_warnings(meta, plan.mesh.batch_degree, plan.pipeline.num_microbatches, plan.micro_batch)
     low = LOW_PRECISION.get(plan.precision)
-    return ParallelModel(notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+    cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta) if plan.mesh.cp > 1 else None
+    return ParallelModel(cp=cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,

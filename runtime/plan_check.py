@@ -81,6 +81,10 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
     layers = tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
                    for i, g in enumerate(graph.layers))
     checked = CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)
+    if plan.mesh.cp > 1:
+        from autopar.runtime.apply_cp import check_cp_plan
+
+        check_cp_plan(checked)
     if plan.mesh.tp > 1:
         from autopar.runtime.tp_check import check_tp_divisibility
 

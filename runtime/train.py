@@ -75,6 +75,13 @@ def _autocast(pm: ParallelModel, device: torch.device):
     return torch.autocast(device.type, dtype=pm.autocast_dtype)
 
 
+def _cp_forward(pm: ParallelModel, inputs, device: torch.device):
+    """Context parallelism's forward mode (runtime/apply_cp.py) and extra keyword arguments."""
+    if pm.cp is None:
+        return contextlib.nullcontext(), {}
+    return pm.cp.mode(), pm.cp.forward_kwargs(tuple(inputs), device)
+
+
 def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs, target) -> torch.Tensor:
     """Forward, backward and optimizer step; returns this rank's mean loss over its samples (0 off
     the last stage).  The gradients are left in place: the caller clears them (``zero_grad``)."""
@@ -88,8 +95,9 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
         local_loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
     elif nmb == 1:
         part = pm.parts[0]
-        with record_function("autopar.forward"), _autocast(pm, ctx.device):
-            loss = loss_fn(part(*inputs), target)
+        cp_mode, cp_kwargs = _cp_forward(pm, inputs, ctx.device)
+        with record_function("autopar.forward"), _autocast(pm, ctx.device), cp_mode:
+            loss = loss_fn(part(*inputs, **cp_kwargs), target)
         with record_function("autopar.backward"):
             loss.backward()
         local_loss = loss.detach()
@@ -100,8 +108,9 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
         mb_losses = []
         for i in range(nmb):
             with _grad_sync(part, i == nmb - 1, pm):
-                with record_function("autopar.forward"), _autocast(pm, ctx.device):
-                    loss = loss_fn(part(*(c[i] for c in in_chunks)), tgt_chunks[i]) / nmb
+                cp_mode, cp_kwargs = _cp_forward(pm, [c[i] for c in in_chunks], ctx.device)
+                with record_function("autopar.forward"), _autocast(pm, ctx.device), cp_mode:
+                    loss = loss_fn(part(*(c[i] for c in in_chunks), **cp_kwargs), tgt_chunks[i]) / nmb
                 with record_function("autopar.backward"):
                     loss.backward()
             mb_losses.append(loss.detach())
@@ -120,8 +129,9 @@ def zero_grad(pm: ParallelModel) -> None:
 
 
 def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int) -> list[float]:
-    """The global-batch mean of each step: the last stage's tp-rank-0 losses, averaged over dp
-    (one all-reduce for all the steps given)."""
+    """The global-batch mean of each step: the last stage's tp-rank-0 losses, averaged over
+    ``dp`` ranks (one all-reduce for all the steps given); the caller passes dp x cp, since the
+    cp ranks each hold the mean over an equal share of the tokens."""
     if not local_losses:
         return []
     values = torch.stack([l.detach().float().reshape(()).to(ctx.device) for l in local_losses])
@@ -174,7 +184,7 @@ class Trainer:
         self.memory.start()
         torch.manual_seed(opts.seed)
         self.pm = pm = build_parallel_model(self.checked, ctx, opts, self.checked.model_file.loss)
-        self.log(f"plan {opts.plan_path}: mesh dp={plan.mesh.dp} pp={plan.mesh.pp} tp={plan.mesh.tp}, "
+        self.log(f"plan {opts.plan_path}: mesh {plan.mesh.describe('{name}={size}', ' ')}, "
                  f"zero {plan.zero} ({pm.dp_kind}), "
                  f"{len(plan.pipeline.stages)} stage(s) {plan.pipeline.schedule}, {plan.pipeline.num_microbatches} "
                  f"micro-batch(es), init {pm.init_mode}, device {ctx.device.type}")
@@ -200,7 +210,7 @@ class Trainer:
             print(f"[autopar] {msg}", flush=True)
 
     def flush_losses(self) -> None:
-        new = global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp)
+        new = global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp * self.plan.mesh.cp)
         loss_guard.check_losses(new, len(self.losses), self.opts.checkpoint_dir)   # same values on every rank
         self.losses += new
         self.pending = []
@@ -217,6 +227,8 @@ class Trainer:
         with record_function(STEP_REGION) if self.prof is not None else contextlib.nullcontext():
             inputs = tuple(local_slice(x, ctx.dp_rank, self.rows, ctx.device) for x in inputs)
             target = local_slice(target, ctx.dp_rank, self.rows, ctx.device)
+            if self.pm.cp is not None:                 # this cp rank's tokens (runtime/apply_cp.py)
+                inputs, target = tuple(self.pm.cp.slice(x) for x in inputs), self.pm.cp.slice(target)
             local_loss = train_step(self.pm, self.checked, ctx, inputs, target)
         dt = self.clock.stop()
         if done == opts.steps:               # after the backward and the step, before zero_grad

@@ -33,7 +33,10 @@ def block_stage_bounds(graph: OpGraph, num_stages: int) -> list[int]:
 
 def config_plan(graph: OpGraph, *, dp: int, tp: int, pp: int, micro_batch: int, global_batch: int | None,
                 schedule: str, virtual_stages: int, zero: int, recompute: str, offload: str, precision: str,
-                sequence_parallel: bool, cluster_name: str = "") -> Plan:
+                sequence_parallel: bool, cluster_name: str = "", cp: int = 1) -> Plan:
+    if cp != 1:
+        raise UserError(f"--cp {cp}: the simulator does not price context parallelism yet (its K/V exchange and "
+                        f"sequence-split activations); simulate with --cp 1.")
     if global_batch is None:
         global_batch = dp * micro_batch * max(1, pp)
     if global_batch % (dp * micro_batch):

@@ -42,10 +42,11 @@ def _torch_layout(dims: ParallelDims) -> torch.Tensor:
     return torch.arange(dims.world_size).view(dims.shape)
 
 
-def test_the_plan_mesh_is_the_declared_three_axes():
+def test_the_plan_mesh_is_the_declared_four_axes():
     assert Mesh is ParallelDims
-    assert Mesh(dp=2, tp=4, pp=3).axis_names == ("dp", "pp", "tp") == tuple(a.name for a in AXES)
-    assert Mesh(dp=2, tp=4, pp=3).shape == (2, 3, 4)
+    assert Mesh(dp=2, tp=4, pp=3).axis_names == ("dp", "pp", "cp", "tp") == tuple(a.name for a in AXES)
+    assert Mesh(dp=2, tp=4, pp=3).shape == (2, 3, 1, 4)
+    assert Mesh(dp=2, tp=4, pp=3, cp=5).shape == WithContextParallel(dp=2, tp=4, pp=3, cp=5).shape
     assert AXIS_BY_NAME["tp"].innermost                    # tp groups are consecutive ranks
     check_declaration(WithContextParallel)
     assert WithContextParallel(dp=2, tp=4, pp=3, cp=5).shape == (2, 3, 5, 4)
@@ -123,13 +124,17 @@ def _plan(**mesh) -> Plan:
 
 
 def test_plan_file_mesh_keeps_the_version_1_form():
-    """The mesh object as plan version 1 has always written it: same keys, same order, same
-    layout text, so plan files read by older autopar are unchanged."""
+    """The mesh object as plan version 1 has always written it, plus the context-parallel
+    degree ``cp`` after the three first axes (docs/design.md, "Adding a parallel axis"); a
+    version 1 file without ``cp`` reads as cp = 1 (``test_old_plan_files_load...``)."""
     plan = _plan(dp=2, tp=2, pp=2, sequence_parallel=True)
     mesh = json.loads(plan.to_json())["mesh"]
-    assert list(mesh.items()) == [("dp", 2), ("tp", 2), ("pp", 2), ("sequence_parallel", True), ("world_size", 8),
-                                  ("layout", "ranks = arange(world_size).view(dp, pp, tp)")]
+    assert list(mesh.items()) == [("dp", 2), ("tp", 2), ("pp", 2), ("cp", 1), ("sequence_parallel", True),
+                                  ("world_size", 8), ("layout", "ranks = arange(world_size).view(dp, pp, cp, tp)")]
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    old = json.loads(plan.to_json())
+    del old["mesh"]["cp"]
+    assert Plan.from_dict(old) == plan
 
 
 def test_old_plan_files_load_and_a_later_axis_reads_as_one():
@@ -159,11 +164,11 @@ def test_old_plan_files_load_and_a_later_axis_reads_as_one():
 def test_a_declaration_that_disagrees_with_its_class_is_refused():
     @dataclass(frozen=True)
     class Undeclared(ParallelDims):           # a field with no axis
-        cp: int = 1
+        ep: int = 1
 
     @dataclass(frozen=True)
     class TpNotInnermost(ParallelDims):
-        axes = (AXIS_BY_NAME["dp"], AXIS_BY_NAME["tp"], AXIS_BY_NAME["pp"])
+        axes = (AXIS_BY_NAME["dp"], AXIS_BY_NAME["tp"], AXIS_BY_NAME["pp"], AXIS_BY_NAME["cp"])
 
     for cls in (Undeclared, TpNotInnermost):
         with pytest.raises(AssertionError):

@@ -1,0 +1,201 @@
+"""Context parallelism: each rank of a cp group holds 1/cp of every sequence's tokens.
+
+The layout is the load-balanced head-tail split for causal masks: the sequence is cut into
+``2 cp`` equal chunks and cp rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (Brandon et
+al. 2023 "Striped attention" discuss the imbalance; torch's ``context_parallel`` and
+torchtitan use this head-tail order, ``_HeadTailLoadBalancer``), so every rank's queries see
+the same number of unmasked keys.
+
+Attention runs over the whole sequence by an all-gather of K and V across the cp group
+followed by the rank's own queries against the gathered keys -- the all-gather variant Llama 3
+trained with (Dubey et al. 2024, Sec. 3.3.2 "Context parallelism"), which is also
+``_RotateMethod.ALL_GATHER`` of torch's ``context_parallel``.  The gather is
+``torch.distributed._functional_collectives.all_gather_single_autograd`` (its backward
+reduce-scatters: each chunk's gradient summed over the ranks that read it goes back to its
+owner; ``torch.distributed.nn.functional.all_gather`` is not used because on gloo its
+backward scatters from group rank ``i`` as if it were global rank ``i``, which fails in any
+cp group that does not start at rank 0), the attention is
+torch's own ``F.scaled_dot_product_attention`` with the causal mask of the head-tail layout
+(a query at global position p sees the keys at global positions <= p).
+
+Why not torch's ``context_parallel`` itself: it dispatches the CUDA SDPA kernels (flash,
+efficient, cuDNN) through DTensor; on the CPU, SDPA lowers to
+``aten._scaled_dot_product_flash_attention_for_cpu``, which has no sharding strategy, so under
+gloo it fails with ``NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered`` (torch 2.13).  Its ``buffers`` argument also shards tensors in place
+(``resize_``), which refuses tensors that require grad.
+
+``CPAttention`` is a ``TorchFunctionMode`` active during the forward: it replaces every
+``F.scaled_dot_product_attention`` call (HF models reach it through transformers' "sdpa"
+attention interface) and every ``torch.arange`` of the local sequence length starting at 0
+(the positions a model computes itself, as GPT-2 style models do for their position
+embedding) by the rank's global positions.  A model whose forward takes ``position_ids``
+(HF) receives them explicitly instead, with an all-ones ``attention_mask`` (``forward_kwargs``),
+and its ``arange`` calls are left alone.
+
+Gradients: each rank's loss is the mean over its tokens; every rank holds the same number of
+tokens, so the mean of the cp ranks' losses is the loss over the whole sequence, and averaging
+the gradients over dp x cp (``gradient_mesh``: DDP, ``replicate`` or FSDP2 over the flattened
+dp x cp mesh, as torchtitan shards) gives the gradient of the global mean.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from autopar.core.cp_support import cp_refusal
+from autopar.core.errors import PlanFileError, UserError
+from autopar.runtime.mesh import RankContext
+
+
+def check_cp_plan(checked) -> None:
+    """Refuse (exit 2) a plan with cp > 1 the model or this runtime cannot run: the model's
+    reason (core/cp_support.py), or a combination the runtime does not implement yet."""
+    plan, where = checked.plan, f"plan file {checked.plan_path}"
+    reason = cp_refusal(checked.graph, plan.mesh.cp)
+    if reason:
+        raise PlanFileError(f"{where} has cp = {plan.mesh.cp}, but {checked.model_file.path} cannot take context "
+                            f"parallelism: {reason}. Plan with cp = 1 for this model.")
+    unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the schedules run the forward themselves"),
+                   (plan.mesh.tp > 1, "tensor parallelism (tp > 1): not implemented or tested together yet"),
+                   (any(l.recompute != "none" for l in plan.layers),
+                    "recompute: the recomputed forward would run outside the context-parallel attention")]
+    for bad, what in unsupported:
+        if bad:
+            raise PlanFileError(f"{where} has cp = {plan.mesh.cp} with {what}. Plan context parallelism with dp "
+                                f"and ZeRO only (pp = 1, tp = 1, recompute none), or cp = 1.")
+
+
+def head_tail_positions(seq: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The global positions of cp rank ``cp_rank``'s tokens: chunks ``cp_rank`` and
+    ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks, in that order."""
+    assert seq % (2 * cp) == 0, f"sequence {seq} does not split into 2 x cp = {2 * cp} equal chunks"
+    c = seq // (2 * cp)
+    head = torch.arange(cp_rank * c, (cp_rank + 1) * c)
+    tail_chunk = 2 * cp - 1 - cp_rank
+    tail = torch.arange(tail_chunk * c, (tail_chunk + 1) * c)
+    return torch.cat([head, tail])
+
+
+def slice_sequence(t: torch.Tensor, positions: torch.Tensor, seq: int, dim: int = 1) -> torch.Tensor:
+    """The rank's tokens of ``t`` when its dim ``dim`` is the sequence (length ``seq``); ``t``
+    unchanged otherwise (a tensor without the sequence dimension)."""
+    if t.dim() <= dim or t.shape[dim] != seq:
+        return t
+    return t.index_select(dim, positions.to(t.device))
+
+
+def gradient_mesh(ctx: RankContext, cp: int) -> DeviceMesh:
+    """The 1-D mesh gradients are averaged over: dp, or dp x cp flattened when cp > 1."""
+    if cp == 1:
+        return ctx.submesh("dp")
+    return ctx.mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def takes_argument(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class CPAttention(TorchFunctionMode):
+    """During a forward: SDPA over the whole sequence by an all-gather of K/V over the cp group,
+    and ``torch.arange(S_local)`` read as the rank's global positions (``positions_from_arange``)."""
+
+    def __init__(self, group, cp: int, cp_rank: int, seq: int, positions_from_arange: bool):
+        super().__init__()
+        self.group, self.cp, self.seq = group, cp, seq
+        self.local = seq // cp
+        self.positions = head_tail_positions(seq, cp, cp_rank)
+        # the global key positions in the order the all-gather returns them (rank order)
+        self.key_positions = torch.cat([head_tail_positions(seq, cp, r) for r in range(cp)])
+        self.positions_from_arange = positions_from_arange
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func is torch.arange and self.positions_from_arange:
+            out = self._positions_for(args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _positions_for(self, args, kwargs):
+        """The global positions when the call is ``arange(S_local)`` / ``arange(0, S_local)``."""
+        ends = [a for a in args if not isinstance(a, torch.dtype)]
+        if "end" in kwargs:
+            ends = [kwargs.get("start", 0), kwargs["end"]]
+        if kwargs.get("step", 1) != 1 or not ends or len(ends) > 2:
+            return None
+        start, end = (0, ends[0]) if len(ends) == 1 else ends
+        if int(start) != 0 or int(end) != self.local:
+            return None
+        out = self.positions.to(device=kwargs.get("device"))
+        return out.to(kwargs["dtype"]) if kwargs.get("dtype") is not None else out
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+
+        if attn_mask is not None:
+            raise UserError(
+                "context parallelism supports F.scaled_dot_product_attention with is_causal=True or without a "
+                "mask; this model passes an explicit attn_mask (a padding or custom mask), which the head-tail "
+                "layout cannot slice; plan with cp = 1 for this model")
+        if dropout_p:
+            raise UserError("context parallelism with attention dropout is not supported (dropout_p > 0): run the "
+                            "model with attention dropout 0, or plan with cp = 1")
+        seq_dim = -2
+        assert query.shape[seq_dim] == self.local, (query.shape, self.local)
+        # K and V travel in one collective: two gathers would each have a backward collective,
+        # and nothing orders those two alike on every rank
+        kv = torch.cat([key, value], dim=-1).movedim(seq_dim, 0).contiguous()
+        gathered = all_gather_single_autograd(kv, 0, self.group).movedim(0, seq_dim)
+        keys, values = gathered.split([key.shape[-1], value.shape[-1]], dim=-1)
+        mask = None
+        if is_causal:
+            q_pos = self.positions.to(query.device)
+            k_pos = self.key_positions.to(query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]           # [S_local, S]
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+class ContextParallel:
+    """What train_step needs per rank: the slicing of a batch and the forward's mode."""
+
+    def __init__(self, ctx: RankContext, cp: int, seq: int, model: nn.Module):
+        self.cp, self.seq = cp, seq
+        self.rank = ctx.coords["cp"]
+        self.group = ctx.submesh("cp").get_group()
+        self.positions = head_tail_positions(seq, cp, self.rank)
+        self.pass_position_ids = takes_argument(model, "position_ids")
+        self.pass_attention_mask = takes_argument(model, "attention_mask")
+
+    def slice(self, t: torch.Tensor) -> torch.Tensor:
+        return slice_sequence(t, self.positions, self.seq)
+
+    def forward_kwargs(self, inputs: tuple, device: torch.device) -> dict:
+        """``position_ids`` (the global positions) for a forward that takes them, and with them an
+        all-ones ``attention_mask`` (no padding) where the forward takes one: transformers reads
+        position ids that do not step by 1 without a mask as packed sequences
+        (``masking_utils.find_packed_sequence_indices``) and would mask across the head-tail
+        chunks; with a mask of ones and no padding it calls SDPA with ``is_causal=True``."""
+        if not self.pass_position_ids:
+            return {}
+        out = {"position_ids": self.positions.to(device)[None, :]}
+        if self.pass_attention_mask and inputs:
+            out["attention_mask"] = torch.ones(inputs[0].shape[0], len(self.positions), dtype=torch.long,
+                                               device=device)
+        return out
+
+    def mode(self) -> CPAttention:
+        return CPAttention(self.group, self.cp, self.rank, self.seq, positions_from_arange=not self.pass_position_ids)
