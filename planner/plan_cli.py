@@ -155,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
     result.runner_ups = [_priced(replace(ev, plan=ev.plan.with_predicted(ev.plan.predicted,
                                                                          memory_headroom=options.memory_headroom)),
                                  cluster, cost_models, graphs) for ev in result.runner_ups]
+    compile_choice = _priced_choice(compile_choice, result.best.plan, cluster, cost_models, graphs)
+    provenance["compile_choice"] = compile_choice.to_dict()
     outcome = None
     if args.trial_steps is not None:
         result, conf_errors, conf_close, outcome = _trial(result, conf_errors, cluster, args, trial_plans,
@@ -323,6 +325,18 @@ def _priced(ev, cluster, cost_models, graphs: dict):
     graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(ev.plan)
     res = price_plan(ev.plan, cluster, cost_models, graph=graph)
     return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
+
+
+def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
+    """The compile choice with both of its step times priced as plan.json's figures are
+    (``_priced``): the chosen one is then the plan's predicted step."""
+    from autopar.simulator.plan_price import plan_graph, price_plan
+
+    mb = plan.micro_batch
+    graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(plan)
+    eager, compiled = (price_plan(replace(plan, compile=on), cluster, cost_models, graph=graph).step_time_s
+                       for on in (False, True))
+    return replace(choice, eager_step_s=eager, compiled_step_s=compiled)
 
 
 def _difference(best, ev) -> str:
