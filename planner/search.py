@@ -341,6 +341,18 @@ class Planner:
         self.table_cache[key] = (per_rank, allowed)
         return per_rank, allowed
 
+    def solve(self, s: Setting, tables: list[LayerTables], allowed) -> Candidate:
+        """The structured phase's candidate for a setting (stage DP and per-stage ILP); where the
+        ILP left every layer whole on a tp mesh, solved again with every layer that can be split
+        split (the plan the tp degree was chosen for).  Raises ``InfeasibleError``."""
+        c = solve_setting(tables, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
+                          cuttable=self.cuttable, allowed=allowed, ilp_cache=self.ilp_cache)
+        if not self.splits_something(c):
+            c = solve_setting(tables, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
+                              cuttable=self.cuttable, allowed=self._split_all(tables[0].choices, allowed),
+                              ilp_cache=self.ilp_cache_split)     # its key does not hold allowed
+        return c
+
     def _split_all(self, choices, allowed: np.ndarray | None) -> np.ndarray:
         """``allowed`` with the unsplit choices of every splittable layer ruled out."""
         forced = np.array([[ch.tp or not self.styles[i] for ch in choices] for i in range(self.num_layers)])
@@ -424,15 +436,7 @@ class Planner:
                 break
             t, allowed = self.tables(s)
             try:
-                c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
-                                  cuttable=self.cuttable,
-                                  allowed=allowed, ilp_cache=self.ilp_cache)
-                if not self.splits_something(c):
-                    # the ILP left every layer whole on a tp mesh: solve again with every layer
-                    # that can be split split (the plan the tp degree was chosen for)
-                    c = solve_setting(t, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
-                                      cuttable=self.cuttable, allowed=self._split_all(t[0].choices, allowed),
-                                      ilp_cache=self.ilp_cache_split)     # its key does not hold allowed
+                c = self.solve(s, t, allowed)
             except InfeasibleError:
                 self.num_infeasible += 1
                 continue

@@ -270,7 +270,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
-                                          ctx.mesh.mesh, ctx.rank, ctx.submesh("pp").get_group())
+                                          TiedGradSum.pp_rows(ctx.mesh.mesh, tuple(ctx.mesh.mesh_dim_names)),
+                                          ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,

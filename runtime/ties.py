@@ -131,25 +131,32 @@ class TiedGradSum:
     groups: list[tuple[TieGroup, dist.ProcessGroup | None]]
 
     @classmethod
-    def build(cls, cross: list[tuple[TieGroup, list[int]]], stage_rank, mesh_ranks: torch.Tensor,
+    def build(cls, cross: list[tuple[TieGroup, list[int]]], stage_rank, ranks_by_pp: torch.Tensor,
               my_rank: int, pp_group: dist.ProcessGroup) -> "TiedGradSum":
-        """``mesh_ranks``: global ranks laid out [dp, pp, tp]; ``stage_rank(stage)``: its pp rank."""
+        """``ranks_by_pp``: global ranks as [every coordinate of the other axes, pp] (``pp_rows``);
+        ``stage_rank(stage)``: its pp rank."""
         out = []
-        dp, pp, tp = mesh_ranks.shape
+        pp = ranks_by_pp.shape[-1]
         for group, stages in cross:
             holders = sorted({stage_rank(s) for s in stages})
             if len(holders) == pp:
                 mine = pp_group
             else:
                 mine = None
-                for d in range(dp):
-                    for t in range(tp):
-                        ranks = [int(mesh_ranks[d, r, t]) for r in holders]
-                        g = dist.new_group(ranks)
-                        if my_rank in ranks:
-                            mine = g
+                for row in ranks_by_pp:          # the same order on every rank (new_group is collective)
+                    ranks = [int(row[r]) for r in holders]
+                    g = dist.new_group(ranks)
+                    if my_rank in ranks:
+                        mine = g
             out.append((group, mine))
         return cls(out)
+
+    @staticmethod
+    def pp_rows(mesh_ranks: torch.Tensor, dim_names: tuple[str, ...]) -> torch.Tensor:
+        """The device mesh's global ranks with the pp axis last and the other axes flattened,
+        whatever axes the mesh declares (core/parallel_dims.py)."""
+        pp_dim = dim_names.index("pp")
+        return mesh_ranks.movedim(pp_dim, -1).reshape(-1, mesh_ranks.shape[pp_dim])
 
     @torch.no_grad()
     def __call__(self, parts: list[nn.Module]) -> None:
