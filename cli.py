@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopar {args.verb}: this verb is not available in this installation.", file=sys.stderr)
         return 2
     try:
+        from autopar.core.output_file import forget_inputs, note_arguments
+
+        forget_inputs()                               # a fresh command (tests call main() repeatedly)
+        note_arguments(parser, args)                  # no output may overwrite one of these
         return int(importlib.import_module(args._module).main(args) or 0)
     except UserError as e:
         print(paragraph(f"autopar {args.verb}: error: {e}"), file=sys.stderr)

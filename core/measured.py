@@ -180,6 +180,9 @@ def read_measured(path: str | os.PathLike) -> Measured:
 
     data = read_json_object(path, what="measured file", error=MeasuredFileError,
                             if_missing="; 'autopar run PLAN.json' writes measured.json beside the plan.")
+    from autopar.core.output_file import note_input
+
+    note_input(path, "measured file")
     return Measured.from_json(data, source=str(path))
 
 

@@ -189,6 +189,9 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
             f"build_model(**model_args) and make_batch(batch_size, **model_args), e.g. "
             f"examples/gpt.py.")
     p = p.resolve()
+    from autopar.core.output_file import note_input
+
+    note_input(p, "model file")
     digest = hashlib.sha1(str(p).encode()).hexdigest()[:10]
     module_name = f"autopar_model_{_identifier(p.stem)}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, p)

@@ -326,6 +326,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
     d = read_json_object(p, what="plan file", error=PlanFileError,
                          if_missing=f". Create one with 'autopar plan MODEL.py --cluster CLUSTER -o {p}'.",
                          if_invalid=". Plans are JSON written by 'autopar plan'.")
+    from autopar.core.output_file import note_input
+
+    note_input(p, "plan file")
     return Plan.from_dict(d, source=f"plan file {p}")
 
 

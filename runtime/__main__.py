@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         from autopar.runtime.output_paths import check_output_paths
         from autopar.runtime.train import run
 
+        from autopar.core.output_file import note_arguments
+
+        note_arguments(parser, args)
         opts = options_from_args(args)
         check_output_paths(opts)
         run(opts)

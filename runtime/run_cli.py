@@ -73,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
     if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
+    if args.nnodes in (None, 1) and not args.dry_run:
+        check_output_paths(opts)                      # again: the plan's model file is now known as an input
     world = checked.plan.world_size
     layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
     if args.nnodes is None:
