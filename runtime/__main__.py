@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    from autopar.runtime.rank_errors import report_failure
+    from autopar.runtime import stop_signals
+    from autopar.runtime.rank_errors import report_failure, report_stop
 
+    stop_signals.install()                   # SIGTERM / Ctrl-C: stop at a step boundary, resumable
     code = 0
     try:
         from autopar.runtime.output_paths import check_output_paths
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = options_from_args(args)
         check_output_paths(opts)
         run(opts)
+    except stop_signals.RunStopped as e:
+        code = report_stop(e)
     except Exception as e:  # noqa: BLE001 -- every failure becomes one message and one exit code
         code = report_failure(e)
     finally:

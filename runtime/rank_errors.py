@@ -128,6 +128,25 @@ def report_failure(exc: BaseException) -> int:
     return code
 
 
+def report_stop(exc) -> int:
+    """A run stopped by a signal (``autopar.runtime.stop_signals.RunStopped``): every rank agreed
+    on it, so rank 0 alone prints what was saved and how to resume; returns 128 + the signal."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        record = {"rank": 0, "exit_code": exc.exit_code, "user_error": True, "stopped": True,
+                  "message": f"autopar run: {exc.message}", "time": time.time()}
+        print(_paragraph(record["message"]), file=sys.stderr, flush=True)
+        path = os.environ.get(ERROR_FILE_ENV)
+        if path:
+            try:
+                from autopar.core.plan import write_text_atomic
+
+                write_text_atomic(path, json.dumps(record) + "\n")
+            except OSError:
+                pass
+    return exc.exit_code
+
+
 def relaunch_exit(returncode: int, error_file: str) -> int:
     """``autopar run``'s exit code after torchrun returned ``returncode``: the first failing
     rank's code, its message repeated last (torchrun's summary comes between)."""
@@ -137,7 +156,9 @@ def relaunch_exit(returncode: int, error_file: str) -> int:
         record = json.loads(open(error_file).read())
     except (OSError, ValueError):
         return returncode
-    if record.get("user_error"):
+    if record.get("stopped"):                  # rank 0 just said it; nothing came between
+        pass
+    elif record.get("user_error"):
         print(_paragraph(record["message"]), file=sys.stderr, flush=True)
     else:
         print(f"autopar run: rank {record.get('rank')} failed first; its traceback is above.", file=sys.stderr,

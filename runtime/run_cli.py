@@ -111,8 +111,18 @@ def main(args: argparse.Namespace) -> int:
 
 def _call_and_report(cmd: list[str]) -> int:
     """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
-    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``)."""
+    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``).
+
+    torchrun runs in a session of its own, and SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to
+    ``autopar run`` are forwarded to it -- once, so torchrun passes them on to the ranks, which
+    stop after the step in flight, checkpoint and say how to resume
+    (``autopar.runtime.stop_signals``).  Were torchrun in this process's group, Ctrl-C would
+    reach it twice (from the terminal and from here); were nothing forwarded, a SIGTERM to
+    ``autopar run`` would leave torchrun and the ranks training on.  If ``autopar run`` itself
+    is killed outright, the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and likewise
+    each rank when torchrun dies."""
     import os
+    import signal
     import tempfile
 
     from autopar.runtime.rank_errors import ERROR_FILE_ENV, relaunch_exit
@@ -120,8 +130,34 @@ def _call_and_report(cmd: list[str]) -> int:
     cmd = [("autopar.runtime.launch" if c == "torch.distributed.run" else c) for c in cmd]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as d:
         error_file = os.path.join(d, "first_failure.json")
-        code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file})
+        proc = subprocess.Popen(cmd, env={**os.environ, ERROR_FILE_ENV: error_file}, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        forwarded = {"n": 0}
+
+        def forward(signum, frame):
+            forwarded["n"] += 1
+            if forwarded["n"] == 1:
+                print(f"autopar run: {signal.Signals(signum).name}: stopping the ranks after the step in flight.",
+                      file=sys.stderr, flush=True)
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
         return relaunch_exit(code, error_file)
+
+
+def _die_with_parent() -> None:
+    """In torchrun's process (after fork): SIGTERM it when ``autopar run`` dies."""
+    from autopar.runtime.stop_signals import term_when_parent_dies
+
+    term_when_parent_dies()
 
 
 def plan_nodes(plan) -> tuple[str, list[int]] | None:

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch.profiler import record_function
 
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
-from autopar.runtime import checkpointing, loss_guard
+from autopar.runtime import checkpointing, loss_guard, stop_signals
 from autopar.runtime.batch_check import check_batch_rows
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
@@ -174,6 +175,7 @@ class Trainer:
         self.clock, self.prof, self.profiled = StepClock(ctx.device), None, 0
         self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
         self.state_bytes: dict | None = None        # model_state_bytes of the last step
+        self.saved: dict[int, Path] = {}            # step -> checkpoint folder saved by this run
 
     def log(self, msg: str) -> None:
         if self.ctx.is_logging_rank:
@@ -215,7 +217,30 @@ class Trainer:
             loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, ctx.device)
             path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
                                                  self.identity, self.losses, keep=opts.keep_checkpoints)
+            self.saved[done] = path
             self.log(f"checkpoint {path}")
+
+    def stop(self, done: int, signum: int) -> None:
+        """Every rank, after step ``done``, on a signal all ranks agreed on: save a checkpoint where
+        a folder is given (unless this step just saved one) and raise ``RunStopped`` saying how to resume."""
+        opts = self.opts
+        name = stop_signals.signal_name(signum)
+        plan = str(opts.plan_path)
+        if opts.checkpoint_dir is None:
+            raise stop_signals.RunStopped(signum, (
+                f"stopped by {name} after step {done}/{opts.steps}. Nothing was saved: the run has no "
+                f"--checkpoint-dir, so a rerun starts from step 0. To make a run resumable, start it with "
+                f"--checkpoint-dir DIR (and --checkpoint-every K to save every K steps)."))
+        path = self.saved.get(done)               # the same answer on every rank (no file system look)
+        if path is None:
+            self.flush_losses()
+            loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, self.ctx.device)
+            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
+                                                 self.identity, self.losses, keep=opts.keep_checkpoints)
+        raise stop_signals.RunStopped(signum, (
+            f"stopped by {name} after step {done}/{opts.steps}; checkpoint {path} is complete. Resume with: "
+            f"autopar run {plan} --steps {opts.steps} --checkpoint-dir {opts.checkpoint_dir} (and the other "
+            f"options of this run)."))
 
     def finish(self) -> Measured:
         opts, ctx, plan = self.opts, self.ctx, self.plan
@@ -245,6 +270,13 @@ class Trainer:
 
 def run(opts: RunOptions) -> Measured:
     trainer = Trainer(opts)
-    for step in range(trainer.first_step, opts.steps):
-        trainer.step(step)
-    return trainer.finish()
+    stop_signals.in_loop(True)                 # a signal now stops the run after the step in flight
+    try:
+        for step in range(trainer.first_step, opts.steps):
+            trainer.step(step)
+            signum = stop_signals.agreed_signal(trainer.ctx.device)   # one all-reduce, outside the clock
+            if signum and step + 1 < opts.steps:
+                trainer.stop(step + 1, signum)
+        return trainer.finish()
+    finally:
+        stop_signals.in_loop(False)
