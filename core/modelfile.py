@@ -234,9 +234,78 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
 
 
 # ---------------------------------------------------------------------------- helpers
+# The model file's calls are bounded in time where the caller asks (the CLI verbs, which run
+# them on the meta device: seconds even for a 175B model); the runtime's real builds are not.
+TIME_LIMIT_ENV = "AUTOPAR_MODEL_CALL_TIMEOUT_S"
+DEFAULT_TIME_LIMIT_S = 300.0
+_guard: dict[str, Any] = {"depth": 0, "pid": None, "limit_s": None}
+
+
+def bound_user_code(limit_s: float | None) -> None:
+    """Bound each later call into a model file to ``limit_s`` seconds (None: unbounded)."""
+    _guard["limit_s"] = limit_s
+
+
+def default_time_limit_s() -> float:
+    import math
+
+    try:
+        value = float(os.environ.get(TIME_LIMIT_ENV, DEFAULT_TIME_LIMIT_S))
+    except ValueError:
+        value = DEFAULT_TIME_LIMIT_S
+    return value if math.isfinite(value) and value > 0 else DEFAULT_TIME_LIMIT_S
+
+
+class _ModelExit(BaseException):
+    """os._exit called by the model file (raised instead of ending the process)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class _ModelTimeout(BaseException):
+    """A call into the model file ran past its time limit."""
+
+
+def _exit_guard(code: int = 0) -> None:
+    """``os._exit`` while model code runs: in this process, a ``_ModelExit``; elsewhere (a
+    child forked by the model's code) the real exit."""
+    import posix
+
+    if _guard["depth"] > 0 and os.getpid() == _guard["pid"]:
+        raise _ModelExit(code)
+    posix._exit(code)
+
+
+def _on_alarm(signum, frame) -> None:
+    raise _ModelTimeout()
+
+
+def _sigint_received() -> bool:
+    from autopar.core.interrupts import sigint_received
+
+    return sigint_received()
+
+
 @contextlib.contextmanager
 def user_code(path: Path | str, doing: str) -> Iterator[None]:
-    """Run the model file's code: its prints go to stderr, and ``sys.exit()`` becomes a ModelFileError."""
+    """Run the model file's code: its prints go to stderr, and ``sys.exit()`` or ``os._exit()``
+    becomes a ModelFileError, as do a ``KeyboardInterrupt`` it raises itself (no Ctrl-C was
+    pressed) and, where a limit is set (``bound_user_code``), a call that does not return."""
+    import signal
+    import threading
+
+    outer = _guard["depth"] == 0
+    real_exit, armed, previous, limit = os._exit, False, None, _guard["limit_s"]
+    if outer:
+        _guard["pid"] = os.getpid()
+        os._exit = _exit_guard
+        if limit and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, limit)
+            armed = True
+    _guard["depth"] += 1
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -245,6 +314,29 @@ def user_code(path: Path | str, doing: str) -> Iterator[None]:
             f"model file {path} called sys.exit({e.code!r}) while {doing}{_line_in_file(e, Path(path))}; "
             f"autopar runs the model file inside its own process, so the file must not exit. Remove the "
             f"sys.exit()/exit() call (raise an exception with a message instead).") from None
+    except _ModelExit as e:
+        raise ModelFileError(
+            f"model file {path} called os._exit({e.code!r}) while {doing}{_line_in_file(e, Path(path))}; "
+            f"autopar runs the model file inside its own process, so the file must not end it. Remove the "
+            f"os._exit() call (raise an exception with a message instead).") from None
+    except _ModelTimeout as e:
+        raise ModelFileError(
+            f"model file {path} did not return within {limit:g} s while {doing}{_line_in_file(e, Path(path))}; "
+            f"it loops or waits forever there. Fix the model file; if it is only slow, raise the limit with "
+            f"{TIME_LIMIT_ENV}=SECONDS.") from None
+    except KeyboardInterrupt as e:
+        if _sigint_received():
+            raise
+        raise ModelFileError(
+            f"model file {path} raised KeyboardInterrupt while {doing}{_line_in_file(e, Path(path))}, but no "
+            f"Ctrl-C was pressed; remove the raise (raise an exception with a message instead).") from None
+    finally:
+        _guard["depth"] -= 1
+        if outer:
+            os._exit = real_exit
+            if armed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
 
 
 def _signature_names(fn: Callable) -> tuple[list[str], bool]:

@@ -29,14 +29,16 @@ _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autopar.core import cli_types as T
+
     add_run_arguments(parser)
     g = parser.add_argument_group("launch")
-    g.add_argument("--nnodes", type=int, default=None,
+    g.add_argument("--nnodes", type=T.positive, default=None,
                    help="nodes the plan runs on (default: the nodes of the cluster it was planned for; "
                         "1: start it here)")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    g.add_argument("--rdzv-endpoint", type=T.host_port, default=None, metavar="HOST:PORT",
                    help="c10d rendezvous address (node 0); default 127.0.0.1:<free port> on one node")
-    g.add_argument("--max-restarts", type=int, default=0,
+    g.add_argument("--max-restarts", type=T.non_negative, default=0,
                    help="torchrun restarts after a rank fails (resumes from the latest checkpoint)")
     g.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
 
