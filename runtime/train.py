@@ -259,7 +259,7 @@ class Trainer:
             memory_kind=self.memory.kind, losses=self.losses, fingerprint=plan.model.fingerprint,
             world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
-            model_state_bytes_per_rank=state_per_rank)
+            model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity)
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
