@@ -195,7 +195,8 @@ _FIELD_KINDS = {
     "step_time_s": "amount", "samples_per_s": "amount", "tokens_per_s": "amount", "max_memory_bytes": "amount",
     "memory_per_rank_bytes": "amounts", "memory_kind": "text", "losses": "numbers", "step_times_s": "amounts",
     "warmup_steps": "count", "first_step": "count", "fingerprint": "text", "world_size": "positive",
-    "device": "text", "device_kind": "text", "global_batch": "positive", "init": "text", "plan": "text", "plan_identity": "text",
+    "device": "text", "device_kind": "text", "global_batch": "positive", "init": "text", "plan": "text",
+    "plan_identity": "text",
     "model_state_bytes_per_rank": "model_state", "fwd_s": "amount", "bwd_s": "amount", "comm_s": "amount",
     "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text",
 }

@@ -149,7 +149,13 @@ class ModelFile:
         """``loss_fn(output, target)`` if the file defines one, else the default loss."""
         if self.has_loss:
             return self._call(LOSS_FUNCTION, self.module.loss_fn, (output, target), {})
-        return default_loss(output, target)
+        try:
+            return default_loss(output, target)
+        except Exception as e:  # noqa: BLE001 -- the model's output and target do not fit the default loss
+            raise ModelFileError(
+                f"{self.path}: the default loss (cross-entropy for an integer target, MSE otherwise) failed on "
+                f"the forward's output and make_batch's target: {type(e).__name__}: {' '.join(str(e).split())[:300]}. "
+                f"Return a target that fits the output, or define loss_fn(output, target).") from None
 
     def _call(self, fname: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         try:
@@ -165,6 +171,32 @@ class ModelFile:
                 f"and try again.") from None
 
 
+def _tensors(obj: Any, where: str):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{where}[{i}]")
+
+
+def check_batch_rows(inputs: Any, target: Any, batch_size: int, model_path: Any) -> None:
+    """Every input tensor and the target hold ``batch_size`` rows along dim 0 (see
+    ``autopar.runtime.batch_check``); else a ModelFileError."""
+    for where, t in [*_tensors(inputs, "inputs"), *_tensors(target, "target")]:
+        rows = t.shape[0] if t.dim() else None
+        if rows != batch_size:
+            got = "a 0-d tensor" if rows is None else f"{rows} rows"
+            raise ModelFileError(
+                f"{model_path}: make_batch({batch_size}) returned {where} with {got} (shape {tuple(t.shape)}); "
+                f"every input and the target must have batch_size = {batch_size} rows along dim 0. Make "
+                f"make_batch build its tensors from its batch_size argument.")
+
+
 def default_loss(output: Any, target: Any):
     """Cross-entropy for integer targets (logits flattened to [N, classes]), MSE otherwise."""
     import torch
@@ -176,6 +208,9 @@ def default_loss(output: Any, target: Any):
         output = output[0]
     if not target.is_floating_point():
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    if tuple(output.shape) != tuple(target.shape):   # mse_loss would broadcast them, with a warning only
+        raise ValueError(f"the output has shape {tuple(output.shape)} and the target {tuple(target.shape)}; MSE "
+                         f"needs the same shape")
     return F.mse_loss(output, target)
 
 

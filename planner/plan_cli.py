@@ -182,8 +182,11 @@ def runnable_result(result, graph, model_file: str):
                 result.best = ev
             return result, refused
         refused.append(LeftOut(f"plan {ev.plan.mesh.describe('{name}{size}', ' ')} zero{ev.plan.zero}", err))
+    by_reason: dict[str, list[str]] = {}              # each distinct failure once, with its plans
+    for x in refused:
+        by_reason.setdefault(x.reason, []).append(x.kind)
     raise UserError("the runtime cannot run any of the fastest plans found for this model: "
-                    + "; ".join(f"{x.kind}: {x.reason}" for x in refused)
+                    + "; ".join(f"{', '.join(dict.fromkeys(kinds))}: {reason}" for reason, kinds in by_reason.items())
                     + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")
 
 
