@@ -80,10 +80,11 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
                             model_args=model_args, batch_size=batch_size,
                             loss_fn=mf.loss, target=target)
     except ModelFileError:
-        # a forward that fails on its own batch, untraced, is the model file's error, not the tracer's
-        from autopar.core.model_check import meta_forward_failure
+        # a forward that fails on its own batch in plain PyTorch (real tensors: data-dependent
+        # control flow runs there) is the model file's error, not the tracer's
+        from autopar.core.model_check import own_failure
 
-        own = meta_forward_failure(mf, module, inputs, target, batch_size)
+        own = own_failure(mf, model_args, batch_size)
         if own is not None:
             raise own from None
         raise

@@ -1,8 +1,9 @@
 """One plain training step of a model file, to tell its own failures from the runtime's.
 
-When the planner's check on fake ranks (``planner.runtime_check``) cannot run a model even
-without any parallelism, either the runtime cannot handle the model or the model file itself is
-wrong.  ``own_failure`` settles which: it builds the model on the CPU (small random weights),
+When the capture cannot trace a model (``core.capture``), or the planner's check on fake ranks
+(``planner.runtime_check``) cannot run it even without any parallelism, either autopar cannot
+handle the model or the model file itself is wrong.  ``own_failure`` settles which: it builds
+the model on the CPU (with the file's own initialisation),
 draws a real batch of ``batch_size`` rows and runs ``forward``, the loss and ``backward`` in
 plain PyTorch -- no autopar transformation at all.  What fails there is the model file's
 fault, and the ``ModelFileError`` says which function failed, what it was given or returned,
@@ -121,39 +122,6 @@ def own_failure(model_file, model_args: dict, batch_size: int) -> ModelFileError
     except Exception as e:  # noqa: BLE001
         return ModelFileError(f"{p}: backward through the model raised {_first_line(e)}{_line(e, p)}. Fix the "
                               f"model's forward so that it is differentiable.")
-    return None
-
-
-def meta_forward_failure(model_file, module, inputs: tuple, target: Any, batch_size: int) -> ModelFileError | None:
-    """When tracing failed: the model's forward and loss run plainly on the meta device (shapes
-    and dtypes only, no data, instant at any size).  Their own failure, or None."""
-    import torch
-
-    p = model_file.path
-    given = f"make_batch({batch_size})'s inputs {_describe(inputs)}"
-    try:
-        with _quiet(), torch.device("meta"):
-            out = module(*inputs)
-    except ModelFileError as e:
-        return e
-    except Exception as e:  # noqa: BLE001
-        return ModelFileError(
-            f"{p}: the model's forward ({type(module).__name__}) raised {_first_line(e)}{_line(e, p)} on "
-            f"{given}, run plainly (no tracing, shapes only). Fix build_model or make_batch so that "
-            f"model(*inputs) runs.")
-    if out is None:
-        return ModelFileError(f"{p}: the model's forward ({type(module).__name__}) returned None on {given}. "
-                              f"Return the output the loss is computed from.")
-    try:
-        with _quiet(), torch.device("meta"):
-            model_file.loss(out, target)
-    except ModelFileError as e:
-        return e
-    except Exception as e:  # noqa: BLE001
-        return ModelFileError(
-            f"{p}: the default loss (cross-entropy for an integer target, MSE otherwise) raised {_first_line(e)} "
-            f"on the forward's output {_describe(out)} and make_batch's target {_describe(target)}. Return a "
-            f"target that fits the output, or define loss_fn(output, target).")
     return None
 
 
