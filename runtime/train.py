@@ -13,7 +13,9 @@ CUDA the step clock synchronises the device at both ends of the step).  The loss
 they are logged (every ``--log-every`` steps), before a checkpoint and at the end
 (``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
 overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
-the report.
+the report.  Between steps (outside the clock) ``run`` makes one small all-reduce: whether any
+rank was sent SIGTERM / SIGINT / SIGHUP (``autopar.runtime.stop_signals``); if so every rank
+stops after that same step, checkpointed where ``--checkpoint-dir`` is given (``Trainer.stop``).
 """
 from __future__ import annotations
 
