@@ -849,7 +849,9 @@ def run_case(case: Case, base: Path, fork: bool = True) -> dict:
     left_running = _processes_under(d)
     after = digest(guarded)
     lost = [Path(k).name for k in before if before[k] != after[k]]
-    temps = [p.name for p in d.rglob(".*") if p.name not in before_names and p.is_file()]
+    # dot-files the case created: temporary files left behind (DCP's own index of a checkpoint,
+    # ".metadata", is a file a checkpoint holds, not a leftover)
+    temps = [p.name for p in d.rglob(".*") if p.name not in before_names and p.is_file() and p.name != ".metadata"]
     traceback = "Traceback" in err or "Traceback" in out
     whys = []
     if rc != case.code:

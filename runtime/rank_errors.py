@@ -142,8 +142,38 @@ def _write_records(record: dict) -> None:
             pass
 
 
+def set_model_file(path) -> None:
+    """The model file this rank runs: an exception raised by its own code is its error."""
+    _place["model_file"] = str(path)
+
+
+def _model_files_own(exc: BaseException) -> UserError | None:
+    """A ``ModelFileError`` for an exception whose innermost frame is in the model file (its
+    forward, loss or batch raised by itself, e.g. ``raise ValueError``); None otherwise -- an
+    error raised inside torch or autopar, even when called from the model, is not blamed on it."""
+    import traceback as tb
+    from pathlib import Path
+
+    from autopar.core.errors import ModelFileError
+
+    path = _place.get("model_file")
+    frames = tb.extract_tb(exc.__traceback__) if path else []
+    if not frames:
+        return None
+    try:
+        if Path(frames[-1].filename).resolve() != Path(path).resolve():
+            return None
+    except OSError:
+        return None
+    text = " ".join(str(exc).split())[:300]
+    return ModelFileError(f"{path}: the model file raised {type(exc).__name__}: {text} (at line {frames[-1].lineno}, "
+                          f"in {frames[-1].name}) while training. Fix the model file.")
+
+
 def report_failure(exc: BaseException) -> int:
     """Print (or not) this rank's failure as described above; returns the exit code."""
+    if not isinstance(exc, UserError):
+        exc = _model_files_own(exc) or exc
     user = isinstance(exc, UserError)
     code = exc.exit_code if user else INTERNAL_EXIT_CODE
     rank = int(os.environ.get("RANK", "0"))

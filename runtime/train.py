@@ -40,7 +40,7 @@ from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
 from autopar.runtime.profile_breakdown import STEP_REGION, start_profiler, stop_profiler
-from autopar.runtime.rank_errors import set_place
+from autopar.runtime.rank_errors import set_model_file, set_place
 
 # Testing hook: "RANK:STEP" makes that rank exit abruptly after finishing STEP, on the first
 # attempt only (TORCHELASTIC_RESTART_COUNT == 0) -- how the tests kill a rank mid-run.
@@ -152,6 +152,7 @@ class Trainer:
         self.opts = opts
         self.checked = check_plan(opts.plan_path, launched_world_size())
         plan = self.plan = self.checked.plan
+        set_model_file(self.checked.model_file.path)
         self.ctx = ctx = init_distributed(plan.mesh)
         set_place(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
         self.memory = MemoryProbe(ctx.device)
