@@ -1,6 +1,8 @@
 """``torchrun --nproc-per-node N -m autopar.runtime plan.json --steps 50``: one training process.
 
-Any failure goes through ``autopar.runtime.rank_errors.report_failure``: the first rank to
+A signal (SIGTERM, Ctrl-C) stops the run at a step boundary (``autopar.runtime.stop_signals``);
+a failure after one arrived is its consequence and stays quiet.  Any other failure goes through
+``autopar.runtime.rank_errors.report_failure``: the first rank to
 fail prints its message (a user error as one paragraph, with its rank; anything else as a
 traceback), the ranks that fail because of it stay quiet, and every rank exits with the first
 one's code (2 for a user error).  The output paths are checked before anything else.  After
@@ -39,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     except stop_signals.RunStopped as e:
         code = report_stop(e)
     except Exception as e:  # noqa: BLE001 -- every failure becomes one message and one exit code
-        code = report_failure(e)
+        if stop_signals.received():
+            # torchrun signalled this rank (a peer died, or the user stopped the run) and a
+            # collective with the gone peer failed: a consequence, not a cause -- stay quiet
+            code = 128 + stop_signals.received()
+        else:
+            code = report_failure(e)
     finally:
         from autopar.runtime.mesh import shutdown
 
