@@ -289,11 +289,14 @@ def test_unwritable_outputs_are_refused_before_launch(tmp_path):
 
 
 def test_make_batch_ignoring_batch_size_is_refused(tmp_path):
-    model = gpt_variant(tmp_path / "fixed_rows.py", """
+    # the plan is made while make_batch is right (capture itself now refuses the wrong one,
+    # before any plan exists); then the file changes under it
+    model = gpt_variant(tmp_path / "fixed_rows.py", "")
+    plan = plan_for_model_file(model, tmp_path / "plan.json", micro_batch=4)
+    gpt_variant(model, """
         def make_batch(batch_size, **kw):
             return _gpt.make_batch(2, **kw)          # ignores batch_size
     """)
-    plan = plan_for_model_file(model, tmp_path / "plan.json", micro_batch=4)
     out = subprocess.run([sys.executable, "-m", "autopar.runtime", str(plan), "--steps", "1"], env=worker_env(),
                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert_clean_refusal(out, 2, "make_batch(4)", "2 rows", "batch_size = 4")
