@@ -13,8 +13,13 @@ interpreter prints it -- which saves the ~5 s import per case (``--subprocess`` 
 through ``autopar run``, 1-2 steps of a tiny GPT.  The goal: exit code 2 (3 where no plan fits), a one-paragraph message
 after "error:", no traceback, and nothing lost: the files a case guards (an output it must not
 write, a file it must not clobber, the last good checkpoint) are compared before and after,
-and no temporary file is left beside them.  A few cases have another goal, said in their line:
-printed output that stays valid JSON, a file mode kept, a command printed instead of a launch.
+and no temporary file is left beside them, and no process naming the case's folder (torchrun,
+a rank) outlives the command.  A few cases have another goal, said in their line: printed
+output that stays valid JSON, a file mode kept, a command printed instead of a launch, a device
+still a device.  The signal cases send SIGTERM / SIGHUP to ``autopar run`` (or SIGINT to its
+whole group, as Ctrl-C does) once its third step is logged: the goal is the signal's exit code
+(128 + the signal), a "stopped by" message, a complete newest checkpoint and the resume command.
+A few CLI cases run as a fresh process (``fresh``: how the process ends is what they test).
 
 The tally lists per case the exit code, whether a traceback showed, the files lost or left
 half-written, and PASS/FAIL; then the totals.
