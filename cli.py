@@ -40,14 +40,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None:                                  # the command line, not a caller in Python
+        _exit_past_stray_threads(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    import signal
+
+    from autopar.core import interrupts
     from autopar.core.errors import UserError, paragraph
+    from autopar.core.modelfile import bound_user_code, default_time_limit_s
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"autopar {args.verb}: this verb is not available in this installation.", file=sys.stderr)
         return 2
+    previous = signal.getsignal(signal.SIGINT)
     try:
+        from autopar.core.output_file import forget_inputs, note_arguments
+
+        forget_inputs()                               # a fresh command (tests call main() repeatedly)
+        note_arguments(parser, args)                  # no output may overwrite one of these
+        interrupts.install()                          # a real Ctrl-C, told from a raised KeyboardInterrupt
+        bound_user_code(default_time_limit_s())       # a model file that never returns is an error
         return int(importlib.import_module(args._module).main(args) or 0)
     except UserError as e:
         print(paragraph(f"autopar {args.verb}: error: {e}"), file=sys.stderr)
@@ -55,6 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"autopar {args.verb}: interrupted.", file=sys.stderr)
         return 130
+    finally:
+        bound_user_code(None)
+        try:
+            signal.signal(signal.SIGINT, previous)
+        except (ValueError, OSError, TypeError):
+            pass
+
+
+def _exit_past_stray_threads(code: int) -> None:
+    """A model file may leave a non-daemon thread running (a timer, a server): the interpreter
+    would wait for it forever at exit.  The work is done and written, so leave at once."""
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,13 @@ interpreter prints it -- which saves the ~5 s import per case (``--subprocess`` 
 through ``autopar run``, 1-2 steps of a tiny GPT.  The goal: exit code 2 (3 where no plan fits), a one-paragraph message
 after "error:", no traceback, and nothing lost: the files a case guards (an output it must not
 write, a file it must not clobber, the last good checkpoint) are compared before and after,
-and no temporary file is left beside them.  A few cases have another goal, said in their line:
-printed output that stays valid JSON, a file mode kept, a command printed instead of a launch.
+and no temporary file is left beside them, and no process naming the case's folder (torchrun,
+a rank) outlives the command.  A few cases have another goal, said in their line: printed
+output that stays valid JSON, a file mode kept, a command printed instead of a launch, a device
+still a device.  The signal cases send SIGTERM / SIGHUP to ``autopar run`` (or SIGINT to its
+whole group, as Ctrl-C does) once its third step is logged: the goal is the signal's exit code
+(128 + the signal), a "stopped by" message, a complete newest checkpoint and the resume command.
+A few CLI cases run as a fresh process (``fresh``: how the process ends is what they test).
 
 The tally lists per case the exit code, whether a traceback showed, the files lost or left
 half-written, and PASS/FAIL; then the totals.
@@ -56,6 +61,9 @@ class Case:
     check: Callable[[Path, str, str], str] | None = None  # extra goal: returns "" when met, else why not
     env: dict = field(default_factory=dict)
     timeout: float = 120.0
+    fresh: bool = False                         # a fresh process even for a CLI case (its exit matters)
+    signal: tuple | None = None                 # (signum, text on stdout to wait for, to the whole group)
+    paragraph: bool = True                      # the goal includes "error:" and one paragraph
 
 
 # ----------------------------------------------------------------------------- setup helpers
@@ -184,6 +192,120 @@ def names_the_loss_error(d: Path, out: str, err: str) -> str:
 
 def no_launch(d: Path, out: str, err: str) -> str:
     return "" if ("--nnodes 2" in out and "starts nothing" in out) else "did not print the 2-node command"
+
+
+def says(*needles: str) -> Callable[[Path, str, str], str]:
+    """Extra goal: stderr holds every needle (whitespace-insensitive)."""
+    def check(d: Path, out: str, err: str) -> str:
+        flat = "".join(err.split())
+        missing = [n for n in needles if "".join(n.split()) not in flat]
+        return f"message lacks {missing}" if missing else ""
+    return check
+
+
+def short_message(limit: int = 3000) -> Callable[[Path, str, str], str]:
+    def check(d: Path, out: str, err: str) -> str:
+        return "" if len(err) <= limit else f"stderr is {len(err)} characters"
+    return check
+
+
+def still_device(path: str) -> Callable[[Path, str, str], str]:
+    def check(d: Path, out: str, err: str) -> str:
+        return "" if stat.S_ISCHR(os.stat(path).st_mode) else f"{path} is no longer a device"
+    return check
+
+
+def stopped_resumable(saved: bool) -> Callable[[Path, str, str], str]:
+    """A run stopped by a signal: says so, names what was saved (a complete checkpoint, the
+    resume command) or that nothing was."""
+    def check(d: Path, out: str, err: str) -> str:
+        flat = " ".join(err.split())
+        if "stopped by SIG" not in flat:
+            return "no 'stopped by' message"
+        if not saved:
+            return "" if "Nothing was saved" in flat else "does not say that nothing was saved"
+        if "Resume with: autopar run" not in flat:
+            return "no resume command"
+        try:
+            latest = json.loads((d / "ck" / "latest.json").read_text())
+        except (OSError, ValueError):
+            return "no latest.json"
+        return "" if (d / "ck" / latest["path"] / "manifest.json").exists() else "newest checkpoint incomplete"
+    return check
+
+
+def same_inode_link(target: str, link: str) -> Callable[[Path], None]:
+    return lambda d: os.symlink(d / target, d / link)
+
+
+MODEL_BODY = {
+    "forward returns None": GOOD_MODEL.replace(
+        "return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))",
+        "class M(torch.nn.Module):\n        def __init__(self):\n            super().__init__()\n"
+        "            self.l = torch.nn.Linear(4, 4)\n        def forward(self, x):\n            self.l(x)\n"
+        "    return M()"),
+    "mixed dtypes": GOOD_MODEL.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                       "return torch.randn(batch_size, 4, dtype=torch.float64), torch.randn(batch_size, 4)"),
+    "make_batch on meta": GOOD_MODEL.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                             "return (torch.empty(batch_size, 4, device='meta'), "
+                                             "torch.empty(batch_size, 4, device='meta'))"),
+    "no parameters": GOOD_MODEL.replace("return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))",
+                                        "return torch.nn.ReLU()"),
+    "target of another shape": GOOD_MODEL.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                                  "torch.randn(batch_size, 4), torch.randn(batch_size, 3)"),
+    "target that broadcasts": GOOD_MODEL.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                                 "torch.randn(batch_size, 4), torch.randn(batch_size, 1)"),
+    "input of the wrong width": GOOD_MODEL.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                                   "torch.randn(batch_size, 5), torch.randn(batch_size, 4)"),
+    "make_batch returns 2 rows": GOOD_MODEL.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                                    "torch.randn(2, 4), torch.randn(2, 4)"),
+    "loss_fn returns None": GOOD_MODEL + "def loss_fn(out, target):\n    return None\n",
+    "loss without gradient": GOOD_MODEL + "def loss_fn(out, target):\n    return torch.tensor(1.0)\n",
+    "loss_fn returns a vector": GOOD_MODEL + "def loss_fn(out, target):\n    return (out - target) ** 2\n",
+}
+NEVER_RETURNS = GOOD_MODEL.replace("def build_model(**kw):\n", "def build_model(**kw):\n    while True:\n        pass\n")
+SLEEPS_FOREVER = GOOD_MODEL.replace("def make_batch(batch_size, **kw):\n",
+                                    "def make_batch(batch_size, **kw):\n    import time; time.sleep(10 ** 6)\n")
+STRAY_THREAD = GOOD_MODEL.replace("def build_model(**kw):\n", "def build_model(**kw):\n    import threading, time\n"
+                                  "    threading.Thread(target=time.sleep, args=(10 ** 6,)).start()\n")
+OS_EXIT_BUILD = GOOD_MODEL.replace("def build_model(**kw):\n", "def build_model(**kw):\n    import os; os._exit(0)\n")
+OS_EXIT_BATCH = GOOD_MODEL.replace("def make_batch(batch_size, **kw):\n",
+                                   "def make_batch(batch_size, **kw):\n    import os; os._exit(0)\n")
+RAISES_KEYBOARD_INTERRUPT = GOOD_MODEL.replace("def build_model(**kw):\n",
+                                               "def build_model(**kw):\n    raise KeyboardInterrupt\n")
+ON_RANK_1 = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from examples.mlp import build_model as _build, make_batch as _batch
+def build_model(**kw):
+    if {where!r} == "build" and os.environ.get("RANK") == "1":
+        raise ValueError("rank 1 cannot build this model (a test fault)")
+    m = _build(**kw)
+    if {where!r} == "forward" and os.environ.get("RANK") == "1":
+        def bad(*a, **k):
+            raise ValueError("rank 1 cannot run this forward (a test fault)")
+        m.forward = bad
+    return m
+def make_batch(batch_size, **kw):
+    if {where!r} == "batch" and os.environ.get("RANK") == "1":
+        raise ValueError("rank 1 cannot draw this batch (a test fault)")
+    return _batch(batch_size, **kw)
+"""
+
+
+def other_plans_measured(d: Path) -> None:
+    """measured.json written by a run of another plan of the same model (its identity recorded)."""
+    from autopar.core.plan import Plan
+
+    other = Plan.from_dict(make_plan(MLP, {}, dp=4, micro_batch=1))
+    measured_for(d, plan_identity=other.identity, plan="other/plan.json")
+
+
+def this_plans_measured(d: Path) -> None:
+    from autopar.core.plan import Plan
+
+    p = Plan.from_dict(json.loads((d / "plan.json").read_text()))
+    measured_for(d, plan_identity=p.identity)
 
 
 # ------------------------------------------------------------------------ runtime helpers
@@ -420,6 +542,102 @@ groups:
     add(Case("--nnodes 0", "cli", lambda d: ["run", str(d / "plan.json"), "--nnodes", "0"], plan_file()))
     add(Case("--steps 0", "cli", lambda d: ["run", str(d / "plan.json"), "--steps", "0"], plan_file()))
 
+    # -- issue 32: no output overwrites an input of the same command; devices written in place
+    plan4 = lambda d, out: ["plan", str(d / "m.py"), "--cluster", str(d / "c.yaml"), "--global-batch", "4",  # noqa: E731
+                            "--time-budget", "2", "-o", out]
+    model_and_cluster = both(model_file(GOOD_MODEL), cluster_file(good_cluster()))
+    add(Case("plan -o the model file", "cli", lambda d: plan4(d, str(d / "m.py")), model_and_cluster,
+             guard=lambda d: [d / "m.py"]))
+    add(Case("plan -o the cluster file", "cli", lambda d: plan4(d, str(d / "c.yaml")), model_and_cluster,
+             guard=lambda d: [d / "c.yaml"]))
+    add(Case("plan -o the model file by another spelling", "cli", lambda d: plan4(d, str(d / "." / "x" / ".." / "m.py")),
+             both(model_and_cluster, lambda d: (d / "x").mkdir()), guard=lambda d: [d / "m.py"]))
+    add(Case("plan -o a symlink to the model file", "cli", lambda d: plan4(d, str(d / "link.py")),
+             both(model_and_cluster, same_inode_link("m.py", "link.py")), guard=lambda d: [d / "m.py"]))
+    add(Case("report --calibrate -o the plan", "cli", lambda d: rep(d) + ["--calibrate", "-o", str(d / "plan.json")],
+             both(plan_file(), measured_for), guard=lambda d: [d / "plan.json"]))
+    add(Case("report --calibrate -o measured.json", "cli",
+             lambda d: rep(d) + ["--calibrate", "-o", str(d / "measured.json")],
+             both(plan_file(), measured_for), guard=lambda d: [d / "measured.json"]))
+    add(Case("report --html the plan", "cli", lambda d: rep(d) + ["--html", str(d / "plan.json")],
+             both(plan_file(), measured_for), guard=lambda d: [d / "plan.json"]))
+    add(Case("report --png measured.json", "cli", lambda d: rep(d) + ["--png", str(d / "measured.json")],
+             both(plan_file(), measured_for), guard=lambda d: [d / "measured.json"]))
+    add(Case("simulate --trace the plan", "cli", lambda d: simp(d) + ["--trace", str(d / "plan.json")], plan_file(),
+             guard=lambda d: [d / "plan.json"]))
+    add(Case("run --measured the plan", "cli", lambda d: ["run", str(d / "plan.json"), "--measured", str(d / "plan.json")],
+             plan_file(), guard=lambda d: [d / "plan.json"]))
+    add(Case("run --measured the plan's model file", "cli",
+             lambda d: ["run", str(d / "plan.json"), "--measured", str(d / "m.py")],
+             both(model_file(GOOD_MODEL), _plan_for_model("m.py", dp=2)), guard=lambda d: [d / "m.py"]))
+    add(Case("plan -o /dev/null (goal: exit 0, still a device)", "cli", lambda d: plan4(d, "/dev/null"),
+             model_and_cluster, code=0, check=still_device("/dev/null")))
+    add(Case("plan -o /dev/full (disk full)", "cli", lambda d: plan4(d, "/dev/full"), model_and_cluster,
+             check=says("disk is full")))
+    add(Case("simulate --trace /dev/full (disk full)", "cli",
+             lambda d: ["simulate", MLP, "--cluster", "local-cpu", "--dp", "2", "--trace", "/dev/full"],
+             check=says("disk is full")))
+    add(Case("report --html /dev/full (disk full)", "cli", lambda d: rep(d) + ["--html", "/dev/full"],
+             both(plan_file(), measured_for), check=says("disk is full")))
+    add(Case("report --calibrate -o /dev/full (disk full)", "cli",
+             lambda d: rep(d) + ["--calibrate", "-o", "/dev/full"], both(plan_file(), measured_for),
+             check=says("disk is full")))
+    # -- issue 32: every numeric flag checked while parsing
+    for name, argv in [
+            ("run --lr nan", ["--lr", "nan"]), ("run --lr -1", ["--lr", "-1"]),
+            ("run --rdzv-endpoint host:abc", ["--rdzv-endpoint", "host:abc"]),
+            ("run --max-restarts -1", ["--max-restarts", "-1"]), ("run --log-every 0", ["--log-every", "0"]),
+            ("run --keep-checkpoints 0", ["--keep-checkpoints", "0"]), ("run --warmup-steps -1", ["--warmup-steps", "-1"]),
+            ("run --steps 1e3", ["--steps", "1e3"]), ("run --seed 2^40", ["--seed", str(2 ** 40)]),
+            ("run --lr inf", ["--lr", "inf"])]:
+        add(Case(name, "cli", lambda d, a=argv: ["run", str(d / "plan.json"), *a], plan_file()))
+    for name, argv in [
+            ("simulate --virtual-stages 0", ["--virtual-stages", "0", "--schedule", "interleaved", "--pp", "2", "--dp", "1"]),
+            ("simulate --dp 0", ["--dp", "0"]), ("simulate --micro-batch 0", ["--micro-batch", "0"]),
+            ("simulate --global-batch -4", ["--global-batch", "-4"])]:
+        add(Case(name, "cli", lambda d, a=argv: ["simulate", MLP, "--cluster", "local-cpu", *a]))
+    plan_mlp = lambda d, *a: ["plan", MLP, "--cluster", "local-cpu", "--global-batch", "4", "-o", str(d / "out.json"), *a]  # noqa: E731
+    for name, argv in [
+            ("plan --seed -1", ["--seed", "-1"]), ("plan --time-budget nan", ["--time-budget", "nan"]),
+            ("plan --memory-headroom 1", ["--memory-headroom", "1"]), ("plan --micro-batch 0", ["--micro-batch", "0"]),
+            ("plan --tp 0", ["--tp", "0"])]:
+        add(Case(name, "cli", lambda d, a=argv: plan_mlp(d, *a), guard=out_plan))
+    add(Case("plan --global-batch 10^18", "cli",
+             lambda d: ["plan", MLP, "--cluster", "local-cpu", "--global-batch", str(10 ** 18), "-o", str(d / "out.json")],
+             guard=out_plan, timeout=60))
+    add(Case("profile --passes 0", "cli", lambda d: ["profile", "-o", str(d / "p.json"), "--passes", "0"],
+             guard=lambda d: [d / "p.json"]))
+    add(Case("profile --target-s inf", "cli", lambda d: ["profile", "-o", str(d / "p.json"), "--target-s", "inf"],
+             guard=lambda d: [d / "p.json"]))
+    # -- issue 32: model files that hang, leave threads, exit or interrupt by themselves
+    add(Case("build_model never returns (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(NEVER_RETURNS), env={"AUTOPAR_MODEL_CALL_TIMEOUT_S": "3"}, timeout=60,
+             check=says("did not return within 3 s")))
+    add(Case("make_batch sleeps forever (simulate)", "cli",
+             lambda d: ["simulate", str(d / "m.py"), "--cluster", "local-cpu", "--dp", "1"],
+             model_file(SLEEPS_FOREVER), env={"AUTOPAR_MODEL_CALL_TIMEOUT_S": "3"}, timeout=60))
+    add(Case("build_model leaves a thread running (goal: exit 0)", "cli",
+             lambda d: ["inspect", str(d / "m.py")], model_file(STRAY_THREAD), code=0, fresh=True, timeout=90))
+    add(Case("os._exit(0) in build_model (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(OS_EXIT_BUILD), fresh=True, check=says("os._exit(0)")))
+    add(Case("os._exit(0) in make_batch (plan)", "cli", lambda d: plan4(d, str(d / "out.json")),
+             both(model_file(OS_EXIT_BATCH), cluster_file(good_cluster())), guard=out_plan, check=says("os._exit(0)")))
+    add(Case("KeyboardInterrupt raised by build_model", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(RAISES_KEYBOARD_INTERRUPT), check=says("no Ctrl-C was pressed")))
+    # -- issue 32: the model file's own failures, named as its own, once
+    for name, body in MODEL_BODY.items():
+        add(Case(f"model: {name} (plan)", "cli", lambda d: plan4(d, str(d / "out.json")),
+                 both(model_file(body), cluster_file(good_cluster())), guard=out_plan,
+                 check=lambda d, out, err: (short_message(1500)(d, out, err)
+                                            or ("the advice is about knobs" if "Fix some knobs" in err else ""))))
+    add(Case("model: input of the wrong width (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(MODEL_BODY["input of the wrong width"]), check=short_message(1500)))
+    # -- issue 32: a plan paired with another plan's measurements
+    add(Case("report: measured.json of another plan", "cli", rep, both(plan_file(), other_plans_measured),
+             check=says("another plan")))
+    add(Case("report: measured.json of this plan (goal: exit 0)", "cli", rep, both(plan_file(), this_plans_measured),
+             code=0))
+
     # -- the runtime (torchrun, 2-3 ranks on gloo, 1-2 steps of a tiny GPT)
     R = "runtime"
     add(Case("tp=3 with 4 heads", R, run_args(), tiny_plan(tp=3, micro_batch=2)))
@@ -449,6 +667,23 @@ groups:
                         "--checkpoint-every", "1", "--measured", str(d / "measured.json")],
              both(lambda d: w(d / "m.py", NAN_INPUTS.format(root=str(ROOT))), _plan_for_model("m.py", dp=2),
                   checkpointed), env={"AUTOPAR_SWEEP_NAN": "1"}, guard=ck_files, timeout=240))
+    # -- issue 32: a model file failing on rank 1 only; signals to a training run
+    for where in ("build", "batch", "forward"):
+        add(Case(f"{where} fails on rank 1 only", R, run_args(),
+                 both(lambda d, wh=where: w(d / "m.py", ON_RANK_1.format(root=str(ROOT), where=wh)),
+                      _plan_for_model("m.py", dp=2)), check=says("rank 1", "a test fault")))
+    long_run = lambda d: ["run", str(d / "plan.json"), "--steps", "100000", "--checkpoint-dir", str(d / "ck"),  # noqa: E731
+                          "--measured", str(d / "measured.json")]
+    add(Case("SIGTERM to autopar run, checkpointing", R, long_run, tiny_plan(dp=2), code=143, paragraph=False,
+             signal=(15, "step 3/", False), check=stopped_resumable(True), timeout=240))
+    add(Case("Ctrl-C (SIGINT to the group), checkpointing", R, long_run, tiny_plan(dp=2), code=130, paragraph=False,
+             signal=(2, "step 3/", True), check=stopped_resumable(True), timeout=240))
+    add(Case("SIGTERM to autopar run, no --checkpoint-dir", R,
+             lambda d: ["run", str(d / "plan.json"), "--steps", "100000", "--measured", str(d / "measured.json")],
+             tiny_plan(dp=2), code=143, paragraph=False, signal=(15, "step 3/", False),
+             check=stopped_resumable(False), guard=lambda d: [d / "measured.json"], timeout=240))
+    add(Case("SIGHUP to autopar run, checkpointing", R, long_run, tiny_plan(dp=2), code=129, paragraph=False,
+             signal=(1, "step 3/", False), check=stopped_resumable(True), timeout=240))
     return C
 
 
@@ -544,6 +779,52 @@ def forked_cli(argv: list[str], cwd: Path, env: dict, timeout: float) -> tuple[i
     return rc, read(out_f), read(err_f)
 
 
+def _processes_under(d: Path) -> list[int]:
+    """Processes whose command line names the case's folder (torchrun, ranks): after the case
+    returned, any such is a run that outlived its user.  They are killed (the sweep goes on)."""
+    import signal as sg
+
+    found = []
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(d) in pid_dir.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(pid_dir.name))
+        except OSError:
+            continue
+    for pid in found:
+        try:
+            os.kill(pid, sg.SIGKILL)
+        except OSError:
+            pass
+    return found
+
+
+def signalled(case: Case, d: Path, env: dict) -> tuple[int | str, str, str]:
+    """``autopar ARGV`` in a fresh process; once stdout shows the case's text, the signal goes to
+    it (or, as Ctrl-C does, to its whole process group); then wait for it to end."""
+    signum, text, group = case.signal
+    out_f, err_f = d.parent / f"{d.name}.out", d.parent / f"{d.name}.err"
+    with open(out_f, "w") as o, open(err_f, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "autopar.cli", *case.argv(d)], cwd=d, env=env, stdout=o,
+                                stderr=e, stdin=subprocess.DEVNULL, preexec_fn=_limit_memory, start_new_session=True)
+        deadline = time.monotonic() + case.timeout
+        sent = False
+        rc: int | str = "timeout"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                rc = proc.returncode
+                break
+            if not sent and text in out_f.read_text(errors="replace"):
+                (os.killpg if group else os.kill)(proc.pid, signum)
+                sent = True
+            time.sleep(0.1)
+        else:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    read = lambda p: p.read_text(errors="replace") if p.exists() else ""     # noqa: E731
+    return rc, read(out_f), read(err_f) + ("" if sent else "\n(the signal was never sent)")
+
+
 def run_case(case: Case, base: Path, fork: bool = True) -> dict:
     d = Path(tempfile.mkdtemp(prefix="case-", dir=base))
     try:
@@ -556,8 +837,10 @@ def run_case(case: Case, base: Path, fork: bool = True) -> dict:
     before_names = {p.name for p in d.rglob("*")}
     env = {**os.environ, "OMP_NUM_THREADS": "1", **case.env}
     t0 = time.perf_counter()
-    if fork and case.kind == "cli":
+    if fork and case.kind == "cli" and not case.fresh:
         rc, out, err = forked_cli(case.argv(d), d, env, case.timeout)
+    elif case.signal is not None:
+        rc, out, err = signalled(case, d, env)
     else:
         try:
             proc = subprocess.run([sys.executable, "-m", "autopar.cli", *case.argv(d)], cwd=d, env=env,
@@ -568,17 +851,22 @@ def run_case(case: Case, base: Path, fork: bool = True) -> dict:
             rc = "timeout"
             out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
     secs = time.perf_counter() - t0
+    left_running = _processes_under(d)
     after = digest(guarded)
     lost = [Path(k).name for k in before if before[k] != after[k]]
-    temps = [p.name for p in d.rglob(".*") if p.name not in before_names and p.is_file()]
+    # dot-files the case created: temporary files left behind (DCP's own index of a checkpoint,
+    # ".metadata", is a file a checkpoint holds, not a leftover)
+    temps = [p.name for p in d.rglob(".*") if p.name not in before_names and p.is_file() and p.name != ".metadata"]
     traceback = "Traceback" in err or "Traceback" in out
     whys = []
     if rc != case.code:
         whys.append(f"exit {rc}, goal {case.code}")
     if traceback:
         whys.append("traceback shown")
-    if case.code != 0 and rc == case.code and not one_paragraph(err):
+    if case.code != 0 and case.paragraph and rc == case.code and not one_paragraph(err):
         whys.append("no one-paragraph error message")
+    if left_running:
+        whys.append(f"{len(left_running)} process(es) still running")
     if lost:
         whys.append("changed: " + ", ".join(lost))
     if temps:

@@ -18,6 +18,8 @@ loss recording and the assembly of the ``OpGraph``.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,9 +28,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import ModelFileError
 from autopar.core.graph import OpGraph, OpNode
 from autopar.core.layers import assign_layers, build_layers, find_blocks
-from autopar.core.modelfile import load_model_file, user_code
+from autopar.core.modelfile import check_batch_rows, load_model_file, user_code
 from autopar.core.op_costs import canonical, cost
 from autopar.core.trace_export import trace_export
 from autopar.core.trace_fx import leaf_fallback, trace_symbolic
@@ -36,6 +39,25 @@ from autopar.core.trace_walk import (ParamIndex, Val, Walk, call_attrs, dtype_na
                                      nbytes, order_operands, short_error)
 
 LOSS_TARGET = "target"              # value name of the loss target in the graph
+
+
+# torch's tracers log each failed attempt with its traceback (kilobytes per try); the capture's
+# own error names what failed
+_NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch._export", "torch.export",
+                  "torch.fx.experimental.symbolic_shapes", "torch._functorch")
+
+
+@contextlib.contextmanager
+def _torch_logs_quiet():
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # ============================================================================ public API
@@ -49,13 +71,24 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
     with torch.device("meta"):
         module = mf.build(**model_args)
         inputs, target = mf.make_batch(batch_size, **model_args)
+    check_batch_rows(inputs, target, batch_size, mf.path)
     build_s = time.perf_counter() - t0
     size = model_args.get("size")
     name = size if isinstance(size, str) else mf.name
-    with user_code(mf.path, "tracing the model's forward and loss"):
-        graph = capture(module, inputs, model_name=name, model_file=str(mf.path),
-                        model_args=model_args, batch_size=batch_size,
-                        loss_fn=mf.loss, target=target)
+    try:
+        with user_code(mf.path, "tracing the model's forward and loss"), _torch_logs_quiet():
+            graph = capture(module, inputs, model_name=name, model_file=str(mf.path),
+                            model_args=model_args, batch_size=batch_size,
+                            loss_fn=mf.loss, target=target)
+    except ModelFileError:
+        # a forward that fails on its own batch in plain PyTorch (real tensors: data-dependent
+        # control flow runs there) is the model file's error, not the tracer's
+        from autopar.core.model_check import own_failure
+
+        own = own_failure(mf, model_args, batch_size)
+        if own is not None:
+            raise own from None
+        raise
     graph.notes.insert(0, f"build_model + make_batch on meta: {build_s:.2f} s")
     graph.capture_s += build_s
     return graph

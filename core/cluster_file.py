@@ -107,6 +107,9 @@ def _read(path_or_name: str) -> tuple[str, str, Path | None, str]:
             f"Pass one of these names or the path of a YAML cluster file. {_DOCS}")
     text = read_text_bounded(Path(str(file)), what="cluster file", error=ClusterFileError,
                              limit=MAX_CLUSTER_FILE_BYTES)
+    from autopar.core.output_file import note_input
+
+    note_input(Path(str(file)), "cluster file")
     return text, source, base_dir, Path(file.name).stem
 
 

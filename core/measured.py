@@ -22,7 +22,8 @@ The file is one JSON object:
   the seconds per step of each phase, over ``profiled_steps`` steps (``BREAKDOWN_KEYS``;
   runtime/profile_breakdown.py), and ``trace_file``, rank 0's torch.profiler trace.
 * ``losses``, ``fingerprint`` (the model's, as in the plan), ``world_size``, ``device``,
-  ``device_kind``, ``global_batch``, ``init``, ``plan`` (the plan file's path).
+  ``device_kind``, ``global_batch``, ``init``, ``plan`` (the plan file's path),
+  ``plan_identity`` (``Plan.identity`` of the plan that ran: a report checks it).
 
 Every field but ``step_time_s`` may be absent (a hand-made file, or a figure the run did not
 measure); ``to_json`` leaves out what is None.  Keys the schema does not define are kept as
@@ -102,6 +103,7 @@ class Measured:
     global_batch: int | None = None
     init: str | None = None
     plan: str | None = None
+    plan_identity: str | None = None
     model_state_bytes_per_rank: tuple[RankModelState, ...] | None = None
     fwd_s: float | None = None
     bwd_s: float | None = None
@@ -180,6 +182,9 @@ def read_measured(path: str | os.PathLike) -> Measured:
 
     data = read_json_object(path, what="measured file", error=MeasuredFileError,
                             if_missing="; 'autopar run PLAN.json' writes measured.json beside the plan.")
+    from autopar.core.output_file import note_input
+
+    note_input(path, "measured file")
     return Measured.from_json(data, source=str(path))
 
 
@@ -191,6 +196,7 @@ _FIELD_KINDS = {
     "memory_per_rank_bytes": "amounts", "memory_kind": "text", "losses": "numbers", "step_times_s": "amounts",
     "warmup_steps": "count", "first_step": "count", "fingerprint": "text", "world_size": "positive",
     "device": "text", "device_kind": "text", "global_batch": "positive", "init": "text", "plan": "text",
+    "plan_identity": "text",
     "model_state_bytes_per_rank": "model_state", "fwd_s": "amount", "bwd_s": "amount", "comm_s": "amount",
     "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text",
 }

@@ -149,7 +149,13 @@ class ModelFile:
         """``loss_fn(output, target)`` if the file defines one, else the default loss."""
         if self.has_loss:
             return self._call(LOSS_FUNCTION, self.module.loss_fn, (output, target), {})
-        return default_loss(output, target)
+        try:
+            return default_loss(output, target)
+        except Exception as e:  # noqa: BLE001 -- the model's output and target do not fit the default loss
+            raise ModelFileError(
+                f"{self.path}: the default loss (cross-entropy for an integer target, MSE otherwise) failed on "
+                f"the forward's output and make_batch's target: {type(e).__name__}: {' '.join(str(e).split())[:300]}. "
+                f"Return a target that fits the output, or define loss_fn(output, target).") from None
 
     def _call(self, fname: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         try:
@@ -165,6 +171,32 @@ class ModelFile:
                 f"and try again.") from None
 
 
+def _tensors(obj: Any, where: str):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{where}[{i}]")
+
+
+def check_batch_rows(inputs: Any, target: Any, batch_size: int, model_path: Any) -> None:
+    """Every input tensor and the target hold ``batch_size`` rows along dim 0 (see
+    ``autopar.runtime.batch_check``); else a ModelFileError."""
+    for where, t in [*_tensors(inputs, "inputs"), *_tensors(target, "target")]:
+        rows = t.shape[0] if t.dim() else None
+        if rows != batch_size:
+            got = "a 0-d tensor" if rows is None else f"{rows} rows"
+            raise ModelFileError(
+                f"{model_path}: make_batch({batch_size}) returned {where} with {got} (shape {tuple(t.shape)}); "
+                f"every input and the target must have batch_size = {batch_size} rows along dim 0. Make "
+                f"make_batch build its tensors from its batch_size argument.")
+
+
 def default_loss(output: Any, target: Any):
     """Cross-entropy for integer targets (logits flattened to [N, classes]), MSE otherwise."""
     import torch
@@ -176,6 +208,9 @@ def default_loss(output: Any, target: Any):
         output = output[0]
     if not target.is_floating_point():
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    if tuple(output.shape) != tuple(target.shape):   # mse_loss would broadcast them, with a warning only
+        raise ValueError(f"the output has shape {tuple(output.shape)} and the target {tuple(target.shape)}; MSE "
+                         f"needs the same shape")
     return F.mse_loss(output, target)
 
 
@@ -189,6 +224,9 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
             f"build_model(**model_args) and make_batch(batch_size, **model_args), e.g. "
             f"examples/gpt.py.")
     p = p.resolve()
+    from autopar.core.output_file import note_input
+
+    note_input(p, "model file")
     digest = hashlib.sha1(str(p).encode()).hexdigest()[:10]
     module_name = f"autopar_model_{_identifier(p.stem)}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, p)
@@ -231,9 +269,78 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
 
 
 # ---------------------------------------------------------------------------- helpers
+# The model file's calls are bounded in time where the caller asks (the CLI verbs, which run
+# them on the meta device: seconds even for a 175B model); the runtime's real builds are not.
+TIME_LIMIT_ENV = "AUTOPAR_MODEL_CALL_TIMEOUT_S"
+DEFAULT_TIME_LIMIT_S = 300.0
+_guard: dict[str, Any] = {"depth": 0, "pid": None, "limit_s": None}
+
+
+def bound_user_code(limit_s: float | None) -> None:
+    """Bound each later call into a model file to ``limit_s`` seconds (None: unbounded)."""
+    _guard["limit_s"] = limit_s
+
+
+def default_time_limit_s() -> float:
+    import math
+
+    try:
+        value = float(os.environ.get(TIME_LIMIT_ENV, DEFAULT_TIME_LIMIT_S))
+    except ValueError:
+        value = DEFAULT_TIME_LIMIT_S
+    return value if math.isfinite(value) and value > 0 else DEFAULT_TIME_LIMIT_S
+
+
+class _ModelExit(BaseException):
+    """os._exit called by the model file (raised instead of ending the process)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class _ModelTimeout(BaseException):
+    """A call into the model file ran past its time limit."""
+
+
+def _exit_guard(code: int = 0) -> None:
+    """``os._exit`` while model code runs: in this process, a ``_ModelExit``; elsewhere (a
+    child forked by the model's code) the real exit."""
+    import posix
+
+    if _guard["depth"] > 0 and os.getpid() == _guard["pid"]:
+        raise _ModelExit(code)
+    posix._exit(code)
+
+
+def _on_alarm(signum, frame) -> None:
+    raise _ModelTimeout()
+
+
+def _sigint_received() -> bool:
+    from autopar.core.interrupts import sigint_received
+
+    return sigint_received()
+
+
 @contextlib.contextmanager
 def user_code(path: Path | str, doing: str) -> Iterator[None]:
-    """Run the model file's code: its prints go to stderr, and ``sys.exit()`` becomes a ModelFileError."""
+    """Run the model file's code: its prints go to stderr, and ``sys.exit()`` or ``os._exit()``
+    becomes a ModelFileError, as do a ``KeyboardInterrupt`` it raises itself (no Ctrl-C was
+    pressed) and, where a limit is set (``bound_user_code``), a call that does not return."""
+    import signal
+    import threading
+
+    outer = _guard["depth"] == 0
+    real_exit, armed, previous, limit = os._exit, False, None, _guard["limit_s"]
+    if outer:
+        _guard["pid"] = os.getpid()
+        os._exit = _exit_guard
+        if limit and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, limit)
+            armed = True
+    _guard["depth"] += 1
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -242,6 +349,29 @@ def user_code(path: Path | str, doing: str) -> Iterator[None]:
             f"model file {path} called sys.exit({e.code!r}) while {doing}{_line_in_file(e, Path(path))}; "
             f"autopar runs the model file inside its own process, so the file must not exit. Remove the "
             f"sys.exit()/exit() call (raise an exception with a message instead).") from None
+    except _ModelExit as e:
+        raise ModelFileError(
+            f"model file {path} called os._exit({e.code!r}) while {doing}{_line_in_file(e, Path(path))}; "
+            f"autopar runs the model file inside its own process, so the file must not end it. Remove the "
+            f"os._exit() call (raise an exception with a message instead).") from None
+    except _ModelTimeout as e:
+        raise ModelFileError(
+            f"model file {path} did not return within {limit:g} s while {doing}{_line_in_file(e, Path(path))}; "
+            f"it loops or waits forever there. Fix the model file; if it is only slow, raise the limit with "
+            f"{TIME_LIMIT_ENV}=SECONDS.") from None
+    except KeyboardInterrupt as e:
+        if _sigint_received():
+            raise
+        raise ModelFileError(
+            f"model file {path} raised KeyboardInterrupt while {doing}{_line_in_file(e, Path(path))}, but no "
+            f"Ctrl-C was pressed; remove the raise (raise an exception with a message instead).") from None
+    finally:
+        _guard["depth"] -= 1
+        if outer:
+            os._exit = real_exit
+            if armed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
 
 
 def _signature_names(fn: Callable) -> tuple[list[str], bool]:

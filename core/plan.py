@@ -239,6 +239,21 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n"
 
+    @property
+    def identity(self) -> str:
+        """16 hex digits naming what a run of this plan does -- the model (fingerprint and
+        arguments), the mesh, the batches, the precision, the stages and every layer's decisions
+        -- and nothing else: the plan's predictions, provenance, cluster name and model path may
+        change without changing the run.  measured.json records it (``plan_identity``) so a
+        report never pairs a plan with another plan's measurements."""
+        import hashlib
+
+        d = self.to_dict()
+        core = {"model": {"fingerprint": d["model"]["fingerprint"], "args": d["model"]["args"]},
+                **{k: d[k] for k in ("mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")}}
+        text = json.dumps(core, sort_keys=True, default=_json_default)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "plan") -> "Plan":
         """The plan in ``d``; PlanFileError naming the first field that is missing or has the wrong type
@@ -359,6 +374,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
     d = read_json_object(p, what="plan file", error=PlanFileError,
                          if_missing=f". Create one with 'autopar plan MODEL.py --cluster CLUSTER -o {p}'.",
                          if_invalid=". Plans are JSON written by 'autopar plan'.")
+    from autopar.core.output_file import note_input
+
+    note_input(p, "plan file")
     return Plan.from_dict(d, source=f"plan file {p}")
 
 

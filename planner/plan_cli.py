@@ -20,20 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autopar.core.cluster import add_cluster_arguments
     from autopar.core.modelfile import add_model_arguments
 
+    from autopar.core import cli_types as T
+
     add_model_arguments(parser)
     add_cluster_arguments(parser)
-    parser.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per training step")
+    parser.add_argument("--global-batch", type=T.global_batch, required=True, metavar="N", help="samples per training step")
     parser.add_argument("--algo", choices=("auto", "ilp", "mcmc"), default="auto",
                         help="auto: ILP + stage DP, then MCMC refinement (default); ilp: the first only; "
                              "mcmc: Metropolis-Hastings alone")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the search (default 0): same seed, same plan")
-    parser.add_argument("--time-budget", type=float, default=40.0, metavar="SECONDS",
+    parser.add_argument("--seed", type=T.seed, default=0, help="seed of the search (default 0): same seed, same plan")
+    parser.add_argument("--time-budget", type=T.positive_number, default=40.0, metavar="SECONDS",
                         help="wall-clock budget of the search (default 40)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                         help="training precision (default bf16 on GPU clusters, fp32 on CPU/gloo clusters)")
     parser.add_argument("--profile", default=None,
                         help="profile name or JSON for every GPU (default: each group's GPU type)")
-    parser.add_argument("--top-k", type=int, default=3, metavar="K", help="runner-up plans to show (default 3)")
+    parser.add_argument("--top-k", type=T.non_negative, default=3, metavar="K", help="runner-up plans to show (default 3)")
     parser.add_argument("-o", "--output", default="plan.json", metavar="PATH", help="plan file to write (default plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan and its runner-ups as JSON")
     from autopar.planner.headroom import DEFAULT_MEMORY_HEADROOM
@@ -42,17 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autopar.core.parallel_dims import AXIS_BY_NAME, DEGREE_NAMES
 
     for name in DEGREE_NAMES:                         # one flag per parallel axis: --dp, --tp, --pp
-        fix.add_argument(f"--{name}", type=int, default=None, metavar="N", help=AXIS_BY_NAME[name].help)
+        fix.add_argument(f"--{name}", type=T.positive, default=None, metavar="N", help=AXIS_BY_NAME[name].help)
     fix.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                      help="activation recompute on every layer")
     fix.add_argument("--offload", choices=("none", "cpu"), default=None,
                      help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3)")
-    fix.add_argument("--micro-batch", type=int, default=None, metavar="N", help="samples per micro-batch")
+    fix.add_argument("--micro-batch", type=T.positive, default=None, metavar="N", help="samples per micro-batch")
     fix.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
                      help="pipeline schedule (needs pp > 1)")
-    parser.add_argument("--memory-headroom", type=float, default=DEFAULT_MEMORY_HEADROOM, metavar="FRACTION",
+    parser.add_argument("--memory-headroom", type=T.number(0.0, 1.0, lo_open=False, hi_open=True, what="a fraction"), default=DEFAULT_MEMORY_HEADROOM, metavar="FRACTION",
                         help=f"fraction of each device's memory a plan leaves free for allocator fragmentation "
                              f"and workspaces (default {DEFAULT_MEMORY_HEADROOM:.3f}: the mean fragmentation GMLake, "
                              f"Guo et al. 2024, measured for PyTorch's allocator on LLM training, 9.2 of 80 GB)")
@@ -295,8 +297,11 @@ def runnable_result(result, graph, model_file: str):
                 result.best = ev
             return result, refused
         refused.append(LeftOut(f"plan {ev.plan.mesh.describe('{name}{size}', ' ')} zero{ev.plan.zero}", err))
+    by_reason: dict[str, list[str]] = {}              # each distinct failure once, with its plans
+    for x in refused:
+        by_reason.setdefault(x.reason, []).append(x.kind)
     raise UserError("the runtime cannot run any of the fastest plans found for this model: "
-                    + "; ".join(f"{x.kind}: {x.reason}" for x in refused)
+                    + "; ".join(f"{', '.join(dict.fromkeys(kinds))}: {reason}" for reason, kinds in by_reason.items())
                     + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")
 
 

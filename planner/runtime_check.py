@@ -404,6 +404,11 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
         probe = _Probe(graph, ModelView.whole(graph), model_file, styles, precision)
         base = probe.error(probe.plan(one))
     if base is not None:
+        from autopar.core.model_check import own_failure
+
+        own = own_failure(model_file, dict(graph.model_args), CHECK_MICRO_BATCH)
+        if own is not None:                   # the model file fails by itself: say so, once
+            raise own
         reason = (f"the runtime could not run the model on fake tensors to check it ({base}); only plain "
                   f"data parallelism is offered")
         left = [LeftOut(k, reason) for k in ("tensor parallel", "pipeline", "ZeRO-2/3 (FSDP)", "recompute")]

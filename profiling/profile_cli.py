@@ -27,15 +27,17 @@ DTYPE_CHOICES = ("fp32", "tf32", "bf16", "fp16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="profile file to write (merged into it if it exists)")
+    from autopar.core import cli_types as T
+
     p.add_argument("--quick", action="store_true", help="a few small shapes and short repeats (seconds, for tests)")
     p.add_argument("--dtypes", default=None,
                    help="comma-separated compute dtypes to sweep (fp32, tf32, bf16, fp16); "
                         "default fp32 on CPU, fp32,tf32,bf16 on CUDA")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to profile (default: auto)")
     p.add_argument("--name", default=None, help="profile name (default: the output file's stem)")
-    p.add_argument("--target-s", type=float, default=None, metavar="S",
+    p.add_argument("--target-s", type=T.positive_number, default=None, metavar="S",
                    help="seconds of timed samples per point (default 0.05, --quick 0.01); raise it on a busy machine")
-    p.add_argument("--passes", type=int, default=1, metavar="N",
+    p.add_argument("--passes", type=T.positive, default=1, metavar="N",
                    help="sweep the ops N times and keep each row's fastest pass (a shared machine's slow "
                         "spells last minutes; default 1)")
     p.add_argument("--skip-ops", action="store_true", help="time only the collectives; keep the file's op table")

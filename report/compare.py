@@ -52,8 +52,9 @@ class Figure:
 
 
 def check_same_run(plan_fingerprint: str, plan_world_size: int, measured: Measured,
-                   plan_source: str, measured_source: str) -> None:
-    """A measurement of another model (or another launch) cannot be compared: UserError."""
+                   plan_source: str, measured_source: str, plan_identity: str | None = None) -> None:
+    """A measurement of another model, another plan (``plan_identity``, where measured.json
+    records one) or another launch cannot be compared: UserError."""
     fp = measured.fingerprint
     if fp is None:
         raise UserError(f"{measured_source} has no 'fingerprint' field, so it cannot be matched with {plan_source}; "
@@ -62,6 +63,14 @@ def check_same_run(plan_fingerprint: str, plan_world_size: int, measured: Measur
         raise UserError(f"{measured_source} was measured for the model with fingerprint {fp}, but {plan_source} is "
                         f"for fingerprint {plan_fingerprint}: they are different models (or model arguments). "
                         f"Run this plan ('autopar run {plan_source}') and report on the measured.json it writes.")
+    got = measured.plan_identity
+    if plan_identity is not None and got is not None and str(got) != str(plan_identity):
+        ran = f" (plan file {measured.plan})" if measured.plan else ""
+        raise UserError(f"{measured_source} was measured running another plan{ran}, with identity {got}, than "
+                        f"{plan_source}, whose identity is {plan_identity}: the same model, but other parallel "
+                        f"decisions, so the comparison would be meaningless. Report {measured_source} against the "
+                        f"plan that ran, or run {plan_source} ('autopar run {plan_source} --measured PATH') and "
+                        f"report on what it writes.")
     ws = measured.world_size
     if ws is not None and int(ws) != int(plan_world_size):
         raise UserError(f"{measured_source} was measured on {ws} ranks but {plan_source} needs {plan_world_size}; "

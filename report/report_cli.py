@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
             check_writable(path, flag)
     plan = load_plan(args.plan)
     measured = load_measured(args.measured)
-    compare.check_same_run(plan.model.fingerprint, plan.world_size, measured, args.plan, args.measured)
+    compare.check_same_run(plan.model.fingerprint, plan.world_size, measured, args.plan, args.measured,
+                           plan_identity=plan.identity)
     ctx = resimulate.load_context(plan, args.plan, cluster_path=args.cluster, profile=args.profile)
     resim, events = resimulate.simulate_figures(ctx, plan)
     simulated = {**resim, **{k: v for k, v in plan.predicted.items() if compare.is_number(v)}}

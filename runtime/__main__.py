@@ -1,6 +1,8 @@
 """``torchrun --nproc-per-node N -m autopar.runtime plan.json --steps 50``: one training process.
 
-Any failure goes through ``autopar.runtime.rank_errors.report_failure``: the first rank to
+A signal (SIGTERM, Ctrl-C) stops the run at a step boundary (``autopar.runtime.stop_signals``);
+a failure after one arrived is its consequence and stays quiet.  Any other failure goes through
+``autopar.runtime.rank_errors.report_failure``: the first rank to
 fail prints its message (a user error as one paragraph, with its rank; anything else as a
 traceback), the ranks that fail because of it stay quiet, and every rank exits with the first
 one's code (2 for a user error).  The output paths are checked before anything else.  After
@@ -21,18 +23,30 @@ def main(argv: list[str] | None = None) -> int:
 
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    from autopar.runtime.rank_errors import report_failure
+    from autopar.runtime import stop_signals
+    from autopar.runtime.rank_errors import report_failure, report_stop
 
+    stop_signals.install()                   # SIGTERM / Ctrl-C: stop at a step boundary, resumable
     code = 0
     try:
         from autopar.runtime.output_paths import check_output_paths
         from autopar.runtime.train import run
 
+        from autopar.core.output_file import note_arguments
+
+        note_arguments(parser, args)
         opts = options_from_args(args)
         check_output_paths(opts)
         run(opts)
+    except stop_signals.RunStopped as e:
+        code = report_stop(e)
     except Exception as e:  # noqa: BLE001 -- every failure becomes one message and one exit code
-        code = report_failure(e)
+        if stop_signals.received():
+            # torchrun signalled this rank (a peer died, or the user stopped the run) and a
+            # collective with the gone peer failed: a consequence, not a cause -- stay quiet
+            code = 128 + stop_signals.received()
+        else:
+            code = report_failure(e)
     finally:
         from autopar.runtime.mesh import shutdown
 

@@ -5,7 +5,9 @@
 torchrun raises ``ChildFailedError`` and Python prints the launcher's traceback and a summary
 table after the workers' output, burying the failing rank's message (already printed by that
 rank, see ``autopar.runtime.rank_errors``).  Here that exception becomes one line and the
-first failed worker's exit code.
+first failed worker's exit code.  A signal (SIGTERM, Ctrl-C), which torchrun passes on to
+the ranks before it re-raises it as ``SignalException``, ends it with 128 + the signal number
+and no traceback: the ranks say what they saved (``autopar.runtime.stop_signals``).
 """
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
+    except SignalException as e:                   # the ranks were sent the same signal and have stopped
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         print(f"autopar run: torchrun stopped the run: global rank {rank} exited first, with code "

@@ -96,7 +96,8 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
                     memory_per_rank_bytes: list[int], memory_kind: str, losses: list[float], fingerprint: str,
                     world_size: int, device: torch.device, plan_file: str, first_step: int,
                     breakdown: dict | None, trace_file: str | None, init_mode: str,
-                    model_state_bytes_per_rank: list[dict] | None = None) -> Measured:
+                    model_state_bytes_per_rank: list[dict] | None = None,
+                    plan_identity: str | None = None) -> Measured:
     """The run's ``Measured`` (autopar.core.measured: the schema of measured.json)."""
     step_time_s = median_after_warmup(step_times_s, warmup_steps)
     samples_per_s = global_batch / step_time_s if step_time_s > 0 else 0.0
@@ -120,6 +121,7 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
         global_batch=global_batch,
         init=init_mode,
         plan=plan_file,
+        plan_identity=plan_identity,
         model_state_bytes_per_rank=state,
         **(breakdown or {}),
         trace_file=trace_file or None,

@@ -41,16 +41,18 @@ class RunOptions:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    from autopar.core import cli_types as T
+
     parser.add_argument("plan", metavar="PLAN_JSON", help="a plan written by 'autopar plan'")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default: 10)")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default: {DEFAULT_LR})")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+    parser.add_argument("--steps", type=T.positive, default=10, help="optimizer steps to run (default: 10)")
+    parser.add_argument("--lr", type=T.positive_number, default=DEFAULT_LR, help=f"AdamW learning rate (default: {DEFAULT_LR})")
+    parser.add_argument("--seed", type=T.seed, default=DEFAULT_SEED,
                         help="seed of the initial weights and of the batches (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
+    parser.add_argument("--warmup-steps", type=T.non_negative, default=DEFAULT_WARMUP_STEPS,
                         help="steps left out of the median step time (default: %(default)s)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
                         help="save torch.distributed.checkpoint checkpoints here and resume from the latest")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+    parser.add_argument("--checkpoint-every", type=T.non_negative, default=0, metavar="K",
                         help="checkpoint every K steps (default: only at the end of the run)")
     parser.add_argument("--profile", action="store_true",
                         help="record a torch.profiler trace and a forward/backward/communication/optimizer breakdown")
@@ -60,8 +62,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial weights: 'host' builds the full model on the CPU with the model file's "
                              "own init; 'per-module' never builds it whole (reset_parameters seeded per module); "
                              "'auto' picks host when the model fits in host memory (default)")
-    parser.add_argument("--log-every", type=int, default=1, help="print loss and step time every N steps")
-    parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+    parser.add_argument("--log-every", type=T.positive, default=1, help="print loss and step time every N steps")
+    parser.add_argument("--keep-checkpoints", type=T.positive, default=3, metavar="N",
                         help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
                              "each save (default: %(default)s)")
 

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.core.output_file import check_not_input, is_special
 from autopar.runtime.options import RunOptions
 
 
@@ -50,6 +51,11 @@ def check_output_paths(opts: RunOptions) -> None:
                             f"you can write to.") from None
         _probe(d, "--checkpoint-dir", d)
     measured = Path(opts.measured_file)
+    check_not_input(measured, "--measured")
+    if is_special(measured):                          # /dev/null, a FIFO: written in place
+        if not os.access(measured, os.W_OK):
+            raise UserError(f"--measured {measured} is not writable; give a path you can write to.")
+        return
     if measured.is_dir():
         raise UserError(f"--measured {measured} is a folder; give a file path (e.g. {measured / 'measured.json'}).")
     base = _nearest_existing(measured.parent)

@@ -29,14 +29,16 @@ _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autopar.core import cli_types as T
+
     add_run_arguments(parser)
     g = parser.add_argument_group("launch")
-    g.add_argument("--nnodes", type=int, default=None,
+    g.add_argument("--nnodes", type=T.positive, default=None,
                    help="nodes the plan runs on (default: the nodes of the cluster it was planned for; "
                         "1: start it here)")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    g.add_argument("--rdzv-endpoint", type=T.host_port, default=None, metavar="HOST:PORT",
                    help="c10d rendezvous address (node 0); default 127.0.0.1:<free port> on one node")
-    g.add_argument("--max-restarts", type=int, default=0,
+    g.add_argument("--max-restarts", type=T.non_negative, default=0,
                    help="torchrun restarts after a rank fails (resumes from the latest checkpoint)")
     g.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
 
@@ -92,6 +94,8 @@ def main(args: argparse.Namespace, log=None) -> int:
     if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
+    if args.nnodes in (None, 1) and not args.dry_run:
+        check_output_paths(opts)                      # again: the plan's model file is now known as an input
     world = checked.plan.world_size
     layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
     if args.nnodes is None:
@@ -128,18 +132,57 @@ def main(args: argparse.Namespace, log=None) -> int:
 
 def _call_and_report(cmd: list[str], log=None) -> int:
     """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
-    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``)."""
+    failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``).
+
+    torchrun runs in a session of its own, and SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to
+    ``autopar run`` are forwarded to it -- once, so torchrun passes them on to the ranks, which
+    stop after the step in flight, checkpoint and say how to resume
+    (``autopar.runtime.stop_signals``).  Were torchrun in this process's group, Ctrl-C would
+    reach it twice (from the terminal and from here); were nothing forwarded, a SIGTERM to
+    ``autopar run`` would leave torchrun and the ranks training on.  If ``autopar run`` itself
+    is killed outright, the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and likewise
+    each rank when torchrun dies."""
     import os
+    import signal
     import tempfile
+    import threading
 
     from autopar.runtime.rank_errors import ERROR_FILE_ENV, relaunch_exit
 
     cmd = [("autopar.runtime.launch" if c == "torch.distributed.run" else c) for c in cmd]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as d:
         error_file = os.path.join(d, "first_failure.json")
-        code = subprocess.call(cmd, env={**os.environ, ERROR_FILE_ENV: error_file}, stdout=log,
-                               stderr=None if log is None else subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env={**os.environ, ERROR_FILE_ENV: error_file}, start_new_session=True,
+                                preexec_fn=_die_with_parent, stdout=log,
+                                stderr=None if log is None else subprocess.STDOUT)
+        forwarded = {"n": 0}
+
+        def forward(signum, frame):
+            forwarded["n"] += 1
+            if forwarded["n"] == 1:
+                print(f"autopar run: {signal.Signals(signum).name}: stopping the ranks after the step in flight.",
+                      file=log or sys.stderr, flush=True)
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        # handlers can be set only from the main thread (a caller running trials elsewhere keeps its own)
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} if main else {}
+        try:
+            code = proc.wait()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
         return relaunch_exit(code, error_file, log)
+
+
+def _die_with_parent() -> None:
+    """In torchrun's process (after fork): SIGTERM it when ``autopar run`` dies."""
+    from autopar.runtime.stop_signals import term_when_parent_dies
+
+    term_when_parent_dies()
 
 
 def plan_nodes(plan) -> tuple[str, list[int]] | None:

@@ -13,7 +13,9 @@ CUDA the step clock synchronises the device at both ends of the step).  The loss
 they are logged (every ``--log-every`` steps), before a checkpoint and at the end
 (``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
 overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
-the report.
+the report.  Between steps (outside the clock) ``run`` makes one small all-reduce: whether any
+rank was sent SIGTERM / SIGINT / SIGHUP (``autopar.runtime.stop_signals``); if so every rank
+stops after that same step, checkpointed where ``--checkpoint-dir`` is given (``Trainer.stop``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +31,7 @@ from torch.profiler import record_function
 
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
-from autopar.runtime import checkpoint_lock, checkpointing, loss_guard
+from autopar.runtime import checkpoint_lock, checkpointing, loss_guard, stop_signals
 from autopar.runtime.batch_check import check_batch_rows
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
@@ -37,7 +40,7 @@ from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
 from autopar.runtime.profile_breakdown import STEP_REGION, start_profiler, stop_profiler
-from autopar.runtime.rank_errors import set_place
+from autopar.runtime.rank_errors import set_model_file, set_place
 
 # Testing hook: "RANK:STEP" makes that rank exit abruptly after finishing STEP, on the first
 # attempt only (TORCHELASTIC_RESTART_COUNT == 0) -- how the tests kill a rank mid-run.
@@ -159,6 +162,7 @@ class Trainer:
         self.opts = opts
         self.checked = check_plan(opts.plan_path, launched_world_size())
         plan = self.plan = self.checked.plan
+        set_model_file(self.checked.model_file.path)
         self.ctx = ctx = init_distributed(plan.mesh)
         set_place(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
         self.locked = False
@@ -204,6 +208,7 @@ class Trainer:
         self.clock, self.prof, self.profiled = StepClock(ctx.device), None, 0
         self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
         self.state_bytes: dict | None = None        # model_state_bytes of the last step
+        self.saved: dict[int, Path] = {}            # step -> checkpoint folder saved by this run
 
     def log(self, msg: str) -> None:
         if self.ctx.is_logging_rank:
@@ -248,7 +253,31 @@ class Trainer:
             path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
                                                  self.identity, self.losses, keep=opts.keep_checkpoints,
                                                  names=self.pm.state_names)
+            self.saved[done] = path
             self.log(f"checkpoint {path}")
+
+    def stop(self, done: int, signum: int) -> None:
+        """Every rank, after step ``done``, on a signal all ranks agreed on: save a checkpoint where
+        a folder is given (unless this step just saved one) and raise ``RunStopped`` saying how to resume."""
+        opts = self.opts
+        name = stop_signals.signal_name(signum)
+        plan = str(opts.plan_path)
+        if opts.checkpoint_dir is None:
+            raise stop_signals.RunStopped(signum, (
+                f"stopped by {name} after step {done}/{opts.steps}. Nothing was saved: the run has no "
+                f"--checkpoint-dir, so a rerun starts from step 0. To make a run resumable, start it with "
+                f"--checkpoint-dir DIR (and --checkpoint-every K to save every K steps)."))
+        path = self.saved.get(done)               # the same answer on every rank (no file system look)
+        if path is None:
+            self.flush_losses()
+            loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, self.ctx.device)
+            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
+                                                 self.identity, self.losses, keep=opts.keep_checkpoints,
+                                                 names=self.pm.state_names)
+        raise stop_signals.RunStopped(signum, (
+            f"stopped by {name} after step {done}/{opts.steps}; checkpoint {path} is complete. Resume with: "
+            f"autopar run {plan} --steps {opts.steps} --checkpoint-dir {opts.checkpoint_dir} (and the other "
+            f"options of this run)."))
 
     def finish(self) -> Measured:
         opts, ctx, plan = self.opts, self.ctx, self.plan
@@ -267,7 +296,7 @@ class Trainer:
             memory_kind=self.memory.kind, losses=self.losses, fingerprint=plan.model.fingerprint,
             world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
-            model_state_bytes_per_rank=state_per_rank)
+            model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity)
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
@@ -279,9 +308,14 @@ class Trainer:
 
 def run(opts: RunOptions) -> Measured:
     trainer = Trainer(opts)
+    stop_signals.in_loop(True)                 # a signal now stops the run after the step in flight
     try:
         for step in range(trainer.first_step, opts.steps):
             trainer.step(step)
+            signum = stop_signals.agreed_signal(trainer.ctx.device)   # one all-reduce, outside the clock
+            if signum and step + 1 < opts.steps:
+                trainer.stop(step + 1, signum)
         return trainer.finish()
     finally:
+        stop_signals.in_loop(False)
         trainer.release_lock()

@@ -30,19 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "defaults to the cluster it was made for")
     parser.add_argument("--nodes", metavar="N", type=int, default=None,
                         help="scale a single-group cluster to N nodes (what-if; the file stays as it is)")
+    from autopar.core import cli_types as T
+
     g = parser.add_argument_group("configuration (ignored for a plan.json)")
     from autopar.core.parallel_dims import AXIS_BY_NAME, DEGREE_NAMES
 
     for name in DEGREE_NAMES:        # one flag per parallel axis; the batch axis takes the devices left
         axis = AXIS_BY_NAME[name]
         if axis.splits == "batch":
-            g.add_argument(f"--{name}", type=int, default=None, help=f"{axis.help} (default: the devices left)")
+            g.add_argument(f"--{name}", type=T.positive, default=None, help=f"{axis.help} (default: the devices left)")
         else:
-            g.add_argument(f"--{name}", type=int, default=1, help=f"{axis.help} (default 1)")
-    g.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data-parallel rank")
-    g.add_argument("--global-batch", type=int, default=None, help="samples per step (default dp x micro-batch x pp)")
+            g.add_argument(f"--{name}", type=T.positive, default=1, help=f"{axis.help} (default 1)")
+    g.add_argument("--micro-batch", type=T.positive, default=1, help="samples per micro-batch per data-parallel rank")
+    g.add_argument("--global-batch", type=T.global_batch, default=None, help="samples per step (default dp x micro-batch x pp)")
     g.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b")
-    g.add_argument("--virtual-stages", type=int, default=2, help="model chunks per pipeline rank (interleaved only)")
+    g.add_argument("--virtual-stages", type=T.positive, default=2, help="model chunks per pipeline rank (interleaved only)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     g.add_argument("--offload", choices=("none", "cpu"), default="none")

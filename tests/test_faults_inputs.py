@@ -324,3 +324,232 @@ def test_model_prints_do_not_corrupt_json(capsys, tmp_path):
         assert rc == 0
         json.loads(out)                                       # stdout is the JSON alone
         assert "building" in err                              # the prints went to stderr
+
+
+# ------------------------------------------------------------------ issue 32: what new users hit
+GOOD = """
+import torch
+def build_model(**kw):
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+def make_batch(batch_size, **kw):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)
+"""
+
+
+def test_outputs_never_overwrite_an_input(capsys, tmp_path, mlp_plan):
+    model = tmp_path / "m.py"
+    model.write_text(GOOD)
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(mlp_plan.read_bytes())
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.py").symlink_to(model)
+    before = {p: p.read_bytes() for p in (model, plan)}
+    base = ["plan", model, "--cluster", "local-cpu", "--global-batch", "4", "--time-budget", "2", "-o"]
+    for out in (model, tmp_path / "sub" / ".." / "m.py", tmp_path / "link.py"):   # other spellings, a symlink
+        refused(capsys, *base, out, words=("-o", "MODEL_FILE", "Give another path for -o"))
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"step_time_s": 0.01, "fingerprint": json.loads(plan.read_text())["model"]["fingerprint"],
+                                    "world_size": 4}))
+    before[measured] = measured.read_bytes()
+    refused(capsys, "report", plan, measured, "--calibrate", "-o", plan, words=("-o", "plan.json"))
+    refused(capsys, "report", plan, measured, "--html", measured, words=("--html", "measured.json"))
+    refused(capsys, "run", plan, "--measured", plan, words=("--measured", "PLAN_JSON"))
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.py", "m.py", "measured.json", "plan.json", "sub"]
+
+
+def test_a_file_read_as_input_is_never_replaced(tmp_path):
+    """The loaders note what they read (here a plan), so even a writer that was not given the
+    path as an argument refuses it."""
+    from autopar.core import output_file
+    from autopar.core.plan import load_plan
+
+    plan = tmp_path / "plan.json"
+    model = tmp_path / "m.py"
+    model.write_text(GOOD)
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import save_plan
+    from autopar.simulator.configure import config_plan
+
+    g = capture_model_file(str(model), {}, 2)
+    save_plan(config_plan(g, dp=1, tp=1, pp=1, micro_batch=2, global_batch=2, schedule="1f1b", virtual_stages=1,
+                          zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False,
+                          cluster_name="local-cpu"), plan)
+    output_file.forget_inputs()
+    try:
+        load_plan(plan)
+        text = plan.read_bytes()
+        with pytest.raises(output_file.OutputFileError, match="does not overwrite its inputs"):
+            output_file.write_text_atomic(plan, "{}")
+        assert plan.read_bytes() == text
+        other = tmp_path / "other.json"
+        output_file.write_text_atomic(other, "{}")           # anything else is written as before
+        assert other.read_text() == "{}"
+    finally:
+        output_file.forget_inputs()
+
+
+def test_devices_are_written_in_place_and_a_full_disk_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    from autopar.core import output_file
+
+    output_file.write_text_atomic("/dev/null", "x")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)          # not replaced by a regular file
+    with pytest.raises(output_file.OutputFileError, match="disk is full"):
+        output_file.write_text_atomic("/dev/full", "x")
+    refused(capsys, "simulate", MLP, "--cluster", "local-cpu", "--dp", "2", "--trace", "/dev/full",
+            words=("/dev/full", "disk is full"))
+    # a regular file on a full disk: the old content stays, no temporary file is left
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(output_file.os, "replace", full)
+    with pytest.raises(output_file.OutputFileError, match="disk is full"):
+        output_file.write_text_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["run", "PLAN", "--lr", "nan"], "--lr"), (["run", "PLAN", "--lr", "-1"], "--lr"),
+    (["run", "PLAN", "--rdzv-endpoint", "host:abc"], "--rdzv-endpoint"),
+    (["run", "PLAN", "--max-restarts", "-1"], "--max-restarts"), (["run", "PLAN", "--steps", "1e3"], "--steps"),
+    (["simulate", MLP, "--virtual-stages", "0"], "--virtual-stages"), (["simulate", MLP, "--dp", "0"], "--dp"),
+    (["simulate", MLP, "--micro-batch", "0"], "--micro-batch"),
+    (["plan", MLP, "--global-batch", "4", "--seed", "-1"], "--seed"),
+    (["plan", MLP, "--global-batch", "4", "--time-budget", "nan"], "--time-budget"),
+    (["plan", MLP, "--global-batch", str(10 ** 18)], "--global-batch"),
+    (["plan", MLP, "--global-batch", "4", "--memory-headroom", "1"], "--memory-headroom"),
+    (["profile", "-o", "p.json", "--passes", "0"], "--passes"),
+])
+def test_numeric_flags_are_checked_while_parsing(capsys, argv, flag, mlp_plan, tmp_path):
+    argv = [str(mlp_plan) if a == "PLAN" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_types_accept_what_is_in_range():
+    from autopar.core import cli_types as T
+
+    assert T.positive("3") == 3 and T.non_negative("0") == 0 and T.seed(str(2 ** 32 - 1)) == 2 ** 32 - 1
+    assert T.positive_number("1e-3") == 1e-3 and T.host_port("node0:29500") == "node0:29500"
+    assert T.global_batch(str(2 ** 40)) == 2 ** 40
+
+
+def test_divisors_from_prime_factors():
+    from autopar.planner.space import divisors, prime_factors
+
+    for n in range(1, 400):                                   # against the definition
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    n = 10 ** 18                                              # 2^18 5^18: (18+1)^2 divisors
+    assert prime_factors(n) == {2: 18, 5: 18}
+    ds = divisors(n)
+    assert len(ds) == 19 * 19 and all(n % d == 0 for d in ds) and ds == sorted(set(ds))
+    assert divisors(1099511627689) == [1, 1099511627689]      # a prime just below 2^40
+
+
+NEVER_RETURNS = GOOD.replace("def build_model(**kw):\n", "def build_model(**kw):\n    while True:\n        pass\n")
+
+
+def test_a_model_file_that_never_returns_is_an_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_MODEL_CALL_TIMEOUT_S", "1")
+    refused(capsys, "inspect", write(tmp_path / "m.py", NEVER_RETURNS),
+            words=("did not return within 1 s", "build_model", "AUTOPAR_MODEL_CALL_TIMEOUT_S"))
+
+
+def test_os_exit_and_a_raised_keyboard_interrupt_are_the_model_files_errors(capsys, tmp_path):
+    import posix
+
+    exits = GOOD.replace("def make_batch(batch_size, **kw):\n", "def make_batch(batch_size, **kw):\n    import os; os._exit(0)\n")
+    refused(capsys, "inspect", write(tmp_path / "e.py", exits), words=("os._exit(0)", "make_batch"))
+    assert os._exit is posix._exit                            # the guard is gone after the call
+    raises = GOOD.replace("def build_model(**kw):\n", "def build_model(**kw):\n    raise KeyboardInterrupt\n")
+    refused(capsys, "inspect", write(tmp_path / "k.py", raises), words=("KeyboardInterrupt", "no Ctrl-C"))
+
+
+def test_a_stray_thread_does_not_hold_the_command(tmp_path):
+    """A model file that leaves a non-daemon thread sleeping: the command still ends, exit 0."""
+    import subprocess
+    import sys
+
+    body = GOOD.replace("def build_model(**kw):\n", "def build_model(**kw):\n    import threading, time\n"
+                        "    threading.Thread(target=time.sleep, args=(10 ** 6,)).start()\n")
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "inspect", write(tmp_path / "t.py", body)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+OWN_FAILURES = {
+    "forward returns None": (GOOD.replace(
+        "return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))",
+        "class M(torch.nn.Module):\n        def __init__(self):\n            super().__init__()\n"
+        "            self.l = torch.nn.Linear(4, 4)\n        def forward(self, x):\n            self.l(x)\n"
+        "    return M()"), "returned None"),
+    "mixed dtypes": (GOOD.replace("return torch.randn(batch_size, 4), torch.randn",
+                                  "return torch.randn(batch_size, 4, dtype=torch.float64), torch.randn"),
+                     "same dtype"),
+    "batch on meta": (GOOD.replace("return torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                   "return torch.empty(batch_size, 4, device='meta'), torch.empty(batch_size, 4, "
+                                   "device='meta')"), "meta device"),
+    "no parameters": (GOOD.replace("return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))",
+                                   "return torch.nn.ReLU()"), "no parameters"),
+    "target of another shape": (GOOD.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                             "torch.randn(batch_size, 4), torch.randn(batch_size, 1)"), "(2, 1)"),
+    "loss without gradient": (GOOD + "def loss_fn(out, target):\n    return torch.tensor(1.0)\n", "no gradient"),
+    "input of the wrong width": (GOOD.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)",
+                                              "torch.randn(batch_size, 5), torch.randn(batch_size, 4)"),
+                                 "cannot be multiplied"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OWN_FAILURES))
+def test_a_model_files_own_failure_is_named_as_its_own(tmp_path, case):
+    """One plain CPU step (core.model_check) names what the file got wrong."""
+    from autopar.core.errors import ModelFileError
+    from autopar.core.model_check import own_failure
+    from autopar.core.modelfile import load_model_file
+
+    body, needle = OWN_FAILURES[case]
+    err = own_failure(load_model_file(write(tmp_path / "m.py", body)), {}, 2)
+    assert isinstance(err, ModelFileError), case
+    assert needle in str(err) and "m.py" in str(err), str(err)
+    assert own_failure(load_model_file(write(tmp_path / "good.py", GOOD)), {}, 2) is None
+
+
+def test_plan_names_the_model_files_failure_once(capsys, tmp_path):
+    body = OWN_FAILURES["mixed dtypes"][0]
+    msg = refused(capsys, "plan", write(tmp_path / "m.py", body), "--cluster", "local-cpu", "--global-batch", "4",
+                  "--time-budget", "2", "-o", tmp_path / "p.json", words=("m.py", "forward"))
+    assert msg.count("same dtype") == 1 and "Fix some knobs" not in msg
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_make_batch_with_fewer_rows_is_refused_at_capture(capsys, tmp_path):
+    body = GOOD.replace("torch.randn(batch_size, 4), torch.randn(batch_size, 4)", "torch.randn(2, 4), torch.randn(2, 4)")
+    refused(capsys, "inspect", write(tmp_path / "m.py", body), words=("make_batch(8)", "2 rows"))
+
+
+def test_report_refuses_another_plans_measurements(capsys, tmp_path, mlp_plan):
+    from autopar.core.plan import load_plan
+
+    plan = load_plan(mlp_plan)
+    other = edited_plan(mlp_plan, tmp_path / "other.json", lambda d: d["layers"][0].update(recompute="full"))
+    other_identity = load_plan(other).identity
+    assert other_identity != plan.identity
+    # the identity ignores what does not change the run
+    assert plan.with_predicted({"step_time_s": 9.0}, cluster_ref="x", cluster_nodes=None).identity == plan.identity
+    measured = tmp_path / "measured.json"
+    base = {"step_time_s": 0.01, "fingerprint": plan.model.fingerprint, "world_size": 4}
+    measured.write_text(json.dumps({**base, "plan_identity": other_identity, "plan": "other.json"}))
+    refused(capsys, "report", mlp_plan, measured, words=("another plan", other_identity, plan.identity))
+    measured.write_text(json.dumps({**base, "plan_identity": plan.identity}))
+    rc, out, err = run(capsys, "report", mlp_plan, measured, "--json")
+    assert rc == 0, err

@@ -293,11 +293,14 @@ def test_unwritable_outputs_are_refused_before_launch(tmp_path):
 
 
 def test_make_batch_ignoring_batch_size_is_refused(tmp_path):
-    model = gpt_variant(tmp_path / "fixed_rows.py", """
+    # the plan is made while make_batch is right (capture itself now refuses the wrong one,
+    # before any plan exists); then the file changes under it
+    model = gpt_variant(tmp_path / "fixed_rows.py", "")
+    plan = plan_for_model_file(model, tmp_path / "plan.json", micro_batch=4)
+    gpt_variant(model, """
         def make_batch(batch_size, **kw):
             return _gpt.make_batch(2, **kw)          # ignores batch_size
     """)
-    plan = plan_for_model_file(model, tmp_path / "plan.json", micro_batch=4)
     out = subprocess.run([sys.executable, "-m", "autopar.runtime", str(plan), "--steps", "1"], env=worker_env(),
                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert_clean_refusal(out, 2, "make_batch(4)", "2 rows", "batch_size = 4")
@@ -414,3 +417,76 @@ def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert "resumed from" in out.stdout and "step_00000002" in out.stdout
     assert_matches_reference(tmp_path / "measured.json", ckpt, reference(4), "after a failed save", steps=4)
+
+
+# ------------------------------------------------------------------ issue 32: signals, silent ranks
+
+def _processes_naming(folder: Path) -> list[int]:
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(folder) in d.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.multiproc
+def test_sigterm_stops_after_a_consistent_checkpoint_and_the_run_resumes(tmp_path):
+    """SIGTERM to 'autopar run' reaches torchrun and both ranks: they stop after the same step,
+    save it, say how to resume, leave no process behind; resuming ends on the plain loop's
+    losses and weights, as an uninterrupted run would."""
+    import os
+    import signal
+    import time
+
+    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
+    ckpt, measured = tmp_path / "ckpt", tmp_path / "measured.json"
+    proc = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", str(plan), "--steps", "1000",
+                             "--checkpoint-dir", str(ckpt), "--measured", str(measured)],
+                            env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + TIMEOUT_S
+        while "step 3/1000" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "step 3/1000" in seen, seen[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-5000:]
+    assert "Traceback" not in err and "Connection closed" not in err, err[-5000:]
+    flat = " ".join(err.split())
+    assert "stopped by SIGTERM after step" in flat and "Resume with: autopar run" in flat, err[-3000:]
+    assert _processes_naming(tmp_path) == []                      # torchrun and the ranks are gone
+    latest = json.loads((ckpt / "latest.json").read_text())
+    k = latest["step"]
+    assert k >= 3 and (ckpt / latest["path"] / "manifest.json").exists()
+    assert f"after step {k}/1000" in flat                         # the checkpoint is the step it names
+    assert not measured.exists()
+    resumed = autopar_run(plan, "--steps", k + 2, "--checkpoint-dir", ckpt, "--measured", measured)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    assert_matches_reference(measured, ckpt, reference(k + 2), "stopped by SIGTERM, resumed", steps=k + 2)
+
+
+@pytest.mark.multiproc
+def test_a_model_failing_on_one_rank_only_is_reported_by_that_rank(tmp_path):
+    model = gpt_variant(tmp_path / "rank1.py", """
+        import os
+
+        def build_model(**kw):
+            if os.environ.get("RANK") == "1":
+                raise ValueError("the shard index file is missing on this host (a test fault)")
+            return _gpt.build_model(**kw)
+    """)
+    plan = plan_for_model_file(model, tmp_path / "plan.json", dp=2, micro_batch=2)
+    out = autopar_run(plan, "--steps", 2)
+    assert_clean_refusal(out, 2, "error: rank 1", "build_model", "the shard index file is missing on this host")
+    assert "stopped by SIG" not in out.stderr                     # rank 0, stopped by torchrun, stays quiet
