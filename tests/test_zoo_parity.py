@@ -92,9 +92,11 @@ MODELS: dict[str, dict] = {
     # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
     # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
     "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
-    # transformers 5 Mixtral: attention split, the router and the stacked experts
-    # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
-    "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
+    # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
+    # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
+    # summed over tp), the router replicated on every tp rank
+    "hf_mixtral": dict(kinds={"tp": TP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
+                                            "mlp.experts": "expert"}),
     # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
     # over the tp ranks (runtime/apply_tp._region_norms)
     # (at the default learning rate AdamW's near-sign updates hide a per-rank gradient: 1e-2 shows it)
@@ -143,8 +145,6 @@ LEFT_OUT = {
     ("hf_gpt2", "tp of c_attn"): "a fused q/k/v Conv1D: an even column split mixes q, k and v across ranks; the "
                                  "planner leaves it whole (core/sharding._fused_parts), so no attention split "
                                  "and no tp_sp (the attention would see one rank's sequence shard)",
-    ("hf_mixtral", "tp of the experts"): "MixtralExperts holds stacked parameters (gate_up_proj fused), not "
-                                         "nn.Linear: no column/row split; the experts stay replicated",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
@@ -214,6 +214,9 @@ def run_models(names: list[str], tmp: Path) -> dict[str, dict[str, dict]]:
     for c in cases:
         if Path(c["result"]).exists():
             results[c["model"]][c["kind"]] = json.loads(Path(c["result"]).read_text())
+            if Path(c["measured"]).exists():
+                state = json.loads(Path(c["measured"]).read_text()).get("model_state_bytes_per_rank") or []
+                results[c["model"]][c["kind"]]["params_bytes"] = [r["params_bytes"] for r in state]
     return results
 
 
@@ -255,6 +258,21 @@ def test_zoo_kind_matches_plain_loop(zoo_runs, name, kind):
     diff = max(abs(a - b) for a, b in zip(got["losses"], want))
     assert len(got["losses"]) == STEPS and diff <= LOSS_ATOL, \
         f"{name} {kind}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+
+
+@pytest.mark.multiproc
+def test_hf_mixtral_tp_holds_its_share_of_the_experts(zoo_runs):
+    """The tp run holds, per rank, half of each split module's parameters (attention and the
+    stacked experts: 2 of 4 experts) and all of the others -- counted on the plain model."""
+    got = zoo_runs("hf_mixtral").get("tp") or {}
+    model = plain_loop.load(ZOO / "hf_mixtral.py").build_model()
+    split = tuple(MODELS["hf_mixtral"]["tp"])
+    want = 0
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        halves = any(module.endswith(f"layers.{i}.{m}") for m in split for i in range(len(model.model.layers)))
+        want += p.numel() * p.element_size() // (2 if halves else 1)
+    assert got.get("params_bytes") == [want, want], f"hf_mixtral tp: {got}, want {want} bytes of parameters per rank"
 
 
 @pytest.mark.multiproc
