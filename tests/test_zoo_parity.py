@@ -148,7 +148,9 @@ LEFT_OUT = {
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
-    ("moe", "tp of the experts"): "the experts are stacked parameters, not nn.Linear: no column/row split",
+    ("moe", "tp of the experts"): "the experts are stacked parameters, not nn.Linear: no column/row split; and "
+                                  "the module routes inside itself, so it is no experts module to split by "
+                                  "expert (core/sharding.stacked_experts, runtime/expert_tp.py)",
     ("cnn_bn", "tp of the stages"): "convolutions: no column/row split of nn.Linear",
     ("hf_*", "tp + pp"): "needs 4 ranks; the runtime refuses it (parallelize_export_stage): stages of a model "
                          "torch.fx cannot trace are cut from its torch.export graph, which calls no nn.Linear",
@@ -265,14 +267,49 @@ def test_hf_mixtral_tp_holds_its_share_of_the_experts(zoo_runs):
     """The tp run holds, per rank, half of each split module's parameters (attention and the
     stacked experts: 2 of 4 experts) and all of the others -- counted on the plain model."""
     got = zoo_runs("hf_mixtral").get("tp") or {}
+    want = _mixtral_tp2_param_bytes()
+    assert got.get("params_bytes") == [want, want], f"hf_mixtral tp: {got}, want {want} bytes of parameters per rank"
+
+
+def _mixtral_tp2_param_bytes() -> int:
+    """Parameter bytes per rank of tiny Mixtral at tp 2, counted on the plain model: half of
+    each module the zoo's tp styles split, all of the others."""
     model = plain_loop.load(ZOO / "hf_mixtral.py").build_model()
     split = tuple(MODELS["hf_mixtral"]["tp"])
-    want = 0
+    total = 0
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         halves = any(module.endswith(f"layers.{i}.{m}") for m in split for i in range(len(model.model.layers)))
-        want += p.numel() * p.element_size() // (2 if halves else 1)
-    assert got.get("params_bytes") == [want, want], f"hf_mixtral tp: {got}, want {want} bytes of parameters per rank"
+        total += p.numel() * p.element_size() // (2 if halves else 1)
+    return total
+
+
+@pytest.mark.multiproc
+def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(tmp_path):
+    """dp 2 x tp 2 on 4 ranks: the second tp group is ranks {2, 3}, so the experts' all-reduces
+    must address their group, not global ranks; once with DDP and once with ZeRO-3 (FSDP2
+    wraps the experts' Shard(0) DTensors).  Both train like the plain loop; each rank holds its
+    tp share of the parameters (ZeRO-3: half of that, sharded over dp)."""
+    pytest.importorskip("transformers")
+    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+    cases = []
+    for kind, kw in kinds.items():
+        base = tmp_path / kind
+        cases.append({"model": "hf_mixtral", "kind": kind, "steps": STEPS,
+                      "plan": str(_plan("hf_mixtral", "tp", kw, base.with_suffix(".json"))),
+                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
+    want = plain("hf_mixtral", 1).losses
+    for c in cases:
+        assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
+        got = json.loads(Path(c["result"]).read_text())
+        assert "losses" in got, f"{c['kind']}: {got}"
+        diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+        assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+        state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
+        per_rank = _mixtral_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
+        assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
 
 
 @pytest.mark.multiproc
