@@ -11,6 +11,9 @@ all-reduce.  A column-wise module without such a partner (e.g. the LM head) gath
 (``output_layouts=Replicate()``); a row-wise module without a column-wise partner shards its
 replicated input itself (``input_layouts=Replicate()``).
 
+A module given the style "expert" (a mixture of experts' stacked experts) is split by expert
+(``expert_tp.ExpertShard``): each rank runs experts / tp of them and the outputs are summed.
+
 Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) applies to the layers that hold a
 column/row pair: between the TP regions the activations are sharded on the sequence dim
 (``Shard(1)``): norms run under ``SequenceParallel``, the sequence is all-gathered on entry to
@@ -165,8 +168,8 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
     """Under sequence parallelism a layer's activations between its TP regions are sequence
     shards, so a replicated parameter used there (other than a norm's, which ``SequenceParallel``
     sums over the tp ranks) would get the gradient of this rank's tokens only and the replicas
-    would drift apart -- a mixture of experts' router and stacked experts (transformers 5
-    Mixtral) are such parameters.  Refuse the layout instead of training another model."""
+    would drift apart -- a mixture of experts' router (transformers 5 Mixtral's, and its
+    stacked experts unless split by expert) is such a parameter.  Refuse the layout instead of training another model."""
     layer = module.get_submodule(path)
     covered = set()
     for name, sub in layer.named_modules():

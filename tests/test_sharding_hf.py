@@ -126,3 +126,29 @@ def test_gpt2_conv1d_mlp_split_and_fused_qkv_left_whole():
     assert fused_projections(g, 1) == ["transformer.h.0.attn.c_attn"]
     assert megatron_styles(g, 0) == {"transformer.wte": "rowwise"}
     assert megatron_styles(g, len(g.layers) - 1) == {"lm_head": "colwise"}
+
+
+def test_experts_that_tp_does_not_divide_are_refused_before_launch():
+    """4 experts split by expert over tp = 3: refused by the runtime's pre-launch check
+    (runtime/tp_check.py) with the experts' count named; tp = 2 passes."""
+    from types import SimpleNamespace
+
+    from autopar.core.errors import PlanFileError
+    from autopar.runtime.tp_check import check_tp_divisibility
+
+    def checked(tp: int):
+        layers = [SimpleNamespace(name=f"model.layers.{i}", plan=SimpleNamespace(tp_styles={"mlp.experts": "expert"}))
+                  for i in range(2)]
+        return SimpleNamespace(plan=SimpleNamespace(mesh=SimpleNamespace(tp=tp), model=SimpleNamespace(args={})),
+                               model_file=SimpleNamespace(build=lambda: _build("mixtral")), layers=layers,
+                               plan_path="plan.json")
+
+    check_tp_divisibility(checked(2))
+    with pytest.raises(PlanFileError, match=r"model.layers.0.mlp.experts is split expert over tp = 3 ranks, but its "
+                                            r"num_experts = 4 does not divide by 3"):
+        check_tp_divisibility(checked(3))
+    # a Linear named with the expert style is refused by name and class
+    bad = checked(2)
+    bad.layers[0].plan.tp_styles = {"mlp.gate": "expert"}
+    with pytest.raises(PlanFileError, match="not a module of stacked expert parameters"):
+        check_tp_divisibility(bad)
