@@ -40,7 +40,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
 OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
-TP_STYLES = ("colwise", "rowwise")  # Megatron column / row split of a Linear's weight
+TP_STYLES = ("colwise", "rowwise", "expert")  # Megatron column / row split of a Linear's weight; a
+#                                             mixture of experts' stacked experts split by expert
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights
 # A layer's own precision ("" = the plan's): "fp8" trains its linears in float8 (torchao's
 # Float8Linear: GEMM inputs cast to e4m3/e5m2 with per-tensor or per-row scales, output and
@@ -81,7 +82,7 @@ class Pipeline:
 @dataclass(frozen=True)
 class LayerPlan:
     layer: int
-    tp: tuple[tuple[str, str], ...] = ()   # (module qualified name, "colwise" | "rowwise")
+    tp: tuple[tuple[str, str], ...] = ()   # (module qualified name, "colwise" | "rowwise" | "expert")
     zero: int = 0
     recompute: str = "none"
     offload: str = "none"

@@ -19,6 +19,13 @@ Two pure graph analyses, shared by the simulator and the planner:
   it, all-gather / reduce-scatter pairs and the ops between regions run on 1/tp of the
   sequence (Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4.2.2).
 
+A mixture of experts' stacked experts (transformers 5's ``MixtralExperts``: 3-D parameters
+``[experts, ...]`` read whole by grouped matmuls, not Linear modules) are found by
+``stacked_experts`` and given the style "expert": split by expert over the tp ranks, each rank
+running its E/tp experts on the tokens routed to them, the partial outputs summed (the row-
+parallel pattern of Megatron-LM, Sec. 3: all-reduce of the output forward, of the input
+gradients backward; runtime/expert_tp.py).
+
 Byte counts are at the graph's capture batch size and dtype; callers scale them.
 """
 from __future__ import annotations
@@ -240,8 +247,47 @@ def _consumed(graph: OpGraph) -> set[str]:
     return cached
 
 
+def stacked_experts(graph: OpGraph, layer_index: int) -> dict[str, int]:
+    """Module path -> number of experts, for each module of the layer that holds stacked expert
+    parameters.  The rule (the runtime's own is runtime/expert_tp.is_stacked_experts): every op
+    that reads a parameter owned directly by the module reads it whole as a 3-D operand (its
+    numel is the op's parameter count) with E rows, the same E for all of them, it is not a
+    Linear or an embedding; no op inside the module reads another module's parameters (its
+    children hold none); and a Linear of the same layer, outside the module, has E output
+    features (the router, which the experts' caller runs: each tp rank sees its full output).
+    A module that routes inside itself (the zoo's ``moe``) is not one: the runtime could not
+    hand it a rank's experts without knowing its forward."""
+    ops = graph.layer_ops(layer_index)
+    rows: dict[str, set[int]] = {}
+    bad: set[str] = set()
+    for o in ops:
+        for p in o.params:
+            owner = p.rpartition(".")[0]
+            stacked = [s for s in o.input_shapes if len(s) == 3 and _numel(s) == o.param_numel]
+            if o.kind in ("linear", "embedding") or len(o.params) != 1 or not stacked:
+                bad.add(owner)
+            else:
+                rows.setdefault(owner, set()).add(int(stacked[0][0]))
+    out = {}
+    for m, e in rows.items():
+        inside = _expert_ops(ops, m)
+        names = {o.name for o in inside}
+        routers = {o.output_shape[-1] for o in ops if o.kind == "linear" and o.output_shape and o.name not in names}
+        if m in bad or len(e) != 1 or next(iter(e)) < 2 or next(iter(e)) not in routers:
+            continue
+        if any(p.rpartition(".")[0] != m for o in inside for p in o.params):
+            continue
+        out[m] = next(iter(e))
+    return out
+
+
+def _expert_ops(ops: list[OpNode], module: str) -> list[OpNode]:
+    return [o for o in ops if o.module_path == module or o.module_path.startswith(module + ".")]
+
+
 def megatron_styles(graph: OpGraph, layer_index: int) -> dict[str, str]:
-    """Module path -> "colwise" | "rowwise" for the Megatron split of one layer."""
+    """Module path -> "colwise" | "rowwise" for the Megatron split of one layer ("expert" for
+    stacked experts, split by expert)."""
     pairs, role, ops, by_name = _pairs(graph, layer_index)
     _, _, consumers = _layer_index(graph, layer_index)
     styles: dict[str, str] = {}
@@ -252,6 +298,8 @@ def megatron_styles(graph: OpGraph, layer_index: int) -> dict[str, str]:
     emb = _largest_embedding(ops)
     if emb is not None:
         styles[emb.module_path] = "rowwise"
+    for module in stacked_experts(graph, layer_index):
+        styles[module] = "expert"
     return styles
 
 
@@ -361,6 +409,32 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         compute[lin] = param[lin] = tp
         colls.append(TPCollective("all_gather", float(node.output_bytes), "fwd", lin))
         colls.append(TPCollective("all_reduce", _tensor_bytes(node.inputs[0], node, graph_by_name), "bwd", lin))
+
+    for module, experts in stacked_experts(graph, layer_index).items():
+        # (under sequence parallelism the runtime refuses such a layer: its router is a
+        # replicated parameter on sequence shards, runtime/apply_tp._check_sequence_parallel_params)
+        if styles.get(module) != "expert" or experts % tp:
+            continue
+        inside = _expert_ops(ops, module)
+        names = {o.name for o in inside}
+        # each rank holds E/tp experts and multiplies only the rows routed to them: the ops that
+        # read the stacked parameters (the grouped matmuls) divide their FLOPs and parameters by
+        # tp, assuming balanced routing (the router's load-balancing loss aims at it; Fedus et al.
+        # 2022, "Switch Transformers", Sec. 2.2); the routing bookkeeping and the element-wise
+        # ops between them run on every routed row on every rank.
+        for o in inside:
+            if o.params:
+                compute[o.name] = param[o.name] = tp
+        # f operator on the floating inputs (tokens, routing weights): all-reduce of their
+        # gradients backward; g operator on the output: all-reduce forward (Shoeybi et al. 2019, Fig. 3)
+        entering = {src: _tensor_bytes(src, o, graph_by_name) for o in inside if o.requires_grad
+                    and o.dtype.startswith(("float", "bfloat")) for src in o.inputs if src not in names
+                    and by_name.get(src) is not None and by_name[src].requires_grad}
+        for src, nbytes in entering.items():
+            colls.append(TPCollective("all_reduce", nbytes, "bwd", src))
+        for o in inside:
+            if any(c not in names for c in consumers.get(o.name, [])):
+                colls.append(TPCollective("all_reduce", float(o.output_bytes), "fwd", o.name))
 
     emb = _largest_embedding(ops)
     if emb is not None and styles.get(emb.module_path) == "rowwise":

@@ -234,6 +234,11 @@ def _check_even_splits(model, plan: Plan) -> None:
         return
     for lp in plan.layers:
         for fqn, style in lp.tp:
+            if style == "expert":        # stacked experts split by expert (runtime/expert_tp.py)
+                experts = getattr(model.get_submodule(fqn), "num_experts", 0)
+                if not isinstance(experts, int) or experts % tp:
+                    raise ValueError(f"{fqn} holds {experts} experts, which do not divide over tp = {tp}")
+                continue
             try:
                 weight = model.get_submodule(fqn).weight
             except AttributeError:

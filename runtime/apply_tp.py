@@ -11,6 +11,9 @@ all-reduce.  A column-wise module without such a partner (e.g. the LM head) gath
 (``output_layouts=Replicate()``); a row-wise module without a column-wise partner shards its
 replicated input itself (``input_layouts=Replicate()``).
 
+A module given the style "expert" (a mixture of experts' stacked experts) is split by expert
+(``expert_tp.ExpertShard``): each rank runs experts / tp of them and the outputs are summed.
+
 Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) applies to the layers that hold a
 column/row pair: between the TP regions the activations are sharded on the sequence dim
 (``Shard(1)``): norms run under ``SequenceParallel``, the sequence is all-gathered on entry to
@@ -45,13 +48,15 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from autopar.core.errors import PlanFileError
+from autopar.runtime.expert_tp import EXPERT_STYLE, ExpertShard, is_stacked_experts
 
 SEQ_DIM = 1      # activations are [batch, seq, hidden]
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 
 
 def resolve_tp_styles(module: nn.Module, layer_name: str, styles: dict[str, str], where: str) -> dict[str, str]:
-    """Plan FQNs -> FQNs inside ``module``, checked to name an ``nn.Linear`` or ``nn.Embedding``."""
+    """Plan FQNs -> FQNs inside ``module``, checked to name an ``nn.Linear`` or ``nn.Embedding``
+    (or, for the "expert" style, a stacked-experts module: runtime/expert_tp.py)."""
     names = dict(module.named_modules())
     out = {}
     for fqn, style in styles.items():
@@ -59,7 +64,13 @@ def resolve_tp_styles(module: nn.Module, layer_name: str, styles: dict[str, str]
         if target is None:
             raise PlanFileError(f"{where}: tp names module {fqn!r}, which the model does not have. "
                                 f"Use module names from 'autopar inspect' (e.g. {layer_name}.attn.qkv).")
-        if not isinstance(names[target], (nn.Linear, nn.Embedding)) and not is_conv1d(names[target]):
+        if style == EXPERT_STYLE:
+            if not is_stacked_experts(names[target]):
+                raise PlanFileError(f"{where}: tp splits module {fqn!r} by expert, but it is a "
+                                    f"{type(names[target]).__name__}, not a module of stacked expert parameters "
+                                    f"(transformers 5's *Experts with num_experts rows each). Split it colwise / "
+                                    f"rowwise, or leave it out of tp.")
+        elif not isinstance(names[target], (nn.Linear, nn.Embedding)) and not is_conv1d(names[target]):
             raise PlanFileError(f"{where}: tp module {fqn!r} is a {type(names[target]).__name__}; only "
                                 f"nn.Linear, transformers' Conv1D and nn.Embedding can be split column- or "
                                 f"row-wise.")
@@ -87,6 +98,11 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
         parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise" and f in matmul}
         parents_with_col = {_parent(f) for f, s in styles.items() if s == "colwise" and f in matmul}
         for fqn, style in styles.items():
+            if style == EXPERT_STYLE:
+                # tokens and routing are replicated over tp (also under SP: the layer's
+                # router is then a loose parameter and _check_sequence_parallel_params refuses it)
+                plan[fqn] = ExpertShard()
+                continue
             paired = fqn in matmul and _parent(fqn) in (parents_with_row if style == "colwise" else parents_with_col)
             # the sequence is all-gathered where the TP region starts: at the colwise module's
             # parent (attn, mlp), whose forward may read the sequence length from its input
@@ -152,8 +168,8 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
     """Under sequence parallelism a layer's activations between its TP regions are sequence
     shards, so a replicated parameter used there (other than a norm's, which ``SequenceParallel``
     sums over the tp ranks) would get the gradient of this rank's tokens only and the replicas
-    would drift apart -- a mixture of experts' router and stacked experts (transformers 5
-    Mixtral) are such parameters.  Refuse the layout instead of training another model."""
+    would drift apart -- a mixture of experts' router (transformers 5 Mixtral's, and its
+    stacked experts unless split by expert) is such a parameter.  Refuse the layout instead of training another model."""
     layer = module.get_submodule(path)
     covered = set()
     for name, sub in layer.named_modules():

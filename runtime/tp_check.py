@@ -10,6 +10,7 @@ memory) and each module the plan splits is checked against the dims the style sh
   features (weight dim 1), an ``nn.Embedding``'s ``embedding_dim``;
 * ``rowwise``: an ``nn.Linear``'s ``in_features`` (weight dim 1), a ``Conv1D``'s input features
   (weight dim 0), an ``nn.Embedding``'s ``num_embeddings``;
+* ``expert``: a stacked-experts module's ``num_experts`` (runtime/expert_tp.py);
 * the split module's parent (the attention block): every head count the runtime divides by
   tp (``apply_tp``'s own list of attributes), and, where the parent names its head size
   (``head_dim`` / ``head_size``), each rank's share of the split features must hold whole heads.
@@ -30,6 +31,8 @@ _HEAD_SIZE_ATTRS = ("head_dim", "head_size", "d_head")
 def _split_dim(module: nn.Module, style: str) -> tuple[str, int]:
     from autopar.runtime.apply_tp import is_conv1d
 
+    if style == "expert":            # stacked [experts, ...] parameters, split by expert
+        return ("num_experts", module.num_experts)
     if is_conv1d(module):            # weight [in, out]
         return ("output features", module.weight.shape[1]) if style == "colwise" else \
             ("input features", module.weight.shape[0])
@@ -61,6 +64,8 @@ def check_tp_divisibility(checked) -> None:
                     f"{where}: {fqn} is split {style} over tp = {tp} ranks, but its {dim_name} = {size} does not "
                     f"divide by {tp}. Plan a tp degree that divides {size} (and the model's head count), or "
                     f"leave {fqn} unsplit.")
+            if style == "expert":
+                continue                     # no heads: the experts' parent is the MoE block
             parent_name = fqn.rpartition(".")[0]
             parent = model.get_submodule(parent_name) if parent_name else model
             for attr in _HEAD_COUNT_ATTRS:

@@ -236,6 +236,10 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
         elif sequence_parallel and op.kind == "norm":
             w.num_sp_norms += 1
             w.dtensor_params.update(op.params)
+        elif tp > 1 and op.params and layout.param_shard.get(op.name, 1) > 1:
+            # stacked experts split by expert: Shard(0) DTensor parameters, but the module runs
+            # on their local tensors (runtime/expert_tp.py), so no DTensor module overhead
+            w.dtensor_params.update(op.params)
         shard = layout.compute_shard.get(op.name, 1)
         floating = op.dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
         bscale = prec_bytes / dtype_bytes(op.dtype) if floating else 1.0

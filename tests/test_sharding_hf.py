@@ -2,8 +2,8 @@
 from their config classes (no download): the attention's q/k/v -> o pair and the MLP's pair are
 found through transformers' attention-interface functions, grouped-query projections, rotary
 tables and per-head q/k norms; a fused projection cut into q/k/v (GPT-2's Conv1D ``c_attn``) is left whole, with its
-module named, while its MLP is split; a mixture of experts' stacked expert parameters are not
-Linear modules, so only its attention pairs."""
+module named, while its MLP is split; a mixture of experts' stacked expert parameters
+(Mixtral) are split by expert."""
 from __future__ import annotations
 
 import functools
@@ -81,12 +81,37 @@ def test_per_head_qk_norm_keeps_the_attention_pair():
     assert _block_styles("olmo2")[1] == SWIGLU
 
 
-def test_mixtral_splits_attention_and_leaves_the_stacked_experts_whole():
-    from autopar.core.sharding import fused_projections
+def test_mixtral_splits_attention_and_the_stacked_experts_by_expert():
+    """The router Linear is no pair (it feeds top-k, not a Linear); MixtralExperts' stacked
+    gate_up_proj [4, 128, 32] / down_proj [4, 32, 64] are split by expert, and the module the
+    graph names is the one the runtime recognises (runtime/expert_tp.is_stacked_experts)."""
+    from autopar.core.sharding import fused_projections, propagate, stacked_experts
+    from autopar.runtime.expert_tp import is_stacked_experts
 
+    g = _graph("mixtral")
     name, styles = _block_styles("mixtral")
-    assert styles == ATTENTION                 # the router Linear is no pair: it feeds top-k, not a Linear
-    assert fused_projections(_graph("mixtral"), 1) == []
+    assert styles == {**ATTENTION, "mlp.experts": "expert"}
+    assert fused_projections(g, 1) == []
+    assert stacked_experts(g, 1) == {"model.layers.0.mlp.experts": 4}
+    model = _build("mixtral")
+    assert is_stacked_experts(model.get_submodule("model.layers.0.mlp.experts"))
+    assert not any(is_stacked_experts(m) for n, m in model.named_modules() if not n.endswith("mlp.experts"))
+
+    # priced: the experts' parameters halve at tp 2, and their output is all-reduced forward
+    # (2 * 8 tokens x 32 hidden fp32 = 2048 bytes) and the tokens' and routing weights'
+    # gradients backward (2048 bytes; 16 tokens x top-2 fp32 = 128 bytes)
+    lay = propagate(g, 1, {f"{name}.{k}": v for k, v in styles.items()}, 2)
+    ops = {o.name: o for o in g.layer_ops(1) if o.module_path == f"{name}.mlp.experts" and o.params}
+    expert_params = sum(o.param_numel for o in ops.values())
+    assert expert_params == 4 * 128 * 32 + 4 * 32 * 64
+    assert all(lay.param_shard[n] == 2 and lay.compute_shard[n] == 2 for n in ops)
+    experts_colls = sorted((c.kind, c.pass_, c.bytes) for c in lay.collectives
+                           if c.at not in ("mul_4", "linear_3"))   # the attention pair's f and g
+    assert experts_colls == [("all_reduce", "bwd", 128.0), ("all_reduce", "bwd", 2048.0),
+                             ("all_reduce", "fwd", 2048.0)], lay.collectives
+    # 4 experts do not divide over 3 ranks: left replicated, nothing priced for them
+    odd = propagate(g, 1, {f"{name}.mlp.experts": "expert"}, 3)
+    assert all(odd.param_shard[n] == 1 for n in ops) and odd.collectives == ()
 
 
 def test_gpt2_conv1d_mlp_split_and_fused_qkv_left_whole():
@@ -101,3 +126,29 @@ def test_gpt2_conv1d_mlp_split_and_fused_qkv_left_whole():
     assert fused_projections(g, 1) == ["transformer.h.0.attn.c_attn"]
     assert megatron_styles(g, 0) == {"transformer.wte": "rowwise"}
     assert megatron_styles(g, len(g.layers) - 1) == {"lm_head": "colwise"}
+
+
+def test_experts_that_tp_does_not_divide_are_refused_before_launch():
+    """4 experts split by expert over tp = 3: refused by the runtime's pre-launch check
+    (runtime/tp_check.py) with the experts' count named; tp = 2 passes."""
+    from types import SimpleNamespace
+
+    from autopar.core.errors import PlanFileError
+    from autopar.runtime.tp_check import check_tp_divisibility
+
+    def checked(tp: int):
+        layers = [SimpleNamespace(name=f"model.layers.{i}", plan=SimpleNamespace(tp_styles={"mlp.experts": "expert"}))
+                  for i in range(2)]
+        return SimpleNamespace(plan=SimpleNamespace(mesh=SimpleNamespace(tp=tp), model=SimpleNamespace(args={})),
+                               model_file=SimpleNamespace(build=lambda: _build("mixtral")), layers=layers,
+                               plan_path="plan.json")
+
+    check_tp_divisibility(checked(2))
+    with pytest.raises(PlanFileError, match=r"model.layers.0.mlp.experts is split expert over tp = 3 ranks, but its "
+                                            r"num_experts = 4 does not divide by 3"):
+        check_tp_divisibility(checked(3))
+    # a Linear named with the expert style is refused by name and class
+    bad = checked(2)
+    bad.layers[0].plan.tp_styles = {"mlp.gate": "expert"}
+    with pytest.raises(PlanFileError, match="not a module of stacked expert parameters"):
+        check_tp_divisibility(bad)

@@ -92,9 +92,11 @@ MODELS: dict[str, dict] = {
     # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
     # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
     "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
-    # transformers 5 Mixtral: attention split, the router and the stacked experts
-    # (MixtralExperts.gate_up_proj / down_proj, not nn.Linear) replicated on every tp rank
-    "hf_mixtral": dict(kinds={"tp": TP}, tp={k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")}),
+    # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
+    # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
+    # summed over tp), the router replicated on every tp rank
+    "hf_mixtral": dict(kinds={"tp": TP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
+                                            "mlp.experts": "expert"}),
     # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
     # over the tp ranks (runtime/apply_tp._region_norms)
     # (at the default learning rate AdamW's near-sign updates hide a per-rank gradient: 1e-2 shows it)
@@ -125,11 +127,11 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
     "mha_dict": {"tp_sp": (TP_SP, "mixes sequence positions", "nn.MultiheadAttention is not split by the tp "
                                                                "styles: on a sequence shard it attends to half "
                                                                "the sequence")},
-    # it ran and trained another model (loss 1.9e-4 off the plain loop at step 3): each rank's
-    # replicated experts got the gradient of its own sequence shard only
-    "hf_mixtral": {"tp_sp": (TP_SP, "neither a tp split nor a norm covers", "the router and the experts are "
-                                                                            "replicated parameters on sequence "
-                                                                            "shards")},
+    # it ran and trained another model (loss 1.9e-4 off the plain loop at step 3, before the
+    # experts were split): each rank's replicated router and experts got the gradient of its
+    # own sequence shard only; the router is still replicated
+    "hf_mixtral": {"tp_sp": (TP_SP, "neither a tp split nor a norm covers", "the router is a replicated "
+                                                                            "parameter on sequence shards")},
     "hf_t5": {"pp": (PP, "pipeline", "the decoder blocks take the encoder's output besides their own input: "
                                      "the layers do not pass one activation")},
 }
@@ -143,12 +145,12 @@ LEFT_OUT = {
     ("hf_gpt2", "tp of c_attn"): "a fused q/k/v Conv1D: an even column split mixes q, k and v across ranks; the "
                                  "planner leaves it whole (core/sharding._fused_parts), so no attention split "
                                  "and no tp_sp (the attention would see one rank's sequence shard)",
-    ("hf_mixtral", "tp of the experts"): "MixtralExperts holds stacked parameters (gate_up_proj fused), not "
-                                         "nn.Linear: no column/row split; the experts stay replicated",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
-    ("moe", "tp of the experts"): "the experts are stacked parameters, not nn.Linear: no column/row split",
+    ("moe", "tp of the experts"): "the experts are stacked parameters, not nn.Linear: no column/row split; and "
+                                  "the module routes inside itself, so it is no experts module to split by "
+                                  "expert (core/sharding.stacked_experts, runtime/expert_tp.py)",
     ("cnn_bn", "tp of the stages"): "convolutions: no column/row split of nn.Linear",
     ("hf_*", "tp + pp"): "needs 4 ranks; the runtime refuses it (parallelize_export_stage): stages of a model "
                          "torch.fx cannot trace are cut from its torch.export graph, which calls no nn.Linear",
@@ -214,6 +216,9 @@ def run_models(names: list[str], tmp: Path) -> dict[str, dict[str, dict]]:
     for c in cases:
         if Path(c["result"]).exists():
             results[c["model"]][c["kind"]] = json.loads(Path(c["result"]).read_text())
+            if Path(c["measured"]).exists():
+                state = json.loads(Path(c["measured"]).read_text()).get("model_state_bytes_per_rank") or []
+                results[c["model"]][c["kind"]]["params_bytes"] = [r["params_bytes"] for r in state]
     return results
 
 
@@ -255,6 +260,56 @@ def test_zoo_kind_matches_plain_loop(zoo_runs, name, kind):
     diff = max(abs(a - b) for a, b in zip(got["losses"], want))
     assert len(got["losses"]) == STEPS and diff <= LOSS_ATOL, \
         f"{name} {kind}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+
+
+@pytest.mark.multiproc
+def test_hf_mixtral_tp_holds_its_share_of_the_experts(zoo_runs):
+    """The tp run holds, per rank, half of each split module's parameters (attention and the
+    stacked experts: 2 of 4 experts) and all of the others -- counted on the plain model."""
+    got = zoo_runs("hf_mixtral").get("tp") or {}
+    want = _mixtral_tp2_param_bytes()
+    assert got.get("params_bytes") == [want, want], f"hf_mixtral tp: {got}, want {want} bytes of parameters per rank"
+
+
+def _mixtral_tp2_param_bytes() -> int:
+    """Parameter bytes per rank of tiny Mixtral at tp 2, counted on the plain model: half of
+    each module the zoo's tp styles split, all of the others."""
+    model = plain_loop.load(ZOO / "hf_mixtral.py").build_model()
+    split = tuple(MODELS["hf_mixtral"]["tp"])
+    total = 0
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        halves = any(module.endswith(f"layers.{i}.{m}") for m in split for i in range(len(model.model.layers)))
+        total += p.numel() * p.element_size() // (2 if halves else 1)
+    return total
+
+
+@pytest.mark.multiproc
+def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(tmp_path):
+    """dp 2 x tp 2 on 4 ranks: the second tp group is ranks {2, 3}, so the experts' all-reduces
+    must address their group, not global ranks; once with DDP and once with ZeRO-3 (FSDP2
+    wraps the experts' Shard(0) DTensors).  Both train like the plain loop; each rank holds its
+    tp share of the parameters (ZeRO-3: half of that, sharded over dp)."""
+    pytest.importorskip("transformers")
+    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+    cases = []
+    for kind, kw in kinds.items():
+        base = tmp_path / kind
+        cases.append({"model": "hf_mixtral", "kind": kind, "steps": STEPS,
+                      "plan": str(_plan("hf_mixtral", "tp", kw, base.with_suffix(".json"))),
+                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
+    want = plain("hf_mixtral", 1).losses
+    for c in cases:
+        assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
+        got = json.loads(Path(c["result"]).read_text())
+        assert "losses" in got, f"{c['kind']}: {got}"
+        diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+        assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+        state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
+        per_rank = _mixtral_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
+        assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
 
 
 @pytest.mark.multiproc
