@@ -86,6 +86,7 @@ def _plan_cli(tmp_path, *extra, timeout=900):
                           cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiproc
 def test_trial_steps_on_local_cpu_measures_three_plans_and_keeps_the_fastest(tmp_path):
     """The whole loop on the 4-process local-cpu cluster (one torchrun per trial)."""
     out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-steps", "3")

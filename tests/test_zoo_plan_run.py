@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiproc          # each case plans, then runs torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "tests" / "zoo"
 MODELS = sorted(p.stem for p in ZOO.glob("*.py") if p.stem != "__init__")
