@@ -120,7 +120,8 @@ def _claim(store, record: dict) -> dict:
         return record
 
 
-def _write_records(record: dict) -> None:
+def _write_error_file(record: dict) -> None:
+    """The record for ``autopar run`` (``ERROR_FILE_ENV``), where it asked for one."""
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         try:
@@ -129,6 +130,10 @@ def _write_records(record: dict) -> None:
             write_text_atomic(path, json.dumps(record) + "\n")
         except OSError:
             pass
+
+
+def _write_records(record: dict) -> None:
+    _write_error_file(record)
     elastic = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if elastic and not os.path.exists(elastic):
         # torchrun's error-file format (torch.distributed.elastic.multiprocessing.errors): the
@@ -211,14 +216,7 @@ def report_stop(exc) -> int:
         record = {"rank": 0, "exit_code": exc.exit_code, "user_error": True, "stopped": True,
                   "message": f"autopar run: {exc.message}", "time": time.time()}
         print(_paragraph(record["message"]), file=sys.stderr, flush=True)
-        path = os.environ.get(ERROR_FILE_ENV)
-        if path:
-            try:
-                from autopar.core.plan import write_text_atomic
-
-                write_text_atomic(path, json.dumps(record) + "\n")
-            except OSError:
-                pass
+        _write_error_file(record)
     return exc.exit_code
 
 
