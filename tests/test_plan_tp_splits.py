@@ -50,6 +50,7 @@ def _plan(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProces
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow          # two `autopar plan` processes, about 12 s each
 @pytest.mark.parametrize("check", [[], ["--no-runtime-check"]], ids=["runtime-check", "no-runtime-check"])
 def test_forced_tp_on_a_model_with_nothing_to_split_exits_2(tmp_path, check):
     model = tmp_path / "convs.py"

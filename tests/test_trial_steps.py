@@ -130,6 +130,7 @@ def test_trial_steps_on_local_cpu_measures_three_plans_and_keeps_the_fastest(tmp
     assert set(cal["errors_before"]) == {"plan", "2/plan"}
 
 
+@pytest.mark.slow          # an `autopar plan` process, about 9 s
 def test_trial_steps_on_several_nodes_prints_the_commands(tmp_path):
     out = _plan_cli(tmp_path, "--cluster", "dgx-a100-4x8", "--global-batch", "64", "--trial-steps", "2",
                     "--no-runtime-check", timeout=300)
