@@ -324,21 +324,28 @@ def _priced(ev, cluster, cost_models, graphs: dict):
     """``ev`` with the figures ``autopar simulate`` gives its plan: the model captured at the
     plan's micro-batch (``graphs``: by batch size, shared between plans) on the cluster less the
     plan's headroom (simulator/plan_price.py)."""
-    from autopar.simulator.plan_price import plan_graph, price_plan
+    from autopar.simulator.plan_price import price_plan
 
-    mb = ev.plan.micro_batch
-    graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(ev.plan)
-    res = price_plan(ev.plan, cluster, cost_models, graph=graph)
+    res = price_plan(ev.plan, cluster, cost_models, graph=_plan_graph(ev.plan, graphs))
     return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
+
+
+def _plan_graph(plan, graphs: dict):
+    """The model captured at ``plan``'s micro-batch, once per batch size (``graphs``)."""
+    from autopar.simulator.plan_price import plan_graph
+
+    mb = plan.micro_batch
+    if mb not in graphs:
+        graphs[mb] = plan_graph(plan)
+    return graphs[mb]
 
 
 def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
     """The compile choice with both of its step times priced as plan.json's figures are
     (``_priced``): the chosen one is then the plan's predicted step."""
-    from autopar.simulator.plan_price import plan_graph, price_plan
+    from autopar.simulator.plan_price import price_plan
 
-    mb = plan.micro_batch
-    graph = graphs[mb] = graphs[mb] if mb in graphs else plan_graph(plan)
+    graph = _plan_graph(plan, graphs)
     eager, compiled = (price_plan(replace(plan, compile=on), cluster, cost_models, graph=graph).step_time_s
                        for on in (False, True))
     return replace(choice, eager_step_s=eager, compiled_step_s=compiled)

@@ -249,12 +249,17 @@ class Trainer:
                 self.log(f"step {done}/{opts.steps} loss {self.losses[-1]:.6f} step_time {dt * 1e3:.1f} ms")
         _maybe_fault(ctx.rank, done)
         if checkpoint_now:
-            loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, ctx.device)
-            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
-                                                 self.identity, self.losses, keep=opts.keep_checkpoints,
-                                                 names=self.pm.state_names)
-            self.saved[done] = path
-            self.log(f"checkpoint {path}")
+            self.log(f"checkpoint {self.save(done)}")
+
+    def save(self, done: int) -> Path:
+        """Checkpoint the state after step ``done`` (every rank; refused where it is not finite)."""
+        opts = self.opts
+        loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, self.ctx.device)
+        path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
+                                             self.identity, self.losses, keep=opts.keep_checkpoints,
+                                             names=self.pm.state_names)
+        self.saved[done] = path
+        return path
 
     def stop(self, done: int, signum: int) -> None:
         """Every rank, after step ``done``, on a signal all ranks agreed on: save a checkpoint where
@@ -270,10 +275,7 @@ class Trainer:
         path = self.saved.get(done)               # the same answer on every rank (no file system look)
         if path is None:
             self.flush_losses()
-            loss_guard.check_state_finite(self.pm.parts, done, opts.checkpoint_dir, self.ctx.device)
-            path = checkpointing.save_checkpoint(opts.checkpoint_dir, done, self.pm.parts, self.pm.optimizers,
-                                                 self.identity, self.losses, keep=opts.keep_checkpoints,
-                                                 names=self.pm.state_names)
+            path = self.save(done)
         raise stop_signals.RunStopped(signum, (
             f"stopped by {name} after step {done}/{opts.steps}; checkpoint {path} is complete. Resume with: "
             f"autopar run {plan} --steps {opts.steps} --checkpoint-dir {opts.checkpoint_dir} (and the other "
