@@ -78,6 +78,14 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    #: expert parallelism: a degree borrowed from the data and context ranks (dp x cp), not an
+    #: axis of its own -- the world is still dp x pp x cp x tp.  The routed experts of an MoE layer
+    #: are split ``ep`` ways along the expert dimension over groups of ``ep`` consecutive ranks of
+    #: the flattened dp x cp coordinate, and tokens reach their expert by all-to-all inside the
+    #: group; the dense weights keep their dp x cp sharding.  This is how torchtitan borrows ep from
+    #: ``dp_shard x cp`` (its ParallelDims, 2025) and DeepSpeed-MoE from its data ranks
+    #: (Rajbhandari et al. 2022, section 4.1).
+    ep: int = 1
 
     # ------------------------------------------------------------ shape
     @property
@@ -203,12 +211,40 @@ class ParallelDims:
         if self.sequence_parallel and self.tp == 1:
             out.append(("mesh.sequence_parallel", True,
                         "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)"))
+        if self.ep < 1:
+            out.append(("mesh.ep", self.ep, "a positive integer"))
+        elif self.dp >= 1 and self.cp >= 1 and (self.dp * self.cp) % self.ep:
+            out.append(("mesh.ep", self.ep, f"a divisor of mesh.dp x mesh.cp = {self.dp * self.cp} "
+                        "(expert parallelism borrows the data and context ranks)"))
+        return out
+
+    # ------------------------------------------------ expert parallelism
+    def ep_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks that split ``rank``'s experts between them: ``ep`` ranks with its pp and tp
+        coordinates whose flattened dp x cp coordinate (``dp_coord * cp + cp_coord``) lies in the
+        same run of ``ep`` consecutive values."""
+        c = self.coords_by_axis(rank)
+        flat = c["dp"] * self.cp + c["cp"]
+        first = flat - flat % self.ep
+        out = []
+        for f in range(first, first + self.ep):
+            out.append(self.rank_at(**{**c, "dp": f // self.cp, "cp": f % self.cp}))
+        return tuple(out)
+
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        """Every expert-parallel group, in the order of their first ranks."""
+        seen, out = set(), []
+        for r in range(self.world_size):
+            g = self.ep_group(r)
+            if g not in seen:
+                seen.add(g)
+                out.append(g)
         return out
 
     # ------------------------------------------------------- JSON form
     def to_dict(self) -> dict[str, Any]:
-        return {**self.degrees, "sequence_parallel": self.sequence_parallel, "world_size": self.world_size,
-                "layout": self.layout}
+        return {**self.degrees, "sequence_parallel": self.sequence_parallel, "ep": self.ep,
+                "world_size": self.world_size, "layout": self.layout}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], read_int: Callable[[Mapping, str, int | None], int],
@@ -218,14 +254,15 @@ class ParallelDims:
         and ``layout`` are written for the reader and recomputed, not read."""
         default = {a.name: a.plan_default for a in cls.axes}
         degrees = {n: read_int(d, n, default[n]) for n in cls.degree_names()}
-        return cls(**degrees, sequence_parallel=read_flag(d, "sequence_parallel"))
+        # ``ep`` came after version 1's keys: a file without it has no expert parallelism
+        return cls(**degrees, sequence_parallel=read_flag(d, "sequence_parallel"), ep=read_int(d, "ep", 1))
 
 
 def check_declaration(cls: type[ParallelDims]) -> None:
     """The axes and the class agree: one int field per declared axis, each splitting a known
     thing, at most one innermost axis and it last (an internal invariant of the declaration)."""
     names = [a.name for a in cls.axes]
-    ints = [f.name for f in fields(cls) if f.name != "sequence_parallel"]
+    ints = [f.name for f in fields(cls) if f.name not in ("sequence_parallel", "ep")]
     assert len(set(names)) == len(names), f"an axis is declared twice in {names}"
     assert set(ints) == set(names), f"{cls.__name__} fields {ints} != declared axes {names}"
     assert all(a.splits in SPLITS for a in cls.axes), f"an axis splits something outside {SPLITS}"

@@ -130,11 +130,24 @@ def test_plan_file_mesh_keeps_the_version_1_form():
     plan = _plan(dp=2, tp=2, pp=2, sequence_parallel=True)
     mesh = json.loads(plan.to_json())["mesh"]
     assert list(mesh.items()) == [("dp", 2), ("tp", 2), ("pp", 2), ("cp", 1), ("sequence_parallel", True),
-                                  ("world_size", 8), ("layout", "ranks = arange(world_size).view(dp, pp, cp, tp)")]
+                                  ("ep", 1), ("world_size", 8),
+                                  ("layout", "ranks = arange(world_size).view(dp, pp, cp, tp)")]
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
     old = json.loads(plan.to_json())
-    del old["mesh"]["cp"]
+    del old["mesh"]["cp"], old["mesh"]["ep"]
     assert Plan.from_dict(old) == plan
+
+
+def test_expert_parallel_groups_borrow_the_data_and_context_ranks():
+    """ep groups: ep ranks with the same pp and tp coordinates, consecutive in the flattened
+    dp x cp coordinate; worked by hand for dp 4 x cp 2 x tp 2 (ranks = arange(16).view(4, 1, 2, 2))."""
+    dims = ParallelDims(dp=4, cp=2, tp=2, ep=4)
+    assert dims.world_size == 16
+    # tp coordinate 0: flat dp*cp index k sits at rank 2k; the first four are ranks 0, 2, 4, 6
+    assert dims.ep_groups() == [(0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15)]
+    assert dims.ep_group(13) == (9, 11, 13, 15)
+    assert ParallelDims(dp=3, ep=2).problems()[0][0] == "mesh.ep"
+    assert ParallelDims(dp=2, cp=2, ep=4).problems() == []
 
 
 def test_old_plan_files_load_and_a_later_axis_reads_as_one():
@@ -164,7 +177,7 @@ def test_old_plan_files_load_and_a_later_axis_reads_as_one():
 def test_a_declaration_that_disagrees_with_its_class_is_refused():
     @dataclass(frozen=True)
     class Undeclared(ParallelDims):           # a field with no axis
-        ep: int = 1
+        xp: int = 1
 
     @dataclass(frozen=True)
     class TpNotInnermost(ParallelDims):
