@@ -67,6 +67,23 @@ def fmt_flop_rate(flops_per_s: float) -> str:
     return _scaled(float(flops_per_s), FLOP_UNITS, "FLOP/s")
 
 
+#: SI submultiples of the second (SI Brochure, 9th edition, Table 7)
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
+def fmt_seconds(t: float) -> str:
+    """A duration in s, ms, µs or ns, three significant figures: 2.375 -> '2.38 s',
+    3.756e-4 -> '376 µs' (a CPU step of a tiny model is not '0.000 s')."""
+    t = float(t)
+    if not math.isfinite(t) or t == 0:
+        return f"{t:g} s"
+    t = float(f"{t:.3g}")                       # so 9.9996e-4 reads '1.00 ms', not '1000 µs'
+    for unit, scale in TIME_UNITS:
+        if abs(t) >= scale:
+            return f"{_number(t / scale)} {unit}"
+    return f"{_number(t / 1e-9)} ns"
+
+
 def fmt_count(n: float) -> str:
     """An element count: 1.3e9 -> '1.30B' (parameters, the usual K/M/B/T)."""
     if not math.isfinite(n):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.core.units import fmt_seconds
 from autopar.core.plan import Plan
 from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult
 
@@ -36,8 +37,8 @@ class CompileChoice:
     def summary(self) -> str:
         gain = self.eager_step_s / self.compiled_step_s - 1.0 if self.compiled_step_s > 0 else 0.0
         state = "on" if self.compile else "off"
-        return (f"compile {state} ({self.why}): predicted step {self.compiled_step_s:.4g} s compiled vs "
-                f"{self.eager_step_s:.4g} s eager ({gain:+.1%} throughput); compile time is not in the step: "
+        return (f"compile {state} ({self.why}): predicted step {fmt_seconds(self.compiled_step_s)} compiled vs "
+                f"{fmt_seconds(self.eager_step_s)} eager ({gain:+.1%} throughput); compile time is not in the step: "
                 f"inductor compiles {self.distinct_blocks} distinct block graph(s) (forward and backward) once "
                 f"at the start of the run")
 

@@ -1,7 +1,7 @@
 """Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
 from __future__ import annotations
 
-from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in
+from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in, fmt_seconds
 from autopar.planner.candidate import describe_difference
 
 
@@ -58,7 +58,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
         names = graph.layers[a].name + ("" if a == b else f" .. {graph.layers[b].name}")
         t.add_row(f"{a}" if a == b else f"{a}-{b}", names, text)
     console.print(t)
-    console.print(f"[bold]predicted[/bold]   step {pred['step_time_s']:.3f} s, {pred['tokens_per_s']:,.0f} tokens/s, "
+    console.print(f"[bold]predicted[/bold]   step {fmt_seconds(pred['step_time_s'])}, {pred['tokens_per_s']:,.0f} tokens/s, "
                   f"{pred['samples_per_s']:,.1f} samples/s, {fmt_flop_rate(pred['tflops_per_gpu'] * 1e12)} per GPU, "
                   f"MFU {100 * pred['mfu']:.1f}%, bubble {100 * pred.get('bubble_fraction', 0):.1f}%")
     errs, close, why = confidence or ([None] * (1 + len(result.runner_ups)), [False] * (1 + len(result.runner_ups)), "")
@@ -95,7 +95,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
             e = errs[k] if k < len(errs) else None
             val = (f"{e.family} ±{100 * e.median_abs:.0f}%" if e else "-") + \
                 (", too close to call" if k < len(close) and close[k] else "")
-            rt.add_row(str(k), f"{ev.step_time_s:.3f} s", f"{100 * (ev.step_time_s / best.step_time_s - 1):+.1f}%",
+            rt.add_row(str(k), fmt_seconds(ev.step_time_s), f"{100 * (ev.step_time_s / best.step_time_s - 1):+.1f}%",
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     if left_out:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from autopar.core.errors import UserError
-from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in
+from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in, fmt_seconds
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
 
@@ -185,7 +185,7 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
               f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
               f"{plan.micro_batch}, global batch {plan.global_batch}, {plan.precision}")
     t = Table(title="Predicted step", show_header=False)
-    t.add_row("step time", f"{r.step_time_s:.4g} s")
+    t.add_row("step time", fmt_seconds(r.step_time_s))
     t.add_row("throughput", f"{r.samples_per_s:.4g} samples/s, {r.tokens_per_s:.4g} tokens/s")
     t.add_row("model FLOP/s per GPU (MFU)", f"{fmt_flop_rate(r.tflops_per_gpu * 1e12)} ({100 * r.mfu:.1f}% of "
               f"{fmt_flop_rate(r.peak_flops_per_gpu)})")

@@ -44,3 +44,27 @@ def test_committed_figures_are_the_benchmarks_rows():
         assert fe.rows == len(vals)
         assert fe.median_abs == pytest.approx(statistics.median(abs(v) for v in vals))
         assert fe.mean_signed == pytest.approx(sum(vals) / len(vals))
+
+
+def test_a_sharded_plan_on_h100_takes_autopar_s_own_runtime_figures():
+    """A plan autopar prints runs on its own runtime: where the AUTOPAR family (published runs of
+    FSDP2, priced with autopar's training code) has rows on the plan's die, a sharded plan takes its
+    figures, on every profile of that die; a PTD-P plan and an A100 plan keep the mechanism family's."""
+    from types import SimpleNamespace
+
+    from autopar.planner.confidence import family_error
+
+    own = FamilyError("AUTOPAR", "h100-96gb-500w", 0.20, 0.20, 1)
+    fsdp_h100 = FamilyError("FSDP", "h100", 0.02, -0.01, 4)
+    errors = {"AUTOPAR/h100-96gb-500w": own, "FSDP/h100": fsdp_h100, "FSDP/a100": FSDP, "PTD-P/a100": PTDP}
+    sharded = SimpleNamespace(layers=[SimpleNamespace(zero=3)])
+    ddp = SimpleNamespace(layers=[SimpleNamespace(zero=0)])
+    for profile in ("h100-sxm", "h100-sxm-96gb-500w", "h200"):
+        assert family_error(sharded, profile, errors) is own
+    assert family_error(sharded, "a100-80gb-sxm", errors) is FSDP
+    assert family_error(ddp, "a100-80gb-sxm", errors) is PTDP
+    assert family_error(ddp, "h100-sxm", errors) is None
+    # two variants of a die pool by row count
+    errors["AUTOPAR/h100"] = FamilyError("AUTOPAR", "h100", 0.10, -0.10, 3)
+    pooled = family_error(sharded, "h100-sxm", errors)
+    assert pooled.rows == 4 and abs(pooled.median_abs - (0.20 + 3 * 0.10) / 4) < 1e-12

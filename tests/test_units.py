@@ -56,3 +56,12 @@ def test_report_figures_in_their_unit():
 
     assert _fmt(200 * 1024, "B") == "200 KiB"
     assert _fmt(3 * 2**30, "B") == "3.00 GiB"
+
+
+def test_durations_in_the_unit_that_shows_them():
+    """SI submultiples of the second, three significant figures: a CPU step of a tiny model reads
+    in µs rather than '0.000 s', and rounding moves to the next unit (9.9996e-4 s is 1.00 ms)."""
+    from autopar.core.units import fmt_seconds
+
+    assert [fmt_seconds(t) for t in (2.375, 3.756e-4, 0.0123, 65.2, 9.9996e-4, 4.2e-8)] == \
+        ["2.38 s", "376 µs", "12.3 ms", "65.2 s", "1.00 ms", "42.0 ns"]
