@@ -14,7 +14,7 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
 ``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, layer_tables.fold_layer_cost):
 
 * it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
-  (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
+  and the columns of any other registered "compute" term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
   selective recompute only adds (it reruns the cheap ops and adds the checkpoint wrapper's per-op
   overheads), while a full one that stops early (simulator/layer_cost._recompute) reruns the
   forward up to its last saved tensor and no longer records the outputs of the forward it
@@ -42,6 +42,8 @@ import numpy as np
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
 from autopar.simulator.overlap import compute_per_pass
+from autopar.simulator.step_model import interleaved_time
+from autopar.simulator.term_registry import with_term_columns
 
 #: the ZeRO stage whose compute every strategy of the family shares (module docstring)
 _FAMILY_ZERO = {family: stages[0] for family, stages in ZERO_FAMILIES.items()}
@@ -69,8 +71,7 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
                     lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
                                    recompute=recompute, offload="none")
                     lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
-                    fwd, bwd = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, lc.recompute_s, lc.bwd_s,
-                                                lc.tp_comm_bwd_s)
+                    fwd, bwd = compute_per_pass(with_term_columns(lc, lp, mesh))
                     compute = fwd + bwd
                     if zero_family == "fsdp":
                         compute = max(compute, lc.dp_allgather_s + lc.dp_reducescatter_s)
@@ -99,7 +100,7 @@ def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtu
         chunk = np.add.reduceat(floors, bounds[:-1], axis=1)[np.arange(len(bounds) - 1) % p,
                                                              np.arange(len(bounds) - 1)]
         lat = np.bincount(np.arange(len(bounds) - 1) % p, weights=chunk, minlength=p)
-        return float(m * lat.max() + (lat.sum() - lat.max()) / v)
+        return float(interleaved_time(lat.sum(), lat.max(), m, v))
     cheapest = floors.min(axis=0)
     total = float(cheapest.sum())
     return total + (m - 1) * max(total / p, float(cheapest.max()))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.simulator.term_registry import pass_columns
+
 
 def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
     """(forward communication, backward gather, backward communication) of a layer per micro-batch.
@@ -35,7 +37,17 @@ def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
     return fwd_comm, bwd_gather, bwd_comm
 
 
-def compute_per_pass(fwd_s, tp_comm_fwd_s, recompute_s, bwd_s, tp_comm_bwd_s):
-    """(forward, backward) compute of a layer per micro-batch with its tensor-parallel collectives;
-    a recomputed forward runs inside backward."""
-    return fwd_s + tp_comm_fwd_s, recompute_s + bwd_s + tp_comm_bwd_s
+def compute_per_pass(src):
+    """(forward, backward) compute of a layer per micro-batch: the sum of the columns the
+    registered "compute" terms add to each pass (term_registry.py), read from ``src`` by name (a
+    LayerTable, a LayerCost, term_registry.with_term_columns).  The built-in ones: forward plus
+    its tensor-parallel collectives; recompute (a recomputed forward runs inside backward),
+    backward and its collectives -- summed in that order."""
+    fwd_cols, bwd_cols = pass_columns()
+    fwd = getattr(src, fwd_cols[0])
+    for c in fwd_cols[1:]:
+        fwd = fwd + getattr(src, c)
+    bwd = getattr(src, bwd_cols[0])
+    for c in bwd_cols[1:]:
+        bwd = bwd + getattr(src, c)
+    return fwd, bwd
