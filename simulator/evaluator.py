@@ -349,8 +349,10 @@ class PlanEvaluator:
         scale = plan.micro_batch / max(1, self.graph.batch_size)
         act_scale = precision_bytes(plan.precision) / dtype_bytes(self.graph.param_dtype)
         # stage boundaries carry full (not sequence-sharded) activations: the runtime gathers
-        # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py)
-        sp_div = 1
+        # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py); an axis that
+        # splits the sequence itself (parallel_dims.Axis.splits, context parallelism) leaves each
+        # rank its share of the tokens to send
+        sp_div = mesh.degree("sequence")
         boundary = max((self.graph.layers[s.end - 1].output_bytes for s in stages[:-1]), default=0)
         p2p_s, p2p_m = (0.0, False)
         busy = busy_devices_per_node(self.cluster, mesh)
@@ -609,7 +611,7 @@ class PlanEvaluator:
             tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
             hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
             # ---- communication volume (bytes sent per step, all devices)
-            replicas = mesh.dp * mesh.tp
+            replicas = mesh.world_size // mesh.degree("layers")     # the devices of one pipeline rank
             tp_bytes = float(tp_wire.sum()) * m * replicas
             dp_bytes = float(dp_wire_mb.sum() * m + dp_wire_step.sum()) * replicas
             pp_bytes = 0.0

@@ -119,3 +119,42 @@ def test_toy_term_reaches_the_planner_tables_and_the_bound(gpt4):
         assert b1 - b0 == pytest.approx(s.num_microbatches * L * TOY_S, rel=1e-9), s
         ok = t0.valid
         assert np.allclose((t1.time_mb_s - t0.time_mb_s)[ok], TOY_S, rtol=1e-9, atol=0), s
+
+
+# ------------------------------------------------------------------ a toy axis
+def test_toy_axis_is_seen_by_the_plan_builder_the_links_and_the_step_model(gpt4):
+    """A toy axis ``xp`` that splits the batch, declared in a ParallelDims subclass alone
+    (core/parallel_dims.py): the plan builder takes its degree by name and counts it in the
+    global batch, the mesh's links carry its group by name, and the evaluator prices each
+    replica as the plain mesh's (same step time) while the samples per second and the bytes
+    sent per step, summed over devices, double with xp = 2 (twice the replicas, each doing the
+    same work: the closed-form reference is the plain dp 2 x tp 2 plan's figures)."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from autopar.core.parallel_dims import AXES, Axis, ParallelDims
+    from autopar.core.plan import ModelRef, uniform_plan
+    from autopar.core.sharding import megatron_styles
+
+    @dataclass(frozen=True)
+    class ToyDims(ParallelDims):
+        axes: ClassVar = AXES[:1] + (Axis("xp", "batch", "toy data-parallel axis", plan_default=1),) + AXES[1:]
+        xp: int = 1
+
+    cluster = load_cluster("dgx-a100-1x8")
+    ref = ModelRef(gpt4.model_file, dict(gpt4.model_args), gpt4.model_name, gpt4.fingerprint)
+    kw = dict(model=ref, num_layers=len(gpt4.layers), micro_batch=2, num_microbatches=3, precision="bf16",
+              tp_styles_per_layer={i: megatron_styles(gpt4, i) for i in range(len(gpt4.layers))})
+    toy = uniform_plan(mesh_class=ToyDims, dp=2, xp=2, tp=2, **kw)
+    plain = uniform_plan(dp=2, tp=2, **kw)
+    assert toy.mesh.world_size == 8 and toy.global_batch == 2 * plain.global_batch
+    with pytest.raises(TypeError):
+        uniform_plan(xp=2, **kw)                             # the plain mesh has no such axis
+    ev = PlanEvaluator(gpt4, cluster, _cms(cluster))
+    links = ev.links(toy.mesh)
+    assert list(links.axes) == list(toy.mesh.axis_names) and links.xp.size == 2 and links.axis("xp") is links.xp
+    a, b = ev.evaluate(toy), PlanEvaluator(gpt4, cluster, _cms(cluster)).evaluate(plain)
+    assert a.step_time_s == b.step_time_s
+    assert a.samples_per_s == pytest.approx(2 * b.samples_per_s, rel=1e-12)
+    assert sum(a.work.comm_bytes.values()) == pytest.approx(2 * sum(b.work.comm_bytes.values()), rel=1e-12)
+    assert simulate(gpt4, toy, cluster, _cms(cluster)).step_time_s == a.step_time_s
