@@ -42,6 +42,7 @@ from types import SimpleNamespace
 from typing import Callable, Iterator
 
 from autopar.simulator import layer_table
+from autopar.simulator.layer_cost import layer_cost_row
 
 ENTRIES = ("compute", "traffic", "table", "pipeline", "after_backward")
 
@@ -171,7 +172,6 @@ def extra_columns() -> tuple[Column, ...]:
 def layer_row(lc, zero: float, offload: float, recompute: float, lp, mesh) -> tuple[float, ...]:
     """A layer's row of the table: its ``LayerCost`` fields, its plan's three columns
     (layer_table.PLAN_FIELDS) and the registered terms' columns."""
-    from autopar.simulator.layer_cost import layer_cost_row
     row = layer_cost_row(lc) + (zero, offload, recompute)
     extra = _view.extra
     if extra:
