@@ -67,7 +67,7 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tupl
     all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
     queues them over the whole backward (evaluator.closed_form_step).
     """
-    fwd_comm, _, bwd_comm = fsdp_traffic(lc.dp_allgather_s, lc.dp_reducescatter_s, lc.h2d_s, lc.d2h_s, zero, offload)
+    fwd_comm, _, bwd_comm = fsdp_traffic(lc, zero, offload)
     fwd_c, bwd_c = compute_per_pass(lc)
     fwd = max(fwd_c, fwd_comm)
     bwd = max(bwd_c, bwd_comm)

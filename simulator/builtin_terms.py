@@ -3,13 +3,14 @@
 
 The "compute" terms are registered recompute, compute, tensor-parallel: a layer's forward is
 ``fwd_s + tp_comm_fwd_s`` and its backward ``recompute_s + bwd_s + tp_comm_bwd_s``, summed in
-that order (overlap.compute_per_pass).  The "table" terms rewrite the plan's table in the order
+that order (overlap.compute_per_pass).  The "traffic" terms are summed FSDP, then offload
+(overlap.fsdp_traffic).  The "table" terms rewrite the plan's table in the order
 DDP buckets, sharded data parallelism, CPU meeting waits (evaluator._derive).  The math of each
 term lives where ``source`` says; this module only declares it.
 """
 from __future__ import annotations
 
-from autopar.simulator import cpu_node, ddp_buckets, sharded_dp
+from autopar.simulator import cpu_node, ddp_buckets, overlap, sharded_dp
 from autopar.simulator.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
@@ -36,11 +37,14 @@ register(Term("cpu_waits", "table", local=False, reads=("fwd_s", "bwd_s", "recom
               derive=lambda rows, ctx, ev: (cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
                                             if ctx.waits_at_meetings else rows),
               acts=lambda ctx: ctx.waits_at_meetings, source="simulator/cpu_node.py with_meeting_waits"))
-#: FSDP's all-gather before a pass and reduce-scatter after backward, beside compute
-register(Term("fsdp", "traffic", reads=("dp_allgather_s", "dp_reducescatter_s", "zero"),
-              source="simulator/overlap.py fsdp_traffic"))
+#: FSDP's all-gather before a pass and reduce-scatter after backward, beside compute (Zhao et al.
+#: 2023, "PyTorch FSDP", Sec. 3.3)
+register(Term("fsdp", "traffic", reads=("dp_allgather_s", "dp_reducescatter_s", "zero"), traffic=overlap.fsdp_parts,
+              stream="fsdp", gather_label="all_gather", scatter_label="reduce_scatter",
+              source="simulator/overlap.py fsdp_parts"))
 #: the offloaded state's copies in and out, on the same stream
-register(Term("offload", "traffic", reads=("h2d_s", "d2h_s", "offload"), source="simulator/overlap.py fsdp_traffic"))
+register(Term("offload", "traffic", reads=("h2d_s", "d2h_s", "offload"), traffic=overlap.offload_parts,
+              stream="fsdp", gather_label="h2d", scatter_label="d2h", source="simulator/overlap.py offload_parts"))
 #: the schedule over the model chunks and the activation sends of its fill and drain
 register(Term("pipeline", "pipeline", reads=("output_bytes",),
               source="simulator/step_model.py pipeline_time, interleaved_time"))

@@ -122,8 +122,7 @@ def serial_chunk_times(ctx, rows: LayerTable):
     send charged in the fill and drain: none) when communication and compute take turns
     (``serial_communication``): every layer's FSDP traffic and every pipeline send adds to its
     rank's compute instead of hiding under it (step_model.overlapped_chunk_times's serial twin)."""
-    fwd_comm, _, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                         rows.d2h_s, rows.zero, rows.offload)
+    fwd_comm, _, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
     fwd_c, bwd_c = compute_per_pass(rows)
     fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
     f_g = np.add.reduceat(fwd, ctx.starts)

@@ -14,27 +14,49 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.term_registry import pass_columns
+from autopar.simulator.term_registry import pass_columns, traffic_terms
 
 
-def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
-    """(forward communication, backward gather, backward communication) of a layer per micro-batch.
+def fsdp_traffic(src, zero, offload):
+    """(forward communication, backward gather, backward communication) of a layer per micro-batch:
+    the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
+    ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
+    LayerCost, term_registry.with_term_columns).
 
     ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
     the host.  The backward gather (ZeRO-3 re-gathers the parameters it freed after forward) is
     part of the backward communication and also returned alone: nothing precedes it at the start
-    of a model chunk's backward.
+    of a model chunk's backward.  (``zero >= k`` and ``offload`` are 0 or 1, so each part's
+    product by them is exact: the sums are the same bits as one product of the sums.)
     """
+    fwd = None
+    for term in traffic_terms():
+        parts = term.traffic(src, zero, offload)
+        if parts is None:
+            continue
+        if fwd is None:
+            fwd, gather, after = parts
+        else:
+            fwd, gather, after = fwd + parts[0], gather + parts[1], after + parts[2]
+    return fwd, gather, gather + after
+
+
+def fsdp_parts(src, zero, offload):
+    """FSDP's part of a layer's traffic: (the parameter all-gather before forward, ZeRO-3's second
+    one before backward, the gradient reduce-scatter after backward)."""
+    ag = src.dp_allgather_s
     zero2 = zero >= 2
+    return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
+
+
+def offload_parts(src, zero, offload):
+    """The offloaded state's copies on the same stream: (sharded parameters host -> device before
+    forward, again before backward under ZeRO-3, sharded gradients device -> host after
+    backward); None where nothing is offloaded (no copies: fewer operations)."""
     if not np.count_nonzero(offload):
-        # nothing on the host: the same terms without the (zero) copies, in fewer operations
-        bwd_gather = allgather_s * (zero >= 3)
-        return allgather_s * zero2, bwd_gather, bwd_gather + reducescatter_s * zero2
-    h2d = h2d_s * offload
-    fwd_comm = allgather_s * zero2 + h2d
-    bwd_gather = (allgather_s + h2d) * (zero >= 3)
-    bwd_comm = bwd_gather + (reducescatter_s + d2h_s * offload) * zero2
-    return fwd_comm, bwd_gather, bwd_comm
+        return None
+    h2d = src.h2d_s * offload
+    return h2d, h2d * (zero >= 3), src.d2h_s * offload * (zero >= 2)
 
 
 def compute_per_pass(src):

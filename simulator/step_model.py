@@ -60,11 +60,11 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  In backward the communication
     stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
-    Layer k's times read rows k and k+1 (of k+1 its forward communication: dp_allgather_s,
-    h2d_s, zero, offload) and k's masks only (the evaluator's memo relies on it).
+    Layer k's times read rows k and k+1 (of k+1 its forward communication: the "traffic" terms'
+    columns before forward, built in dp_allgather_s, h2d_s, zero, offload) and k's masks only
+    (the evaluator's memo relies on it).
     """
-    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                                  rows.d2h_s, rows.zero, rows.offload)
+    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
     fwd_c, bwd_c = compute_per_pass(rows)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
     np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])

@@ -57,7 +57,7 @@ import numpy as np
 
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.step_model import ddp_all_reduces, gradient_ready_offsets, last_reduce_scatter, pipeline_and_ends
-from autopar.simulator.term_registry import pass_events
+from autopar.simulator.term_registry import pass_events, traffic_terms
 from autopar.simulator.timeline import Timeline
 
 
@@ -188,27 +188,28 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
                terms: _Terms, head: np.ndarray, tail: np.ndarray) -> float:
     """Draw the layer slots of one task (layers a..b-1 of virtual stage g) from ``t``; returns
     when the last slot ends."""
-    ag, rs, h2d, d2h = rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s, rows.d2h_s
-    zero, off = rows.zero, rows.offload
     args = {"micro_batch": mb, "stage": g}
+    # the registered "traffic" terms' parts (term_registry.traffic_terms: FSDP's gathers and
+    # reduce-scatter, the offload copies), in the order overlap.fsdp_traffic sums them
+    traffic = [(t, parts) for t in traffic_terms()
+               for parts in (t.traffic(rows, rows.zero, rows.offload),) if parts is not None]
 
     def gather(k: int, s: float, backward: bool, label: str = "") -> float:
-        """Layer k's parameter all-gather and host copy from ``s`` (overlap.fsdp_traffic's forward
-        communication, or its backward gather); returns their end."""
-        needed = zero[k] >= 3 if backward else zero[k] >= 2
-        tl.add(dev, "fsdp", f"all_gather L{k}{label}", s, ag[k] if needed else 0.0, **args)
-        s += ag[k] if needed else 0.0
-        copy = h2d[k] * off[k] if (not backward or zero[k] >= 3) else 0.0
-        tl.add(dev, "fsdp", f"h2d L{k}{label}", s, copy, **args)
-        return s + copy
+        """Layer k's traffic before a pass from ``s`` (overlap.fsdp_traffic's forward
+        communication, or its backward gather); returns its end."""
+        for t, parts in traffic:
+            d = parts[1 if backward else 0][k]
+            tl.add(dev, t.stream, f"{t.gather_label} L{k}{label}", s, d, **args)
+            s += d
+        return s
 
     def scatter(k: int, s: float, label: str = "") -> float:
-        """Layer k's gradient reduce-scatter and copy out from ``s``; returns their end."""
-        if zero[k] < 2:
-            return s
-        tl.add(dev, "fsdp", f"reduce_scatter L{k}{label}", s, rs[k], **args)
-        tl.add(dev, "fsdp", f"d2h L{k}{label}", s + rs[k], d2h[k] * off[k], **args)
-        return s + rs[k] + d2h[k] * off[k]
+        """Layer k's traffic after backward from ``s``; returns its end."""
+        for t, parts in traffic:
+            d = parts[2][k]
+            tl.add(dev, t.stream, f"{t.scatter_label} L{k}{label}", s, d, **args)
+            s += d
+        return s
 
     # the registered "compute" terms of this pass, in order (term_registry.pass_events): the
     # built-in ones draw forward then its tp collectives, recompute then backward then its collectives

@@ -14,8 +14,11 @@ How a term enters the step (``Term.enters``):
   added to the layer's forward, ``bwd`` the one added to its backward.  overlap.compute_per_pass
   sums them in registration order (so the built-in terms' sums are the same floating-point
   operations as ever), the trace draws each as an event on the term's ``stream``;
-* ``"traffic"``: the data-parallel stream's per-layer transfers, overlapped with compute
-  (overlap.fsdp_traffic: the FSDP all-gather and reduce-scatter, the offload copies);
+* ``"traffic"``: per-layer transfers on the data-parallel stream, overlapped with compute --
+  ``traffic(src, zero, offload)`` gives (before forward, before backward, after backward) or
+  None; overlap.fsdp_traffic sums them in registration order (built in: the FSDP all-gather and
+  reduce-scatter, the offload copies), the trace draws each part under ``gather_label`` and
+  ``scatter_label`` on the term's ``stream``;
 * ``"table"``: a rewrite of the plan's whole layer table before the step is composed
   (``derive(rows, ctx, evaluator)``), e.g. DDP's buckets, sharded data parallelism's copies;
 * ``"pipeline"``: the schedule over the model chunks (step_model.pipeline_time);
@@ -67,6 +70,9 @@ class Term:
     stream: str = "compute"             # the trace stream of its "compute" events
     fwd_label: str = ""                 # the trace's event names ("<label> L<layer>")
     bwd_label: str = ""
+    traffic: Callable | None = None     # "traffic": (src, zero, offload) -> (fwd, bwd gather, after bwd) or None
+    gather_label: str = ""              # "traffic": trace names of its parts before a pass and after backward
+    scatter_label: str = ""
     derive: Callable | None = None      # "table": (rows, ctx, evaluator) -> rows
     acts: Callable | None = None        # not local: (ctx) -> bool, whether it changes this context's rows
     source: str = ""                    # where its mechanism and math live
@@ -76,6 +82,8 @@ class Term:
             raise ValueError(f"term {self.name!r}: enters {self.enters!r}, not one of {ENTRIES}")
         if self.enters == "table" and self.derive is None:
             raise ValueError(f"term {self.name!r} enters the table and has no derive function")
+        if self.enters == "traffic" and self.traffic is None:
+            raise ValueError(f"term {self.name!r} is traffic and has no traffic function")
         if not self.local and self.acts is None:
             raise ValueError(f"term {self.name!r} is not local and says not when it acts (acts)")
 
@@ -83,7 +91,7 @@ class Term:
 _TERMS: list[Term] = []
 _loaded = False
 #: derived views of _TERMS, rebuilt on every change (read on the hot path)
-_view = SimpleNamespace(fwd=(), bwd=(), events=((), ()), tables=(), nonlocal_tables=(), extra=())
+_view = SimpleNamespace(fwd=(), bwd=(), events=((), ()), traffic=(), tables=(), nonlocal_tables=(), extra=())
 
 
 def _ensure_builtins() -> None:
@@ -99,6 +107,7 @@ def _rebuild() -> None:
     _view.bwd = tuple(t.bwd for t in compute if t.bwd)
     _view.events = (tuple((t.fwd, t.fwd_label, t.stream) for t in compute if t.fwd),
                     tuple((t.bwd, t.bwd_label, t.stream) for t in compute if t.bwd))
+    _view.traffic = tuple(t for t in _TERMS if t.enters == "traffic")
     _view.tables = tuple(t for t in _TERMS if t.enters == "table")
     _view.nonlocal_tables = tuple(t for t in _TERMS if not t.local)
     _view.extra = tuple(c for t in _TERMS for c in t.columns)
@@ -149,6 +158,12 @@ def pass_events() -> tuple[tuple, tuple]:
     """(forward, backward): per "compute" term, (column, event label, stream), in order."""
     _ensure_builtins()
     return _view.events
+
+
+def traffic_terms() -> tuple[Term, ...]:
+    """The "traffic" terms, in the order their parts are summed and drawn."""
+    _ensure_builtins()
+    return _view.traffic
 
 
 def table_terms() -> tuple[Term, ...]:
