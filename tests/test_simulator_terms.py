@@ -158,3 +158,38 @@ def test_toy_axis_is_seen_by_the_plan_builder_the_links_and_the_step_model(gpt4)
     assert a.samples_per_s == pytest.approx(2 * b.samples_per_s, rel=1e-12)
     assert sum(a.work.comm_bytes.values()) == pytest.approx(2 * sum(b.work.comm_bytes.values()), rel=1e-12)
     assert simulate(gpt4, toy, cluster, _cms(cluster)).step_time_s == a.step_time_s
+
+
+# ------------------------------------------------------------------ a toy traffic term
+TOY_COPY_S = 1e-7
+
+#: a toy transfer before each layer's forward on a stream of its own, beside compute
+TOY_COPY = Term("toy_copy", "traffic", columns=(Column("toy_copy_s", lambda lc, lp, mesh: TOY_COPY_S),),
+                traffic=lambda src, zero, offload: (src.toy_copy_s, 0.0 * src.toy_copy_s, 0.0 * src.toy_copy_s),
+                stream="toy", gather_label="toy copy", scatter_label="toy copy back",
+                source="tests/test_simulator_terms.py")
+
+
+@pytest.mark.parametrize("cluster_name,dp,tp", [("dgx-a100-1x8", 4, 2), ("local-cpu", 2, 1)])
+def test_toy_traffic_enters_beside_compute(gpt4, cluster_name, dp, tp):
+    """A transfer before each layer's forward, shorter than any layer's compute, hides behind the
+    previous layer's compute where communication overlaps (a GPU: FSDP's prefetch rule, Zhao et
+    al. 2023, Sec. 3.3): only the first layer of the chunk waits for its own, so the step moves by
+    m TOY_COPY_S; where communication takes turns with compute (a CPU node) every transfer adds:
+    m L TOY_COPY_S.  The trace draws one per layer and micro-batch, and more on the GPU (the
+    prefetches of the next layer)."""
+    cluster = load_cluster(cluster_name)
+    L, m = len(gpt4.layers), 3
+    plan = _plan(gpt4, dp, tp, m)
+    before = PlanEvaluator(gpt4, cluster, _cms(cluster)).evaluate(plan).step_time_s
+    with registered(TOY_COPY):
+        ev = PlanEvaluator(gpt4, cluster, _cms(cluster))
+        after = ev.evaluate(plan).step_time_s
+        ctx, rows = ev.prepare(plan)
+        assert TOY_COPY_S < rows.fwd_s.min()
+        trace = draw_step(ctx, rows, [0])
+    serial = cluster_name == "local-cpu"
+    assert after - before == pytest.approx(m * (L if serial else 1) * TOY_COPY_S, rel=1e-6)
+    copies = [e for e in trace.events if e["name"].startswith("toy copy L")]
+    assert {e["stream"] for e in copies} == {"toy"}
+    assert len(copies) == m * L if serial else len(copies) >= m * L
