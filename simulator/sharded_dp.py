@@ -1,7 +1,8 @@
 """What sharded data parallelism (FSDP2 / ZeRO-3, ZeRO-2) costs beyond its collectives' wire time.
 
 Pure functions over plain numbers, and one adapter (``with_sharded_dp_costs``) that applies them
-to the evaluator's per-layer rows.  What the rows already hold (layer_cost.py, evaluator.py):
+to the evaluator's per-layer rows (``plan_table_costs``: the "sharded_dp" cost term of
+builtin_terms.py).  What the rows already hold (layer_cost.py, evaluator.py):
 an all-gather per layer per micro-batch in forward and again in backward (FSDP2 reshards after
 forward by default, ``reshard_after_forward=True``), a reduce-scatter per layer per micro-batch
 (FSDP2 reduces every micro-batch unless ``set_requires_gradient_sync(False)``; the runtime does
