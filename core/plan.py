@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -396,26 +396,34 @@ def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def uniform_plan(*, model: ModelRef, num_layers: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
-                 micro_batch: int = 1, num_microbatches: int = 1, schedule: str = "1f1b",
+def uniform_plan(*, model: ModelRef, num_layers: int, micro_batch: int = 1, num_microbatches: int = 1, schedule: str = "1f1b",
                  virtual_stages: int = 1, tp_styles_per_layer: Mapping[int, Mapping[str, str]] | None = None,
                  sequence_parallel: bool = False, zero: int = 0, recompute: str = "none",
                  offload: str = "none", precision: str = "fp32", cluster: str = "",
                  stage_bounds: list[int] | None = None, compile: bool = False,
-                 layer_precision: str = "") -> Plan:
+                 layer_precision: str = "", mesh_class: type = Mesh, **degrees: int) -> Plan:
     """A Megatron-style plan: the same choice on every layer, stages of (nearly) equal size.
 
+    ``degrees``: a degree per axis name (``dp=8, tp=4``; an axis not named is 1; ``ep`` too), of
+    ``Mesh``'s axes or of ``mesh_class``'s (a ParallelDims that declares more).  The stages, the tensor
+    split and the global batch follow what each axis splits (parallel_dims.Axis.splits).
     ``stage_bounds`` (``[0, b1, ..., num_layers]``) overrides the equal split.
     """
-    num_stages = pp * virtual_stages
+    known = [f.name for f in fields(mesh_class) if f.name != "sequence_parallel"]   # the axes, and ep
+    unknown = sorted(set(degrees) - set(known))
+    if unknown:
+        raise TypeError(f"uniform_plan: no degree named {unknown}; the degrees are {known}")
+    mesh = mesh_class(**degrees, sequence_parallel=sequence_parallel)
+    num_stages = mesh.degree("layers") * virtual_stages
     if stage_bounds is None:
         stage_bounds = list(equal_bounds(num_layers, num_stages))
     stages = tuple(Stage(i, stage_bounds[i], stage_bounds[i + 1]) for i in range(len(stage_bounds) - 1))
     styles = tp_styles_per_layer or {}
-    layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if tp > 1 else (),
+    split = mesh.degree("tensors") > 1
+    layers = tuple(LayerPlan(layer=i, tp=tuple(sorted(styles.get(i, {}).items())) if split else (),
                              zero=zero, recompute=recompute, offload=offload, precision=layer_precision)
                    for i in range(num_layers))
-    return Plan(model=model, mesh=Mesh(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel),
-                global_batch=dp * micro_batch * num_microbatches, micro_batch=micro_batch,
+    return Plan(model=model, mesh=mesh, global_batch=mesh.batch_degree * micro_batch * num_microbatches,
+                micro_batch=micro_batch,
                 pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
                 layers=layers, precision=precision, cluster=cluster, compile=compile)

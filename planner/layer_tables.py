@@ -30,6 +30,7 @@ from autopar.planner.space import LayerChoice
 from autopar.simulator import tied_copies
 from autopar.simulator.memory import fsdp_buffer_bytes
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.term_registry import layer_row, with_term_columns
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,17 @@ class LayerTables:
 
 
 def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tuple[float, float]:
-    """(time per micro-batch, exposed time per step) of one LayerCost (module docstring).
+    """(time per micro-batch, exposed time per step) of one LayerCost (module docstring); ``lc``
+    may carry the registered terms' columns too (term_registry.with_term_columns), whose
+    "compute" terms then enter its passes (overlap.compute_per_pass).
 
     Per micro-batch the FSDP traffic of a layer hides behind its compute and shows only where
     longer (simulator/overlap.py, the rule the step model applies too).  The data-parallel
     all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
     queues them over the whole backward (evaluator.closed_form_step).
     """
-    fwd_comm, _, bwd_comm = fsdp_traffic(lc.dp_allgather_s, lc.dp_reducescatter_s, lc.h2d_s, lc.d2h_s, zero, offload)
-    fwd_c, bwd_c = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, lc.recompute_s, lc.bwd_s, lc.tp_comm_bwd_s)
+    fwd_comm, _, bwd_comm = fsdp_traffic(lc, zero, offload)
+    fwd_c, bwd_c = compute_per_pass(lc)
     fwd = max(fwd_c, fwd_comm)
     bwd = max(bwd_c, bwd_comm)
     exposed = 0.0
@@ -103,7 +106,8 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
                 if sharded is not None and eff.zero >= 2:
                     lc = sharded(lc, lp)
-                t_mb, t_step = fold_layer_cost(lc, eff.zero, eff.offload == "cpu", num_microbatches)
+                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), eff.zero, eff.offload == "cpu",
+                                               num_microbatches)
                 memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
                              lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,
@@ -124,9 +128,9 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
     rows (simulator/sharded_dp.py: FSDP2's copy-out and copy-in, the NCCL overlap slowdown, the
     fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
     choices as the full price will; None where those terms do not apply (a CPU profile's ranks
-    take turns: evaluator._sharded_dp)."""
+    take turns: sharded_dp.plan_table_costs)."""
     from autopar.simulator import cpu_node, sharded_dp
-    from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero, layer_cost_row
+    from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
     from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
 
     cm = cost_model or evaluator.rank_cost_models(mesh)[0]
@@ -140,9 +144,8 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
                                         cm.collective_efficiency.get("inter", 1.0), cm.calibration)
 
     def add(lc, lp: LayerPlan):
-        row = np.array(layer_cost_row(lc) + (float(effective_zero(lp.zero, mesh)),
-                                             1.0 if lp.offload == "cpu" else 0.0,
-                                             float(RECOMPUTE_CODE[lp.recompute])))
+        row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload == "cpu" else 0.0,
+                                 float(RECOMPUTE_CODE[lp.recompute]), lp, mesh))
         out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
                                             cm.efficiency.get("memory_bound", 1.0), factor, **terms)
         return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})

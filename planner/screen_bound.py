@@ -14,7 +14,7 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
 ``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, layer_tables.fold_layer_cost):
 
 * it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
-  (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
+  and the columns of any other registered "compute" term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
   selective recompute only adds (it reruns the cheap ops and adds the checkpoint wrapper's per-op
   overheads), while a full one that stops early (simulator/layer_cost._recompute) reruns the
   forward up to its last saved tensor and no longer records the outputs of the forward it
@@ -26,8 +26,9 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
   alike -- layer_cost.effective_zero; fsdp: 2 and 3), and offload moves state, not compute;
 * the sharded-DP terms the tables add (layer_tables._sharded_terms: copy-out, the overlap
   slowdown, the fp32 reduce-scatter) only add;
-* under FSDP it is also at least the all-gather before forward plus the reduce-scatter after
-  backward (overlap.fsdp_traffic), the same for both stages.
+* under FSDP it is also at least the traffic before forward plus the traffic after backward of
+  ZeRO-2 without offload (overlap.fsdp_traffic: built in, the all-gather plus the reduce-scatter),
+  which ZeRO-3's second gather and offload's copies only add to.
 
 The strategies' once-per-step part (``step_s``: exposed synchronisation, the optimizer) is
 never negative and is left out.  tests/test_planner_bound.py checks the floor against every
@@ -41,7 +42,9 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
-from autopar.simulator.overlap import compute_per_pass
+from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.step_model import interleaved_time
+from autopar.simulator.term_registry import with_term_columns
 
 #: the ZeRO stage whose compute every strategy of the family shares (module docstring)
 _FAMILY_ZERO = {family: stages[0] for family, stages in ZERO_FAMILIES.items()}
@@ -69,11 +72,14 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
                     lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
                                    recompute=recompute, offload="none")
                     lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
-                    fwd, bwd = compute_per_pass(lc.fwd_s, lc.tp_comm_fwd_s, lc.recompute_s, lc.bwd_s,
-                                                lc.tp_comm_bwd_s)
+                    src = with_term_columns(lc, lp, mesh)
+                    fwd, bwd = compute_per_pass(src)
                     compute = fwd + bwd
                     if zero_family == "fsdp":
-                        compute = max(compute, lc.dp_allgather_s + lc.dp_reducescatter_s)
+                        # the traffic of ZeRO-2 without offload (overlap.fsdp_traffic), whose parts
+                        # ZeRO-3 and offload only add to
+                        fwd_comm, _, bwd_comm = fsdp_traffic(src, zero, False)
+                        compute = max(compute, fwd_comm + bwd_comm)
                     floor = min(floor, compute)
                 memo[key] = floor
             best = min(best, memo[key])
@@ -99,7 +105,7 @@ def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtu
         chunk = np.add.reduceat(floors, bounds[:-1], axis=1)[np.arange(len(bounds) - 1) % p,
                                                              np.arange(len(bounds) - 1)]
         lat = np.bincount(np.arange(len(bounds) - 1) % p, weights=chunk, minlength=p)
-        return float(m * lat.max() + (lat.sum() - lat.max()) / v)
+        return float(interleaved_time(lat.sum(), lat.max(), m, v))
     cheapest = floors.min(axis=0)
     total = float(cheapest.sum())
     return total + (m - 1) * max(total / p, float(cheapest.max()))

@@ -43,6 +43,7 @@ from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices
 from autopar.planner.structured import Setting, range_costs, solve_setting
 from autopar.planner.stage_dp import partition_stages
 from autopar.simulator.memory import inflight_microbatches
+from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.topology import stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
@@ -373,7 +374,7 @@ class Planner:
             lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
-            return float(m * max(lat) + (sum(lat) - max(lat)) / v)
+            return float(interleaved_time(sum(lat), max(lat), m, v))
         try:
             part = partition_stages(range_costs(tables, s, capacity, allowed, cuttable=self.cuttable), p, m,
                                     upper_bound=cap)

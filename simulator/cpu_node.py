@@ -7,7 +7,7 @@ cluster declares ``compute_slots`` (the cores its processes share; core/cluster.
 profile measured meeting waits (``CostModel.waits_at_meetings``; profiling/cpu_sync_wait.py).  The
 evaluator calls them at one door each: the layer costs' stretch, the plan's serial flag and the
 per-plan meeting waits, and the step of a plan whose communication takes turns with compute
-(``serial_step`` in place of step_model.overlapped_step).
+(the ``SERIAL`` step form in place of step_model.OVERLAPPED, chosen when the context is built).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import after_backward, pipeline_time, rank_ends
+from autopar.simulator.step_model import StepForm, after_backward, pipeline_and_ends
 from autopar.simulator.topology import busy_devices_per_node
 
 
@@ -117,26 +117,38 @@ def with_meeting_waits(rows: LayerTable, ctx, processes: int) -> LayerTable:
                              recompute_s=(rec - tp_in_rec) * s + tp_in_rec)
 
 
-def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
-    """(time at which each pipeline rank finishes the step, bubble fraction) when communication
-    and compute take turns (``serial_communication``): every layer's FSDP traffic, every
-    pipeline send and every gradient all-reduce adds to its rank's compute instead of hiding
-    under it; the pipeline schedule is step_model's with the sends inside the chunk times."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
-    fwd_comm, _, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                         rows.d2h_s, rows.zero, rows.offload)
-    fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
-    f_g = np.add.reduceat(fwd_c + fwd_comm, ctx.starts)
-    b_g = np.add.reduceat(bwd_c + bwd_comm, ctx.starts)
+def serial_chunk_times(ctx, rows: LayerTable):
+    """(per-layer forward and backward slots, per-chunk forward and backward task lengths, the
+    send charged in the fill and drain: none) when communication and compute take turns
+    (``serial_communication``): every layer's FSDP traffic and every pipeline send adds to its
+    rank's compute instead of hiding under it (step_model.overlapped_chunk_times's serial twin)."""
+    fwd_comm, _, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
+    fwd_c, bwd_c = compute_per_pass(rows)
+    fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
+    f_g = np.add.reduceat(fwd, ctx.starts)
+    b_g = np.add.reduceat(bwd, ctx.starts)
     if len(ctx.starts) > 1:
         # each chunk's send (activation forward, gradient backward) blocks its compute
         f_g[:-1] += ctx.p2p_s
         b_g[1:] += ctx.p2p_s
-    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
-    pipe, bubble = pipeline_time(t_r, m, p, v, 0.0)
-    end_r = rank_ends(pipe, b_g[:p], 0.0)
+    return fwd, bwd, f_g, b_g, 0.0
+
+
+def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
+    """(time at which each pipeline rank finishes the step, bubble fraction) when communication
+    and compute take turns (``serial_communication``): the chunk times of ``serial_chunk_times``;
+    the pipeline schedule is step_model's with the sends inside the chunk times; every gradient
+    all-reduce adds to its rank's last backward."""
+    p = ctx.p
+    _, _, f_g, b_g, _ = serial_chunk_times(ctx, rows)
+    _, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, 0.0)
     ar = rows.dp_allreduce_s * (rows.zero <= 1)
     # the all-reduces take turns with the last backward: all of them add up
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)
     sync = end_r + np.maximum(excess, np.zeros(p))
     return after_backward(sync, rows, ctx.layer_rank, p), bubble
+
+
+#: a CPU node's whose communication takes turns with compute (``serial_communication``): chosen
+#: for the context when the evaluator builds it (evaluator._new_context)
+SERIAL = StepForm("serial", serial_step, serial_chunk_times, serial=True, memo_ok=False)

@@ -6,12 +6,15 @@
    the layer, ZeRO, recompute, offload) within a context (mesh, micro-batch, precision), so a
    plan that differs from the last one in a few layers recomputes only those rows
    (a LayerTable: layer_table.py);
-2. data-parallel all-reduces in DDP's buckets where the runtime runs plain DDP
-   (``ddp_bucketed_all_reduces``), and on CPU nodes the waits of ranks that meet (cpu_node.py);
-3. the step in closed form (step_model.py; cpu_node.serial_step where communication takes
-   turns with compute), and memory per pipeline rank (memory.py) from per-rank sums.
+2. the registered "table" cost terms rewrite the rows (term_registry.py, builtin_terms.py): DDP's
+   buckets where the runtime runs plain DDP, sharded data parallelism's copies, on CPU nodes the
+   waits of ranks that meet (``_derive``);
+3. the step in closed form by the context's step form (step_model.OVERLAPPED, or
+   cpu_node.SERIAL where communication takes turns with compute, chosen when the context is
+   built), and memory per pipeline rank (memory.py) from per-rank sums.
 
-On a GPU plan (no DDP buckets, no CPU waits) ``evaluate`` keeps, per context, the last plan's
+Where every term acting on the plan's context is local (term_registry.memo_safe) and the step
+form allows (a GPU plan: no DDP buckets, no CPU waits) ``evaluate`` keeps, per context, the last plan's
 derived table and a memo of each layer's derived row by its neighbourhood (``_LayerMemo``), so
 a plan that changes a few layers looks up a few rows and redoes only the reductions over
 layers; the numbers are the same bits as ``prepare`` + ``closed_form_step`` + ``assemble``.
@@ -33,15 +36,16 @@ from autopar.core.rules import interleaved_microbatches_ok
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, pipeline_p2p, sharded_dp, tied_copies
+from autopar.simulator import cpu_node, layer_table, pipeline_p2p, term_registry, tied_copies
+from autopar.simulator.ddp_buckets import DDP_FIRST_BUCKET_BYTES, ddp_bucketed_all_reduces  # noqa: F401
 from autopar.simulator.zero3_fetch_spans import layer_units
 from autopar.simulator.selective_mm_policy import recomputed_matmuls
-from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero, layer_cost_row
-from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE, LayerTable
-from autopar.simulator.memory import DDP_BUCKET_BYTES, inflight_microbatches, stage_memory
+from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero
+from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
+from autopar.simulator.memory import inflight_microbatches, stage_memory
 from autopar.simulator.result import SimResult, StepWork
-from autopar.simulator.step_model import (chunk_masks, last_reduce_scatter, layer_effective_times, overlapped_step,
-                                         step_from_chunk_times)
+from autopar.simulator.step_model import (OVERLAPPED, StepForm, chunk_masks, last_reduce_scatter,
+                                         layer_effective_times, step_from_chunk_times)
 from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
@@ -60,14 +64,14 @@ _TIED_STATE = [COLUMN_INDEX[f"tied_{c}"] for c in ("param_bytes", "grad_bytes", 
                                                    "dp_grad_bytes")]
 
 _OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
-#: the fast path's derived table (PlanEvaluator._derived_table): the columns, then per layer the
-#: effective forward and backward time, the activation bytes, the three _MAX_COLUMNS, the
+#: the fast path's derived table (PlanEvaluator._derived_table): per layer the effective forward
+#: and backward time, the activation bytes, the three _MAX_COLUMNS, the
 #: step_model.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
-#: the output bytes on its last layer (zero elsewhere): both nonnegative, so a chunk's maximum of
-#: them is the value at its first / last layer
-_NUM_COLUMNS = len(COLUMNS)
-_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS, _OUT_END = (_NUM_COLUMNS + i for i in (0, 1, 2, 3, 6, 7))
-_TABLE_WIDTH = _NUM_COLUMNS + 8
+#: the output bytes on its last layer (zero elsewhere) -- both nonnegative, so a chunk's maximum of
+#: them is the value at its first / last layer -- then the columns (as many as the registered
+#: terms make: PlanEvaluator._table_width)
+_FWD, _BWD, _ACT, _MAXIMA, _LAST_RS, _OUT_END = 0, 1, 2, 3, 6, 7
+_NUM_DERIVED = 8
 
 #: entries an identity-keyed cache holds before it starts afresh: each entry keeps an object
 #: alive, and a caller that never hands the same object twice would otherwise grow it for nothing
@@ -106,6 +110,7 @@ class _Context:
     p2p_blocking: bool          # the exchange is the last part of each task (pipeline_p2p.task_lengths)
     processes: int              # busy devices per node (topology.busy_devices_per_node)
     serial_comm: bool           # communication takes turns with compute (cpu_node.serial_communication)
+    step_form: StepForm         # how the step is composed: step_model.OVERLAPPED or cpu_node.SERIAL
     waits_at_meetings: bool     # the profile prices the waits of ranks that meet (cpu_node.with_meeting_waits)
     row_context: int            # names (mesh, micro-batch, precision) in the row cache's keys
     rows_key: tuple             # (row_context, per-layer cost model names): what a layer's row depends on
@@ -117,10 +122,11 @@ class _Context:
     no_ddp: np.ndarray          # (p,) False: no pipeline rank holds DDP buckets
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
     compiled: bool = False      # the plan compiles each block (simulator/compile_fusion.py)
-    #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (evaluator._sharded_dp)
+    #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (sharded_dp.plan_table_costs)
     sharded_args: tuple | None = None
-    #: the per-layer terms are local (_LayerMemo): no DDP buckets, no CPU meeting waits or serial
-    #: communication, each of which reads the whole table
+    #: the per-layer terms are local (_LayerMemo): the step form's (no serial communication) and
+    #: every registered term acting here (term_registry.memo_safe: no DDP buckets, no CPU meeting
+    #: waits, each of which reads the whole table)
     memo_ok: bool = False
     #: per layer, head + 2 tail (chunk_masks): what the step model reads of the layer's position
     position_class: list = field(default_factory=list)
@@ -174,6 +180,8 @@ class PlanEvaluator:
                 raise ValueError(f"no cost model for GPU types {missing}")
             self._cms = dict(cost_model)
         self.num_layers = len(graph.layers)
+        # the layer table's columns as the registered terms make them (term_registry.py)
+        self._table_width = _NUM_DERIVED + len(layer_table.COLUMNS)
         self._tied_uses = tied_copies.uses(graph)        # tied weights used by several layers
         self._prefix = [layer.name + "." for layer in graph.layers]
         self._sig = [layer.signature for layer in graph.layers]
@@ -284,9 +292,9 @@ class PlanEvaluator:
         if row_id is None:
             cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm, ctx.compiled)
-            row = np.array(layer_cost_row(c) + (float(effective_zero(lp.zero, ctx.mesh)),
-                                                1.0 if lp.offload == "cpu" else 0.0,
-                                                float(RECOMPUTE_CODE[lp.recompute])), dtype=float)
+            row = np.array(term_registry.layer_row(c, float(effective_zero(lp.zero, ctx.mesh)),
+                                                   1.0 if lp.offload == "cpu" else 0.0,
+                                                   float(RECOMPUTE_CODE[lp.recompute]), lp, ctx.mesh), dtype=float)
             row_id = self._row_cache[key] = (row, len(self._row_cache))
             # (runs sharded, is offloaded, runs ZeRO-1)
             self._row_flags.append((int(row[_ZERO] >= 2), int(row[_OFFLOAD] != 0), int(row[_ZERO] == 1)))
@@ -341,8 +349,10 @@ class PlanEvaluator:
         scale = plan.micro_batch / max(1, self.graph.batch_size)
         act_scale = precision_bytes(plan.precision) / dtype_bytes(self.graph.param_dtype)
         # stage boundaries carry full (not sequence-sharded) activations: the runtime gathers
-        # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py)
-        sp_div = 1
+        # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py); an axis that
+        # splits the sequence itself (parallel_dims.Axis.splits, context parallelism) leaves each
+        # rank its share of the tokens to send
+        sp_div = mesh.degree("sequence")
         boundary = max((self.graph.layers[s.end - 1].output_bytes for s in stages[:-1]), default=0)
         p2p_s, p2p_m = (0.0, False)
         busy = busy_devices_per_node(self.cluster, mesh)
@@ -351,6 +361,7 @@ class PlanEvaluator:
                                                       links.pp.link, links.pp.level, links.tp.link, links.tp.level,
                                                       busy)
         layer_rank = layer_stage % p
+        serial = cpu_node.serial_communication(self.cluster, mesh)
         row_context = self._row_contexts.setdefault(key[:3] + (plan.compile,), len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]
         layer_cm_names = [rank_cm_names[r] for r in layer_rank]
@@ -368,14 +379,15 @@ class PlanEvaluator:
                        node_counts=node_counts, host_capacity=host_capacity,
                        p2p_s=p2p_s, p2p_measured=p2p_m, p2p_blocking=rank_cm[0].code.p2p.blocking,
                        host_when_empty=host_when_empty,
-                       processes=busy, serial_comm=cpu_node.serial_communication(self.cluster, mesh),
+                       processes=busy, serial_comm=serial,
+                       step_form=cpu_node.SERIAL if serial else OVERLAPPED,
                        waits_at_meetings=cpu_node.waits_at_meetings(mesh, busy, rank_cm),
                        row_context=row_context, rows_key=(row_context, layer_cms),
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()), compiled=plan.compile)
-        # DDP buckets (ddp_bucketed_all_reduces) may apply to a plain data-parallel mesh
-        ctx.memo_ok = not (ctx.serial_comm or ctx.waits_at_meetings or (mesh.dp > 1 and not mesh.splits_model))
+        # e.g. DDP buckets (ddp_buckets.py) may apply to a plain data-parallel mesh
+        ctx.memo_ok = ctx.step_form.memo_ok and term_registry.memo_safe(ctx)
         ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()
         return ctx
 
@@ -418,22 +430,21 @@ class PlanEvaluator:
         return ctx, self._derive(self._rows(plan, ctx, key), ctx)
 
     def _derive(self, rows: LayerTable, ctx: _Context) -> LayerTable:
-        """The plan's rows with the terms that depend on other layers: DDP buckets, sharded data
-        parallelism's copies and overlap, the waits of CPU ranks that meet."""
-        rows = ddp_bucketed_all_reduces(rows, ctx, ctx.processes)
-        rows = _sharded_dp(rows, ctx, self.cluster.inter_node.bandwidth_GBps, self._fetch_units)  # sharded_dp.py
-        if ctx.waits_at_meetings:
-            rows = cpu_node.with_meeting_waits(rows, ctx, ctx.processes)
+        """The plan's rows rewritten by the registered "table" terms, in order (builtin_terms.py:
+        DDP buckets, sharded data parallelism's copies and overlap, the waits of CPU ranks that
+        meet): the terms that depend on other layers."""
+        for term in term_registry.table_terms():
+            rows = term.derive(rows, ctx, self)
         return rows
 
     def evaluate(self, plan: Plan) -> SimResult:
         ctx, key = self._context(plan)
         if not ctx.memo_ok:
             rows = self._derive(self._rows(plan, ctx, key), ctx)
-            step_r, bubble = closed_form_step(ctx, rows)
+            step_r, bubble = ctx.step_form.step(ctx, rows)
             return self.assemble(plan, ctx, rows, step_r, bubble)
         table, (n_sharded, _, n_zero1) = self._derived_table(plan, ctx)
-        rows = LayerTable(table[:, :_NUM_COLUMNS])
+        rows = LayerTable(table[:, _NUM_DERIVED:])
         # per model chunk, in one call each: the sums of (forward, backward, activation) and the
         # maxima of the _MAX_COLUMNS (the same numbers as one column at a time)
         sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
@@ -445,7 +456,7 @@ class PlanEvaluator:
                              any_ddp=any_ddp)
 
     def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """((layers, _TABLE_WIDTH) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
+        """((layers, _table_width) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
         rows (``_derive``), then per layer its effective forward and backward time
         (layer_effective_times), its activation bytes, its _MAX_COLUMNS and its
         step_model.last_reduce_scatter -- the layers unchanged since the last plan of this context
@@ -516,8 +527,8 @@ class PlanEvaluator:
             derived = self._derive(LayerTable(rows), ctx)
             fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
             data = derived.data
-            table = np.empty((num_layers, _TABLE_WIDTH))
-            table[:, :_NUM_COLUMNS] = data
+            table = np.empty((num_layers, self._table_width))
+            table[:, _NUM_DERIVED:] = data
             table[:, _FWD] = fwd
             table[:, _BWD] = bwd
             table[:, _ACT] = data[:, _ACTIVATION]
@@ -600,7 +611,7 @@ class PlanEvaluator:
             tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
             hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
             # ---- communication volume (bytes sent per step, all devices)
-            replicas = mesh.dp * mesh.tp
+            replicas = mesh.world_size // mesh.degree("layers")     # the devices of one pipeline rank
             tp_bytes = float(tp_wire.sum()) * m * replicas
             dp_bytes = float(dp_wire_mb.sum() * m + dp_wire_step.sum()) * replicas
             pp_bytes = 0.0
@@ -636,68 +647,8 @@ def _memo_settings(ctx: _Context):
     return ctx.rank_cm[0].calibration
 
 
-def _sharded_dp(rows: LayerTable, ctx: _Context, per_gpu_network_GBps: float, fetch_units=None) -> LayerTable:
-    """simulator/sharded_dp.py on a GPU plan's rows (a CPU profile's ranks take turns already);
-    ``per_gpu_network_GBps``: one GPU's share of its node's network (the cluster's inter_node);
-    ``fetch_units``: a callable giving each layer's gathered units, read where the priced code
-    drains the device at each fetch (sharded_dp item 4c)."""
-    cm = ctx.rank_cm[0]
-    if cm.host_dispatch_bound or ctx.serial_comm:
-        return rows
-    # the arguments depend on the context, the training code priced (cm.code) and the fitted
-    # constants (cm.calibration, _memo_settings): worked out once per context and calibration
-    settings = _memo_settings(ctx)
-    if ctx.sharded_args is None or ctx.sharded_args[0] != settings:
-        dp, code = ctx.links.dp, cm.code
-        ctx.sharded_args = (settings,
-            (COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps, cm.efficiency.get("memory_bound", 1.0)),
-            dict(reduce_factor=sharded_dp.reduce_scale(ctx.precision, code.reduce_bytes),
-                 **sharded_dp.collective_terms(code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps,
-                                               dp.link.latency_s, per_gpu_network_GBps,
-                                               cm.collective_efficiency.get("inter", 1.0), cm.calibration)))
-        if code.sharded.drains_each_fetch and fetch_units is not None:
-            ctx.sharded_args[2]["units"] = fetch_units()
-    _, args, kwargs = ctx.sharded_args
-    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args, **kwargs))
-
-
-#: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES
-#: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``)
-DDP_FIRST_BUCKET_BYTES = 1 << 20
-
-
-def ddp_bucketed_all_reduces(rows: LayerTable, ctx: _Context, processes: int) -> LayerTable:
-    """Rows whose per-layer DDP all-reduces are priced as the calls the runtime makes: a plain
-    data-parallel plan (no tensor or pipeline parallelism, every layer
-    ZeRO-0 or 1; runtime/apply_dp.py runs it on ``DistributedDataParallel``) all-reduces its
-    gradients in buckets, filled in backward order (the last layer first) and all-reduced when
-    the bucket's last gradient is ready (Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3), so
-    a bucket's all-reduce is priced once, on the layer that closes it, at the bucket's size
-    (the buckets are cut at layer boundaries here, at tensor boundaries in DDP).  Where a call's
-    latency is small (NCCL) this changes little; on a CPU, where each call that must wake gloo's
-    threads costs milliseconds (profiling/collectives.py), it is most of the data-parallel
-    cost.  Other plans are returned unchanged."""
-    mesh = ctx.mesh
-    if mesh.dp <= 1 or mesh.splits_model or not (rows.zero <= 1).all():
-        return rows
-    if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
-        return rows
-    cm, link, level = ctx.rank_cm[0], ctx.links.dp.link, ctx.links.dp.level
-    grad = rows.dp_grad_bytes
-    ar = np.zeros(len(rows))
-    cap, filled = DDP_FIRST_BUCKET_BYTES, 0.0
-    for k in range(len(rows) - 1, -1, -1):
-        filled += grad[k]
-        if filled > 0 and (filled >= cap or k == 0):
-            ar[k] = cm.collective_time("all_reduce", filled, mesh.dp, link, level, processes=processes)
-            cap, filled = DDP_BUCKET_BYTES, 0.0
-    return rows.with_columns(dp_allreduce_s=ar)
-
-
 def closed_form_step(ctx: _Context, rows: LayerTable) -> tuple[np.ndarray, float]:
-    """(time at which each pipeline rank finishes the step, bubble fraction): the step model
-    (step_model.py), or on CPU nodes whose communication takes turns with compute its serial
-    form (cpu_node.serial_step)."""
-    if ctx.serial_comm:
-        return cpu_node.serial_step(ctx, rows)
-    return overlapped_step(ctx, rows)
+    """(time at which each pipeline rank finishes the step, bubble fraction): the step model in
+    the context's form (step_model.OVERLAPPED, or cpu_node.SERIAL on CPU nodes whose
+    communication takes turns with compute), chosen when the context was built."""
+    return ctx.step_form.step(ctx, rows)

@@ -6,7 +6,8 @@ layer_cost.effective_zero), ``offload`` (1.0 when offloaded to the host) and ``r
 (RECOMPUTE_CODE).  The columns share one (layers, columns) array so that a plan differing from
 the last one in a few layers updates only those rows, and per-rank sums are one matrix product
 (``LayerTable(onehot @ table.data)`` is the table of per-rank sums); readers address columns
-by name: ``table.fwd_s``, ``table.zero``.
+by name: ``table.fwd_s``, ``table.zero``.  A registered cost term may add columns after these
+(term_registry.py: ``add_columns``), before any table is built.
 """
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def _column_property(name: str, i: int) -> property:
 
 for _name, _i in COLUMN_INDEX.items():
     setattr(LayerTable, _name, _column_property(_name, _i))
+
+
+def add_columns(names: tuple[str, ...]) -> None:
+    """Append columns (a cost term's: term_registry.register) to COLUMNS, COLUMN_INDEX and the
+    table's named properties."""
+    global COLUMNS
+    for name in names:
+        if name in COLUMN_INDEX or hasattr(LayerTable, name):
+            raise ValueError(f"layer table column {name!r} exists already")
+    for name in names:
+        COLUMN_INDEX[name] = len(COLUMNS)
+        COLUMNS = COLUMNS + (name,)
+        setattr(LayerTable, name, _column_property(name, COLUMN_INDEX[name]))
+
+
+def remove_columns(names: tuple[str, ...]) -> None:
+    """Undo ``add_columns`` of the last columns added (a test's toy term: term_registry.unregister)."""
+    global COLUMNS
+    if names and COLUMNS[-len(names):] != tuple(names):
+        raise ValueError(f"columns {names} are not the last ones added")
+    for name in names:
+        del COLUMN_INDEX[name]
+        delattr(LayerTable, name)
+    COLUMNS = COLUMNS[:len(COLUMNS) - len(names)]

@@ -14,28 +14,62 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.simulator.term_registry import pass_columns, traffic_terms
 
-def fsdp_traffic(allgather_s, reducescatter_s, h2d_s, d2h_s, zero, offload):
-    """(forward communication, backward gather, backward communication) of a layer per micro-batch.
+
+def fsdp_traffic(src, zero, offload):
+    """(forward communication, backward gather, backward communication) of a layer per micro-batch:
+    the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
+    ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
+    LayerCost, term_registry.with_term_columns).
 
     ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
     the host.  The backward gather (ZeRO-3 re-gathers the parameters it freed after forward) is
     part of the backward communication and also returned alone: nothing precedes it at the start
-    of a model chunk's backward.
+    of a model chunk's backward.  (``zero >= k`` and ``offload`` are 0 or 1, so each part's
+    product by them is exact: the sums are the same bits as one product of the sums.)
     """
+    fwd = None
+    for term in traffic_terms():
+        parts = term.traffic(src, zero, offload)
+        if parts is None:
+            continue
+        if fwd is None:
+            fwd, gather, after = parts
+        else:
+            fwd, gather, after = fwd + parts[0], gather + parts[1], after + parts[2]
+    return fwd, gather, gather + after
+
+
+def fsdp_parts(src, zero, offload):
+    """FSDP's part of a layer's traffic: (the parameter all-gather before forward, ZeRO-3's second
+    one before backward, the gradient reduce-scatter after backward)."""
+    ag = src.dp_allgather_s
     zero2 = zero >= 2
+    return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
+
+
+def offload_parts(src, zero, offload):
+    """The offloaded state's copies on the same stream: (sharded parameters host -> device before
+    forward, again before backward under ZeRO-3, sharded gradients device -> host after
+    backward); None where nothing is offloaded (no copies: fewer operations)."""
     if not np.count_nonzero(offload):
-        # nothing on the host: the same terms without the (zero) copies, in fewer operations
-        bwd_gather = allgather_s * (zero >= 3)
-        return allgather_s * zero2, bwd_gather, bwd_gather + reducescatter_s * zero2
-    h2d = h2d_s * offload
-    fwd_comm = allgather_s * zero2 + h2d
-    bwd_gather = (allgather_s + h2d) * (zero >= 3)
-    bwd_comm = bwd_gather + (reducescatter_s + d2h_s * offload) * zero2
-    return fwd_comm, bwd_gather, bwd_comm
+        return None
+    h2d = src.h2d_s * offload
+    return h2d, h2d * (zero >= 3), src.d2h_s * offload * (zero >= 2)
 
 
-def compute_per_pass(fwd_s, tp_comm_fwd_s, recompute_s, bwd_s, tp_comm_bwd_s):
-    """(forward, backward) compute of a layer per micro-batch with its tensor-parallel collectives;
-    a recomputed forward runs inside backward."""
-    return fwd_s + tp_comm_fwd_s, recompute_s + bwd_s + tp_comm_bwd_s
+def compute_per_pass(src):
+    """(forward, backward) compute of a layer per micro-batch: the sum of the columns the
+    registered "compute" terms add to each pass (term_registry.py), read from ``src`` by name (a
+    LayerTable, a LayerCost, term_registry.with_term_columns).  The built-in ones: forward plus
+    its tensor-parallel collectives; recompute (a recomputed forward runs inside backward),
+    backward and its collectives -- summed in that order."""
+    fwd_cols, bwd_cols = pass_columns()
+    fwd = getattr(src, fwd_cols[0])
+    for c in fwd_cols[1:]:
+        fwd = fwd + getattr(src, c)
+    bwd = getattr(src, bwd_cols[0])
+    for c in bwd_cols[1:]:
+        bwd = bwd + getattr(src, c)
+    return fwd, bwd

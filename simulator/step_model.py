@@ -26,6 +26,9 @@ the pipeline send time); step_trace.py lays the same terms out as the trace's ev
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
 from autopar.simulator import pipeline_p2p
@@ -57,12 +60,12 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     precedes (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3).  In backward the communication
     stream carries the next gather and this layer's reduce-scatter; the chunk's first backward
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
-    Layer k's times read rows k and k+1 (of k+1 its forward communication: dp_allgather_s,
-    h2d_s, zero, offload) and k's masks only (the evaluator's memo relies on it).
+    Layer k's times read rows k and k+1 (of k+1 its forward communication: the "traffic" terms'
+    columns before forward, built in dp_allgather_s, h2d_s, zero, offload) and k's masks only
+    (the evaluator's memo relies on it).
     """
-    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                                  rows.d2h_s, rows.zero, rows.offload)
-    fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s, rows.tp_comm_bwd_s)
+    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
+    fwd_c, bwd_c = compute_per_pass(rows)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
     np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])
     next_comm[-1] = 0.0
@@ -87,9 +90,27 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
     if v == 1:
         pipe = float(t_r.sum()) + (m - 1) * t_max + fill_drain_sends
     else:
-        pipe = m * t_max + (float(t_r.sum()) - t_max) / v + fill_drain_sends
+        pipe = interleaved_time(float(t_r.sum()), t_max, m, v) + fill_drain_sends
     bubble = 1.0 - m * t_max / pipe if pipe > 0 else 0.0
     return pipe, bubble
+
+
+def interleaved_time(total: float, t_max: float, m: int, v: int) -> float:
+    """The interleaved schedule's length without sends, ``m max_r T_r + (sum_r T_r - max_r T_r) / v``
+    (Narayanan et al. 2021, Sec. 2.2.2: the bubble divided by the v chunks per rank), from
+    ``total`` = sum_r T_r and ``t_max`` = max_r T_r; v = 1 is one rank's (or equal stages')
+    ``m T``.  The one copy of the formula: ``pipeline_time``, the planner's screen
+    (planner/search.py) and its bound (planner/screen_bound.py) read it."""
+    return m * t_max + (total - t_max) / v
+
+
+def pipeline_and_ends(ctx, f_g: np.ndarray, b_g: np.ndarray, send_s: float) -> tuple[float, float, np.ndarray]:
+    """(pipeline length, bubble fraction, when each rank's last backward ends) from the model
+    chunks' task lengths ``f_g``, ``b_g`` and the send ``send_s`` charged in the fill and drain."""
+    p, v = ctx.p, ctx.v
+    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
+    pipe, bubble = pipeline_time(t_r, ctx.num_microbatches, p, v, send_s)
+    return pipe, bubble, rank_ends(pipe, b_g[:p], send_s)
 
 
 def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:
@@ -138,6 +159,34 @@ def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     return step_from_chunk_times(ctx, rows, bwd, np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts))
 
 
+def overlapped_chunk_times(ctx, rows: LayerTable):
+    """(per-layer forward and backward slots, per-chunk forward and backward task lengths, the
+    send charged in the fill and drain) of the overlapped form: what ``overlapped_step`` composes
+    and the trace draws (step_trace.py)."""
+    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    f_g, b_g, c = pipeline_p2p.task_lengths(np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts),
+                                            ctx.p2p_s, ctx.p2p_blocking)
+    return fwd, bwd, f_g, b_g, c
+
+
+@dataclass(frozen=True)
+class StepForm:
+    """How a context's step is composed, chosen once when the evaluator builds the context
+    (evaluator._new_context): ``step(ctx, rows)`` -> (per-rank ends, bubble); ``chunk_times(ctx,
+    rows)`` -> overlapped_chunk_times's five terms, which the trace draws; ``serial``: the
+    communication takes turns with compute; ``memo_ok``: the per-layer terms of the form are local
+    (evaluator._LayerMemo may serve)."""
+    name: str
+    step: Callable
+    chunk_times: Callable
+    serial: bool
+    memo_ok: bool
+
+
+#: a GPU's: communication on its own streams, overlapping compute
+OVERLAPPED = StepForm("overlapped", overlapped_step, overlapped_chunk_times, serial=False, memo_ok=True)
+
+
 def ddp_all_reduces(rows: LayerTable) -> np.ndarray:
     """Per layer: its DDP gradient all-reduce, where the layer runs ZeRO-0 or 1 (a sharded layer
     reduce-scatters instead: ``last_reduce_scatter``)."""
@@ -162,11 +211,9 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     ``any_ddp`` (does some layer run ZeRO 0 or 1) and ``any_zero1`` (after_backward): where the
     caller has them.  The evaluator's fast path
     hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
+    p = ctx.p
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
-    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
-    pipe, bubble = pipeline_time(t_r, m, p, v, c)
-    end_r = rank_ends(pipe, b_g[:p], c)                 # chunk 0 of each rank finishes last
+    pipe, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, c)    # chunk 0 of each rank finishes last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
     layer_rank = ctx.layer_rank
     excess = None                         # no DDP all-reduce past the last backward

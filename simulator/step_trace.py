@@ -5,10 +5,11 @@ compute) prices a step in closed form; this module draws that same step as event
 representative device per pipeline rank, from the same quantities:
 
 * each task (forward or backward of one micro-batch on one model chunk) is a run of layer
-  slots, each as long as the layer's effective time (step_model.layer_effective_times; in the
-  serial form compute plus traffic).  Inside a slot the compute stream runs the layer's
-  forward, or recompute then backward, with its tensor-parallel collectives after it on the
-  ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
+  slots, each as long as the layer's effective time (the context's step form's chunk_times:
+  step_model.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
+  the registered "compute" terms (term_registry.py) run one after another, each on its stream:
+  the layer's forward, or recompute then backward, on the compute stream, with its
+  tensor-parallel collectives after it on the ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
   step model prices beside the layer: in forward, the next layer's prefetched all-gather (and
   host-to-device copy), the chunk's first layer having waited for its own; in backward, a
   gather and a reduce-scatter (and device-to-host copy) of the layer's own size, marked
@@ -54,11 +55,9 @@ from typing import Any
 
 import numpy as np
 
-from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import LayerTable
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import (ddp_all_reduces, gradient_ready_offsets, last_reduce_scatter,
-                                         layer_effective_times, pipeline_time, rank_ends)
+from autopar.simulator.step_model import ddp_all_reduces, gradient_ready_offsets, last_reduce_scatter, pipeline_and_ends
+from autopar.simulator.term_registry import pass_events, traffic_terms
 from autopar.simulator.timeline import Timeline
 
 
@@ -122,31 +121,13 @@ class _Terms:
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
-    """The same quantities step_model.overlapped_step / cpu_node.serial_step compute, from the
-    step model's public functions."""
-    p, v, m = ctx.p, ctx.v, ctx.num_microbatches
-    if ctx.serial_comm:
-        fwd_comm, _, bwd_comm = fsdp_traffic(rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s,
-                                             rows.d2h_s, rows.zero, rows.offload)
-        fwd_c, bwd_c = compute_per_pass(rows.fwd_s, rows.tp_comm_fwd_s, rows.recompute_s, rows.bwd_s,
-                                        rows.tp_comm_bwd_s)
-        fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
-        f_g = np.add.reduceat(fwd, ctx.starts)
-        b_g = np.add.reduceat(bwd, ctx.starts)
-        if len(ctx.starts) > 1:          # each chunk's send blocks its compute (cpu_node.serial_step)
-            f_g[:-1] += ctx.p2p_s
-            b_g[1:] += ctx.p2p_s
-        c_pipe = 0.0
-    else:
-        fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
-        f_g = np.add.reduceat(fwd, ctx.starts)
-        b_g = np.add.reduceat(bwd, ctx.starts)
-        f_g, b_g, c_pipe = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)
-    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)
-    pipe, _ = pipeline_time(t_r, m, p, v, c_pipe)
-    return _Terms(serial=bool(ctx.serial_comm), fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe,
-                  end_r=rank_ends(pipe, b_g[:p], c_pipe), send_s=ctx.p2p_s,
-                  sends_in_task=bool(ctx.serial_comm) or ctx.p2p_blocking)
+    """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
+    cpu_node.SERIAL), from its own ``chunk_times`` and step_model.pipeline_and_ends."""
+    fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
+    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe)
+    serial = ctx.step_form.serial
+    return _Terms(serial=serial, fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe, end_r=end_r, send_s=ctx.p2p_s,
+                  sends_in_task=serial or ctx.p2p_blocking)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
@@ -207,40 +188,38 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
                terms: _Terms, head: np.ndarray, tail: np.ndarray) -> float:
     """Draw the layer slots of one task (layers a..b-1 of virtual stage g) from ``t``; returns
     when the last slot ends."""
-    ag, rs, h2d, d2h = rows.dp_allgather_s, rows.dp_reducescatter_s, rows.h2d_s, rows.d2h_s
-    zero, off = rows.zero, rows.offload
     args = {"micro_batch": mb, "stage": g}
+    # the registered "traffic" terms' parts (term_registry.traffic_terms: FSDP's gathers and
+    # reduce-scatter, the offload copies), in the order overlap.fsdp_traffic sums them
+    traffic = [(t, parts) for t in traffic_terms()
+               for parts in (t.traffic(rows, rows.zero, rows.offload),) if parts is not None]
 
     def gather(k: int, s: float, backward: bool, label: str = "") -> float:
-        """Layer k's parameter all-gather and host copy from ``s`` (overlap.fsdp_traffic's forward
-        communication, or its backward gather); returns their end."""
-        needed = zero[k] >= 3 if backward else zero[k] >= 2
-        tl.add(dev, "fsdp", f"all_gather L{k}{label}", s, ag[k] if needed else 0.0, **args)
-        s += ag[k] if needed else 0.0
-        copy = h2d[k] * off[k] if (not backward or zero[k] >= 3) else 0.0
-        tl.add(dev, "fsdp", f"h2d L{k}{label}", s, copy, **args)
-        return s + copy
+        """Layer k's traffic before a pass from ``s`` (overlap.fsdp_traffic's forward
+        communication, or its backward gather); returns its end."""
+        for t, parts in traffic:
+            d = parts[1 if backward else 0][k]
+            tl.add(dev, t.stream, f"{t.gather_label} L{k}{label}", s, d, **args)
+            s += d
+        return s
 
     def scatter(k: int, s: float, label: str = "") -> float:
-        """Layer k's gradient reduce-scatter and copy out from ``s``; returns their end."""
-        if zero[k] < 2:
-            return s
-        tl.add(dev, "fsdp", f"reduce_scatter L{k}{label}", s, rs[k], **args)
-        tl.add(dev, "fsdp", f"d2h L{k}{label}", s + rs[k], d2h[k] * off[k], **args)
-        return s + rs[k] + d2h[k] * off[k]
+        """Layer k's traffic after backward from ``s``; returns its end."""
+        for t, parts in traffic:
+            d = parts[2][k]
+            tl.add(dev, t.stream, f"{t.scatter_label} L{k}{label}", s, d, **args)
+            s += d
+        return s
+
+    # the registered "compute" terms of this pass, in order (term_registry.pass_events): the
+    # built-in ones draw forward then its tp collectives, recompute then backward then its collectives
+    events = [(rows.column(col), label, stream) for col, label, stream in pass_events()[kind == "B"]]
 
     def compute(k: int, s: float) -> float:
-        if kind == "F":
-            tl.add(dev, "compute", f"fwd L{k}", s, rows.fwd_s[k], **args)
-            s += rows.fwd_s[k]
-            tl.add(dev, "tp", f"tp fwd L{k}", s, rows.tp_comm_fwd_s[k], **args)
-            return s + rows.tp_comm_fwd_s[k]
-        tl.add(dev, "compute", f"recompute L{k}", s, rows.recompute_s[k], **args)
-        s += rows.recompute_s[k]
-        tl.add(dev, "compute", f"bwd L{k}", s, rows.bwd_s[k], **args)
-        s += rows.bwd_s[k]
-        tl.add(dev, "tp", f"tp bwd L{k}", s, rows.tp_comm_bwd_s[k], **args)
-        return s + rows.tp_comm_bwd_s[k]
+        for values, label, stream in events:
+            tl.add(dev, stream, f"{label} L{k}", s, values[k], **args)
+            s += values[k]
+        return s
 
     order = range(a, b) if kind == "F" else range(b - 1, a - 1, -1)
     slots = terms.fwd if kind == "F" else terms.bwd

@@ -5,7 +5,8 @@ optimizer), ``tp`` (tensor-parallel collectives, on the compute critical path), 
 (DDP's gradient all-reduces, ZeRO-1's parameter all-gather), ``fsdp`` (FSDP's all-gathers and
 reduce-scatters with the offloaded layers' host <-> device copies, which the step model runs
 beside DDP's all-reduces), ``pp`` (pipeline sends) and ``host`` (the offloaded layers'
-optimizer step).  step_trace.py lays a step out on them.  Chrome's trace format: "X" complete events
+optimizer step), and the stream a registered cost term names (simulator/term_registry.py), after
+these.  step_trace.py lays a step out on them.  Chrome's trace format: "X" complete events
 with microsecond ``ts``/``dur``, ``pid`` = device, ``tid`` = stream, plus "M" metadata events
 naming them (Trace Event Format, Google, 2016).
 """
@@ -36,14 +37,17 @@ class Timeline:
 def to_chrome_trace(events: list[dict[str, Any]], device_names: dict[int, str] | None = None) -> dict[str, Any]:
     trace: list[dict[str, Any]] = []
     devices = sorted({e["device"] for e in events})
+    stream_id = dict(STREAM_ID)                 # then the streams registered terms name, as they come
+    for e in events:
+        stream_id.setdefault(e["stream"], len(stream_id))
     for d in devices:
         label = (device_names or {}).get(d, f"rank {d}")
         trace.append({"ph": "M", "name": "process_name", "pid": d, "tid": 0, "args": {"name": label}})
-        for s in STREAMS:
-            trace.append({"ph": "M", "name": "thread_name", "pid": d, "tid": STREAM_ID[s], "args": {"name": s}})
+        for s, i in stream_id.items():
+            trace.append({"ph": "M", "name": "thread_name", "pid": d, "tid": i, "args": {"name": s}})
     for e in events:
         trace.append({"ph": "X", "name": e["name"], "cat": e["stream"], "pid": e["device"],
-                      "tid": STREAM_ID[e["stream"]], "ts": e["start_s"] * 1e6, "dur": e["dur_s"] * 1e6,
+                      "tid": stream_id[e["stream"]], "ts": e["start_s"] * 1e6, "dur": e["dur_s"] * 1e6,
                       "args": e.get("args", {})})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 

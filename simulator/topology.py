@@ -27,10 +27,20 @@ class GroupLink:
 
 @dataclass(frozen=True)
 class MeshLinks:
-    tp: GroupLink
-    dp: GroupLink
-    pp: GroupLink
-    host: Link          # host <-> device (PCIe), slowest in the cluster
+    """The slowest link of each axis's groups, keyed by axis name (core/parallel_dims.py): read as
+    ``links.axis("tp")`` or ``links.tp``, for whichever axes the mesh declares; ``host``: host <->
+    device (PCIe), the slowest in the cluster."""
+    axes: dict
+    host: Link
+
+    def __post_init__(self):
+        for name, group in self.axes.items():      # links.<axis name>: a plain attribute (hot path)
+            if name in ("axes", "host", "axis"):
+                raise ValueError(f"an axis may not be named {name!r}")
+            object.__setattr__(self, name, group)
+
+    def axis(self, name: str) -> GroupLink:
+        return self.axes[name]
 
 
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
@@ -57,7 +67,10 @@ def _slowest(links: list[GroupLink]) -> GroupLink:
 
 
 def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
-    """The slowest link of each kind of group over the whole mesh."""
+    """The slowest link of each axis's groups over the whole mesh, by what the axis splits
+    (parallel_dims.Axis.splits): an axis that splits the layers sends between neighbouring
+    stages, one that splits the batch reduces over its groups, the others (tensors, sequence)
+    talk inside each layer."""
     if mesh.world_size > cluster.world_size:
         raise InfeasibleError(f"mesh {mesh.describe('{name}={size}', layout_order=True)} = {mesh.world_size} ranks "
                               f"exceeds the cluster's {cluster.world_size} devices")
@@ -65,16 +78,27 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     # that groups may straddle node boundaries differently; checking the first of each pipeline
     # rank (and dp replica for tp) covers every distinct placement when gpus_per_node divides
     # the strides, and a bounded sample otherwise.
-    dps = range(mesh.dp) if not cluster.homogeneous or mesh.dp * mesh.pp <= 64 else range(0, mesh.dp, max(1, mesh.dp // 8))
-    tp_groups = [_group(cluster, list(mesh.group("tp", mesh.rank_at(dp=d, pp=p))))
-                 for d in dps for p in range(mesh.pp)]
-    dp_groups = [_group(cluster, list(g)) for g in mesh.groups("dp", tp=0)]
-    # a pipeline sends point to point between neighbouring stages: each pair of the first pp group
-    pipe = mesh.group("pp")
-    pp_groups = ([_group(cluster, [a, b]) for a, b in zip(pipe, pipe[1:])]
-                 or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
+    batch = next(a.name for a in mesh.axes if a.splits == "batch")
+    layers = next(a.name for a in mesh.axes if a.splits == "layers")
+    nb, nl = mesh.size(batch), mesh.size(layers)
+    dps = range(nb) if not cluster.homogeneous or nb * nl <= 64 else range(0, nb, max(1, nb // 8))
+    innermost = {a.name: 0 for a in mesh.axes if a.innermost}
+    out = {}
+    for a in mesh.axes:
+        if a.splits == "layers":
+            # a pipeline sends point to point between neighbouring stages: each pair of the first group
+            pipe = mesh.group(a.name)
+            groups = ([_group(cluster, [x, y]) for x, y in zip(pipe, pipe[1:])]
+                      or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
+        elif a.splits == "batch":
+            groups = [_group(cluster, list(g)) for g in mesh.groups(a.name, **{k: v for k, v in innermost.items()
+                                                                               if k != a.name})]
+        else:
+            groups = [_group(cluster, list(mesh.group(a.name, mesh.rank_at(**{batch: d, layers: p}))))
+                      for d in dps for p in range(nl)]
+        out[a.name] = _slowest(groups)
     host = min((g.host_to_device for g in cluster.groups), key=lambda link: link.bandwidth_GBps)
-    return MeshLinks(_slowest(tp_groups), _slowest(dp_groups), _slowest(pp_groups), host)
+    return MeshLinks(out, host)
 
 
 def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:

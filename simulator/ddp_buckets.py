@@ -1,0 +1,46 @@
+"""DDP's gradient buckets: the data-parallel all-reduces of a plain data-parallel plan priced as
+the calls the runtime makes (a "table" cost term: builtin_terms.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.simulator.layer_table import LayerTable
+from autopar.simulator.memory import DDP_BUCKET_BYTES
+
+#: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES
+#: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``)
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+
+
+def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTable:
+    """Rows whose per-layer DDP all-reduces are priced as the calls the runtime makes: a plain
+    data-parallel plan (no tensor or pipeline parallelism, every layer
+    ZeRO-0 or 1; runtime/apply_dp.py runs it on ``DistributedDataParallel``) all-reduces its
+    gradients in buckets, filled in backward order (the last layer first) and all-reduced when
+    the bucket's last gradient is ready (Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3), so
+    a bucket's all-reduce is priced once, on the layer that closes it, at the bucket's size
+    (the buckets are cut at layer boundaries here, at tensor boundaries in DDP).  Where a call's
+    latency is small (NCCL) this changes little; on a CPU, where each call that must wake gloo's
+    threads costs milliseconds (profiling/collectives.py), it is most of the data-parallel
+    cost.  Other plans are returned unchanged."""
+    mesh = ctx.mesh
+    if mesh.dp <= 1 or mesh.splits_model or not (rows.zero <= 1).all():
+        return rows
+    if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
+        return rows
+    cm, link, level = ctx.rank_cm[0], ctx.links.dp.link, ctx.links.dp.level
+    grad = rows.dp_grad_bytes
+    ar = np.zeros(len(rows))
+    cap, filled = DDP_FIRST_BUCKET_BYTES, 0.0
+    for k in range(len(rows) - 1, -1, -1):
+        filled += grad[k]
+        if filled > 0 and (filled >= cap or k == 0):
+            ar[k] = cm.collective_time("all_reduce", filled, mesh.dp, link, level, processes=processes)
+            cap, filled = DDP_BUCKET_BYTES, 0.0
+    return rows.with_columns(dp_allreduce_s=ar)
+
+
+def acts(ctx) -> bool:
+    """Whether ``ddp_bucketed_all_reduces`` may rewrite the rows of context ``ctx``: a plain
+    data-parallel mesh (it reads the whole table: which layers close a bucket)."""
+    return ctx.mesh.dp > 1 and not ctx.mesh.splits_model
