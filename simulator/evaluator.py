@@ -338,7 +338,7 @@ class PlanEvaluator:
         node_counts, host_capacity = node_stage_counts(self.cluster, mesh)
         inflight = np.array([inflight_microbatches(pl.schedule, p, r, pl.num_microbatches, v) for r in range(p)], dtype=float)
         # activation send between stages, per micro-batch: the largest boundary tensor
-        scale = plan.micro_batch / max(1, self.graph.batch_size)
+        scale = plan.micro_batch / max(1, self.graph.batch_size) / mesh.cp    # a cp rank sends its 1/cp of the tokens
         act_scale = precision_bytes(plan.precision) / dtype_bytes(self.graph.param_dtype)
         # stage boundaries carry full (not sequence-sharded) activations: the runtime gathers
         # the sequence on leaving a sequence-parallel run (runtime/apply_tp.py)
@@ -600,7 +600,7 @@ class PlanEvaluator:
             tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
             hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
             # ---- communication volume (bytes sent per step, all devices)
-            replicas = mesh.dp * mesh.tp
+            replicas = mesh.dp * mesh.cp * mesh.tp
             tp_bytes = float(tp_wire.sum()) * m * replicas
             dp_bytes = float(dp_wire_mb.sum() * m + dp_wire_step.sum()) * replicas
             pp_bytes = 0.0

@@ -1,9 +1,13 @@
 """Which link each parallel group of a mesh crosses on a cluster.
 
 Ranks are laid out over the named axes of ``core/parallel_dims.py``
-(``arange(world).view(dp, pp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
-a pipeline pair is ``tp`` ranks apart and a data-parallel group strides by ``pp * tp``; the
-groups come from ``ParallelDims.group``/``groups``.  A group on one node uses the node's link
+(``arange(world).view(dp, pp, cp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
+a context-parallel group strides by ``tp``, a pipeline pair is ``cp * tp`` ranks apart and a
+data-parallel group strides by ``pp * cp * tp``; the groups come from ``ParallelDims.group``/
+``groups``.  Gradients and FSDP shards span dp x cp (runtime/apply_cp.gradient_mesh, as
+torchtitan shards), so ``dp`` is that flattened group; an expert-parallel group is
+``ParallelDims.ep_group`` and the experts' own data-parallel group (``ep_dp``) the dp x cp
+ranks with the same place in their ep groups.  A group on one node uses the node's link
 (the slowest GPU's link in a heterogeneous node group); a group that spans nodes pays the
 inter-node link, which then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
 """
@@ -31,6 +35,12 @@ class MeshLinks:
     dp: GroupLink
     pp: GroupLink
     host: Link          # host <-> device (PCIe), slowest in the cluster
+    cp: GroupLink | None = None        # the context-parallel group (K/V all-gather); None when cp = 1
+    ep: GroupLink | None = None        # the expert-parallel group (all-to-all); None when ep = 1
+    ep_dp: GroupLink | None = None     # the experts' gradient / FSDP group (dp x cp / ep ranks)
+    ep_ranks_per_node: int = 1         # ranks of one ep group on one node (the fewest over nodes)
+    ep_intra: Link | None = None       # the node link of the ep group's ranks
+    ep_network: Link | None = None     # one GPU's share of the network, where an ep group spans nodes
 
 
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
@@ -68,13 +78,47 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     dps = range(mesh.dp) if not cluster.homogeneous or mesh.dp * mesh.pp <= 64 else range(0, mesh.dp, max(1, mesh.dp // 8))
     tp_groups = [_group(cluster, list(mesh.group("tp", mesh.rank_at(dp=d, pp=p))))
                  for d in dps for p in range(mesh.pp)]
-    dp_groups = [_group(cluster, list(g)) for g in mesh.groups("dp", tp=0)]
+    if mesh.cp == 1:
+        dp_groups = [_group(cluster, list(g)) for g in mesh.groups("dp", tp=0)]
+    else:   # gradients and FSDP shards over dp x cp flattened (runtime/apply_cp.gradient_mesh)
+        dp_groups = [_group(cluster, mesh.ranks_where(pp=p, tp=0)) for p in range(mesh.pp)]
     # a pipeline sends point to point between neighbouring stages: each pair of the first pp group
     pipe = mesh.group("pp")
     pp_groups = ([_group(cluster, [a, b]) for a, b in zip(pipe, pipe[1:])]
                  or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
     host = min((g.host_to_device for g in cluster.groups), key=lambda link: link.bandwidth_GBps)
-    return MeshLinks(_slowest(tp_groups), _slowest(dp_groups), _slowest(pp_groups), host)
+    extra = {}
+    if mesh.cp > 1:
+        extra["cp"] = _slowest([_group(cluster, list(mesh.group("cp", mesh.rank_at(dp=d, pp=p))))
+                                for d in dps for p in range(mesh.pp)])
+    if mesh.ep > 1:
+        extra.update(_ep_links(cluster, mesh, dps))
+    return MeshLinks(_slowest(tp_groups), _slowest(dp_groups), _slowest(pp_groups), host, **extra)
+
+
+def _ep_links(cluster: Cluster, mesh: Mesh, dps) -> dict:
+    """The ep groups' links (``ParallelDims.ep_group``), the experts' data-parallel groups (the
+    dp x cp ranks at one place of their ep groups) and how many of an ep group's ranks share a
+    node (an all-to-all's traffic to ranks on the node stays on the node link: ep_cost.py)."""
+    from collections import Counter
+
+    firsts = [mesh.rank_at(dp=d, pp=p) for d in dps for p in range(mesh.pp)]
+    groups = {mesh.ep_group(r) for r in firsts}
+    ep = _slowest([_group(cluster, list(g)) for g in groups])
+    per_node = min(min(Counter(cluster.device(r).node for r in g).values()) for g in groups)
+    intra = min((cluster.groups[cluster.device(r).group].intra_node for g in groups for r in g),
+                key=lambda link: link.bandwidth_GBps)
+    out = {"ep": ep, "ep_ranks_per_node": per_node, "ep_intra": intra}
+    if ep.level == "inter":
+        out["ep_network"] = cluster.inter_node
+    flat = mesh.dp * mesh.cp
+    if flat > mesh.ep:
+        rows = []
+        for p in range(mesh.pp):
+            ranks = mesh.ranks_where(pp=p, tp=0)      # dp x cp order: flat coordinate dp * cp + cp
+            rows.append(_group(cluster, ranks[0::mesh.ep]))
+        out["ep_dp"] = _slowest(rows)
+    return out
 
 
 def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:
