@@ -136,12 +136,12 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if getattr(o, "ep", None) is not None:
         from autopar.simulator.ep_cost import ep_refusal
 
-        if o.ep < 1 or world % o.ep:
-            raise UserError(f"--ep {o.ep}: the cluster has {world} devices, which {o.ep} does not divide.")
         reason = ep_refusal(graph, o.ep)
         if reason:
             raise UserError(f"--ep {o.ep}: {graph.model_file} cannot take expert parallelism: {reason}. "
                             f"Use --ep 1 or leave --ep out.")
+        if world % o.ep:
+            raise UserError(f"--ep {o.ep}: the cluster has {world} devices, which {o.ep} does not divide.")
         flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
         if flat is not None and flat % o.ep:
             raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "
