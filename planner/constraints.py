@@ -82,6 +82,9 @@ def mesh_allowed(m: Mesh, o) -> bool:
             return False
         if m.pp > 1 and not ex.pipeline:
             return False
+        # (``Executable.ep``: whether ep = 2 ran on fake ranks, where the runtime check probes it)
+        if m.ep > 1 and not getattr(ex, "ep", True):
+            return False
     return True
 
 
@@ -142,6 +145,9 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
                             f"Use --ep 1 or leave --ep out.")
         if world % o.ep:
             raise UserError(f"--ep {o.ep}: the cluster has {world} devices, which {o.ep} does not divide.")
+        if o.ep > 1 and ex is not None and not getattr(ex, "ep", True):
+            raise UserError(f"--ep {o.ep}: the runtime cannot split this model's experts: "
+                            f"{_reason(ex, 'expert parallel', 'ep=2')}. Use --ep 1 or leave --ep out.")
         flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
         if flat is not None and flat % o.ep:
             raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "

@@ -114,15 +114,19 @@ def activation_bytes_per_rank(activation_bytes: float, cp: int) -> float:
 
 
 # ----------------------------------------------------------------------- wired into layer_cost
-def cp_attention_op(op):
-    """The attention op as a cp rank runs it (runtime/apply_cp.CPAttention): its S/cp queries
-    against all S gathered keys, with the head-tail causal mask passed as an explicit
-    ``attn_mask`` -- a kernel given a mask computes every (query, key) pair of the S/cp x S
-    block (no flash kernel skips the masked half of an arbitrary mask), so a causal op is priced
-    as the full square (``causal=False``; the graph's FLOPs are the full square already,
-    core/op_costs.py).  Its FLOPs on the rank are 1/cp of the whole sequence's, the micro-batch
-    scale divided by cp in layer_cost."""
-    return replace(op, causal=False) if getattr(op, "causal", False) else op
+def cp_attention_op(op, how: str = "explicit_mask"):
+    """The attention op as a cp rank runs it: its S/cp queries against all S gathered keys.
+    ``how`` (``TrainingCode.cp_attention``): "explicit_mask" -- autopar's runtime
+    (runtime/apply_cp.CPAttention) passes the head-tail causal mask as an explicit ``attn_mask``,
+    and a kernel given a mask computes every (query, key) pair of the S/cp x S block (no flash
+    kernel skips the masked half of an arbitrary mask), so a causal op is priced as the full
+    square (``causal=False``; the graph's FLOPs are the full square already, core/op_costs.py);
+    "causal_blocks" -- the rank computes only its causal pairs, half the block with the head-tail
+    split (``causal_pairs``), priced as the causal kernel.  Its FLOPs on the rank are 1/cp of the
+    whole sequence's, the micro-batch scale divided by cp in layer_cost."""
+    if how == "explicit_mask" and getattr(op, "causal", False):
+        return replace(op, causal=False)
+    return op
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class CPLayerTerms:
 
 
 def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float, cm, link,
-                   processes: int | None = None) -> CPLayerTerms:
+                   processes: int | None = None, how: str = "explicit_mask") -> CPLayerTerms:
     """The K/V exchange of a layer's attention ops on a cp rank (runtime/apply_cp.py).
 
     Per attention op, with K and V as SDPA receives them ([B, heads, S, d]; the graph's shapes
@@ -154,7 +158,8 @@ def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float
       rank's own 1/cp share already, so (cp - 1) x it more) and the mask it was given -- an
       [S/cp, S] tensor, converted from bool to the query's dtype before the kernel
       (aten/src/ATen/native/transformers/attention.cpp, ``convert_boolean_attn_mask``), which
-      the memory-efficient kernel's backward reads again (its ``attn_bias`` input).
+      the memory-efficient kernel's backward reads again (its ``attn_bias`` input) -- where the
+      code passes one (``how`` = "explicit_mask", ``cp_attention_op``).
     """
     if cp <= 1:
         return CPLayerTerms()
@@ -172,7 +177,7 @@ def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float
         bwd += t_b
         wire += (cp - 1) * local_kv                 # (cp - 1) / cp of the message: ring_wire_bytes
         seq = q[-2] if len(q) >= 2 else 0
-        saved += (cp - 1) * local_kv + (seq / cp) * seq * elem_bytes
+        saved += (cp - 1) * local_kv + ((seq / cp) * seq * elem_bytes if how == "explicit_mask" else 0.0)
         n += 1
         measured += m_f + m_b
         estimated += (not m_f) + (not m_b)

@@ -242,7 +242,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     rerun_mms = recomputed_matmuls(ops, cm.code.selective_mm_policy) if lp.recompute == "selective" else frozenset()
     for op in ops:
         if cp > 1 and op.kind == "attention":
-            op = cp_cost.cp_attention_op(op)     # as a cp rank runs it: an explicit mask, the full square
+            op = cp_cost.cp_attention_op(op, cm.code.cp_attention)     # as a cp rank runs it
         w.param_names.update(op.params)
         w.frozen_names.update(op.frozen_params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
@@ -457,7 +457,7 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
     meetings = 0
     if mesh.cp > 1:
         ops = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
-        c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes)
+        c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention)
         tpc.fwd_s += c.fwd_s
         tpc.bwd_s += c.bwd_s
         tpc.wire_fwd += c.wire_fwd

@@ -70,6 +70,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_ep_and_cp_exit_2_with_the_reason(tmp_path):
     r = _cli("plan", "examples/llama.py", "--model-arg", "size=llama-tiny", "--cluster", "local-cpu",
              "--global-batch", "4", "--ep", "2", "--time-budget", "2", "--no-runtime-check", "-o", str(tmp_path / "p.json"))
@@ -107,6 +108,7 @@ def r_seen(result):
     return [result.best, *result.runner_ups]
 
 
+@pytest.mark.slow
 def test_moe_with_costly_expert_gathers_picks_ep():
     """64 experts of 4096 x 8192 in each of 2 MoE layers (13 B parameters, top 6): too much state
     for a replica (DDP, ZeRO-1), so without ep every micro-batch gathers all experts' weights,
@@ -127,6 +129,7 @@ def test_moe_with_costly_expert_gathers_picks_ep():
     assert r1.best.step_time_s > r.best.step_time_s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,args,flag", [
     ("examples/llama.py", ["--model-arg", "size=llama-tiny"], "--cp"),
     # (captured at the plan's micro-batch: this model's fingerprint differs between captures at
