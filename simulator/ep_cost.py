@@ -49,6 +49,8 @@ from autopar.core.graph import OpGraph
 CAPACITY_FACTOR = 1.25
 
 _INDEXED = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
+#: a max over the scores that returns the chosen index (Tensor.max(dim), aten.max.dim, argmax); not amax
+_TOP1 = re.compile(r"(^|\.)(max(\.dim)?|argmax(\.default)?)$")
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def routed_experts(graph: OpGraph, layer_index: int) -> tuple[RoutedExperts, ...
     ``<module>.0 .. <module>.E-1`` holding parameters (an ``nn.ModuleList`` of experts, as
     older transformers and DeepSeek-V3's reference code build them); in both, a Linear of the
     layer outside the module with E outputs (the router) and a ``topk`` over E scores give
-    the routing.  A module that gathers expert weights per token inside its own forward (the
-    zoo's ``moe``) is not one: nothing outside it routes."""
+    the routing (a ``max`` / ``argmax`` over the E scores: top 1).  A module that capture keeps
+    opaque (a ``leaf`` op: routing on data-dependent shapes) is not found: the graph does not
+    hold the sizes of its expert parameters."""
     cache = graph.__dict__.setdefault("_routed_experts", {})
     if layer_index not in cache:
         cache[layer_index] = _find(graph, layer_index)
@@ -111,6 +114,10 @@ def _find(graph: OpGraph, layer_index: int) -> tuple[RoutedExperts, ...]:
                    and o.output_shape[-1] == experts and o.input_shapes]
         ks = [o.output_shape[-1] for o in ops if "topk" in str(o.target) and o.input_shapes
               and o.input_shapes[0] and o.input_shapes[0][-1] == experts and o.output_shape]
+        # top-1 routing by a max / argmax over the E scores (Switch Transformer's router)
+        ks += [1 for o in ops if _TOP1.search(str(o.target)) and o.input_shapes
+               and o.input_shapes[0] and o.input_shapes[0][-1] == experts
+               and tuple(o.output_shape) == tuple(o.input_shapes[0][:-1])]
         if not routers or not ks or not 0 < ks[0] <= experts:
             continue
         router = routers[0]

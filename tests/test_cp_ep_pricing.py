@@ -235,3 +235,57 @@ def test_ep_capacity_factor_on_the_expert_gemms(mixtral, h100):
     assert (w1.flops_factor, w2.flops_factor) == (1.0, ep_cost.CAPACITY_FACTOR) == (1.0, 1.25)
     assert w1.expert_fwd_flops == w2.expert_fwd_flops == 2.0 * MSEQ * TOP_K * HIDDEN * 3 * FFN
     assert w2.local_numel == r.param_numel / 2 and w1.local_numel == r.param_numel
+
+
+def test_top1_router_by_max_recognised(tmp_path):
+    """A Switch-style router (Fedus et al. 2022): top 1 by a max over the E scores, the experts a
+    module of stacked [E, ...] parameters called with the tokens and their choice."""
+    src = tmp_path / "switch.py"
+    src.write_text('''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(4, 16, 32))
+        self.w_out = nn.Parameter(torch.randn(4, 32, 16))
+    def forward(self, x, idx, w):
+        h = torch.bmm(x.unsqueeze(1), self.w_in[idx])
+        return torch.bmm(F.gelu(h), self.w_out[idx]).squeeze(1) * w.unsqueeze(-1)
+
+class Switch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = Experts()
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(b * s, h)
+        p, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        return self.experts(x, idx, p).view(b, s, h)
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.moe = Switch()
+        self.head = nn.Linear(16, 32)
+    def forward(self, t):
+        x = self.emb(t)
+        return self.head(x + self.moe(x))
+
+def build_model():
+    return M()
+
+def make_batch(batch_size):
+    t = torch.randint(0, 32, (batch_size, 9))
+    return t[:, :-1], t[:, 1:]
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+''')
+    g = capture_model_file(str(src), {}, 2)
+    found = [r for i in range(len(g.layers)) for r in routed_experts(g, i)]
+    assert [(r.module, r.form, r.experts, r.top_k, r.hidden, r.tokens) for r in found] == [
+        ("moe.experts", "stacked", 4, 1, 16, 16)]
+    assert found[0].param_numel == 4 * 16 * 32 * 2
