@@ -600,7 +600,7 @@ class PlanEvaluator:
             tflops = model_flops / step / world / 1e12 if step > 0 else 0.0
             hw_tflops = hw_flops / step / world / 1e12 if step > 0 else 0.0
             # ---- communication volume (bytes sent per step, all devices)
-            replicas = mesh.dp * mesh.cp * mesh.tp
+            replicas = mesh.world_size // mesh.degree("layers")     # the devices of one pipeline rank
             tp_bytes = float(tp_wire.sum()) * m * replicas
             dp_bytes = float(dp_wire_mb.sum() * m + dp_wire_step.sum()) * replicas
             pp_bytes = 0.0
