@@ -144,12 +144,13 @@ class CPLayerTerms:
 
 
 def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float, cm, link,
-                   processes: int | None = None, how: str = "explicit_mask") -> CPLayerTerms:
+                   processes: int | None = None, how: str = "explicit_mask", shard=None) -> CPLayerTerms:
     """The K/V exchange of a layer's attention ops on a cp rank (runtime/apply_cp.py).
 
     Per attention op, with K and V as SDPA receives them ([B, heads, S, d]; the graph's shapes
     are the whole sequence at the captured batch, ``local_scale`` = micro-batch / captured batch
-    / cp turns them into the rank's share):
+    / cp turns them into the rank's share; ``shard``: op name -> the tensor-parallel split of the
+    op's heads, which divides its K and V too):
 
     * forward: one all-gather of the rank's K and V, concatenated into one message (the runtime
       gathers them together), over the cp group's ``link`` -- a message of cp x the rank's K/V;
@@ -169,7 +170,8 @@ def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float
         if len(op.input_shapes) < 3:
             continue
         q, k, v = op.input_shapes[:3]
-        local_kv = (_numel(k) + _numel(v)) * local_scale * elem_bytes
+        heads_split = shard.get(op.name, 1) if shard else 1
+        local_kv = (_numel(k) + _numel(v)) * local_scale * elem_bytes / heads_split
         message = cp * local_kv
         t_f, m_f = cm.collective_time_ex("all_gather", message, cp, link.link, link.level, processes=processes)
         t_b, m_b = cm.collective_time_ex("reduce_scatter", message, cp, link.link, link.level, processes=processes)

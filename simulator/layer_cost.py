@@ -457,7 +457,8 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
     meetings = 0
     if mesh.cp > 1:
         ops = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
-        c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention)
+        c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention,
+                                   layout.compute_shard)
         tpc.fwd_s += c.fwd_s
         tpc.bwd_s += c.bwd_s
         tpc.wire_fwd += c.wire_fwd

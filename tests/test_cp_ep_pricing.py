@@ -289,3 +289,24 @@ def loss_fn(out, target):
     assert [(r.module, r.form, r.experts, r.top_k, r.hidden, r.tokens) for r in found] == [
         ("moe.experts", "stacked", 4, 1, 16, 16)]
     assert found[0].param_numel == 4 * 16 * 32 * 2
+
+
+def test_cp_exchange_of_tensor_parallel_heads(llama, h100):
+    """Under tensor parallelism a rank holds heads / tp of K and V: its cp all-gather moves 1/tp
+    of the bytes (the attention op's head split, core/sharding.propagate)."""
+    from autopar.core.sharding import megatron_styles
+    from autopar.simulator import cp_cost
+
+    cluster, cm = h100
+    i = _block(llama)
+    styles = megatron_styles(llama, i)
+    layout = propagate(llama, i, styles, 2, False)
+    att = [o for o in llama.layer_ops(i) if o.kind == "attention"]
+    assert [layout.compute_shard.get(o.name, 1) for o in att] == [2]
+    link = mesh_links(cluster, Mesh(dp=1, cp=2, tp=2)).cp
+    whole = cp_cost.cp_layer_terms(att, 2, 0.5, BF16, cm, link)
+    split = cp_cost.cp_layer_terms(att, 2, 0.5, BF16, cm, link, shard=layout.compute_shard)
+    local_kv = 2 * HEADS * (SEQ // 2) * HEAD_DIM * BF16
+    assert whole.wire_fwd == local_kv and split.wire_fwd == local_kv / 2
+    # the mask [S/cp, S] is not split by heads
+    assert whole.saved_bytes - split.saved_bytes == pytest.approx(local_kv / 2)
