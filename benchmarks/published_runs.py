@@ -1,4 +1,5 @@
-"""The simulator against published training runs: Megatron-LM PTD-P, DeepSpeed ZeRO-3 and FSDP.
+"""The simulator against published training runs: Megatron-LM PTD-P, DeepSpeed ZeRO-3, FSDP, and
+context parallelism (CP).
 
 Every row of ``benchmarks/data/published_runs.json`` (a published run: its model, cluster,
 parallel layout and measured throughput, with its source) is priced as ``autopar simulate``
@@ -18,7 +19,9 @@ and reported on the other, both ways; the per-half figures are printed beside th
     python benchmarks/published_runs.py [--fit] [--only ID_SUBSTRING] [--refresh-data]
 
 ``--refresh-data`` rebuilds the project's copy from ``../shared/validation/published_runs.json``
-(beside the repository); the benchmark itself reads only the copy.
+(beside the repository); the benchmark itself reads only the copy, and the project's own rows of
+runs the shared file does not hold, ``benchmarks/data/published_runs_cp_ep.json`` (family CP:
+context parallelism; EP: expert parallelism -- each row with its source).
 Writes benchmarks/results/published_runs.{txt,json}.
 """
 from __future__ import annotations
@@ -35,7 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
 SHARED = ROOT.parent / "shared" / "validation" / "published_runs.json"
 RESULTS = ROOT / "benchmarks" / "results"
-FAMILIES = ("PTD-P", "ZeRO-3", "FSDP", "AUTOPAR")
+FAMILIES = ("PTD-P", "ZeRO-3", "FSDP", "AUTOPAR", "CP", "EP")
+#: rows the project holds itself (runs with context or expert parallelism), beside the shared copy
+LOCAL_DATA = ROOT / "benchmarks" / "data" / "published_runs_cp_ep.json"
 
 # Per GPU type of the sources: the bundled profile and the cluster file whose node it uses.
 GPU_KEYS = {"NVIDIA A100 SXM4 80GB": "a100", "A100 80GB": "a100", "NVIDIA A100 80GB": "a100",
@@ -288,7 +293,10 @@ def load_rows(path: Path = DATA) -> list[dict]:
     if not path.exists():
         raise SystemExit(f"{path} is missing; rebuild it with `python benchmarks/published_runs.py --refresh-data` "
                          f"(needs ../shared/validation/published_runs.json beside the repository).")
-    return json.loads(path.read_text())["rows"]
+    rows = json.loads(path.read_text())["rows"]
+    if path == DATA and LOCAL_DATA.exists():
+        rows = rows + json.loads(LOCAL_DATA.read_text())["rows"]
+    return rows
 
 
 # --------------------------------------------------------------------- measured vs predicted
@@ -386,9 +394,9 @@ def row_plan(row: dict, graph, cluster):
     pp = lay["pp"]
     rec = lay["recompute"]
     v = lay.get("virtual_stages", 1)
-    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, micro_batch=lay["micro_batch"],
+    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
-                       virtual_stages=v, zero=3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR",) else 0,
+                       virtual_stages=v, zero=3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),
                        offload="none",
                        precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
@@ -402,6 +410,13 @@ def row_plan(row: dict, graph, cluster):
         keep = {b.layer for i, b in enumerate(blocks) if i % every == 0}
         plan = replace(plan, layers=tuple(lp if lp.layer in keep or lp.recompute == "none"
                                           else replace(lp, recompute="none") for lp in plan.layers))
+    if lay.get("ep", 1) > 1:
+        plan = replace(plan, mesh=replace(plan.mesh, ep=lay["ep"]))
+    if lay.get("compile"):             # regional torch.compile of every block (simulator/compile_fusion.py)
+        plan = replace(plan, compile=True)
+    if lay.get("float8"):              # torchao float8 linears in the blocks (simulator/float8.py)
+        plan = replace(plan, layers=tuple(replace(lp, precision="fp8") if graph.layers[lp.layer].kind not in
+                                          ("pre", "post") else lp for lp in plan.layers))
     return plan
 
 
@@ -503,6 +518,11 @@ def row_code(row: dict):
 
     if row["family"] == "AUTOPAR":
         return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY)
+    if row["family"] in ("CP", "EP"):
+        # torchtitan's FSDP2 stack; its context parallelism is torch's ``context_parallel`` with the
+        # all-gather rotation (torchtitan 9dec370 ``context_parallel_rotate_method = "allgather"``),
+        # whose per-block SDPA keeps causality (no explicit mask): simulator/cp_cost.cp_attention_op
+        return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY, cp_attention="causal_blocks")
 
     family, lay = row["family"], row["layout"]
     return TrainingCode(sharded=sharded_runtime(row), reduce_bytes=lay["reduce_bytes"],

@@ -47,3 +47,35 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
         return (f"its sequence of {graph.seq_len} tokens does not split into 2 x cp = {2 * cp} equal chunks "
                 f"(the load-balanced head-tail layout)")
     return None
+
+
+#: what runtime/apply_cp.check_cp_plan refuses next to cp > 1 today, which the planner does not
+#: propose (a plan it printed must run): pipeline and tensor parallelism (not implemented with cp
+#: yet) and recompute (the recomputed forward would run outside the context-parallel attention).
+#: The simulator prices every combination (a plan file or ``autopar simulate`` may ask for one);
+#: when the runtime takes one, it leaves this list.
+CP_RUNTIME_EXCLUDES = ("pp", "tp", "recompute")
+
+
+def cp_mesh_runs(mesh) -> bool:
+    """Whether the runtime runs context parallelism on ``mesh`` (``CP_RUNTIME_EXCLUDES``)."""
+    if mesh.cp == 1:
+        return True
+    return not (("pp" in CP_RUNTIME_EXCLUDES and mesh.pp > 1) or ("tp" in CP_RUNTIME_EXCLUDES and mesh.tp > 1))
+
+
+def cp_recompute_runs(mesh) -> bool:
+    """Whether a layer of a plan on ``mesh`` may recompute (``CP_RUNTIME_EXCLUDES``)."""
+    return mesh.cp == 1 or "recompute" not in CP_RUNTIME_EXCLUDES
+
+
+def cp_degrees(graph: OpGraph, world_size: int) -> tuple[int, ...]:
+    """The context-parallel degrees the planner searches for ``graph``: 1, and each power of two
+    up to the world the model takes (``cp_refusal``: a sequence of 2 cp equal chunks, attention
+    through SDPA).  Powers of two as for tp (heads, hidden sizes and sequence lengths are)."""
+    out, c = [1], 2
+    while c <= world_size:
+        if world_size % c == 0 and cp_refusal(graph, c) is None:
+            out.append(c)
+        c *= 2
+    return tuple(out)

@@ -13,6 +13,8 @@ Conventions and sources
 * Attention (fused scaled_dot_product_attention): forward 2*b*h*s_q*s_k*d for Q K^T plus
   2*b*h*s_q*s_k*d_v for A V -- the full square, not halved for causal masking, as Megatron's
   count does (Narayanan et al. 2021, Appendix); backward 2x forward.
+* Grouped GEMM of routed experts (``_grouped_mm``): 2*M*K*N for M rows, as a matmul
+  (``_grouped_mm``); before this rule it fell to "other", one FLOP per output element.
 * einsum: every combination of the equation's index values is one term, so
   forward = prod(size of every index) * (operands - 1 multiplies + 1 add when an index is
   summed) -- 2*m*n*k for "mk,kn->mn", as a matmul (the count opt_einsum uses for a
@@ -65,6 +67,8 @@ CANONICAL: dict[str, str] = {
     "linear": "linear", "Linear": "linear", "NonDynamicallyQuantizableLinear": "linear",
     "addmm": "addmm", "mm": "matmul", "bmm": "matmul", "matmul": "matmul", "baddbmm": "baddbmm",
     "einsum": "einsum",
+    # grouped GEMMs of routed experts: torch._grouped_mm, transformers 5's grouped_mm_fallback
+    "grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm",
     "Conv1D": "addmm_conv1d",  # transformers' Conv1D: y = x @ W + b with W [in, out]
     "scaled_dot_product_attention": "sdpa", "MultiheadAttention": "mha",
     "scaled_dot_product_flash_attention": "sdpa", "scaled_dot_product_flash_attention_for_cpu": "sdpa",
@@ -148,7 +152,7 @@ CANONICAL: dict[str, str] = {
 # Kinds by canonical op (OP_KINDS in autopar.core.graph).
 KIND: dict[str, str] = {
     "linear": "linear", "addmm": "linear", "addmm_conv1d": "linear",
-    "matmul": "matmul", "baddbmm": "matmul", "einsum": "matmul",
+    "matmul": "matmul", "baddbmm": "matmul", "einsum": "matmul", "grouped_mm": "matmul",
     "sdpa": "attention", "mha": "attention", "conv": "conv", "embedding": "embedding", "rnn": "rnn",
     "layer_norm": "norm", "rms_norm": "norm", "batch_norm": "norm", "group_norm": "norm",
     "softmax": "softmax", "log_softmax": "softmax", "dropout": "dropout",
@@ -321,6 +325,21 @@ def _matmul(f: OpFacts):
     saved = (_act(a) if b.requires_grad else []) + (_act(b) if a.requires_grad else [])
     kind = "linear" if "param" in (a.role, b.role) else "matmul"
     return kind, fwd, bwd, saved
+
+
+def _grouped_mm(f: OpFacts):
+    """A grouped GEMM (``torch._grouped_mm``; transformers' ``grouped_mm_fallback``): a [M, K]
+    (or [G, M, K]) times b [G, K, N], each row of a multiplied by its group's [K, N] (the groups
+    partition the rows by the ``offs`` boundaries): 2*M*K*N, the count of M rows of one matmul
+    (Kaplan et al. 2020, Table 1), whatever the split of rows between groups.  Backward dA and
+    dB, one forward each.  Kind "matmul" whether or not b is a parameter: stacked experts
+    (core/sharding.stacked_experts) are recognised by their 3-D operand, not as Linear modules."""
+    a, b = f.inputs[0], f.inputs[1]
+    k = a.shape[-1] if a.shape else 1
+    fwd = 2.0 * f.out.numel * k
+    bwd = _matmul_bwd(a, b, fwd)
+    saved = (_act(a) if b.requires_grad else []) + (_act(b) if a.requires_grad else [])
+    return "matmul", fwd, bwd, saved
 
 
 def einsum_index_sizes(equation: str, shapes: list[tuple[int, ...]]) -> tuple[dict[str, int], str] | None:
@@ -615,7 +634,7 @@ def _other(f: OpFacts):
 
 _RULES: dict[str, Callable] = {
     "linear": _linear, "addmm": _addmm, "addmm_conv1d": _addmm, "matmul": _matmul,
-    "baddbmm": _matmul, "einsum": _einsum, "sdpa": _sdpa, "mha": _mha, "conv": _conv, "embedding": _embedding, "rnn": _rnn,
+    "baddbmm": _matmul, "grouped_mm": _grouped_mm, "einsum": _einsum, "sdpa": _sdpa, "mha": _mha, "conv": _conv, "embedding": _embedding, "rnn": _rnn,
     "layer_norm": _norm, "rms_norm": _norm, "batch_norm": _norm, "group_norm": _norm,
     "softmax": _softmax, "log_softmax": _softmax, "dropout": _dropout,
     "sum": _reduction, "mean": _reduction, "amax": _reduction, "argmax": _reduction,

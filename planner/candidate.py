@@ -105,6 +105,8 @@ def describe_difference(a: Candidate, b: Candidate) -> str:
         parts.append(f"mesh {b.mesh.describe('{name}{size}', ' ')}")
     if a.mesh.sequence_parallel != b.mesh.sequence_parallel:
         parts.append("sequence parallel " + ("on" if b.mesh.sequence_parallel else "off"))
+    if a.mesh.ep != b.mesh.ep:
+        parts.append(f"ep {b.mesh.ep}")
     if a.micro_batch != b.micro_batch:
         parts.append(f"micro-batch {b.micro_batch} x {b.num_microbatches}")
     if a.schedule != b.schedule or a.virtual_stages != b.virtual_stages:

@@ -1,6 +1,6 @@
 """The knobs a user fixes on ``autopar plan`` and the kinds the runtime runs, as limits on the search.
 
-``constrain`` turns ``--dp/--tp/--pp/--zero/--recompute/--offload/--micro-batch/--schedule``
+``constrain`` turns ``--dp/--tp/--pp/--cp/--ep/--zero/--recompute/--offload/--micro-batch/--schedule``
 and an ``Executable`` (what ``runtime_check`` saw the runtime run) into ``PlanOptions`` the
 search honours everywhere (its meshes, settings, layer choices and every candidate it
 prices), and refuses -- ``UserError``, exit code 2 -- a fixed knob the model, the cluster or
@@ -37,23 +37,39 @@ def nothing_to_split(graph: OpGraph, tp: int, ex) -> UserError:
                      f"split: {why}. Every tp rank would compute the whole model; use --tp 1 or leave --tp out.")
 
 
-def candidate_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
+def candidate_meshes(options, cluster: Cluster, num_layers: int, graph: OpGraph | None = None) -> list[Mesh]:
     """The meshes the search may use: the cluster's, cut by the fixed axes and what runs."""
-    return [m for m in cluster_meshes(options, cluster, num_layers) if mesh_allowed(m, options)]
+    return [m for m in cluster_meshes(options, cluster, num_layers, graph) if mesh_allowed(m, options)]
 
 
-def cluster_meshes(options, cluster: Cluster, num_layers: int) -> list[Mesh]:
+def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(cp degrees, ep degrees) the model takes (core/cp_support.cp_degrees,
+    simulator/ep_cost.ep_degrees); (1,), (1,) without a graph."""
+    if graph is None:
+        return (1,), (1,)
+    from autopar.core.cp_support import cp_degrees
+    from autopar.simulator.ep_cost import ep_degrees
+
+    return cp_degrees(graph, world), ep_degrees(graph, world)
+
+
+def cluster_meshes(options, cluster: Cluster, num_layers: int, graph: OpGraph | None = None) -> list[Mesh]:
     """Every mesh the cluster admits for these options (core/rules.py: tp_admitted, pp_admitted,
-    dp_admitted; the tp cap ``tp_cap``), before the fixed axes and the runtime's verdict."""
+    dp_admitted; the tp cap ``tp_cap``) and the model's cp and ep degrees, before the fixed axes
+    and the runtime's verdict."""
     o = options
+    cps, eps = model_degrees(graph, cluster.world_size)
     return mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=num_layers,
                            global_batch=o.global_batch, max_tp=tp_cap(cluster.gpus_per_node, o.max_tp, o.tp_inside_node),
-                           tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel)
+                           tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel,
+                           cp_choices=cps, ep_choices=eps)
 
 
 def mesh_allowed(m: Mesh, o) -> bool:
     ex = o.executable
     if any(v != m.size(k) for k, v in fixed_degrees(o).items()):
+        return False
+    if getattr(o, "ep", None) is not None and m.ep != o.ep:
         return False
     if o.micro_batch is not None and (o.global_batch // m.batch_degree) % o.micro_batch:
         return False
@@ -65,6 +81,9 @@ def mesh_allowed(m: Mesh, o) -> bool:
         if m.sequence_parallel and not ex.sequence_parallel:
             return False
         if m.pp > 1 and not ex.pipeline:
+            return False
+        # (``Executable.ep``: whether ep = 2 ran on fake ranks, where the runtime check probes it)
+        if m.ep > 1 and not getattr(ex, "ep", True):
             return False
     return True
 
@@ -108,9 +127,31 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if reason:
             raise UserError(f"--cp {o.cp}: {graph.model_file} cannot take context parallelism: {reason}. "
                             f"Use --cp 1 or leave --cp out.")
-        raise UserError(f"--cp {o.cp}: the simulator does not price context parallelism yet (its K/V exchange and "
-                        f"the sequence-split activations), so the planner cannot plan it; write the plan with "
-                        f"autopar.core.plan.uniform_plan(cp={o.cp}, ...) to run it, or leave --cp out.")
+        from autopar.core.cp_support import CP_RUNTIME_EXCLUDES
+
+        clash = [f"--{k} {getattr(o, k)}" for k in ("tp", "pp") if k in CP_RUNTIME_EXCLUDES and (getattr(o, k) or 1) > 1]
+        if "recompute" in CP_RUNTIME_EXCLUDES and tuple(o.recompute) and "none" not in o.recompute:
+            clash.append(f"--recompute {o.recompute[0]}")
+        if clash:
+            raise UserError(f"--cp {o.cp} with {' and '.join(clash)}: the runtime runs context parallelism with data "
+                            f"parallelism and ZeRO only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
+                            f"runtime/apply_cp.check_cp_plan). Leave those out, or leave --cp out.")
+    if getattr(o, "ep", None) is not None:
+        from autopar.simulator.ep_cost import ep_refusal
+
+        reason = ep_refusal(graph, o.ep)
+        if reason:
+            raise UserError(f"--ep {o.ep}: {graph.model_file} cannot take expert parallelism: {reason}. "
+                            f"Use --ep 1 or leave --ep out.")
+        if world % o.ep:
+            raise UserError(f"--ep {o.ep}: the cluster has {world} devices, which {o.ep} does not divide.")
+        if o.ep > 1 and ex is not None and not getattr(ex, "ep", True):
+            raise UserError(f"--ep {o.ep}: the runtime cannot split this model's experts: "
+                            f"{_reason(ex, 'expert parallel', 'ep=2')}. Use --ep 1 or leave --ep out.")
+        flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
+        if flat is not None and flat % o.ep:
+            raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "
+                            f"does not divide; choose an ep that divides dp x cp, or leave --dp out.")
     if o.fixed_schedule is not None and o.pp == 1:
         raise UserError(f"--schedule {o.fixed_schedule} is a pipeline schedule; it needs --pp > 1.")
     changes: dict = {}
@@ -148,9 +189,9 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if o.micro_batch is not None and (o.micro_batch < 1 or o.global_batch % o.micro_batch):
         raise UserError(f"--micro-batch {o.micro_batch} does not divide --global-batch {o.global_batch}.")
     out = replace(o, **changes)
-    if not candidate_meshes(out, cluster, len(graph.layers)):
+    if not candidate_meshes(out, cluster, len(graph.layers), graph):
         told = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                         (*fixed.items(), ("micro_batch", o.micro_batch),
+                         (*fixed.items(), ("ep", getattr(o, "ep", None)), ("micro_batch", o.micro_batch),
                           ("schedule", o.fixed_schedule)) if v is not None)
         raise UserError(f"no mesh of {world} devices ({cluster.gpus_per_node} per node) with a global batch of "
                         f"{o.global_batch} satisfies {told or 'the constraints'} and what the runtime runs for this "

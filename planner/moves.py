@@ -5,7 +5,7 @@ move is one of: change one layer's choice (its tensor-parallel split, ZeRO stage
 family, recompute or offload), apply one knob to every layer of a stage, move a stage boundary,
 switch the ZeRO family of the whole model, change the micro-batch size, the schedule or the
 number of virtual stages, toggle sequence parallelism, or change the mesh (trade a factor of
-two between dp, tp and pp), re-deriving what the new mesh forces (micro-batch count, equal
+two between dp, tp, pp and cp, or double or halve ep), re-deriving what the new mesh forces (micro-batch count, equal
 stages).  Every move returns a candidate that satisfies the plan rules (Plan.validate());
 memory is left to the cost function, which returns ``inf`` for a plan that does not fit.
 The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings assumes.
@@ -18,6 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
@@ -205,12 +206,22 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
 NEAR_MESH_PROBABILITY = 0.8
 
 
+def _is_neighbour(m: Mesh, cur: Mesh) -> bool:
+    """One axis of dp, tp, pp, cp doubled and another halved with ep kept, or ep alone doubled
+    or halved (ep borrows dp x cp ranks: core/parallel_dims.py)."""
+    if m.sequence_parallel != (cur.sequence_parallel and m.tp > 1):
+        return False
+    steps = sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp, m.cp / cur.cp]).round(6).tolist())
+    if m.ep == cur.ep:
+        return steps == [-1.0, 0.0, 0.0, 1.0]
+    return steps == [0.0, 0.0, 0.0, 0.0] and m.ep / cur.ep in (2.0, 0.5)
+
+
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    """Another admitted mesh, preferring neighbours (one axis doubled, another halved)."""
+    """Another admitted mesh, preferring neighbours (one axis doubled, another halved; ep doubled
+    or halved)."""
     cur = c.mesh
-    near = [m for m in space.meshes if m != cur and m.sequence_parallel == (cur.sequence_parallel and m.tp > 1)
-            and sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp]).round(6).tolist()) in
-            ([-1.0, 0.0, 1.0],)]
+    near = [m for m in space.meshes if m != cur and _is_neighbour(m, cur)]
     pool = near if near and rng.random() < NEAR_MESH_PROBABILITY else [m for m in space.meshes if m != cur]
     if not pool:
         return None
@@ -237,5 +248,8 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
+    if not cp_recompute_runs(mesh) and any(ch.recompute != "none" for ch in choices):
+        # the runtime runs context parallelism without recompute (core/cp_support.CP_RUNTIME_EXCLUDES)
+        choices = tuple(_with(ch, recompute="none") for ch in choices)
     return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
                      choices=choices)

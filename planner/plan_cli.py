@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     for name in DEGREE_NAMES:                         # one flag per parallel axis: --dp, --tp, --pp
         fix.add_argument(f"--{name}", type=T.positive, default=None, metavar="N", help=AXIS_BY_NAME[name].help)
+    fix.add_argument("--ep", type=T.positive, default=None, metavar="N",
+                     help="expert-parallel degree: the routed experts split over N of the dp x cp ranks")
     fix.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
@@ -102,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
                           time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
                           **{name: getattr(args, name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
-                          zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
+                          ep=args.ep, zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
                           fixed_schedule=args.schedule, memory_headroom=args.memory_headroom)
     if args.recompute is not None:
         options = replace(options, recompute=(args.recompute,))
@@ -132,6 +134,9 @@ def main(args: argparse.Namespace) -> int:
     if executable is not None:
         result, refused = runnable_result(result, graph, args.model_file)
         left_out += refused
+    from autopar.planner.parallel_notes import axis_notes
+
+    left_out += axis_notes(graph, result, options)
     _, conf_errors, conf_close, _ = confidence.apply(result, cluster, reorder=False)
     if result.best is not preferred:
         conf_why = "the better-validated plan was refused by the runtime check (see left out)"

@@ -38,7 +38,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
     console.print(escape(f"  searched {result.num_settings} settings, priced {result.num_evaluated} plans "
                          f"({result.num_infeasible} did not fit or run) in {plan.provenance.get('search_s', 0):.1f} s "
                          f"[{result.method}, seed {plan.provenance.get('seed')}]; capture {capture_s:.1f} s"))
-    sp = ", sequence parallel" if m.sequence_parallel else ""
+    sp = (", sequence parallel" if m.sequence_parallel else "") + (f", expert parallel ep {m.ep}" if m.ep > 1 else "")
     console.print(f"\n[bold]mesh[/bold]        {m.describe()}{sp}  "
                   f"(ranks = arange({m.world_size}).view({', '.join(m.axis_names)}))")
     pl = plan.pipeline
@@ -99,7 +99,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     if left_out:
-        console.print("[bold]left out[/bold]    (the runtime cannot apply these to this model; checked on fake ranks)")
+        console.print("[bold]left out[/bold]    (what the runtime cannot apply to this model, checked on fake ranks; "
+                      "why context and expert parallelism are used or not)")
         for x in left_out:
             console.print(escape(f"  - {x.kind}: {x.reason}"))
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from autopar.core.cluster import Cluster
+from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
@@ -100,6 +101,7 @@ class PlanOptions:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
     zero: int | None = None              # one ZeRO stage on every layer
     offload: str | None = None           # "none" | "cpu" on every layer
@@ -146,6 +148,10 @@ class SearchResult:
     phase_s: dict[str, float] = field(default_factory=dict)
     method: str = ""
     num_pruned: int = 0                  # settings never tabled: their bound ruled them out
+    # the search's view of context and expert parallelism, for the plan summary (planner/parallel_notes.py):
+    # per "cp" / "ep", the fastest fitting plan priced with that degree > 1 (None: none fitted), and
+    # how many meshes with it > 1 the search admitted
+    axis_alternatives: dict = field(default_factory=dict)
 
     @property
     def plan(self) -> Plan:
@@ -177,7 +183,7 @@ class Planner:
         self.model = ModelRef(file=graph.model_file, args=dict(graph.model_args), name=graph.model_name,
                               fingerprint=graph.fingerprint)
         self.cluster_label = f"{cluster.name} ({cluster.source})" if cluster.source else cluster.name
-        self.meshes = candidate_meshes(options, cluster, self.num_layers)
+        self.meshes = candidate_meshes(options, cluster, self.num_layers, graph)
         if not any(self.styles):
             # a tp > 1 mesh with no layer split runs the whole model on every tp rank
             from autopar.planner.constraints import nothing_to_split
@@ -227,6 +233,8 @@ class Planner:
             hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
             self._choices_admitted[id(c.choices)] = hit
         if not hit[1]:
+            return False
+        if not cp_recompute_runs(c.mesh) and any(ch.recompute != "none" for ch in c.choices):
             return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False
@@ -323,6 +331,7 @@ class Planner:
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
                                 allow_offload=o.allow_offload)
         choices = [c for c in choices if c.recompute in o.recompute
+                   and (c.recompute == "none" or cp_recompute_runs(s.mesh))
                    and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)]
         by_cm: dict[str, LayerTables] = {}
         per_rank = []
@@ -448,6 +457,15 @@ class Planner:
         return out
 
     # ------------------------------------------------------------------ MCMC
+    def _axis_alternatives(self, fitting: list[Evaluated]) -> dict:
+        """Per "cp" / "ep": (meshes admitted with it > 1, the fastest fitting plan with it > 1 or None)."""
+        out = {}
+        for axis in ("cp", "ep"):
+            admitted = sum(1 for m in self.meshes if getattr(m, axis) > 1)
+            with_axis = [ev for ev in fitting if getattr(ev.candidate.mesh, axis) > 1]
+            out[axis] = (admitted, min(with_axis, key=lambda ev: ev.step_time_s) if with_axis else None)
+        return out
+
     def start_candidates(self) -> list[Candidate]:
         """Plain starts for MCMC alone: every mesh, fewest micro-batches, its smallest-memory corner too."""
         o = self.options
@@ -467,6 +485,8 @@ class Planner:
                     off = o.offload
                 mb, m = mbs[-1] if family != "fsdp" else mbs[0]
                 zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
+                if not cp_recompute_runs(mesh):
+                    rc = "none"
                 choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
                                             recompute=rc if rc in o.recompute else o.recompute[-1],
                                             offload=off) for i in range(self.num_layers))
@@ -552,7 +572,8 @@ class Planner:
         method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
         result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
                               num_infeasible=self.num_infeasible, num_settings=self.num_settings,
-                              phase_s=phase, method=method, num_pruned=self.num_pruned)
+                              phase_s=phase, method=method, num_pruned=self.num_pruned,
+                              axis_alternatives=self._axis_alternatives(fitting))
         elapsed = time.perf_counter() - t0
         result.best = self._finish(result.best, result, elapsed)
         result.runner_ups = [self._finish(ev, result, elapsed) for ev in result.runner_ups]

@@ -8,7 +8,11 @@ the sequence dim across the tp axis, Korthikanti et al. 2022 Sec. 4.2.2) and Par
 and the pipeline knobs (micro-batch size and count, GPipe / 1F1B / interleaved 1F1B,
 Narayanan et al. 2021).
 
-Topology: ranks are ``arange(world).view(dp, pp, tp)`` over the named axes of
+Context parallelism (``cp``: the tokens of each sample split, Liu et al. 2023; Dubey et al. 2024,
+Sec. 3.3.2) is one more axis where the model takes it, and expert parallelism (``ep``: the routed
+experts split, borrowed from the dp x cp ranks; Lepikhin et al. 2021) a degree on each mesh.
+
+Topology: ranks are ``arange(world).view(dp, pp, cp, tp)`` over the named axes of
 core/parallel_dims.py, so a tp group is a run of ``tp`` consecutive ranks; it stays inside a
 node when tp divides the GPUs per node.  On a heterogeneous cluster (node groups of different
 GPUs, ranks numbered group by group) the pipeline coordinate sits between dp and tp, so
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.core.cp_support import cp_mesh_runs
 from autopar.core.parallel_dims import factorisations
 from autopar.core.plan import LayerPlan, Mesh
 # the ZeRO families and the rules below live in core/rules.py (ZERO_FAMILIES, zero_family_of are
@@ -85,7 +90,8 @@ def divisors(n: int) -> list[int]:
 
 def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, global_batch: int,
                     max_tp: int | None = None, tp_inside_node: bool = True,
-                    sequence_parallel: bool = True) -> list[Mesh]:
+                    sequence_parallel: bool = True, cp_choices: tuple[int, ...] = (1,),
+                    ep_choices: tuple[int, ...] = (1,)) -> list[Mesh]:
     """Every factorisation of world_size over the parallel axes the cluster and the batch admit.
 
     One rule per axis (core.parallel_dims.factorisations), enumerated tp, then pp, then dp:
@@ -93,7 +99,10 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     ``tp_inside_node`` is False, at most the GPUs per node and a divisor of it, so a tp group
     never crosses a node; pp is at most the number of layers; dp takes the ranks left and
     divides the global batch.  With tp > 1 each mesh comes with and without sequence
-    parallelism.
+    parallelism.  ``cp_choices``: the context-parallel degrees the model takes
+    (core/cp_support.cp_degrees), each on a mesh the runtime runs it on (``cp_mesh_runs``);
+    ``ep_choices``: the expert-parallel degrees it takes (simulator/ep_cost.ep_degrees), each
+    on every mesh whose dp x cp it divides (ep borrows those ranks: core/parallel_dims.py).
     """
     def tp_degrees(left: int) -> list[int]:
         return [t for t in powers_of_two_up_to(left) if left % t == 0
@@ -106,14 +115,19 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
         return [left] if dp_admitted(left, global_batch) else []
 
     def cp_degrees(left: int) -> list[int]:
-        return [1]         # until the simulator prices context parallelism (docs/design.md)
+        return [c for c in cp_choices if left % c == 0]
 
     out: list[Mesh] = []
     for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "cp": cp_degrees,
                                                "dp": dp_degrees}):
-        out.append(Mesh(**degrees))
-        if degrees["tp"] > 1 and sequence_parallel:
-            out.append(Mesh(**degrees, sequence_parallel=True))
+        if not cp_mesh_runs(Mesh(**degrees)):
+            continue
+        for ep in ep_choices:
+            if (degrees["dp"] * degrees["cp"]) % ep:
+                continue
+            out.append(Mesh(**degrees, ep=ep))
+            if degrees["tp"] > 1 and sequence_parallel:
+                out.append(Mesh(**degrees, sequence_parallel=True, ep=ep))
     return out
 
 

@@ -34,9 +34,6 @@ def block_stage_bounds(graph: OpGraph, num_stages: int) -> list[int]:
 def config_plan(graph: OpGraph, *, dp: int, tp: int, pp: int, micro_batch: int, global_batch: int | None,
                 schedule: str, virtual_stages: int, zero: int, recompute: str, offload: str, precision: str,
                 sequence_parallel: bool, cluster_name: str = "", cp: int = 1) -> Plan:
-    if cp != 1:
-        raise UserError(f"--cp {cp}: the simulator does not price context parallelism yet (its K/V exchange and "
-                        f"sequence-split activations); simulate with --cp 1.")
     if global_batch is None:
         global_batch = dp * micro_batch * max(1, pp)
     if global_batch % (dp * micro_batch):
@@ -48,7 +45,7 @@ def config_plan(graph: OpGraph, *, dp: int, tp: int, pp: int, micro_batch: int, 
     bounds = block_stage_bounds(graph, pp * virtual_stages)
     styles = {i: megatron_styles(graph, i) for i in range(len(graph.layers))} if tp > 1 else None
     plan = uniform_plan(model=ModelRef(graph.model_file, dict(graph.model_args), graph.model_name, graph.fingerprint),
-                        num_layers=len(graph.layers), dp=dp, tp=tp, pp=pp, micro_batch=micro_batch,
+                        num_layers=len(graph.layers), dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch,
                         num_microbatches=num_micro, schedule=schedule, virtual_stages=virtual_stages,
                         tp_styles_per_layer=styles, sequence_parallel=sequence_parallel, zero=zero,
                         recompute="none", offload=offload, precision=precision, cluster=cluster_name,

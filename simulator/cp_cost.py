@@ -1,8 +1,13 @@
 """Context parallelism's costs, per attention layer and per rank: the K/V exchange, the causal
 load balance of the sequence split, and the activations it divides.
 
-Not yet wired into ``layer_cost.compute_layer_cost``: the planner's ``cp`` rule admits degree 1
-only (planner/space.py) until it is, so no plan is priced without these terms.
+``layer_cost.compute_layer_cost`` prices a layer on a cp rank with ``cp_layer_terms``: every op
+on 1/cp of the tokens (its micro-batch scale divided by cp), each attention op run as the
+runtime runs it (``cp_attention_op``), the K/V all-gather and the dK/dV reduce-scatter of
+each attention op folded into the layer's in-layer communication (on the critical path, as
+the tensor-parallel collectives), and what the gather adds to the activations kept for
+backward.  ``cp_attention_cost`` is the same exchange in closed form (alpha-beta, for the
+tests and the ring variant).
 
 Sources:
 
@@ -26,7 +31,7 @@ Sources:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def head_tail_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -106,3 +111,83 @@ def activation_bytes_per_rank(activation_bytes: float, cp: int) -> float:
     holds 1/cp of the tokens (the gathered K/V are a transient, ``kv_buffer_bytes``; the
     attention's saved statistics are per local query)."""
     return activation_bytes / cp
+
+
+# ----------------------------------------------------------------------- wired into layer_cost
+def cp_attention_op(op, how: str = "explicit_mask"):
+    """The attention op as a cp rank runs it: its S/cp queries against all S gathered keys.
+    ``how`` (``TrainingCode.cp_attention``): "explicit_mask" -- autopar's runtime
+    (runtime/apply_cp.CPAttention) passes the head-tail causal mask as an explicit ``attn_mask``,
+    and a kernel given a mask computes every (query, key) pair of the S/cp x S block (no flash
+    kernel skips the masked half of an arbitrary mask), so a causal op is priced as the full
+    square (``causal=False``; the graph's FLOPs are the full square already, core/op_costs.py);
+    "causal_blocks" -- the rank computes only its causal pairs, half the block with the head-tail
+    split (``causal_pairs``), priced as the causal kernel.  Its FLOPs on the rank are 1/cp of the
+    whole sequence's, the micro-batch scale divided by cp in layer_cost."""
+    if how == "explicit_mask" and getattr(op, "causal", False):
+        return replace(op, causal=False)
+    return op
+
+
+@dataclass(frozen=True)
+class CPLayerTerms:
+    """One layer on one cp rank, one micro-batch: its attention ops' K/V exchange and the
+    activations the exchange adds."""
+    fwd_s: float = 0.0           # the K/V all-gathers (exposed: not overlapped, Llama 3 Sec. 3.3.2)
+    bwd_s: float = 0.0           # the dK/dV reduce-scatters
+    wire_fwd: float = 0.0        # bytes this rank sends for them
+    wire_bwd: float = 0.0
+    meetings: int = 0            # collectives in forward (the ranks meet at each)
+    saved_bytes: float = 0.0     # kept for backward beyond the rank's own K/V: the gathered K/V, the mask
+    measured: int = 0
+    estimated: int = 0
+
+
+def cp_layer_terms(attention_ops, cp: int, local_scale: float, elem_bytes: float, cm, link,
+                   processes: int | None = None, how: str = "explicit_mask", shard=None) -> CPLayerTerms:
+    """The K/V exchange of a layer's attention ops on a cp rank (runtime/apply_cp.py).
+
+    Per attention op, with K and V as SDPA receives them ([B, heads, S, d]; the graph's shapes
+    are the whole sequence at the captured batch, ``local_scale`` = micro-batch / captured batch
+    / cp turns them into the rank's share; ``shard``: op name -> the tensor-parallel split of the
+    op's heads, which divides its K and V too):
+
+    * forward: one all-gather of the rank's K and V, concatenated into one message (the runtime
+      gathers them together), over the cp group's ``link`` -- a message of cp x the rank's K/V;
+    * backward: its autograd reduce-scatter of dK/dV, the same message;
+    * kept for backward: SDPA saves the gathered K and V (the whole sequence; the graph counts the
+      rank's own 1/cp share already, so (cp - 1) x it more) and the mask it was given -- an
+      [S/cp, S] tensor, converted from bool to the query's dtype before the kernel
+      (aten/src/ATen/native/transformers/attention.cpp, ``convert_boolean_attn_mask``), which
+      the memory-efficient kernel's backward reads again (its ``attn_bias`` input) -- where the
+      code passes one (``how`` = "explicit_mask", ``cp_attention_op``).
+    """
+    if cp <= 1:
+        return CPLayerTerms()
+    fwd = bwd = wire = saved = 0.0
+    n = measured = estimated = 0
+    for op in attention_ops:
+        if len(op.input_shapes) < 3:
+            continue
+        q, k, v = op.input_shapes[:3]
+        heads_split = shard.get(op.name, 1) if shard else 1
+        local_kv = (_numel(k) + _numel(v)) * local_scale * elem_bytes / heads_split
+        message = cp * local_kv
+        t_f, m_f = cm.collective_time_ex("all_gather", message, cp, link.link, link.level, processes=processes)
+        t_b, m_b = cm.collective_time_ex("reduce_scatter", message, cp, link.link, link.level, processes=processes)
+        fwd += t_f
+        bwd += t_b
+        wire += (cp - 1) * local_kv                 # (cp - 1) / cp of the message: ring_wire_bytes
+        seq = q[-2] if len(q) >= 2 else 0
+        saved += (cp - 1) * local_kv + ((seq / cp) * seq * elem_bytes if how == "explicit_mask" else 0.0)
+        n += 1
+        measured += m_f + m_b
+        estimated += (not m_f) + (not m_b)
+    return CPLayerTerms(fwd, bwd, wire, wire, n, saved, measured, estimated)
+
+
+def _numel(shape) -> float:
+    out = 1.0
+    for d in shape:
+        out *= d
+    return out

@@ -24,7 +24,8 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTabl
     threads costs milliseconds (profiling/collectives.py), it is most of the data-parallel
     cost.  Other plans are returned unchanged."""
     mesh = ctx.mesh
-    if mesh.dp <= 1 or mesh.splits_model or not (rows.zero <= 1).all():
+    # (with ep > 1 the experts' gradients sync over dp / ep ranks, not in DDP's buckets: layer_cost)
+    if mesh.dp <= 1 or mesh.splits_model or mesh.ep > 1 or not (rows.zero <= 1).all():
         return rows
     if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
         return rows

@@ -7,6 +7,14 @@ the state bytes from ``autopar.simulator.memory``.
 Conventions: FLOPs and bytes of the captured graph scale linearly with the micro-batch
 (``micro_batch / graph.batch_size``); activations and parameters captured in fp32 take
 ``precision`` bytes per element when training in bf16/fp16.
+
+Context parallelism (``mesh.cp``) divides every op's tokens by cp (the micro-batch scale) and adds
+the attention ops' K/V exchange (simulator/cp_cost.py); expert parallelism (``mesh.ep``) adds the
+routed experts' dispatch and combine all-to-alls, prices the expert GEMMs at their per-expert
+shapes and splits the expert weights ep ways (simulator/ep_cost.py).  Both exchanges are
+in-layer collectives on the critical path, folded into the tensor-parallel communication
+columns (``tp_comm_*``, ``tp_wire_bytes``); data parallelism spans dp x cp (the experts: dp x
+cp / ep).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
+from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
@@ -114,7 +123,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ``compiled``: the plan compiles each block (runtime/apply_compile.py): a block layer's fused
     memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py)."""
     layer = graph.layers[layer_index]
-    scale = micro_batch / max(1, graph.batch_size)
+    # context parallelism: each rank holds 1/cp of every sample's tokens (cp_cost.py)
+    scale = micro_batch / max(1, graph.batch_size) / mesh.cp
     act_scale = precision_bytes(precision) / dtype_bytes(graph.param_dtype)
     tp = mesh.tp
     sp_div = tp if (mesh.sequence_parallel and tp > 1) else 1
@@ -129,14 +139,17 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
     tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops)
+    experts = ep_cost.routed_experts(graph, layer_index)
+    extra_meetings = _sequence_and_experts(graph, layer_index, work, tpc, layout, mesh, precision, cm, links, scale,
+                                           node_processes, experts)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
-    dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes)
+    dp = _data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes)
 
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
     # between meetings (cpu_node.with_meeting_waits)
     meetings = (len(layout.collectives) + rec.tp_meetings) if tp > 1 else 0
-    meetings += dp.meetings
+    meetings += dp.meetings + extra_meetings
     # the device's own work shares the node's compute slots (the host optimizer runs on the host)
     fwd_s = work.fwd_s * compute_stretch
     bwd_s = work.bwd_s * compute_stretch
@@ -163,7 +176,7 @@ def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[
     if not w.tied_numel:
         return {}
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
-    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp, trainable)
+    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp * mesh.cp, trainable)
     host = 0.0
     if lp.offload == "cpu":
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
@@ -190,6 +203,9 @@ class _OpWork:
     early_stop_skipped_s: float = 0.0      # forward time of the ops a recompute that stops early skips
     early_stop_skipped_flops: float = 0.0
     early_stop_skipped_ops: frozenset = frozenset()
+    expert_numel: float = 0.0              # routed experts' parameters on the device (after the tp and ep splits)
+    expert_frozen_numel: float = 0.0
+    expert_names: frozenset = frozenset()  # ... their tensors (their own FSDP unit when ep > 1)
     rerun_mm_fwd_s: float = 0.0            # matmuls a selective recompute reruns (selective_mm_policy.py)
     rerun_mm_fwd_flops: float = 0.0
     rerun_mm_output_bytes: float = 0.0
@@ -216,7 +232,7 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     none where ``units`` is empty)."""
     w = _OpWork()
     tails: dict[str, list] = {}            # unit -> [seconds, FLOPs, op names] since its last saver
-    tp = mesh.tp
+    tp, cp = mesh.tp, mesh.cp
     prec_bytes = precision_bytes(precision)
     autograd_op, autograd_byte = cm.overhead("autograd_fwd_op_s"), cm.overhead("autograd_fwd_per_byte_s")
     sequence_parallel = mesh.sequence_parallel and tp > 1 and bool(lp.tp)
@@ -225,6 +241,8 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     ops = list(ops)
     rerun_mms = recomputed_matmuls(ops, cm.code.selective_mm_policy) if lp.recompute == "selective" else frozenset()
     for op in ops:
+        if cp > 1 and op.kind == "attention":
+            op = cp_cost.cp_attention_op(op, cm.code.cp_attention)     # as a cp rank runs it
         w.param_names.update(op.params)
         w.frozen_names.update(op.frozen_params)
         # a module tensor parallelism turned into DTensor: a sharded linear or embedding (the
@@ -426,6 +444,49 @@ def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks,
     return c
 
 
+def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _TensorParallelComm, layout: TPLayout,
+                          mesh: Mesh, precision: str, cm: CostModel, links: MeshLinks, scale: float,
+                          node_processes: int | None, experts) -> int:
+    """Context and expert parallelism's in-layer terms, folded into ``w`` and ``tpc``: the K/V
+    all-gather / reduce-scatter of the attention ops (cp_cost.cp_layer_terms) and the experts'
+    dispatch / combine all-to-alls (ep_cost.ep_layer_terms) are collectives on the critical path
+    inside the layer, as the tensor-parallel ones; the gathered K/V add to what attention keeps
+    for backward; the expert GEMMs are priced at their per-expert shapes and their parameters
+    split ep ways (ep_cost.expert_work).  Returns the collectives where the ranks meet."""
+    elem = float(precision_bytes(precision))
+    meetings = 0
+    if mesh.cp > 1:
+        ops = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
+        c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention,
+                                   layout.compute_shard)
+        tpc.fwd_s += c.fwd_s
+        tpc.bwd_s += c.bwd_s
+        tpc.wire_fwd += c.wire_fwd
+        tpc.wire_bwd += c.wire_bwd
+        tpc.fwd_meetings += c.meetings
+        tpc.measured += c.measured
+        tpc.estimated += c.estimated
+        w.saved_bytes += c.saved_bytes
+        meetings += c.meetings
+    if experts:
+        e = ep_cost.ep_layer_terms(experts, mesh.ep, scale, elem, cm, links, node_processes)
+        tpc.fwd_s += e.fwd_s
+        tpc.bwd_s += e.bwd_s
+        tpc.wire_fwd += e.wire_fwd
+        tpc.wire_bwd += e.wire_bwd
+        tpc.fwd_meetings += e.meetings
+        tpc.measured += e.measured
+        tpc.estimated += e.estimated
+        meetings += e.meetings
+        x = ep_cost.expert_work(graph, experts, layout, mesh.ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s)
+        w.fwd_s += x.fwd_delta_s
+        w.bwd_s += x.bwd_delta_s
+        w.param_numel -= x.removed_numel
+        w.frozen_numel -= x.removed_frozen_numel
+        w.expert_numel, w.expert_frozen_numel, w.expert_names = x.local_numel, x.local_frozen_numel, x.param_names
+    return meetings
+
+
 @dataclass
 class _Recompute:
     recompute_s: float                     # the forward rerun inside backward (full: with its tp collectives)
@@ -499,8 +560,31 @@ class _DataParallel:
     estimated: int = 0
 
 
+def _data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
+                         node_processes: int | None) -> _DataParallel:
+    """Data parallelism over dp x cp (the cp ranks hold the same weights and average their
+    gradients: runtime/apply_cp.gradient_mesh, as torchtitan shards); with ep > 1 the routed
+    experts are a second unit over the dp x cp / ep ranks holding the same experts (ep_cost.py),
+    its collectives after the dense unit's."""
+    flat = mesh.dp * mesh.cp
+    if mesh.ep <= 1 or not w.expert_names:
+        return _data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp)
+    from dataclasses import replace as _replace
+
+    dense = _replace(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
+                     param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
+    expert = _replace(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
+                      param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
+    a = _data_parallel(lp, mesh, precision, dense, cm, links, node_processes, flat, links.dp)
+    b = _data_parallel(lp, mesh, precision, expert, cm, links, node_processes, flat // mesh.ep, links.ep_dp or links.dp)
+    # each part added its FSDP unit's overhead to its copy of the work
+    w.fwd_s += (dense.fwd_s - w.fwd_s) + (expert.fwd_s - w.fwd_s)
+    w.bwd_s += (dense.bwd_s - w.bwd_s) + (expert.bwd_s - w.bwd_s)
+    return _DataParallel(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(_DataParallel)})
+
+
 def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
-                   node_processes: int | None) -> _DataParallel:
+                   node_processes: int | None, dp: int | None = None, dpl=None) -> _DataParallel:
     """Data parallelism with ZeRO and offload: state bytes (memory.state_bytes), the gradient
     all-reduce (DDP, ZeRO-1) or FSDP's all-gather and reduce-scatter, ZeroRedundancyOptimizer's
     parameter broadcasts, host copies and the optimizer step.  Adds FSDP's per-unit overhead to
@@ -513,7 +597,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     gradients that exist, and AdamW creates state lazily, on the first step that finds a
     gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``)."""
     d = _DataParallel()
-    dp = mesh.dp
+    dp = mesh.dp if dp is None else dp           # the ranks that share the weights (dp x cp, or the experts')
     zero = effective_zero(lp.zero, mesh)
     p_b, g_b, _ = STATE_BYTES[precision_class(precision)]
     param_numel, param_names = w.param_numel, w.param_names
@@ -533,7 +617,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
 
-    dpl = links.dp
+    dpl = links.dp if dpl is None else dpl
     if dp > 1 or zero >= 2:
         if zero <= 1:
             if grad_sync_bytes:            # (a layer of frozen parameters only: nothing to reduce)

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(f"--{name}", type=T.positive, default=None, help=f"{axis.help} (default: the devices left)")
         else:
             g.add_argument(f"--{name}", type=T.positive, default=1, help=f"{axis.help} (default 1)")
+    g.add_argument("--ep", type=T.positive, default=1,
+                   help="expert-parallel degree: the routed experts split over N of the dp x cp ranks (default 1)")
     g.add_argument("--micro-batch", type=T.positive, default=1, help="samples per micro-batch per data-parallel rank")
     g.add_argument("--global-batch", type=T.global_batch, default=None, help="samples per step (default dp x micro-batch x pp)")
     g.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b")
@@ -108,10 +110,13 @@ def main(args: argparse.Namespace) -> int:
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
                            offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
                            cluster_name=cluster.name)
-        if args.compile:
-            from dataclasses import replace
+        from dataclasses import replace
 
+        if args.compile:
             plan = replace(plan, compile=True)
+        if args.ep > 1:
+            plan = replace(plan, mesh=replace(plan.mesh, ep=args.ep))
+    _check_cp_ep(graph, plan)
     capture_s = time.perf_counter() - t0
     if plan.world_size > cluster.world_size:
         raise UserError(f"the configuration needs {' x '.join(plan.mesh.degrees)} = {plan.world_size} devices; "
@@ -145,6 +150,22 @@ def main(args: argparse.Namespace) -> int:
         return 0
     _print_rich(graph, plan, cluster, result, capture_s, sim_s, args.trace)
     return 0
+
+
+def _check_cp_ep(graph, plan) -> None:
+    """Refuse (exit 2) a cp or ep the model cannot take, with the reason (core/cp_support.py,
+    simulator/ep_cost.py), and an ep that does not divide dp x cp."""
+    from autopar.core.cp_support import cp_refusal
+    from autopar.simulator.ep_cost import ep_refusal
+
+    m = plan.mesh
+    if m.cp > 1 and (why := cp_refusal(graph, m.cp)):
+        raise UserError(f"cp {m.cp}: {graph.model_file} cannot take context parallelism: {why}. Use --cp 1.")
+    if m.ep > 1 and (why := ep_refusal(graph, m.ep)):
+        raise UserError(f"ep {m.ep}: {graph.model_file} cannot take expert parallelism: {why}. Use --ep 1.")
+    if m.ep > 1 and (m.dp * m.cp) % m.ep:
+        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.dp * m.cp}, which "
+                        f"{m.ep} does not divide; choose an ep that divides dp x cp.")
 
 
 def _trace_end_s(events) -> float:
@@ -181,7 +202,7 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     con.print(f"[bold]{graph.model_name}[/] ({fmt_count(graph.params_total)} parameters{trainable}) on "
               f"[bold]{cluster.name}[/] "
               f"({cluster.world_size} devices): {m.describe()}"
-              f"{' + sequence parallel' if m.sequence_parallel else ''}, {plan.pipeline.schedule} with "
+              f"{' + sequence parallel' if m.sequence_parallel else ''}{f' + ep {m.ep}' if m.ep > 1 else ''}, {plan.pipeline.schedule} with "
               f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} micro-batches of "
               f"{plan.micro_batch}, global batch {plan.global_batch}, {plan.precision}")
     t = Table(title="Predicted step", show_header=False)

@@ -1,9 +1,13 @@
 """Which link each parallel group of a mesh crosses on a cluster.
 
 Ranks are laid out over the named axes of ``core/parallel_dims.py``
-(``arange(world).view(dp, pp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
-a pipeline pair is ``tp`` ranks apart and a data-parallel group strides by ``pp * tp``; the
-groups come from ``ParallelDims.group``/``groups``.  A group on one node uses the node's link
+(``arange(world).view(dp, pp, cp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
+a context-parallel group strides by ``tp``, a pipeline pair is ``cp * tp`` ranks apart and a
+data-parallel group strides by ``pp * cp * tp``; the groups come from ``ParallelDims.group``/
+``groups``.  Gradients and FSDP shards span dp x cp (runtime/apply_cp.gradient_mesh, as
+torchtitan shards), so ``dp`` is that flattened group; an expert-parallel group is
+``ParallelDims.ep_group`` and the experts' own data-parallel group (``ep_dp``) the dp x cp
+ranks with the same place in their ep groups.  A group on one node uses the node's link
 (the slowest GPU's link in a heterogeneous node group); a group that spans nodes pays the
 inter-node link, which then sets the pace of the whole ring (the alpha-beta model of cost_model.py).
 """
@@ -29,13 +33,22 @@ class GroupLink:
 class MeshLinks:
     """The slowest link of each axis's groups, keyed by axis name (core/parallel_dims.py): read as
     ``links.axis("tp")`` or ``links.tp``, for whichever axes the mesh declares; ``host``: host <->
-    device (PCIe), the slowest in the cluster."""
+    device (PCIe), the slowest in the cluster.  The batch axis's link is that of the groups the
+    gradients and FSDP shards span: dp x cp flattened when a sequence axis splits too
+    (runtime/apply_cp.gradient_mesh).  Expert parallelism borrows dp x cp ranks (no axis of its own,
+    ``ParallelDims.ep``): its links are the optional fields, None when ep = 1."""
     axes: dict
     host: Link
+    ep: GroupLink | None = None        # the expert-parallel group (all-to-all); None when ep = 1
+    ep_dp: GroupLink | None = None     # the experts' gradient / FSDP group (dp x cp / ep ranks)
+    ep_ranks_per_node: int = 1         # ranks of one ep group on one node (the fewest over nodes)
+    ep_intra: Link | None = None       # the node link of the ep group's ranks
+    ep_network: Link | None = None     # one GPU's share of the network, where an ep group spans nodes
 
     def __post_init__(self):
+        reserved = {"axes", "host", "axis"} | {f for f in self.__dataclass_fields__}
         for name, group in self.axes.items():      # links.<axis name>: a plain attribute (hot path)
-            if name in ("axes", "host", "axis"):
+            if name in reserved:
                 raise ValueError(f"an axis may not be named {name!r}")
             object.__setattr__(self, name, group)
 
@@ -80,6 +93,7 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     # the strides, and a bounded sample otherwise.
     batch = next(a.name for a in mesh.axes if a.splits == "batch")
     layers = next(a.name for a in mesh.axes if a.splits == "layers")
+    sequence = [a.name for a in mesh.axes if a.splits == "sequence" and mesh.size(a.name) > 1]
     nb, nl = mesh.size(batch), mesh.size(layers)
     dps = range(nb) if not cluster.homogeneous or nb * nl <= 64 else range(0, nb, max(1, nb // 8))
     innermost = {a.name: 0 for a in mesh.axes if a.innermost}
@@ -90,6 +104,10 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
             pipe = mesh.group(a.name)
             groups = ([_group(cluster, [x, y]) for x, y in zip(pipe, pipe[1:])]
                       or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
+        elif a.splits == "batch" and sequence:
+            # gradients and FSDP shards over the batch and sequence axes flattened
+            # (runtime/apply_cp.gradient_mesh): every rank of one pipeline stage and tp coordinate
+            groups = [_group(cluster, mesh.ranks_where(**{layers: p}, **innermost)) for p in range(nl)]
         elif a.splits == "batch":
             groups = [_group(cluster, list(g)) for g in mesh.groups(a.name, **{k: v for k, v in innermost.items()
                                                                                if k != a.name})]
@@ -98,7 +116,32 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
                       for d in dps for p in range(nl)]
         out[a.name] = _slowest(groups)
     host = min((g.host_to_device for g in cluster.groups), key=lambda link: link.bandwidth_GBps)
-    return MeshLinks(out, host)
+    return MeshLinks(out, host, **(_ep_links(cluster, mesh, dps) if mesh.ep > 1 else {}))
+
+
+def _ep_links(cluster: Cluster, mesh: Mesh, dps) -> dict:
+    """The ep groups' links (``ParallelDims.ep_group``), the experts' data-parallel groups (the
+    dp x cp ranks at one place of their ep groups) and how many of an ep group's ranks share a
+    node (an all-to-all's traffic to ranks on the node stays on the node link: ep_cost.py)."""
+    from collections import Counter
+
+    firsts = [mesh.rank_at(dp=d, pp=p) for d in dps for p in range(mesh.pp)]
+    groups = {mesh.ep_group(r) for r in firsts}
+    ep = _slowest([_group(cluster, list(g)) for g in groups])
+    per_node = min(min(Counter(cluster.device(r).node for r in g).values()) for g in groups)
+    intra = min((cluster.groups[cluster.device(r).group].intra_node for g in groups for r in g),
+                key=lambda link: link.bandwidth_GBps)
+    out = {"ep": ep, "ep_ranks_per_node": per_node, "ep_intra": intra}
+    if ep.level == "inter":
+        out["ep_network"] = cluster.inter_node
+    flat = mesh.dp * mesh.cp
+    if flat > mesh.ep:
+        rows = []
+        for p in range(mesh.pp):
+            ranks = mesh.ranks_where(pp=p, tp=0)      # dp x cp order: flat coordinate dp * cp + cp
+            rows.append(_group(cluster, ranks[0::mesh.ep]))
+        out["ep_dp"] = _slowest(rows)
+    return out
 
 
 def stage_groups(cluster: Cluster, mesh: Mesh, pp_rank: int) -> set[int]:

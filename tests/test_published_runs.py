@@ -244,3 +244,27 @@ def test_autopar_family_is_torchtitans_eager_row_priced_as_autopars_code(bench, 
     assert {r["id"] for r in data["not_yet_priced"]} == {"torchtitan24_8b_8gpu_FSDP_torchcompile",
                                                           "torchtitan24_8b_8gpu_FSDP_torchcompile_Float8"}
     assert not any(r["id"] in {x["id"] for x in data["not_yet_priced"]} for r in data["rows"])
+
+
+def test_cp_family_is_torchtitans_context_parallel_table(bench, rows):
+    """Family CP: torchtitan's Tables 2 and 6 (FSDP + CP, Llama 3.1 8B on 8 H100 96 GB and 405B on
+    512 with tp 8 and pp 8, sequence 32K to 256K), from the project's own rows file, split in halves like the others; each row's plan has
+    its cp, torch.compile and float8 blocks, priced as torchtitan's code (causal per-block CP)."""
+    cp_rows = [r for r in rows.values() if r["family"] == "CP"]
+    # Table 2 (8B, 8 GPUs) and Table 6 (405B, 512 GPUs, tp 8 x pp 8): the same four dp x cp splits
+    for table in ("8b_8gpu", "405b_512gpu"):
+        assert sorted((r["layout"]["dp"], r["layout"]["cp"], r["model"]["seq_len"]) for r in cp_rows
+                      if table in r["id"]) == [(1, 8, 262144), (2, 4, 131072), (4, 2, 65536), (8, 1, 32768)]
+    halves = bench.split_halves(list(rows.values()))
+    assert sorted(halves[r["id"]] for r in cp_rows) == ["A"] * 4 + ["B"] * 4
+    row = rows["torchtitan24_cp_8b_8gpu_fsdp2_cp4_seq131072"]
+    # 2 samples of 131072 tokens a step at 1,071 tokens/s on each of 8 GPUs
+    assert bench.measured_step_s(row) == pytest.approx(2 * 131072 / (1071 * 8))
+    assert bench.row_code(row).cp_attention == "causal_blocks"
+    from autopar.core.capture import capture_model_file
+
+    path, args = bench.model_spec(row)
+    graph = capture_model_file(path, args, 1)
+    plan = bench.row_plan(row, graph, bench.row_cluster(row))
+    assert (plan.mesh.dp, plan.mesh.cp, plan.global_batch, plan.compile) == (2, 4, 2, True)
+    assert {lp.precision for lp in plan.layers if graph.layers[lp.layer].kind not in ("pre", "post")} == {"fp8"}
