@@ -89,9 +89,12 @@ MODELS: dict[str, dict] = {
                     tp={"fc": "colwise", "proj": "rowwise"},
                     tp_vocab={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "mha_dict": dict(kinds={**CORE, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
-    # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
-    # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
-    "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    # transformers' Conv1D (weight [in, out]): attention and MLP split; c_attn is a fused q/k/v
+    # projection, split per part ("colwise:3", runtime/fused_tp.py: each rank holds its half of
+    # q, of k and of v); tp_sp: the attention runs inside the pair, on the whole sequence
+    "hf_gpt2": dict(kinds={"tp": TP, "tp_sp": TP_SP},
+                    tp={"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                        "mlp.c_proj": "rowwise"}),
     # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
     # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
     # summed over tp), the router replicated on every tp rank
