@@ -148,7 +148,8 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
     output through views that keep its features whole (GPT-2's addmm is ``[tokens, 3C]``
     viewed to ``[batch, seq, 3C]``):
 
-    * ``split`` / ``chunk`` of the features into widths n with n dividing them (k = features / n);
+    * ``split`` / ``chunk`` of the features into widths n with n dividing them (k = features / n),
+      every piece its readers see n wide (``split([48, 24, 24])`` is not);
     * ``slice``-s of width n, exactly k = features / n of them (``qkv[..., :C]`` ... ;
       the traced ops keep no offsets, so k disjoint slices of width n are taken to tile it);
     * a ``view`` to ``[..., k, ...]`` whose k-dim is then ``unbind``-ed or ``select``-ed.
@@ -188,6 +189,10 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
                         unknown = True
                     else:
                         widths.append((kind, int(after[-1])))
+                    if kind == "split":   # every piece's width, as its readers saw it (split_with_sizes)
+                        widths += [(kind, int(r.input_shapes[j][-1])) for r in readers.get(node.name, [])
+                                   for j, src in enumerate(r.inputs) if src == node.name and j < len(r.input_shapes)
+                                   and r.input_shapes[j]]
                 elif _numel(after) == _numel(before) and len(after) > len(before) and \
                         after[:len(before) - 1] == before[:-1]:
                     k = int(after[len(before) - 1])
@@ -195,8 +200,7 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
                            and tuple(r.output_shape) == after[:len(before) - 1] + after[len(before):]]
                     if cut and k >= 2 and features % k == 0:
                         widths.append(("unbind", features // k))
-                    else:
-                        unknown = True
+                    # else the heads viewed out ([..., heads, head_dim]): no cut of the features
         if not widths and not unknown:
             continue
         sizes = {w for _, w in widths}
