@@ -16,7 +16,7 @@ one plan, saves, and the next plan resumes the same folder:
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
   ``torch.export`` graph): pp2 -> ZeRO-3;
 * ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
-  (runtime/fused_tp.py): tp2 -> ZeRO-3 -> tp2.
+  (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
 
 The reference is ``plain_loop.train_plain`` -- one process, never entering autopar's
 runtime -- trained for the same total number of steps: every chain's losses (the resumed ones
@@ -70,10 +70,10 @@ CHAINS = {
 HF_TIED = ZOO / "hf_qwen2.py"
 HF_CHAIN = [("pp2", PP2), ("zero3", ZERO3)]
 # GPT-2 (tied head) with its fused q/k/v c_attn split per part under tp (runtime/fused_tp.py):
-# the checkpoint holds c_attn in the model's own row order, so tp2 -> ZeRO-3 -> tp2 resumes
+# the checkpoint holds c_attn in the model's own row order, so tp2 -> ZeRO-3 -> pp2 -> tp2 resumes
 GPT2 = ZOO / "hf_gpt2.py"
 TP2 = dict(tp=2, micro_batch=2, num_microbatches=2)
-GPT2_CHAIN = [("tp2", TP2), ("zero3", ZERO3), ("tp2", TP2)]
+GPT2_CHAIN = [("tp2", TP2), ("zero3", ZERO3), ("pp2", PP2), ("tp2", TP2)]
 # per model: (block styles relative to the block, styles of the pre/post layers)
 MODEL_TP = {GPT2: ({"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
                     "mlp.c_proj": "rowwise"}, {})}
@@ -141,7 +141,7 @@ def runs(tmp_path_factory):
         out["hf_qwen2_pp2_zero3"] = {"cases": cases[-len(HF_CHAIN):], "steps": LEG * len(HF_CHAIN), "model": HF_TIED}
         for i, (kind, kw) in enumerate(GPT2_CHAIN):
             cases.append(_case(tmp, f"hf_gpt2.{i}.{kind}", kw, tmp / "hf_gpt2.ckpt", LEG * (i + 1), model=GPT2))
-        out["hf_gpt2_tp2_zero3_tp2"] = {"cases": cases[-len(GPT2_CHAIN):], "steps": LEG * len(GPT2_CHAIN),
+        out["hf_gpt2_tp2_zero3_pp2_tp2"] = {"cases": cases[-len(GPT2_CHAIN):], "steps": LEG * len(GPT2_CHAIN),
                                         "model": GPT2}
     cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
@@ -177,7 +177,7 @@ def _saved_keys(checkpoint_dir: Path) -> set[str]:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3",
-                                   "hf_gpt2_tp2_zero3_tp2"])
+                                   "hf_gpt2_tp2_zero3_pp2_tp2"])
 def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
     if chain not in runs:
         pytest.skip("transformers is not installed")

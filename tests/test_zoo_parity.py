@@ -315,6 +315,60 @@ def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(tmp_path):
         assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
 
 
+def _gpt2_tp2_param_bytes() -> int:
+    """Parameter bytes per rank of tiny GPT-2 at tp 2, counted on the plain model: half of each
+    split weight and of the column-wise c_fc's bias; whole: the row-wise biases (added once
+    after the sum), c_attn's bias (replicated, runtime/fused_tp.py) and every unsplit module."""
+    model = plain_loop.load(ZOO / "hf_gpt2.py").build_model()
+    split = tuple(MODELS["hf_gpt2"]["tp"])
+    total = 0
+    for name, p in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        halves = any(module.endswith(f"h.{i}.{m}") for m in split for i in range(len(model.transformer.h))) and \
+            (leaf == "weight" or module.endswith("mlp.c_fc"))
+        total += p.numel() * p.element_size() // (2 if halves else 1)
+    return total
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_tp_splits_attention_and_mlp(zoo_runs):
+    """tp and tp_sp hold, per rank, half of c_attn's (per part), c_proj's, c_fc's and the MLP
+    c_proj's weights -- the attention is split, not only the MLP."""
+    runs = zoo_runs("hf_gpt2")
+    want = _gpt2_tp2_param_bytes()
+    for kind in ("tp", "tp_sp"):
+        got = runs.get(kind) or {}
+        assert got.get("params_bytes") == [want, want], f"hf_gpt2 {kind}: {got}, want {want} bytes per rank"
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_fused_split_under_dp2_tp2(tmp_path):
+    """dp 2 x tp 2 on 4 ranks with c_attn split per part: with DDP (FSDP2's replicate, which
+    sums the replicated c_attn bias's partial gradients over tp) and with ZeRO-3 (FSDP2 shards
+    the strided c_attn weight on its other dim: runtime/fused_tp.fsdp_shard_placement).  Both
+    train like the plain loop; each rank holds its tp share (ZeRO-3: half of it)."""
+    pytest.importorskip("transformers")
+    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+    cases = []
+    for kind, kw in kinds.items():
+        base = tmp_path / kind
+        cases.append({"model": "hf_gpt2", "kind": kind, "steps": STEPS,
+                      "plan": str(_plan("hf_gpt2", "tp", kw, base.with_suffix(".json"))),
+                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
+    want = plain("hf_gpt2", 1).losses
+    for c in cases:
+        assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
+        got = json.loads(Path(c["result"]).read_text())
+        assert "losses" in got, f"{c['kind']}: {got}"
+        diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+        assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+        state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
+        per_rank = _gpt2_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
+        assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,kind", REFUSED_CASES, ids=[f"{m}-{k}" for m, k in REFUSED_CASES])
 def test_zoo_kind_refused_with_reason(zoo_runs, name, kind):
