@@ -141,13 +141,10 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
 
 # kinds not run, with the reason
 LEFT_OUT = {
-    ("nanogpt", "tp of c_attn"): "c_attn's output is split with the global n_embd and viewed with the global "
-                                 "head count: a column-wise c_attn cannot run on local heads (the runtime "
-                                 "crashes in the forward); the planner does not offer it (a fused projection, "
-                                 "core/sharding._fused_parts)",
-    ("hf_gpt2", "tp of c_attn"): "a fused q/k/v Conv1D: an even column split mixes q, k and v across ranks; the "
-                                 "planner leaves it whole (core/sharding._fused_parts), so no attention split "
-                                 "and no tp_sp (the attention would see one rank's sequence shard)",
+    ("nanogpt", "tp of c_attn"): "c_attn's output is split with n_embd and viewed with C read from its input (the "
+                                 "whole hidden size): split per part, a rank's share of the heads does not fit the "
+                                 "view (the runtime crashes in the forward); the planner's runtime check finds it "
+                                 "and keeps c_attn whole (planner/runtime_check._unfuse)",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
