@@ -152,7 +152,10 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
       every piece its readers see n wide (``split([48, 24, 24])`` is not);
     * ``slice``-s of width n, exactly k = features / n of them (``qkv[..., :C]`` ... ;
       the traced ops keep no offsets, so k disjoint slices of width n are taken to tile it);
-    * a ``view`` to ``[..., k, ...]`` whose k-dim is then ``unbind``-ed or ``select``-ed.
+    * a ``view`` to ``[..., k, ...]`` whose k-dim is then ``unbind``-ed or ``select``-ed (told
+      apart by shape from a view to ``[..., heads, k, head_dim]`` taken apart on its k-dim,
+      which interleaves the parts per head and splits evenly; where both dims are equal the
+      graph cannot tell, and it is left whole).
 
     Parts of unequal widths (a fused GQA q/k/v with fewer key/value heads, Phi-3's ``qkv_proj``
     when ``num_key_value_heads < num_attention_heads``) or any other cut are 0: left whole.
@@ -198,9 +201,13 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
                     k = int(after[len(before) - 1])
                     cut = [r for r in readers.get(node.name, []) if any(c in r.target.lower() for c in _UNBIND_CUTS)
                            and tuple(r.output_shape) == after[:len(before) - 1] + after[len(before):]]
-                    if cut and k >= 2 and features % k == 0:
+                    nxt = after[len(before)] if len(after) > len(before) else None
+                    if cut and nxt == k:
+                        unknown = True      # [.., 3, 3, d]: the graph does not say which dim is taken apart
+                    elif cut and k >= 2 and features % k == 0:
                         widths.append(("unbind", features // k))
-                    # else the heads viewed out ([..., heads, head_dim]): no cut of the features
+                    # else the heads viewed out ([..., heads, head_dim]) or taken apart per head
+                    # ([..., heads, 3, head_dim], examples/gpt.py): no cut of the features
         if not widths and not unknown:
             continue
         sizes = {w for _, w in widths}
@@ -250,6 +257,21 @@ def fused_part_counts(graph: OpGraph, layer_index: int) -> dict[str, int]:
     pairs, _, _, by_name, _ = _pairs_and_fused(graph, layer_index, True)
     return {by_name[c].module_path: n for cols, crossed, _row in pairs
             for c, n in _fused_parts(set(cols), set(crossed), by_name).items()}
+
+
+def fused_cuts(graph: OpGraph, layer_index: int) -> dict[str, int]:
+    """Module path -> number of equal parts (0: cut in a way ``_fused_parts`` does not follow)
+    of every projection of the layer whose output is cut along its features on its way to a
+    Linear, whether or not a pair splits it: what a plan's style for it must say."""
+    ops, by_name, _ = _layer_index(graph, layer_index)
+    graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
+    out: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "linear" and o.inputs:
+            linears, crossed, _ = _walk_back(o, by_name, graph_kind)
+            for n, parts in _fused_parts(linears, crossed, by_name).items():
+                out[by_name[n].module_path] = parts
+    return out
 
 
 def _pairs_and_fused(graph: OpGraph, layer_index: int, allow_fused: bool = True):

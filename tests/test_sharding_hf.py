@@ -238,3 +238,36 @@ def test_experts_that_tp_does_not_divide_are_refused_before_launch():
     bad.layers[0].plan.tp_styles = {"mlp.gate": "expert"}
     with pytest.raises(PlanFileError, match="not a module of stacked expert parameters"):
         check_tp_divisibility(bad)
+
+
+@pytest.mark.parametrize("style,message", [("colwise", "'colwise:3'"), ("colwise:2", "into 3 equal parts"),
+                                           ("colwise:3", None)])
+def test_runtime_plan_check_wants_the_parts_of_a_fused_projection(tmp_path, style, message):
+    """The runtime's pre-launch check refuses a plan that splits GPT-2's c_attn evenly
+    ("colwise": rank 0 would get all of q and half of k) or in the wrong number of parts, and
+    takes "colwise:3"; "colwise:2" on the MLP's c_fc, which is not cut, is refused too."""
+    from pathlib import Path
+
+    from autopar.core.capture import capture_model_file
+    from autopar.core.errors import PlanFileError
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+    from autopar.runtime.plan_check import check_plan
+
+    path = Path(__file__).resolve().parent / "zoo" / "hf_gpt2.py"
+    g = capture_model_file(str(path), {}, 2)
+    styles = {i: {f"{layer.name}.attn.c_attn": style, f"{layer.name}.attn.c_proj": "rowwise"}
+              for i, layer in enumerate(g.layers) if layer.name.startswith("transformer.h.")}
+    plan = uniform_plan(model=ModelRef(str(path), {}, "hf_gpt2", g.fingerprint), num_layers=len(g.layers), tp=2,
+                        micro_batch=2, tp_styles_per_layer=styles)
+    save_plan(plan, tmp_path / "plan.json")
+    if message is None:
+        check_plan(tmp_path / "plan.json", 2)
+        styles = {i: {f"{g.layers[i].name}.mlp.c_fc": "colwise:2", f"{g.layers[i].name}.mlp.c_proj": "rowwise"}
+                  for i in styles}
+        save_plan(uniform_plan(model=plan.model, num_layers=len(g.layers), tp=2, micro_batch=2,
+                               tp_styles_per_layer=styles), tmp_path / "mlp.json")
+        with pytest.raises(PlanFileError, match="does not cut its output into 2 parts"):
+            check_plan(tmp_path / "mlp.json", 2)
+    else:
+        with pytest.raises(PlanFileError, match=message):
+            check_plan(tmp_path / "plan.json", 2)
