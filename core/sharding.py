@@ -8,7 +8,9 @@ Two pure graph analyses, shared by the simulator and the planner:
   needs one all-reduce in forward and one in backward).  A Linear whose input is reached from
   one or more earlier Linears only through element-wise, view, attention, matmul, softmax and
   dropout ops is "rowwise" and those earlier Linears are "colwise" (for SwiGLU: w1 and w3
-  colwise, w2 rowwise).  Outside such pairs: the largest embedding table is split by rows
+  colwise, w2 rowwise).  A fused projection whose output is cut into k equal parts on the way
+  (GPT-2's ``c_attn`` into q, k, v) is "colwise:<k>", split per part (``_fused_parts``), and
+  priced like the unfused pair; one cut otherwise stays whole.  Outside such pairs: the largest embedding table is split by rows
   (vocabulary-parallel embedding, Megatron-LM Sec. 3) and a Linear that feeds the loss is split
   by columns with a vocabulary-parallel loss (Megatron-LM Sec. 3, "parallelize the output
   embedding GEMM ... fuse with the cross entropy loss").
