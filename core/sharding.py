@@ -178,11 +178,15 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
         frontier, seen = [lin], {lin}
         while frontier:
             for node in readers.get(frontier.pop(), []):
-                if node.name in seen or node.kind != "view" or not node.input_shapes or not node.output_shape:
+                if node.name in seen or not node.input_shapes or not node.output_shape:
                     continue
                 seen.add(node.name)
                 before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
-                if not before or before[-1] != features:
+                if node.kind in ("elementwise", "dropout"):
+                    if after and after[-1] == features:
+                        frontier.append(node.name)        # a scale, a bias, an activation on the whole output
+                    continue
+                if node.kind != "view" or not before or before[-1] != features:
                     continue
                 target = node.target.lower()
                 if after and after[-1] == features and _numel(after) == _numel(before):
@@ -210,6 +214,9 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
                         widths.append(("unbind", features // k))
                     # else the heads viewed out ([..., heads, head_dim]) or taken apart per head
                     # ([..., heads, 3, head_dim], examples/gpt.py): no cut of the features
+        # any other cut of a tensor as wide as this output on the way (one reached by ops the
+        # trace above does not follow) leaves it whole: better unsplit than another model
+        unknown |= any(_cuts_features(by_name[n], features) for n in crossed if n not in seen)
         if not widths and not unknown:
             continue
         sizes = {w for _, w in widths}
@@ -219,6 +226,15 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
             parts = 0
         out[lin] = parts
     return out
+
+
+def _cuts_features(node: OpNode, features: int) -> bool:
+    """A view that cuts the last dim of a ``[..., features]`` tensor into something narrower."""
+    if node.kind != "view" or not node.input_shapes or not node.output_shape:
+        return False
+    before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
+    return bool(before) and len(before) == len(after) and before[-1] == features and after[-1] != features \
+        and _numel(after) < _numel(before)
 
 
 def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> bool:

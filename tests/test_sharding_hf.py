@@ -181,6 +181,8 @@ class _Fused:
                 y = self.qkv(x)
                 if cut == "unbind":       # view to [B, T, 3, heads, head_dim], parts taken apart
                     q, k, v = y.view(B, T, 3, 4, 8).unbind(2)
+                elif cut == "scaled":     # an element-wise op on the whole output before the split
+                    q, k, v = (y * 0.5).split(32, dim=-1)
                 elif cut == "uneven":     # widths 48, 24, 24 (GQA-like): not equal parts
                     q, k, v = y.split([48, 24, 24], dim=-1)
                     q, k, v = q[..., :32], k[..., :16].repeat(1, 1, 2), v[..., :16].repeat(1, 1, 2)
@@ -193,9 +195,10 @@ class _Fused:
         return nn.Sequential(Block(), Block())
 
 
-@pytest.mark.parametrize("cut,want", [("unbind", "colwise:3"), ("uneven", None)])
+@pytest.mark.parametrize("cut,want", [("unbind", "colwise:3"), ("scaled", "colwise:3"), ("uneven", None)])
 def test_fused_projection_cuts_recognised_or_left_whole(cut, want):
-    """view + unbind into 3 equal parts is split per part; a cut into unequal widths is not
+    """view + unbind into 3 equal parts, and a split after an element-wise op, are split per
+    part; a cut into unequal widths is not
     recognised: the fused projection stays whole (named), the pair is not offered."""
     import torch
 
