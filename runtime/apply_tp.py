@@ -195,9 +195,9 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
 
 def keep_embedding_grads_sharded(module: nn.Module) -> None:
     """Hook every row-wise (vocab-sharded) embedding weight of ``module``, and every replicated
-    bias of a fused projection split per part, so its gradient keeps the parameter's placements.  Call it on the materialised module (``to_empty`` swaps the
-    parameter tensors, and their hooks with them), and only without FSDP2, which does the same
-    itself."""
+    bias of a fused projection split per part, so its gradient keeps the parameter's
+    placements.  Call it on the materialised module (``to_empty`` swaps the parameter tensors,
+    and their hooks with them), and only without FSDP2, which does the same itself."""
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
         if isinstance(sub, nn.Embedding) and isinstance(weight, DTensor) and Shard(0) in weight.placements:
