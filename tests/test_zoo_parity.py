@@ -338,6 +338,21 @@ def test_hf_gpt2_tp_splits_attention_and_mlp(zoo_runs):
         assert got.get("params_bytes") == [want, want], f"hf_gpt2 {kind}: {got}, want {want} bytes per rank"
 
 
+def test_hf_gpt2_tp_parameters_predicted_as_held(tmp_path):
+    """The simulator's parameter bytes per rank for the zoo's GPT-2 tp plan are what the run
+    holds (``_gpt2_tp2_param_bytes``, which test_hf_gpt2_tp_splits_attention_and_mlp checks
+    against the measured bytes): c_attn's replicated bias included."""
+    pytest.importorskip("transformers")
+    from autopar.core.plan import load_plan
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from test_simulator_memory import PROFILE, _cluster
+
+    plan = load_plan(_plan("hf_gpt2", "tp", TP, tmp_path / "tp.json"))
+    memory = PlanEvaluator(_graph("hf_gpt2"), _cluster(), CostModel.from_profile(PROFILE)).evaluate(plan).memory
+    assert memory[0].params_bytes == pytest.approx(_gpt2_tp2_param_bytes(), abs=0.5), memory[0]
+
+
 @pytest.mark.multiproc
 def test_hf_gpt2_fused_split_under_dp2_tp2(tmp_path):
     """dp 2 x tp 2 on 4 ranks with c_attn split per part: with DDP (FSDP2's replicate, which
