@@ -255,16 +255,16 @@ def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNo
     return True
 
 
-def _pairs(graph: OpGraph, layer_index: int, fused: bool = True):
+def _pairs(graph: OpGraph, layer_index: int, fused=True):
     """[(colwise linear op names, pass-through op names, rowwise linear op name)] in topological order."""
     pairs, role, ops, by_name, _fused = _pairs_and_fused(graph, layer_index, fused)
     return pairs, role, ops, by_name
 
 
-def fused_projections(graph: OpGraph, layer_index: int, fused: bool = True) -> list[str]:
+def fused_projections(graph: OpGraph, layer_index: int, fused=True) -> list[str]:
     """Module paths of the fused projections of a layer that no pair splits (``_fused_parts``):
     the reason a layer's attention (or MLP) stays whole under tensor parallelism.  ``fused``
-    False: the recognised ones (split per part) count as whole too."""
+    as for ``megatron_styles``: the recognised ones it leaves whole count too."""
     _, _, _, by_name, whole = _pairs_and_fused(graph, layer_index, fused)
     return sorted({by_name[n].module_path for n in whole})
 
@@ -292,7 +292,13 @@ def fused_cuts(graph: OpGraph, layer_index: int) -> dict[str, int]:
     return out
 
 
-def _pairs_and_fused(graph: OpGraph, layer_index: int, allow_fused: bool = True):
+def _kept_whole(fused, module_path: str) -> bool:
+    """``fused``: True (split every recognised fused projection per part), False (none), or
+    the module paths of those left whole."""
+    return fused is False or (not isinstance(fused, bool) and module_path in fused)
+
+
+def _pairs_and_fused(graph: OpGraph, layer_index: int, fused_ok=True):
     ops, by_name, _ = _layer_index(graph, layer_index)
     graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
     order = {o.name: i for i, o in enumerate(ops)}
@@ -310,7 +316,7 @@ def _pairs_and_fused(graph: OpGraph, layer_index: int, allow_fused: bool = True)
         if not _per_head_only(linears, crossed, by_name):
             continue
         fused = _fused_parts(linears, crossed, by_name)
-        whole = sorted(n for n, parts in fused.items() if not parts or not allow_fused)
+        whole = sorted(n for n, parts in fused.items() if not parts or _kept_whole(fused_ok, by_name[n].module_path))
         if whole:
             fused_seen += whole
             continue
@@ -401,11 +407,12 @@ def _expert_ops(ops: list[OpNode], module: str) -> list[OpNode]:
     return [o for o in ops if o.module_path == module or o.module_path.startswith(module + ".")]
 
 
-def megatron_styles(graph: OpGraph, layer_index: int, fused: bool = True) -> dict[str, str]:
+def megatron_styles(graph: OpGraph, layer_index: int, fused=True) -> dict[str, str]:
     """Module path -> "colwise" | "rowwise" for the Megatron split of one layer ("expert" for
     stacked experts, split by expert; "colwise:<k>" for a fused projection of k equal parts,
-    split per part).  ``fused`` False: pairs through a fused projection stay whole (the
-    runtime could not run them: planner/runtime_check.py)."""
+    split per part).  ``fused`` False, or a collection of module paths: the pairs through
+    every fused projection, or through those named, stay whole (the runtime could not run
+    them: planner/runtime_check.py)."""
     pairs, role, ops, by_name = _pairs(graph, layer_index, fused)
     _, _, consumers = _layer_index(graph, layer_index)
     parts = {c: n for cols, crossed, _row in pairs for c, n in _fused_parts(set(cols), set(crossed), by_name).items()}

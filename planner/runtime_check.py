@@ -60,13 +60,13 @@ class Executable:
     recompute: tuple[str, ...] = ("none",)
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
-    whole_fused: frozenset[int] = frozenset()    # split layers whose fused projections stay whole
-    #                                              (megatron_styles(..., fused=False))
+    whole_fused: frozenset[str] = frozenset()    # fused projections (module paths) left whole: the
+    #                                              runtime could not run them split per part
 
     def styles(self, graph: OpGraph, layer: int) -> dict[str, str]:
         """The split of ``layer`` that runs: its Megatron styles, without the fused pairs the
         runtime could not run; {} for a layer whose split does not run."""
-        return megatron_styles(graph, layer, fused=layer not in self.whole_fused) if self.splittable[layer] else {}
+        return megatron_styles(graph, layer, fused=self.whole_fused) if self.splittable[layer] else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
@@ -482,14 +482,16 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
     ok_layers: set[int] | None = None
     kept: list[int] = []
     reasons: dict[str, str] = {}
-    whole_fused: set[int] = set()
+    whole_fused: set[str] = set()
     for d in degrees:
         good = set()
         for members in by_kind.values():
             err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
-            if err is not None and _unfuse(probe, members, left, err):
-                whole_fused.update(members)
-                err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
+            if err is not None:
+                whole = _unfuse(probe, members, Mesh(tp=d), left, err)
+                if whole:
+                    whole_fused.update(whole)
+                    err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
             if err is None:
                 good.update(members)
             else:
@@ -522,27 +524,38 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
         probe.error(probe.plan(Mesh(tp=kept[0], sequence_parallel=True), split=ok_layers))
     if sp_err is not None:
         left.append(LeftOut("sequence parallel", sp_err))
-    return splittable, kept, sp_err is None, frozenset(whole_fused & ok_layers)
+    return splittable, kept, sp_err is None, frozenset(whole_fused)
 
 
-def _unfuse(probe: _Probe, members: list[int], left: list[LeftOut], err: str) -> bool:
-    """A layer kind whose split fails while it splits a fused projection per part (nanoGPT's
+def _unfuse(probe: _Probe, members: list[int], mesh: Mesh, left: list[LeftOut], err: str) -> set[str]:
+    """A layer kind whose split fails while it splits fused projections per part (nanoGPT's
     ``c_attn``: its forward views q/k/v with a width read from its input, the whole hidden
-    size, so a rank's share of the heads does not fit): drop those pairs from its styles
-    (``megatron_styles(..., fused=False)``), keeping its other pairs, and say why.  False
-    when the kind splits no fused projection."""
+    size; Phi-3's attention reads its head count from the shared config): leave them whole
+    -- each alone first, the first that lets the layer run (Phi-3's ``gate_up_proj`` runs
+    split while its ``qkv_proj`` cannot), else all -- keeping the layer's other pairs, and say
+    why.  Returns the module paths left whole in every member (empty when the kind splits no
+    fused projection); ``probe.styles`` of the members are updated."""
     from autopar.core.sharding import megatron_styles
 
-    first = members[0]
-    if not any(tp_style_parts(v)[1] > 1 for v in probe.styles[first].values()):
-        return False
-    fused = sorted(k for k, v in probe.styles[first].items() if tp_style_parts(v)[1] > 1)
-    for i in members:
-        probe.styles[i] = megatron_styles(probe.graph, i, fused=False)
-    left.append(LeftOut(f"tp of fused projections in {probe.graph.layers[first].name}",
-                        f"{', '.join(fused)} split per part (q, k, v) fails in the runtime ({err}); the fused "
-                        f"projections stay whole and the layer's other pairs are split"))
-    return True
+    first = probe.graph.layers[members[0]].name
+    fused = sorted(k.removeprefix(first + ".") for k, v in probe.styles[members[0]].items()
+                   if tp_style_parts(v)[1] > 1)
+    if not fused:
+        return set()
+    tries = [[f] for f in fused] + ([fused] if len(fused) > 1 else [])
+    for whole in tries:
+        paths = {f"{probe.graph.layers[i].name}.{f}" for i in members for f in whole}
+        for i in members:
+            probe.styles[i] = megatron_styles(probe.graph, i, fused=paths)
+        if probe.error(probe.plan(mesh, split={members[0]})) is None or whole is tries[-1]:
+            kept = [f"{first}.{f}" for f in fused if f not in whole]
+            still = f" ({', '.join(kept)} still split per part)" if kept else ""
+            left.append(LeftOut(f"tp of fused projections in {first}",
+                                f"{', '.join(f'{first}.{f}' for f in whole)} split per part (q, k, v) fails in the "
+                                f"runtime ({err}); {'it stays' if len(whole) == 1 else 'they stay'} whole{still} "
+                                f"and the layer's other pairs are split"))
+            break
+    return paths
 
 
 def _sequence_mixing_error(probe: _Probe, layers: set[int], tp: int) -> str | None:

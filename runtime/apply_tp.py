@@ -369,6 +369,7 @@ def _divide_head_counts(module: nn.Module, plan: dict, tp: int) -> None:
                 setattr(owner, attr, width // tp)
     for p in parents:
         owner = module.get_submodule(p)
+        _divide_config_heads(owner, p, tp)
         for attr in _HEAD_COUNT_ATTRS:
             value = owner.__dict__.get(attr)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -376,3 +377,29 @@ def _divide_head_counts(module: nn.Module, plan: dict, tp: int) -> None:
                     raise PlanFileError(f"{p}.{attr} = {value} heads do not divide over tp = {tp} ranks; "
                                         f"plan a tp degree that divides the head count.")
                 setattr(owner, attr, value // tp)
+
+
+# The config attributes a Hugging Face attention reads its head counts from in its forward
+# (Phi-3: ``query_pos = self.config.num_attention_heads * self.head_dim``).
+_CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
+
+
+def _divide_config_heads(owner: nn.Module, path: str, tp: int) -> None:
+    """Give a split module that holds the model's config (``owner.config``, shared by every
+    module) its own copy with the head counts divided by tp, as its head count attributes are:
+    a forward that reads them from the config then cuts this rank's heads.  Other modules
+    keep the shared config."""
+    import copy
+
+    config = owner.__dict__.get("config")
+    if config is None or not any(isinstance(getattr(config, a, None), int) for a in _CONFIG_HEAD_ATTRS):
+        return
+    own = copy.copy(config)
+    for attr in _CONFIG_HEAD_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % tp:
+                raise PlanFileError(f"{path}.config.{attr} = {value} heads do not divide over tp = {tp} ranks; "
+                                    f"plan a tp degree that divides the head count.")
+            setattr(own, attr, value // tp)
+    owner.config = own

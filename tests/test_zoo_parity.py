@@ -95,6 +95,12 @@ MODELS: dict[str, dict] = {
     "hf_gpt2": dict(kinds={"tp": TP, "tp_sp": TP_SP},
                     tp={"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
                         "mlp.c_proj": "rowwise"}),
+    # fused qkv_proj sliced into q, k, v (its query width read from the config: the attention
+    # gets its own config with the head counts divided, runtime/apply_tp._divide_config_heads)
+    # and fused gate_up_proj chunked in two: both split per part, with and without SP
+    "hf_phi3": dict(kinds={"tp": TP, "tp_sp": TP_SP},
+                    tp={"self_attn.qkv_proj": "colwise:3", "self_attn.o_proj": "rowwise",
+                        "mlp.gate_up_proj": "colwise:2", "mlp.down_proj": "rowwise"}),
     # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
     # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
     # summed over tp), the router replicated on every tp rank
