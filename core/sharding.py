@@ -515,11 +515,17 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
 
     for cols, crossed, row in applied:
         region_inputs: dict[str, float] = {}
+        fused = _fused_parts(set(cols), set(crossed), by_name)
         for c in cols:
             node = by_name[c]
             compute[c] = param[c] = output[c] = tp
             saved[c] = tp if sp else 1          # keeps its (replicated) input; sharded under SP
             region_inputs.setdefault(node.inputs[0], _tensor_bytes(node.inputs[0], node, graph_by_name))
+            if fused.get(c) and node.output_shape and any(p.endswith(".bias") for p in node.params):
+                # split per part, its bias stays whole on every rank and each rank's gradient
+                # covers its own rows: summed over tp backward (runtime/fused_tp.py)
+                colls.append(TPCollective("all_reduce", float(node.output_shape[-1] * dtype_bytes(node.dtype)),
+                                          "bwd", c))
         for n in crossed:
             compute[n] = saved[n] = output[n] = tp
         compute[row] = param[row] = saved[row] = tp

@@ -141,8 +141,12 @@ def test_gpt2_fused_qkv_split_per_part_with_its_mlp():
     attn = [o for o in g.layer_ops(1) if o.module_path in (f"{name}.attn.c_attn", f"{name}.attn.c_proj")
             and o.kind == "linear"]
     assert len(attn) == 2 and all(lay.param_shard[o.name] == 2 and lay.compute_shard[o.name] == 2 for o in attn)
-    # two pairs: each an all-reduce of its output forward and of its input's gradient backward
-    assert sorted((c.kind, c.pass_) for c in lay.collectives) == [("all_reduce", "bwd")] * 2 + [("all_reduce", "fwd")] * 2
+    # two pairs: each an all-reduce of its output forward and of its input's gradient backward;
+    # c_attn's bias, whole on every rank, has its gradient (96 fp32 values) summed backward
+    assert sorted((c.kind, c.pass_, c.at) for c in lay.collectives if c.bytes == 96 * 4) == \
+        [("all_reduce", "bwd", attn[0].name)]
+    assert sorted((c.kind, c.pass_) for c in lay.collectives if c.bytes != 96 * 4) == \
+        [("all_reduce", "bwd")] * 2 + [("all_reduce", "fwd")] * 2
     even = propagate(g, 1, {**full, f"{name}.attn.c_attn": "colwise"}, 2)
     assert all(even.param_shard[o.name] == 1 for o in attn) and len(even.collectives) == 2
     # 3 parts of 32 features do not split over tp = 3 (32 % 3): priced whole
