@@ -2,7 +2,9 @@
 
 A fused projection computes several projections in one GEMM and cuts its output into k equal
 parts along the features: GPT-2's ``c_attn`` (a ``Conv1D``, output ``[q | k | v]``, k = 3),
-nanoGPT's ``c_attn`` (an ``nn.Linear``), Phi-3's ``qkv_proj`` (3) and ``gate_up_proj`` (2).
+nanoGPT's ``c_attn`` (an ``nn.Linear``; its forward views q/k/v with the whole hidden size, so
+it cannot run split: planner/runtime_check._unfuse), Phi-3's ``qkv_proj`` (3) and
+``gate_up_proj`` (2).
 The plan names it with the style ``colwise:<k>`` (core/sharding._fused_parts finds it).  Each
 tp rank ``r`` of ``tp`` holds, of every part of n features, the rows ``[r*n/tp, (r+1)*n/tp)``;
 after the model's own local cut each part is this rank's heads (or hidden units), so the pair
