@@ -80,14 +80,19 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
             graph = capture(module, inputs, model_name=name, model_file=str(mf.path),
                             model_args=model_args, batch_size=batch_size,
                             loss_fn=mf.loss, target=target)
-    except ModelFileError:
+    except ModelFileError as e:
         # a forward that fails on its own batch in plain PyTorch (real tensors: data-dependent
         # control flow runs there) is the model file's error, not the tracer's
-        from autopar.core.model_check import own_failure
+        from autopar.core.model_check import MAX_PARAM_BYTES, own_failure
+        from autopar.core.trace_fx import traced_path_advice
 
         own = own_failure(mf, model_args, batch_size)
         if own is not None:
             raise own from None
+        shape = getattr(e, "traced_shape_error", None)
+        ran = sum(p.numel() * 4 for p in module.parameters()) <= MAX_PARAM_BYTES   # own_failure ran a CPU step
+        if shape is not None and ran:
+            raise ModelFileError(f"{shape[0]}. {traced_path_advice(shape[1])}") from None
         raise
     graph.notes.insert(0, f"build_model + make_batch on meta: {build_s:.2f} s")
     graph.capture_s += build_s

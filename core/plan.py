@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -42,6 +43,27 @@ ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gra
 OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
 TP_STYLES = ("colwise", "rowwise", "expert")  # Megatron column / row split of a Linear's weight; a
 #                                             mixture of experts' stacked experts split by expert
+# "colwise:<k>": the column split of a fused projection whose output is k equal parts (GPT-2's
+# c_attn: q | k | v, k = 3): each rank holds its share of every part (core/sharding._fused_parts,
+# runtime/fused_tp.py)
+_PARTS_STYLE = re.compile(r"colwise:([1-9][0-9]*)")
+
+
+def tp_style_parts(style: str) -> tuple[str, int]:
+    """(base style, number of equal output parts split separately): ("colwise", 3) for
+    "colwise:3", (style, 1) for the plain styles."""
+    m = _PARTS_STYLE.fullmatch(style)
+    return ("colwise", int(m.group(1))) if m else (style, 1)
+
+
+def parts_style(parts: int) -> str:
+    """The style string of a column split per part (``parts`` > 1), "colwise" for one part."""
+    return f"colwise:{parts}" if parts > 1 else "colwise"
+
+
+def valid_tp_style(style: str) -> bool:
+    base, parts = tp_style_parts(style)
+    return style in TP_STYLES or (base == "colwise" and parts >= 2)
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights
 # A layer's own precision ("" = the plan's): "fp8" trains its linears in float8 (torchao's
 # Float8Linear: GEMM inputs cast to e4m3/e5m2 with per-tensor or per-row scales, output and
@@ -196,8 +218,9 @@ class Plan:
             if lp.offload != "none" and not offload_allowed(lp.zero):
                 _bad(f"{where}.offload", lp.offload, "'none' unless zero is 2 or 3 (offload runs through FSDP)")
             for mod, style in lp.tp:
-                if style not in TP_STYLES:
-                    _bad(f"{where}.tp[{mod!r}]", style, f"one of {', '.join(TP_STYLES)}")
+                if not valid_tp_style(style):
+                    _bad(f"{where}.tp[{mod!r}]", style, f"one of {', '.join(TP_STYLES)} or colwise:<parts> "
+                                                        f"(parts >= 2)")
             if lp.precision and lp.precision not in LAYER_PRECISIONS:
                 _bad(f"{where}.precision", lp.precision, f"one of {', '.join(LAYER_PRECISIONS)} (or absent: the "
                                                          f"plan's precision)")

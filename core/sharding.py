@@ -8,7 +8,9 @@ Two pure graph analyses, shared by the simulator and the planner:
   needs one all-reduce in forward and one in backward).  A Linear whose input is reached from
   one or more earlier Linears only through element-wise, view, attention, matmul, softmax and
   dropout ops is "rowwise" and those earlier Linears are "colwise" (for SwiGLU: w1 and w3
-  colwise, w2 rowwise).  Outside such pairs: the largest embedding table is split by rows
+  colwise, w2 rowwise).  A fused projection whose output is cut into k equal parts on the way
+  (GPT-2's ``c_attn`` into q, k, v) is "colwise:<k>", split per part (``_fused_parts``), and
+  priced like the unfused pair; one cut otherwise stays whole.  Outside such pairs: the largest embedding table is split by rows
   (vocabulary-parallel embedding, Megatron-LM Sec. 3) and a Linear that feeds the loss is split
   by columns with a vocabulary-parallel loss (Megatron-LM Sec. 3, "parallelize the output
   embedding GEMM ... fuse with the cross entropy loss").
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph, OpNode
+from autopar.core.plan import parts_style, tp_style_parts
 
 #: Ops that keep a tensor-parallel split on the hidden/head dimension when their input has it.
 PASS_THROUGH_KINDS = frozenset({"elementwise", "view", "attention", "matmul", "softmax", "dropout"})
@@ -125,25 +128,113 @@ def _walk_back(op: OpNode, by_name: dict[str, OpNode], graph_kind: dict[str, str
     return linears, crossed, hit_leaf
 
 
-def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> list[str]:
+#: Cuts of a fused projection's output into parts along its features (the traced op's name):
+#: ``split`` / ``chunk`` into equal widths, ``slice`` (``qkv[..., a:b]``) one part each.
+_SPLIT_CUTS = ("split", "chunk")
+_SLICE_CUTS = ("slice", "getitem")
+#: the op that takes the parts of a view ``[..., k, ...]`` apart: ``unbind`` / ``select`` of dim k
+_UNBIND_CUTS = ("unbind", "select")
+
+
+def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> dict[str, int]:
     """The linears among ``linears`` whose output is cut into parts along its output features
-    before the row-wise linear reads it: a fused projection (GPT-2's ``c_attn`` split into q, k
-    and v; a fused ``gate_up`` chunked in two).  A column split hands each rank a contiguous
-    block of those features -- all of q and half of k on rank 0 of 2 -- so the parts would mix
-    across ranks and the split would train another model; such a pair is not offered.  A cut
-    of the per-head dimension after the heads are viewed out (GPT-NeoX's interleaved qkv,
+    before the row-wise linear reads it -- a fused projection (GPT-2's ``c_attn`` split into q, k
+    and v; Phi-3's ``gate_up_proj`` chunked in two) -- with the number of equal parts it is cut
+    into, or 0 where the cut is not recognised.
+
+    A plain column split hands each rank a contiguous block of the features -- all of q and
+    half of k on rank 0 of 2 -- so the parts would mix across ranks.  Split per part instead
+    (style ``colwise:<k>``: each rank holds rows ``[r*n/tp, (r+1)*n/tp)`` of each part of n
+    features), every part is the rank's share of heads (or hidden units) after the local cut,
+    and the pair is as exact as an unfused one.  Recognised cuts, followed from the linear's
+    output through views that keep its features whole (GPT-2's addmm is ``[tokens, 3C]``
+    viewed to ``[batch, seq, 3C]``):
+
+    * ``split`` / ``chunk`` of the features into widths n with n dividing them (k = features / n),
+      every piece its readers see n wide (``split([48, 24, 24])`` is not);
+    * ``slice``-s of width n, exactly k = features / n of them (``qkv[..., :C]`` ... ;
+      the traced ops keep no offsets, so k disjoint slices of width n are taken to tile it);
+    * a ``view`` to ``[..., k, ...]`` whose k-dim is then ``unbind``-ed or ``select``-ed (told
+      apart by shape from a view to ``[..., heads, k, head_dim]`` taken apart on its k-dim,
+      which interleaves the parts per head and splits evenly; where both dims are equal the
+      graph cannot tell, and it is left whole).
+
+    Parts of unequal widths (a fused GQA q/k/v with fewer key/value heads, Phi-3's ``qkv_proj``
+    when ``num_key_value_heads < num_attention_heads``) or any other cut are 0: left whole.
+    A cut of the per-head dimension after the heads are viewed out (GPT-NeoX's interleaved qkv,
     rotary's rotate-half) is not one: its size is the head dim, not the output features."""
-    features = {n: by_name[n].output_shape[-1] for n in linears if by_name[n].output_shape}
-    fused = set()
+    readers: dict[str, list[OpNode]] = {}
     for name in crossed:
-        node = by_name[name]
-        if node.kind != "view" or not node.input_shapes or not node.output_shape:
+        for src in by_name[name].inputs:
+            readers.setdefault(src, []).append(by_name[name])
+    out: dict[str, int] = {}
+    for lin in linears:
+        shape = by_name[lin].output_shape
+        if not shape:
             continue
-        before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
-        if len(before) != len(after) or not before or _numel(after) >= _numel(before) or before[-1] == after[-1]:
-            continue                                   # not a cut of the last dim
-        fused.update(n for n, f in features.items() if f == before[-1])
-    return sorted(fused)
+        features = int(shape[-1])
+        widths: list[tuple[str, int]] = []      # (cut kind, part width)
+        unknown = False
+        frontier, seen = [lin], {lin}
+        while frontier:
+            for node in readers.get(frontier.pop(), []):
+                if node.name in seen or not node.input_shapes or not node.output_shape:
+                    continue
+                seen.add(node.name)
+                before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
+                if node.kind in ("elementwise", "dropout"):
+                    if after and after[-1] == features:
+                        frontier.append(node.name)        # a scale, a bias, an activation on the whole output
+                    continue
+                if node.kind != "view" or not before or before[-1] != features:
+                    continue
+                target = node.target.lower()
+                if after and after[-1] == features and _numel(after) == _numel(before):
+                    frontier.append(node.name)            # a reshape that keeps the features whole
+                elif len(after) == len(before) and _numel(after) < _numel(before) and after[-1] != features:
+                    kind = "split" if any(c in target for c in _SPLIT_CUTS) else \
+                        "slice" if any(c in target for c in _SLICE_CUTS) else None
+                    if kind is None:
+                        unknown = True
+                    else:
+                        widths.append((kind, int(after[-1])))
+                    if kind == "split":   # every piece's width, as its readers saw it (split_with_sizes)
+                        widths += [(kind, int(r.input_shapes[j][-1])) for r in readers.get(node.name, [])
+                                   for j, src in enumerate(r.inputs) if src == node.name and j < len(r.input_shapes)
+                                   and r.input_shapes[j]]
+                elif _numel(after) == _numel(before) and len(after) > len(before) and \
+                        after[:len(before) - 1] == before[:-1]:
+                    k = int(after[len(before) - 1])
+                    cut = [r for r in readers.get(node.name, []) if any(c in r.target.lower() for c in _UNBIND_CUTS)
+                           and tuple(r.output_shape) == after[:len(before) - 1] + after[len(before):]]
+                    nxt = after[len(before)] if len(after) > len(before) else None
+                    if cut and nxt == k:
+                        unknown = True      # [.., 3, 3, d]: the graph does not say which dim is taken apart
+                    elif cut and k >= 2 and features % k == 0:
+                        widths.append(("unbind", features // k))
+                    # else the heads viewed out ([..., heads, head_dim]) or taken apart per head
+                    # ([..., heads, 3, head_dim], examples/gpt.py): no cut of the features
+        # any other cut of a tensor as wide as this output on the way (one reached by ops the
+        # trace above does not follow) leaves it whole: better unsplit than another model
+        unknown |= any(_cuts_features(by_name[n], features) for n in crossed if n not in seen)
+        if not widths and not unknown:
+            continue
+        sizes = {w for _, w in widths}
+        parts = features // next(iter(sizes)) if len(sizes) == 1 and features % next(iter(sizes)) == 0 else 0
+        slices = sum(1 for kind, _ in widths if kind == "slice")
+        if unknown or parts < 2 or (slices and slices != parts) or len({k for k, _ in widths}) > 1:
+            parts = 0
+        out[lin] = parts
+    return out
+
+
+def _cuts_features(node: OpNode, features: int) -> bool:
+    """A view that cuts the last dim of a ``[..., features]`` tensor into something narrower."""
+    if node.kind != "view" or not node.input_shapes or not node.output_shape:
+        return False
+    before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
+    return bool(before) and len(before) == len(after) and before[-1] == features and after[-1] != features \
+        and _numel(after) < _numel(before)
 
 
 def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNode]) -> bool:
@@ -164,20 +255,50 @@ def _per_head_only(linears: set[str], crossed: set[str], by_name: dict[str, OpNo
     return True
 
 
-def _pairs(graph: OpGraph, layer_index: int):
+def _pairs(graph: OpGraph, layer_index: int, fused=True):
     """[(colwise linear op names, pass-through op names, rowwise linear op name)] in topological order."""
-    pairs, role, ops, by_name, _fused = _pairs_and_fused(graph, layer_index)
+    pairs, role, ops, by_name, _fused = _pairs_and_fused(graph, layer_index, fused)
     return pairs, role, ops, by_name
 
 
-def fused_projections(graph: OpGraph, layer_index: int) -> list[str]:
+def fused_projections(graph: OpGraph, layer_index: int, fused=True) -> list[str]:
     """Module paths of the fused projections of a layer that no pair splits (``_fused_parts``):
-    the reason a layer's attention (or MLP) stays whole under tensor parallelism."""
-    _, _, _, by_name, fused = _pairs_and_fused(graph, layer_index)
-    return sorted({by_name[n].module_path for n in fused})
+    the reason a layer's attention (or MLP) stays whole under tensor parallelism.  ``fused``
+    as for ``megatron_styles``: the recognised ones it leaves whole count too."""
+    _, _, _, by_name, whole = _pairs_and_fused(graph, layer_index, fused)
+    return sorted({by_name[n].module_path for n in whole})
 
 
-def _pairs_and_fused(graph: OpGraph, layer_index: int):
+def fused_part_counts(graph: OpGraph, layer_index: int) -> dict[str, int]:
+    """Module path -> number of equal parts, for each fused projection of the layer that a
+    pair splits per part (style ``colwise:<parts>``)."""
+    pairs, _, _, by_name, _ = _pairs_and_fused(graph, layer_index, True)
+    return {by_name[c].module_path: n for cols, crossed, _row in pairs
+            for c, n in _fused_parts(set(cols), set(crossed), by_name).items()}
+
+
+def fused_cuts(graph: OpGraph, layer_index: int) -> dict[str, int]:
+    """Module path -> number of equal parts (0: cut in a way ``_fused_parts`` does not follow)
+    of every projection of the layer whose output is cut along its features on its way to a
+    Linear, whether or not a pair splits it: what a plan's style for it must say."""
+    ops, by_name, _ = _layer_index(graph, layer_index)
+    graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
+    out: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "linear" and o.inputs:
+            linears, crossed, _ = _walk_back(o, by_name, graph_kind)
+            for n, parts in _fused_parts(linears, crossed, by_name).items():
+                out[by_name[n].module_path] = parts
+    return out
+
+
+def _kept_whole(fused, module_path: str) -> bool:
+    """``fused``: True (split every recognised fused projection per part), False (none), or
+    the module paths of those left whole."""
+    return fused is False or (not isinstance(fused, bool) and module_path in fused)
+
+
+def _pairs_and_fused(graph: OpGraph, layer_index: int, fused_ok=True):
     ops, by_name, _ = _layer_index(graph, layer_index)
     graph_kind = {n: o.kind for n, o in graph._ops_by_name().items()}
     order = {o.name: i for i, o in enumerate(ops)}
@@ -195,8 +316,9 @@ def _pairs_and_fused(graph: OpGraph, layer_index: int):
         if not _per_head_only(linears, crossed, by_name):
             continue
         fused = _fused_parts(linears, crossed, by_name)
-        if fused:
-            fused_seen += fused
+        whole = sorted(n for n, parts in fused.items() if not parts or _kept_whole(fused_ok, by_name[n].module_path))
+        if whole:
+            fused_seen += whole
             continue
         for n in linears:
             role[n] = "colwise"
@@ -285,14 +407,18 @@ def _expert_ops(ops: list[OpNode], module: str) -> list[OpNode]:
     return [o for o in ops if o.module_path == module or o.module_path.startswith(module + ".")]
 
 
-def megatron_styles(graph: OpGraph, layer_index: int) -> dict[str, str]:
+def megatron_styles(graph: OpGraph, layer_index: int, fused=True) -> dict[str, str]:
     """Module path -> "colwise" | "rowwise" for the Megatron split of one layer ("expert" for
-    stacked experts, split by expert)."""
-    pairs, role, ops, by_name = _pairs(graph, layer_index)
+    stacked experts, split by expert; "colwise:<k>" for a fused projection of k equal parts,
+    split per part).  ``fused`` False, or a collection of module paths: the pairs through
+    every fused projection, or through those named, stay whole (the runtime could not run
+    them: planner/runtime_check.py)."""
+    pairs, role, ops, by_name = _pairs(graph, layer_index, fused)
     _, _, consumers = _layer_index(graph, layer_index)
+    parts = {c: n for cols, crossed, _row in pairs for c, n in _fused_parts(set(cols), set(crossed), by_name).items()}
     styles: dict[str, str] = {}
     for op_name, style in role.items():
-        styles[by_name[op_name].module_path] = style
+        styles[by_name[op_name].module_path] = parts_style(parts[op_name]) if op_name in parts else style
     for lin, _path, _loss in _loss_feeders(ops, by_name, consumers, role, _consumed(graph)):
         styles[by_name[lin].module_path] = "colwise"
     emb = _largest_embedding(ops)
@@ -333,12 +459,30 @@ def sequence_mixing_outside_pairs(graph: OpGraph, layer_index: int, styles: dict
     the layer applies no pair (it then runs on whole activations)."""
     layout_pairs, _, ops, by_name = _pairs(graph, layer_index)
     applied = [(cols, crossed, row) for cols, crossed, row in layout_pairs
-               if styles.get(by_name[row].module_path) == "rowwise"
-               and all(styles.get(by_name[c].module_path) == "colwise" for c in cols)]
+               if _pair_applies(cols, crossed, row, by_name, styles.get, tp)]
     if not applied or tp <= 1:
         return []
     inside = {n for _, crossed, _ in applied for n in crossed}
     return [o.name for o in ops if o.kind in SEQUENCE_MIXING_KINDS and o.name not in inside]
+
+
+def _pair_applies(cols, crossed, row, by_name: dict[str, OpNode], style_of, tp: int) -> bool:
+    """Whether the styles apply this column/row pair: the row linear row-wise and each column
+    linear column-wise -- a fused one per part, with the number of parts the graph cuts it into
+    (``_fused_parts``; an even split of it would train another model, so it is priced whole) --
+    and every split dimension (each part's features) divides by tp: Megatron splits attention
+    by heads, the MLP by its hidden dim."""
+    if style_of(by_name[row].module_path) != "rowwise":
+        return False
+    parts = _fused_parts(set(cols), set(crossed), by_name)
+    for c in cols:
+        base, n = tp_style_parts(style_of(by_name[c].module_path) or "")
+        if base != "colwise" or n != parts.get(c, 1):
+            return False
+        shape = by_name[c].output_shape
+        if shape and (shape[-1] % n or (shape[-1] // n) % tp):
+            return False
+    return True
 
 
 def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
@@ -355,13 +499,8 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         return TPLayout(tp, False, ones, dict(ones), dict(ones), dict(ones), ())
     pairs, _role, _, _ = _pairs(graph, layer_index)
 
-    def style_of(op_name: str) -> str | None:
-        return styles.get(by_name[op_name].module_path)
-
-    # Megatron splits attention by heads, the MLP by its hidden dim: both must divide.
     applied = [(cols, crossed, row) for cols, crossed, row in pairs
-               if style_of(row) == "rowwise" and all(style_of(c) == "colwise" for c in cols)
-               and not any(by_name[c].output_shape and by_name[c].output_shape[-1] % tp for c in cols)]
+               if _pair_applies(cols, crossed, row, by_name, styles.get, tp)]
     # Sequence parallelism covers only the layers that hold a column/row pair (the runtime
     # applies it the same way, runtime/apply_tp.py); a layer without one runs replicated on
     # full activations even on a sequence-parallel mesh.
@@ -376,11 +515,17 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
 
     for cols, crossed, row in applied:
         region_inputs: dict[str, float] = {}
+        fused = _fused_parts(set(cols), set(crossed), by_name)
         for c in cols:
             node = by_name[c]
             compute[c] = param[c] = output[c] = tp
             saved[c] = tp if sp else 1          # keeps its (replicated) input; sharded under SP
             region_inputs.setdefault(node.inputs[0], _tensor_bytes(node.inputs[0], node, graph_by_name))
+            if fused.get(c) and node.output_shape and any(p.endswith(".bias") for p in node.params):
+                # split per part, its bias stays whole on every rank and each rank's gradient
+                # covers its own rows: summed over tp backward (runtime/fused_tp.py)
+                colls.append(TPCollective("all_reduce", float(node.output_shape[-1] * dtype_bytes(node.dtype)),
+                                          "bwd", c))
         for n in crossed:
             compute[n] = saved[n] = output[n] = tp
         compute[row] = param[row] = saved[row] = tp

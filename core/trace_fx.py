@@ -290,12 +290,49 @@ def leaf_fallback(module, inputs, params, first_failed, sym_err, exp_err, where)
         except Exception as e:
             failed, err = getattr(e, "_autopar_failed_path", None), e
     culprit = f" in module '{failed}'" if failed else " in the model's own forward"
-    raise ModelFileError(
-        f"{where}: the module returned by build_model cannot be traced{culprit}: "
-        f"fx.symbolic_trace: {short_error(sym_err)}; torch.export: {short_error(exp_err)}"
-        + (f"; with {', '.join(leaves)} kept opaque: {short_error(err)}" if leaves else "")
-        + ". Move data-dependent Python control flow (if/for on tensor values, .item()) into a "
-          "submodule, or make the forward traceable.") from None
+    head = (f"{where}: the module returned by build_model cannot be traced{culprit}: "
+            f"fx.symbolic_trace: {short_error(sym_err)}; torch.export: {short_error(exp_err)}"
+            + (f"; with {', '.join(leaves)} kept opaque: {short_error(err)}" if leaves else ""))
+    shape = _shape_error(exp_err)
+    head = head.rstrip(".")
+    error = ModelFileError(f"{head}. {traced_path_advice(exp_err) if shape and _runs_eagerly(module, inputs) else ADVICE}")
+    error.traced_shape_error = (head, exp_err) if shape else None     # capture_model_file words it once the
+    raise error from None                                              # forward is seen to run on real tensors
+
+
+ADVICE = "Move data-dependent Python control flow (if/for on tensor values, .item()) into a submodule, or make " \
+         "the forward traceable."
+
+
+def traced_path_advice(exp_err: BaseException) -> str:
+    """What to do when the forward runs untraced but torch.export's trace of it has shapes that
+    do not agree: the model takes another code path when traced."""
+    return (f"The forward runs untraced on this batch, but torch.export follows another code path, whose shapes "
+            f"do not agree ({type(exp_err).__name__} above): the model branches on being traced. "
+            f"transformers, for one, builds an explicit attention mask when traced and then repeats the key/value "
+            f"heads num_attention_heads / num_key_value_heads times, so a config whose attention computes keys for "
+            f"every head (DeepSeek-V3's multi-head latent attention) needs num_key_value_heads = "
+            f"num_attention_heads. Check the model's config, or run torch.export.export(model, inputs) yourself "
+            f"to see the failing line.")
+
+
+#: torch's words for operands whose shapes do not fit (broadcast, matmul, view, cat)
+_SHAPE_WORDS = ("broadcast", "must match the size", "shapes cannot be multiplied", "is invalid for input of size",
+                "Sizes of tensors must match", "must have same reduction dim")
+
+
+def _shape_error(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in _SHAPE_WORDS)
+
+
+def _runs_eagerly(module, inputs) -> bool:
+    """Whether the forward runs, untraced, on the (meta) inputs the tracers got."""
+    try:
+        with torch.no_grad():
+            module(*inputs)
+        return True
+    except Exception:
+        return False
 
 
 def _run_leaf_on_cpu(mod: torch.nn.Module, path: str, args, kwargs, walk: Walk):

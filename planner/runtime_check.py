@@ -32,7 +32,7 @@ import torch
 
 from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph
-from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, LayerPlan
+from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, LayerPlan, tp_style_parts
 from autopar.core.sharding import megatron_styles
 
 CHECK_MICRO_BATCH = 2        # samples per checked micro-batch (BatchNorm refuses 1 on [1, C] inputs)
@@ -60,6 +60,13 @@ class Executable:
     recompute: tuple[str, ...] = ("none",)
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
+    whole_fused: frozenset[str] = frozenset()    # fused projections (module paths) left whole: the
+    #                                              runtime could not run them split per part
+
+    def styles(self, graph: OpGraph, layer: int) -> dict[str, str]:
+        """The split of ``layer`` that runs: its Megatron styles, without the fused pairs the
+        runtime could not run; {} for a layer whose split does not run."""
+        return megatron_styles(graph, layer, fused=self.whole_fused) if self.splittable[layer] else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
@@ -245,8 +252,9 @@ def _check_even_splits(model, plan: Plan) -> None:
                 continue
             # Linear: colwise dim 0; Embedding and Conv1D (weight [in, out]): colwise dim 1
             transposed = isinstance(model.get_submodule(fqn), torch.nn.Embedding) or is_conv1d(model.get_submodule(fqn))
-            dim = 0 if (style == "colwise") != transposed else 1
-            size = int(weight.shape[dim])
+            base, parts = tp_style_parts(style)
+            dim = 0 if (base == "colwise") != transposed else 1
+            size = int(weight.shape[dim]) // parts     # a fused projection: each part is split
             if size % tp:
                 raise ValueError(f"{fqn} ({type(model.get_submodule(fqn)).__name__} {tuple(weight.shape)}) split "
                                  f"{style} has {size} along the split, which does not divide over tp = {tp}")
@@ -438,9 +446,11 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
         if off_err is not None:
             left.append(LeftOut("offload", off_err))
 
-    splittable, degrees, sp = _tensor_parallel(probe, tuple(sorted(d for d in tp_degrees if d > 1)), left)
+    splittable, degrees, sp, whole_fused = _tensor_parallel(probe, tuple(sorted(d for d in tp_degrees if d > 1)),
+                                                            left)
     pipeline, cuttable = _pipeline(probe, max_pipeline_probes, left)
     return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
+                      whole_fused=whole_fused,
                       pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
                       recompute=tuple(recompute), left_out=tuple(left), check_s=time.perf_counter() - t0)
 
@@ -454,14 +464,16 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
     if degrees and fused:
         left.append(LeftOut("tp of fused projections",
                             f"{', '.join(fused[:2])}{', ...' if len(fused) > 2 else ''} ({len(fused)} in all): each "
-                            f"output is cut into parts (q, k, v) along its features, so a column split would hand "
-                            f"rank 0 all of q and part of k and train another model; they stay whole"))
+                            f"output is cut into parts (q, k, v) of unequal widths, or by ops the split analysis "
+                            f"does not follow (core/sharding._fused_parts), so neither an even column split (rank 0 "
+                            f"would get all of q and part of k: another model) nor a split per part applies; they "
+                            f"stay whole"))
     candidates = [i for i in range(L) if probe.styles[i]]
     if not degrees:
-        return [False] * L, [], False
+        return [False] * L, [], False, frozenset()
     if not candidates:
         left.append(LeftOut("tensor parallel", "no layer has a Megatron column/row split of its Linear modules"))
-        return [False] * L, [], False
+        return [False] * L, [], False, frozenset()
     # one representative per layer kind (identical layers split identically)
     by_kind: dict[tuple, list[int]] = {}
     for i in candidates:
@@ -470,10 +482,16 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
     ok_layers: set[int] | None = None
     kept: list[int] = []
     reasons: dict[str, str] = {}
+    whole_fused: set[str] = set()
     for d in degrees:
         good = set()
         for members in by_kind.values():
             err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
+            if err is not None:
+                whole = _unfuse(probe, members, Mesh(tp=d), left, err)
+                if whole:
+                    whole_fused.update(whole)
+                    err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
             if err is None:
                 good.update(members)
             else:
@@ -497,7 +515,7 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
     if not kept:
         why = "; ".join(f"{name}: {err}" for name, err in list(reasons.items())[:2])
         left.append(LeftOut("tensor parallel", f"no layer's split runs in the runtime ({why})"))
-        return [False] * L, [], False
+        return [False] * L, [], False, frozenset()
     for name, err in reasons.items():
         if not any(probe.graph.layers[i].name == name for i in ok_layers):
             left.append(LeftOut(f"tp split of {name}", err))
@@ -506,7 +524,38 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
         probe.error(probe.plan(Mesh(tp=kept[0], sequence_parallel=True), split=ok_layers))
     if sp_err is not None:
         left.append(LeftOut("sequence parallel", sp_err))
-    return splittable, kept, sp_err is None
+    return splittable, kept, sp_err is None, frozenset(whole_fused)
+
+
+def _unfuse(probe: _Probe, members: list[int], mesh: Mesh, left: list[LeftOut], err: str) -> set[str]:
+    """A layer kind whose split fails while it splits fused projections per part (nanoGPT's
+    ``c_attn``: its forward views q/k/v with a width read from its input, the whole hidden
+    size; Phi-3's attention reads its head count from the shared config): leave them whole
+    -- each alone first, the first that lets the layer run (Phi-3's ``gate_up_proj`` runs
+    split while its ``qkv_proj`` cannot), else all -- keeping the layer's other pairs, and say
+    why.  Returns the module paths left whole in every member (empty when the kind splits no
+    fused projection); ``probe.styles`` of the members are updated."""
+    from autopar.core.sharding import megatron_styles
+
+    first = probe.graph.layers[members[0]].name
+    fused = sorted(k.removeprefix(first + ".") for k, v in probe.styles[members[0]].items()
+                   if tp_style_parts(v)[1] > 1)
+    if not fused:
+        return set()
+    tries = [[f] for f in fused] + ([fused] if len(fused) > 1 else [])
+    for whole in tries:
+        paths = {f"{probe.graph.layers[i].name}.{f}" for i in members for f in whole}
+        for i in members:
+            probe.styles[i] = megatron_styles(probe.graph, i, fused=paths)
+        if probe.error(probe.plan(mesh, split={members[0]})) is None or whole is tries[-1]:
+            kept = [f"{first}.{f}" for f in fused if f not in whole]
+            still = f" ({', '.join(kept)} still split per part)" if kept else ""
+            left.append(LeftOut(f"tp of fused projections in {first}",
+                                f"{', '.join(f'{first}.{f}' for f in whole)} split per part (q, k, v) fails in the "
+                                f"runtime ({err}); {'it stays' if len(whole) == 1 else 'they stay'} whole{still} "
+                                f"and the layer's other pairs are split"))
+            break
+    return paths
 
 
 def _sequence_mixing_error(probe: _Probe, layers: set[int], tp: int) -> str | None:

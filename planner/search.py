@@ -175,7 +175,7 @@ class Planner:
         self.progress = progress or (lambda phase, done, total: None)
         self.num_layers = len(graph.layers)
         ex = options.executable
-        self.styles = [megatron_styles(graph, i) if ex is None or ex.splittable[i] else {}
+        self.styles = [megatron_styles(graph, i) if ex is None else ex.styles(graph, i)
                        for i in range(self.num_layers)]
         # identical layers: same structure and the same split relative to the layer's own path
         self.signatures = [f"{layer.signature}|{_relative_styles(layer.name, self.styles[i])}"

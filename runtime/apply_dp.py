@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autopar.core import rules
 from autopar.core.plan import Mesh
+from autopar.runtime.fused_tp import fsdp_shard_placement
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,15 +44,18 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[tuple[list[st
     """``fully_shard`` each layer unit, then ``module`` itself as the root (its leftover params).
 
     ``units``: (module paths of one layer inside ``module``, its ZeRO stage 2|3, its offload).
-    A multi-module layer (pre/post) is one FSDP group holding all its modules.
+    A multi-module layer (pre/post) is one FSDP group holding all its modules.  A fused
+    projection's weight split per part over tp is sharded on its other dim
+    (``fused_tp.fsdp_shard_placement``); every other parameter on dim 0.
     """
     mp = mixed_precision_policy(precision)
     for paths, zero, offload in units:
         mods = [module.get_submodule(p) for p in paths]
         fully_shard(mods if len(mods) > 1 else mods[0], mesh=dp_mesh, reshard_after_forward=zero == 3,
-                    mp_policy=mp, offload_policy=offload_policy(offload, device))
+                    mp_policy=mp, offload_policy=offload_policy(offload, device),
+                    shard_placement_fn=fsdp_shard_placement)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp,
-                offload_policy=offload_policy(root_offload, device))
+                offload_policy=offload_policy(root_offload, device), shard_placement_fn=fsdp_shard_placement)
 
 
 def apply_replicate(module: nn.Module, dp_mesh: DeviceMesh, units: list[list[str]], precision: str) -> None:

@@ -11,6 +11,11 @@ all-reduce.  A column-wise module without such a partner (e.g. the LM head) gath
 (``output_layouts=Replicate()``); a row-wise module without a column-wise partner shards its
 replicated input itself (``input_layouts=Replicate()``).
 
+A module given the style "colwise:<k>" is a fused projection whose output the model cuts into k
+equal parts (GPT-2's ``c_attn``: q | k | v): it is split per part (``fused_tp.PartsColwise``:
+each rank holds its share of every part), and the parent's part width attributes
+(``split_size`` ...) are divided by tp with its head counts.
+
 A module given the style "expert" (a mixture of experts' stacked experts) is split by expert
 (``expert_tp.ExpertShard``): each rank runs experts / tp of them and the outputs are summed.
 
@@ -48,7 +53,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from autopar.core.errors import PlanFileError
+from autopar.core.plan import tp_style_parts
 from autopar.runtime.expert_tp import EXPERT_STYLE, ExpertShard, is_stacked_experts
+from autopar.runtime.fused_tp import PartsColwise, is_parts_split
 
 SEQ_DIM = 1      # activations are [batch, seq, hidden]
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
@@ -96,17 +103,18 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
         # a pair is a column- and a row-wise Linear (or Conv1D) under one parent; a row-wise
         # embedding is a vocabulary-parallel lookup, never the second half of a pair
         parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise" and f in matmul}
-        parents_with_col = {_parent(f) for f, s in styles.items() if s == "colwise" and f in matmul}
+        parents_with_col = {_parent(f) for f, s in styles.items() if _base(s) == "colwise" and f in matmul}
         for fqn, style in styles.items():
             if style == EXPERT_STYLE:
                 # tokens and routing are replicated over tp (also under SP: the layer's
                 # router is then a loose parameter and _check_sequence_parallel_params refuses it)
                 plan[fqn] = ExpertShard()
                 continue
-            paired = fqn in matmul and _parent(fqn) in (parents_with_row if style == "colwise" else parents_with_col)
+            paired = fqn in matmul and _parent(fqn) in (parents_with_row if _base(style) == "colwise"
+                                                        else parents_with_col)
             # the sequence is all-gathered where the TP region starts: at the colwise module's
             # parent (attn, mlp), whose forward may read the sequence length from its input
-            gather_at_parent = sp and style == "colwise" and _parent(fqn) not in ("", path)
+            gather_at_parent = sp and _base(style) == "colwise" and _parent(fqn) not in ("", path)
             plan[fqn] = _style(style, paired, sp and not gather_at_parent, sp,
                                conv1d=is_conv1d(module.get_submodule(fqn)))
             if gather_at_parent:
@@ -186,14 +194,18 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
 
 
 def keep_embedding_grads_sharded(module: nn.Module) -> None:
-    """Hook every row-wise (vocab-sharded) embedding weight of ``module`` so its gradient keeps
-    the weight's placements.  Call it on the materialised module (``to_empty`` swaps the
-    parameter tensors, and their hooks with them), and only without FSDP2, which does the same
-    itself."""
+    """Hook every row-wise (vocab-sharded) embedding weight of ``module``, and every replicated
+    bias of a fused projection split per part, so its gradient keeps the parameter's
+    placements.  Call it on the materialised module (``to_empty`` swaps the parameter tensors,
+    and their hooks with them), and only without FSDP2, which does the same itself."""
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
         if isinstance(sub, nn.Embedding) and isinstance(weight, DTensor) and Shard(0) in weight.placements:
             weight.register_post_accumulate_grad_hook(_shard_grad_like_param)
+        bias = getattr(sub, "bias", None)
+        if is_parts_split(sub) and isinstance(bias, DTensor):
+            # a fused projection's replicated bias: its gradient arrives Partial (runtime/fused_tp.py)
+            bias.register_post_accumulate_grad_hook(_shard_grad_like_param)
 
 
 def _shard_grad_like_param(param: nn.Parameter) -> None:
@@ -257,8 +269,16 @@ def _is_norm(module: nn.Module) -> bool:
             and all(p.dim() == 1 for p in params))
 
 
+def _base(style: str) -> str:
+    return tp_style_parts(style)[0]
+
+
 def _style(style: str, paired: bool, sp_input: bool, sp_output: bool | None = None, conv1d: bool = False):
     sp_output = sp_input if sp_output is None else sp_output
+    style, parts = tp_style_parts(style)
+    if parts > 1:            # a fused projection, split per part (runtime/fused_tp.py)
+        return PartsColwise(parts, 1 if conv1d else 0, input_layouts=Shard(SEQ_DIM) if sp_input else Replicate(),
+                            output_layouts=Shard(-1) if paired else Replicate())
     if style == "colwise":
         cls = Conv1DColwise if conv1d else ColwiseParallel
         return cls(input_layouts=Shard(SEQ_DIM) if sp_input else Replicate(),
@@ -331,10 +351,25 @@ _HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n
                      "num_key_value_heads", "heads")
 
 
+# Attributes of a fused projection's parent that hold the width of one part, which the forward
+# cuts the fused output with (GPT-2: ``c_attn(x).split(self.split_size, dim=2)``): each rank's
+# parts are 1/tp as wide.  Divided only where equal to the part width.
+_PART_WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size")
+
+
 def _divide_head_counts(module: nn.Module, plan: dict, tp: int) -> None:
     parents = {_parent(f) for f, s in plan.items() if isinstance(s, ColwiseParallel)}
+    widths = {(_parent(f), module.get_submodule(f).weight.shape[s.dim] // s.parts)
+              for f, s in plan.items() if isinstance(s, PartsColwise)}
+    for p, width in widths:
+        owner = module.get_submodule(p)
+        for attr in _PART_WIDTH_ATTRS:
+            value = owner.__dict__.get(attr)
+            if value == width and not isinstance(value, bool):
+                setattr(owner, attr, width // tp)
     for p in parents:
         owner = module.get_submodule(p)
+        _divide_config_heads(owner, p, tp)
         for attr in _HEAD_COUNT_ATTRS:
             value = owner.__dict__.get(attr)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -342,3 +377,29 @@ def _divide_head_counts(module: nn.Module, plan: dict, tp: int) -> None:
                     raise PlanFileError(f"{p}.{attr} = {value} heads do not divide over tp = {tp} ranks; "
                                         f"plan a tp degree that divides the head count.")
                 setattr(owner, attr, value // tp)
+
+
+# The config attributes a Hugging Face attention reads its head counts from in its forward
+# (Phi-3: ``query_pos = self.config.num_attention_heads * self.head_dim``).
+_CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
+
+
+def _divide_config_heads(owner: nn.Module, path: str, tp: int) -> None:
+    """Give a split module that holds the model's config (``owner.config``, shared by every
+    module) its own copy with the head counts divided by tp, as its head count attributes are:
+    a forward that reads them from the config then cuts this rank's heads.  Other modules
+    keep the shared config."""
+    import copy
+
+    config = owner.__dict__.get("config")
+    if config is None or not any(isinstance(getattr(config, a, None), int) for a in _CONFIG_HEAD_ATTRS):
+        return
+    own = copy.copy(config)
+    for attr in _CONFIG_HEAD_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % tp:
+                raise PlanFileError(f"{path}.config.{attr} = {value} heads do not divide over tp = {tp} ranks; "
+                                    f"plan a tp degree that divides the head count.")
+            setattr(own, attr, value // tp)
+    owner.config = own

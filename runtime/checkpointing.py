@@ -43,7 +43,8 @@ The model and optimizer state dicts come from ``torch.distributed.checkpoint.sta
 (``state_names``): the un-pipelined model's fully-qualified names, one key per tied parameter
 (its first name), a tied copy held by several pipeline stages written by the first of them.
 Sharded tensors are DTensors, so a checkpoint written under one layout -- pipeline, ZeRO-3,
-TP, DDP, any number of ranks -- loads under any other; on load each part asks for its
+TP, DDP, any number of ranks -- loads under any other (a fused projection split per part over
+tp is written and read as its full tensor: runtime/fused_tp.py); on load each part asks for its
 entries' canonical keys (a stage holding the tied LM head reads the embedding's entry), and
 what DCP cannot give a layout is a ``CheckpointError``, not DCP's traceback.  Pipeline ranks
 each hold their stages' keys, and ZeRO-1's ranks (``ZeroRedundancyOptimizer``) the keys of
@@ -76,6 +77,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
 from autopar.runtime.checkpoint_lock import LOCK
+from autopar.runtime.fused_tp import checkpoint_value
 from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
 
 LATEST = "latest.json"
@@ -150,6 +152,9 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], name
                     for part, opt in zip(parts, optimizers)]
     model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
     optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
+    # a fused projection split per part over tp is written and read whole (runtime/fused_tp.py)
+    model_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in model_sd.items()}
+    optim_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in optim_sd.items()}
     return {"model": model_sd, "optim": optim_sd}, list(zip(model_states, model_keys, optim_states, optim_keys))
 
 

@@ -89,6 +89,8 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
         from autopar.runtime.tp_check import check_tp_divisibility
 
         check_tp_divisibility(checked)
+    if plan.mesh.tp > 1:
+        _check_fused_styles(plan, plan_path, graph)
     if plan.mesh.tp > 1 and plan.mesh.sequence_parallel:
         from autopar.core.sharding import sequence_mixing_outside_pairs
 
@@ -101,3 +103,35 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
                     f"styles split, on one rank's shard of the sequence: the run would train another model. "
                     f"Plan with sequence_parallel off, or split that attention's projections too.")
     return checked
+
+
+def _check_fused_styles(plan: Plan, plan_path: Path, graph: OpGraph) -> None:
+    """A column split of a fused projection must name the parts the model cuts its output into
+    (``colwise:<k>``, core/sharding.fused_cuts): an even ``colwise`` would hand rank 0 all of q
+    and part of k, and ``colwise:<k>`` on a projection that is not cut in k would pair this
+    rank's rows of each part with the wrong rows of the row-wise projection -- both run and
+    train another model."""
+    from autopar.core.plan import tp_style_parts
+    from autopar.core.sharding import fused_cuts
+
+    for i, lp in enumerate(plan.layers):
+        colwise = {m: tp_style_parts(s)[1] for m, s in lp.tp if tp_style_parts(s)[0] == "colwise"}
+        if not colwise:
+            continue
+        cuts = fused_cuts(graph, i)
+        for module, parts in sorted(colwise.items()):
+            name = module if module in cuts else f"{graph.layers[i].name}.{module}"
+            want = cuts.get(name, 1)
+            if parts == want:
+                continue
+            where = f"plan file {plan_path}, layer {graph.layers[i].name}: tp splits {module} {dict(lp.tp)[module]}"
+            if want == 0:
+                raise PlanFileError(f"{where}, but its output is cut into parts (q, k, v) of unequal widths or by "
+                                    f"ops autopar does not follow, so no column split of it is exact. Leave it "
+                                    f"(and its row-wise partner) unsplit.")
+            if want > 1:
+                raise PlanFileError(f"{where}, but the model cuts its output into {want} equal parts (a fused "
+                                    f"projection): an even split would mix them across ranks. Split it "
+                                    f"'colwise:{want}' (each rank holds its share of every part).")
+            raise PlanFileError(f"{where}, but the model does not cut its output into {parts} parts. Split it "
+                                f"'colwise'.")

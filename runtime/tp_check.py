@@ -11,6 +11,8 @@ memory) and each module the plan splits is checked against the dims the style sh
 * ``rowwise``: an ``nn.Linear``'s ``in_features`` (weight dim 1), a ``Conv1D``'s input features
   (weight dim 0), an ``nn.Embedding``'s ``num_embeddings``;
 * ``expert``: a stacked-experts module's ``num_experts`` (runtime/expert_tp.py);
+* ``colwise:<k>`` (a fused projection split per part, runtime/fused_tp.py): the output
+  features divide into k parts, and each part's features by tp;
 * the split module's parent (the attention block): every head count the runtime divides by
   tp (``apply_tp``'s own list of attributes), and, where the parent names its head size
   (``head_dim`` / ``head_size``), each rank's share of the split features must hold whole heads.
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from autopar.core.errors import PlanFileError
+from autopar.core.plan import tp_style_parts
 
 _HEAD_SIZE_ATTRS = ("head_dim", "head_size", "d_head")
 
@@ -58,7 +61,15 @@ def check_tp_divisibility(checked) -> None:
         where = f"plan file {checked.plan_path}, layer {layer.name}"
         for fqn, style in resolve_tp_styles(model, layer.name, styles, where).items():
             module = model.get_submodule(fqn)
-            dim_name, size = _split_dim(module, style)
+            base, parts = tp_style_parts(style)
+            dim_name, size = _split_dim(module, base)
+            if parts > 1:                    # a fused projection: each of its parts is split
+                if size % parts:
+                    raise PlanFileError(
+                        f"{where}: {fqn} is split {style}, in {parts} equal parts, but its {dim_name} = {size} do "
+                        f"not divide into {parts}. Give the number of parts the model cuts its output into "
+                        f"('autopar inspect' shows the split the planner finds), or leave {fqn} unsplit.")
+                dim_name, size = f"{dim_name} per part", size // parts
             if size % tp:
                 raise PlanFileError(
                     f"{where}: {fqn} is split {style} over tp = {tp} ranks, but its {dim_name} = {size} does not "

@@ -22,7 +22,7 @@ from dataclasses import astuple, dataclass, field, fields
 
 from autopar.core import rules as _rules
 from autopar.core.graph import OpGraph
-from autopar.core.plan import LayerPlan, Mesh
+from autopar.core.plan import LayerPlan, Mesh, tp_style_parts
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout
 from autopar.simulator import autocast as _autocast
@@ -681,12 +681,14 @@ def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:
     A row-wise linear (weight split on its input dim, output not split) keeps its bias
     replicated: every rank adds it after the all-reduce (Shoeybi et al. 2019, Megatron-LM,
     Sec. 3; torch.distributed.tensor.parallel.RowwiseParallel distributes the bias as
-    Replicate).
+    Replicate).  So does a fused projection split per part ("colwise:<k>"): runtime/fused_tp.py
+    keeps its bias whole on every rank and adds this rank's rows of it.
     """
     shard = layout.param_shard.get(op.name, 1)
     if shard <= 1:
         return float(op.param_numel)
-    if op.kind == "linear" and style == "rowwise" and op.output_shape and any(p.endswith(".bias") for p in op.params):
+    replicated_bias = style == "rowwise" or tp_style_parts(style or "")[1] > 1
+    if op.kind == "linear" and replicated_bias and op.output_shape and any(p.endswith(".bias") for p in op.params):
         bias = float(op.output_shape[-1])
         return (op.param_numel - bias) / shard + bias
     return op.param_numel / shard

@@ -275,6 +275,43 @@ def test_leaf_fallback_names_the_untraceable_module(tmp_path):
     assert graph.params_total == sum(o.param_numel for o in graph.ops) == 3 * 2 * (16 * 16 + 16)
 
 
+TRACED_PATH_MODEL = '''
+import torch, torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+    def forward(self, x):
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            raise ValueError("not under fx")
+        if torch.compiler.is_exporting():     # another path when traced, whose shapes do not agree
+            x = torch.cat([x, x], dim=-1)
+        return self.fc(x)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+'''
+
+
+def test_a_forward_that_branches_on_being_traced_is_named_so(tmp_path):
+    """The forward runs untraced, but torch.export takes a branch whose shapes do not agree
+    (as transformers' DeepSeek-V3 does with num_key_value_heads < num_attention_heads): the
+    message says so and what to check, not "move data-dependent control flow"."""
+    from autopar.core.errors import ModelFileError
+
+    path = tmp_path / "traced_path.py"
+    path.write_text(TRACED_PATH_MODEL)
+    with pytest.raises(ModelFileError) as e:
+        capture_model_file(path, {}, batch_size=4)
+    text = " ".join(str(e.value).split())
+    assert "runs untraced on this batch, but torch.export follows another code path" in text, text
+    assert "must have same reduction dim" in text and "data-dependent" not in text, text
+
+
 # ---------------------------------------------------------------- (6) fingerprint, layers
 def test_fingerprint_stable_and_distinct():
     a = capture_model_file(GPT, dict(layers=2, hidden=64, heads=4, seq=32), batch_size=2)

@@ -55,13 +55,17 @@ def test_nanogpt_fused_qkv_split_and_pipeline_are_left_out():
     graph, ex = _executable(ZOO / "nanogpt.py")
     left = _left(ex)
     blocks = [i for i, layer in enumerate(graph.layers) if layer.name.startswith("transformer.h.")]
-    # c_attn's output is split(n_embd) into q, k, v: the split analysis no longer offers its
-    # column split (which crashed the forward, and split evenly would have mixed q/k/v across
-    # ranks); the blocks split their MLP and say why the attention stays whole
+    # c_attn's output is split(n_embd) into q, k, v: the split analysis offers it split per
+    # part, but nanoGPT views q/k/v with C read from its input (the whole hidden size), so a
+    # rank's share of the heads does not fit and the runtime fails; the blocks keep their MLP
+    # split, drop the fused pair, and say why
     assert blocks and all(ex.splittable[i] for i in blocks)
-    assert all(set(megatron_styles(graph, i)) == {f"{graph.layers[i].name}.mlp.c_fc",
-                                                  f"{graph.layers[i].name}.mlp.c_proj"} for i in blocks)
-    assert "transformer.h.0.attn.c_attn" in left["tp of fused projections"], left
+    assert all(megatron_styles(graph, i)[f"{graph.layers[i].name}.attn.c_attn"] == "colwise:3" for i in blocks)
+    assert ex.whole_fused == {f"{graph.layers[i].name}.attn.c_attn" for i in blocks}
+    assert all(set(ex.styles(graph, i)) == {f"{graph.layers[i].name}.mlp.c_fc",
+                                            f"{graph.layers[i].name}.mlp.c_proj"} for i in blocks)
+    fused = left["tp of fused projections in transformer.h.0"]
+    assert "transformer.h.0.attn.c_attn" in fused and "fails in the runtime" in fused, left
     # forward(idx, targets): the targets are an input every stage would need
     assert "pipeline" in left and not ex.pipeline
 

@@ -14,7 +14,9 @@ one plan, saves, and the next plan resumes the same folder:
 * 2 ranks -> 4 ranks: DDP on 2 ranks, then dp2 x pp2 on 4; and 4 -> 2: dp2 x pp2 on 4 ranks,
   then ZeRO-3 on 2;
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
-  ``torch.export`` graph): pp2 -> ZeRO-3.
+  ``torch.export`` graph): pp2 -> ZeRO-3;
+* ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
+  (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
 
 The reference is ``plain_loop.train_plain`` -- one process, never entering autopar's
 runtime -- trained for the same total number of steps: every chain's losses (the resumed ones
@@ -67,6 +69,14 @@ CHAINS = {
 # torch.export graph (each stage holds the tied tensor under one of its names)
 HF_TIED = ZOO / "hf_qwen2.py"
 HF_CHAIN = [("pp2", PP2), ("zero3", ZERO3)]
+# GPT-2 (tied head) with its fused q/k/v c_attn split per part under tp (runtime/fused_tp.py):
+# the checkpoint holds c_attn in the model's own row order, so tp2 -> ZeRO-3 -> pp2 -> tp2 resumes
+GPT2 = ZOO / "hf_gpt2.py"
+TP2 = dict(tp=2, micro_batch=2, num_microbatches=2)
+GPT2_CHAIN = [("tp2", TP2), ("zero3", ZERO3), ("pp2", PP2), ("tp2", TP2)]
+# per model: (block styles relative to the block, styles of the pre/post layers)
+MODEL_TP = {GPT2: ({"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                    "mlp.c_proj": "rowwise"}, {})}
 
 
 def _has_transformers() -> bool:
@@ -90,8 +100,9 @@ def plan_for(model: Path, kw: dict, path: Path) -> Path:
     g = _graph(model, kw["micro_batch"])
     kw = dict(kw)
     if kw.get("tp", 1) > 1:
+        block, edges = MODEL_TP.get(model, (BLOCK_TP, TP_STYLES))
         kw["tp_styles_per_layer"] = {
-            i: dict(TP_STYLES[l.name]) if l.name in TP_STYLES else {f"{l.name}.{k}": v for k, v in BLOCK_TP.items()}
+            i: dict(edges.get(l.name, {})) if l.name in ("pre", "post") else {f"{l.name}.{k}": v for k, v in block.items()}
             for i, l in enumerate(g.layers)}
     ref = ModelRef(file=str(model), args={}, name=model.stem, fingerprint=g.fingerprint)
     plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
@@ -128,6 +139,10 @@ def runs(tmp_path_factory):
         for i, (kind, kw) in enumerate(HF_CHAIN):
             cases.append(_case(tmp, f"hf_qwen2.{i}.{kind}", kw, tmp / "hf_qwen2.ckpt", LEG * (i + 1), model=HF_TIED))
         out["hf_qwen2_pp2_zero3"] = {"cases": cases[-len(HF_CHAIN):], "steps": LEG * len(HF_CHAIN), "model": HF_TIED}
+        for i, (kind, kw) in enumerate(GPT2_CHAIN):
+            cases.append(_case(tmp, f"hf_gpt2.{i}.{kind}", kw, tmp / "hf_gpt2.ckpt", LEG * (i + 1), model=GPT2))
+        out["hf_gpt2_tp2_zero3_pp2_tp2"] = {"cases": cases[-len(GPT2_CHAIN):], "steps": LEG * len(GPT2_CHAIN),
+                                        "model": GPT2}
     cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
     cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
@@ -161,7 +176,8 @@ def _saved_keys(checkpoint_dir: Path) -> set[str]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3"])
+@pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3",
+                                   "hf_gpt2_tp2_zero3_pp2_tp2"])
 def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
     if chain not in runs:
         pytest.skip("transformers is not installed")

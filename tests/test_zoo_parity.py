@@ -89,9 +89,18 @@ MODELS: dict[str, dict] = {
                     tp={"fc": "colwise", "proj": "rowwise"},
                     tp_vocab={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "mha_dict": dict(kinds={**CORE, "tp": TP, "pp": PP}, tp={"ff.0": "colwise", "ff.2": "rowwise"}),
-    # transformers' Conv1D (weight [in, out]): the MLP split; c_attn is a fused q/k/v projection
-    # the planner leaves whole (core/sharding._fused_parts), so its attention is not split
-    "hf_gpt2": dict(kinds={"tp": TP}, tp={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    # transformers' Conv1D (weight [in, out]): attention and MLP split; c_attn is a fused q/k/v
+    # projection, split per part ("colwise:3", runtime/fused_tp.py: each rank holds its half of
+    # q, of k and of v); tp_sp: the attention runs inside the pair, on the whole sequence
+    "hf_gpt2": dict(kinds={"tp": TP, "tp_sp": TP_SP},
+                    tp={"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                        "mlp.c_proj": "rowwise"}),
+    # fused qkv_proj sliced into q, k, v (its query width read from the config: the attention
+    # gets its own config with the head counts divided, runtime/apply_tp._divide_config_heads)
+    # and fused gate_up_proj chunked in two: both split per part, with and without SP
+    "hf_phi3": dict(kinds={"tp": TP, "tp_sp": TP_SP},
+                    tp={"self_attn.qkv_proj": "colwise:3", "self_attn.o_proj": "rowwise",
+                        "mlp.gate_up_proj": "colwise:2", "mlp.down_proj": "rowwise"}),
     # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
     # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
     # summed over tp), the router replicated on every tp rank
@@ -138,13 +147,10 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
 
 # kinds not run, with the reason
 LEFT_OUT = {
-    ("nanogpt", "tp of c_attn"): "c_attn's output is split with the global n_embd and viewed with the global "
-                                 "head count: a column-wise c_attn cannot run on local heads (the runtime "
-                                 "crashes in the forward); the planner does not offer it (a fused projection, "
-                                 "core/sharding._fused_parts)",
-    ("hf_gpt2", "tp of c_attn"): "a fused q/k/v Conv1D: an even column split mixes q, k and v across ranks; the "
-                                 "planner leaves it whole (core/sharding._fused_parts), so no attention split "
-                                 "and no tp_sp (the attention would see one rank's sequence shard)",
+    ("nanogpt", "tp of c_attn"): "c_attn's output is split with n_embd and viewed with C read from its input (the "
+                                 "whole hidden size): split per part, a rank's share of the heads does not fit the "
+                                 "view (the runtime crashes in the forward); the planner's runtime check finds it "
+                                 "and keeps c_attn whole (planner/runtime_check._unfuse)",
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
@@ -309,6 +315,75 @@ def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(tmp_path):
         assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
         state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
         per_rank = _mixtral_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
+        assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
+
+
+def _gpt2_tp2_param_bytes() -> int:
+    """Parameter bytes per rank of tiny GPT-2 at tp 2, counted on the plain model: half of each
+    split weight and of the column-wise c_fc's bias; whole: the row-wise biases (added once
+    after the sum), c_attn's bias (replicated, runtime/fused_tp.py) and every unsplit module."""
+    model = plain_loop.load(ZOO / "hf_gpt2.py").build_model()
+    split = tuple(MODELS["hf_gpt2"]["tp"])
+    total = 0
+    for name, p in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        halves = any(module.endswith(f"h.{i}.{m}") for m in split for i in range(len(model.transformer.h))) and \
+            (leaf == "weight" or module.endswith("mlp.c_fc"))
+        total += p.numel() * p.element_size() // (2 if halves else 1)
+    return total
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_tp_splits_attention_and_mlp(zoo_runs):
+    """tp and tp_sp hold, per rank, half of c_attn's (per part), c_proj's, c_fc's and the MLP
+    c_proj's weights -- the attention is split, not only the MLP."""
+    runs = zoo_runs("hf_gpt2")
+    want = _gpt2_tp2_param_bytes()
+    for kind in ("tp", "tp_sp"):
+        got = runs.get(kind) or {}
+        assert got.get("params_bytes") == [want, want], f"hf_gpt2 {kind}: {got}, want {want} bytes per rank"
+
+
+def test_hf_gpt2_tp_parameters_predicted_as_held(tmp_path):
+    """The simulator's parameter bytes per rank for the zoo's GPT-2 tp plan are what the run
+    holds (``_gpt2_tp2_param_bytes``, which test_hf_gpt2_tp_splits_attention_and_mlp checks
+    against the measured bytes): c_attn's replicated bias included."""
+    pytest.importorskip("transformers")
+    from autopar.core.plan import load_plan
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from test_simulator_memory import PROFILE, _cluster
+
+    plan = load_plan(_plan("hf_gpt2", "tp", TP, tmp_path / "tp.json"))
+    memory = PlanEvaluator(_graph("hf_gpt2"), _cluster(), CostModel.from_profile(PROFILE)).evaluate(plan).memory
+    assert memory[0].params_bytes == pytest.approx(_gpt2_tp2_param_bytes(), abs=0.5), memory[0]
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_fused_split_under_dp2_tp2(tmp_path):
+    """dp 2 x tp 2 on 4 ranks with c_attn split per part: with DDP (FSDP2's replicate, which
+    sums the replicated c_attn bias's partial gradients over tp) and with ZeRO-3 (FSDP2 shards
+    the strided c_attn weight on its other dim: runtime/fused_tp.fsdp_shard_placement).  Both
+    train like the plain loop; each rank holds its tp share (ZeRO-3: half of it)."""
+    pytest.importorskip("transformers")
+    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+    cases = []
+    for kind, kw in kinds.items():
+        base = tmp_path / kind
+        cases.append({"model": "hf_gpt2", "kind": kind, "steps": STEPS,
+                      "plan": str(_plan("hf_gpt2", "tp", kw, base.with_suffix(".json"))),
+                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
+    want = plain("hf_gpt2", 1).losses
+    for c in cases:
+        assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
+        got = json.loads(Path(c["result"]).read_text())
+        assert "losses" in got, f"{c['kind']}: {got}"
+        diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+        assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
+        state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
+        per_rank = _gpt2_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
         assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
 
 
