@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.graph import OpGraph
+from autopar.core.units import fmt_seconds
 
 NAMES = {"cp": "context parallel", "ep": "expert parallel"}
 
@@ -54,6 +55,6 @@ def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
             m = alt.plan.mesh
             slower = alt.step_time_s / best.step_time_s - 1.0
             out.append(AxisNote(kind, f"not chosen: the fastest plan with {axis} > 1 found ({m.describe()}"
-                                      f"{f', ep {m.ep}' if m.ep > 1 else ''}) predicts {alt.step_time_s:.4g} s a step, "
-                                      f"{100 * slower:.1f}% slower than the plan's {best.step_time_s:.4g} s"))
+                                      f"{f', ep {m.ep}' if m.ep > 1 else ''}) predicts {fmt_seconds(alt.step_time_s)} a step, "
+                                      f"{100 * slower:.1f}% slower than the plan's {fmt_seconds(best.step_time_s)}"))
     return out
