@@ -101,7 +101,7 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
                        micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
                        compute_stretch: float = 1.0, node_processes: int | None = None,
-                       compiled: bool = False) -> LayerCost:
+                       compiled: bool = False, fp8_recipe: str = "tensorwise") -> LayerCost:
     """The cost of layer ``layer_index`` under ``lp``, in parts: the ops' compute
     (``_op_work``), the framework overheads of the modules tensor parallelism wraps
     (``_add_module_overheads``), the tensor-parallel collectives (``_tensor_parallel``),
@@ -112,7 +112,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     (cpu_node.compute_stretch); collectives are priced from the rows measured with
     ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing).
     ``compiled``: the plan compiles each block (runtime/apply_compile.py): a block layer's fused
-    memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py)."""
+    memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py).
+    ``fp8_recipe``: the plan's float8 recipe, for a layer with ``precision: fp8`` (``_float8``)."""
     layer = graph.layers[layer_index]
     scale = micro_batch / max(1, graph.batch_size)
     act_scale = precision_bytes(precision) / dtype_bytes(graph.param_dtype)
@@ -124,13 +125,13 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
                     layer.module_paths if early_stop else ())
     if lp.precision == "fp8":
-        _float8(graph, layer_index, work, layout, cm, scale)
+        _float8(graph, layer_index, work, layout, cm, scale, fp8_recipe)
     if compiled and layer.kind not in ("pre", "post"):
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
     tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
-    dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes)
+    dp = _data_parallel(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
 
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
@@ -147,7 +148,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
-        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes, transient_bytes=rec.transient_bytes,
+        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes,
+        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes,
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
         fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,
@@ -201,6 +203,8 @@ class _OpWork:
     priced_ops: int = 0                    # ops that run a kernel (views and identities do not)
     op_fwd_s: dict[str, float] = field(default_factory=dict)   # each op's eager forward seconds
     op_bwd_s: dict[str, float] = field(default_factory=dict)   # ... and backward
+    fp8_weight_numel: float = 0.0          # weights of the linears trained in float8 (after the split)
+    fp8_transient_bytes: float = 0.0       # the largest of their fp8 copies alive at once (float8.py)
     compile_regions: int = 0               # compiled: fused kernels replacing ...
     compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
@@ -315,18 +319,26 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     return w
 
 
-def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float) -> None:
-    """A layer with ``precision: fp8``: each linear with a weight costs torchao's float8 GEMMs and
-    casts (simulator/float8.py) instead of its bf16 time; on this device's share of the GEMM
-    (the tp split divides its output or input features)."""
-    from autopar.simulator.float8 import float8_linear_cost
+def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float,
+            recipe: str = "tensorwise") -> None:
+    """A layer with ``precision: fp8``: each linear with a weight that the runtime converts (both
+    dims divisible by 16: float8.converts) costs torchao's float8 GEMMs and casts
+    (simulator/float8.py) at the plan's recipe instead of its bf16 time; on this device's share
+    of the GEMM (the tp split divides its output or input features).  Its weight elements and
+    fp8 copies go to ``w`` for the FSDP all-gather and memory terms."""
+    from autopar.simulator.float8 import converts, float8_linear_cost
 
     for op in graph.layer_ops(layer_index):
         if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
             continue
         n, k = op.output_shape[-1], op.input_shapes[0][-1]
+        if not converts(k, n):
+            continue                     # left in bf16 by the runtime (runtime/apply_fp8.py)
         m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
-        c = float8_linear_cost(int(round(m)), k, n / layout.compute_shard.get(op.name, 1), cm)
+        n_local = n / layout.compute_shard.get(op.name, 1)
+        c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe)
+        w.fp8_weight_numel += n_local * k
+        w.fp8_transient_bytes = max(w.fp8_transient_bytes, c.transient_bytes)
         w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
         w.bwd_s += (c.total_s - c.fwd_s) - w.op_bwd_s.get(op.name, 0.0)
         w.op_fwd_s[op.name], w.op_bwd_s[op.name] = c.fwd_s, c.total_s - c.fwd_s
@@ -500,7 +512,7 @@ class _DataParallel:
 
 
 def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
-                   node_processes: int | None) -> _DataParallel:
+                   node_processes: int | None, fp8_recipe: str = "tensorwise") -> _DataParallel:
     """Data parallelism with ZeRO and offload: state bytes (memory.state_bytes), the gradient
     all-reduce (DDP, ZeRO-1) or FSDP's all-gather and reduce-scatter, ZeroRedundancyOptimizer's
     parameter broadcasts, host copies and the optimizer step.  Adds FSDP's per-unit overhead to
@@ -511,7 +523,12 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     ``.grad``, so DDP leaves them out of its buckets (DistributedDataParallel registers
     reducer hooks only on parameters that require grad), FSDP2 reduce-scatters only the
     gradients that exist, and AdamW creates state lazily, on the first step that finds a
-    gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``)."""
+    gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``).
+
+    A float8 layer under FSDP2 with the tensorwise recipe all-gathers its converted weights in
+    fp8 (runtime/apply_fp8.py; simulator/float8.py): 1 byte per such weight element on the wire
+    and in the unsharded buffer instead of the plan's 2 (not with offload: the runtime keeps
+    bf16 there)."""
     d = _DataParallel()
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
@@ -530,6 +547,10 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
+    if lp.precision == "fp8" and fp8_recipe == "tensorwise" and zero >= 2 and not offload:
+        from autopar.simulator.float8 import FP8_BYTES
+
+        param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
 
