@@ -223,7 +223,10 @@ def main(args: argparse.Namespace) -> int:
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
                confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
     (console.print if console is not None else print)(compile_choice.summary())
-    (console.print if console is not None else print)(float8_choice.summary())
+    if console is not None:          # (no markup: the install hint's [fp8] is text)
+        console.print(float8_choice.summary(), markup=False)
+    else:
+        print(float8_choice.summary())
     if outcome is not None:
         from autopar.planner.trial_steps import summary_lines
 

@@ -1,0 +1,168 @@
+"""Float8 in the runtime (runtime/apply_fp8.py) on the CPU.
+
+Without torchao: a plan asking for fp8 is refused before launch, naming the install command;
+tp > 1 with fp8 is refused.  With torchao (the ``autopar[fp8]`` extra; skipped without it):
+the conversion's filter converts exactly the plain ``nn.Linear`` modules of fp8 layers whose
+dims divide by 16, and a one-rank run of fp8 plans through the runtime's own path trains as a
+plain PyTorch loop with torchao's float8 linears does.
+
+``torch._scaled_mm`` has a CPU kernel in torch 2.13, so torchao's float8 forward and backward
+run here (slowly: ~1 s a step for the small GPT); the runtime's refusal of fp8 on a machine
+without fp8 tensor cores is lifted for the run by tests/fp8_worker.py alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_support import GPT, ROOT, make_plan  # noqa: E402
+
+from autopar.cli import main as cli_main  # noqa: E402
+
+# a 2-block GPT whose head (60 outputs) does not divide by 16: it stays bf16
+ARGS = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 60, "dropout": 0.0}
+GLOBAL_BATCH = 8
+STEPS = 5
+
+
+def _refused(tmp_path, capsys, monkeypatch, plan_path: Path, torchao: bool) -> str:
+    import autopar.runtime.apply_fp8 as apply_fp8
+    import autopar.runtime.fp8_check as fp8_check
+
+    monkeypatch.setattr(fp8_check, "device_fp8_support", lambda: (True, "an fp8 GPU (test)"))
+    monkeypatch.setattr(apply_fp8, "torchao_available", lambda: torchao)
+    before = plan_path.read_text()
+    rc = cli_main(["run", str(plan_path), "--steps", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and "autopar run: " + sys.executable not in err   # nothing launched
+    assert plan_path.read_text() == before and not (tmp_path / "measured.json").exists()
+    return " ".join(err.split("error:", 1)[1].split())
+
+
+def test_fp8_plan_refused_without_torchao(tmp_path, capsys, monkeypatch):
+    path = make_plan(tmp_path / "fp8.json", dp=2, micro_batch=2, precision="bf16", layer_precision="fp8")
+    message = _refused(tmp_path, capsys, monkeypatch, path, torchao=False)
+    assert "torchao" in message and "pip install autopar[fp8]" in message and "--precision bf16" in message
+
+
+def test_fp8_with_tensor_parallelism_refused(tmp_path, capsys, monkeypatch):
+    path = make_plan(tmp_path / "fp8tp.json", tp=2, micro_batch=4, precision="bf16", layer_precision="fp8")
+    message = _refused(tmp_path, capsys, monkeypatch, path, torchao=True)
+    assert "tp = 2" in message and "tensor parallelism of float8 linears" in message
+
+
+def test_filter_converts_exactly_the_suitable_linears_of_fp8_layers():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from autopar.runtime.apply_fp8 import apply_fp8
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(32, 64)            # converted
+            self.odd = nn.Linear(32, 30)           # 30 outputs: not a multiple of 16
+            self.attn = nn.MultiheadAttention(32, 4)   # out_proj: an nn.Linear subclass
+
+    with torch.device("meta"):                     # as the runtime converts: on the meta model
+        model = nn.ModuleDict({"a": Block(), "b": Block()})
+    record = apply_fp8(model, [(["a"], "fp8", "none"), (["b"], "bf16", "none")], "tensorwise", fsdp=True)
+    assert record.converted == ["a.up"]
+    assert isinstance(model["a"].up, Float8Linear)
+    assert type(model["a"].odd) is nn.Linear and type(model["b"].up) is nn.Linear
+    assert not isinstance(model["a"].attn.out_proj, Float8Linear)
+    assert set(record.left_bf16) == {"a.odd", "a.attn.out_proj", "b.up", "b.odd", "b.attn.out_proj"}
+    assert "divisible by 16" in record.left_bf16["a.odd"] and "subclass" in record.left_bf16["a.attn.out_proj"]
+    assert record.left_bf16["b.up"] == "its layer's precision is bf16"
+    assert record.fsdp_float8_all_gather and model["a"].up.config.enable_fsdp_float8_all_gather
+    # rowwise: no float8 all-gather (torchao supports it for tensorwise scaling only)
+    with torch.device("meta"):
+        other = nn.ModuleDict({"a": Block()})
+    assert not apply_fp8(other, [(["a"], "fp8", "none")], "rowwise", fsdp=True).fsdp_float8_all_gather
+
+
+def _plans(tmp_path: Path) -> list[Path]:
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = capture_model_file(str(GPT), dict(ARGS), 1)
+    ref = ModelRef(file=str(GPT), args=dict(ARGS), name="gpt", fingerprint=g.fingerprint)
+    out = []
+    for name, kw in [("plain_rowwise", dict(zero=0, fp8_recipe="rowwise")),
+                     ("plain_tensorwise", dict(zero=0, fp8_recipe="tensorwise")),
+                     ("fsdp_tensorwise", dict(zero=3, fp8_recipe="tensorwise"))]:
+        path = tmp_path / f"{name}.json"
+        save_plan(uniform_plan(model=ref, num_layers=len(g.layers), micro_batch=GLOBAL_BATCH, precision="bf16",
+                               layer_precision="fp8", **kw), path)
+        out.append(path)
+    return out
+
+
+def _plain_float8_loop(recipe: str | None) -> list[float]:
+    """The reference: a plain loop (tests/plain_loop.py's model, batches and AdamW) whose linears
+    other than the head are torchao's Float8Linear (``recipe``; None: no float8), the forward
+    under bf16 autocast with fp32 weights, as the runtime runs a bf16 plan without FSDP."""
+    from plain_loop import BETAS, EPS, LR, SEED, WEIGHT_DECAY, _loss, draw_batch, load
+
+    module = load(GPT)
+    torch.manual_seed(SEED)
+    model = module.build_model(**ARGS)
+    if recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                   module_filter_fn=lambda mod, fqn: fqn != "head")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(STEPS):
+        inputs, target = draw_batch(module, GLOBAL_BATCH, ARGS, SEED, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(module, model(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.multiproc
+def test_float8_runs_match_a_plain_float8_loop(tmp_path):
+    """Three fp8 plans (ZeRO-0 rowwise and tensorwise, ZeRO-3 tensorwise with the FSDP2 float8
+    all-gather) in one worker process, 5 steps each.
+
+    Tolerances: the ZeRO-0 runs compute the same ops in the same order as the reference (torchao's
+    Float8Linear under bf16 autocast, fp32 master weights): 1e-6 (measured: equal).  The FSDP2 run
+    keeps its parameters in bf16 for compute (MixedPrecisionPolicy) where autocast rounds only
+    the GEMM inputs, and casts its weights to fp8 from the fp32 shard (the fp8 all-gather) where
+    the reference casts from bf16, and its loss is computed from bf16 logits: its loss agrees to
+    bf16's unit roundoff, 2^-8 relative (measured: 2.6e-4 relative at step 5).  That the
+    float8 GEMMs ran: the ZeRO-0 losses differ from the same loop without float8."""
+    pytest.importorskip("torchao")
+    plans = _plans(tmp_path)
+    out = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_worker.py"), str(out),
+                           *map(str, plans)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert "float8 (tensorwise): 8 linear(s) converted, 1 left in bf16; FSDP float8 all-gather on" in proc.stdout
+    blocks = [f"blocks.{b}.{m}" for b in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    for name, row in got.items():
+        assert sorted(row["float8"]["converted"]) == sorted(blocks), name
+        assert list(row["float8"]["left_bf16"]) == ["head"] and "divisible by 16" in row["float8"]["left_bf16"]["head"]
+        assert row["float8"]["fsdp_float8_all_gather"] is name.startswith("fsdp")
+    rowwise, tensorwise, without = (_plain_float8_loop(r) for r in ("rowwise", "tensorwise", None))
+    assert got["plain_rowwise.json"]["losses"] == pytest.approx(rowwise, abs=1e-6)
+    assert got["plain_tensorwise.json"]["losses"] == pytest.approx(tensorwise, abs=1e-6)
+    assert got["fsdp_tensorwise.json"]["losses"] == pytest.approx(tensorwise, rel=2.0**-8)
+    assert max(abs(a - b) for a, b in zip(got["plain_tensorwise.json"]["losses"], without)) > 1e-5
+    assert max(abs(a - b) for a, b in zip(got["plain_rowwise.json"]["losses"], without)) > 1e-5
