@@ -106,3 +106,29 @@ def test_cpu_cluster_never_offers_float8(capsys, tmp_path):
     assert not any(l.get("precision") for l in d["layers"])
     message = _plan(capsys, tmp_path, SMALL, "local-cpu", "--precision", "fp8", rc_want=2)
     assert "gloo" in message and "no fp8 matrix units" in message
+
+
+def test_runtime_check_applies_float8_on_fake_ranks():
+    """The planner's runtime check runs a float8 plan of the model on fake ranks (torchao's
+    conversion on the meta model, FSDP2 with the fp8 all-gather over 2 fake ranks, a forward and
+    backward) and reports what the runtime converts for the picked plan."""
+    pytest.importorskip("torchao")
+    from autopar.core.capture import capture_model_file
+    from autopar.core.modelfile import load_model_file
+    from autopar.core.plan import ModelRef, uniform_plan
+    from autopar.planner.float8_choice import float8_conversion
+    from autopar.planner.runtime_check import find_executable, whole_plan_error
+
+    args = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 60, "dropout": 0.0}
+    g = capture_model_file(GPT, args, 2)
+    mf = load_model_file(GPT)
+    ex = find_executable(g, mf, tp_degrees=(), precision="bf16", max_pipeline_probes=0, float8=True)
+    assert ex.float8 and ex.to_dict()["float8"] is True
+    ref = ModelRef(file=GPT, args=args, name="gpt", fingerprint=g.fingerprint)
+    plan = uniform_plan(model=ref, num_layers=len(g.layers), dp=2, micro_batch=2, zero=3, precision="bf16",
+                        layer_precision="fp8")
+    assert whole_plan_error(plan, g, mf) is None
+    record = float8_conversion(plan, g, mf)
+    assert sorted(record.converted) == sorted(f"blocks.{b}.{m}" for b in range(2)
+                                              for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
+    assert list(record.left_bf16) == ["head"] and record.fsdp_float8_all_gather
