@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_support import GPT, ROOT, make_plan  # noqa: E402
+from runtime_support import GPT, ROOT, make_plan, torchrun, worker_env  # noqa: E402
 
 from autopar.cli import main as cli_main  # noqa: E402
 
@@ -107,30 +107,38 @@ def _plans(tmp_path: Path) -> list[Path]:
     return out
 
 
-def _plain_float8_loop(recipe: str | None) -> list[float]:
+def _plain_float8_loop(recipe: str | None, args: dict = ARGS, global_batch: int = GLOBAL_BATCH, steps: int = STEPS,
+                       chunks: int = 1) -> list[float]:
     """The reference: a plain loop (tests/plain_loop.py's model, batches and AdamW) whose linears
-    other than the head are torchao's Float8Linear (``recipe``; None: no float8), the forward
-    under bf16 autocast with fp32 weights, as the runtime runs a bf16 plan without FSDP."""
+    whose dims divide by 16 are torchao's Float8Linear (``recipe``; None: no float8), the forward
+    under bf16 autocast with fp32 weights, as the runtime runs a bf16 plan without FSDP.
+    ``chunks`` > 1: the forward and backward of each of ``chunks`` equal row blocks of the batch
+    in turn, gradients summed (the rows of one data-parallel rank or one micro-batch: torchao's
+    dynamic scales are then each block's own amax, as on the ranks)."""
     from plain_loop import BETAS, EPS, LR, SEED, WEIGHT_DECAY, _loss, draw_batch, load
 
     module = load(GPT)
     torch.manual_seed(SEED)
-    model = module.build_model(**ARGS)
+    model = module.build_model(**args)
     if recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                                   module_filter_fn=lambda mod, fqn: fqn != "head")
+                                   module_filter_fn=lambda mod, fqn: mod.out_features % 16 == 0 and
+                                   mod.in_features % 16 == 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses = []
-    for step in range(STEPS):
-        inputs, target = draw_batch(module, GLOBAL_BATCH, ARGS, SEED, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _loss(module, model(*inputs), target)
-        loss.backward()
+    for step in range(steps):
+        inputs, target = draw_batch(module, global_batch, args, SEED, step)
+        total = 0.0
+        for i in range(chunks):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _loss(module, model(*(x.chunk(chunks)[i] for x in inputs)), target.chunk(chunks)[i]) / chunks
+            loss.backward()
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(total)
     return losses
 
 
@@ -150,7 +158,7 @@ def test_float8_runs_match_a_plain_float8_loop(tmp_path):
     plans = _plans(tmp_path)
     out = tmp_path / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_worker.py"), str(out),
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_worker.py"), str(out), str(STEPS),
                            *map(str, plans)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(out.read_text())
@@ -166,3 +174,31 @@ def test_float8_runs_match_a_plain_float8_loop(tmp_path):
     assert got["fsdp_tensorwise.json"]["losses"] == pytest.approx(tensorwise, rel=2.0**-8)
     assert max(abs(a - b) for a, b in zip(got["plain_tensorwise.json"]["losses"], without)) > 1e-5
     assert max(abs(a - b) for a, b in zip(got["plain_rowwise.json"]["losses"], without)) > 1e-5
+
+
+@pytest.mark.multiproc
+def test_float8_on_two_ranks_matches_a_plain_float8_loop(tmp_path):
+    """DDP (dp = 2), a 2-stage pipeline (1F1B, 2 micro-batches) and FSDP2 ZeRO-3 with the float8
+    all-gather over gloo (dp = 2, the scales' one all-reduce after each step) of the small GPT
+    with every layer fp8, one torchrun launch, 3 steps.  Each rank (micro-batch) scales its own
+    rows, so the reference runs the batch as 2 row blocks (``chunks``); DDP and the pipeline
+    then compute the same ops: 1e-6.  FSDP2's bf16 parameters: 2^-8 relative, as above."""
+    pytest.importorskip("torchao")
+    from runtime_support import GLOBAL_BATCH as GB, MODEL_ARGS
+
+    plans = [make_plan(tmp_path / "ddp.json", dp=2, micro_batch=2, precision="bf16", layer_precision="fp8"),
+             make_plan(tmp_path / "pp.json", pp=2, micro_batch=2, num_microbatches=2, precision="bf16",
+                       layer_precision="fp8"),
+             make_plan(tmp_path / "fsdp.json", dp=2, micro_batch=2, zero=3, precision="bf16", layer_precision="fp8")]
+    out = tmp_path / "out.json"
+    proc = torchrun(2, str(Path(__file__).parent / "fp8_worker.py"), str(out), "3", *map(str, plans), timeout_s=600,
+                    env=worker_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for name, row in got.items():       # measured.json merges the ranks' records: every linear, head too
+        assert len(row["float8"]["converted"]) == 17 and not row["float8"]["left_bf16"], name
+    assert got["fsdp.json"]["float8"]["fsdp_float8_all_gather"] is True
+    want = _plain_float8_loop("tensorwise", MODEL_ARGS, GB, 3, chunks=2)
+    assert got["ddp.json"]["losses"] == pytest.approx(want, abs=1e-6)
+    assert got["pp.json"]["losses"] == pytest.approx(want, abs=1e-6)
+    assert got["fsdp.json"]["losses"] == pytest.approx(want, rel=2.0**-8)
