@@ -132,3 +132,23 @@ def test_runtime_check_applies_float8_on_fake_ranks():
     assert sorted(record.converted) == sorted(f"blocks.{b}.{m}" for b in range(2)
                                               for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
     assert list(record.left_bf16) == ["head"] and record.fsdp_float8_all_gather
+
+
+def test_simulate_precision_fp8(capsys):
+    """``autopar simulate --precision fp8`` prices the configuration with every layer's linears in
+    float8 (a bf16 plan): GPT-3 6.7B under ZeRO-3 on one H100 node steps faster than in bf16 (the
+    terms of simulator/float8.py), and holds the fp8 copies of a linear's backward on top of its
+    activations; FSDP's largest unsharded buffers are the bf16 embedding's and head's, unchanged."""
+    from autopar.cli import main
+
+    got = {}
+    for precision in ("bf16", "fp8"):
+        rc = main(["simulate", GPT, *BIG, "--cluster", H100, "--nodes", "1", "--zero", "3", "--micro-batch", "2",
+                   "--precision", precision, "--json"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        got[precision] = json.loads(out)
+    assert got["fp8"]["step_time_s"] < got["bf16"]["step_time_s"]
+    mem = {p: got[p]["memory_breakdown"] for p in got}
+    assert mem["fp8"]["activations_bytes"] > mem["bf16"]["activations_bytes"]
+    assert mem["fp8"]["comm_buffer_bytes"] == mem["bf16"]["comm_buffer_bytes"]
