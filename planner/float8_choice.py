@@ -14,8 +14,8 @@ Offered only where it can run (runtime/fp8_check.py refuses the rest before laun
   (datasheet figures of Ada / Hopper and later, compute capability 8.9+); never on a gloo (CPU)
   cluster;
 * torchao is importable (the ``autopar[fp8]`` extra; runtime/apply_fp8.py);
-* tp = 1 (tensor parallelism of float8 linears is not wired into the runtime);
-* a layer with at least one linear whose dims divide by 16 (the runtime converts only those);
+* a layer with at least one linear whose dims divide by 16 (the runtime converts only those; by
+  16 x tp where tensor parallelism splits it);
 * the runtime check (fake ranks) ran a float8 plan of the model (``Executable.float8``).
 
 ``--precision bf16`` forbids it, ``--precision fp8`` puts every kind that can in fp8.
@@ -122,10 +122,6 @@ def choose_float8(result: SearchResult, graph, cluster, cost_models, flag: str |
     for item in [result.best] + list(result.runner_ups):
         base_plan = with_fp8(item.plan, (), recipe)
         base = ev.evaluate(base_plan)
-        if item.plan.mesh.tp > 1:
-            choices.append((item, Float8Choice((), "tp > 1: tensor parallelism of float8 linears is not in the "
-                                                   "runtime", base.step_time_s, base.step_time_s, recipe)))
-            continue
         chosen: list[int] = []
         best_res = base
         for layers in kinds.values():

@@ -19,11 +19,18 @@ Which linears: exactly those inside a layer whose plan says ``fp8`` and
 Every other linear, and every linear of a bf16 layer, is left in bf16 with the reason, and the
 record (``Float8Record``) goes to the run log and measured.json.
 
+Under tensor parallelism a split linear's GEMM runs on its shard: it is converted only if both
+of its dims divide by 16 x tp (the split dim's shard then divides by 16 whichever way it is split;
+the same rule prices it, simulator/float8.converts).
+
 Where in the order (runtime/parallelize.py): on the meta model before tensor parallelism,
 recompute, compile and FSDP2 -- the conversion replaces modules, which every later step wraps
-(torchtitan converts its model the same way, before parallelising).  Tensor parallelism of
-float8 linears (torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``) is not wired
-in: runtime/fp8_check.py refuses tp > 1 with fp8 layers before launch.
+(torchtitan converts its model the same way, before parallelising).  Tensor parallelism then
+splits the ``Float8Linear`` modules with the plain DTensor styles: the activations' TP
+collectives run in bf16 and each shard's GEMM in float8 (torchao's float8 tensors go through
+DTensor; what torchtitan does for the rowwise recipe).  torchao's ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel``, which also cast the tensorwise recipe's TP all-gathers to fp8, are
+not wired in.
 
 Under FSDP2 with the ``tensorwise`` recipe the weights are all-gathered in float8
 (``enable_fsdp_float8_all_gather``: each rank casts its shard with a scale from the global
@@ -86,18 +93,23 @@ class Float8Record:
         return text
 
 
-def shape_reason(module: nn.Linear) -> str | None:
-    """Why ``module``'s shape does not suit an fp8 GEMM, or None."""
+def shape_reason(module: nn.Linear, tp: int = 1) -> str | None:
+    """Why ``module``'s shape does not suit an fp8 GEMM (on its shard, split over ``tp``), or None."""
     out_f, in_f = module.weight.shape
-    if out_f % FP8_DIM_MULTIPLE or in_f % FP8_DIM_MULTIPLE:
-        return (f"weight [{out_f}, {in_f}] has a dim not divisible by {FP8_DIM_MULTIPLE} (torch._scaled_mm's "
+    m = FP8_DIM_MULTIPLE * tp
+    if out_f % m or in_f % m:
+        split = f" x tp = {m} (it is split over {tp} ranks)" if tp > 1 else ""
+        return (f"weight [{out_f}, {in_f}] has a dim not divisible by {FP8_DIM_MULTIPLE}{split} (torch._scaled_mm's "
                 f"alignment)")
     return None
 
 
-def choose_linears(part: nn.Module, layers: list[tuple[list[str], str]]) -> tuple[list[str], dict[str, str]]:
+def choose_linears(part: nn.Module, layers: list[tuple[list[str], str]], tp_split: dict[str, str] | None = None,
+                   tp: int = 1) -> tuple[list[str], dict[str, str]]:
     """(the FQNs inside ``part`` to convert, the linears left in bf16 -> reason); ``layers``: per
-    layer held by ``part``, (its module paths in ``part``, its precision: 'fp8' or other)."""
+    layer held by ``part``, (its module paths in ``part``, its precision: 'fp8' or other);
+    ``tp_split``: the FQNs tensor parallelism splits (over ``tp`` ranks)."""
+    tp_split = tp_split or {}
     convert, left = [], {}
     seen: set[str] = set()
     for paths, precision in layers:
@@ -113,8 +125,8 @@ def choose_linears(part: nn.Module, layers: list[tuple[list[str], str]]) -> tupl
                 elif type(mod) is not nn.Linear:
                     left[fqn] = (f"a subclass of nn.Linear ({type(mod).__name__}) whose own forward Float8Linear "
                                  f"would replace")
-                elif shape_reason(mod):
-                    left[fqn] = shape_reason(mod)
+                elif shape_reason(mod, tp if fqn in tp_split else 1):
+                    left[fqn] = shape_reason(mod, tp if fqn in tp_split else 1)
                 else:
                     convert.append(fqn)
     return convert, left
@@ -133,11 +145,12 @@ def float8_config(recipe: str, fsdp_all_gather: bool):
 
 
 def apply_fp8(part: nn.Module, layers: list[tuple[list[str], str, str]], recipe: str, fsdp: bool,
-              compile: bool = False) -> Float8Record:
+              compile: bool = False, tp_split: dict[str, str] | None = None, tp: int = 1) -> Float8Record:
     """Convert, in place, the chosen linears of ``part`` (module docstring) to torchao's
     ``Float8Linear``; ``layers``: per held layer, (its module paths in ``part``, its precision,
-    its offload); ``fsdp``: the part is sharded by FSDP2 (ZeRO-2/3) later."""
-    convert, left = choose_linears(part, [(paths, precision) for paths, precision, _ in layers])
+    its offload); ``fsdp``: the part is sharded by FSDP2 (ZeRO-2/3) later; ``tp_split``: the
+    FQNs inside ``part`` tensor parallelism splits over ``tp`` ranks later."""
+    convert, left = choose_linears(part, [(paths, precision) for paths, precision, _ in layers], tp_split, tp)
     offloaded = any(precision == "fp8" and offload != "none" for _, precision, offload in layers)
     gather = fsdp and recipe == "tensorwise" and not offloaded and bool(convert)
     record = Float8Record(recipe=recipe, fsdp_float8_all_gather=gather, converted=convert, left_bf16=left)

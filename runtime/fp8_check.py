@@ -3,10 +3,8 @@
 Float8 GEMMs need fp8 tensor cores: NVIDIA compute capability 8.9 (Ada) or 9.0 (Hopper) and
 later (``torch._scaled_mm`` refuses older devices; NVIDIA H100 datasheet: FP8 Tensor Core).
 The CPU has none.  The conversion itself is torchao's (``autopar[fp8]``; runtime/apply_fp8.py),
-so a machine without torchao is refused too, naming the install command; and tensor
-parallelism of float8 linears (torchao's float8 TP styles) is not wired into the runtime, so
-tp > 1 with fp8 layers is refused.  All before any process starts (``autopar run`` checks the
-plan before launching torchrun), exit 2.
+so a machine without torchao is refused too, naming the install command.  Both before any
+process starts (``autopar run`` checks the plan before launching torchrun), exit 2.
 """
 from __future__ import annotations
 
@@ -46,7 +44,4 @@ def check_fp8(plan: Plan, plan_path: Path) -> None:
     if not torchao_available():
         raise PlanFileError(f"{where}, but torchao, which trains the float8 linears, is not installed. Install it "
                             f"with '{INSTALL_HINT}', or plan again with --precision bf16.")
-    if plan.mesh.tp > 1:
-        raise PlanFileError(f"{where} with tp = {plan.mesh.tp}: tensor parallelism of float8 linears is not "
-                            f"implemented in this runtime. Plan again with --precision bf16, or without tensor "
-                            f"parallelism.")
+

@@ -136,24 +136,26 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     plan = checked.plan
     ties = list(ties)
     unit_paths = layer_units(part, held)
+    styles = []
+    if plan.mesh.tp > 1:
+        for layer in held:
+            mods = _modules_of(part, layer)
+            path = mods[0] if len(layer.module_paths) == 1 and mods else ""
+            where = f"plan file {checked.plan_path}: layers[{layer.index}].tp"
+            styles.append((path, resolve_tp_styles(part, layer.name, layer.plan.tp_styles, where)))
     # 2b. float8 linears (before every step that wraps modules)
     if plan.uses_fp8:
         from autopar.runtime.apply_fp8 import apply_fp8
 
         record = apply_fp8(part, [(paths, plan.layer_precision(layer.index), layer.plan.offload)
                                   for paths, layer in zip(unit_paths, held)],
-                           plan.fp8_recipe, fsdp=dp_kind == "fsdp", compile=plan.compile)
+                           plan.fp8_recipe, fsdp=dp_kind == "fsdp", compile=plan.compile,
+                           tp_split={f: s for _, split in styles for f, s in split.items()}, tp=plan.mesh.tp)
         retie(part, ties)             # a converted module is a new module: re-point tied weights
         if float8 is not None:
             float8.append(record)
     # 3. tensor / sequence parallelism
     if plan.mesh.tp > 1:
-        styles = []
-        for layer in held:
-            mods = _modules_of(part, layer)
-            path = mods[0] if len(layer.module_paths) == 1 and mods else ""
-            where = f"plan file {checked.plan_path}: layers[{layer.index}].tp"
-            styles.append((path, resolve_tp_styles(part, layer.name, layer.plan.tp_styles, where)))
         apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
         retie(part, ties)             # parallelize_module gives each module its own parameter
     # 4. recompute

@@ -3,7 +3,8 @@
 ``layer_cost`` prices the linears of a layer with ``precision: fp8`` by these terms -- those
 the runtime converts (runtime/apply_fp8.py: both weight dims divisible by 16,
 ``FP8_DIM_MULTIPLE``) -- at the plan's ``fp8_recipe``; the fp8 all-gather goes into the layer's
-FSDP terms and the fp8 copies into its memory (``layer_cost._float8``).
+FSDP terms and the fp8 copies into its memory (``layer_cost._float8``).  Tensor parallelism's
+collectives stay bf16 (the runtime splits float8 linears with the plain DTensor styles).
 
 Mechanism (torchao.float8, README "float8 training"; Micikevicius et al. 2022, "FP8 Formats
 for Deep Learning"): each of the linear's three GEMMs -- forward ``y = x W^T``, input
@@ -92,6 +93,7 @@ def float8_linear_cost(m: int, k: int, n: int, cm, recipe: str = "tensorwise") -
                             transient_bytes=FP8_BYTES * max(m * k + n * k, 2 * m * n + n * k + m * k))
 
 
-def converts(k: int, n: int) -> bool:
-    """Whether the runtime converts a linear of ``k`` in and ``n`` out features (runtime/apply_fp8.py)."""
-    return k % FP8_DIM_MULTIPLE == 0 and n % FP8_DIM_MULTIPLE == 0
+def converts(k: int, n: int, tp: int = 1) -> bool:
+    """Whether the runtime converts a linear of ``k`` in and ``n`` out features, split over ``tp``
+    tensor-parallel ranks (1: not split): both dims divisible by 16 x tp (runtime/apply_fp8.py)."""
+    return k % (FP8_DIM_MULTIPLE * tp) == 0 and n % (FP8_DIM_MULTIPLE * tp) == 0

@@ -332,10 +332,11 @@ def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: 
         if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
             continue
         n, k = op.output_shape[-1], op.input_shapes[0][-1]
-        if not converts(k, n):
+        shard = layout.compute_shard.get(op.name, 1)
+        if not converts(k, n, int(shard)):
             continue                     # left in bf16 by the runtime (runtime/apply_fp8.py)
         m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
-        n_local = n / layout.compute_shard.get(op.name, 1)
+        n_local = n / shard
         c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe)
         w.fp8_weight_numel += n_local * k
         w.fp8_transient_bytes = max(w.fp8_transient_bytes, c.transient_bytes)

@@ -154,3 +154,12 @@ def test_linear_with_a_dim_not_divisible_by_16_stays_bf16():
     bf16 = ev.layer_cost(0, LayerPlan(layer=0), Mesh(), 1, "bf16", cm)
     fp8 = ev.layer_cost(0, LayerPlan(layer=0, precision="fp8"), Mesh(), 1, "bf16", cm)
     assert (fp8.fwd_s, fp8.bwd_s, fp8.transient_bytes) == (bf16.fwd_s, bf16.bwd_s, bf16.transient_bytes)
+
+
+def test_what_the_runtime_converts():
+    """Both dims divisible by 16, by 16 x tp when tensor parallelism splits the linear
+    (runtime/apply_fp8.py: the shard's GEMM needs 16-aligned dims whichever dim is split)."""
+    from autopar.simulator.float8 import converts
+
+    assert converts(4096, 14336) and not converts(4096, 50257)
+    assert converts(32, 96, tp=2) and not converts(48, 64, tp=2) and converts(48, 64)

@@ -1,7 +1,7 @@
 """Float8 in the runtime (runtime/apply_fp8.py) on the CPU.
 
-Without torchao: a plan asking for fp8 is refused before launch, naming the install command;
-tp > 1 with fp8 is refused.  With torchao (the ``autopar[fp8]`` extra; skipped without it):
+Without torchao: a plan asking for fp8 is refused before launch, naming the install command.
+With torchao (the ``autopar[fp8]`` extra; skipped without it):
 the conversion's filter converts exactly the plain ``nn.Linear`` modules of fp8 layers whose
 dims divide by 16, and a one-rank run of fp8 plans through the runtime's own path trains as a
 plain PyTorch loop with torchao's float8 linears does.
@@ -54,12 +54,6 @@ def test_fp8_plan_refused_without_torchao(tmp_path, capsys, monkeypatch):
     assert "torchao" in message and "pip install autopar[fp8]" in message and "--precision bf16" in message
 
 
-def test_fp8_with_tensor_parallelism_refused(tmp_path, capsys, monkeypatch):
-    path = make_plan(tmp_path / "fp8tp.json", tp=2, micro_batch=4, precision="bf16", layer_precision="fp8")
-    message = _refused(tmp_path, capsys, monkeypatch, path, torchao=True)
-    assert "tp = 2" in message and "tensor parallelism of float8 linears" in message
-
-
 def test_filter_converts_exactly_the_suitable_linears_of_fp8_layers():
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
@@ -84,6 +78,17 @@ def test_filter_converts_exactly_the_suitable_linears_of_fp8_layers():
     assert "divisible by 16" in record.left_bf16["a.odd"] and "subclass" in record.left_bf16["a.attn.out_proj"]
     assert record.left_bf16["b.up"] == "its layer's precision is bf16"
     assert record.fsdp_float8_all_gather and model["a"].up.config.enable_fsdp_float8_all_gather
+    # split over tp = 2: both dims must divide by 32 (the shard's GEMM by 16)
+    with torch.device("meta"):
+        split = nn.ModuleDict({"a": Block()})
+    record = apply_fp8(split, [(["a"], "fp8", "none")], "tensorwise", fsdp=False,
+                       tp_split={"a.up": "colwise", "a.odd": "rowwise"}, tp=2)
+    assert record.converted == ["a.up"] and "x tp = 32" in record.left_bf16["a.odd"]
+    with torch.device("meta"):
+        wide = nn.ModuleDict({"a": nn.ModuleDict({"up": nn.Linear(48, 64)})})
+    record = apply_fp8(wide, [(["a"], "fp8", "none")], "tensorwise", fsdp=False, tp_split={"a.up": "colwise"}, tp=2)
+    assert not record.converted and "x tp = 32" in record.left_bf16["a.up"]      # 48 in features
+    assert apply_fp8(wide, [(["a"], "fp8", "none")], "tensorwise", fsdp=False).converted == ["a.up"]   # not split
     # rowwise: no float8 all-gather (torchao supports it for tensorwise scaling only)
     with torch.device("meta"):
         other = nn.ModuleDict({"a": Block()})
@@ -194,9 +199,12 @@ def test_float8_runs_match_a_plain_float8_loop(tmp_path):
 
 @pytest.mark.multiproc
 def test_float8_on_two_ranks_matches_a_plain_float8_loop(tmp_path):
-    """DDP (dp = 2), a 2-stage pipeline (1F1B, 2 micro-batches) and FSDP2 ZeRO-3 with the float8
-    all-gather over gloo (dp = 2, the scales' one all-reduce after each step) of the small GPT
-    with every layer fp8, one torchrun launch, 3 steps.  Each rank (micro-batch) scales its own
+    """DDP (dp = 2), a 2-stage pipeline (1F1B, 2 micro-batches), FSDP2 ZeRO-3 with the float8
+    all-gather over gloo (dp = 2, the scales' one all-reduce after each step) and tensor
+    parallelism (tp = 2, the blocks split Megatron-style; with and without sequence parallelism)
+    of the small GPT with every layer fp8, one torchrun launch, 3 steps.  Tensor parallelism's
+    reference is plain DTensor TP of torchao's float8 linears (tests/fp8_tp_reference.py), the
+    others' the plain loops above.  Each rank (micro-batch) scales its own
     rows, so the references run the batch as 2 row blocks (``chunks``; for FSDP2,
     tests/fp8_fsdp_reference.py); the runs then compute the same ops as their references, up to
     the order of the gradient sum over the ranks: 1e-6."""
@@ -206,7 +214,10 @@ def test_float8_on_two_ranks_matches_a_plain_float8_loop(tmp_path):
     plans = [make_plan(tmp_path / "ddp.json", dp=2, micro_batch=2, precision="bf16", layer_precision="fp8"),
              make_plan(tmp_path / "pp.json", pp=2, micro_batch=2, num_microbatches=2, precision="bf16",
                        layer_precision="fp8"),
-             make_plan(tmp_path / "fsdp.json", dp=2, micro_batch=2, zero=3, precision="bf16", layer_precision="fp8")]
+             make_plan(tmp_path / "fsdp.json", dp=2, micro_batch=2, zero=3, precision="bf16", layer_precision="fp8"),
+             make_plan(tmp_path / "tp.json", tp=2, micro_batch=4, precision="bf16", layer_precision="fp8"),
+             make_plan(tmp_path / "tpsp.json", tp=2, micro_batch=4, precision="bf16", layer_precision="fp8",
+                       sequence_parallel=True)]
     out = tmp_path / "out.json"
     proc = torchrun(2, str(Path(__file__).parent / "fp8_worker.py"), str(out), "3", *map(str, plans), timeout_s=600,
                     env=worker_env())
@@ -220,3 +231,10 @@ def test_float8_on_two_ranks_matches_a_plain_float8_loop(tmp_path):
     assert got["pp.json"]["losses"] == pytest.approx(want, abs=1e-6)
     fsdp = _fsdp_reference(tmp_path, MODEL_ARGS, GB, 3, chunks=2)
     assert got["fsdp.json"]["losses"] == pytest.approx(fsdp, abs=1e-6)
+    ref = tmp_path / "tp_reference.json"
+    proc = torchrun(2, str(Path(__file__).parent / "fp8_tp_reference.py"), str(ref), "3", timeout_s=600,
+                    env=worker_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tp = json.loads(ref.read_text())
+    assert got["tp.json"]["losses"] == pytest.approx(tp, abs=1e-6)
+    assert got["tpsp.json"]["losses"] == pytest.approx(tp, abs=1e-6)
