@@ -39,7 +39,10 @@ amax, 1 byte per element on the wire instead of bf16's 2), and after every optim
 (torchao.float8 README, "float8 all-gather"; its docstring says to call it after the
 optimizer step).  ``rowwise`` all-gathers bf16 (torchao supports the fp8 all-gather for
 tensorwise scaling only).  An offloaded (CPU) fp8 layer keeps the bf16 all-gather: torchao's
-fp8 weight wrapper is not documented with FSDP2's CPU offload.
+fp8 weight wrapper is not documented with FSDP2's CPU offload.  So does FSDP2 over a
+tensor-parallel model: the scales' precompute stacks the amaxes of every fp8 weight, which then
+live on two meshes (dp x tp for the split linears, dp for the rest), and DTensor refuses that
+(seen on gloo, dp = 2 x tp = 2).
 """
 from __future__ import annotations
 
@@ -152,7 +155,7 @@ def apply_fp8(part: nn.Module, layers: list[tuple[list[str], str, str]], recipe:
     FQNs inside ``part`` tensor parallelism splits over ``tp`` ranks later."""
     convert, left = choose_linears(part, [(paths, precision) for paths, precision, _ in layers], tp_split, tp)
     offloaded = any(precision == "fp8" and offload != "none" for _, precision, offload in layers)
-    gather = fsdp and recipe == "tensorwise" and not offloaded and bool(convert)
+    gather = fsdp and recipe == "tensorwise" and not offloaded and bool(convert) and tp == 1
     record = Float8Record(recipe=recipe, fsdp_float8_all_gather=gather, converted=convert, left_bf16=left)
     if not convert:
         return record

@@ -528,8 +528,8 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
 
     A float8 layer under FSDP2 with the tensorwise recipe all-gathers its converted weights in
     fp8 (runtime/apply_fp8.py; simulator/float8.py): 1 byte per such weight element on the wire
-    and in the unsharded buffer instead of the plan's 2 (not with offload: the runtime keeps
-    bf16 there)."""
+    and in the unsharded buffer instead of the plan's 2 (not with offload or tp > 1: the runtime
+    keeps bf16 there, runtime/apply_fp8.py)."""
     d = _DataParallel()
     dp = mesh.dp
     zero = effective_zero(lp.zero, mesh)
@@ -548,7 +548,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
-    if lp.precision == "fp8" and fp8_recipe == "tensorwise" and zero >= 2 and not offload:
+    if lp.precision == "fp8" and fp8_recipe == "tensorwise" and zero >= 2 and not offload and mesh.tp == 1:
         from autopar.simulator.float8 import FP8_BYTES
 
         param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather

@@ -131,6 +131,10 @@ def test_layer_memory_and_fsdp_all_gather_of_an_fp8_layer():
     rw = ev.layer_cost(0, LayerPlan(layer=0, zero=3, precision="fp8"), mesh, 1, "bf16", cm, fp8_recipe="rowwise")
     assert bf16.fsdp_param_buffer_bytes == rw.fsdp_param_buffer_bytes == 2 * n * k
     assert tw.fsdp_param_buffer_bytes == n * k
+    # over a tensor-parallel mesh the runtime all-gathers bf16 (runtime/apply_fp8.py)
+    ev2 = _evaluator(_one_linear_graph(m, k, n), devices=4)
+    split = LayerPlan(layer=0, zero=3, precision="fp8", tp=(("blocks.0.fc", "colwise"),))
+    assert ev2.layer_cost(0, split, Mesh(dp=2, tp=2), 1, "bf16", cm).fsdp_param_buffer_bytes == 2 * n * k / 2
     grad_wire = 0.5 * 2 * n * k
     assert bf16.dp_wire_bytes_per_mb == 2 * 0.5 * 2 * n * k + grad_wire
     assert tw.dp_wire_bytes_per_mb == 2 * 0.5 * n * k + grad_wire

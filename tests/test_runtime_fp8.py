@@ -81,9 +81,11 @@ def test_filter_converts_exactly_the_suitable_linears_of_fp8_layers():
     # split over tp = 2: both dims must divide by 32 (the shard's GEMM by 16)
     with torch.device("meta"):
         split = nn.ModuleDict({"a": Block()})
-    record = apply_fp8(split, [(["a"], "fp8", "none")], "tensorwise", fsdp=False,
+    record = apply_fp8(split, [(["a"], "fp8", "none")], "tensorwise", fsdp=True,
                        tp_split={"a.up": "colwise", "a.odd": "rowwise"}, tp=2)
     assert record.converted == ["a.up"] and "x tp = 32" in record.left_bf16["a.odd"]
+    # FSDP2 over a tp model all-gathers bf16 (the scales' precompute cannot mix the dp and dp x tp meshes)
+    assert not record.fsdp_float8_all_gather and not split["a"].up.config.enable_fsdp_float8_all_gather
     with torch.device("meta"):
         wide = nn.ModuleDict({"a": nn.ModuleDict({"up": nn.Linear(48, 64)})})
     record = apply_fp8(wide, [(["a"], "fp8", "none")], "tensorwise", fsdp=False, tp_split={"a.up": "colwise"}, tp=2)
