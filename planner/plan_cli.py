@@ -389,7 +389,13 @@ def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
 
 def _priced_float8(choice, plan, cluster, cost_models, graphs: dict):
     """The float8 choice with both of its step times priced as plan.json's figures are
-    (``_priced``): the plan as chosen and with every layer in bf16."""
+    (``_priced``): the plan as chosen and with every layer in bf16.  Its layers are the written
+    plan's (the validation order or the runtime check may have kept another of the kept plans)."""
+    layers = tuple(lp.layer for lp in plan.layers if lp.precision == "fp8")
+    if layers != choice.layers:
+        choice = replace(choice, layers=layers, why=choice.why if layers else
+                         f"{choice.why} for the fastest plan; the plan kept after validation and the runtime check "
+                         f"has none")
     if not choice.on:
         return choice
     from autopar.planner.float8_choice import with_fp8

@@ -77,9 +77,15 @@ class Float8Record:
     left_bf16: dict[str, str] = field(default_factory=dict)     # module FQN -> reason
 
     def merge(self, other: "Float8Record") -> None:
-        self.converted += other.converted
+        """Add another part's (or rank's) conversion; a module named by both counts once."""
+        self.converted += [f for f in other.converted if f not in self.converted]
         self.left_bf16.update(other.left_bf16)
         self.fsdp_float8_all_gather = self.fsdp_float8_all_gather or other.fsdp_float8_all_gather
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Float8Record":
+        return cls(recipe=d["recipe"], fsdp_float8_all_gather=d["fsdp_float8_all_gather"],
+                   converted=list(d["converted"]), left_bf16=dict(d["left_bf16"]))
 
     def to_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "fsdp_float8_all_gather": self.fsdp_float8_all_gather,

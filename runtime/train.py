@@ -288,17 +288,16 @@ class Trainer:
         pipeline each rank converts its own stages' linears."""
         if not self.plan.uses_fp8:
             return None
+        from autopar.runtime.apply_fp8 import Float8Record
+
         mine = self.pm.float8.to_dict() if self.pm.float8 is not None else None
         rows: list = [None] * self.ctx.world_size
         dist.all_gather_object(rows, mine)
-        out = {"recipe": self.plan.fp8_recipe, "fsdp_float8_all_gather": False, "converted": [], "left_bf16": {}}
+        out = Float8Record(recipe=self.plan.fp8_recipe)
         for row in rows:
-            if row is None:
-                continue
-            out["fsdp_float8_all_gather"] = out["fsdp_float8_all_gather"] or row["fsdp_float8_all_gather"]
-            out["converted"] += [f for f in row["converted"] if f not in out["converted"]]
-            out["left_bf16"].update(row["left_bf16"])
-        return out
+            if row is not None:
+                out.merge(Float8Record.from_dict(row))
+        return out.to_dict()
 
     def finish(self) -> Measured:
         opts, ctx, plan = self.opts, self.ctx, self.plan
