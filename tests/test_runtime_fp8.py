@@ -240,3 +240,23 @@ def test_float8_on_two_ranks_matches_a_plain_float8_loop(tmp_path):
     tp = json.loads(ref.read_text())
     assert got["tp.json"]["losses"] == pytest.approx(tp, abs=1e-6)
     assert got["tpsp.json"]["losses"] == pytest.approx(tp, abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_float8_fsdp_checkpoint_resumes(tmp_path):
+    """FSDP2 with the float8 all-gather keeps its weights as torchao's fp8-casting tensor
+    subclass: a run checkpointed after 2 steps and resumed to 4 trains as 4 uninterrupted steps
+    of the plain FSDP2 + torchao reference (1e-6, as above)."""
+    pytest.importorskip("torchao")
+    plan = _plans(tmp_path)[2]                  # fsdp_tensorwise
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FP8_WORKER_CHECKPOINTS=str(tmp_path / "ck"))
+    runs = []
+    for steps in (2, 4):
+        out = tmp_path / f"out{steps}.json"
+        proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_worker.py"), str(out), str(steps),
+                               str(plan)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs.append(json.loads(out.read_text())[plan.name]["losses"])
+    assert "resumed from" in proc.stdout
+    want = _fsdp_reference(tmp_path, ARGS, GLOBAL_BATCH, 4, chunks=1)
+    assert runs[0] == pytest.approx(want[:2], abs=1e-6) and runs[1] == pytest.approx(want, abs=1e-6)
