@@ -125,7 +125,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
                     layer.module_paths if early_stop else ())
     if lp.precision == "fp8":
-        _float8(graph, layer_index, work, layout, cm, scale, fp8_recipe)
+        _float8(graph, layer_index, work, layout, cm, scale, fp8_recipe,
+                gathered_dp=mesh.dp if fp8_all_gather(lp, mesh, fp8_recipe) else None)
     if compiled and layer.kind not in ("pre", "post"):
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
@@ -205,6 +206,8 @@ class _OpWork:
     op_bwd_s: dict[str, float] = field(default_factory=dict)   # ... and backward
     fp8_weight_numel: float = 0.0          # weights of the linears trained in float8 (after the split)
     fp8_transient_bytes: float = 0.0       # the largest of their fp8 copies alive at once (float8.py)
+    fp8_shard_cast_s: float = 0.0          # FSDP2 fp8 all-gather: the shards' casts, per all-gather
+    fp8_precompute_s: float = 0.0          # ... and the scales' amax pass over them, per step
     compile_regions: int = 0               # compiled: fused kernels replacing ...
     compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
@@ -319,14 +322,24 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     return w
 
 
+def fp8_all_gather(lp: LayerPlan, mesh: Mesh, recipe: str) -> bool:
+    """Whether FSDP2 all-gathers this layer's float8 weights in fp8 (runtime/apply_fp8.py:
+    tensorwise, sharded by FSDP2, not offloaded, no tensor parallelism)."""
+    return (lp.precision == "fp8" and recipe == "tensorwise" and effective_zero(lp.zero, mesh) >= 2
+            and lp.offload == "none" and mesh.tp == 1)
+
+
 def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float,
-            recipe: str = "tensorwise") -> None:
+            recipe: str = "tensorwise", gathered_dp: int | None = None) -> None:
     """A layer with ``precision: fp8``: each linear with a weight that the runtime converts (both
     dims divisible by 16: float8.converts) costs torchao's float8 GEMMs and casts
     (simulator/float8.py) at the plan's recipe instead of its bf16 time; on this device's share
     of the GEMM (the tp split divides its output or input features).  Its weight elements and
-    fp8 copies go to ``w`` for the FSDP all-gather and memory terms."""
-    from autopar.simulator.float8 import converts, float8_linear_cost
+    fp8 copies go to ``w`` for the FSDP all-gather and memory terms.  ``gathered_dp``: FSDP2
+    all-gathers the weights in fp8 over that many ranks (``fp8_all_gather``): the shard's cast
+    runs before each all-gather (forward, and backward again under ZeRO-3) and the scales'
+    precompute reads the fp32 shard once per step (simulator/float8.py)."""
+    from autopar.simulator.float8 import FP32_BYTES, converts, float8_linear_cost
 
     for op in graph.layer_ops(layer_index):
         if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
@@ -337,7 +350,11 @@ def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: 
             continue                     # left in bf16 by the runtime (runtime/apply_fp8.py)
         m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
         n_local = n / shard
-        c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe)
+        shard = None if gathered_dp is None else n_local * k / gathered_dp
+        c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe, gathered_shard=shard)
+        if shard is not None:
+            w.fp8_shard_cast_s += c.shard_cast_s
+            w.fp8_precompute_s += shard * FP32_BYTES / cm.achievable_memory_Bps
         w.fp8_weight_numel += n_local * k
         w.fp8_transient_bytes = max(w.fp8_transient_bytes, c.transient_bytes)
         w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
@@ -548,10 +565,14 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
-    if lp.precision == "fp8" and fp8_recipe == "tensorwise" and zero >= 2 and not offload and mesh.tp == 1:
+    if fp8_all_gather(lp, mesh, fp8_recipe):
         from autopar.simulator.float8 import FP8_BYTES
 
         param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather
+        # the shards' cast before each all-gather (forward; backward again under ZeRO-3), the
+        # scales' precompute once per step with the optimizer (simulator/float8.py)
+        w.fwd_s += w.fp8_shard_cast_s
+        w.bwd_s += w.fp8_shard_cast_s if zero >= 3 else 0.0
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
 
@@ -603,6 +624,8 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params & trainable_names))
         owned = 1.0 / dp if zero == 1 else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
+    if fp8_all_gather(lp, mesh, fp8_recipe):
+        d.optimizer_s += w.fp8_precompute_s       # the fp8 weights' scales, after the step
     if cm.code.optimizer.sync_after_flush and zero <= 1 and d.allreduce_s:
         # the training code all-reduces the gradients after the last backward, before its
         # optimizer step, with nothing to overlap (optimizer_step.py): the serial tail of the step

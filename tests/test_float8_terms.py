@@ -167,3 +167,30 @@ def test_what_the_runtime_converts():
 
     assert converts(4096, 14336) and not converts(4096, 50257)
     assert converts(32, 96, tp=2) and not converts(48, 64, tp=2) and converts(48, 64)
+
+
+def test_fsdp_float8_all_gather_moves_the_weight_casts():
+    """Under the FSDP2 fp8 all-gather the layer casts neither W nor W^T (they arrive in fp8);
+    each all-gather first casts this rank's fp32 shard (4 + 1 bytes per element, one kernel)
+    and the scales' precompute reads the shard (4 bytes) once per step.  dp = 2, a 4096 x 4096
+    weight: the shard holds 8 Mi elements."""
+    from autopar.core.plan import LayerPlan, Mesh
+
+    cm = CostModel.from_profile(PROFILE)
+    m = n = k = 4096
+    shard = n * k / 2
+    plain = float8_linear_cost(m, k, n, cm)
+    gathered = float8_linear_cost(m, k, n, cm, gathered_shard=shard)
+    weight_cast = n * k * 5 / 5e11                       # tensorwise: amax read 2 + cast read 2, write 1
+    assert plain.cast_s - gathered.cast_s == pytest.approx(2 * weight_cast)
+    assert gathered.shard_cast_s == pytest.approx(shard * 5 / 5e11)
+    ev = _evaluator(_one_linear_graph(m, k, n))
+    for zero, gathers in ((3, 2), (2, 1)):
+        bf = ev.layer_cost(0, LayerPlan(layer=0, zero=zero, precision="fp8"), Mesh(dp=2), 1, "bf16", cm,
+                           fp8_recipe="rowwise")     # rowwise: no fp8 all-gather, six casts of its own
+        tw = ev.layer_cost(0, LayerPlan(layer=0, zero=zero, precision="fp8"), Mesh(dp=2), 1, "bf16", cm)
+        rw = float8_linear_cost(m, k, n, cm, "rowwise")
+        # the layer's compute: tensorwise's casts less W and W^T, plus the shard's cast per all-gather
+        assert (tw.fwd_s + tw.bwd_s) - (bf.fwd_s + bf.bwd_s) == pytest.approx(
+            gathered.cast_s - rw.cast_s + gathers * gathered.shard_cast_s, rel=1e-9)
+        assert tw.optimizer_s - bf.optimizer_s == pytest.approx(shard * 4 / 5e11)
