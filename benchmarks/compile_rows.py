@@ -6,8 +6,9 @@ micro-batch 2, sequence 8192) eager and compiled, with the simulator's compile t
 
 Measured (../shared/validation/published_runs.json, torchtitan benchmark end of 2024, Table 1):
 eager 5,762, compiled 6,667 (+15.7%), compiled + float8 linears 8,532 (+48.1%) tokens/s/GPU.
-Float8 is priced with simulator/float8.py's tensorwise recipe on the blocks' linears (the fp8
-all-gather and the weight copies are not yet in the step).  The rows themselves are benchmarks/
+Float8 is priced with simulator/float8.py's tensorwise recipe on the blocks' linears, with
+FSDP2's fp8 all-gather of their weights (torchtitan's float8 rows ran tensorwise with
+enable_fsdp_float8_all_gather).  The rows themselves are benchmarks/
 published_runs.py's (priced there with the project's fitted terms); this script isolates what
 the compile flag changes in the same plan on the stock H100 profile.
 """

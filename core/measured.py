@@ -24,6 +24,9 @@ The file is one JSON object:
 * ``losses``, ``fingerprint`` (the model's, as in the plan), ``world_size``, ``device``,
   ``device_kind``, ``global_batch``, ``init``, ``plan`` (the plan file's path),
   ``plan_identity`` (``Plan.identity`` of the plan that ran: a report checks it).
+* ``float8``: for a plan with fp8 layers, what the float8 conversion did (runtime/apply_fp8.py):
+  ``recipe``, ``fsdp_float8_all_gather`` (true or false), ``converted`` (the linears' module
+  names) and ``left_bf16`` (module name -> why it stayed in bf16).
 
 Every field but ``step_time_s`` may be absent (a hand-made file, or a figure the run did not
 measure); ``to_json`` leaves out what is None.  Keys the schema does not define are kept as
@@ -111,6 +114,7 @@ class Measured:
     optimizer_s: float | None = None
     profiled_steps: int | None = None
     trace_file: str | None = None
+    float8: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = MEASURED_VERSION
 
@@ -198,7 +202,7 @@ _FIELD_KINDS = {
     "device": "text", "device_kind": "text", "global_batch": "positive", "init": "text", "plan": "text",
     "plan_identity": "text",
     "model_state_bytes_per_rank": "model_state", "fwd_s": "amount", "bwd_s": "amount", "comm_s": "amount",
-    "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text",
+    "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text", "float8": "float8",
 }
 assert set(_FIELD_KINDS) == {f.name for f in fields(Measured)} - {"extra", "version"}
 
@@ -232,6 +236,15 @@ def _checked(source: str, key: str, v: Any, kind: str) -> Any:
         if not (isinstance(v, list) and all(_is_number(x) and (kind == "numbers" or x >= 0) for x in v)):
             raise fail("a list of numbers >= 0" if kind == "amounts" else "a list of numbers")
         return tuple(v)
+    if kind == "float8":
+        if not (isinstance(v, dict) and isinstance(v.get("recipe"), str)
+                and isinstance(v.get("fsdp_float8_all_gather"), bool)
+                and isinstance(v.get("converted"), list) and all(isinstance(x, str) for x in v["converted"])
+                and isinstance(v.get("left_bf16"), dict)
+                and all(isinstance(x, str) for x in v["left_bf16"].values())):
+            raise fail("an object with recipe (a text), fsdp_float8_all_gather (true or false), converted (a list "
+                       "of texts) and left_bf16 (an object of texts)")
+        return dict(v)
     assert kind == "model_state", kind
     names = [g.name for g in fields(RankModelState)]
     if not (isinstance(v, list) and all(isinstance(r, dict) and all(_is_whole(r.get(n), 0) for n in names)

@@ -70,6 +70,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 maste
 # master weights as the plan's bf16); only on top of a bf16 plan, only on devices with fp8
 # tensor cores (compute capability 8.9 / Hopper and later).
 LAYER_PRECISIONS = ("bf16", "fp8")
+# How the fp8 layers scale their casts (torchao ``Float8LinearConfig.from_recipe_name``):
+# "tensorwise" one scale per tensor (and, under FSDP2, the weights all-gathered in fp8);
+# "rowwise" one scale per row (more accurate for outliers, all-gather in bf16).  Plan-level:
+# torchao converts a model with one config.  Plans written before the key load as tensorwise.
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 #: the plan's mesh: one degree per named parallel axis (core/parallel_dims.py)
@@ -136,6 +141,8 @@ class Plan:
     # regional torch.compile of every repeated block (runtime/apply_compile.py); plans written
     # before the key existed load as False
     compile: bool = False
+    # the float8 recipe of the layers with precision fp8 (FP8_RECIPES); unused without them
+    fp8_recipe: str = "tensorwise"
     predicted: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -237,6 +244,8 @@ class Plan:
                  "one value for every layer when DDP (0) or ZeRO-1 (1) is used; only 2 and 3 may be mixed")
         if self.precision not in PRECISIONS:
             _bad("precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            _bad("fp8_recipe", self.fp8_recipe, f"one of {', '.join(FP8_RECIPES)}")
 
     # ------------------------------------------------------------ JSON form
     def to_dict(self) -> dict[str, Any]:
@@ -250,6 +259,7 @@ class Plan:
             "micro_batch": self.micro_batch,
             "precision": self.precision,
             "compile": self.compile,
+            **({"fp8_recipe": self.fp8_recipe} if self.uses_fp8 else {}),
             "pipeline": {"schedule": self.pipeline.schedule,
                          "num_microbatches": self.pipeline.num_microbatches,
                          "stages": [{"index": s.index, "layers": [s.start, s.end]} for s in self.pipeline.stages]},
@@ -275,6 +285,8 @@ class Plan:
         d = self.to_dict()
         core = {"model": {"fingerprint": d["model"]["fingerprint"], "args": d["model"]["args"]},
                 **{k: d[k] for k in ("mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")}}
+        if self.uses_fp8:            # (plans without fp8 layers keep the identity they had)
+            core["fp8_recipe"] = d["fp8_recipe"]
         text = json.dumps(core, sort_keys=True, default=_json_default)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -300,6 +312,7 @@ class Plan:
                 micro_batch=_int(d, "micro_batch", ""),
                 precision=str(d.get("precision", "fp32")),
                 compile=_flag(d, "compile", ""),
+                fp8_recipe=str(d.get("fp8_recipe", "tensorwise")),
                 pipeline=Pipeline(schedule=_text(pl, "schedule", "pipeline."),
                                   num_microbatches=_int(pl, "num_microbatches", "pipeline."),
                                   stages=tuple(_stage(s, i) for i, s in enumerate(stages))),
@@ -424,7 +437,8 @@ def uniform_plan(*, model: ModelRef, num_layers: int, micro_batch: int = 1, num_
                  sequence_parallel: bool = False, zero: int = 0, recompute: str = "none",
                  offload: str = "none", precision: str = "fp32", cluster: str = "",
                  stage_bounds: list[int] | None = None, compile: bool = False,
-                 layer_precision: str = "", mesh_class: type = Mesh, **degrees: int) -> Plan:
+                 layer_precision: str = "", fp8_recipe: str = "tensorwise", mesh_class: type = Mesh,
+                 **degrees: int) -> Plan:
     """A Megatron-style plan: the same choice on every layer, stages of (nearly) equal size.
 
     ``degrees``: a degree per axis name (``dp=8, tp=4``; an axis not named is 1; ``ep`` too), of
@@ -449,4 +463,4 @@ def uniform_plan(*, model: ModelRef, num_layers: int, micro_batch: int = 1, num_
     return Plan(model=model, mesh=mesh, global_batch=mesh.batch_degree * micro_batch * num_microbatches,
                 micro_batch=micro_batch,
                 pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
-                layers=layers, precision=precision, cluster=cluster, compile=compile)
+                layers=layers, precision=precision, cluster=cluster, compile=compile, fp8_recipe=fp8_recipe)

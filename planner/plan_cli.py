@@ -31,8 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=T.seed, default=0, help="seed of the search (default 0): same seed, same plan")
     parser.add_argument("--time-budget", type=T.positive_number, default=40.0, metavar="SECONDS",
                         help="wall-clock budget of the search (default 40)")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="training precision (default bf16 on GPU clusters, fp32 on CPU/gloo clusters)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+                        help="training precision (default bf16 on GPU clusters, with float8 linears where the "
+                             "planner finds them faster on fp8-capable GPUs with torchao; fp32 on CPU/gloo "
+                             "clusters). bf16: no float8; fp8: bf16 with every layer's linears in float8 where "
+                             "they can be (planner/float8_choice.py)")
+    parser.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                        help="torchao's float8 scaling for the fp8 layers (default tensorwise: one scale per "
+                             "tensor, fp8 all-gather under FSDP2; rowwise: one per row)")
     parser.add_argument("--profile", default=None,
                         help="profile name or JSON for every GPU (default: each group's GPU type)")
     parser.add_argument("--top-k", type=T.non_negative, default=3, metavar="K", help="runner-up plans to show (default 3)")
@@ -98,7 +104,10 @@ def main(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
     _note_other_machine(cluster, args.profile)
-    precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
+    # --precision fp8 is a bf16 plan whose layers train their linears in float8
+    fp8_flag = args.precision if args.precision in ("bf16", "fp8") else None
+    precision = "bf16" if args.precision == "fp8" else (args.precision or ("fp32" if cluster.backend == "gloo"
+                                                                           else "bf16"))
     if args.top_k < 0:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
@@ -114,8 +123,14 @@ def main(args: argparse.Namespace) -> int:
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
     capture_s = time.perf_counter() - t0
     executable = None
+    from autopar.planner.float8_choice import fp8_unavailable
+    float8_why_not = fp8_unavailable(cluster, cost_models, precision)
+    if fp8_flag == "fp8" and float8_why_not is not None:
+        raise UserError(f"--precision fp8 asks for float8 linears, but {float8_why_not}. Plan with --precision "
+                        f"bf16, or on a cluster of Hopper-class GPUs with torchao installed.")
     if not args.no_runtime_check:
-        executable = check_kinds(graph, args.model_file, cluster, options)
+        executable = check_kinds(graph, args.model_file, cluster, options,
+                                 float8=float8_why_not is None and fp8_flag != "bf16")
     options = constrain(replace(options, executable=executable), graph, cluster)
     console = _console()
     if args.json or console is None:
@@ -125,6 +140,9 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.compile_choice import choose_compile
     result, compile_choice = choose_compile(result, graph, cluster, cost_models, args.compile,
                                             options.memory_headroom)
+    from autopar.planner.float8_choice import choose_float8
+    result, float8_choice = choose_float8(result, graph, cluster, cost_models, fp8_flag, precision, executable,
+                                          options.memory_headroom, recipe=args.fp8_recipe)
     # each plan's family validation error; a better-validated plan within the band goes first
     # (planner/confidence.py), and the runtime check then takes the first plan it can run
     from autopar.planner import confidence
@@ -147,12 +165,22 @@ def main(args: argparse.Namespace) -> int:
 
         blocks = compile_wrapper_blocks(result.best.plan, graph, load_model_file(args.model_file))
         compile_note = f"; compile wrapper applied to {len(blocks)} blocks on the meta model (no compiled forward)"
+    float8_record = None
+    if result.best.plan.uses_fp8 and executable is not None:
+        from autopar.core.modelfile import load_model_file
+        from autopar.planner.float8_choice import float8_conversion
+
+        float8_record = float8_conversion(result.best.plan, graph, load_model_file(args.model_file))
+        compile_note += f"; {float8_record.summary()} (torchao's conversion on the meta model)"
     # how to load this cluster again (autopar report / simulate re-price the plan with it)
     cluster_ref = str(Path(args.cluster).resolve()) if Path(args.cluster).is_file() else args.cluster
     provenance = dict(cluster_ref=cluster_ref, cluster_nodes=args.nodes, memory_headroom=options.memory_headroom,
                       runtime_check="skipped (--no-runtime-check)" if executable is None else
                       f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too" + compile_note,
-                      left_out=[x.to_dict() for x in left_out], compile_choice=compile_choice.to_dict())
+                      left_out=[x.to_dict() for x in left_out], compile_choice=compile_choice.to_dict(),
+                      float8_choice=float8_choice.to_dict())
+    if float8_record is not None:
+        provenance["float8_conversion"] = float8_record.to_dict()
     # plan.json's figures are those 'autopar simulate plan.json' gives (simulator/plan_price.py);
     # trials compare their measurements with these
     graphs = {graph.batch_size: graph}
@@ -164,6 +192,8 @@ def main(args: argparse.Namespace) -> int:
                                  cluster, cost_models, graphs) for ev in result.runner_ups]
     compile_choice = _priced_choice(compile_choice, result.best.plan, cluster, cost_models, graphs)
     provenance["compile_choice"] = compile_choice.to_dict()
+    float8_choice = _priced_float8(float8_choice, result.best.plan, cluster, cost_models, graphs)
+    provenance["float8_choice"] = float8_choice.to_dict()
     outcome = None
     if args.trial_steps is not None:
         result, conf_errors, conf_close, outcome = _trial(result, conf_errors, cluster, args, trial_plans,
@@ -185,6 +215,7 @@ def main(args: argparse.Namespace) -> int:
                "runner_ups": [{"predicted": dict(ev.plan.predicted), "mesh": ev.plan.to_dict()["mesh"],
                                "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
         out["compile"] = compile_choice.summary()
+        out["float8"] = float8_choice.summary()
         out["validation"] = {"why": conf_why, "plans": [  # best first, then the runner-ups
             {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(conf_errors, conf_close)]}
         if outcome is not None:
@@ -197,6 +228,10 @@ def main(args: argparse.Namespace) -> int:
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
                confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
     (console.print if console is not None else print)(compile_choice.summary())
+    if console is not None:          # (no markup: the install hint's [fp8] is text)
+        console.print(float8_choice.summary(), markup=False)
+    else:
+        print(float8_choice.summary())
     if outcome is not None:
         from autopar.planner.trial_steps import summary_lines
 
@@ -266,16 +301,17 @@ def _trial(result, conf_errors, cluster, args, trial_plans: int, provenance: dic
     return result, errs, close, outcome
 
 
-def check_kinds(graph, model_file: str, cluster, options):
+def check_kinds(graph, model_file: str, cluster, options, float8: bool = False):
     """What the runtime runs for this model (planner/runtime_check.py), at the tp degrees the
-    cluster admits."""
+    cluster admits (``float8``: float8 linears too)."""
     from autopar.core.modelfile import load_model_file
     from autopar.planner.constraints import cluster_meshes
     from autopar.planner.runtime_check import find_executable
 
     meshes = cluster_meshes(options, cluster, len(graph.layers))
     degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
-    return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision)
+    return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision,
+                           float8=float8)
 
 
 MAX_PLAN_CHECKS = 12      # plans tried in order of predicted speed before giving up
@@ -354,6 +390,25 @@ def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
     eager, compiled = (price_plan(replace(plan, compile=on), cluster, cost_models, graph=graph).step_time_s
                        for on in (False, True))
     return replace(choice, eager_step_s=eager, compiled_step_s=compiled)
+
+
+def _priced_float8(choice, plan, cluster, cost_models, graphs: dict):
+    """The float8 choice with both of its step times priced as plan.json's figures are
+    (``_priced``): the plan as chosen and with every layer in bf16.  Its layers are the written
+    plan's (the validation order or the runtime check may have kept another of the kept plans)."""
+    layers = tuple(lp.layer for lp in plan.layers if lp.precision == "fp8")
+    if layers != choice.layers:
+        choice = replace(choice, layers=layers, why=choice.why if layers else
+                         f"{choice.why} for the fastest plan; the plan kept after validation and the runtime check "
+                         f"has none")
+    if not choice.on:
+        return choice
+    from autopar.planner.float8_choice import with_fp8
+    from autopar.simulator.plan_price import price_plan
+
+    graph = _plan_graph(plan, graphs)
+    bf16, fp8 = (price_plan(p, cluster, cost_models, graph=graph).step_time_s for p in (with_fp8(plan, ()), plan))
+    return replace(choice, bf16_step_s=bf16, fp8_step_s=fp8)
 
 
 def _difference(best, ev) -> str:

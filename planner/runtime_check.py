@@ -58,6 +58,7 @@ class Executable:
     fsdp: bool = False
     offload: bool = False
     recompute: tuple[str, ...] = ("none",)
+    float8: bool = False                         # a bf16 plan with every layer fp8 runs (torchao)
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
     whole_fused: frozenset[str] = frozenset()    # fused projections (module paths) left whole: the
@@ -71,7 +72,7 @@ class Executable:
     def to_dict(self) -> dict[str, Any]:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
                 "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline, "fsdp": self.fsdp,
-                "offload": self.offload, "recompute": list(self.recompute),
+                "offload": self.offload, "recompute": list(self.recompute), "float8": self.float8,
                 "tp_split_layers": [i for i, s in enumerate(self.splittable) if s],
                 "check_s": round(self.check_s, 3)}
 
@@ -140,7 +141,7 @@ def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
             stage_of[i] = st.index
     starts = {st.start for st in plan.pipeline.stages} | {st.end - 1 for st in plan.pipeline.stages}
     # the split itself is in the view's key already (relative to each block's path)
-    extra = [(lp.zero, lp.recompute, lp.offload, i in starts) for i, lp in enumerate(plan.layers)]
+    extra = [(lp.zero, lp.recompute, lp.offload, lp.precision, i in starts) for i, lp in enumerate(plan.layers)]
     styles = [dict(lp.tp) for lp in plan.layers]
     view = ModelView.reduced(graph, styles, extra)
     if len(view.keep) == L:
@@ -391,7 +392,7 @@ class _Probe:
                     precision=self.precision)
 
     def error(self, plan: Plan) -> str | None:
-        key = (plan.mesh, plan.pipeline.stages, plan.layers)
+        key = (plan.mesh, plan.pipeline.stages, plan.layers, plan.precision)
         if key not in self.cache:
             self.runs += 1
             self.cache[key] = plan_runs(plan, self.graph, self.model_file, self.view)
@@ -399,8 +400,13 @@ class _Probe:
 
 
 def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] = (2,), precision: str = "fp32",
-                    max_pipeline_probes: int = 16) -> Executable:
+                    max_pipeline_probes: int = 16, float8: bool = False) -> Executable:
     """Try each plan kind on fake ranks; see the module docstring.
+
+    ``float8``: also try a bf16 plan with every layer's linears in float8 (runtime/apply_fp8.py:
+    torchao's conversion on the meta model, then the fake forward and backward), under FSDP2
+    where it runs (the fp8 all-gather), else plain -- only where the planner may offer float8
+    (planner/float8_choice.py).
 
     ``tp_degrees``: the tensor-parallel degrees the search may use (> 1).  A degree at which a
     layer kind's split fails while it runs at a smaller degree (e.g. heads that do not divide)
@@ -449,10 +455,20 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
     splittable, degrees, sp, whole_fused = _tensor_parallel(probe, tuple(sorted(d for d in tp_degrees if d > 1)),
                                                             left)
     pipeline, cuttable = _pipeline(probe, max_pipeline_probes, left)
+    fp8_ok = False
+    if float8:
+        fp8_plan = probe.plan(Mesh(dp=2), zero=3) if fsdp_err is None else probe.plan(one)
+        fp8_plan = replace(fp8_plan, precision="bf16",
+                           layers=tuple(replace(lp, precision="fp8") for lp in fp8_plan.layers))
+        fp8_err = probe.error(fp8_plan)
+        fp8_ok = fp8_err is None
+        if fp8_err is not None:
+            left.append(LeftOut("float8", fp8_err))
     return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
                       whole_fused=whole_fused,
                       pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
-                      recompute=tuple(recompute), left_out=tuple(left), check_s=time.perf_counter() - t0)
+                      recompute=tuple(recompute), float8=fp8_ok, left_out=tuple(left),
+                      check_s=time.perf_counter() - t0)
 
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):

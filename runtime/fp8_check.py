@@ -2,7 +2,9 @@
 
 Float8 GEMMs need fp8 tensor cores: NVIDIA compute capability 8.9 (Ada) or 9.0 (Hopper) and
 later (``torch._scaled_mm`` refuses older devices; NVIDIA H100 datasheet: FP8 Tensor Core).
-The CPU has none.  The conversion itself is torchao's (``autopar[fp8]``).
+The CPU has none.  The conversion itself is torchao's (``autopar[fp8]``; runtime/apply_fp8.py),
+so a machine without torchao is refused too, naming the install command.  Both before any
+process starts (``autopar run`` checks the plan before launching torchrun), exit 2.
 """
 from __future__ import annotations
 
@@ -37,5 +39,9 @@ def check_fp8(plan: Plan, plan_path: Path) -> None:
     if not ok:
         raise PlanFileError(f"{where}, but {what}. Plan again without float8 (--precision bf16), or run on "
                             f"Hopper-class GPUs.")
-    raise PlanFileError(f"{where}: float8 linears are not implemented in this runtime yet (planned through "
-                        f"torchao, 'pip install autopar[fp8]'). Plan again with --precision bf16.")
+    from autopar.runtime.apply_fp8 import INSTALL_HINT, torchao_available
+
+    if not torchao_available():
+        raise PlanFileError(f"{where}, but torchao, which trains the float8 linears, is not installed. Install it "
+                            f"with '{INSTALL_HINT}', or plan again with --precision bf16.")
+

@@ -5,6 +5,9 @@ The order (one place, the same for every plan; torchtitan's order):
 1. build the model on the meta device (no memory);
 2. pipeline: cut it into stage modules at the plan's layer boundaries and keep this rank's
    stages (stage i on pp rank i % pp) -- ``apply_pp.split_into_stages``;
+2b. float8: the linears of the ``precision: fp8`` layers become torchao's ``Float8Linear``
+   -- ``apply_fp8`` (first, as torchtitan converts before parallelising: every later step wraps
+   the converted modules; the FSDP2 float8 all-gather is set here for step 5);
 3. tensor (+ sequence) parallelism on each local stage -- ``apply_tp.apply_tp``;
 4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
    forward is the parallel one);
@@ -38,6 +41,7 @@ from autopar.runtime.apply_compile import apply_compile
 from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
+from autopar.runtime.apply_fp8 import Float8Record
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
 from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
@@ -71,6 +75,10 @@ class ParallelModel:
     state_names: StateNames = field(default_factory=StateNames)
     # the sequence split and attention of context parallelism (runtime.apply_cp); None when cp = 1
     cp: ContextParallel | None = None
+    # the float8 conversion (runtime.apply_fp8) of this rank's parts; None when no layer is fp8
+    float8: Float8Record | None = None
+    # called after every optimizer step (the FSDP2 float8 all-gather's scales); None when not needed
+    after_optimizer_step: Callable[[], None] | None = None
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -122,19 +130,32 @@ def _untie_units(part: nn.Module, units: list[list[str]], ties: list[TieGroup]) 
 
 
 def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                     dp_kind: str, ties: list[TieGroup] = ()) -> nn.Module:
-    """Steps 3-5 on one stage module (or the whole model); returns it still on meta."""
+                     dp_kind: str, ties: list[TieGroup] = (), float8: list[Float8Record] | None = None) -> nn.Module:
+    """Steps 2b-5 on one stage module (or the whole model); returns it still on meta.  The
+    float8 conversion's record is appended to ``float8`` when given."""
     plan = checked.plan
     ties = list(ties)
     unit_paths = layer_units(part, held)
-    # 3. tensor / sequence parallelism
+    styles = []
     if plan.mesh.tp > 1:
-        styles = []
         for layer in held:
             mods = _modules_of(part, layer)
             path = mods[0] if len(layer.module_paths) == 1 and mods else ""
             where = f"plan file {checked.plan_path}: layers[{layer.index}].tp"
             styles.append((path, resolve_tp_styles(part, layer.name, layer.plan.tp_styles, where)))
+    # 2b. float8 linears (before every step that wraps modules)
+    if plan.uses_fp8:
+        from autopar.runtime.apply_fp8 import apply_fp8
+
+        record = apply_fp8(part, [(paths, plan.layer_precision(layer.index), layer.plan.offload)
+                                  for paths, layer in zip(unit_paths, held)],
+                           plan.fp8_recipe, fsdp=dp_kind == "fsdp", compile=plan.compile,
+                           tp_split={f: s for _, split in styles for f, s in split.items()}, tp=plan.mesh.tp)
+        retie(part, ties)             # a converted module is a new module: re-point tied weights
+        if float8 is not None:
+            float8.append(record)
+    # 3. tensor / sequence parallelism
+    if plan.mesh.tp > 1:
         apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
         retie(part, ties)             # parallelize_module gives each module its own parameter
     # 4. recompute
@@ -206,6 +227,7 @@ class StageParts:
     cut_by: str = "none"                         # "fx", "export" or "none" (no pipeline)
     cross_stage_ties: list = field(default_factory=list)
     ties: list[TieGroup] = field(default_factory=list)   # on the model as built (ties.find_ties)
+    float8: Float8Record | None = None                   # the float8 conversion of the kept parts
 
 
 def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
@@ -234,15 +256,26 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
         local = {i: split.stages[i] for i in range(num_stages) if keep_stage(i)}
     else:
         local = {0: meta}
+    records: list[Float8Record] = []
     for index, part in sorted(local.items()):
         held = [l for l in checked.layers if stage_of[l.index] == index]
         if out.cut_by == "export":
+            if any(plan.layer_precision(l.index) == "fp8" for l in held):
+                raise PlanFileError(
+                    f"plan file {checked.plan_path}: layers with precision fp8 under pp = {plan.mesh.pp}, but torch.fx "
+                    f"cannot trace this model's forward, so its pipeline stages are cut from the torch.export graph, "
+                    f"whose ops call no nn.Linear module that float8 could convert. Plan --precision bf16 for "
+                    f"pp > 1 with this model, or pp = 1.")
             part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind)
         else:
-            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties)   # 3-5
+            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records)   # 2b-5
         with around_materialize():
             materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
         out.parts[index] = part
+    if records:
+        out.float8 = Float8Record(recipe=plan.fp8_recipe)
+        for r in records:
+            out.float8.merge(r)
     return out
 
 
@@ -288,6 +321,13 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                      f"{num_stages} stages runs as {runs_as} (torch's Schedule1F1B needs at least one micro-batch "
                      f"per stage; the order differs only on the last stages, the bubble is the same)")
     warnings = batch_norm_warnings(meta, plan.mesh.batch_degree, plan.pipeline.num_microbatches, plan.micro_batch)
+    after_step = None
+    if built.float8 is not None:
+        notes.append(built.float8.summary())
+        if built.float8.fsdp_float8_all_gather:
+            from autopar.runtime.apply_fp8 import after_optimizer_step
+
+            after_step = after_optimizer_step(parts)
     low = LOW_PRECISION.get(plan.precision)
     cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta) if plan.mesh.cp > 1 else None
     return ParallelModel(cp=cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
@@ -295,4 +335,5 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
-                         has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local)
+                         has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local,
+                         float8=built.float8, after_optimizer_step=after_step)

@@ -123,6 +123,8 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
     with record_function("autopar.optimizer"):
         for opt in pm.optimizers:
             opt.step()
+        if pm.after_optimizer_step is not None:     # the float8 weights' scales (runtime/apply_fp8.py)
+            pm.after_optimizer_step()
     return local_loss
 
 
@@ -281,6 +283,22 @@ class Trainer:
             f"autopar run {plan} --steps {opts.steps} --checkpoint-dir {opts.checkpoint_dir} (and the other "
             f"options of this run)."))
 
+    def float8_all_ranks(self) -> dict | None:
+        """The float8 conversion (runtime/apply_fp8.py) of every rank's parts, merged: under a
+        pipeline each rank converts its own stages' linears."""
+        if not self.plan.uses_fp8:
+            return None
+        from autopar.runtime.apply_fp8 import Float8Record
+
+        mine = self.pm.float8.to_dict() if self.pm.float8 is not None else None
+        rows: list = [None] * self.ctx.world_size
+        dist.all_gather_object(rows, mine)
+        out = Float8Record(recipe=self.plan.fp8_recipe)
+        for row in rows:
+            if row is not None:
+                out.merge(Float8Record.from_dict(row))
+        return out.to_dict()
+
     def finish(self) -> Measured:
         opts, ctx, plan = self.opts, self.ctx, self.plan
         self.flush_losses()
@@ -298,7 +316,8 @@ class Trainer:
             memory_kind=self.memory.kind, losses=self.losses, fingerprint=plan.model.fingerprint,
             world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
-            model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity)
+            model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity,
+            float8=self.float8_all_ranks())
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "

@@ -122,6 +122,7 @@ class _Context:
     no_ddp: np.ndarray          # (p,) False: no pipeline rank holds DDP buckets
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
     compiled: bool = False      # the plan compiles each block (simulator/compile_fusion.py)
+    fp8_recipe: str = "tensorwise"  # the plan's float8 recipe (its fp8 layers: simulator/float8.py)
     #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (sharded_dp.plan_table_costs)
     sharded_args: tuple | None = None
     #: the per-layer terms are local (_LayerMemo): the step form's (no serial communication) and
@@ -255,11 +256,13 @@ class PlanEvaluator:
         return out
 
     def layer_cost(self, layer_index: int, layer_plan: LayerPlan, mesh: Mesh, micro_batch: int,
-                   precision: str, cost_model: CostModel | None = None, compiled: bool = False) -> LayerCost:
+                   precision: str, cost_model: CostModel | None = None, compiled: bool = False,
+                   fp8_recipe: str = "tensorwise") -> LayerCost:
         """Cost of one layer under one choice, per device and micro-batch (cached); ``compiled``:
-        the plan's ``compile`` (simulator/compile_fusion.py)."""
+        the plan's ``compile`` (simulator/compile_fusion.py), ``fp8_recipe`` its float8 recipe."""
         cm = cost_model or self.rank_cost_models(mesh)[0]
-        key = (self._relative_key(layer_index, layer_plan), mesh, micro_batch, precision, cm.name, compiled)
+        key = (self._relative_key(layer_index, layer_plan), mesh, micro_batch, precision, cm.name, compiled,
+               fp8_recipe if layer_plan.precision == "fp8" else "")
         cost = self._cost_cache.get(key)
         if cost is None:
             # the layout depends on the layer, its styles and the tp axis only: shared between
@@ -274,7 +277,8 @@ class PlanEvaluator:
                                       # CPU nodes: oversubscribed compute slots; the waits of ranks
                                       # that meet are added per plan (cpu_node.with_meeting_waits)
                                       cpu_node.compute_stretch(self.cluster, mesh),
-                                      busy_devices_per_node(self.cluster, mesh), compiled=compiled)
+                                      busy_devices_per_node(self.cluster, mesh), compiled=compiled,
+                                      fp8_recipe=fp8_recipe)
             self._cost_cache[key] = cost
             self.num_layer_costs_computed += 1
         return cost
@@ -291,7 +295,7 @@ class PlanEvaluator:
         row_id = self._row_cache.get(key)
         if row_id is None:
             cm = ctx.rank_cm[ctx.layer_rank[index]]
-            c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm, ctx.compiled)
+            c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm, ctx.compiled, ctx.fp8_recipe)
             row = np.array(term_registry.layer_row(c, float(effective_zero(lp.zero, ctx.mesh)),
                                                    1.0 if lp.offload == "cpu" else 0.0,
                                                    float(RECOMPUTE_CODE[lp.recompute]), lp, ctx.mesh), dtype=float)
@@ -307,11 +311,12 @@ class PlanEvaluator:
     def _context(self, plan: Plan) -> tuple[_Context, tuple]:
         pl = plan.pipeline
         # a search that keeps the plan's mesh and pipeline objects: skip hashing the stages
-        ident = (id(pl), id(plan.mesh), plan.micro_batch, plan.precision, plan.compile)
+        ident = (id(pl), id(plan.mesh), plan.micro_batch, plan.precision, plan.compile, plan.fp8_recipe)
         hit = self._ctx_by_identity.get(ident)
         if hit is not None and hit[0] is pl and hit[1] is plan.mesh:
             return hit[2], hit[3]
-        key = (plan.mesh, plan.micro_batch, plan.precision, pl.stages, pl.schedule, pl.num_microbatches, plan.compile)
+        key = (plan.mesh, plan.micro_batch, plan.precision, pl.stages, pl.schedule, pl.num_microbatches, plan.compile,
+               plan.fp8_recipe)
         ctx = self._ctx_cache.get(key)
         if ctx is None:
             ctx = self._new_context(plan, key)
@@ -362,7 +367,7 @@ class PlanEvaluator:
                                                       busy)
         layer_rank = layer_stage % p
         serial = cpu_node.serial_communication(self.cluster, mesh)
-        row_context = self._row_contexts.setdefault(key[:3] + (plan.compile,), len(self._row_contexts))
+        row_context = self._row_contexts.setdefault(key[:3] + (plan.compile, plan.fp8_recipe), len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]
         layer_cm_names = [rank_cm_names[r] for r in layer_rank]
         row_slots = [self._row_slots.setdefault((row_context, name), len(self._row_slots)) for name in layer_cm_names]
@@ -385,7 +390,8 @@ class PlanEvaluator:
                        row_context=row_context, rows_key=(row_context, layer_cms),
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
-                       no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()), compiled=plan.compile)
+                       no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()), compiled=plan.compile,
+                       fp8_recipe=plan.fp8_recipe)
         # e.g. DDP buckets (ddp_buckets.py) may apply to a plain data-parallel mesh
         ctx.memo_ok = ctx.step_form.memo_ok and term_registry.memo_safe(ctx)
         ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()

@@ -110,7 +110,7 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
                        micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
                        compute_stretch: float = 1.0, node_processes: int | None = None,
-                       compiled: bool = False) -> LayerCost:
+                       compiled: bool = False, fp8_recipe: str = "tensorwise") -> LayerCost:
     """The cost of layer ``layer_index`` under ``lp``, in parts: the ops' compute
     (``_op_work``), the framework overheads of the modules tensor parallelism wraps
     (``_add_module_overheads``), the tensor-parallel collectives (``_tensor_parallel``),
@@ -121,7 +121,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     (cpu_node.compute_stretch); collectives are priced from the rows measured with
     ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing).
     ``compiled``: the plan compiles each block (runtime/apply_compile.py): a block layer's fused
-    memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py)."""
+    memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py).
+    ``fp8_recipe``: the plan's float8 recipe, for a layer with ``precision: fp8`` (``_float8``)."""
     layer = graph.layers[layer_index]
     # context parallelism: each rank holds 1/cp of every sample's tokens (cp_cost.py)
     scale = micro_batch / max(1, graph.batch_size) / mesh.cp
@@ -134,7 +135,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
                     layer.module_paths if early_stop else ())
     if lp.precision == "fp8":
-        _float8(graph, layer_index, work, layout, cm, scale)
+        _float8(graph, layer_index, work, layout, cm, scale, fp8_recipe,
+                gathered_dp=mesh.dp if fp8_all_gather(lp, mesh, fp8_recipe) else None)
     if compiled and layer.kind not in ("pre", "post"):
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
@@ -143,7 +145,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     extra_meetings = _sequence_and_experts(graph, layer_index, work, tpc, layout, mesh, precision, cm, links, scale,
                                            node_processes, experts)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
-    dp = _data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes)
+    dp = _data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
 
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
@@ -160,7 +162,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
-        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes, transient_bytes=rec.transient_bytes,
+        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes,
+        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes,
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
         fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,
@@ -217,6 +220,10 @@ class _OpWork:
     priced_ops: int = 0                    # ops that run a kernel (views and identities do not)
     op_fwd_s: dict[str, float] = field(default_factory=dict)   # each op's eager forward seconds
     op_bwd_s: dict[str, float] = field(default_factory=dict)   # ... and backward
+    fp8_weight_numel: float = 0.0          # weights of the linears trained in float8 (after the split)
+    fp8_transient_bytes: float = 0.0       # the largest of their fp8 copies alive at once (float8.py)
+    fp8_shard_cast_s: float = 0.0          # FSDP2 fp8 all-gather: the shards' casts, per all-gather
+    fp8_precompute_s: float = 0.0          # ... and the scales' amax pass over them, per step
     compile_regions: int = 0               # compiled: fused kernels replacing ...
     compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
@@ -333,18 +340,41 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
     return w
 
 
-def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float) -> None:
-    """A layer with ``precision: fp8``: each linear with a weight costs torchao's float8 GEMMs and
-    casts (simulator/float8.py) instead of its bf16 time; on this device's share of the GEMM
-    (the tp split divides its output or input features)."""
-    from autopar.simulator.float8 import float8_linear_cost
+def fp8_all_gather(lp: LayerPlan, mesh: Mesh, recipe: str) -> bool:
+    """Whether FSDP2 all-gathers this layer's float8 weights in fp8 (runtime/apply_fp8.py:
+    tensorwise, sharded by FSDP2, not offloaded, no tensor parallelism)."""
+    return (lp.precision == "fp8" and recipe == "tensorwise" and effective_zero(lp.zero, mesh) >= 2
+            and lp.offload == "none" and mesh.tp == 1)
+
+
+def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: CostModel, scale: float,
+            recipe: str = "tensorwise", gathered_dp: int | None = None) -> None:
+    """A layer with ``precision: fp8``: each linear with a weight that the runtime converts (both
+    dims divisible by 16: float8.converts) costs torchao's float8 GEMMs and casts
+    (simulator/float8.py) at the plan's recipe instead of its bf16 time; on this device's share
+    of the GEMM (the tp split divides its output or input features).  Its weight elements and
+    fp8 copies go to ``w`` for the FSDP all-gather and memory terms.  ``gathered_dp``: FSDP2
+    all-gathers the weights in fp8 over that many ranks (``fp8_all_gather``): the shard's cast
+    runs before each all-gather (forward, and backward again under ZeRO-3) and the scales'
+    precompute reads the fp32 shard once per step (simulator/float8.py)."""
+    from autopar.simulator.float8 import FP32_BYTES, converts, float8_linear_cost
 
     for op in graph.layer_ops(layer_index):
         if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
             continue
         n, k = op.output_shape[-1], op.input_shapes[0][-1]
+        shard = layout.compute_shard.get(op.name, 1)
+        if not converts(k, n, int(shard)):
+            continue                     # left in bf16 by the runtime (runtime/apply_fp8.py)
         m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
-        c = float8_linear_cost(int(round(m)), k, n / layout.compute_shard.get(op.name, 1), cm)
+        n_local = n / shard
+        shard = None if gathered_dp is None else n_local * k / gathered_dp
+        c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe, gathered_shard=shard)
+        if shard is not None:
+            w.fp8_shard_cast_s += c.shard_cast_s
+            w.fp8_precompute_s += shard * FP32_BYTES / cm.achievable_memory_Bps
+        w.fp8_weight_numel += n_local * k
+        w.fp8_transient_bytes = max(w.fp8_transient_bytes, c.transient_bytes)
         w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
         w.bwd_s += (c.total_s - c.fwd_s) - w.op_bwd_s.get(op.name, 0.0)
         w.op_fwd_s[op.name], w.op_bwd_s[op.name] = c.fwd_s, c.total_s - c.fwd_s
@@ -561,22 +591,23 @@ class _DataParallel:
 
 
 def _data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
-                         node_processes: int | None) -> _DataParallel:
+                         node_processes: int | None, fp8_recipe: str = "tensorwise") -> _DataParallel:
     """Data parallelism over dp x cp (the cp ranks hold the same weights and average their
     gradients: runtime/apply_cp.gradient_mesh, as torchtitan shards); with ep > 1 the routed
     experts are a second unit over the dp x cp / ep ranks holding the same experts (ep_cost.py),
     its collectives after the dense unit's."""
     flat = mesh.dp * mesh.cp
     if mesh.ep <= 1 or not w.expert_names:
-        return _data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp)
+        return _data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp, fp8_recipe)
     from dataclasses import replace as _replace
 
     dense = _replace(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
                      param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
     expert = _replace(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
                       param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
-    a = _data_parallel(lp, mesh, precision, dense, cm, links, node_processes, flat, links.dp)
-    b = _data_parallel(lp, mesh, precision, expert, cm, links, node_processes, flat // mesh.ep, links.ep_dp or links.dp)
+    a = _data_parallel(lp, mesh, precision, dense, cm, links, node_processes, flat, links.dp, fp8_recipe)
+    b = _data_parallel(lp, mesh, precision, expert, cm, links, node_processes, flat // mesh.ep, links.ep_dp or links.dp,
+                       fp8_recipe)
     # each part added its FSDP unit's overhead to its copy of the work
     w.fwd_s += (dense.fwd_s - w.fwd_s) + (expert.fwd_s - w.fwd_s)
     w.bwd_s += (dense.bwd_s - w.bwd_s) + (expert.bwd_s - w.bwd_s)
@@ -584,7 +615,8 @@ def _data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, 
 
 
 def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
-                   node_processes: int | None, dp: int | None = None, dpl=None) -> _DataParallel:
+                   node_processes: int | None, dp: int | None = None, dpl=None,
+                   fp8_recipe: str = "tensorwise") -> _DataParallel:
     """Data parallelism with ZeRO and offload: state bytes (memory.state_bytes), the gradient
     all-reduce (DDP, ZeRO-1) or FSDP's all-gather and reduce-scatter, ZeroRedundancyOptimizer's
     parameter broadcasts, host copies and the optimizer step.  Adds FSDP's per-unit overhead to
@@ -595,7 +627,12 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     ``.grad``, so DDP leaves them out of its buckets (DistributedDataParallel registers
     reducer hooks only on parameters that require grad), FSDP2 reduce-scatters only the
     gradients that exist, and AdamW creates state lazily, on the first step that finds a
-    gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``)."""
+    gradient (torch.optim.AdamW ``_init_group`` skips ``p.grad is None``).
+
+    A float8 layer under FSDP2 with the tensorwise recipe all-gathers its converted weights in
+    fp8 (runtime/apply_fp8.py; simulator/float8.py): 1 byte per such weight element on the wire
+    and in the unsharded buffer instead of the plan's 2 (not with offload or tp > 1: the runtime
+    keeps bf16 there, runtime/apply_fp8.py)."""
     d = _DataParallel()
     dp = mesh.dp if dp is None else dp           # the ranks that share the weights (dp x cp, or the experts')
     zero = effective_zero(lp.zero, mesh)
@@ -614,6 +651,14 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
+    if fp8_all_gather(lp, mesh, fp8_recipe):
+        from autopar.simulator.float8 import FP8_BYTES
+
+        param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather
+        # the shards' cast before each all-gather (forward; backward again under ZeRO-3), the
+        # scales' precompute once per step with the optimizer (simulator/float8.py)
+        w.fwd_s += w.fp8_shard_cast_s
+        w.bwd_s += w.fp8_shard_cast_s if zero >= 3 else 0.0
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
 
@@ -665,6 +710,8 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params & trainable_names))
         owned = 1.0 / dp if zero == 1 else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
+    if fp8_all_gather(lp, mesh, fp8_recipe):
+        d.optimizer_s += w.fp8_precompute_s       # the fp8 weights' scales, after the step
     if cm.code.optimizer.sync_after_flush and zero <= 1 and d.allreduce_s:
         # the training code all-reduces the gradients after the last backward, before its
         # optimizer step, with nothing to overlap (optimizer_step.py): the serial tail of the step

@@ -50,8 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     g.add_argument("--offload", choices=("none", "cpu"), default="none")
-    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+                   help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters; fp8: bf16 with every layer's "
+                        "linears in float8 (simulator/float8.py; those whose dims divide by 16)")
+    g.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="torchao's float8 scaling with --precision fp8 (default tensorwise)")
     g.add_argument("--sequence-parallel", action="store_true", help="split activations over tp between regions")
     g.add_argument("--compile", action="store_true",
                    help="regional torch.compile of every block (simulator/compile_fusion.py)")
@@ -105,6 +108,8 @@ def main(args: argparse.Namespace) -> int:
         model_args = parse_model_args(args.model_args)
         graph = capture_model_file(str(target), model_args, args.micro_batch)
         precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
+        fp8 = precision == "fp8"               # float8 linears on a bf16 plan
+        precision = "bf16" if fp8 else precision
         plan = config_plan(graph, **_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
                            global_batch=args.global_batch, schedule=args.schedule,
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
@@ -116,6 +121,9 @@ def main(args: argparse.Namespace) -> int:
             plan = replace(plan, compile=True)
         if args.ep > 1:
             plan = replace(plan, mesh=replace(plan.mesh, ep=args.ep))
+        if fp8:
+            plan = replace(plan, fp8_recipe=args.fp8_recipe,
+                           layers=tuple(replace(lp, precision="fp8") for lp in plan.layers))
     _check_cp_ep(graph, plan)
     capture_s = time.perf_counter() - t0
     if plan.world_size > cluster.world_size:

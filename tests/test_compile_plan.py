@@ -83,3 +83,21 @@ def test_apply_compile_replaces_only_the_listed_blocks_forward():
     got = [blk(x) for blk in model[1]]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_fp8_recipe_in_the_plan(tmp_path):
+    """fp8_recipe: written with fp8 layers, read back; absent (older files, or no fp8 layer):
+    tensorwise; anything else refused; part of the plan's identity only when fp8 layers use it."""
+    path = make_plan(tmp_path / "rw.json", dp=2, micro_batch=2, precision="bf16", layer_precision="fp8",
+                     fp8_recipe="rowwise")
+    d = json.loads(path.read_text())
+    assert d["fp8_recipe"] == "rowwise" and load_plan(path).fp8_recipe == "rowwise"
+    tw = dict(d, fp8_recipe="tensorwise")
+    assert Plan.from_dict(tw).identity != Plan.from_dict(d).identity
+    del d["fp8_recipe"]
+    assert Plan.from_dict(d).fp8_recipe == "tensorwise"
+    with pytest.raises(PlanFileError, match="fp8_recipe"):
+        Plan.from_dict(dict(d, fp8_recipe="blockwise"))
+    plain = json.loads(make_plan(tmp_path / "bf16.json", dp=2, micro_batch=2, precision="bf16").read_text())
+    assert "fp8_recipe" not in plain
+    assert Plan.from_dict(plain).identity == Plan.from_dict(dict(plain, fp8_recipe="rowwise")).identity

@@ -86,6 +86,7 @@ def test_the_runtime_writes_through_the_schema():
     ("model_state_bytes_per_rank", [{"rank": 0}], ("model_state_bytes_per_rank", "params_bytes")),
     ("breakdown", {"fwd_s": True}, ("breakdown.fwd_s",)),
     ("version", 2, ("version 2", "newer autopar")),
+    ("float8", {"recipe": "tensorwise", "converted": "head"}, ("float8", "converted (a list of texts)")),
 ])
 def test_a_bad_value_names_the_file_and_the_key(key, value, words):
     data = {k: v for k, v in PRE_SCHEMA.items() if not (key == "breakdown" and k in ("fwd_s", "profiled_steps"))}
@@ -100,3 +101,12 @@ def test_a_bad_value_names_the_file_and_the_key(key, value, words):
 def test_no_step_time_is_refused():
     with pytest.raises(MeasuredFileError, match="has no 'step_time_s'"):
         Measured.from_json({"fingerprint": "ab"}, source="m.json")
+
+
+def test_float8_record_round_trip():
+    """A float8 run's record (runtime/apply_fp8.py) is a schema field: read back as written."""
+    record = {"recipe": "rowwise", "fsdp_float8_all_gather": False, "converted": ["blocks.0.mlp.fc"],
+              "left_bf16": {"head": "weight [60, 32] has a dim not divisible by 16"}}
+    m = Measured.from_json({**PRE_SCHEMA, "float8": record})
+    assert m.float8 == record and "float8" not in m.extra
+    assert Measured.from_json(json.loads(m.to_json_text())).float8 == record
