@@ -58,13 +58,18 @@ class Executable:
     fsdp: bool = False
     offload: bool = False
     recompute: tuple[str, ...] = ("none",)
+    # expert parallelism: ep = 2 runs (checked only for a model with routed experts); the expert
+    # count of each routed-experts site (core/experts.py): an ep degree must divide every one
+    ep: bool = False
+    experts: tuple[int, ...] = ()
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
                 "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline, "fsdp": self.fsdp,
-                "offload": self.offload, "recompute": list(self.recompute),
+                "offload": self.offload, "recompute": list(self.recompute), "ep": self.ep,
+                "experts": list(self.experts),
                 "tp_split_layers": [i for i, s in enumerate(self.splittable) if s],
                 "check_s": round(self.check_s, 3)}
 
@@ -440,9 +445,27 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
 
     splittable, degrees, sp = _tensor_parallel(probe, tuple(sorted(d for d in tp_degrees if d > 1)), left)
     pipeline, cuttable = _pipeline(probe, max_pipeline_probes, left)
+    ep, experts = _expert_parallel(probe, left)
     return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
                       pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
-                      recompute=tuple(recompute), left_out=tuple(left), check_s=time.perf_counter() - t0)
+                      recompute=tuple(recompute), ep=ep, experts=experts, left_out=tuple(left),
+                      check_s=time.perf_counter() - t0)
+
+
+def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[int, ...]]:
+    """(ep = 2 runs, the expert count of each routed-experts site).  A model without routed
+    experts (core/experts.py) is not probed and nothing is left out for it: there is nothing to
+    split."""
+    from autopar.core.experts import routed_experts
+
+    sites = routed_experts(_template(probe.view, probe.model_file, dict(probe.graph.model_args)))
+    if not sites:
+        return False, ()
+    experts = tuple(s.num_experts for s in sites)
+    err = probe.error(probe.plan(Mesh(dp=2, ep=2)))
+    if err is not None:
+        left.append(LeftOut("expert parallel", err))
+    return err is None, experts
 
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):

@@ -41,11 +41,15 @@ Where the tokens are taken and handed back, by form (core/experts.py):
 
 Gradients.  The plain loop's loss is the mean over the global batch, so a dense weight's
 gradient is the mean over the dp x cp ranks of each rank's gradient of its local mean loss.
-An expert's weights receive, through the reverse all-to-all, the gradient of every rank of its
-ep group; FSDP2 / ``replicate`` then reduce over ``ep_rep`` -- over all dp x cp ranks in all.
-Their divide factor is therefore dp x cp (``set_gradient_divide_factor``, as torchtitan sets it
-for its experts), not the ``ep_rep`` size they would divide by: with ep = dp x cp there is one
-holder of each expert and the factor still divides by the dp x cp ranks the loss averages over.
+An expert's weights receive, through the reverse all-to-all, the sum of the gradients of the
+``ep`` ranks of its group; FSDP2 / ``replicate`` then average over ``ep_rep`` (dp x cp / ep
+ranks), so one more factor ``1 / ep`` is due.  It is applied in the exchange: the experts'
+output gradient is multiplied by ``1 / ep`` and their input gradient by ``ep`` (``_ScaleGrad``),
+so the weights' gradient is scaled and the tokens' is exact.  (torchtitan sets FSDP2's
+``set_gradient_divide_factor`` to dp x cp instead.  Here that fails twice on torch 2.13: with
+ep = dp x cp the replica mesh has one rank, FSDP2 skips its reduction and the factor with it
+-- the experts' gradients came out ep times too large --, and elsewhere it reduces with
+``PREMUL_SUM``, which gloo refuses.)
 """
 from __future__ import annotations
 
@@ -71,7 +75,6 @@ class ExpertParallel:
     rank_in_group: int
     ep_mesh: DeviceMesh             # the ep ranks of this rank's group
     replica_mesh: DeviceMesh        # the ranks holding the same experts (dp x cp / ep of them)
-    divide_factor: int              # dp x cp: the ranks the loss is averaged over
     holders: list[nn.Module] = field(default_factory=list)   # what to shard over replica_mesh
 
     @property
@@ -90,11 +93,23 @@ def build_expert_parallel(flat: DeviceMesh, ep: int, expected_group: tuple[int, 
     ep_mesh, replica = expert_meshes(flat, ep)
     got = tuple(int(r) for r in ep_mesh.mesh.flatten().tolist())
     assert got == tuple(expected_group), f"ep mesh {got} != ParallelDims.ep_group {expected_group}"
-    return ExpertParallel(ep=ep, rank_in_group=ep_mesh.get_local_rank(), ep_mesh=ep_mesh, replica_mesh=replica,
-                          divide_factor=flat.size())
+    return ExpertParallel(ep=ep, rank_in_group=ep_mesh.get_local_rank(), ep_mesh=ep_mesh, replica_mesh=replica)
 
 
 # ----------------------------------------------------------------------------- the exchange
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def _exchange_counts(counts: torch.Tensor, state: ExpertParallel) -> torch.Tensor:
     """[ep, E/ep]: how many rows each rank of the group sends to each of this rank's experts."""
     ep = state.ep
@@ -121,7 +136,10 @@ def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertP
     index = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
                                     recv_counts.flatten().to(rows.device))
     order = torch.argsort(index, stable=True)
-    out = compute(received[order], index[order], recv_counts.sum(0))
+    # the experts' weight gradients scaled by 1 / ep, their input gradient left exact (module
+    # docstring, "Gradients"); ep is a power of two in practice, so the scaling rounds nothing
+    rows_in = _ScaleGrad.apply(received[order], float(ep))
+    out = _ScaleGrad.apply(compute(rows_in, index[order], recv_counts.sum(0)), 1.0 / ep)
     back = out[torch.argsort(order)]
     return all_to_all_single_autograd(back.contiguous(), send_splits, recv_splits, state.group)
 
@@ -311,21 +329,25 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
 
 # ----------------------------------------------------------------------------- entry points
 def check_ep_plan(checked) -> None:
-    """Refuse (exit 2) a plan with ep > 1 the model or this runtime cannot run: a model without
-    recognised experts or whose expert count ep does not divide (core/experts.py), or a
-    combination not implemented here yet."""
+    """Refuse (exit 2), before any process group, a plan with ep > 1 the model or this runtime
+    cannot run: a model without recognised experts or whose expert count ep does not divide
+    (core/experts.py), or a combination not implemented here (``refuse_combinations``)."""
     from autopar.runtime.materialize import build_meta_model
 
     plan, where = checked.plan, f"plan file {checked.plan_path}"
     model = build_meta_model(checked.model_file, dict(plan.model.args))
-    sites = expert_sites_or_refuse(model, plan.mesh.ep, where)
+    refuse_combinations(plan, expert_sites_or_refuse(model, plan.mesh.ep, where), where)
+
+
+def refuse_combinations(plan, sites: list[ExpertSite], where: str) -> None:
     paths = {s.path for s in sites}
-    split = [fqn for lp in plan.layers for fqn, style in lp.tp if fqn in paths]
+    split = [fqn for lp in plan.layers for fqn, _style in lp.tp if fqn in paths or
+             any(fqn.startswith(p + ".") for p in paths)]
     unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the stages are cut from a traced forward "
                                       "whose expert calls expert parallelism does not see"),
                    (plan.mesh.cp > 1, "context parallelism (cp > 1): not implemented or tested together yet"),
-                   (bool(split), f"a tensor-parallel split of the experts {split[:2]}: they are split by ep "
-                                 f"already; plan them without a tp style")]
+                   (bool(split), f"a tensor-parallel split of the experts ({', '.join(split[:2])}): they are split "
+                                 f"by ep already; plan them without a tp style")]
     for bad, what in unsupported:
         if bad:
             raise PlanFileError(f"{where} has ep = {plan.mesh.ep} with {what}. Plan expert parallelism with dp, "
@@ -341,9 +363,11 @@ def expert_sites_or_refuse(model: nn.Module, ep: int, where: str) -> list[Expert
     return sites
 
 
-def apply_ep(part: nn.Module, state: ExpertParallel, where: str) -> ExpertParallel:
+def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> ExpertParallel:
     """Split every routed-experts site of ``part`` ``state.ep`` ways (on meta, before FSDP2)."""
-    for site in expert_sites_or_refuse(part, state.ep, where):
+    sites = expert_sites_or_refuse(part, state.ep, where)
+    refuse_combinations(plan, sites, where)
+    for site in sites:
         if site.form == STACKED:
             shard_stacked(part.get_submodule(site.path), state)
         else:
@@ -367,9 +391,9 @@ def local_expert_modules(state: ExpertParallel) -> list[list[nn.Module]]:
 def shard_expert_weights(part: nn.Module, state: ExpertParallel, dp_kind: str, layer_of, precision: str,
                          device: torch.device) -> None:
     """FSDP2 (``fsdp``) or ``replicate`` of each holder's experts over the replica mesh, before the
-    layers' units take the rest (a child unit first, as FSDP2 wants), with the gradient divided
-    by dp x cp (module docstring).  ``layer_of(module)`` -> (ZeRO stage, offload) of the layer
-    holding it."""
+    layers' units take the rest (a child unit first, as FSDP2 wants); they average the gradient
+    over the replica mesh (module docstring, "Gradients").  ``layer_of(module)`` -> (ZeRO
+    stage, offload) of the layer holding it."""
     from torch.distributed.fsdp import fully_shard
 
     from autopar.runtime.apply_dp import mixed_precision_policy, offload_policy
@@ -379,17 +403,12 @@ def shard_expert_weights(part: nn.Module, state: ExpertParallel, dp_kind: str, l
         target = mods if len(mods) > 1 else mods[0]
         zero, offload = layer_of(mods[0])
         if dp_kind == "fsdp":
-            unit = fully_shard(target, mesh=state.replica_mesh, reshard_after_forward=zero == 3, mp_policy=mp,
+            fully_shard(target, mesh=state.replica_mesh, reshard_after_forward=zero == 3, mp_policy=mp,
                                offload_policy=offload_policy(offload, device))
         elif dp_kind == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            unit = replicate(target, mesh=state.replica_mesh, mp_policy=mp)
+            replicate(target, mesh=state.replica_mesh, mp_policy=mp)
         else:
             raise AssertionError(f"expert parallelism runs under FSDP2 or replicate, not {dp_kind}")
-        unit = mods[0] if isinstance(unit, list) else unit
-        unit.set_gradient_divide_factor(float(state.divide_factor))
-        if device.type != "cuda":
-            # a custom factor reduces with PREMUL_SUM, which gloo refuses ("Cannot use
-            # ReduceOp.PREMUL_SUM with Gloo", torch 2.13): a plain sum, then the division
-            unit.set_force_sum_reduction_for_comms(True)
+

@@ -148,7 +148,7 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     if plan.mesh.ep > 1:
         experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
-                           f"plan file {checked.plan_path}")
+                           plan, f"plan file {checked.plan_path}")
     # 4. recompute
     apply_recompute(part, [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)])
     # 4b. regional compile of the blocks (not "pre"/"post")

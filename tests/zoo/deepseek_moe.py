@@ -77,18 +77,21 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, hidden: int, heads: int, ffn: int, expert_ffn: int, experts: int, top_k: int, dense: bool):
         super().__init__()
-        self.heads = heads
+        self.head_dim = hidden // heads
         self.attn_norm = nn.RMSNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
         self.mlp_norm = nn.RMSNorm(hidden)
         self.mlp = SwiGLU(hidden, ffn) if dense else MoE(hidden, expert_ffn, experts, top_k)
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        b, s, _ = x.shape
+        y = self.attn_norm(x)
+        q, k, v = (p(y).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, h))
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.mlp_norm(x))
 
 
