@@ -5,8 +5,8 @@ its load-balancing loss in a dict output), ``hf_mixtral`` (transformers 5 ``Mixt
 and ``deepseek_moe`` (shared expert + an ``nn.ModuleList`` of routed experts) -- runs with
 ``mesh.ep = 2`` under ZeRO-0 (``replicate``), ZeRO-3 and recompute on 2 gloo ranks, and with
 FSDP over the ranks left (dp 4, ep 2 and ep 4) and with tensor parallelism (dp 2 x tp 2, ep 2)
-on 4.  Each run's losses and its final parameters (read back from its DCP checkpoint by DCP's
-own converter) must match ``plain_loop.train_plain`` -- one process, no autopar runtime, the
+on 4, and resumed from a DCP checkpoint.  Each run's losses and its final parameters (read back
+from its DCP checkpoint by DCP's own converter) must match ``plain_loop.train_plain`` -- one process, no autopar runtime, the
 same initial weights and batches -- within 1e-5 (``runtime_support.assert_matches_reference``).
 The plans are the zoo's uniform plans with ``mesh.ep`` set, as a user edits a printed plan.
 """
@@ -49,7 +49,10 @@ FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSD
               "dp4_ep4": (dict(dp=4, micro_batch=1), 4),                   # one expert per rank, no replica
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2)}
-CASES_2 = [(m, k) for m in MODELS for k in TWO_RANKS if k != "dp2_ep2_zero1" or m == "moe"]
+CASES_2 = ([(m, k) for m in MODELS for k in TWO_RANKS if k != "dp2_ep2_zero1" or m == "moe"]
+           # resumed from a DCP checkpoint: a stacked form (DTensor experts) and a list form (each
+           # rank saves only its own experts' entries)
+           + [("hf_mixtral", "dp2_ep2_resumed"), ("deepseek_moe", "dp2_ep2_zero3_resumed")])
 CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_zero3"),
             ("deepseek_moe", "dp4_ep4")]
            + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")])
@@ -82,11 +85,17 @@ def ep_plan(name: str, kw: dict, ep: int, path: Path) -> Path:
 
 
 def _launch(nproc: int, cases: list[tuple[str, str]], kinds: dict, tmp: Path) -> dict:
+    """One torchrun for ``cases``; a kind ending in ``_resumed`` stops after ``STEPS - 1`` steps
+    (a DCP checkpoint) and a second run resumes it for the last step."""
     specs = []
     for name, kind in cases:
-        kw, ep = kinds[kind]
+        kw, ep = kinds[kind.removesuffix("_resumed")]
         base = tmp / f"{name}-{kind}"
-        specs.append({"model": name, "kind": kind, "steps": STEPS, "plan": str(ep_plan(name, kw, ep, base.with_suffix(".json"))),
+        plan = str(ep_plan(name, kw, ep, base.with_suffix(".json")))
+        if kind.endswith("_resumed"):
+            specs.append({"model": name, "kind": kind + "_first", "steps": STEPS - 1, "plan": plan,
+                          "measured": f"{base}.first.json", "checkpoint_dir": f"{base}.ckpt"})
+        specs.append({"model": name, "kind": kind, "steps": STEPS, "plan": plan,
                       "measured": f"{base}.measured.json", "checkpoint_dir": f"{base}.ckpt"})
     (tmp / "cases.json").write_text(json.dumps(specs))
     out = torchrun(nproc, str(WORKER), str(tmp / "cases.json"), timeout_s=900)
@@ -126,7 +135,9 @@ def _check(got: dict, log: str, name: str, kind: str, dp: int) -> None:
 @pytest.mark.parametrize("name,kind", CASES_2, ids=[f"{m}-{k}" for m, k in CASES_2])
 def test_ep2_on_two_ranks_matches_plain_loop(runs, name, kind):
     r = runs(2)
-    _check(r[(name, kind)], r["_log"], name, kind, TWO_RANKS[kind][0]["dp"])
+    _check(r[(name, kind)], r["_log"], name, kind, TWO_RANKS[kind.removesuffix("_resumed")][0]["dp"])
+    if kind.endswith("_resumed"):
+        assert "resumed from" in r["_log"], failure_summary(r["_log"])
 
 
 @pytest.mark.multiproc
