@@ -44,12 +44,14 @@ TP_STYLES = {"hf_mixtral": ATTENTION, "deepseek_moe": DEEPSEEK_TP}
 TWO_RANKS = {"dp2_ep2": (dict(dp=2, micro_batch=2), 2),
              "dp2_ep2_zero1": (dict(dp=2, micro_batch=2, zero=1), 2),
              "dp2_ep2_zero3": (dict(dp=2, micro_batch=2, zero=3), 2),
-             "dp2_ep2_recompute": (dict(dp=2, micro_batch=2, zero=2, recompute="full"), 2)}
+             "dp2_ep2_recompute": (dict(dp=2, micro_batch=2, zero=2, recompute="full"), 2),
+             # two micro-batches per step: an exchange per micro-batch, gradients accumulated
+             "dp2_ep2_accumulate": (dict(dp=2, micro_batch=1, num_microbatches=2, zero=2), 2)}
 FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSDP over the 2 ranks left
               "dp4_ep4": (dict(dp=4, micro_batch=1), 4),                   # one expert per rank, no replica
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2)}
-CASES_2 = ([(m, k) for m in MODELS for k in TWO_RANKS if k != "dp2_ep2_zero1" or m == "moe"]
+CASES_2 = ([(m, k) for m in MODELS for k in TWO_RANKS if k not in ("dp2_ep2_zero1", "dp2_ep2_accumulate") or m == "moe"]
            # resumed from a DCP checkpoint: a stacked form (DTensor experts) and a list form (each
            # rank saves only its own experts' entries)
            + [("hf_mixtral", "dp2_ep2_resumed"), ("deepseek_moe", "dp2_ep2_zero3_resumed")])
@@ -212,7 +214,8 @@ def test_refusal_exits_2_from_the_cli(tmp_path):
     _refusal(tmp_path, "moe", dict(dp=2, micro_batch=2), 2, args={"experts": 3})
     out = subprocess.run([sys.executable, "-m", "autopar.cli", "run", str(tmp_path / "plan.json"), "--steps", "1"],
                          capture_output=True, text=True, timeout=300, env=worker_env(), cwd=ROOT)
-    assert out.returncode == 2 and "do not divide" in out.stderr, (out.returncode, out.stderr[-2000:])
+    said = " ".join(out.stderr.split())       # the CLI wraps its message to the terminal's width
+    assert out.returncode == 2 and "do not divide" in said, (out.returncode, out.stderr[-2000:])
 
 
 # ------------------------------------------------------------------ recognition (meta)
@@ -233,6 +236,30 @@ def test_recognises_each_form_of_routed_experts():
     # a stack of identical blocks is no expert list (no router beside it)
     for dense in ("tied_lm", "hf_llama", "nanogpt"):
         assert sites(dense) == [], dense
+
+
+def test_recognises_transformers_qwen2_moe_and_deepseek_v3_experts():
+    """transformers 5's Qwen2-MoE (shared expert + gate beside the routed experts) and
+    DeepSeek-V3 (first layer dense, a top-k router module) stack their routed experts too."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from autopar.core.experts import STACKED, routed_experts
+
+    with torch.device("meta"):
+        qwen = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=4, num_experts_per_tok=2))
+        deepseek = DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+    assert [(s.path, s.form, s.num_experts, s.router) for s in routed_experts(qwen)] == [
+        (f"model.layers.{i}.mlp.experts", STACKED, 4, f"model.layers.{i}.mlp.gate") for i in range(2)]
+    assert [(s.path, s.form, s.num_experts, s.router) for s in routed_experts(deepseek)] == [
+        ("model.layers.1.mlp.experts", STACKED, 8, "model.layers.1.mlp.gate")]
 
 
 # ------------------------------------------------------------------ the planner's dry run
