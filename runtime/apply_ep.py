@@ -133,7 +133,9 @@ def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertP
     recv_splits = recv_counts.sum(1).tolist()
     received = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, state.group)
     # received rows: by source rank, then by local expert -> by local expert, then by source
-    index = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
+    # (not torch.arange: under context parallelism apply_cp.CPAttention answers an arange of the
+    # local sequence length with the rank's token positions)
+    index = torch.repeat_interleave(torch.tensor(list(range(local)) * ep, device=rows.device),
                                     recv_counts.flatten().to(rows.device))
     order = torch.argsort(index, stable=True)
     # the experts' weight gradients scaled by 1 / ep, their input gradient left exact (module
@@ -331,7 +333,8 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
 def check_ep_plan(checked) -> None:
     """Refuse (exit 2), before any process group, a plan with ep > 1 the model or this runtime
     cannot run: a model without recognised experts or whose expert count ep does not divide
-    (core/experts.py), or a combination not implemented here (``refuse_combinations``)."""
+    (core/experts.py), or a combination not implemented here (``refuse_combinations``: a
+    pipeline, a tp style on the experts)."""
     from autopar.runtime.materialize import build_meta_model
 
     plan, where = checked.plan, f"plan file {checked.plan_path}"
@@ -345,13 +348,12 @@ def refuse_combinations(plan, sites: list[ExpertSite], where: str) -> None:
              any(fqn.startswith(p + ".") for p in paths)]
     unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the stages are cut from a traced forward "
                                       "whose expert calls expert parallelism does not see"),
-                   (plan.mesh.cp > 1, "context parallelism (cp > 1): not implemented or tested together yet"),
                    (bool(split), f"a tensor-parallel split of the experts ({', '.join(split[:2])}): they are split "
                                  f"by ep already; plan them without a tp style")]
     for bad, what in unsupported:
         if bad:
             raise PlanFileError(f"{where} has ep = {plan.mesh.ep} with {what}. Plan expert parallelism with dp, "
-                                f"ZeRO, recompute and tensor parallelism of the other modules, or ep = 1.")
+                                f"cp, ZeRO, recompute and tensor parallelism of the other modules, or ep = 1.")
 
 
 def expert_sites_or_refuse(model: nn.Module, ep: int, where: str) -> list[ExpertSite]:
