@@ -44,7 +44,8 @@ class PlainRun:
     params: dict[str, torch.Tensor]        # final parameters under every name they have (ties: several)
     grad_abs_max: dict[str, torch.Tensor]  # per element, the largest |gradient| over the steps
     model: nn.Module
-    grad_abs_min: dict[str, torch.Tensor] | None = None   # per element, the smallest |gradient| over the steps
+    # per element, the smallest nonzero |gradient| over the steps (inf: zero at every step)
+    grad_abs_min: dict[str, torch.Tensor] | None = None
 
 
 def load(path: str | Path):
@@ -110,7 +111,8 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
         for _, p in named:
             if p.grad is not None:
                 torch.maximum(grad_abs_max[id(p)], p.grad.abs(), out=grad_abs_max[id(p)])
-                torch.minimum(grad_abs_min[id(p)], p.grad.abs(), out=grad_abs_min[id(p)])
+                nonzero = torch.where(p.grad == 0, float("inf"), p.grad.abs())
+                torch.minimum(grad_abs_min[id(p)], nonzero, out=grad_abs_min[id(p)])
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
