@@ -23,8 +23,9 @@ A module that routes inside itself and reads its experts' weights itself (gather
 parameter by the chosen index in the same forward) is neither: its forward gives no point at
 which the tokens of one expert are known and not yet computed, so it is not recognised (the same
 limit as tensor parallelism's, core/sharding.stacked_experts).  torchtitan's ``GroupedExperts``
-(``experts(x_sorted_by_expert, num_tokens_per_expert)``) needs token counts that are data on the
-meta device: capture cannot run it, so it is not a form here either.
+(``experts(x_sorted_by_expert, num_tokens_per_expert)``, its caller sorting the tokens) is not
+recognised yet: the exchange (runtime/apply_ep.route_rows) takes exactly that input, but no model
+here calls experts so, so nothing would test it.
 """
 from __future__ import annotations
 
