@@ -22,10 +22,12 @@ has ``E`` rows, a ``nn.Linear(hidden, E)`` or transformers' ``*TopKRouter``):
 A module that routes inside itself and reads its experts' weights itself (gathering rows of a
 parameter by the chosen index in the same forward) is neither: its forward gives no point at
 which the tokens of one expert are known and not yet computed, so it is not recognised (the same
-limit as tensor parallelism's, core/sharding.stacked_experts).  torchtitan's ``GroupedExperts``
-(``experts(x_sorted_by_expert, num_tokens_per_expert)``, its caller sorting the tokens) is not
-recognised yet: the exchange (runtime/apply_ep.route_rows) takes exactly that input, but no model
-here calls experts so, so nothing would test it.
+limit as tensor parallelism's, core/sharding.stacked_experts).
+
+- ``grouped``: torchtitan's ``GroupedExperts``: stacked 3-D parameters ``[E, ...]`` (children
+  without parameters) called as ``experts(x_sorted_by_expert, num_tokens_per_expert)`` -- its
+  caller sorts the tokens by expert (forward arguments ``x, num_tokens_per_expert``); the test
+  zoo's ``moe_grouped``.  ``E`` is the parameters' dim 0; a router beside it is required.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-STACKED, LIST = "stacked", "list"
+STACKED, LIST, GROUPED = "stacked", "list", "grouped"
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -77,6 +79,22 @@ def _router_of(block: nn.Module, block_path: str, experts: int, skip: str) -> st
     return ""
 
 
+def grouped_experts(module: nn.Module) -> int:
+    """E for a torchtitan-style ``GroupedExperts`` module (see above), else 0."""
+    import inspect
+
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() != 3 or p.shape[0] != params[0].shape[0] for p in params):
+        return 0
+    if any(True for c in module.children() for _ in c.parameters()):
+        return 0
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return 0
+    return int(params[0].shape[0]) if names[:2] == ["x", "num_tokens_per_expert"] else 0
+
+
 def _same_layout(mods: list[nn.Module]) -> bool:
     shapes = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in mods]
     return bool(shapes[0]) and all(s == shapes[0] for s in shapes[1:])
@@ -91,6 +109,12 @@ def routed_experts(model: nn.Module) -> list[ExpertSite]:
             block = model.get_submodule(parent_path) if path else model
             out.append(ExpertSite(path, STACKED, mod.num_experts, parent_path,
                                   _router_of(block, parent_path, mod.num_experts, own)))
+        elif path and grouped_experts(mod) >= 2:
+            experts = grouped_experts(mod)
+            block = model.get_submodule(parent_path) if parent_path else model
+            router = _router_of(block, parent_path, experts, own)
+            if router:
+                out.append(ExpertSite(path, GROUPED, experts, parent_path, router))
         elif isinstance(mod, nn.ModuleList) and len(mod) >= 2 and path:
             children = list(mod)
             if not _same_layout(children):
@@ -107,7 +131,8 @@ def ep_refusal(sites: list[ExpertSite], ep: int) -> str | None:
     if not sites:
         return ("it has no routed experts that expert parallelism recognises (a transformers-5 stacked experts "
                 "module called as experts(hidden, top_k_index, top_k_weights), or an nn.ModuleList of identical "
-                "experts beside a router with one output per expert: core/experts.py)")
+                "experts beside a router with one output per expert, or a torchtitan-style GroupedExperts "
+                "module called as experts(x, num_tokens_per_expert): core/experts.py)")
     bad = [s for s in sites if s.num_experts % ep]
     if bad:
         s = bad[0]

@@ -26,6 +26,8 @@ reverse all-to-all (checked on gloo, torch 2.13).
 
 Where the tokens are taken and handed back, by form (core/experts.py):
 
+- ``grouped`` (torchtitan's ``experts(x_sorted_by_expert, num_tokens_per_expert)``): the rows and
+  counts are what the exchange takes; the module's own forward runs on the received rows.
 - ``stacked`` (``experts(hidden, top_k_index, top_k_weights)``): the module's forward is
   replaced by the dispatch: each (token, slot) row goes to its expert's rank, the module's own
   forward runs there on the received rows with their local expert index and a weight of one,
@@ -65,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autopar.core.errors import PlanFileError
-from autopar.core.experts import LIST, STACKED, ExpertSite, ep_refusal, routed_experts
+from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, ep_refusal, routed_experts
 
 
 @dataclass
@@ -201,6 +203,27 @@ def shard_stacked(module: nn.Module, state: ExpertParallel) -> None:
         out = route_rows(hidden[order // k], counts, compute, state)
         out = out[torch.argsort(order)].view(tokens, k, -1)
         return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden.dtype)
+
+    module.forward = forward
+    state.holders.append(module)
+
+
+# ----------------------------------------------------------------------------- grouped form
+def shard_grouped(module: nn.Module, total: int, state: ExpertParallel) -> None:
+    """torchtitan's ``GroupedExperts``: the caller hands the rows sorted by expert and their
+    counts -- exactly what ``route_rows`` exchanges; the module runs on its own experts' rows."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, state.ep_mesh, [Shard(0)], src_data_rank=None),
+            requires_grad=param.requires_grad))
+    own_forward = module.forward
+
+    def forward(x, num_tokens_per_expert):
+        def compute(rows, _local_index, per_expert):
+            with _LocalParams(module):
+                return own_forward(rows, per_expert)
+
+        return route_rows(x, num_tokens_per_expert, compute, state)
 
     module.forward = forward
     state.holders.append(module)
@@ -372,6 +395,8 @@ def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> Expert
     for site in sites:
         if site.form == STACKED:
             shard_stacked(part.get_submodule(site.path), state)
+        elif site.form == GROUPED:
+            shard_grouped(part.get_submodule(site.path), site.num_experts, state)
         else:
             assert site.form == LIST, site.form
             block = part.get_submodule(site.block) if site.block else part

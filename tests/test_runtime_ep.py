@@ -2,7 +2,8 @@
 
 Every MoE model of the zoo -- ``moe`` (top-2, stacked experts), ``moe_aux`` (Switch top-1 with
 its load-balancing loss in a dict output), ``hf_mixtral`` (transformers 5 ``MixtralExperts``)
-and ``deepseek_moe`` (shared expert + an ``nn.ModuleList`` of routed experts) -- runs with
+``deepseek_moe`` (shared expert + an ``nn.ModuleList`` of routed experts) and ``moe_grouped``
+(torchtitan's ``GroupedExperts`` called on tokens sorted by expert) -- runs with
 ``mesh.ep = 2`` under ZeRO-0 (``replicate``), ZeRO-3 and recompute on 2 gloo ranks, and with
 FSDP over the ranks left (dp 4, ep 2 and ep 4), with tensor parallelism (dp 2 x tp 2, ep 2) and
 with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, and resumed from a DCP
@@ -33,7 +34,7 @@ ZOO = ROOT / "tests" / "zoo"
 WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
 GLOBAL_BATCH = 4
 STEPS = 3
-MODELS = ("moe", "moe_aux", "hf_mixtral", "deepseek_moe")
+MODELS = ("moe", "moe_aux", "hf_mixtral", "deepseek_moe", "moe_grouped")
 
 ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
              "self_attn.o_proj": "rowwise"}
@@ -263,7 +264,7 @@ def test_refusal_exits_2_from_the_cli(tmp_path):
 
 # ------------------------------------------------------------------ recognition (meta)
 def test_recognises_each_form_of_routed_experts():
-    from autopar.core.experts import LIST, STACKED, routed_experts
+    from autopar.core.experts import GROUPED, LIST, STACKED, routed_experts
 
     def sites(name):
         with torch.device("meta"):
@@ -276,6 +277,8 @@ def test_recognises_each_form_of_routed_experts():
                                    for i in range(2)]
     # block 0 is dense; the shared expert is not a routed one
     assert sites("deepseek_moe") == [(f"blocks.{i}.mlp.experts", LIST, 4, f"blocks.{i}.mlp.gate") for i in (1, 2)]
+    assert sites("moe_grouped") == [(f"blocks.{i}.moe.experts", GROUPED, 4, f"blocks.{i}.moe.router")
+                                    for i in range(2)]
     # a stack of identical blocks is no expert list (no router beside it)
     for dense in ("tied_lm", "hf_llama", "nanogpt"):
         assert sites(dense) == [], dense
