@@ -69,7 +69,7 @@ CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep
 # model arguments of a case (default: the zoo's): 8 experts, 4 per ep rank
 ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8}}
 CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_zero3"),
-            ("deepseek_moe", "dp4_ep4"), ("hf_mixtral", "dp2_cp2_ep4_zero3")]
+            ("deepseek_moe", "dp4_ep4"), ("moe_grouped", "dp4_ep2_zero3"), ("hf_mixtral", "dp2_cp2_ep4_zero3")]
            + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")])
 
 
@@ -316,7 +316,7 @@ def test_runtime_check_applies_ep_on_fake_ranks():
     from autopar.core.modelfile import load_model_file
     from autopar.planner.runtime_check import find_executable
 
-    for name, experts in (("moe", (4, 4)), ("deepseek_moe", (4, 4))):
+    for name, experts in (("moe", (4, 4)), ("deepseek_moe", (4, 4)), ("moe_grouped", (4, 4))):
         path = ZOO / f"{name}.py"
         ex = find_executable(capture_model_file(path, {}, 2), load_model_file(path))
         assert ex.ep and ex.experts == experts, (name, ex.left_out)
