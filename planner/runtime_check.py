@@ -59,6 +59,10 @@ class Executable:
     offload: bool = False
     recompute: tuple[str, ...] = ("none",)
     float8: bool = False                         # a bf16 plan with every layer fp8 runs (torchao)
+    # expert parallelism: ep = 2 runs (checked only for a model with routed experts); the expert
+    # count of each routed-experts site (core/experts.py): an ep degree must divide every one
+    ep: bool = False
+    experts: tuple[int, ...] = ()
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
     whole_fused: frozenset[str] = frozenset()    # fused projections (module paths) left whole: the
@@ -73,6 +77,7 @@ class Executable:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
                 "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline, "fsdp": self.fsdp,
                 "offload": self.offload, "recompute": list(self.recompute), "float8": self.float8,
+                "ep": self.ep, "experts": list(self.experts),
                 "tp_split_layers": [i for i, s in enumerate(self.splittable) if s],
                 "check_s": round(self.check_s, 3)}
 
@@ -464,11 +469,28 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
         fp8_ok = fp8_err is None
         if fp8_err is not None:
             left.append(LeftOut("float8", fp8_err))
+    ep, experts = _expert_parallel(probe, left)
     return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
                       whole_fused=whole_fused,
                       pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
-                      recompute=tuple(recompute), float8=fp8_ok, left_out=tuple(left),
+                      recompute=tuple(recompute), float8=fp8_ok, ep=ep, experts=experts, left_out=tuple(left),
                       check_s=time.perf_counter() - t0)
+
+
+def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[int, ...]]:
+    """(ep = 2 runs, the expert count of each routed-experts site).  A model without routed
+    experts (core/experts.py) is not probed and nothing is left out for it: there is nothing to
+    split."""
+    from autopar.core.experts import routed_experts
+
+    sites = routed_experts(_template(probe.view, probe.model_file, dict(probe.graph.model_args)))
+    if not sites:
+        return False, ()
+    experts = tuple(s.num_experts for s in sites)
+    err = probe.error(probe.plan(Mesh(dp=2, ep=2)))
+    if err is not None:
+        left.append(LeftOut("expert parallel", err))
+    return err is None, experts
 
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):

@@ -13,7 +13,8 @@ forward, all-reduce of the gradient backward: each rank's gradient of ``hidden_s
 of the routing weights covers its own experts only) and the ``g`` operator on the output
 (all-reduce forward, identity backward).
 
-Recognition (``is_stacked_experts``, the one place that decides it): a module with an integer
+Recognition (``core/experts.is_stacked_experts``, the one place that decides it, for expert
+parallelism too): a module with an integer
 ``num_experts`` = E, whose own parameters are all 3-D with E rows (dim 0), whose children hold
 no parameters, and which carries transformers' ``_is_expert_parallel`` flag (set by its
 ``use_experts_implementation`` decorator).  That flag is why the local forward is exact: with
@@ -35,17 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from autopar.core.experts import is_stacked_experts  # noqa: F401  (the one rule; apply_tp imports it from here)
+
 EXPERT_STYLE = "expert"
-
-
-def is_stacked_experts(module: nn.Module) -> bool:
-    """A transformers-5 experts module with stacked ``[experts, ...]`` parameters (see above)."""
-    experts = module.__dict__.get("num_experts")
-    params = list(module.parameters(recurse=False))
-    return (isinstance(experts, int) and not isinstance(experts, bool) and experts > 0 and bool(params)
-            and all(p.dim() == 3 and p.shape[0] == experts for p in params)
-            and not any(True for c in module.children() for _ in c.parameters())
-            and "_is_expert_parallel" in module.__dict__)
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -9,12 +9,17 @@ The order (one place, the same for every plan; torchtitan's order):
    -- ``apply_fp8`` (first, as torchtitan converts before parallelising: every later step wraps
    the converted modules; the FSDP2 float8 all-gather is set here for step 5);
 3. tensor (+ sequence) parallelism on each local stage -- ``apply_tp.apply_tp``;
+3b. expert parallelism (``mesh.ep`` > 1): each rank keeps E/ep of every layer's routed experts
+   and exchanges tokens by all-to-all -- ``apply_ep.apply_ep`` (after TP, which leaves the
+   experts to it; before recompute, so the recomputed forward exchanges again, and before
+   FSDP2, which shards the experts over the ranks holding the same ones -- step 5);
 4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
    forward is the parallel one);
 4b. with ``plan.compile``: ``torch.compile`` of each block's forward -- ``apply_compile`` (after
    TP and recompute so both are inside the compiled region, before FSDP2/DDP whose hooks stay
    outside it);
-5. FSDP2 per layer + root for ZeRO-2/3 (+ CPU offload, mixed precision) -- ``apply_dp.apply_fsdp``
+5. FSDP2 per layer + root for ZeRO-2/3 (the experts of step 3b first, as their own units over
+   the ranks that hold the same experts: ``apply_ep.shard_expert_weights``) (+ CPU offload, mixed precision) -- ``apply_dp.apply_fsdp``
    (still on meta: every rank only ever allocates its shards); with tensor parallelism, ZeRO-0
    runs as ``replicate`` here and ZeRO-1 as FSDP2 without reshard, and the same under pipelining
    (``apply_dp.data_parallel_kind``);
@@ -41,6 +46,7 @@ from autopar.runtime.apply_compile import apply_compile
 from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
+from autopar.runtime.apply_ep import apply_ep, build_expert_parallel, shard_expert_weights
 from autopar.runtime.apply_fp8 import Float8Record
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
 from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
@@ -158,6 +164,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     if plan.mesh.tp > 1:
         apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
         retie(part, ties)             # parallelize_module gives each module its own parameter
+    # 3b. expert parallelism
+    experts = None
+    if plan.mesh.ep > 1:
+        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+                                                       plan.mesh.ep_group(ctx.rank)),
+                           plan, f"plan file {checked.plan_path}")
     # 4. recompute
     apply_recompute(part, [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)])
     # 4b. regional compile of the blocks (not "pre"/"post")
@@ -167,6 +179,13 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     fsdp_paths = _untie_units(part, [_with_params(part, paths) for paths in unit_paths], ties)
     units = [(paths, layer.plan.zero, layer.plan.offload) for paths, layer in zip(fsdp_paths, held)]
     units = [u for u in units if u[0]]
+    if experts is not None:
+        def layer_of(module: nn.Module) -> tuple[int, str]:
+            for paths, layer in zip(unit_paths, held):
+                if any(m is module for p in paths for m in part.get_submodule(p).modules()):
+                    return layer.plan.zero, layer.plan.offload
+            return held[0].plan.zero, held[0].plan.offload
+        shard_expert_weights(part, experts, dp_kind, layer_of, plan.precision, ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
         apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), units, root_zero=root.zero, root_offload=root.offload,

@@ -5,8 +5,9 @@ malformed plan (``load_plan`` validates every field), model file missing, world 
 the launch different from the plan's mesh, graph fingerprint of the model file (captured with
 the plan's model arguments) different from the one the plan was made for, and a layer count
 that differs from the captured graph's, and a tensor-parallel split whose dims (or head
-counts) the tp degree does not divide (``autopar.runtime.tp_check``), and float8 layers on a
-machine without fp8 support (``autopar.runtime.fp8_check``).
+counts) the tp degree does not divide (``autopar.runtime.tp_check``), float8 layers on a
+machine without fp8 support (``autopar.runtime.fp8_check``), and expert parallelism of a model
+without recognised experts or whose expert count ep does not divide (``autopar.runtime.apply_ep``).
 """
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
         from autopar.runtime.apply_cp import check_cp_plan
 
         check_cp_plan(checked)
+    if plan.mesh.ep > 1:
+        from autopar.runtime.apply_ep import check_ep_plan
+
+        check_ep_plan(checked)
     if plan.mesh.tp > 1:
         from autopar.runtime.tp_check import check_tp_divisibility
 

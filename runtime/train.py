@@ -190,7 +190,8 @@ class Trainer:
         self.memory.start()
         torch.manual_seed(opts.seed)
         self.pm = pm = build_parallel_model(self.checked, ctx, opts, self.checked.model_file.loss)
-        self.log(f"plan {opts.plan_path}: mesh {plan.mesh.describe('{name}={size}', ' ')}, "
+        ep = f" ep={plan.mesh.ep}" if plan.mesh.ep > 1 else ""
+        self.log(f"plan {opts.plan_path}: mesh {plan.mesh.describe('{name}={size}', ' ')}{ep}, "
                  f"zero {plan.zero} ({pm.dp_kind}), "
                  f"{len(plan.pipeline.stages)} stage(s) {plan.pipeline.schedule}, {plan.pipeline.num_microbatches} "
                  f"micro-batch(es), init {pm.init_mode}, device {ctx.device.type}")

@@ -44,6 +44,8 @@ class PlainRun:
     params: dict[str, torch.Tensor]        # final parameters under every name they have (ties: several)
     grad_abs_max: dict[str, torch.Tensor]  # per element, the largest |gradient| over the steps
     model: nn.Module
+    # per element, the smallest nonzero |gradient| over the steps (inf: zero at every step)
+    grad_abs_min: dict[str, torch.Tensor] | None = None
 
 
 def load(path: str | Path):
@@ -96,6 +98,7 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     named = list(model.named_parameters(remove_duplicate=False))
     grad_abs_max = {id(p): torch.zeros_like(p) for _, p in named}
+    grad_abs_min = {id(p): torch.full_like(p, float("inf")) for _, p in named}
     losses = []
     for step in range(steps):
         inputs, target = draw_batch(module, global_batch, args, seed, step)
@@ -108,8 +111,11 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
         for _, p in named:
             if p.grad is not None:
                 torch.maximum(grad_abs_max[id(p)], p.grad.abs(), out=grad_abs_max[id(p)])
+                nonzero = torch.where(p.grad == 0, float("inf"), p.grad.abs())
+                torch.minimum(grad_abs_min[id(p)], nonzero, out=grad_abs_min[id(p)])
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return PlainRun(losses=losses, params={n: p.detach().clone() for n, p in named},
-                    grad_abs_max={n: grad_abs_max[id(p)] for n, p in named}, model=model)
+                    grad_abs_max={n: grad_abs_max[id(p)] for n, p in named}, model=model,
+                    grad_abs_min={n: grad_abs_min[id(p)] for n, p in named})

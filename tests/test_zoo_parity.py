@@ -113,8 +113,9 @@ MODELS: dict[str, dict] = {
     # one layer holding the embedding (row-wise, vocabulary-parallel) and the decoder (column-wise,
     # logits gathered): no Linear pair, so neither pairs with the other
     "lstm_lm": dict(kinds={"ddp": DDP, "tp_vocab": TP}, tp_vocab={"model": {"encoder": "rowwise", "decoder": "colwise"}}),
-    # the splits the planner offers for these (core/sharding.megatron_styles): pre/post only
-    "moe": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP},
+    # the stacked experts split by expert (runtime/expert_tp.py: the zoo's Experts module is
+    # called as transformers 5 calls its experts), and the pre/post splits
+    "moe": dict(kinds={**CORE, "pp": PP, "tp": TP, "tp_prepost": TP}, tp={"moe.experts": "expert"},
                 tp_prepost={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "two_tower": dict(kinds={**CORE, "tp": TP, "tp_prepost": TP},
                       tp={"0": "colwise"}, tp_prepost={"post": {"head.0": "colwise", "head.2": "rowwise"}}),
@@ -154,9 +155,6 @@ LEFT_OUT = {
     ("hf_t5", "tp of attention"): "the relative position bias of block 0 holds every head and is passed on to "
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
-    ("moe", "tp of the experts"): "the experts are stacked parameters, not nn.Linear: no column/row split; and "
-                                  "the module routes inside itself, so it is no experts module to split by "
-                                  "expert (core/sharding.stacked_experts, runtime/expert_tp.py)",
     ("cnn_bn", "tp of the stages"): "convolutions: no column/row split of nn.Linear",
     ("hf_*", "tp + pp"): "needs 4 ranks; the runtime refuses it (parallelize_export_stage): stages of a model "
                          "torch.fx cannot trace are cut from its torch.export graph, which calls no nn.Linear",

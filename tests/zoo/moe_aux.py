@@ -7,7 +7,9 @@ each token goes to its top-1 expert, Fedus et al. 2022) -> ``head``.  The Switch
 load-balancing loss, ``experts * sum_i f_i * P_i`` (their eq. 4: ``f_i`` the fraction of
 tokens sent to expert ``i``, ``P_i`` the mean router probability of expert ``i``), is the
 auxiliary loss: one 0-d tensor per forward, computed on a pipeline's last stage.  The
-experts' weights are stacked parameters gathered by index (static shapes).
+experts' weights are stacked parameters of one ``Experts`` module called as transformers 5
+calls its experts, ``experts(x, top_k_index, top_k_weights)``, gathered by index (static
+shapes).
 
 Model arguments: ``layers`` (2), ``hidden`` (32), ``ffn`` (64), ``experts`` (4), ``seq`` (8),
 ``vocab`` (64).  The auxiliary loss weighs ``AUX_WEIGHT`` = 0.01 in the loss (Fedus et al.'s
@@ -33,23 +35,41 @@ class Block(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.norm(x))))
 
 
+class Experts(nn.Module):
+    """Stacked experts called as transformers 5 calls them (an index >= num_experts adds nothing)."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int):
+        super().__init__()
+        self.num_experts = experts
+        self._is_expert_parallel = False
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, ffn) * hidden ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, ffn, hidden) * ffn ** -0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        present = top_k_index < self.num_experts                                # [T, k]
+        chosen = torch.where(present, top_k_index, 0)
+        xk = x.unsqueeze(1).expand(-1, chosen.shape[1], -1).reshape(-1, 1, x.shape[-1])
+        y = torch.bmm(F.gelu(torch.bmm(xk, self.w_in[chosen.flatten()])), self.w_out[chosen.flatten()])
+        gates = (top_k_weights * present.to(top_k_weights.dtype)).unsqueeze(-1)
+        return (y.view(*chosen.shape, -1) * gates).sum(dim=1)
+
+
 class Switch(nn.Module):
     def __init__(self, hidden: int, ffn: int, experts: int):
         super().__init__()
-        self.experts = experts
+        self.num_experts = experts
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.w_in = nn.Parameter(torch.randn(experts, hidden, ffn) * hidden ** -0.5)
-        self.w_out = nn.Parameter(torch.randn(experts, ffn, hidden) * ffn ** -0.5)
+        self.experts = Experts(hidden, ffn, experts)
 
     def forward(self, x_BSH):
         b, s, h = x_BSH.shape
         x = x_BSH.reshape(b * s, h)                                             # [T, h]
         probs = F.softmax(self.router(x), dim=-1)                               # [T, E]
         gate, chosen = probs.max(dim=-1)                                        # [T]
-        y = torch.bmm(F.gelu(torch.bmm(x.unsqueeze(1), self.w_in[chosen])), self.w_out[chosen]).squeeze(1)
-        dispatched = F.one_hot(chosen, self.experts).float().mean(dim=0)        # f_i
-        balance = self.experts * (dispatched * probs.mean(dim=0)).sum()         # 0-d
-        return x_BSH + (y * gate.unsqueeze(-1)).view(b, s, h), balance
+        y = self.experts(x, chosen.unsqueeze(-1), gate.unsqueeze(-1))           # [T, h]
+        dispatched = F.one_hot(chosen, self.num_experts).float().mean(dim=0)    # f_i
+        balance = self.num_experts * (dispatched * probs.mean(dim=0)).sum()     # 0-d
+        return x_BSH + y.view(b, s, h), balance
 
 
 class SwitchLM(nn.Module):
