@@ -128,7 +128,7 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
     rows (simulator/sharded_dp.py: FSDP2's copy-out and copy-in, the NCCL overlap slowdown, the
     fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
     choices as the full price will; None where those terms do not apply (a CPU profile's ranks
-    take turns: sharded_dp.plan_table_costs)."""
+    take turns: sharded_dp_table.plan_table_costs)."""
     from autopar.simulator import cpu_node, sharded_dp
     from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
     from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE

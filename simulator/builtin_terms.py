@@ -10,7 +10,7 @@ term lives where ``source`` says; this module only declares it.
 """
 from __future__ import annotations
 
-from autopar.simulator import cpu_node, ddp_buckets, overlap, sharded_dp
+from autopar.simulator import cpu_node, ddp_buckets, overlap, sharded_dp_table
 from autopar.simulator.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
@@ -29,7 +29,7 @@ register(Term("ddp_buckets", "table", local=False, reads=("dp_grad_bytes", "dp_a
               acts=ddp_buckets.acts, source="simulator/ddp_buckets.py"))
 #: FSDP2's copies, the overlap slowdown, the fp32 reduce-scatter: reads layers k-1, k, k+1 (local)
 register(Term("sharded_dp", "table", reads=("dp_allgather_s", "dp_reducescatter_s", "zero", "fwd_s", "bwd_s"),
-              derive=lambda rows, ctx, ev: sharded_dp.plan_table_costs(
+              derive=lambda rows, ctx, ev: sharded_dp_table.plan_table_costs(
                   rows, ctx, ev.cluster.inter_node.bandwidth_GBps, ev._fetch_units),
               source="simulator/sharded_dp.py"))
 #: CPU ranks that meet wait for each other: a per-rank stretch from the whole rank's work (not local)

@@ -123,7 +123,7 @@ class _Context:
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
     compiled: bool = False      # the plan compiles each block (simulator/compile_fusion.py)
     fp8_recipe: str = "tensorwise"  # the plan's float8 recipe (its fp8 layers: simulator/float8.py)
-    #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (sharded_dp.plan_table_costs)
+    #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (sharded_dp_table.plan_table_costs)
     sharded_args: tuple | None = None
     #: the per-layer terms are local (_LayerMemo): the step form's (no serial communication) and
     #: every registered term acting here (term_registry.memo_safe: no DDP buckets, no CPU meeting

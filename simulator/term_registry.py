@@ -5,7 +5,9 @@ Every reader of the step iterates over what is registered here instead of naming
 the step model (step_model.py) and its serial form (cpu_node.py), the evaluator's fast path
 (evaluator._derive and the _LayerMemo invariant), the trace (step_trace.py), the planner's
 folded tables (planner/layer_tables.py) and its screening bound (planner/screen_bound.py).
-The built-in terms are declared in builtin_terms.py, loaded on first use; a new term is one
+The built-in terms are declared in builtin_terms.py, which the package's __init__.py imports
+(so they are registered before any simulator module is used, and before any term a caller
+adds); a new term is one
 module that calls ``register`` (docs/design.md, "Adding a cost term").
 
 How a term enters the step (``Term.enters``):
@@ -89,16 +91,8 @@ class Term:
 
 
 _TERMS: list[Term] = []
-_loaded = False
 #: derived views of _TERMS, rebuilt on every change (read on the hot path)
 _view = SimpleNamespace(fwd=(), bwd=(), events=((), ()), traffic=(), tables=(), nonlocal_tables=(), extra=())
-
-
-def _ensure_builtins() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from autopar.simulator import builtin_terms  # noqa: F401  (registers the built-in terms)
 
 
 def _rebuild() -> None:
@@ -115,7 +109,6 @@ def _rebuild() -> None:
 
 def register(term: Term) -> Term:
     """Add ``term`` after those registered (its columns after theirs); returns it."""
-    _ensure_builtins()
     if any(t.name == term.name for t in _TERMS):
         raise ValueError(f"a term named {term.name!r} is registered already")
     layer_table.add_columns(tuple(c.name for c in term.columns))
@@ -144,43 +137,36 @@ def registered(term: Term) -> Iterator[Term]:
 
 def terms() -> tuple[Term, ...]:
     """The registered terms, in registration order."""
-    _ensure_builtins()
     return tuple(_TERMS)
 
 
 def pass_columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(forward, backward): the columns the "compute" terms add to a layer's passes, in order."""
-    _ensure_builtins()
     return _view.fwd, _view.bwd
 
 
 def pass_events() -> tuple[tuple, tuple]:
     """(forward, backward): per "compute" term, (column, event label, stream), in order."""
-    _ensure_builtins()
     return _view.events
 
 
 def traffic_terms() -> tuple[Term, ...]:
     """The "traffic" terms, in the order their parts are summed and drawn."""
-    _ensure_builtins()
     return _view.traffic
 
 
 def table_terms() -> tuple[Term, ...]:
     """The "table" terms, in the order they rewrite the table."""
-    _ensure_builtins()
     return _view.tables
 
 
 def memo_safe(ctx) -> bool:
     """Whether every term that acts in context ``ctx`` is local (evaluator._LayerMemo may serve)."""
-    _ensure_builtins()
     return not any(t.acts(ctx) for t in _view.nonlocal_tables)
 
 
 def extra_columns() -> tuple[Column, ...]:
     """The columns the terms add to the layer table, in table order."""
-    _ensure_builtins()
     return _view.extra
 
 
