@@ -39,7 +39,7 @@ Three parts, each one job of an existing module:
     memory, written to ``benchmarks/results/gpu_truth_<device>.json`` and ``.txt``.
 
 Nothing on this path needs ortools (only the planner's ILP imports it, lazily); the test runs the
-tiny mode with ortools made unimportable (tests/test_gpu_truth.py).  Where ``autopar`` is not
+tiny mode with ortools made unimportable (tests/integration/test_gpu_truth.py).  Where ``autopar`` is not
 importable (a bare GPU machine with the repository copied), the script puts a folder holding a
 link ``autopar -> <repository>`` first on ``sys.path`` and ``PYTHONPATH``, for itself and the runs
 it starts.

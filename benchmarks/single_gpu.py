@@ -14,7 +14,7 @@ every plan once per round, and the fastest median step of each plan is kept.
 
 On a GPU the plans train in bf16 and the measured memory is the caching allocator's peak of live
 tensors (runtime/measure.py); on this CPU (no CUDA) they train in fp32 on the local-cpu profile,
-which is how the test suite runs the script (tests/test_single_gpu_benchmark.py).
+which is how the test suite runs the script (tests/integration/test_single_gpu_benchmark.py).
 
 This is the second step of what a lent GPU is for (DEVELOPERS.md): first ``autopar profile -o
 profiles/<gpu>.json`` measures the GPU's op table into the bundled profile, then this script

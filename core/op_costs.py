@@ -31,7 +31,7 @@ Conventions and sources
   2 add/sub = 17; RNN tanh 4 or relu 1).  Backward = 2x the GEMMs (input and weight
   gradients; frozen weights skip theirs; no gradient of a zero initial state) + 1x the
   pointwise part -- the GEMM FLOPs both ways are what ``torch.utils.flop_counter`` counts of
-  the cells' decomposition (tests/test_capture_rnn.py).  Kept for backward: what the cells'
+  the cells' decomposition (tests/core/test_capture_rnn.py).  Kept for backward: what the cells'
   autograd decomposition (aten ``lstm_cell`` / ``gru_cell`` / ``rnn_tanh_cell``, run where no
   fused kernel applies) saves, see ``_rnn``; a fused kernel keeps about as much (CUDA's
   ``_thnn_fused_lstm_cell`` saves c_{t-1}, c_t and a 4H workspace, derivatives.yaml), oneDNN's

@@ -13,7 +13,7 @@ A new axis (context parallelism ``cp``, say) is one ``Axis`` entry in ``AXES`` a
 field of ``ParallelDims`` with default 1 (docs/design.md, "Adding a parallel axis");
 ``check_declaration`` refuses a declaration and a class that disagree.  The generic methods
 read the axes from the class (``axes``), so a subclass that declares one more axis gets all
-of them unchanged (tests/test_parallel_dims.py builds one with ``cp``).
+of them unchanged (tests/core/test_parallel_dims.py builds one with ``cp``).
 
 Nothing here imports torch: the planner and the simulator price plans without it.
 """

@@ -37,7 +37,7 @@ REQUIRED_KEYS = ("name", "device", "memory_bytes", "memory_bandwidth_Bps", "peak
                  "collective_efficiency", "sources", "op_table", "collective_table", "measured_by")
 # Optional top-level keys and what each must hold.  Link figures are optional so that a profile
 # measured by `autopar profile` on a machine without them still loads; every bundled profile has
-# them (tests/test_profiles.py), and a cluster file falls back on them for omitted links.
+# them (tests/core/test_profiles.py), and a cluster file falls back on them for omitted links.
 OPTIONAL_KEYS = {
     "description": "text",
     "nvlink_GBps": "positive",            # intra-node GPU<->GPU, per GPU per direction

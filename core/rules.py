@@ -3,7 +3,7 @@ cluster admits.  Each rule is written here once; ``Plan.validate`` (core/plan.py
 space, moves and constraints (planner/space.py, moves.py, constraints.py), the simulator
 (layer_cost.effective_zero) and the runtime (runtime/apply_dp.py) import it.
 
-Plain Python over ints and strings: no torch, no numpy (tests/test_core_rules.py imports it with
+Plain Python over ints and strings: no torch, no numpy (tests/core/test_core_rules.py imports it with
 torch blocked), so the planner, the CLI's checks and the runtime read the same rules.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ What is not priced into the step, and decides the default where the search is fr
 * **Compile time.**  Inductor compiles each distinct block once when the run starts (the
   summary says so).  On a CPU (gloo) cluster that is C++ code generation and a gcc build per
   block setting -- measured here, a first step of 3 minutes for a 4-block GPT whose steps take
-  50 ms (tests/test_runtime_compile.py's cases) -- longer than any CPU run autopar plans, so on
+  50 ms (tests/integration/test_runtime_compile.py's cases) -- longer than any CPU run autopar plans, so on
   gloo clusters compile stays off unless ``--compile`` asks for it.  On GPU clusters it is on
   where it saves more than the simulator can tell apart (``TIDY_TOLERANCE``, 0.2%).
 

@@ -31,7 +31,7 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
   which ZeRO-3's second gather and offload's copies only add to.
 
 The strategies' once-per-step part (``step_s``: exposed synchronisation, the optimizer) is
-never negative and is left out.  tests/test_planner_bound.py checks the floor against every
+never negative and is left out.  tests/planner/test_planner_bound.py checks the floor against every
 entry of the tables and the bound against the screen score.
 """
 from __future__ import annotations

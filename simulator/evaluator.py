@@ -145,7 +145,7 @@ class _LayerMemo:
     of layers k-1, k, k+1 and of k's place in its model chunk: sharded_dp.with_sharded_dp_costs
     reads the neighbours k-1 and k+1 and leaves the columns layer_effective_times reads of a
     layer's successor (its forward communication: dp_allgather_s, h2d_s, zero, offload) a function
-    of the layer's own row (both say so; tests/test_simulator_fast_path.py holds them to it).
+    of the layer's own row (both say so; tests/simulator/test_simulator_fast_path.py holds them to it).
     Both apply elementwise IEEE operations to each layer, so layer k's numbers are the same bits
     whatever the other layers hold.  Two whole-table tests choose what is computed at all -- does any layer run
     sharded (ZeRO >= 2), is any offloaded -- so the values are kept per answer to both.

@@ -3,7 +3,7 @@
 
 Its own module so that sharded_dp.py, which training_code.py imports for the runtimes it
 describes, does not import the layer table (layer_table -> layer_cost -> cost_model ->
-training_code would close a loop: tests/test_import_cycles.py)."""
+training_code would close a loop: tests/integration/test_import_cycles.py)."""
 from __future__ import annotations
 
 from autopar.simulator import sharded_dp

@@ -84,7 +84,7 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
     pipeline does so while a send is no longer than a chunk's forward or backward (its warm-up runs
     2 (p - r - 1) + (v - 1) p forwards on rank r, one micro-batch's worth of slack per
     boundary), so the formula is then the schedule's exact length
-    (tests/test_simulator_trace.py, test_hand_schedules)."""
+    (tests/simulator/test_simulator_trace.py, test_hand_schedules)."""
     t_max = float(t_r.max())
     fill_drain_sends = 2 * (p * v - 1) * send_s
     if v == 1:

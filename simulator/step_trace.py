@@ -34,7 +34,7 @@ representative device per pipeline rank, from the same quantities:
   (``dp``): step_model.after_backward's terms.
 
 So every rank's last event ends at the time the step model gives for that rank, and the
-trace's last event at the step time (tests/test_simulator_trace.py checks both to 1e-9, with
+trace's last event at the step time (tests/simulator/test_simulator_trace.py checks both to 1e-9, with
 the invariants: no two events overlap on a stream, no task starts before its input arrives).
 
 The pipeline formula idealises the schedule: it charges the sends between stages only in the

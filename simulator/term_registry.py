@@ -34,7 +34,7 @@ does, the evaluator prices every plan of the context in full.
 ``columns``: the columns the term adds to the layer table (layer_table.COLUMNS, after
 ``LayerCost``'s and the layer plan's), each with ``fill(layer_cost, layer_plan, mesh)`` giving a
 layer's value; ``reads``: the existing columns its price reads (documentation, and
-tests/test_simulator_terms.py checks they exist).
+tests/simulator/test_simulator_terms.py checks they exist).
 
 Registration happens before an evaluator is built: the evaluator reads the table width when it
 is constructed.

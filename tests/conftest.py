@@ -1,7 +1,18 @@
 """Markers: a test that starts worker processes (``multiproc``: torchrun ranks or an
 ``autopar run``) is also ``slow``, so the quick subset ``pytest -m "not slow"`` is the
 single-process tests (README, "Tests")."""
+import sys
+from pathlib import Path
+
 import pytest
+
+# tests/ on sys.path: the test files live in folders by package (tests/core, ..., tests/integration);
+# the modules they share (plain_loop, runtime_support, sim_graphs, the torchrun workers) and the
+# model folders zoo/ and plan_models/ stay here.  Test modules are imported under their file
+# names (pytest's default prepend mode, no __init__.py), so file names are unique across folders.
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
 
 def pytest_collection_modifyitems(config, items):

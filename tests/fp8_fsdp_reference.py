@@ -1,4 +1,4 @@
-"""The reference of the FSDP2 float8 run in tests/test_runtime_fp8.py: plain torch FSDP2 and
+"""The reference of the FSDP2 float8 run in tests/integration/test_runtime_fp8.py: plain torch FSDP2 and
 torchao, no autopar.
 
     python tests/fp8_fsdp_reference.py OUT.json STEPS ARGS_JSON GLOBAL_BATCH CHUNKS PORT

@@ -1,4 +1,4 @@
-"""The reference of the tensor-parallel float8 run in tests/test_runtime_fp8.py: plain DTensor
+"""The reference of the tensor-parallel float8 run in tests/integration/test_runtime_fp8.py: plain DTensor
 tensor parallelism and torchao, no autopar.
 
     torchrun --nproc-per-node 2 tests/fp8_tp_reference.py OUT.json STEPS

@@ -1,4 +1,4 @@
-"""Run fp8 plans in one process on the CPU, for tests/test_runtime_fp8.py.
+"""Run fp8 plans in one process on the CPU, for tests/integration/test_runtime_fp8.py.
 
     python tests/fp8_worker.py OUT.json STEPS PLAN.json [PLAN.json ...]
     torchrun --nproc-per-node 2 tests/fp8_worker.py OUT.json STEPS PLAN.json ...

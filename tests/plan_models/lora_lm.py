@@ -2,7 +2,7 @@
 Large Language Models", Sec. 4.1): every projection keeps its pretrained weight frozen
 (``requires_grad=False``) and trains only a rank-``rank`` update ``B A`` beside it, the way PEFT's
 ``LoraLayer`` wraps an ``nn.Linear``; the embedding, norms and LM head are frozen too.  So only
-the adapters carry gradients and optimizer state.  Memory test fixture (tests/test_memory_measured.py).
+the adapters carry gradients and optimizer state.  Memory test fixture (tests/integration/test_memory_measured.py).
 
 Model arguments: ``layers`` (2), ``hidden`` (32), ``rank`` (2), ``seq`` (8), ``vocab`` (64).
 """

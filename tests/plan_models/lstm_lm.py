@@ -1,7 +1,7 @@
 """A small recurrent language model: ``embed`` -> ``nn.LSTM`` (``layers`` stacked layers,
 batch_first) -> ``head``.  The LSTM is one ``torch.nn`` module whose weights
 (``weight_ih_l{k}``, ``weight_hh_l{k}``, ``bias_*``) the forward uses inside its fused kernel.
-Memory and capture test fixture (tests/test_memory_measured.py, tests/test_capture.py).
+Memory and capture test fixture (tests/integration/test_memory_measured.py, tests/core/test_capture.py).
 
 Model arguments: ``layers`` (2), ``hidden`` (32), ``seq`` (8), ``vocab`` (64), ``cell``
 ("lstm", "gru" or "rnn"), ``bidirectional`` (False).

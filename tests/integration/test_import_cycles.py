@@ -1,0 +1,101 @@
+"""No import cycles among autopar's modules, nor among its packages.
+
+The import graph is read from the source (an ``ast`` walk over every folder pyproject.toml maps
+to an ``autopar`` package, imports inside functions included), so a lazy import that closes a
+loop counts as one: a cycle makes two modules one unit that cannot be read, tested or moved
+apart.  Packages are checked as well as modules, since ``a.x -> b`` and ``b.y -> a.z`` is a loop
+between the two packages even when no module loop exists.
+"""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _package_folders(root: Path) -> dict[str, Path]:
+    """``autopar`` package name -> its folder, as pyproject.toml's package-dir maps them."""
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    return {name: root / folder for name, folder in config["tool"]["setuptools"]["package-dir"].items()}
+
+
+def _modules(packages: dict[str, Path]) -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, folder in packages.items():
+        for file in sorted(folder.glob("*.py")):
+            mods[pkg if file.name == "__init__.py" else f"{pkg}.{file.stem}"] = file
+    return mods
+
+
+def import_graph(packages: dict[str, Path]) -> nx.DiGraph:
+    """Module -> module edges for every import between the given packages' modules."""
+    mods = _modules(packages)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(mods)
+    for mod, file in mods.items():
+        pkg = mod if file.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")
+                    parts = parts[:len(parts) - (node.level - 1)]
+                    base = ".".join(parts) + (f".{base}" if base else "")
+                for alias in node.names:
+                    targets.append(f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    # ``import a.b.c`` imports a, a.b and a.b.c
+                    parts = alias.name.split(".")
+                    targets += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            graph.add_edges_from((mod, t) for t in targets if t in mods and t != mod)
+    return graph
+
+
+def package_graph(graph: nx.DiGraph, packages: dict[str, Path]) -> nx.DiGraph:
+    """Package -> package edges implied by the module edges (a module belongs to the longest
+    package name that prefixes it)."""
+    names = sorted(packages, key=len, reverse=True)
+
+    def owner(mod: str) -> str:
+        return next(p for p in names if mod == p or mod.startswith(p + "."))
+
+    out = nx.DiGraph()
+    out.add_edges_from((owner(a), owner(b)) for a, b in graph.edges if owner(a) != owner(b))
+    return out
+
+
+def _cycles(graph: nx.DiGraph) -> list[str]:
+    return [" -> ".join(c + [c[0]]) for c in nx.simple_cycles(graph)]
+
+
+def test_no_module_import_cycle():
+    packages = _package_folders(ROOT)
+    assert _cycles(import_graph(packages)) == []
+
+
+def test_no_package_import_cycle():
+    packages = _package_folders(ROOT)
+    assert _cycles(package_graph(import_graph(packages), packages)) == []
+
+
+def test_the_check_sees_a_lazy_cycle_and_a_package_cycle(tmp_path):
+    """The detector itself: a lazy import inside a function closes a module loop, and two
+    packages that import each other through different modules form a package loop."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "__init__.py").write_text("")
+    (tmp_path / "a" / "x.py").write_text("from .y import f\n")
+    (tmp_path / "a" / "y.py").write_text("def f():\n    from pkg.a import x\n    return x\n")
+    (tmp_path / "a" / "z.py").write_text("import pkg.b.w\n")
+    (tmp_path / "b" / "__init__.py").write_text("")
+    (tmp_path / "b" / "w.py").write_text("from pkg.a.y import f\n")
+    packages = {"pkg.a": tmp_path / "a", "pkg.b": tmp_path / "b"}
+    graph = import_graph(packages)
+    assert _cycles(graph) in (["pkg.a.x -> pkg.a.y -> pkg.a.x"], ["pkg.a.y -> pkg.a.x -> pkg.a.y"])
+    assert sorted(package_graph(graph, packages).edges) == [("pkg.a", "pkg.b"), ("pkg.b", "pkg.a")]

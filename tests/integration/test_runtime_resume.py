@@ -1,0 +1,299 @@
+"""Resume under another layout (issue 32): a checkpoint saved under one plan kind resumes under
+any other -- pipeline, ZeRO-3, tensor parallelism, DDP, more or fewer ranks -- and the run goes
+on as one uninterrupted run would.
+
+The model is ``tests/zoo/tied_lm.py``: its LM head is tied to the token embedding, so a
+pipeline holds the tie as two copies (embedding on the first stage, head on the last) while
+every other layout holds one parameter under two names.  Each chain trains a few steps under
+one plan, saves, and the next plan resumes the same folder:
+
+* pp2 (GPipe) -> ZeRO-3 (dp2) -> tp2 with the vocabulary split (embedding row-wise, head
+  column-wise), 2 steps each;
+* ZeRO-3 -> pp2 interleaved (4 stages) -> ZeRO-1 (``ZeroRedundancyOptimizer``: each rank
+  saves and loads its partition's entries) -> DDP, the other way round;
+* 2 ranks -> 4 ranks: DDP on 2 ranks, then dp2 x pp2 on 4; and 4 -> 2: dp2 x pp2 on 4 ranks,
+  then ZeRO-3 on 2;
+* ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
+  ``torch.export`` graph): pp2 -> ZeRO-3;
+* ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
+  (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
+
+The reference is ``plain_loop.train_plain`` -- one process, never entering autopar's
+runtime -- trained for the same total number of steps: every chain's losses (the resumed ones
+from the checkpoints' manifests, then its own) and its final parameters (read back from the
+last checkpoint by DCP's own converter) must match it within 1e-5.  The checkpoint must hold
+the tied parameter once, under its canonical name (what lets every layout read it).
+
+Two launches: the 4-rank one first (it writes the 4 -> 2 checkpoint), then one 2-rank launch
+for all 2-rank cases, in order (it writes the 2 -> 4 checkpoint, which a second 4-rank launch
+resumes).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime_support import ROOT, assert_matches_reference, failure_summary, torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plain_loop  # noqa: E402
+
+ZOO = ROOT / "tests" / "zoo"
+WORKER = Path(__file__).resolve().parents[1] / "runtime_worker.py"
+TIED = ZOO / "tied_lm.py"
+GLOBAL_BATCH = 4
+LEG = 2                                   # steps per plan of a chain
+TIMEOUT_S = 600
+
+PP2 = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe")
+PP2_INTERLEAVED = dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2)
+ZERO3 = dict(dp=2, micro_batch=2, zero=3)
+DDP = dict(dp=2, micro_batch=2)
+ZERO1 = dict(dp=2, micro_batch=2, zero=1)
+TP2_VOCAB = dict(tp=2, micro_batch=2, num_microbatches=2)
+DP2_PP2 = dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="gpipe")
+TP_STYLES = {"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}
+BLOCK_TP = {"fc": "colwise", "proj": "rowwise"}
+
+# chain name -> the plans it runs, in order, each for LEG steps on the same folder
+CHAINS = {
+    "pp2_zero3_tp2": [("pp2", PP2), ("zero3", ZERO3), ("tp2_vocab", TP2_VOCAB)],
+    "zero3_ppi_zero1_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("zero1", ZERO1), ("ddp", DDP)],
+}
+# a Hugging Face model with tie_word_embeddings: its pipeline stages are cut from the
+# torch.export graph (each stage holds the tied tensor under one of its names)
+HF_TIED = ZOO / "hf_qwen2.py"
+HF_CHAIN = [("pp2", PP2), ("zero3", ZERO3)]
+# GPT-2 (tied head) with its fused q/k/v c_attn split per part under tp (runtime/fused_tp.py):
+# the checkpoint holds c_attn in the model's own row order, so tp2 -> ZeRO-3 -> pp2 -> tp2 resumes
+GPT2 = ZOO / "hf_gpt2.py"
+TP2 = dict(tp=2, micro_batch=2, num_microbatches=2)
+GPT2_CHAIN = [("tp2", TP2), ("zero3", ZERO3), ("pp2", PP2), ("tp2", TP2)]
+# per model: (block styles relative to the block, styles of the pre/post layers)
+MODEL_TP = {GPT2: ({"attn.c_attn": "colwise:3", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                    "mlp.c_proj": "rowwise"}, {})}
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(model: Path, micro_batch: int):
+    from autopar.core.capture import capture_model_file
+
+    return capture_model_file(str(model), {}, micro_batch)
+
+
+def plan_for(model: Path, kw: dict, path: Path) -> Path:
+    """A uniform plan; with tp, the blocks' MLPs split Megatron-style and the tied embedding /
+    head vocabulary-parallel."""
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = _graph(model, kw["micro_batch"])
+    kw = dict(kw)
+    if kw.get("tp", 1) > 1:
+        block, edges = MODEL_TP.get(model, (BLOCK_TP, TP_STYLES))
+        kw["tp_styles_per_layer"] = {
+            i: dict(edges.get(l.name, {})) if l.name in ("pre", "post") else {f"{l.name}.{k}": v for k, v in block.items()}
+            for i, l in enumerate(g.layers)}
+    ref = ModelRef(file=str(model), args={}, name=model.stem, fingerprint=g.fingerprint)
+    plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
+    assert plan.global_batch == GLOBAL_BATCH, kw
+    save_plan(plan, path)
+    return path
+
+
+def _case(tmp: Path, label: str, kw: dict, ckpt: Path, steps: int, model: Path = TIED) -> dict:
+    return {"name": label, "plan": str(plan_for(model, kw, tmp / f"{label}.json")), "steps": steps,
+            "checkpoint_dir": str(ckpt), "measured": str(tmp / f"{label}.measured.json")}
+
+
+def _launch(nproc: int, cases: list[dict], tmp: Path, name: str) -> None:
+    spec = tmp / f"{name}.cases.json"
+    spec.write_text(json.dumps(cases))
+    out = torchrun(nproc, str(WORKER), str(spec), timeout_s=TIMEOUT_S)
+    assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    out: dict[str, dict] = {}
+    # 4 ranks first: dp2 x pp2 writes the checkpoint that 2 ranks resume
+    four = _case(tmp, "four_dp2pp2", DP2_PP2, tmp / "four_to_two.ckpt", LEG)
+    _launch(4, [four], tmp, "four")
+    cases = []
+    for chain, legs in CHAINS.items():
+        for i, (kind, kw) in enumerate(legs):
+            cases.append(_case(tmp, f"{chain}.{i}.{kind}", kw, tmp / f"{chain}.ckpt", LEG * (i + 1)))
+        out[chain] = {"cases": cases[-len(legs):], "steps": LEG * len(legs)}
+    if _has_transformers():
+        for i, (kind, kw) in enumerate(HF_CHAIN):
+            cases.append(_case(tmp, f"hf_qwen2.{i}.{kind}", kw, tmp / "hf_qwen2.ckpt", LEG * (i + 1), model=HF_TIED))
+        out["hf_qwen2_pp2_zero3"] = {"cases": cases[-len(HF_CHAIN):], "steps": LEG * len(HF_CHAIN), "model": HF_TIED}
+        for i, (kind, kw) in enumerate(GPT2_CHAIN):
+            cases.append(_case(tmp, f"hf_gpt2.{i}.{kind}", kw, tmp / "hf_gpt2.ckpt", LEG * (i + 1), model=GPT2))
+        out["hf_gpt2_tp2_zero3_pp2_tp2"] = {"cases": cases[-len(GPT2_CHAIN):], "steps": LEG * len(GPT2_CHAIN),
+                                        "model": GPT2}
+    cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
+    out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
+    cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
+    _launch(2, cases, tmp, "two")
+    back = _case(tmp, "two_to_four.dp2pp2", DP2_PP2, tmp / "two_to_four.ckpt", 2 * LEG)
+    _launch(4, [back], tmp, "four_again")
+    out["two_to_four"] = {"cases": [cases[-1], back], "steps": 2 * LEG}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def plain(steps: int, model: Path = TIED):
+    return plain_loop.train_plain(model, {}, GLOBAL_BATCH, steps)
+
+
+def tie_aliases(model) -> dict[str, str]:
+    """Every name of a parameter -> the first name ``named_parameters`` gives it (read off the
+    plain loop's model)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _saved_keys(checkpoint_dir: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    latest = json.loads((checkpoint_dir / "latest.json").read_text())
+    return set(FileSystemReader(str(checkpoint_dir / latest["path"])).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3",
+                                   "hf_gpt2_tp2_zero3_pp2_tp2"])
+def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
+    if chain not in runs:
+        pytest.skip("transformers is not installed")
+    got = runs[chain]
+    ref = plain(got["steps"], got.get("model", TIED))
+    last = got["cases"][-1]
+    ckpt = Path(last["checkpoint_dir"])
+    for i, case in enumerate(got["cases"][1:], start=1):    # each later plan resumed, it did not start afresh
+        m = json.loads(Path(case["measured"]).read_text())
+        assert m["first_step"] == got["cases"][i - 1]["steps"], (case["name"], m["first_step"])
+    keys, aliases = _saved_keys(ckpt), tie_aliases(ref.model)
+    tied = {name for name, first in aliases.items() if name != first}
+    assert tied, "the model has no tie"
+    for name in tied:           # the tie is saved once, under its first name, weights and optimizer state
+        assert f"model.{aliases[name]}" in keys and f"model.{name}" not in keys, sorted(keys)
+        assert f"optim.state.{aliases[name]}.exp_avg" in keys, sorted(keys)
+        assert not [k for k in keys if k.startswith("optim.") and f".{name}." in k], sorted(keys)
+    assert_matches_reference(Path(last["measured"]), ckpt, ref, chain, steps=got["steps"], aliases=aliases)
+
+
+# ------------------------------------------------------------------ one process: the keys themselves
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo group in this process (DCP's save and load are collective)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(tempfile.mktemp(prefix="store", dir=tmp_path), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tied_model_and_optimizer(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = plain_loop.load(TIED).build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, target = plain_loop.draw_batch(plain_loop.load(TIED), GLOBAL_BATCH, {}, seed, 0)
+    plain_loop.load(TIED).loss_fn(model(*inputs), target).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)            # as the runtime leaves it between steps
+    return model, opt
+
+
+def _stage_parts(model):
+    """The tied model as two pipeline stages on one rank, the head holding its own copy."""
+    import torch
+    import torch.nn as nn
+
+    first, last = nn.Module(), nn.Module()
+    first.embed = model.embed
+    last.head = nn.Linear(model.head.in_features, model.head.out_features, bias=False)
+    with torch.no_grad():
+        last.head.weight.zero_()
+    return [first, last], [torch.optim.AdamW(p.parameters(), lr=1e-3) for p in (first, last)]
+
+
+def test_state_names_key_a_tie_once_under_its_canonical_name():
+    from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
+
+    ties = [("embed.weight", "head.weight")]
+    whole = StateNames.build(ties, [], [0])
+    merged, keys = canonical(whole, MODEL, [{"embed.weight": 1, "head.weight": 1, "norm.bias": 2}], for_save=True)
+    assert merged == {"embed.weight": 1, "norm.bias": 2} and keys[0]["head.weight"] == "embed.weight"
+    assert whole.canonical_key(OPTIM, "state.head.weight.exp_avg") == ("state.embed.weight.exp_avg", "embed.weight")
+    assert whole.canonical_key(OPTIM, "param_groups.head.weight.lr") == ("param_groups.embed.weight.lr",
+                                                                          "embed.weight")
+    # pipeline: the last stage's copy is saved by the first stage only, and loaded by both
+    staged = StateNames.build(ties, [(ties[0], [0, 3])], [3])
+    states = [{"head.weight": "copy", "norm.weight": 5}]
+    assert canonical(staged, MODEL, states, for_save=True)[0] == {"norm.weight": 5}
+    assert canonical(staged, MODEL, states, for_save=False)[0] == {"embed.weight": "copy", "norm.weight": 5}
+
+
+def test_whole_model_checkpoint_loads_into_stages_holding_tied_copies(one_rank, tmp_path):
+    import torch
+
+    from autopar.runtime import checkpointing
+    from autopar.runtime.state_names import StateNames
+    from autopar.runtime.ties import find_ties
+
+    model, opt = _tied_model_and_optimizer(seed=3)
+    ties = find_ties(model)
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=1, mesh={}, zero=0)
+    checkpointing.save_checkpoint(tmp_path / "ckpt", 1, [model], [opt], identity, [0.0],
+                                  names=StateNames.build(ties, [], [0]))
+    keys = _saved_keys(tmp_path / "ckpt")
+    assert "model.embed.weight" in keys and "model.head.weight" not in keys
+    assert "optim.state.embed.weight.exp_avg" in keys and "optim.state.head.weight.exp_avg" not in keys
+
+    fresh, _ = _tied_model_and_optimizer(seed=4)
+    parts, opts = _stage_parts(fresh)
+    names = StateNames.build(ties, [(ties[0], [0, 1])], [0, 1])
+    checkpointing.resume(tmp_path / "ckpt", parts, opts, identity, steps=2, names=names)
+    assert torch.equal(parts[0].embed.weight, model.embed.weight)
+    assert torch.equal(parts[1].head.weight, model.embed.weight)
+    want = opt.state[model.embed.weight]["exp_avg_sq"]
+    for part, o in zip(parts, opts):
+        (p,) = list(part.parameters())
+        assert torch.equal(o.state[p]["exp_avg_sq"], want)
+
+
+def test_checkpoint_lacking_an_entry_is_refused_with_one_message(one_rank, tmp_path):
+    """What DCP cannot give a layout (an entry the saving layout never wrote) is a
+    CheckpointError (exit 2) naming the folder, not DCP's traceback."""
+    from autopar.runtime import checkpointing
+
+    model, opt = _tied_model_and_optimizer(seed=3)
+    parts, opts = _stage_parts(model)
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=1, mesh={}, zero=0)
+    checkpointing.save_checkpoint(tmp_path / "ckpt", 1, parts[:1], opts[:1], identity, [0.0])
+    with pytest.raises(checkpointing.CheckpointError, match=r"step_00000001 cannot be loaded under this plan's "
+                                                            r"layout.*blocks\.0.*new --checkpoint-dir") as e:
+        checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
+    assert e.value.exit_code == 2

@@ -1,0 +1,101 @@
+"""A plan never holds a tensor-parallel mesh (tp > 1) without a layer that it splits: such a
+plan runs the whole model on every tp rank.  The search rejects such candidates (and re-solves
+a setting's ILP with the splits forced when it leaves every layer whole); ``--tp 2`` on a model
+with nothing to split exits 2 and says so, with no plan written."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# convolutions only, and a loss read through an element-wise op: no Linear pair, no embedding,
+# no Linear head feeding the loss (core/sharding.megatron_styles finds nothing in any layer)
+NOTHING_TO_SPLIT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Conv1d(4, 4, 3, padding=1) for _ in range(2))
+
+    def forward(self, x):
+        for conv in self.blocks:
+            x = torch.tanh(conv(x))
+        return x
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4, 8), torch.randn(batch_size, 4, 8)
+
+
+def loss_fn(out, target):
+    return F.mse_loss(out, target)
+'''
+
+
+def _plan(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli", "plan", str(model), "--cluster", "local-cpu",
+                           "--global-batch", "8", "--time-budget", "3", "-o", str(tmp_path / "plan.json"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow          # two `autopar plan` processes, about 12 s each
+@pytest.mark.parametrize("check", [[], ["--no-runtime-check"]], ids=["runtime-check", "no-runtime-check"])
+def test_forced_tp_on_a_model_with_nothing_to_split_exits_2(tmp_path, check):
+    model = tmp_path / "convs.py"
+    model.write_text(NOTHING_TO_SPLIT)
+    r = _plan(tmp_path, model, "--tp", "2", *check)
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "model convs has nothing tensor parallelism can split" in said, said
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "plan.json").exists()
+    # without --tp the search plans it, on a mesh without tp
+    r = _plan(tmp_path, model, *check)
+    assert r.returncode == 0, r.stderr
+    from autopar.core.plan import load_plan
+
+    assert load_plan(tmp_path / "plan.json").mesh.tp == 1
+
+
+def _two_device_cluster(tmp_path: Path) -> Path:
+    text = (ROOT / "examples" / "clusters" / "local-cpu.yaml").read_text()
+    assert "gpus_per_node: 4" in text
+    path = tmp_path / "cpu2.yaml"
+    path.write_text(text.replace("gpus_per_node: 4", "gpus_per_node: 2").replace("name: local-cpu", "name: cpu2"))
+    return path
+
+
+@pytest.mark.parametrize("search_kw", [{}, {"algo": "ilp", "sequence_parallel": False}], ids=["auto", "ilp-no-sp"])
+def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path, search_kw):
+    """hf_llama on 2 gloo devices with --tp 2: the layers' collectives cost more than their
+    compute on this cluster, so the cheapest candidate left every layer whole (the issue: a tp=2
+    mesh and no split).  Now the best plan and every runner-up split at least one layer: MCMC's
+    candidates are rejected (``auto``), the structured phase's ILP is solved again with the
+    splits forced (``ilp`` without sequence parallelism, whose meshes force no split)."""
+    pytest.importorskip("transformers")
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.planner.search import PlanOptions, search
+    from autopar.simulator.cost_model import CostModel
+
+    graph = capture_model_file(ROOT / "tests" / "zoo" / "hf_llama.py", {}, 8)
+    cluster = load_cluster(str(_two_device_cluster(tmp_path)))
+    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    result = search(graph, cluster, cms, PlanOptions(global_batch=8, precision="fp32", tp=2, time_budget_s=4,
+                                                     mcmc_iterations=300, **search_kw))
+    plans = [result.best.plan] + [ev.plan for ev in result.runner_ups]
+    for plan in plans:
+        assert plan.mesh.tp == 2
+        assert any(lp.tp for lp in plan.layers), [dict(lp.tp) for lp in plan.layers]
