@@ -24,7 +24,7 @@ from typing import Any
 
 from autopar.core.errors import ModelFileError
 
-MAX_PARAM_BYTES = 256 << 20      # as planner.runtime_check.REAL_TENSOR_BYTES: milliseconds on a CPU
+MAX_PARAM_BYTES = 256 << 20      # as runtime.dry_run.REAL_TENSOR_BYTES: milliseconds on a CPU
 
 
 def _describe(obj: Any) -> str:

@@ -1,14 +1,11 @@
 """Which plan kinds the runtime can apply to a model, found by applying them.
 
 The planner must offer only plans its runtime runs.  Rather than predicting the runtime's
-limits, this module runs the runtime's own transformations -- ``apply_pp.split_into_stages``,
-``parallelize.parallelize_part`` (tensor and sequence parallelism, recompute wrappers, FSDP2 /
-replicate units), ``materialize`` -- on the model built on the meta device, inside a *fake*
-process group (``torch.testing._internal.distributed.fake_pg``: collectives return at once,
-any world size in one process), and then one forward and backward of a micro-batch under
-``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: nothing is
-allocated or computed) -- under a pipeline, with the schedule's merge of the last stage's
-outputs over micro-batches.  What raises there would raise on the real ranks: a column split of a
+limits, this module decides which plans to try and has the runtime's dry run
+(runtime/dry_run.py) apply each on fake ranks: the runtime's own transformations on the model
+built on the meta device, inside a fake process group, then one forward and backward of a
+micro-batch (under a pipeline, with the schedule's merge of the last stage's outputs over
+micro-batches).  What raises there would raise on the real ranks: a column split of a
 fused QKV projection followed by a ``view`` with global sizes, a column split of a 1-wide
 Linear, a position bias under TP, stages whose layers do not pass one activation, FSDP units
 nested in other units or tied parameters across units.
@@ -20,20 +17,14 @@ data (``Executable``) the search restricts itself to, with the reason for each k
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Mesh, ModelRef, Pipeline, Plan, Stage, LayerPlan, tp_style_parts
 from autopar.core.sharding import megatron_styles
+from autopar.runtime.dry_run import dry_run, meta_template
 
 CHECK_MICRO_BATCH = 2        # samples per checked micro-batch (BatchNorm refuses 1 on [1, C] inputs)
 
@@ -82,55 +73,16 @@ class Executable:
                 "check_s": round(self.check_s, 3)}
 
 
-# ============================================================================ fake world
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0):
-    """A process group of ``world_size`` fake ranks in this process, which is ``rank``."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise AssertionError("runtime_check needs its own process group; one is already initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _short(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    first = text.split(". ")[0]
-    first = first if len(first) < 220 else first[:217] + "..."
-    return f"{type(e).__name__}: {first}"
-
-
 def plan_runs(plan: Plan, graph: OpGraph, model_file, view: "ModelView | None" = None) -> str | None:
     """None when the runtime builds ``plan`` and runs a forward and backward of it on fake
-    ranks; else the error it raised, in one line.  ``view``: run it on a model with fewer
-    repeated blocks (``ModelView``) -- ``plan`` is then a plan of the view's layers."""
-    import logging
-    import warnings
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # tiny ops: threads only contend (10x slower on a busy host)
-    # DTensor's sharding propagation logs the shape errors it meets on fake tensors; the
-    # verdict below carries the one that matters
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")      # the runtime's own warnings reach the user at run time
-            # compile is checked apart (planner/compile_choice.compile_wrapper_blocks: the wrapper is
-            # applied, no compiled forward runs); the fake forward and backward run the plan eager
-            _run(replace(plan, compile=False), view or ModelView.whole(graph), model_file)
-    except Exception as e:  # noqa: BLE001 - whatever the runtime raises is the verdict
-        return _short(e)
-    finally:
-        torch.set_num_threads(threads)
-        quiet.setLevel(level)
-    return None
+    ranks (the runtime's dry run, runtime/dry_run.py); else the error it raised, in one line.
+    ``view``: run it on a model with fewer repeated blocks (``ModelView``) -- ``plan`` is then a
+    plan of the view's layers."""
+    view = view or ModelView.whole(graph)
+    # compile is checked apart (planner/compile_choice.compile_wrapper_blocks: the wrapper is
+    # applied, no compiled forward runs); the fake forward and backward run the plan eager
+    return dry_run(replace(plan, compile=False), view.graph, model_file, layer_names=view.names,
+                   module_paths=view.module_paths, drop=view.drop)
 
 
 def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
@@ -160,126 +112,6 @@ def whole_plan_error(plan: Plan, graph: OpGraph, model_file) -> str | None:
                    for j, i in enumerate(view.keep))
     small = replace(plan, layers=layers, pipeline=replace(plan.pipeline, stages=stages))
     return plan_runs(small, graph, model_file, view)
-
-
-# Models whose fp32 parameters fit in this many bytes run on real zero-filled CPU tensors
-# (a micro-batch of 2 costs milliseconds; FakeTensorMode costs ~0.4 ms of Python per op and
-# cannot run data-dependent ops such as a routed MoE's ``nonzero`` in every context); larger
-# ones run under FakeTensorMode (no storage at all).
-REAL_TENSOR_BYTES = 256 << 20
-
-
-def _run(plan: Plan, view: "ModelView", model_file) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.runtime import apply_pp
-    from autopar.runtime.mesh import RankContext
-    from autopar.runtime.parallelize import build_stage_parts
-    from autopar.runtime.plan_check import CheckedPlan, LayerSpec
-
-    args = dict(plan.model.args)
-    layers = tuple(LayerSpec(index=i, name=name, module_paths=paths, plan=plan.layers[i])
-                   for i, (name, paths) in enumerate(zip(view.names, view.module_paths)))
-    checked = CheckedPlan(plan=plan, plan_path=Path("plan.json"), model_file=model_file, graph=view.graph,
-                          layers=layers)
-    device = torch.device("cpu")
-    template = _template(view, model_file, args)
-    shapes = {n: (tuple(t.shape), t.dtype) for n, t in _named_tensors(template)}
-    real = sum(math.prod(s) * dtype_bytes("float32") for s, _ in shapes.values()) <= REAL_TENSOR_BYTES   # fp32 template
-    m = plan.mesh
-    # the last rank: it holds the smallest shard of an uneven split (a 1-wide Linear split in
-    # two leaves it nothing), where rank 0 would run
-    rank = m.world_size - 1
-    with fake_world(m.world_size, rank):
-        mesh = init_device_mesh("cpu", m.shape, mesh_dim_names=m.axis_names)
-        ctx = RankContext.build(m, rank, local_rank=0, device=device, mesh=mesh)
-        meta = copy.deepcopy(template)
-        _check_even_splits(meta, plan)
-
-        def zeros(fqn: str) -> torch.Tensor:
-            shape, dtype = shapes[fqn]
-            return torch.zeros(shape, dtype=dtype)
-
-        fake_mode = None
-        if not real:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-            fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-
-        def fake_tensors():   # one mode for the parameters and the forward that reads them
-            return contextlib.nullcontext() if fake_mode is None else fake_mode
-
-        # steps 2-6 exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
-        built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors,
-                                  swap_params=fake_mode is None)
-        parts = [built.parts[i] for i in sorted(built.parts)]
-        with fake_tensors():
-            # DDP (ZeRO-0/1 without tp/pp) wraps the module unchanged; its constructor's
-            # coalesced broadcast needs a real process group, so it is not run here
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                inputs, target = model_file.make_batch(plan.micro_batch, **args)
-            out = _call(parts[0], inputs)
-            for part in parts[1:]:
-                out = _call(part, out if isinstance(out, tuple) else (out,))
-            if plan.mesh.pp > 1:
-                # the schedule merges the last stage's outputs of the micro-batches at the end of
-                # every step (a 0-d output once crashed torch's merge there): merge two
-                apply_pp.merge_microbatch_outputs([out, out])
-            if built.restore_output is not None:
-                out = built.restore_output(out)
-            loss = model_file.loss(out, target)
-            loss.backward()
-
-
-def _check_even_splits(model, plan: Plan) -> None:
-    """Every split dimension divides by the tp degree.
-
-    Megatron's column and row splits partition a weight evenly over the tensor-parallel ranks
-    (Shoeybi et al. 2019, Sec. 3), which is what the simulator prices (each rank 1/tp of the
-    work).  DTensor would shard unevenly (a 1-wide Linear split in two leaves one rank
-    nothing), on which the collectives of a real process group fail: refuse such a split."""
-    from autopar.runtime.apply_tp import is_conv1d
-
-    tp = plan.mesh.tp
-    if tp == 1:
-        return
-    for lp in plan.layers:
-        for fqn, style in lp.tp:
-            if style == "expert":        # stacked experts split by expert (runtime/expert_tp.py)
-                experts = getattr(model.get_submodule(fqn), "num_experts", 0)
-                if not isinstance(experts, int) or experts % tp:
-                    raise ValueError(f"{fqn} holds {experts} experts, which do not divide over tp = {tp}")
-                continue
-            try:
-                weight = model.get_submodule(fqn).weight
-            except AttributeError:
-                continue
-            # Linear: colwise dim 0; Embedding and Conv1D (weight [in, out]): colwise dim 1
-            transposed = isinstance(model.get_submodule(fqn), torch.nn.Embedding) or is_conv1d(model.get_submodule(fqn))
-            base, parts = tp_style_parts(style)
-            dim = 0 if (base == "colwise") != transposed else 1
-            size = int(weight.shape[dim]) // parts     # a fused projection: each part is split
-            if size % tp:
-                raise ValueError(f"{fqn} ({type(model.get_submodule(fqn)).__name__} {tuple(weight.shape)}) split "
-                                 f"{style} has {size} along the split, which does not divide over tp = {tp}")
-
-
-_TEMPLATES: dict[tuple, torch.nn.Module] = {}
-
-
-def _template(view: "ModelView", model_file, args: dict) -> torch.nn.Module:
-    """The view's model on meta, built once per model and view (each check runs on a deep copy:
-    the runtime's transformations change the module they get)."""
-    from autopar.runtime.materialize import build_meta_model
-
-    key = (str(model_file.path), repr(sorted(args.items())), view.drop)
-    if key not in _TEMPLATES:
-        if len(_TEMPLATES) >= 4:
-            _TEMPLATES.clear()
-        _TEMPLATES[key] = view.build(build_meta_model, model_file, args)
-    return _TEMPLATES[key]
 
 
 @dataclass(frozen=True)
@@ -342,25 +174,6 @@ class ModelView:
             if fqn == old or fqn.startswith(old + "."):
                 return new + fqn[len(old):]
         return fqn
-
-    def build(self, build_meta_model, model_file, args):
-        model = build_meta_model(model_file, args)
-        for container, children in self.drop:
-            holder = model.get_submodule(container)
-            for idx in sorted(children, reverse=True):
-                del holder[idx]
-        return model
-
-
-def _call(part, inputs):
-    if isinstance(inputs, dict):
-        return part(**inputs)
-    return part(*inputs) if isinstance(inputs, (tuple, list)) else part(inputs)
-
-
-def _named_tensors(module):
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
 
 
 # ============================================================================ kinds
@@ -483,7 +296,7 @@ def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[in
     split."""
     from autopar.core.experts import routed_experts
 
-    sites = routed_experts(_template(probe.view, probe.model_file, dict(probe.graph.model_args)))
+    sites = routed_experts(meta_template(probe.model_file, dict(probe.graph.model_args), probe.view.drop))
     if not sites:
         return False, ()
     experts = tuple(s.num_experts for s in sites)

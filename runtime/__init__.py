@@ -20,7 +20,9 @@ Modules, in the order a run uses them:
   ``profile_breakdown``, ``model_state``) into measured.json;
 * ``rank_errors``    -- the first failing rank's message and exit code, from any rank;
 * ``run_cli``        -- the ``autopar run`` verb (starts torchrun through ``launch``, or prints
-  per-node commands).
+  per-node commands);
+* ``dry_run``        -- one plan applied by ``parallelize`` and run forward and backward on fake
+  ranks in one process, the first error as text (the planner's runtime check calls it).
 
 Only ``autopar.core`` is imported: never the planner or the simulator.
 """

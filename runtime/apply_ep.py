@@ -117,7 +117,7 @@ def _exchange_counts(counts: torch.Tensor, state: ExpertParallel) -> torch.Tenso
     ep = state.ep
     local = counts.numel() // ep
     # the receive buffer starts as "every rank sends what this rank sends itself": what a fake
-    # process group (the planner's dry run, planner/runtime_check.py) leaves in it is then
+    # process group (the dry run, runtime/dry_run.py) leaves in it is then
     # consistent; a real all-to-all overwrites all of it
     recv = counts.view(ep, local)[state.rank_in_group].repeat(ep).contiguous()
     dist.all_to_all_single(recv, counts.contiguous(), group=state.group)

@@ -98,7 +98,7 @@ def materialize(module: nn.Module, device: torch.device, source: FullSource, tie
     canonical name (the same under every init source).
 
     ``swap=False`` replaces the parameter objects instead (``retie`` still restores the ties):
-    under ``FakeTensorMode`` -- the planner's check of a large model (planner/runtime_check.py)
+    under ``FakeTensorMode`` -- the dry run of a large model (runtime/dry_run.py)
     -- ``torch.utils.swap_tensors`` refuses to swap a meta parameter for a fake one."""
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)

@@ -257,7 +257,7 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
     selects, and apply tensor parallelism, recompute and FSDP2 / replicate to each before it is
     materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``
     (``swap_params``: see ``materialize``).  Training keeps this rank's
-    stages; the planner's runtime check (planner/runtime_check.py) keeps every stage, so a plan
+    stages; the dry run (runtime/dry_run.py) keeps every stage, so a plan
     it accepts is built by exactly these steps."""
     plan = checked.plan
     args = dict(plan.model.args)

@@ -1,7 +1,8 @@
 """The planner offers a plan kind only where the runtime applies it: kinds are checked by
-running the runtime's own transformations on fake ranks (planner/runtime_check.py).  The
-breakages below are ones the runtime really raises on these models; the positive control
-(a GPT the runtime handles in every kind) must keep every kind."""
+running the runtime's own transformations on fake ranks (planner/runtime_check.py, through the
+runtime's dry run, runtime/dry_run.py).  The breakages below are ones the runtime really raises
+on these models; the positive control (a GPT the runtime handles in every kind) must keep every
+kind."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,10 +40,10 @@ def test_large_model_path_on_fake_tensors_keeps_every_kind(monkeypatch):
     """Models over REAL_TENSOR_BYTES are checked under FakeTensorMode (no storage): the same GPT
     forced onto that path must keep every kind too (a materialisation the fake mode refuses
     would leave a 175B model with plain data parallelism only)."""
-    from autopar.planner import runtime_check
+    from autopar.runtime import dry_run
 
-    monkeypatch.setattr(runtime_check, "REAL_TENSOR_BYTES", 0)
-    runtime_check._TEMPLATES.clear()
+    monkeypatch.setattr(dry_run, "REAL_TENSOR_BYTES", 0)
+    dry_run._TEMPLATES.clear()
     graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 16,
                                                              "vocab": 128}, degrees=(2,))
     assert ex.left_out == (), _left(ex)
