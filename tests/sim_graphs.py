@@ -6,6 +6,7 @@ FLOPs: 2mnk per GEMM forward, twice that backward (Narayanan et al. 2021, Append
 """
 from __future__ import annotations
 
+from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.graph import Layer, OpGraph, OpNode
 
 
@@ -124,3 +125,16 @@ def dense_graph(num_params: float, num_layers: int, batch: int = 1, width: int =
     return OpGraph(model_name="dense", model_file="<synthetic>", model_args={}, batch_size=batch, ops=ops,
                    layers=layers, params_total=per * num_layers, param_dtype="bfloat16", seq_len=None,
                    sequential_layers=True)
+
+
+#: a GPU-like profile of round figures for the simulator's closed-form tests (shared by the
+#: memory tests in tests/simulator and tests/integration)
+PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 300e12},
+               efficiency={"linear": 0.8, "matmul": 0.8, "memory_bound": 0.8},
+               collective_efficiency={"intra": 1.0, "inter": 1.0})
+
+
+def toy_cluster(nodes=1, gpus=8, mem=80 * 2**30):
+    """``nodes`` nodes of ``gpus`` devices of profile ``PROFILE`` ("t"), round link figures."""
+    g = NodeGroup("n", "t", nodes, gpus, mem, Link(300.0, 3.0), 2**40, Link(25.0, 10.0))
+    return Cluster("c", (g,), Link(25.0, 5.0))

@@ -75,7 +75,7 @@ def _predicted(name: str) -> list[dict]:
     order dp, pp, tp: with one of dp and pp at 2 the global rank r is dp rank r or pp rank r)."""
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from test_simulator_memory import PROFILE, _cluster
+    from sim_graphs import PROFILE, toy_cluster as _cluster
 
     model, kw = CASES[name]
     g, plan = _plan(model, kw)
@@ -149,7 +149,7 @@ def test_tied_copy_follows_the_stage_cut(bounds):
     one stage (pp 1) holds the weight once."""
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from test_simulator_memory import PROFILE, _cluster
+    from sim_graphs import PROFILE, toy_cluster as _cluster
 
     g, plan = _plan(ZOO / "tied_lm.py", dict(pp=2, num_microbatches=2, schedule="gpipe", stage_bounds=bounds))
     ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))
@@ -174,7 +174,7 @@ def test_planner_range_costs_count_the_tied_copy():
     from autopar.planner.structured import Setting, _range_sums
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from test_simulator_memory import PROFILE, _cluster
+    from sim_graphs import PROFILE, toy_cluster as _cluster
 
     g = _graph(ZOO / "tied_lm.py")
     ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))
@@ -199,7 +199,7 @@ def test_frozen_parameters_send_no_gradient(zero):
     FSDP still gathers the frozen weights (they are sharded like the others)."""
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from test_simulator_memory import PROFILE, _cluster
+    from sim_graphs import PROFILE, toy_cluster as _cluster
 
     g, plan = _plan(PLAN_MODELS / "lora_lm.py", dict(dp=2, zero=zero))
     ev = PlanEvaluator(g, _cluster(), CostModel.from_profile(PROFILE))

@@ -350,7 +350,7 @@ def test_hf_gpt2_tp_parameters_predicted_as_held(tmp_path):
     from autopar.core.plan import load_plan
     from autopar.simulator.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from test_simulator_memory import PROFILE, _cluster
+    from sim_graphs import PROFILE, toy_cluster as _cluster
 
     plan = load_plan(_plan("hf_gpt2", "tp", TP, tmp_path / "tp.json"))
     memory = PlanEvaluator(_graph("hf_gpt2"), _cluster(), CostModel.from_profile(PROFILE)).evaluate(plan).memory

@@ -1,24 +1,16 @@
 """Memory model against closed forms: ZeRO (Rajbhandari et al. 2020) and Korthikanti et al. 2022."""
 import pytest
 
-from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import ModelRef, uniform_plan
 from autopar.core.sharding import megatron_styles
 from autopar.simulator.configure import config_plan
 from autopar.simulator.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.memory import inflight_microbatches
-from sim_graphs import dense_graph, gpt_graph
+from sim_graphs import PROFILE, dense_graph, gpt_graph
+from sim_graphs import toy_cluster as _cluster
 
-PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 300e12},
-               efficiency={"linear": 0.8, "matmul": 0.8, "memory_bound": 0.8},
-               collective_efficiency={"intra": 1.0, "inter": 1.0})
 GB = 1e9
-
-
-def _cluster(nodes=1, gpus=8, mem=80 * 2**30):
-    g = NodeGroup("n", "t", nodes, gpus, mem, Link(300.0, 3.0), 2**40, Link(25.0, 10.0))
-    return Cluster("c", (g,), Link(25.0, 5.0))
 
 
 @pytest.mark.parametrize("zero,expected", [(0, (14, 14, 84)), (1, (14, 14, 10.5)), (2, (14, 1.75, 10.5)),
