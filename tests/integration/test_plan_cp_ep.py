@@ -5,8 +5,6 @@ expert weights are costly to gather gets ep, and such plans price the same when 
 (simulator/plan_price.price_plan)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -67,7 +65,9 @@ def test_fixed_cp_ep_accepted(tiny):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, timeout=600)
+    from cli_inprocess import run_cli
+
+    return run_cli(*args)
 
 
 @pytest.mark.slow

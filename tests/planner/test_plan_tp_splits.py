@@ -5,7 +5,6 @@ with nothing to split exits 2 and says so, with no plan written."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,9 +44,10 @@ def loss_fn(out, target):
 
 
 def _plan(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "plan", str(model), "--cluster", "local-cpu",
-                           "--global-batch", "8", "--time-budget", "3", "-o", str(tmp_path / "plan.json"), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    from cli_inprocess import run_cli
+
+    return run_cli("plan", str(model), "--cluster", "local-cpu", "--global-batch", "8", "--time-budget", "3",
+                   "-o", str(tmp_path / "plan.json"), *args, cwd=ROOT)
 
 
 @pytest.mark.slow          # two `autopar plan` processes, about 12 s each
