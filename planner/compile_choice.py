@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from autopar.core.units import fmt_seconds
 from autopar.core.plan import Plan
-from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult
+from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult, keep_best_unless_beaten
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,7 @@ def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool
             chosen = Evaluated(item.candidate, eager_plan, item.result)     # as the search priced it
         choices.append((chosen,
                         CompileChoice(on, why, eager.step_time_s, compiled.step_time_s, distinct)))
-    # the search's order stands (its tidy step prefers a simpler plan within TIDY_TOLERANCE)
-    # unless compile makes a runner-up faster than the best by more than that
-    fastest = min(range(len(choices)), key=lambda i: choices[i][0].step_time_s)
-    if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
-        fastest = 0
-    order = [fastest] + [i for i in range(len(choices)) if i != fastest]
-    result.best = choices[fastest][0]
-    result.runner_ups = [choices[i][0] for i in order[1:]]
-    return result, choices[fastest][1]
+    return keep_best_unless_beaten(result, choices)
 
 
 def compile_wrapper_blocks(plan: Plan, graph, model_file) -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.core.plan import Plan
-from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult
+from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult, keep_best_unless_beaten
 
 
 @dataclass(frozen=True)
@@ -141,13 +141,7 @@ def choose_float8(result: SearchResult, graph, cluster, cost_models, flag: str |
             item = Evaluated(item.candidate, plan, best_res)
         choices.append((item, Float8Choice(tuple(sorted(chosen)), why, base.step_time_s, best_res.step_time_s,
                                            recipe)))
-    fastest = min(range(len(choices)), key=lambda i: choices[i][0].step_time_s)
-    if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
-        fastest = 0
-    order = [fastest] + [i for i in range(len(choices)) if i != fastest]
-    result.best = choices[fastest][0]
-    result.runner_ups = [choices[i][0] for i in order[1:]]
-    return result, choices[fastest][1]
+    return keep_best_unless_beaten(result, choices)
 
 
 def float8_conversion(plan: Plan, graph, model_file):

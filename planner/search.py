@@ -656,3 +656,17 @@ def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *
 def plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:
     """The fastest plan found that fits memory on every device (NoFeasiblePlanError if none)."""
     return search(graph, cluster, cost_model, options).best.plan
+
+
+def keep_best_unless_beaten(result: "SearchResult", choices: list) -> tuple["SearchResult", object]:
+    """``result`` with the plans of ``choices`` ((Evaluated, why) per plan, best first, as a
+    knob applied after the search -- compile, float8 -- left them) and the knob's ``why`` of the
+    plan kept.  The search's order stands (its tidy step prefers a simpler plan within
+    ``TIDY_TOLERANCE``) unless the knob makes a runner-up faster than the best by more than that."""
+    fastest = min(range(len(choices)), key=lambda i: choices[i][0].step_time_s)
+    if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
+        fastest = 0
+    order = [fastest] + [i for i in range(len(choices)) if i != fastest]
+    result.best = choices[fastest][0]
+    result.runner_ups = [choices[i][0] for i in order[1:]]
+    return result, choices[fastest][1]

@@ -474,6 +474,20 @@ def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks,
     return c
 
 
+def _fold_into_tp(tpc, terms) -> int:
+    """Add an in-layer collective's terms (cp_cost.cp_layer_terms, ep_cost.ep_layer_terms) to the
+    layer's tensor-parallel communication -- the same mechanism: collectives on the critical path
+    inside the layer; returns the ranks' meetings it adds."""
+    tpc.fwd_s += terms.fwd_s
+    tpc.bwd_s += terms.bwd_s
+    tpc.wire_fwd += terms.wire_fwd
+    tpc.wire_bwd += terms.wire_bwd
+    tpc.fwd_meetings += terms.meetings
+    tpc.measured += terms.measured
+    tpc.estimated += terms.estimated
+    return terms.meetings
+
+
 def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _TensorParallelComm, layout: TPLayout,
                           mesh: Mesh, precision: str, cm: CostModel, links: MeshLinks, scale: float,
                           node_processes: int | None, experts) -> int:
@@ -489,25 +503,11 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
         ops = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
         c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention,
                                    layout.compute_shard)
-        tpc.fwd_s += c.fwd_s
-        tpc.bwd_s += c.bwd_s
-        tpc.wire_fwd += c.wire_fwd
-        tpc.wire_bwd += c.wire_bwd
-        tpc.fwd_meetings += c.meetings
-        tpc.measured += c.measured
-        tpc.estimated += c.estimated
+        meetings += _fold_into_tp(tpc, c)
         w.saved_bytes += c.saved_bytes
-        meetings += c.meetings
     if experts:
         e = ep_cost.ep_layer_terms(experts, mesh.ep, scale, elem, cm, links, node_processes)
-        tpc.fwd_s += e.fwd_s
-        tpc.bwd_s += e.bwd_s
-        tpc.wire_fwd += e.wire_fwd
-        tpc.wire_bwd += e.wire_bwd
-        tpc.fwd_meetings += e.meetings
-        tpc.measured += e.measured
-        tpc.estimated += e.estimated
-        meetings += e.meetings
+        meetings += _fold_into_tp(tpc, e)
         x = ep_cost.expert_work(graph, experts, layout, mesh.ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s)
         w.fwd_s += x.fwd_delta_s
         w.bwd_s += x.bwd_delta_s
