@@ -1,17 +1,20 @@
-"""For each zoo model: ``autopar plan`` on a 2-device gloo cluster, then ``autopar run`` of the
-plan it wrote trains (exit 0, finite losses).  Whatever kinds the planner picked, the runtime
-must run them: the planner offers only what it checked against the runtime's own code.
+"""For each zoo model: ``autopar plan`` on a 2-device gloo cluster, then the plan it wrote passes
+``autopar run``'s pre-launch check and trains (finite losses, the measured file written).  Whatever
+kinds the planner picked, the runtime must run them: the planner offers only what it checked
+against the runtime's own code.
 
-One plan-and-run per model, 3 steps, a global batch of 4; the planning of all models shares
-one cluster file.
+3 steps, a global batch of 4.  The models are planned in this process (``autopar.cli.main``, what
+``autopar plan`` runs) and checked as ``autopar run`` checks a plan before it starts torchrun
+(``runtime.plan_check.check_plan``); then ONE torchrun launch trains every plan in turn
+(``tests/zoo_worker.py``: ``runtime.train.run`` per plan, one process group), instead of one
+``autopar run`` per model: 19 launches cost the suite ~6 minutes of interpreter and transformers
+start-up.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
+tests/integration/test_runtime_launch.py and test_trial_steps.py.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,29 +51,64 @@ def cluster_file(tmp_path_factory) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("AUTOPAR_FAULT_AT", None)
-    return env
+WORKER = ROOT / "tests" / "zoo_worker.py"
+
+
+def _plan(model: str, cluster_file: Path, folder: Path) -> dict:
+    """Plan one model in this process and check the plan as ``autopar run`` would; the case for the
+    shared launch, or why there is none."""
+    from autopar.cli import main as cli_main
+    from autopar.runtime.plan_check import check_plan
+
+    plan_path = folder / f"{model}.plan.json"
+    rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", "4",
+                   "--time-budget", "2", "-o", str(plan_path), "--json"])
+    if rc != 0:
+        return {"error": f"autopar plan {model} exited {rc}"}
+    check_plan(plan_path, None)
+    plan = json.loads(plan_path.read_text())
+    kinds = (plan["mesh"], sorted({(l["zero"], l["recompute"], l["offload"], bool(l["tp"])) for l in plan["layers"]}))
+    return {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{model}.measured.json"),
+            "result": str(folder / f"{model}.result.json"), "kinds": repr(kinds)}
+
+
+@pytest.fixture(scope="module")
+def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
+    """model -> its case (plan, kinds, result file), after one torchrun launch trained them all."""
+    from runtime_support import failure_summary, torchrun, worker_env
+
+    folder = tmp_path_factory.mktemp("zoo_plans")
+    cases = {}
+    for model in MODELS:
+        if model.startswith("hf_"):
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                continue
+        try:
+            cases[model] = _plan(model, cluster_file, folder)
+        except Exception as e:  # noqa: BLE001 -- shown by that model's test, the others still run
+            cases[model] = {"error": f"{type(e).__name__}: {e}"}
+    runnable = [c for c in cases.values() if "plan" in c]
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps(runnable))
+    out = torchrun(2, str(WORKER), str(spec), timeout_s=900, env=worker_env())
+    for c in runnable:
+        c["launch"] = "" if out.returncode == 0 else failure_summary(out.stdout + out.stderr)
+    return cases
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_plan_then_run_trains(model, cluster_file, tmp_path):
+def test_plan_then_run_trains(model, trained):
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
-    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
-    # planned in this process, as `autopar plan` does (autopar.cli.main; its runtime check runs on
-    # fake ranks in-process): a fresh interpreter per model cost the suite ~5 s of imports each
-    from autopar.cli import main as cli_main
-
-    rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", "4",
-                   "--time-budget", "2", "-o", str(plan_path), "--json"])
-    assert rc == 0, f"autopar plan {model} exited {rc}"
-    plan = json.loads(plan_path.read_text())
-    kinds = (plan["mesh"], sorted({(l["zero"], l["recompute"], l["offload"], bool(l["tp"])) for l in plan["layers"]}))
-    ran = subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "run", str(plan_path), "--steps", str(STEPS), "--measured", str(measured)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
-    assert ran.returncode == 0, f"{model} plan {kinds}:\n{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
-    losses = json.loads(measured.read_text())["losses"]
-    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), (model, kinds, losses)
+    case = trained[model]
+    assert "error" not in case, case.get("error")
+    result = Path(case["result"])
+    assert result.exists(), f"{model} plan {case['kinds']} did not finish in the shared launch:\n{case['launch']}"
+    out = json.loads(result.read_text())
+    assert "losses" in out, f"{model} plan {case['kinds']}: {out}"
+    losses = out["losses"]
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), (model, case["kinds"], losses)
+    measured = json.loads(Path(case["measured"]).read_text())
+    assert measured["losses"] == losses
