@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.core.units import fmt_seconds
-from autopar.core.plan import Plan
 from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult, keep_best_unless_beaten
 
 
@@ -79,21 +78,3 @@ def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool
         choices.append((chosen,
                         CompileChoice(on, why, eager.step_time_s, compiled.step_time_s, distinct)))
     return keep_best_unless_beaten(result, choices)
-
-
-def compile_wrapper_blocks(plan: Plan, graph, model_file) -> list[str]:
-    """The block modules the runtime's compile step wraps for ``plan``'s model, applied to the
-    model built on the meta device without running a compiled forward (compiling on the fake
-    ranks of the runtime check would generate code for fake tensors: minutes on a CPU, and the
-    check's forward proves nothing about inductor's kernels).  The check's forward and
-    backward run the same plan eager."""
-    from autopar.runtime.apply_compile import apply_compile
-    from autopar.runtime.materialize import build_meta_model
-    from autopar.runtime.parallelize import layer_units
-    from autopar.runtime.plan_check import LayerSpec
-
-    meta = build_meta_model(model_file, dict(plan.model.args))
-    held = [LayerSpec(index=i, name=l.name, module_paths=tuple(l.module_paths), plan=plan.layers[i])
-            for i, l in enumerate(graph.layers)]
-    units = layer_units(meta, held)
-    return apply_compile(meta, [paths for paths, layer in zip(units, held) if layer.name not in ("pre", "post")])

@@ -63,7 +63,7 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
         if "fp8" not in cm.peak_flops:
             return (f"profile {cm.name} has no fp8 peak: fp8 tensor cores need compute capability 8.9 or later "
                     f"(Ada, Hopper)")
-    from autopar.runtime.apply_fp8 import INSTALL_HINT, torchao_available
+    from autopar.runtime.meta_apply import FP8_INSTALL_HINT as INSTALL_HINT, torchao_available
 
     if not torchao_available():
         return f"torchao is not installed ('{INSTALL_HINT}')"
@@ -142,21 +142,3 @@ def choose_float8(result: SearchResult, graph, cluster, cost_models, flag: str |
         choices.append((item, Float8Choice(tuple(sorted(chosen)), why, base.step_time_s, best_res.step_time_s,
                                            recipe)))
     return keep_best_unless_beaten(result, choices)
-
-
-def float8_conversion(plan: Plan, graph, model_file):
-    """What the runtime's float8 step converts for ``plan`` (runtime/apply_fp8.py), applied to
-    the model built on the meta device without running a float8 GEMM: a ``Float8Record``."""
-    from autopar.runtime.apply_dp import data_parallel_kind
-    from autopar.runtime.apply_fp8 import apply_fp8
-    from autopar.runtime.materialize import build_meta_model
-    from autopar.runtime.parallelize import layer_units
-    from autopar.runtime.plan_check import LayerSpec
-
-    meta = build_meta_model(model_file, dict(plan.model.args))
-    held = [LayerSpec(index=i, name=l.name, module_paths=tuple(l.module_paths), plan=plan.layers[i])
-            for i, l in enumerate(graph.layers)]
-    units = layer_units(meta, held)
-    fsdp = data_parallel_kind(plan.zero, plan.mesh) == "fsdp"
-    return apply_fp8(meta, [(paths, plan.layer_precision(layer.index), layer.plan.offload)
-                            for paths, layer in zip(units, held)], plan.fp8_recipe, fsdp=fsdp)

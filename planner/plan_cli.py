@@ -161,14 +161,14 @@ def main(args: argparse.Namespace) -> int:
     compile_note = ""
     if result.best.plan.compile and executable is not None:
         from autopar.core.modelfile import load_model_file
-        from autopar.planner.compile_choice import compile_wrapper_blocks
+        from autopar.runtime.meta_apply import compile_blocks
 
-        blocks = compile_wrapper_blocks(result.best.plan, graph, load_model_file(args.model_file))
+        blocks = compile_blocks(result.best.plan, graph, load_model_file(args.model_file))
         compile_note = f"; compile wrapper applied to {len(blocks)} blocks on the meta model (no compiled forward)"
     float8_record = None
     if result.best.plan.uses_fp8 and executable is not None:
         from autopar.core.modelfile import load_model_file
-        from autopar.planner.float8_choice import float8_conversion
+        from autopar.runtime.meta_apply import float8_conversion
 
         float8_record = float8_conversion(result.best.plan, graph, load_model_file(args.model_file))
         compile_note += f"; {float8_record.summary()} (torchao's conversion on the meta model)"

@@ -79,7 +79,7 @@ def plan_runs(plan: Plan, graph: OpGraph, model_file, view: "ModelView | None" =
     ``view``: run it on a model with fewer repeated blocks (``ModelView``) -- ``plan`` is then a
     plan of the view's layers."""
     view = view or ModelView.whole(graph)
-    # compile is checked apart (planner/compile_choice.compile_wrapper_blocks: the wrapper is
+    # compile is checked apart (runtime/meta_apply.compile_blocks: the wrapper is
     # applied, no compiled forward runs); the fake forward and backward run the plan eager
     return dry_run(replace(plan, compile=False), view.graph, model_file, layer_names=view.names,
                    module_paths=view.module_paths, drop=view.drop)

@@ -47,9 +47,9 @@ def test_runtime_check_applies_the_compile_wrapper_to_every_block():
     from autopar.core.capture import capture_model_file
     from autopar.core.modelfile import load_model_file
     from autopar.core.plan import ModelRef, uniform_plan
-    from autopar.planner.compile_choice import compile_wrapper_blocks
+    from autopar.runtime.meta_apply import compile_blocks
 
     args = {"layers": 4, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64}
     g = capture_model_file(GPT, args, 1)
     plan = uniform_plan(model=ModelRef(GPT, args, "gpt", g.fingerprint), num_layers=len(g.layers), compile=True)
-    assert compile_wrapper_blocks(plan, g, load_model_file(GPT)) == [f"blocks.{i}" for i in range(4)]
+    assert compile_blocks(plan, g, load_model_file(GPT)) == [f"blocks.{i}" for i in range(4)]

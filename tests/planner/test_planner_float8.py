@@ -116,7 +116,7 @@ def test_runtime_check_applies_float8_on_fake_ranks():
     from autopar.core.capture import capture_model_file
     from autopar.core.modelfile import load_model_file
     from autopar.core.plan import ModelRef, uniform_plan
-    from autopar.planner.float8_choice import float8_conversion
+    from autopar.runtime.meta_apply import float8_conversion
     from autopar.planner.runtime_check import find_executable, whole_plan_error
 
     args = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 60, "dropout": 0.0}
