@@ -302,9 +302,9 @@ class Planner:
             if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
                 continue
             rows = []
-            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
             pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
             for family in zero_families(mesh.dp):
                 if family not in o.zero_families:
@@ -471,9 +471,9 @@ class Planner:
         o = self.options
         out = []
         for mesh in self.meshes:
-            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
