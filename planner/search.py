@@ -110,6 +110,9 @@ class PlanOptions:
     # workspaces (see planner/headroom.py); plans must fit in the rest
     memory_headroom: float = 0.0
     executable: Any = None               # runtime_check.Executable: the kinds the runtime runs
+    # the mesh class whose declared axes the search enumerates (core/parallel_dims.py; a subclass
+    # declares more, each with its degree rule registered in planner/axis_rules.py)
+    mesh_class: type = Mesh
 
     def check(self) -> None:
         if self.global_batch < 1:

@@ -1,16 +1,17 @@
-"""A toy parallel axis declared through the registration alone reaches the planner's space and its
-mesh move.
+"""A toy parallel axis declared through the registration alone reaches the planner's space, its
+mesh move, its settings, folded layer tables and screening bound.
 
 The toy axis ``xp`` splits the batch.  It is declared in a ``ParallelDims`` subclass (an ``Axis``
 entry and an int field: core/parallel_dims.py) and its degree rule ("1 or 2") is registered by
 name (planner/axis_rules.register); nothing in the planner is edited.  The independent
 references are built by hand here: the factorisations of the world over (dp, xp, tp, pp) that
-the written-out rules admit, and the neighbours of a mesh (one axis doubled, another halved).
+the written-out rules admit, the neighbours of a mesh (one axis doubled, another halved), and
+the plain mesh's tables and bound (xp replicas each do the work of one).
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -91,3 +92,39 @@ def test_the_mesh_move_reaches_the_toy_axis():
         assert plan.global_batch == GB and type(plan.mesh) is ToyDims
         seen.add(c.mesh.xp)
     assert seen == {1, 2}
+
+
+def test_the_planner_prices_the_toy_axis_as_replicas():
+    """The whole search handed the toy mesh class (``PlanOptions.mesh_class``) screens settings with
+    xp = 2, and its folded layer tables and screening bound on dp 2 x xp 2 x tp 2 are those of the
+    plain dp 2 x tp 2 mesh with half the global batch: xp adds replicas that each do the same work
+    and no cost term reads it (the reference the simulator's toy-axis test uses,
+    tests/simulator/test_simulator_terms.py)."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.planner.search import PlanOptions, Planner
+    from autopar.simulator.cost_model import CostModel
+
+    graph = capture_model_file("examples/gpt.py", {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024},
+                               2)
+    cluster = load_cluster("dgx-a100-1x8")
+    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
+    with axis_rules.registered("xp", toy_rule):
+        toy = Planner(graph, cluster, cms, PlanOptions(global_batch=64, mesh_class=ToyDims))
+        settings = toy.settings()
+    plain = Planner(graph, cluster, cms, PlanOptions(global_batch=32))
+    assert {s.mesh.xp for s in settings} == {1, 2} and all(type(s.mesh) is ToyDims for s in settings)
+    assert any(m.xp == 2 for m in toy.moves.meshes)
+    # each setting splits the global batch over dp x xp replicas
+    assert all(s.mesh.dp * s.mesh.xp * s.micro_batch * s.num_microbatches == 64 for s in settings)
+    # the same setting on the plain mesh (4 of the 8 ranks: the evaluator prices a mesh smaller
+    # than the cluster, as the simulator's toy-axis test does)
+    pairs = [(s, replace(s, mesh=Mesh(dp=2, tp=2, sequence_parallel=s.mesh.sequence_parallel)))
+             for s in settings if (s.mesh.dp, s.mesh.xp, s.mesh.tp, s.mesh.pp) == (2, 2, 2, 1)]
+    assert {s.zero_family for s, _ in pairs} == {"ddp", "zero1", "fsdp"}
+    for s, p in pairs:
+        assert toy.bound(s) == plain.bound(p), s
+        (t,), _ = toy.tables(s)
+        (u,), _ = plain.tables(p)
+        assert t.valid.any() and np.array_equal(t.valid, u.valid), s
+        assert np.array_equal(t.time_mb_s[t.valid], u.time_mb_s[u.valid]), s
