@@ -62,7 +62,7 @@ def cluster_meshes(options, cluster: Cluster, num_layers: int, graph: OpGraph | 
     return mesh_candidates(cluster.world_size, gpus_per_node=cluster.gpus_per_node, num_layers=num_layers,
                            global_batch=o.global_batch, max_tp=tp_cap(cluster.gpus_per_node, o.max_tp, o.tp_inside_node),
                            tp_inside_node=o.tp_inside_node, sequence_parallel=o.sequence_parallel,
-                           cp_choices=cps, ep_choices=eps)
+                           cp_choices=cps, ep_choices=eps, mesh_class=getattr(o, "mesh_class", Mesh))
 
 
 def mesh_allowed(m: Mesh, o) -> bool:

@@ -5,7 +5,8 @@ move is one of: change one layer's choice (its tensor-parallel split, ZeRO stage
 family, recompute or offload), apply one knob to every layer of a stage, move a stage boundary,
 switch the ZeRO family of the whole model, change the micro-batch size, the schedule or the
 number of virtual stages, toggle sequence parallelism, or change the mesh (trade a factor of
-two between dp, tp, pp and cp, or double or halve ep), re-deriving what the new mesh forces (micro-batch count, equal
+two between two declared axes -- dp, tp, pp, cp and any axis registered in planner/axis_rules.py
+-- or double or halve ep), re-deriving what the new mesh forces (micro-batch count, equal
 stages).  Every move returns a candidate that satisfies the plan rules (Plan.validate());
 memory is left to the cost function, which returns ``inf`` for a plan that does not fit.
 The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings assumes.
@@ -157,7 +158,7 @@ def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 
 def _microbatch_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    options = microbatch_candidates(space.global_batch, c.mesh.dp, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, c.mesh.batch_degree, max_micro_batch=space.max_micro_batch)
     idx = [mb for mb, _ in options].index(c.micro_batch) if c.micro_batch in [mb for mb, _ in options] else 0
     j = idx + int(rng.choice([-1, 1]))
     if not 0 <= j < len(options):
@@ -207,14 +208,23 @@ NEAR_MESH_PROBABILITY = 0.8
 
 
 def _is_neighbour(m: Mesh, cur: Mesh) -> bool:
-    """One axis of dp, tp, pp, cp doubled and another halved with ep kept, or ep alone doubled
-    or halved (ep borrows dp x cp ranks: core/parallel_dims.py)."""
+    """One declared axis doubled and another halved with ep kept, or ep alone doubled or halved
+    (ep borrows dp x cp ranks: core/parallel_dims.py)."""
     if m.sequence_parallel != (cur.sequence_parallel and m.tp > 1):
         return False
-    steps = sorted(np.log2([m.dp / cur.dp, m.tp / cur.tp, m.pp / cur.pp, m.cp / cur.cp]).round(6).tolist())
+    up = down = 0
+    for a, b in zip(m.shape, cur.shape):
+        if a == b:
+            continue
+        if a == 2 * b:
+            up += 1
+        elif 2 * a == b:
+            down += 1
+        else:
+            return False
     if m.ep == cur.ep:
-        return steps == [-1.0, 0.0, 0.0, 1.0]
-    return steps == [0.0, 0.0, 0.0, 0.0] and m.ep / cur.ep in (2.0, 0.5)
+        return up == 1 and down == 1
+    return up == down == 0 and (m.ep == 2 * cur.ep or 2 * m.ep == cur.ep)
 
 
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
@@ -231,7 +241,7 @@ def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | None:
     """``c`` moved onto another mesh: keep the micro-batch if it divides, split stages equally."""
-    options = microbatch_candidates(space.global_batch, mesh.dp, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, mesh.batch_degree, max_micro_batch=space.max_micro_batch)
     if not options:
         return None
     mb, m = min(options, key=lambda o: (abs(np.log2(o[0] / c.micro_batch)), -o[0]))

@@ -110,6 +110,9 @@ class PlanOptions:
     # workspaces (see planner/headroom.py); plans must fit in the rest
     memory_headroom: float = 0.0
     executable: Any = None               # runtime_check.Executable: the kinds the runtime runs
+    # the mesh class whose declared axes the search enumerates (core/parallel_dims.py; a subclass
+    # declares more, each with its degree rule registered in planner/axis_rules.py)
+    mesh_class: type = Mesh
 
     def check(self) -> None:
         if self.global_batch < 1:
@@ -302,9 +305,9 @@ class Planner:
             if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
                 continue
             rows = []
-            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
             pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
             for family in zero_families(mesh.dp):
                 if family not in o.zero_families:
@@ -471,9 +474,9 @@ class Planner:
         o = self.options
         out = []
         for mesh in self.meshes:
-            mbs = microbatch_candidates(o.global_batch, mesh.dp, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.dp) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),

@@ -30,8 +30,8 @@ from autopar.core.parallel_dims import factorisations
 from autopar.core.plan import LayerPlan, Mesh
 # the ZeRO families and the rules below live in core/rules.py (ZERO_FAMILIES, zero_family_of are
 # imported from here too)
-from autopar.core.rules import (ZERO_FAMILIES, dp_admitted, interleaved_microbatches_ok, offload_allowed,
-                                pp_admitted, tp_admitted, zero1_shards, zero_family_of)
+from autopar.core.rules import (ZERO_FAMILIES, interleaved_microbatches_ok, offload_allowed, zero1_shards,
+                                zero_family_of)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -91,43 +91,38 @@ def divisors(n: int) -> list[int]:
 def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, global_batch: int,
                     max_tp: int | None = None, tp_inside_node: bool = True,
                     sequence_parallel: bool = True, cp_choices: tuple[int, ...] = (1,),
-                    ep_choices: tuple[int, ...] = (1,)) -> list[Mesh]:
+                    ep_choices: tuple[int, ...] = (1,), mesh_class: type[Mesh] = Mesh) -> list[Mesh]:
     """Every factorisation of world_size over the parallel axes the cluster and the batch admit.
 
-    One rule per axis (core.parallel_dims.factorisations), enumerated tp, then pp, then dp:
-    tp is a power of two (head and hidden counts are) and at most ``max_tp`` and, unless
-    ``tp_inside_node`` is False, at most the GPUs per node and a divisor of it, so a tp group
-    never crosses a node; pp is at most the number of layers; dp takes the ranks left and
-    divides the global batch.  With tp > 1 each mesh comes with and without sequence
-    parallelism.  ``cp_choices``: the context-parallel degrees the model takes
-    (core/cp_support.cp_degrees), each on a mesh the runtime runs it on (``cp_mesh_runs``);
-    ``ep_choices``: the expert-parallel degrees it takes (simulator/ep_cost.ep_degrees), each
-    on every mesh whose dp x cp it divides (ep borrows those ranks: core/parallel_dims.py).
+    One rule per axis that ``mesh_class`` declares, registered by name in planner/axis_rules.py
+    and enumerated in registration order (core.parallel_dims.factorisations): tp, then pp, cp
+    and dp.  tp is a power of two (head and hidden counts are) and at most ``max_tp`` and,
+    unless ``tp_inside_node`` is False, at most the GPUs per node and a divisor of it, so a tp
+    group never crosses a node; pp is at most the number of layers; dp takes the ranks left and
+    divides the global batch, and so do the axes that split the batch together
+    (``batch_degree``: every replica takes as many samples).  With tp > 1 each mesh comes with
+    and without sequence parallelism.  ``cp_choices``: the context-parallel degrees the model
+    takes (core/cp_support.cp_degrees), each on a mesh the runtime runs it on
+    (``cp_mesh_runs``); ``ep_choices``: the expert-parallel degrees it takes
+    (simulator/ep_cost.ep_degrees), each on every mesh whose dp x cp it divides (ep borrows
+    those ranks: core/parallel_dims.py).
     """
-    def tp_degrees(left: int) -> list[int]:
-        return [t for t in powers_of_two_up_to(left) if left % t == 0
-                and tp_admitted(t, gpus_per_node=gpus_per_node, max_tp=max_tp, tp_inside_node=tp_inside_node)]
+    from autopar.planner.axis_rules import MeshLimits, rules_for    # it reads this module's divisors
 
-    def pp_degrees(left: int) -> list[int]:
-        return [p for p in divisors(left) if pp_admitted(p, num_layers)]
-
-    def dp_degrees(left: int) -> list[int]:
-        return [left] if dp_admitted(left, global_batch) else []
-
-    def cp_degrees(left: int) -> list[int]:
-        return [c for c in cp_choices if left % c == 0]
-
+    limits = MeshLimits(gpus_per_node=gpus_per_node, num_layers=num_layers, global_batch=global_batch,
+                        max_tp=max_tp, tp_inside_node=tp_inside_node, cp_choices=tuple(cp_choices))
+    names = tuple(a.name for a in mesh_class.axes)
     out: list[Mesh] = []
-    for degrees in factorisations(world_size, {"tp": tp_degrees, "pp": pp_degrees, "cp": cp_degrees,
-                                               "dp": dp_degrees}):
-        if not cp_mesh_runs(Mesh(**degrees)):
+    for degrees in factorisations(world_size, rules_for(names, limits), names):
+        mesh = mesh_class(**degrees)
+        if global_batch % mesh.batch_degree or not cp_mesh_runs(mesh):
             continue
         for ep in ep_choices:
-            if (degrees["dp"] * degrees["cp"]) % ep:
+            if (mesh.dp * mesh.cp) % ep:
                 continue
-            out.append(Mesh(**degrees, ep=ep))
-            if degrees["tp"] > 1 and sequence_parallel:
-                out.append(Mesh(**degrees, sequence_parallel=True, ep=ep))
+            out.append(mesh_class(**degrees, ep=ep))
+            if mesh.tp > 1 and sequence_parallel:
+                out.append(mesh_class(**degrees, sequence_parallel=True, ep=ep))
     return out
 
 

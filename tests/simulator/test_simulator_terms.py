@@ -12,7 +12,7 @@ sets each layer's pace here: no ZeRO-2/3).  So:
   one (simulate), in both step forms (a GPU's overlapped, a CPU node's serial): the step moves by
   m L TOY_S;
 * the trace: one "toy L<k>" event per layer and micro-batch on the term's stream, each TOY_S
-  long, and the trace still ends at the step model's time;
+  long, drawn on the critical path (the passes run back to back and end m L TOY_S later);
 * the planner's folded tables: every entry of the DDP family moves by TOY_S per micro-batch;
 * the screening bound of a one-rank setting moves by m L TOY_S.
 """
@@ -77,6 +77,7 @@ def test_toy_term_moves_the_step_by_its_layers_and_appears_in_the_trace(gpt4, cl
     changed = replace(plan, layers=tuple(replace(lp, recompute="full") if i == 2 else lp
                                          for i, lp in enumerate(plan.layers)))
     before = [PlanEvaluator(gpt4, cluster, _cms(cluster)).evaluate(p).step_time_s for p in (plan, changed)]
+    trace0 = draw_step(*PlanEvaluator(gpt4, cluster, _cms(cluster)).prepare(changed), [0])
     with registered(TOY):
         assert layer_table.COLUMNS[-1] == "toy_s"
         ev = PlanEvaluator(gpt4, cluster, _cms(cluster))
@@ -95,7 +96,24 @@ def test_toy_term_moves_the_step_by_its_layers_and_appears_in_the_trace(gpt4, cl
     assert all(e["dur_s"] == pytest.approx(TOY_S, rel=1e-12) for e in toy)
     chrome = to_chrome_trace(trace.events)["traceEvents"]
     assert sum(1 for e in chrome if e.get("cat") == "toy") == m * L
-    assert trace.rank_end_s[0] == pytest.approx(full.stage_step_s[0], rel=1e-9)
+    # the passes drawn run back to back, each event where the one before it ends (the toy's slot
+    # holds it, and no wait is drawn before the last backward), and they end m L TOY_S later than
+    # without the term: the closed form, not the step model's end, which draw_step places each
+    # rank's last backward at where it can (so an end equal to it would hold by construction)
+    ends = [_passes_end(t) for t in (trace0, trace)]
+    assert ends[1] - ends[0] == pytest.approx(m * L * TOY_S, rel=1e-9)
+
+
+def _passes_end(trace) -> float:
+    """When the forward and backward passes of the drawn rank end, checking that they run back to
+    back from 0: each event on the compute-term streams starts where the one before it ends."""
+    passes = sorted(((e["start_s"], e["start_s"] + e["dur_s"]) for e in trace.events
+                     if "micro_batch" in (e.get("args") or {}) and e["stream"] != "fsdp"))
+    t = 0.0
+    for start, end in passes:
+        assert start == pytest.approx(t, rel=1e-12, abs=1e-15)
+        t = end
+    return t
 
 
 def test_toy_term_reaches_the_planner_tables_and_the_bound(gpt4):

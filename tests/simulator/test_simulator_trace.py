@@ -9,10 +9,12 @@ ends, and it is a possible picture of the schedule.
   starts after the previous stage's forward of i and its send, a backward after the next
   stage's backward and its send (the last stage's after its own forward); a DDP all-reduce
   starts after its layer's last backward;
-* the pipelines drawn against hand-derived schedules: where the pipeline formula is met (equal
-  stages without sends, GPipe with sends, interleaved with sends up to a chunk's pass) the drawn
+* the pipelines drawn against hand-derived schedules, each task as soon as it can run (nothing
+  ties the drawing to the formula there): where the pipeline formula is met (equal stages
+  without sends, GPipe with sends, interleaved with sends up to a chunk's pass) the drawn
   pipeline ends at it; under 1F1B with a send as long as a stage the schedule cannot, and the
-  trace says by how much;
+  trace says by how much; with unequal stages it ends before the formula, and draw_step's
+  placement of each rank's last backward at the step model's end moves it there;
 * the same plans under Megatron-LM 2021's blocking exchange (simulator/pipeline_p2p.py), each
   send the last part of its task, against a hand-worked 1F1B schedule, and its scatter/gather
   exchange against the cost model's closed forms.
@@ -231,13 +233,16 @@ def test_chrome_trace(tmp_path):
     assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(r.step_time_s * 1e6, rel=1e-9)
 
 
-def _hand(p, m, f, b, c, schedule, v=1):
-    """The drawn pipeline of p equal stages (forward f, backward b per chunk, send c)."""
+def _hand(p, m, f, b, c, schedule, v=1, placed=False):
+    """The drawn pipeline of p stages (forward f, backward b per chunk: one number for equal chunks
+    or one per chunk, send c), every task as soon as it can run; ``placed``: each rank's last
+    backward placed at the step model's end for the rank where it can end there (what draw_step
+    does), else nothing ties the drawing to the formula (no rank end to meet: zeros)."""
     G = p * v
-    f_g, b_g = np.full(G, float(f)), np.full(G, float(b))
+    f_g, b_g = np.broadcast_to(np.asarray(f, float), (G,)), np.broadcast_to(np.asarray(b, float), (G,))
     pipe, _ = pipeline_time((f_g + b_g).reshape(v, p).sum(axis=0), m, p, v, c)
     terms = _Terms(serial=False, fwd=f_g, bwd=b_g, f_g=f_g, b_g=b_g, pipe=pipe,
-                   end_r=rank_ends(pipe, b_g[:p], c), send_s=float(c))
+                   end_r=rank_ends(pipe, b_g[:p], c) if placed else np.zeros(p), send_s=float(c))
     starts, end = _pipeline_starts(SimpleNamespace(p=p, v=v, num_microbatches=m, schedule=schedule), terms)
     return pipe, end, starts
 
@@ -273,6 +278,17 @@ def test_hand_schedules():
     assert [(k, i, c, t) for k, i, c, t, _ in starts[1]] == [("F", 0, 0, 2), ("F", 1, 0, 3), ("F", 0, 1, 6),
                                                             ("B", 0, 1, 7), ("F", 1, 1, 8), ("B", 1, 1, 9),
                                                             ("B", 0, 0, 11), ("B", 1, 0, 13)]
+    # the step model's end placed: 1F1B, p = 2, m = 2, no send, stage 0 twice as long (f = b = 2)
+    # as stage 1 (f = b = 1).  As soon as it can: stage 0 F0 [0, 2] F1 [2, 4]; stage 1 F0 [2, 3]
+    # B0 [3, 4] F1 [4, 5] B1 [5, 6]; stage 0 B0 [4, 6] B1 [6, 8].  The formula charges
+    # sum T + (m - 1) max T = 6 + 4 = 10 for rank 0 and, one backward of rank 0 (2) earlier, 8 for
+    # rank 1 (step_model.rank_ends): draw_step waits on each rank before its last backward, so
+    # rank 1's B1 runs [7, 8] and rank 0's [8, 10]
+    for placed, want in ((False, [8, 6]), (True, [10, 8])):
+        pipe, end, starts = _hand(2, 2, [2, 1], [2, 1], 0, "1f1b", placed=placed)
+        assert pipe == 10 and end.tolist() == want
+    assert [(k, i, t) for k, i, _, t, _ in starts[1]] == [("F", 0, 2), ("B", 0, 3), ("F", 1, 4), ("B", 1, 7)]
+    assert [(k, i, t) for k, i, _, t, _ in starts[0]] == [("F", 0, 0), ("F", 1, 2), ("B", 0, 4), ("B", 1, 8)]
 
 
 def test_blocking_exchange_hand_schedule():
