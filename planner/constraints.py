@@ -112,8 +112,10 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
                               ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
         raise nothing_to_split(graph, o.tp, ex)
     if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
+        other = "".join(f"--tp {d}, " for d in ex.tp_degrees)
         raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
-                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel')}. Use --tp 1 or leave --tp out.")
+                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel').rstrip('.')}. Use {other}--tp 1 or leave "
+                        f"--tp out.")
     if o.pp and o.pp > 1:
         if o.pp > len(graph.layers):
             raise UserError(f"--pp {o.pp}: the model has {len(graph.layers)} layers, fewer than {o.pp} stages.")
