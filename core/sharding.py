@@ -13,7 +13,10 @@ Two pure graph analyses, shared by the simulator and the planner:
   priced like the unfused pair; one cut otherwise stays whole.  Outside such pairs: the largest embedding table is split by rows
   (vocabulary-parallel embedding, Megatron-LM Sec. 3) and a Linear that feeds the loss is split
   by columns with a vocabulary-parallel loss (Megatron-LM Sec. 3, "parallelize the output
-  embedding GEMM ... fuse with the cross entropy loss").
+  embedding GEMM ... fuse with the cross entropy loss").  A pair applies at a degree tp only
+  where tp divides each column linear's split features and every head count its output is
+  viewed into (``_head_counts``; ``tp_refusals`` says which does not): Megatron splits
+  attention by heads.
 * ``propagate(graph, layer_index, styles, tp, sequence_parallel)`` follows those styles
   through the layer: the divisor of each op's FLOPs, activations and parameters, and the
   tensor-parallel collectives (kind, bytes, forward or backward) the split implies.  Without

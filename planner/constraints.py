@@ -16,7 +16,7 @@ from autopar.core.graph import OpGraph
 from autopar.core.parallel_dims import DEGREE_NAMES
 from autopar.core.plan import Mesh
 from autopar.core.rules import offload_allowed, tp_cap, zero1_shards, zero_family_of
-from autopar.core.sharding import megatron_styles
+from autopar.core.sharding import megatron_styles, tp_refusals
 from autopar.planner.space import mesh_candidates
 
 
@@ -111,6 +111,13 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if o.tp and o.tp > 1 and (ex is not None and not any(ex.splittable) or
                               ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
         raise nothing_to_split(graph, o.tp, ex)
+    if o.tp and o.tp > 1 and ex is None:
+        # without the runtime check, the analysis's own refusals (a head count or width --tp does
+        # not divide: core/sharding.tp_refusals), which the check would have left out
+        refused = [why for i in range(len(graph.layers)) for why in tp_refusals(graph, i, megatron_styles(graph, i), o.tp)]
+        if refused:
+            raise UserError(f"--tp {o.tp}: tensor parallelism cannot split this model over {o.tp} ranks: "
+                            f"{refused[0]}. Use a tp degree that divides it, --tp 1, or leave --tp out.")
     if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
         other = "".join(f"--tp {d}, " for d in ex.tp_degrees)
         raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "

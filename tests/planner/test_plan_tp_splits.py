@@ -124,3 +124,19 @@ def test_forced_tp_that_a_head_count_does_not_divide_exits_2_naming_it(tmp_path)
     assert load_plan(tmp_path / "plan.json").mesh.tp in (1, 2)
     left = {x["kind"]: x["reason"] for x in json.loads((tmp_path / "plan.json").read_text())["provenance"]["left_out"]}
     assert "layers.0.attn.wk has 2 heads" in left["tp=4"] and "tp=2" not in left, left
+
+
+def test_forced_tp_without_the_runtime_check_refused_by_the_head_count():
+    """--no-runtime-check (no ``Executable``): the analysis's own refusal stops --tp 4 on
+    llama-tiny (2 key/value heads), while --tp 2, which divides 4 and 2, is taken."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.core.errors import UserError
+    from autopar.planner.constraints import constrain
+    from autopar.planner.search import PlanOptions
+
+    graph = capture_model_file(ROOT / "examples" / "llama.py", {}, 2)
+    cluster = load_cluster("local-cpu")
+    with pytest.raises(UserError, match=r"--tp 4: .*layers\.0\.attn\.wk has 2 heads .*not divisible by tp=4"):
+        constrain(PlanOptions(global_batch=8, tp=4), graph, cluster)
+    assert constrain(PlanOptions(global_batch=8, tp=2), graph, cluster).tp == 2
