@@ -275,7 +275,7 @@ def _head_counts(linears, crossed, by_name: dict[str, OpNode], parts: dict[str, 
                     frontier.append(node.name)           # a reshape keeping the features, or a cut into parts
                     continue
                 new = _split_of_last(before, after)
-                if k > 1 and before[-1] == features and len(new) >= 3 and new[0] == k:
+                if k > 1 and before[-1] == features and new and new[0] == k:
                     new = new[1:]                        # [..., k, heads, head_dim]: the parts come first
                 if len(new) >= 2:
                     found.append((int(new[0]), after))

@@ -94,3 +94,33 @@ def test_refusals_only_for_the_pairs_the_styles_ask_for():
     mlp = {k: v for k, v in megatron_styles(g, i).items() if ".ffn." in k}
     assert tp_refusals(g, i, mlp, 4) == []
     assert tp_refusals(g, i, megatron_styles(g, i), 1) == []
+
+
+def test_a_fused_mlp_viewed_into_its_parts_has_no_heads():
+    """A gate/up projection viewed ``[..., 2, ffn]`` and unbound (a fused SwiGLU): the 2 is its
+    parts, not heads, so tp 4 splits it per part (ffn = 64 divides by 4)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from autopar.core.capture import capture
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = nn.Linear(32, 128)
+            self.down = nn.Linear(64, 32)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).view(*x.shape[:-1], 2, 64).unbind(-2)
+            return x + self.down(F.silu(gate) * up)
+
+    with torch.device("meta"):
+        model = nn.Sequential(MLP(), MLP())
+        x = torch.randn(2, 8, 32)
+    g = capture(model, (x,), model_name="glu")
+    i = next(i for i, layer in enumerate(g.layers) if layer.name == "1")
+    styles = megatron_styles(g, i)
+    assert styles == {"1.gate_up": "colwise:2", "1.down": "rowwise"}, styles
+    assert _heads_by_module(g, i) == {} and tp_refusals(g, i, styles, 4) == []
+    assert _shard(propagate(g, i, styles, 4), g, i, "gate_up") == 4
