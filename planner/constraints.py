@@ -38,8 +38,28 @@ def nothing_to_split(graph: OpGraph, tp: int, ex) -> UserError:
 
 
 def candidate_meshes(options, cluster: Cluster, num_layers: int, graph: OpGraph | None = None) -> list[Mesh]:
-    """The meshes the search may use: the cluster's, cut by the fixed axes and what runs."""
-    return [m for m in cluster_meshes(options, cluster, num_layers, graph) if mesh_allowed(m, options)]
+    """The meshes the search may use: the cluster's, cut by the fixed axes and what runs.
+    Without the runtime check's verdict, a tp degree the split analysis refuses for some
+    layer (a head count or width it does not divide: ``refused_tp_degrees``) is cut too, as
+    the check would have left it out."""
+    meshes = [m for m in cluster_meshes(options, cluster, num_layers, graph) if mesh_allowed(m, options)]
+    if graph is not None and options.executable is None:
+        refused = refused_tp_degrees(graph, {m.tp for m in meshes if m.tp > 1})
+        meshes = [m for m in meshes if m.tp not in refused]
+    return meshes
+
+
+def refused_tp_degrees(graph: OpGraph, degrees) -> set[int]:
+    """The degrees among ``degrees`` at which some layer's Megatron split does not apply
+    (core/sharding.tp_refusals); one layer of each structure is asked."""
+    out, seen = set(), set()
+    for i, layer in enumerate(graph.layers):
+        if layer.signature in seen:
+            continue
+        seen.add(layer.signature)
+        styles = megatron_styles(graph, i)
+        out |= {d for d in degrees if d not in out and styles and tp_refusals(graph, i, styles, d)}
+    return out
 
 
 def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

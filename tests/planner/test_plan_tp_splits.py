@@ -140,3 +140,21 @@ def test_forced_tp_without_the_runtime_check_refused_by_the_head_count():
     with pytest.raises(UserError, match=r"--tp 4: .*layers\.0\.attn\.wk has 2 heads .*not divisible by tp=4"):
         constrain(PlanOptions(global_batch=8, tp=4), graph, cluster)
     assert constrain(PlanOptions(global_batch=8, tp=2), graph, cluster).tp == 2
+
+
+def test_search_without_the_runtime_check_offers_no_degree_a_head_count_refuses():
+    """With no runtime check's verdict the search's meshes leave out tp 4 for llama-tiny (its 2
+    key/value heads) and keep tp 2; a model whose 4 heads divide by 4 (examples/gpt.py, MHA)
+    keeps tp 4."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.planner.constraints import candidate_meshes
+    from autopar.planner.search import PlanOptions
+
+    cluster = load_cluster("local-cpu")
+    llama = capture_model_file(ROOT / "examples" / "llama.py", {}, 2)
+    gpt = capture_model_file(ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 64, "heads": 4, "seq": 16,
+                                                            "vocab": 128}, 2)
+    for graph, want in ((llama, {1, 2}), (gpt, {1, 2, 4})):
+        tps = {m.tp for m in candidate_meshes(PlanOptions(global_batch=8), cluster, len(graph.layers), graph)}
+        assert tps == want, (graph.model_file, tps)
