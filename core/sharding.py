@@ -13,7 +13,10 @@ Two pure graph analyses, shared by the simulator and the planner:
   priced like the unfused pair; one cut otherwise stays whole.  Outside such pairs: the largest embedding table is split by rows
   (vocabulary-parallel embedding, Megatron-LM Sec. 3) and a Linear that feeds the loss is split
   by columns with a vocabulary-parallel loss (Megatron-LM Sec. 3, "parallelize the output
-  embedding GEMM ... fuse with the cross entropy loss").
+  embedding GEMM ... fuse with the cross entropy loss").  A pair applies at a degree tp only
+  where tp divides each column linear's split features and every head count its output is
+  viewed into (``_head_counts``; ``tp_refusals`` says which does not): Megatron splits
+  attention by heads.
 * ``propagate(graph, layer_index, styles, tp, sequence_parallel)`` follows those styles
   through the layer: the divisor of each op's FLOPs, activations and parameters, and the
   tensor-parallel collectives (kind, bytes, forward or backward) the split implies.  Without
@@ -226,6 +229,96 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
             parts = 0
         out[lin] = parts
     return out
+
+
+def _head_counts(linears, crossed, by_name: dict[str, OpNode], parts: dict[str, int]) -> dict[str, list[tuple[int, tuple]]]:
+    """Column linear -> [(head count, the view's output shape)] for each view on the way to the
+    row linear that splits its features -- each part's, for a fused projection of ``parts``
+    equal parts -- into ``[..., heads, head_dim]`` (or ``[..., heads, k, head_dim]``); empty
+    where none does (an MLP).  The count is read from the captured output shape, so a model
+    that views with ``-1`` for its heads shows it too.  Megatron-LM splits attention by heads
+    (Shoeybi et al. 2019, Sec. 3: "each GPU computes a subset of the attention heads"), and a
+    model's forward reshapes a rank's share of the features into whole heads of the same
+    size: a degree that does not divide a head count leaves a rank a part of a head, and the
+    forward fails (or trains another model).  Followed from the linear's output through the
+    ops ``_fused_parts`` follows (scales, activations, reshapes that keep the features whole)
+    and the cuts into the parts of a fused projection; a fused view ``[..., k, heads,
+    head_dim]`` whose k-dim is taken apart (``_fused_parts``'s "unbind" cut) has its heads
+    after the k parts."""
+    readers: dict[str, list[OpNode]] = {}
+    for name in crossed:
+        for src in by_name[name].inputs:
+            readers.setdefault(src, []).append(by_name[name])
+    out: dict[str, list[tuple[int, tuple]]] = {}
+    for lin in linears:
+        shape = by_name[lin].output_shape
+        if not shape:
+            continue
+        features = int(shape[-1])
+        k = parts.get(lin, 1) or 1
+        widths = {features, features // k}
+        found: list[tuple[int, tuple]] = []
+        frontier, seen = [lin], {lin}
+        while frontier:
+            for node in readers.get(frontier.pop(), []):
+                if node.name in seen or not node.input_shapes or not node.output_shape:
+                    continue
+                seen.add(node.name)
+                before, after = tuple(node.input_shapes[0]), tuple(node.output_shape)
+                if node.kind in ("elementwise", "dropout"):
+                    if after and after[-1] in widths:
+                        frontier.append(node.name)       # a scale, a bias, an activation on the whole output
+                    continue
+                if node.kind != "view" or not before or before[-1] not in widths or _numel(after) > _numel(before):
+                    continue
+                if after and after[-1] in widths and (_numel(after) == _numel(before) or len(after) == len(before)):
+                    frontier.append(node.name)           # a reshape keeping the features, or a cut into parts
+                    continue
+                new = _split_of_last(before, after)
+                if k > 1 and before[-1] == features and new and new[0] == k:
+                    new = new[1:]                        # [..., k, heads, head_dim]: the parts come first
+                if len(new) >= 2:
+                    found.append((int(new[0]), after))
+        if found:
+            out[lin] = list(dict.fromkeys(found))
+    return out
+
+
+def _split_of_last(before: tuple, after: tuple) -> tuple:
+    """The dims a view cuts ``before``'s last dim into (``[b, s, 4*16] -> [b, s, 4, 16]``:
+    ``(4, 16)``; leading 1s dropped), or () when the view does not keep the other dims and
+    cut only the last one."""
+    if _numel(after) != _numel(before) or len(after) <= len(before):
+        return ()
+    lead = _numel(before[:-1])
+    for j in range(len(after) + 1):
+        if _numel(after[:j]) == lead and _numel(after[j:]) == before[-1]:
+            new = tuple(int(d) for d in after[j:])
+            while new and new[0] == 1:
+                new = new[1:]
+            return new
+    return ()
+
+
+def _tp_refusal(cols, crossed, by_name: dict[str, OpNode], tp: int) -> str | None:
+    """Why the degree ``tp`` cannot split this column/row pair, or None: a column linear's
+    split dimension (each part's features, for a fused projection) or a head count it is
+    viewed into (``_head_counts``) that tp does not divide."""
+    parts = _fused_parts(set(cols), set(crossed), by_name)
+    heads = _head_counts(set(cols), set(crossed), by_name, parts)
+    for c in cols:
+        node = by_name[c]
+        n = parts.get(c, 1) or 1
+        if node.output_shape and (node.output_shape[-1] % n or (node.output_shape[-1] // n) % tp):
+            per = " per part" if n > 1 else ""
+            return (f"{node.module_path} has {int(node.output_shape[-1]) // n} output features{per}, "
+                    f"not divisible by tp={tp}")
+        for h, view in heads.get(c, ()):
+            if h % tp:
+                per = f" per part (of {n})" if n > 1 else ""
+                return (f"{node.module_path} has {h} heads{per} (its output viewed as {list(view)}), not divisible "
+                        f"by tp={tp}: Megatron splits attention by heads, so each rank would hold part of a head")
+    return None
 
 
 def _cuts_features(node: OpNode, features: int) -> bool:
@@ -470,8 +563,9 @@ def _pair_applies(cols, crossed, row, by_name: dict[str, OpNode], style_of, tp: 
     """Whether the styles apply this column/row pair: the row linear row-wise and each column
     linear column-wise -- a fused one per part, with the number of parts the graph cuts it into
     (``_fused_parts``; an even split of it would train another model, so it is priced whole) --
-    and every split dimension (each part's features) divides by tp: Megatron splits attention
-    by heads, the MLP by its hidden dim."""
+    and tp divides every split dimension (each part's features) and every head count a column
+    linear is viewed into (``_head_counts``, each key/value projection's own under grouped-query
+    attention): Megatron splits attention by heads, the MLP by its hidden dim."""
     if style_of(by_name[row].module_path) != "rowwise":
         return False
     parts = _fused_parts(set(cols), set(crossed), by_name)
@@ -479,10 +573,25 @@ def _pair_applies(cols, crossed, row, by_name: dict[str, OpNode], style_of, tp: 
         base, n = tp_style_parts(style_of(by_name[c].module_path) or "")
         if base != "colwise" or n != parts.get(c, 1):
             return False
-        shape = by_name[c].output_shape
-        if shape and (shape[-1] % n or (shape[-1] // n) % tp):
-            return False
-    return True
+    return _tp_refusal(cols, crossed, by_name, tp) is None
+
+
+def tp_refusals(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int) -> list[str]:
+    """Why ``tp`` cannot split the column/row pairs ``styles`` ask for in a layer (one line per
+    pair: a split dimension or a head count tp does not divide, ``_tp_refusal``); empty when
+    every such pair applies.  Such a pair is priced whole (``propagate``) and the planner
+    leaves the degree out for the layer (planner/runtime_check.py), saying this."""
+    if tp <= 1:
+        return []
+    pairs, _role, _ops, by_name = _pairs(graph, layer_index)
+    out = []
+    for cols, crossed, row in pairs:
+        if not _pair_applies(cols, crossed, row, by_name, styles.get, 1):
+            continue                       # the styles do not ask for this pair
+        why = _tp_refusal(cols, crossed, by_name, tp)
+        if why:
+            out.append(why)
+    return out
 
 
 def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,

@@ -16,7 +16,7 @@ from autopar.core.graph import OpGraph
 from autopar.core.parallel_dims import DEGREE_NAMES
 from autopar.core.plan import Mesh
 from autopar.core.rules import offload_allowed, tp_cap, zero1_shards, zero_family_of
-from autopar.core.sharding import megatron_styles
+from autopar.core.sharding import megatron_styles, tp_refusals
 from autopar.planner.space import mesh_candidates
 
 
@@ -38,8 +38,28 @@ def nothing_to_split(graph: OpGraph, tp: int, ex) -> UserError:
 
 
 def candidate_meshes(options, cluster: Cluster, num_layers: int, graph: OpGraph | None = None) -> list[Mesh]:
-    """The meshes the search may use: the cluster's, cut by the fixed axes and what runs."""
-    return [m for m in cluster_meshes(options, cluster, num_layers, graph) if mesh_allowed(m, options)]
+    """The meshes the search may use: the cluster's, cut by the fixed axes and what runs.
+    Without the runtime check's verdict, a tp degree the split analysis refuses for some
+    layer (a head count or width it does not divide: ``refused_tp_degrees``) is cut too, as
+    the check would have left it out."""
+    meshes = [m for m in cluster_meshes(options, cluster, num_layers, graph) if mesh_allowed(m, options)]
+    if graph is not None and options.executable is None:
+        refused = refused_tp_degrees(graph, {m.tp for m in meshes if m.tp > 1})
+        meshes = [m for m in meshes if m.tp not in refused]
+    return meshes
+
+
+def refused_tp_degrees(graph: OpGraph, degrees) -> set[int]:
+    """The degrees among ``degrees`` at which some layer's Megatron split does not apply
+    (core/sharding.tp_refusals); one layer of each structure is asked."""
+    out, seen = set(), set()
+    for i, layer in enumerate(graph.layers):
+        if layer.signature in seen:
+            continue
+        seen.add(layer.signature)
+        styles = megatron_styles(graph, i)
+        out |= {d for d in degrees if d not in out and styles and tp_refusals(graph, i, styles, d)}
+    return out
 
 
 def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -111,9 +131,18 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if o.tp and o.tp > 1 and (ex is not None and not any(ex.splittable) or
                               ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
         raise nothing_to_split(graph, o.tp, ex)
+    if o.tp and o.tp > 1 and ex is None:
+        # without the runtime check, the analysis's own refusals (a head count or width --tp does
+        # not divide: core/sharding.tp_refusals), which the check would have left out
+        refused = [why for i in range(len(graph.layers)) for why in tp_refusals(graph, i, megatron_styles(graph, i), o.tp)]
+        if refused:
+            raise UserError(f"--tp {o.tp}: tensor parallelism cannot split this model over {o.tp} ranks: "
+                            f"{refused[0]}. Use a tp degree that divides it, --tp 1, or leave --tp out.")
     if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
+        other = "".join(f"--tp {d}, " for d in ex.tp_degrees)
         raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
-                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel')}. Use --tp 1 or leave --tp out.")
+                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel').rstrip('.')}. Use {other}--tp 1 or leave "
+                        f"--tp out.")
     if o.pp and o.pp > 1:
         if o.pp > len(graph.layers):
             raise UserError(f"--pp {o.pp}: the model has {len(graph.layers)} layers, fewer than {o.pp} stages.")

@@ -308,7 +308,7 @@ def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[in
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):
     """Per layer, whether its split runs at every kept degree; the kept degrees; SP or not."""
-    from autopar.core.sharding import fused_projections
+    from autopar.core.sharding import fused_projections, tp_refusals
 
     L = len(probe.graph.layers)
     fused = [m for i in range(L) for m in fused_projections(probe.graph, i)]
@@ -337,8 +337,11 @@ def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut
     for d in degrees:
         good = set()
         for members in by_kind.values():
-            err = probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
-            if err is not None:
+            # a split dimension or head count d does not divide (core/sharding.tp_refusals): the
+            # analysis says why, where the runtime would fail with a reshape's shape error
+            refused = tp_refusals(probe.graph, members[0], probe.styles[members[0]], d)
+            err = "; ".join(refused) if refused else probe.error(probe.plan(Mesh(tp=d), split={members[0]}))
+            if err is not None and not refused:
                 whole = _unfuse(probe, members, Mesh(tp=d), left, err)
                 if whole:
                     whole_fused.update(whole)

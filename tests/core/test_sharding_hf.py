@@ -166,6 +166,61 @@ def test_phi3_fused_projections_split_per_part_unless_their_parts_differ():
     assert fused_projections(_graph("phi3_gqa"), 1) == ["model.layers.0.self_attn.qkv_proj"]
 
 
+def _heads(kind: str, index: int = 1) -> dict[str, set[int]]:
+    from autopar.core.sharding import _fused_parts, _head_counts, _pairs
+
+    pairs, _role, _ops, by_name = _pairs(_graph(kind), index)
+    out: dict[str, set[int]] = {}
+    for cols, crossed, _row in pairs:
+        parts = _fused_parts(set(cols), set(crossed), by_name)
+        for c, found in _head_counts(set(cols), set(crossed), by_name, parts).items():
+            out[by_name[c].module_path.rpartition(".")[2]] = {h for h, _view in found}
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3"])
+def test_grouped_query_attention_splits_over_2_not_4(kind):
+    """COMMON's 4 query heads and 2 key/value heads (the config's num_attention_heads and
+    num_key_value_heads): tp = 2 divides both and the attention pair splits; tp = 4 divides q's
+    heads but not k's and v's, so the pair is refused, named, and priced whole while the MLP
+    pair still splits."""
+    from autopar.core.sharding import megatron_styles, propagate, tp_refusals
+
+    heads, kv = COMMON["num_attention_heads"], COMMON["num_key_value_heads"]
+    assert _heads(kind) == {"q_proj": {heads}, "k_proj": {kv}, "v_proj": {kv}}
+    g = _graph(kind)
+    styles = megatron_styles(g, 1)
+    assert tp_refusals(g, 1, styles, 2) == []
+    why = tp_refusals(g, 1, styles, 4)
+    assert len(why) == 1 and why[0].startswith(f"model.layers.0.self_attn.k_proj has {kv} heads") and \
+        "not divisible by tp=4" in why[0], why
+    linears = {o.module_path.rpartition(".")[2]: o.name for o in g.layer_ops(1) if o.kind == "linear"}
+    for tp, attn in ((2, 2), (4, 1)):
+        lay = propagate(g, 1, styles, tp)
+        assert [lay.param_shard[linears[m]] for m in ("q_proj", "k_proj", "v_proj", "o_proj")] == [attn] * 4
+        assert [lay.param_shard[linears[m]] for m in ("gate_proj", "up_proj", "down_proj")] == [tp] * 3
+
+
+def test_fused_qkv_split_per_part_where_tp_divides_its_heads():
+    """GPT-2's c_attn (colwise:3) and Phi-3's qkv_proj (colwise:3, as many key/value heads as
+    query heads): each part is viewed into the config's 4 heads; tp 2 and 4 split them, tp 8
+    would leave each rank half a head and is refused per part."""
+    from autopar.core.sharding import megatron_styles, propagate, tp_refusals
+
+    assert _heads("gpt2") == {"c_attn": {4}}
+    assert _heads("phi3") == {"qkv_proj": {4}}
+    for kind, fused in (("gpt2", "transformer.h.0.attn.c_attn"), ("phi3", "model.layers.0.self_attn.qkv_proj")):
+        g = _graph(kind)
+        styles = megatron_styles(g, 1)
+        assert styles[fused] == "colwise:3"
+        op = next(o.name for o in g.layer_ops(1) if o.module_path == fused and o.kind == "linear")
+        for tp in (2, 4):
+            assert tp_refusals(g, 1, styles, tp) == [] and propagate(g, 1, styles, tp).param_shard[op] == tp
+        why = tp_refusals(g, 1, styles, 8)
+        assert why and why[0].startswith(f"{fused} has 4 heads per part (of 3)"), why
+        assert propagate(g, 1, styles, 8).param_shard[op] == 1
+
+
 class _Fused:
     """Tiny attention blocks with a fused q/k/v nn.Linear, cut in different ways."""
 
@@ -217,6 +272,11 @@ def test_fused_projection_cuts_recognised_or_left_whole(cut, want):
     styles = megatron_styles(g, i)
     if want:
         assert styles == {"1.qkv": want, "1.proj": "rowwise"}, styles
+        # each part holds 4 heads of 8 ([B, T, 3, 4, 8]: the parts come before the heads)
+        from autopar.core.sharding import tp_refusals
+
+        assert tp_refusals(g, i, styles, 4) == []
+        assert tp_refusals(g, i, styles, 8)[0].startswith("1.qkv has 4 heads per part (of 3)")
     else:
         assert styles == {} and fused_projections(g, i) == ["1.qkv"], styles
 

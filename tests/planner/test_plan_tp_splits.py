@@ -99,3 +99,62 @@ def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path, search_kw):
     for plan in plans:
         assert plan.mesh.tp == 2
         assert any(lp.tp for lp in plan.layers), [dict(lp.tp) for lp in plan.layers]
+
+
+def test_forced_tp_that_a_head_count_does_not_divide_exits_2_naming_it(tmp_path):
+    """llama-tiny (examples/llama.py SIZES: 4 query heads, 2 key/value heads) over --tp 4: the
+    widths divide by 4, k's and v's 2 heads do not, and a rank cannot hold half a head.  The
+    plan is refused (exit 2, nothing written) with the projection and its head count named --
+    not the reshape's RuntimeError the runtime check saw -- and tp 2, which divides both, is
+    offered instead; planned freely, the plan keeps tp=4 among what it left out, saying why."""
+    import json
+
+    model = ROOT / "examples" / "llama.py"
+    r = _plan(tmp_path, model, "--tp", "4")
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--tp 4:" in said and "layers.0.attn.wk has 2 heads" in said and "not divisible by tp=4" in said, said
+    assert "Use --tp 2, --tp 1 or leave --tp out" in said, said
+    assert "RuntimeError" not in said and "Traceback" not in r.stderr
+    assert not (tmp_path / "plan.json").exists()
+    r = _plan(tmp_path, model)
+    assert r.returncode == 0, r.stderr
+    from autopar.core.plan import load_plan
+
+    assert load_plan(tmp_path / "plan.json").mesh.tp in (1, 2)
+    left = {x["kind"]: x["reason"] for x in json.loads((tmp_path / "plan.json").read_text())["provenance"]["left_out"]}
+    assert "layers.0.attn.wk has 2 heads" in left["tp=4"] and "tp=2" not in left, left
+
+
+def test_forced_tp_without_the_runtime_check_refused_by_the_head_count():
+    """--no-runtime-check (no ``Executable``): the analysis's own refusal stops --tp 4 on
+    llama-tiny (2 key/value heads), while --tp 2, which divides 4 and 2, is taken."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.core.errors import UserError
+    from autopar.planner.constraints import constrain
+    from autopar.planner.search import PlanOptions
+
+    graph = capture_model_file(ROOT / "examples" / "llama.py", {}, 2)
+    cluster = load_cluster("local-cpu")
+    with pytest.raises(UserError, match=r"--tp 4: .*layers\.0\.attn\.wk has 2 heads .*not divisible by tp=4"):
+        constrain(PlanOptions(global_batch=8, tp=4), graph, cluster)
+    assert constrain(PlanOptions(global_batch=8, tp=2), graph, cluster).tp == 2
+
+
+def test_search_without_the_runtime_check_offers_no_degree_a_head_count_refuses():
+    """With no runtime check's verdict the search's meshes leave out tp 4 for llama-tiny (its 2
+    key/value heads) and keep tp 2; a model whose 4 heads divide by 4 (examples/gpt.py, MHA)
+    keeps tp 4."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import load_cluster
+    from autopar.planner.constraints import candidate_meshes
+    from autopar.planner.search import PlanOptions
+
+    cluster = load_cluster("local-cpu")
+    llama = capture_model_file(ROOT / "examples" / "llama.py", {}, 2)
+    gpt = capture_model_file(ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 64, "heads": 4, "seq": 16,
+                                                            "vocab": 128}, 2)
+    for graph, want in ((llama, {1, 2}), (gpt, {1, 2, 4})):
+        tps = {m.tp for m in candidate_meshes(PlanOptions(global_batch=8), cluster, len(graph.layers), graph)}
+        assert tps == want, (graph.model_file, tps)
