@@ -1,5 +1,5 @@
-"""The simulator against published training runs: Megatron-LM PTD-P, DeepSpeed ZeRO-3, FSDP, and
-context parallelism (CP).
+"""The simulator against published training runs: Megatron-LM PTD-P, DeepSpeed ZeRO-3, FSDP,
+context parallelism (CP) and expert parallelism (EP: Megatron-Core's MoE runs).
 
 Every row of ``benchmarks/data/published_runs.json`` (a published run: its model, cluster,
 parallel layout and measured throughput, with its source) is priced as ``autopar simulate``
@@ -355,8 +355,16 @@ def family_table(results: list[dict], half: str | None = None, halves: dict | No
 
 # ---------------------------------------------------------------------- pricing one row
 def model_spec(row: dict) -> tuple[str, dict]:
-    """(model file, model args) of the row: Llama rows on examples/llama.py, GPT and MPT on gpt.py."""
+    """(model file, model args) of the row: Llama rows on examples/llama.py, mixtures of experts
+    (arch "moe") on examples/moe.py, GPT and MPT on gpt.py."""
     m = row["model"]
+    if m["arch"] == "moe":
+        return str(ROOT / "examples" / "moe.py"), {
+            "layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "kv_heads": m["kv_heads"],
+            "head_dim": m.get("head_dim", 0), "experts": m["experts"], "top_k": m["top_k"],
+            "expert_ffn": m["expert_ffn"], "shared_ffn": m.get("shared_ffn", 0),
+            "dense_layers": m.get("dense_layers", 0), "dense_ffn": m.get("dense_ffn", m["expert_ffn"]),
+            "qk_norm": int(bool(m.get("qk_norm"))), "seq": m["seq_len"], "vocab": m["vocab"], "dtype": "bfloat16"}
     if m["arch"] == "llama":
         return str(ROOT / "examples" / "llama.py"), {
             "layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"], "kv_heads": m["kv_heads"],
@@ -394,9 +402,11 @@ def row_plan(row: dict, graph, cluster):
     pp = lay["pp"]
     rec = lay["recompute"]
     v = lay.get("virtual_stages", 1)
+    # the row's own ZeRO stage where it states one (the EP rows: 0, benchmarks/data/published_runs_cp_ep.json "about")
+    zero = lay.get("zero", 3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0)
     plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
-                       virtual_stages=v, zero=3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0,
+                       virtual_stages=v, zero=zero,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),
                        offload="none",
                        precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
@@ -518,7 +528,9 @@ def row_code(row: dict):
 
     if row["family"] == "AUTOPAR":
         return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY)
-    if row["family"] in ("CP", "EP"):
+    if row["family"] == "EP":
+        return megatron_core_moe_code(row)
+    if row["family"] == "CP":
         # torchtitan's FSDP2 stack; its context parallelism is torch's ``context_parallel`` with the
         # all-gather rotation (torchtitan 9dec370 ``context_parallel_rotate_method = "allgather"``),
         # whose per-block SDPA keeps causality (no explicit mask): simulator/cp_cost.cp_attention_op
@@ -529,6 +541,36 @@ def row_code(row: dict):
                         p2p=pipeline_runtime(family), optimizer=optimizer_runtime(row),
                         autocast=lay["autocast"], attention_kernel=attention_kernel(row),
                         recompute_early_stop=recompute_early_stop(row))
+
+
+#: the busiest expert's tokens over the mean in Megatron Bridge's MoE benchmarks: its performance
+#: summary's footnote says they force-balance the token distribution among experts, dropless
+#: (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md)
+MBRIDGE_EXPERT_LOAD = 1.0
+
+
+def megatron_core_moe_code(row: dict):
+    """The training code of the EP rows, Megatron Bridge's runs of Megatron-Core (2025-26):
+
+    * pipeline exchange: Megatron-Core's ``p2p_communication`` posts ``batch_isend_irecv`` without
+      a device synchronize and, with the interleaved schedule, overlaps it with the next chunk
+      (``overlap_p2p_comm``); its scatter/gather across tensor-parallel ranks is gone -- the
+      non-blocking exchange without scatter/gather that ``pipeline_p2p.TORCH_PIPELINING`` prices;
+    * data parallelism: DDP with the distributed optimizer: gradients reduce-scattered in the row's
+      dtype (bf16: the perf scripts' ``grad_reduce_in_fp32 = False``) and the updated parameters
+      all-gathered once per step, overlapped with the backward -- priced as DDP's all-reduce, the
+      same ring traffic (the row's ``zero`` 0; a plan's ZeRO-1 beside a pipeline would run as
+      FSDP2 without reshard, a reduce-scatter per micro-batch: core/rules.effective_zero); AdamW
+      (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
+    * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
+    * attention: Transformer Engine's fused attention, priced as FlashAttention-2;
+    * routing: force-balanced (``MBRIDGE_EXPERT_LOAD``)."""
+    from autopar.simulator import optimizer_step, pipeline_p2p
+    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL, TrainingCode
+
+    return TrainingCode(reduce_bytes=row["layout"]["reduce_bytes"], p2p=pipeline_p2p.TORCH_PIPELINING,
+                        optimizer=optimizer_step.TORCH_ADAMW, autocast=row["layout"]["autocast"],
+                        attention_kernel=DEFAULT_ATTENTION_KERNEL, expert_load=MBRIDGE_EXPERT_LOAD)
 
 
 def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
@@ -552,9 +594,12 @@ def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
     plan = row_plan(row, graph, cluster)
     res = simulate(graph, plan, cluster, cms)
     meas = measured_step_s(row)
-    return {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
-            "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,
-            "predicted_mfu": res.mfu}
+    out = {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
+           "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,
+           "predicted_mfu": res.mfu}
+    if plan.mesh.ep > 1:
+        out["ep"] = plan.mesh.ep
+    return out
 
 
 # ------------------------------------------------------------------------------- fitting

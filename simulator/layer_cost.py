@@ -508,7 +508,8 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
     if experts:
         e = ep_cost.ep_layer_terms(experts, mesh.ep, scale, elem, cm, links, node_processes)
         meetings += _fold_into_tp(tpc, e)
-        x = ep_cost.expert_work(graph, experts, layout, mesh.ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s)
+        x = ep_cost.expert_work(graph, experts, layout, mesh.ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s,
+                                capacity_factor=cm.code.expert_load)
         w.fwd_s += x.fwd_delta_s
         w.bwd_s += x.bwd_delta_s
         w.param_numel -= x.removed_numel

@@ -20,13 +20,16 @@ names the module that owns its mechanism:
   ``attention_kernels``, simulator/cost_model.py ``fused_attention_s``);
 * ``recompute_early_stop``: whether a full recompute stops once it has rebuilt the last tensor the
   layer's backward needs (simulator/layer_cost.py ``_recompute``);
-* ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py).
+* ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py);
+* ``cp_attention``: how a context-parallel rank runs attention (simulator/cp_cost.py);
+* ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from autopar.core.dtypes import DTYPE_BYTES
+from autopar.simulator.ep_cost import CAPACITY_FACTOR
 
 from autopar.simulator.optimizer_step import TORCH_ADAMW, OptimizerRuntime
 from autopar.simulator.pipeline_p2p import TORCH_PIPELINING, P2PRuntime
@@ -61,6 +64,11 @@ class TrainingCode:
     #: "causal_blocks" (Llama 3's all-gather CP, Dubey et al. 2024 Sec. 3.3.2, and torch's
     #: ``context_parallel``: each rank computes only the causal pairs of its chunks, no mask tensor)
     cp_attention: str = "explicit_mask"
+    #: the busiest expert's tokens over the mean under expert parallelism (simulator/ep_cost.py
+    #: ``expert_work``): Switch Transformer's training capacity factor, ep_cost.CAPACITY_FACTOR, for
+    #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
+    #: forces every expert the same number of tokens)
+    expert_load: float = CAPACITY_FACTOR
 
 
 #: autopar's runtime (runtime/): what every plan the planner writes is priced as

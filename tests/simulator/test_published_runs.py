@@ -268,3 +268,66 @@ def test_cp_family_is_torchtitans_context_parallel_table(bench, rows):
     plan = bench.row_plan(row, graph, bench.row_cluster(row))
     assert (plan.mesh.dp, plan.mesh.cp, plan.global_batch, plan.compile) == (2, 4, 2, True)
     assert {lp.precision for lp in plan.layers if graph.layers[lp.layer].kind not in ("pre", "post")} == {"fp8"}
+
+
+def test_ep_family_is_megatron_bridges_moe_table_priced_with_its_ep(bench, rows):
+    """Family EP: Megatron Bridge's DGX-H100 MoE rows (benchmarks/data/published_runs_cp_ep.json),
+    each with its source, split in halves like the others; each is priced (a finite step) on
+    examples/moe.py with a plan whose mesh has the row's ep, as Megatron-Core's code with the
+    force-balanced routing the source's footnote states."""
+    ep_rows = [r for r in rows.values() if r["family"] == "EP"]
+    assert len(ep_rows) >= 4
+    for r in ep_rows:
+        src = r["source"]
+        assert src["repo"] == "NVIDIA-NeMo/Megatron-Bridge" and src["path"] and src["commit"] and src["location"]
+        assert r["model"]["arch"] == "moe" and r["layout"]["ep"] > 1
+    halves = bench.split_halves(list(rows.values()))
+    assert {halves[r["id"]] for r in ep_rows} == {"A", "B"}
+    # 26.06 table, DGX-H100 Qwen3_30B_a3B: 1024 sequences of 4096 at 8826 tokens/s on each of 16 GPUs
+    row = rows["mbridge2606_qwen3_30b_a3b_16gpu_ep16"]
+    assert bench.measured_step_s(row) == pytest.approx(1024 * 4096 / (8826 * 16))
+    code = bench.row_code(row)
+    assert code.expert_load == 1.0 and not code.p2p.blocking
+    from autopar.core.capture import capture_model_file
+
+    cache = {}
+    for r in ep_rows:
+        path, args = bench.model_spec(r)
+        key = (path, tuple(sorted(args.items())), r["layout"]["micro_batch"])
+        graph = cache.setdefault(key, capture_model_file(path, args, r["layout"]["micro_batch"]))
+        plan = bench.row_plan(r, graph, bench.row_cluster(r))
+        lay = r["layout"]
+        assert (plan.mesh.ep, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (lay["ep"], lay["dp"], lay["tp"], lay["pp"])
+        priced = bench.price_row(r, {key: graph})
+        assert priced["ep"] == lay["ep"] and 0 < priced["predicted_step_s"] < float("inf")
+
+
+def test_moe_example_matches_a_per_token_loop():
+    """examples/moe.py's grouped-GEMM experts against a plain loop over tokens and their chosen
+    experts (each expert a SwiGLU of its own slices of the stacked weights), on CPU in bf16."""
+    import torch
+    import torch.nn.functional as F
+    from plain_loop import load as load_file
+
+    m = load_file(ROOT / "examples" / "moe.py")
+    torch.manual_seed(0)
+    model = m.build_model(layers=1, hidden=16, heads=2, kv_heads=1, experts=4, top_k=2, expert_ffn=8, shared_ffn=8)
+    moe = model.layers[0].ffn
+    with torch.no_grad():                      # weights of order one, so the outputs are too
+        for p in moe.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    got = moe(x).float()
+    flat = x.reshape(-1, 16).float()
+    probs = F.softmax(flat @ moe.router.weight.float().T, dim=-1)
+    want = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        w, idx = probs[t].topk(2)
+        w = w / w.sum()
+        for weight, e in zip(w, idx):
+            gate, up = (flat[t] @ moe.experts.w13[e].float()).chunk(2)
+            want[t] += weight * ((F.silu(gate) * up) @ moe.experts.w2[e].float())
+        s = moe.shared
+        want[t] += s.w2.weight.float() @ (F.silu(s.w1.weight.float() @ flat[t]) * (s.w3.weight.float() @ flat[t]))
+    assert want.abs().mean() > 0.5
+    assert torch.allclose(got.reshape(-1, 16), want, atol=0.05 * want.abs().max().item(), rtol=0.05)
