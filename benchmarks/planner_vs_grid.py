@@ -8,10 +8,15 @@ stages of transformer blocks, the Megatron column/row split on every layer.  For
 global batch 2304, full recompute; micro-batch and schedule as its script ran them, or faster).  Prints, per case, the planner's
 predicted throughput over the grid's best (>= 1.0 means the planner is at least as fast).
 
-    python benchmarks/planner_vs_grid.py [--time-budget 40] [--only NAME] [--wider K]
+    python benchmarks/planner_vs_grid.py [--time-budget 40] [--only NAME] [--wider K] [--knobs]
 
 ``--wider K`` gives the search K times its default breadth (settings assembled, MCMC iterations,
 MCMC starts): whether a longer search finds faster plans than the default one returns.
+
+``--knobs`` then decides compile and float8 on the search's plans as ``autopar plan`` does
+(planner/compile_choice.choose_compile, planner/float8_choice.choose_float8, no flag fixing
+either; float8 needs torchao importable) and prints, under each case, what each chose and what it
+bought.  The grid stays eager bf16: the ratio column compares the search's plans as before.
 """
 from __future__ import annotations
 
@@ -100,12 +105,28 @@ def megatron_145b(graph, cluster, cms):
     return best
 
 
+def print_knobs(res, graph, cluster, cms) -> None:
+    """What ``autopar plan`` would decide for compile and float8 on this search result."""
+    from autopar.planner.compile_choice import choose_compile
+    from autopar.planner.float8_choice import choose_float8
+
+    res, compiled = choose_compile(res, graph, cluster, cms, None)
+    res, float8 = choose_float8(res, graph, cluster, cms, None, "bf16")
+    p = res.best.plan
+    print(f"    {compiled.summary()}", flush=True)
+    print(f"    {float8.summary()}", flush=True)
+    print(f"    with both: {res.best.step_time_s:.3f} s, dp{p.mesh.dp} tp{p.mesh.tp} pp{p.mesh.pp}"
+          f"{' sp' if p.mesh.sequence_parallel else ''} mb{p.micro_batch}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-budget", type=float, default=40.0)
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
     ap.add_argument("--wider", type=int, default=1,
                     help="search K times as many settings, MCMC iterations and MCMC starts as the default")
+    ap.add_argument("--knobs", action="store_true",
+                    help="also decide compile and float8 on the planner's plans, as autopar plan does")
     args = ap.parse_args()
     # PlanOptions' defaults, K times (a dataclass keeps a field's default as its class attribute)
     breadth = {k: getattr(PlanOptions, k) * args.wider for k in ("num_screened", "mcmc_iterations", "mcmc_starts")}
@@ -129,6 +150,8 @@ def main() -> None:
             ref = megatron_145b(graph, cluster, cms)
             print(f"{'  vs Megatron tp8 pp8 dp24':<26} {ref:>13.3f} {res.best.step_time_s:>12.3f} "
                   f"{ref / res.best.step_time_s:>6.3f}  (Narayanan et al. 2021, Table 1 configuration)", flush=True)
+        if args.knobs:
+            print_knobs(res, graph, cluster, cms)
 
 
 if __name__ == "__main__":

@@ -670,6 +670,6 @@ def keep_best_unless_beaten(result: "SearchResult", choices: list) -> tuple["Sea
     if choices[fastest][0].step_time_s >= choices[0][0].step_time_s * (1.0 - TIDY_TOLERANCE):
         fastest = 0
     order = [fastest] + [i for i in range(len(choices)) if i != fastest]
-    result.best = choices[fastest][0]
-    result.runner_ups = [choices[i][0] for i in order[1:]]
-    return result, choices[fastest][1]
+    # a new result: the caller's is left as the search returned it
+    return (replace(result, best=choices[fastest][0], runner_ups=[choices[i][0] for i in order[1:]]),
+            choices[fastest][1])
