@@ -120,6 +120,9 @@ class OpGraph:
     seq_len: int | None = None               # tokens per sample where the model has a sequence
     capture_method: str = "symbolic_trace"   # "symbolic_trace", "export" or "leaf_fallback"
     leaf_modules: tuple[str, ...] = ()       # modules kept opaque by the fallback
+    # each opaque module's ``topk`` calls as (k, size of the dim chosen from), in call order: the
+    # routing of a mixture of experts the graph cannot show op by op (core/trace_fx._TopkRecorder)
+    leaf_routing: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     sequential_layers: bool = False          # forward is layer 0 -> 1 -> ... with one activation
                                              # tensor crossing each boundary (pipeline-cuttable)
     notes: list[str] = field(default_factory=list)
@@ -214,6 +217,7 @@ class OpGraph:
             "capture_method": self.capture_method,
             "capture_s": round(self.capture_s, 3),
             "leaf_modules": list(self.leaf_modules),
+            "leaf_routing": {k: [list(c) for c in v] for k, v in self.leaf_routing.items()},
             "sequential_layers": self.sequential_layers,
             "notes": list(self.notes),
             "fingerprint": self.fingerprint,

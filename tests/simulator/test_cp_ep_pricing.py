@@ -310,3 +310,29 @@ def test_cp_exchange_of_tensor_parallel_heads(llama, h100):
     assert whole.wire_fwd == local_kv and split.wire_fwd == local_kv / 2
     # the mask [S/cp, S] is not split by heads
     assert whole.saved_bytes - split.saved_bytes == pytest.approx(local_kv / 2)
+
+
+def test_experts_inside_an_opaque_module_recognised_and_split(h100):
+    """tests/zoo/deepseek_moe.py routes with a per-expert ``torch.where`` (data-dependent shapes),
+    so capture keeps its MoE opaque (a ``leaf`` op holding the router, 4 routed experts and the
+    shared expert); the experts are still found from the leaf's parameters and the ``topk`` it
+    ran, and ep 2 moves only the routed experts' weights (4 SwiGLUs of 3 x 32 x 16) and adds the
+    dispatch / combine all-to-alls."""
+    cluster, cm = h100
+    g = capture_model_file("tests/zoo/deepseek_moe.py", {}, 1)
+    i = next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.1")
+    assert [o.kind for o in g.layer_ops(i) if o.module_path == "blocks.1.mlp"] == ["leaf"]
+    (r,) = routed_experts(g, i)
+    experts_numel = 4 * 3 * 32 * 16
+    assert (r.module, r.form, r.experts, r.top_k, r.hidden, r.tokens, r.param_numel) == \
+        ("blocks.1.mlp.experts", "module_list", 4, 2, 32, 8, experts_numel)
+    assert "blocks.1.mlp.shared_experts.up_proj.weight" not in r.param_names
+    assert ep_refusal(g, 2) is None and "do not split" in ep_refusal(g, 3)
+    one = _cost(g, Mesh(dp=4), cluster, cm, i=i)
+    two = _cost(g, Mesh(dp=4, ep=2), cluster, cm, i=i)
+    assert one.param_numel - two.param_numel == pytest.approx(experts_numel / 2)
+    message = 8 * 2 * 32 * BF16                     # T x k x h of one micro-batch, bf16
+    t = _ring(1.0, message, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
+    assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
+    # the dense first block has no experts
+    assert routed_experts(g, next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.0")) == ()
