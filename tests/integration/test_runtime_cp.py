@@ -6,7 +6,8 @@ zoo's Hugging Face Llama (rotary positions from ``position_ids``, attention thro
 transformers' SDPA interface), both causal, with the load-balanced head-tail split.  Every
 2-rank case runs in one torchrun launch, the 4-rank cases (dp 2 x cp 2, DDP-style replicate
 and FSDP2 ZeRO-3 over dp x cp; cp 2 x tp 2 with Megatron's split, without and with sequence
-parallelism) in another; each must give, over 5 steps, the losses of
+parallelism) in another, full and selective recompute among the 2-rank ones; each must give,
+over 5 steps, the losses of
 ``tests/plain_loop.py`` (which never enters the runtime) within 1e-5 and its final parameters.
 
 The head-tail split itself is checked against its definition on a hand-written case.
@@ -42,6 +43,9 @@ TWO_RANK = {
     "gpt_cp2": ("gpt", dict(cp=2, micro_batch=4)),
     "llama_cp2": ("llama", dict(cp=2, micro_batch=4)),
     "gpt_cp2_grad_accum": ("gpt", dict(cp=2, micro_batch=2, num_microbatches=2)),
+    # recompute: the rerun in backward attends over the whole sequence too (runtime/recompute.py)
+    "gpt_cp2_recompute_full": ("gpt", dict(cp=2, micro_batch=4, recompute="full")),
+    "llama_cp2_recompute_selective": ("llama", dict(cp=2, micro_batch=4, recompute="selective")),
 }
 FOUR_RANK = {
     "gpt_dp2_cp2": ("gpt", dict(dp=2, cp=2, micro_batch=2)),
