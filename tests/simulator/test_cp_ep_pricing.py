@@ -336,3 +336,34 @@ def test_experts_inside_an_opaque_module_recognised_and_split(h100):
     assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
     # the dense first block has no experts
     assert routed_experts(g, next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.0")) == ()
+
+
+def test_cp_gather_reruns_in_recompute(llama, h100, monkeypatch):
+    """A recomputed layer under cp reruns its K/V all-gather in backward, full or selective (the
+    runtime's selective policy saves matmul outputs, not the gather's): the recompute's
+    collective time is the forward gather's, and the bytes it sends count again."""
+    import dataclasses
+
+    from autopar.simulator import cp_cost
+
+    cluster, cm = h100
+    i = _block(llama)
+    mesh = Mesh(dp=1, cp=2)
+    layout = propagate(llama, i, {}, 1, False)
+    links = mesh_links(cluster, mesh)
+
+    def cost(mode):
+        return compute_layer_cost(llama, i, layout, LayerPlan(layer=i, recompute=mode), mesh, 1, "bf16", cm, links)
+
+    none, sel, full = cost("none"), cost("selective"), cost("full")
+    local_kv = 2 * HEADS * (SEQ // 2) * HEAD_DIM * BF16
+    t = _ring(1.0, 2 * local_kv, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
+    assert sel.tp_wire_bytes - none.tp_wire_bytes == pytest.approx(local_kv)
+    assert full.tp_wire_bytes - none.tp_wire_bytes == pytest.approx(local_kv)
+    # the same layer with the exchange priced at nothing: its recompute is shorter by the gather
+    real = cp_cost.cp_layer_terms
+    monkeypatch.setattr(cp_cost, "cp_layer_terms", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), fwd_s=0.0, bwd_s=0.0, wire_fwd=0.0, wire_bwd=0.0))
+    assert sel.recompute_s - cost("selective").recompute_s == pytest.approx(t, rel=1e-9)
+    assert full.recompute_s - cost("full").recompute_s == pytest.approx(t, rel=1e-9)
+    assert none.recompute_s == cost("none").recompute_s == 0.0
