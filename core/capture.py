@@ -140,6 +140,7 @@ def capture(module: torch.nn.Module, inputs: Any, *, model_name: str, model_file
                       batch_size=batch_size if batch_size is not None else _batch_of(inputs))
     graph.capture_method = method
     graph.leaf_modules = tuple(walk.leaves)
+    graph.leaf_routing = {k: tuple(tuple(c) for c in v) for k, v in walk.routing.items()}
     graph.notes = notes + walk.notes + graph.notes
     graph.notes.append(f"trace + shapes ({method}): {trace_s:.2f} s; "
                        f"costs + layers: {time.perf_counter() - t1:.2f} s")

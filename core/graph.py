@@ -120,6 +120,9 @@ class OpGraph:
     seq_len: int | None = None               # tokens per sample where the model has a sequence
     capture_method: str = "symbolic_trace"   # "symbolic_trace", "export" or "leaf_fallback"
     leaf_modules: tuple[str, ...] = ()       # modules kept opaque by the fallback
+    # each opaque module's ``topk`` calls as (k, size of the dim chosen from), in call order: the
+    # routing of a mixture of experts the graph cannot show op by op (core/trace_fx._TopkRecorder)
+    leaf_routing: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     sequential_layers: bool = False          # forward is layer 0 -> 1 -> ... with one activation
                                              # tensor crossing each boundary (pipeline-cuttable)
     notes: list[str] = field(default_factory=list)
@@ -170,7 +173,11 @@ class OpGraph:
         It covers the parameters (names, shapes via numel, dtype) and the sequence of ops
         (kind, target, owning module).  Two captures of the same model file with the same
         model arguments give the same fingerprint; a different model or different
-        arguments give another.
+        arguments give another.  Parameter-free ``view`` ops (views, expands, reshapes) are
+        left out: ``torch.export`` specialises a batch of 1 and drops the ``expand`` of a
+        broadcast to the batch (transformers' Mixtral builds its positions so), so the same
+        model captured at micro-batch 1 (the runtime's check) and at 2 (the planner's capture)
+        would differ by that op alone.
         """
         h = hashlib.sha256()
         h.update(json.dumps(
@@ -178,6 +185,8 @@ class OpGraph:
              "model_args": {k: self.model_args[k] for k in sorted(self.model_args)}},
             sort_keys=True, default=str).encode())
         for o in self.ops:
+            if o.kind == "view" and not o.params:
+                continue
             h.update(f"{o.kind}|{o.target}|{o.module_path}|{','.join(o.params)}|{o.param_numel}\n".encode())
         return h.hexdigest()[:16]
 
@@ -214,6 +223,7 @@ class OpGraph:
             "capture_method": self.capture_method,
             "capture_s": round(self.capture_s, 3),
             "leaf_modules": list(self.leaf_modules),
+            "leaf_routing": {k: [list(c) for c in v] for k, v in self.leaf_routing.items()},
             "sequential_layers": self.sequential_layers,
             "notes": list(self.notes),
             "fingerprint": self.fingerprint,

@@ -163,7 +163,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
             clash.append(f"--recompute {o.recompute[0]}")
         if clash:
             raise UserError(f"--cp {o.cp} with {' and '.join(clash)}: the runtime runs context parallelism with data "
-                            f"parallelism and ZeRO only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
+                            f"and tensor parallelism, ZeRO and recompute only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
                             f"runtime/apply_cp.check_cp_plan). Leave those out, or leave --cp out.")
     if getattr(o, "ep", None) is not None:
         from autopar.simulator.ep_cost import ep_refusal

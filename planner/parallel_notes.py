@@ -46,8 +46,9 @@ def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
         elif fixed == 1:
             out.append(AxisNote(kind, f"--{axis} 1 fixed it off"))
         elif not admitted:
+            need = " = ".join(a for a in ("tp", "pp") if a in CP_RUNTIME_EXCLUDES)
             extra = (f"; the runtime runs cp without {', '.join(CP_RUNTIME_EXCLUDES)} (runtime/apply_cp.py), so cp "
-                     f"meshes need tp = pp = 1" if axis == "cp" else "; ep must divide dp x cp and the experts count")
+                     f"meshes need {need} = 1" if axis == "cp" else "; ep must divide dp x cp and the experts count")
             out.append(AxisNote(kind, f"no mesh with {axis} > 1 fits the cluster, the batch and the fixed knobs{extra}"))
         elif alt is None:
             out.append(AxisNote(kind, f"no plan with {axis} > 1 of the {admitted} meshes searched fitted memory"))

@@ -56,20 +56,24 @@ from autopar.runtime.mesh import RankContext
 
 def check_cp_plan(checked) -> None:
     """Refuse (exit 2) a plan with cp > 1 the model or this runtime cannot run: the model's
-    reason (core/cp_support.py), or a combination the runtime does not implement yet."""
+    reason (core/cp_support.py), or a combination the runtime does not implement yet.
+
+    Tensor parallelism composes (tests/integration/test_runtime_cp.py, cp 2 x tp 2 with and
+    without sequence parallelism): its colwise projections hand SDPA the rank's heads of the
+    rank's tokens, the mode gathers those heads' K/V over the cp group (a group of the same tp
+    coordinate), and sequence parallelism's shards of the rank's tokens are gathered back over
+    tp before attention.  Recompute composes: the rerun in backward enters the same attention
+    mode (runtime/recompute.py's ``recompute_context``, set by runtime/parallelize.py)."""
     plan, where = checked.plan, f"plan file {checked.plan_path}"
     reason = cp_refusal(checked.graph, plan.mesh.cp)
     if reason:
         raise PlanFileError(f"{where} has cp = {plan.mesh.cp}, but {checked.model_file.path} cannot take context "
                             f"parallelism: {reason}. Plan with cp = 1 for this model.")
-    unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the schedules run the forward themselves"),
-                   (plan.mesh.tp > 1, "tensor parallelism (tp > 1): not implemented or tested together yet"),
-                   (any(l.recompute != "none" for l in plan.layers),
-                    "recompute: the recomputed forward would run outside the context-parallel attention")]
-    for bad, what in unsupported:
-        if bad:
-            raise PlanFileError(f"{where} has cp = {plan.mesh.cp} with {what}. Plan context parallelism with dp "
-                                f"and ZeRO only (pp = 1, tp = 1, recompute none), or cp = 1.")
+    if plan.mesh.pp > 1:
+        raise PlanFileError(f"{where} has cp = {plan.mesh.cp} with pipeline parallelism (pp > 1): the schedules run "
+                            f"the forward themselves, outside the context-parallel attention. Plan context "
+                            f"parallelism with dp, tp (with or without sequence parallelism), ZeRO and recompute "
+                            f"only (pp = 1), or cp = 1.")
 
 
 def head_tail_positions(seq: int, cp: int, cp_rank: int) -> torch.Tensor:

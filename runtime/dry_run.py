@@ -168,7 +168,19 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 inputs, target = model_file.make_batch(plan.micro_batch, **args)
-            out = _call(parts[0], inputs)
+            if plan.mesh.cp > 1:
+                # the rank's tokens under context parallelism's attention, as training runs
+                # them (runtime/train.py; cp runs with pp = 1): a recomputed layer enters the
+                # same mode in backward
+                from autopar.runtime.apply_cp import ContextParallel
+
+                cp = ContextParallel(ctx, plan.mesh.cp, graph.seq_len, meta)
+                inputs = tuple(cp.slice(x) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+                target = cp.slice(target)
+                with cp.mode():
+                    out = parts[0](*inputs, **cp.forward_kwargs(inputs, device))
+            else:
+                out = _call(parts[0], inputs)
             for part in parts[1:]:
                 out = _call(part, out if isinstance(out, tuple) else (out,))
             if plan.mesh.pp > 1:

@@ -170,8 +170,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
         experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
                            plan, f"plan file {checked.plan_path}")
-    # 4. recompute
-    apply_recompute(part, [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)])
+    # 4. recompute (under context parallelism the rerun in backward enters its attention mode too)
+    recomputes = [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)]
+    rerun_under = None
+    if plan.mesh.cp > 1 and any(mode != "none" for _, mode in recomputes):
+        rerun_under = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part).mode
+    apply_recompute(part, recomputes, rerun_under)
     # 4b. regional compile of the blocks (not "pre"/"post")
     if plan.compile:
         apply_compile(part, [paths for paths, layer in zip(unit_paths, held) if layer.name not in ("pre", "post")])

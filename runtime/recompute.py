@@ -10,9 +10,16 @@
   Korthikanti et al. 2022 Sec. 5 (keep the expensive, recompute the cheap).
 
 A layer made of several top-level modules (the "pre" and "post" layers) wraps each of them.
+
+``recompute_context``: a context manager factory entered around each recomputation (the
+checkpoint's ``context_fn`` pair: forward context, recompute context).  Context parallelism
+passes its attention mode (runtime/apply_cp.py): the forward runs under it, and the rerun in
+backward must too, or it would attend over the rank's own tokens only.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -37,16 +44,37 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def wrap_for_recompute(child: nn.Module, mode: str) -> nn.Module:
-    if mode == "full":
+def _with_recompute_context(context_fn: Callable | None, extra: Callable[[], ContextManager]) -> Callable:
+    """A ``context_fn`` whose recompute context also enters ``extra()``."""
+    def both():
+        fwd, rec = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+
+        @contextlib.contextmanager
+        def recompute():
+            # extra() first, as in the forward (the caller's mode outside the checkpoint's): its
+            # own set-up ops must not run under selective recompute's replay, which refuses
+            # ops the forward did not record
+            with extra(), rec:
+                yield
+        return fwd, recompute()
+    return both
+
+
+def wrap_for_recompute(child: nn.Module, mode: str,
+                       recompute_context: Callable[[], ContextManager] | None = None) -> nn.Module:
+    if mode not in ("full", "selective"):
+        raise ValueError(f"recompute mode {mode!r}")
+    context_fn = _selective_context if mode == "selective" else None
+    if recompute_context is not None:
+        context_fn = _with_recompute_context(context_fn, recompute_context)
+    if context_fn is None:
         return checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
-    if mode == "selective":
-        return checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
-                                  context_fn=_selective_context)
-    raise ValueError(f"recompute mode {mode!r}")
+    return checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
+                              context_fn=context_fn)
 
 
-def apply_recompute(module: nn.Module, layer_modules: list[tuple[list[str], str]]) -> None:
+def apply_recompute(module: nn.Module, layer_modules: list[tuple[list[str], str]],
+                    recompute_context: Callable[[], ContextManager] | None = None) -> None:
     """Wrap, inside ``module``, each listed module path with its layer's recompute mode.
 
     ``layer_modules``: (module paths of one layer present in ``module``, "none"|"selective"|"full").
@@ -57,4 +85,4 @@ def apply_recompute(module: nn.Module, layer_modules: list[tuple[list[str], str]
         for path in paths:
             parent_path, _, child_name = path.rpartition(".")
             parent = module.get_submodule(parent_path) if parent_path else module
-            setattr(parent, child_name, wrap_for_recompute(getattr(parent, child_name), mode))
+            setattr(parent, child_name, wrap_for_recompute(getattr(parent, child_name), mode, recompute_context))

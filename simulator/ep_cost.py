@@ -76,8 +76,9 @@ def routed_experts(graph: OpGraph, layer_index: int) -> tuple[RoutedExperts, ...
     older transformers and DeepSeek-V3's reference code build them); in both, a Linear of the
     layer outside the module with E outputs (the router) and a ``topk`` over E scores give
     the routing (a ``max`` / ``argmax`` over the E scores: top 1).  A module that capture keeps
-    opaque (a ``leaf`` op: routing on data-dependent shapes) is not found: the graph does not
-    hold the sizes of its expert parameters."""
+    opaque (a ``leaf`` op: the per-expert ``torch.where`` of DeepSeek-V3's reference code has
+    data-dependent shapes) is found from its parameters and the ``topk`` it ran
+    (``_leaf_experts``)."""
     cache = graph.__dict__.setdefault("_routed_experts", {})
     if layer_index not in cache:
         cache[layer_index] = _find(graph, layer_index)
@@ -126,8 +127,46 @@ def _find(graph: OpGraph, layer_index: int) -> tuple[RoutedExperts, ...]:
         params = {p for o in inside for p in o.params}
         out.append(RoutedExperts(module, form, experts, int(ks[0]), int(router.input_shapes[0][-1]), tokens,
                                  frozenset(names), gemms, sum(o.param_numel for o in inside), frozenset(params)))
+    out += [r for o in ops if o.kind == "leaf" for r in _leaf_experts(graph, o)
+            if not any(r.module == f or r.module.startswith(f + ".") for f in found)]
     # a module_list parent inside a stacked module, or the experts' own children: keep the outermost
     return tuple(sorted(out, key=lambda r: r.module))
+
+
+def _leaf_experts(graph: OpGraph, op) -> list[RoutedExperts]:
+    """The routed experts inside an opaque (``leaf``) op: parameters ``<leaf>.<list>.<i>.*`` for
+    i = 0 .. E-1 (an ``nn.ModuleList`` of E >= 2 experts), a ``topk(k)`` over E scores that the
+    module ran (``OpGraph.leaf_routing``) and a router parameter of E rows beside them (its
+    columns: the width of a dispatched token).  The leaf is priced whole as capture costed it
+    (k of E experts per token: core/trace_fx.routed_expert_numel), so no GEMM is repriced
+    (``gemms`` empty); the expert parameters are those of the list, sized from the leaf's
+    parameter shapes (capture appends them to its inputs, in ``params`` order)."""
+    routing = graph.leaf_routing.get(op.module_path, ())
+    if not routing or not op.params or len(op.input_shapes) < len(op.params) + 1:
+        return []
+    shapes = dict(zip(op.params, op.input_shapes[len(op.input_shapes) - len(op.params):]))
+    prefix = op.module_path + "." if op.module_path else ""
+    lists: dict[str, set[int]] = {}
+    for p in op.params:
+        m = re.match(r"^(.+)\.(\d+)\.[^.]+(?:\..+)?$", p[len(prefix):]) if p.startswith(prefix) else None
+        if m:
+            lists.setdefault(prefix + m.group(1), set()).add(int(m.group(2)))
+    out = []
+    for module, idx in lists.items():
+        experts = len(idx)
+        if experts < 2 or idx != set(range(experts)):
+            continue
+        mine = [p for p in op.params if p.startswith(module + ".")]
+        routers = [shapes[p] for p in op.params if not p.startswith(module + ".") and len(shapes[p]) == 2
+                   and shapes[p][0] == experts]
+        ks = [k for k, n in routing if n == experts and 0 < k <= experts]
+        if not routers or not ks:
+            continue
+        tokens = _numel(op.input_shapes[0][:-1])
+        out.append(RoutedExperts(module, "module_list", experts, int(ks[0]), int(routers[0][1]), tokens,
+                                 frozenset({op.name}), frozenset(), int(sum(_numel(shapes[p]) for p in mine)),
+                                 frozenset(mine)))
+    return out
 
 
 def ep_refusal(graph: OpGraph, ep: int) -> str | None:
@@ -232,15 +271,17 @@ def expert_work(graph: OpGraph, experts: tuple[RoutedExperts, ...], layout, ep: 
     for r in experts:
         for name in r.ops:
             op = by_name[name]
-            if op.param_numel:
+            whole = set(op.params) <= r.param_names        # an opaque op also holds the router etc.
+            numel = op.param_numel if whole else r.param_numel
+            if numel:
                 shard = layout.param_shard.get(op.name, 1)
-                mine = op.param_numel / shard
+                mine = numel / shard
                 local += mine / ep
                 removed += mine * (1 - 1 / ep)
-                fz = op.frozen_numel / shard
+                fz = (op.frozen_numel if whole else _leaf_frozen_numel(op, r)) / shard
                 frozen += fz / ep
                 removed_frozen += fz * (1 - 1 / ep)
-            names.update(op.params)
+            names.update(set(op.params) & r.param_names)
             if name not in r.gemms or name not in op_fwd_s or not op.input_shapes or not op.output_shape:
                 continue
             shard = layout.compute_shard.get(op.name, 1)
@@ -271,6 +312,11 @@ def expert_work(graph: OpGraph, experts: tuple[RoutedExperts, ...], layout, ep: 
             ffl += flops_f
             bfl += flops_b
     return ExpertWork(dfwd, dbwd, factor, ffl, bfl, local, frozen, frozenset(names), removed, removed_frozen)
+
+
+def _leaf_frozen_numel(op, r: RoutedExperts) -> float:
+    shapes = dict(zip(op.params, op.input_shapes[len(op.input_shapes) - len(op.params):]))
+    return sum(_numel(shapes[p]) for p in op.frozen_params if p in r.param_names)
 
 
 def _numel(shape) -> float:

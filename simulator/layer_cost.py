@@ -150,7 +150,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     # the ranks meet at every tensor-parallel collective (again in a full recompute) and at every
     # FSDP all-gather and reduce-scatter: the meeting waits are priced per plan, from the work
     # between meetings (cpu_node.with_meeting_waits)
-    meetings = (len(layout.collectives) + rec.tp_meetings) if tp > 1 else 0
+    meetings = (len(layout.collectives) if tp > 1 else 0) + rec.tp_meetings
     meetings += dp.meetings + extra_meetings
     # the device's own work shares the node's compute slots (the host optimizer runs on the host)
     fwd_s = work.fwd_s * compute_stretch
@@ -441,6 +441,12 @@ class _TensorParallelComm:
     skipped_fwd_s: float = 0.0
     skipped_wire: float = 0.0
     skipped_meetings: int = 0
+    # the forward collectives a selective recompute reruns: context parallelism's K/V all-gather
+    # (its output is not a matmul's, so the runtime's policy recomputes it -- counted in backward
+    # on a cp 2 run of the zoo's Llama, one gather per attention in each direction)
+    selective_fwd_s: float = 0.0
+    selective_wire: float = 0.0
+    selective_meetings: int = 0
     measured: int = 0
     estimated: int = 0
 
@@ -504,6 +510,9 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
         c = cp_cost.cp_layer_terms(ops, mesh.cp, scale, elem, cm, links.cp, node_processes, cm.code.cp_attention,
                                    layout.compute_shard)
         meetings += _fold_into_tp(tpc, c)
+        tpc.selective_fwd_s += c.fwd_s
+        tpc.selective_wire += c.wire_fwd
+        tpc.selective_meetings += c.meetings
         w.saved_bytes += c.saved_bytes
     if experts:
         e = ep_cost.ep_layer_terms(experts, mesh.ep, scale, elem, cm, links, node_processes)
@@ -533,7 +542,8 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
                cm: CostModel) -> _Recompute:
     """Recompute (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): "full" keeps the layer's
     input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
-    reruns the cheap ops between them.  Adjusts ``w``: a checkpointed forward keeps nothing, and
+    reruns the cheap ops between them, and context parallelism's K/V all-gather
+    (``_TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a checkpointed forward keeps nothing, and
     the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
     selective policy's dispatch mode on every op).
 
@@ -559,8 +569,9 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
     elif lp.recompute == "selective":
         # the matmuls the code's policy does not save rerun too (simulator/selective_mm_policy.py)
         activation = min(saved, layer_input_bytes + w.matmul_output_bytes - w.rerun_mm_output_bytes)
-        out = _Recompute(w.cheap_fwd_s + w.rerun_mm_fwd_s, w.cheap_fwd_flops + w.rerun_mm_fwd_flops, activation,
-                         max(0.0, saved - activation))
+        out = _Recompute(w.cheap_fwd_s + w.rerun_mm_fwd_s + tpc.selective_fwd_s,
+                         w.cheap_fwd_flops + w.rerun_mm_fwd_flops, activation, max(0.0, saved - activation),
+                         tp_s=tpc.selective_fwd_s, tp_wire=tpc.selective_wire, tp_meetings=tpc.selective_meetings)
     else:
         out = _Recompute(0.0, 0.0, saved, 0.0)
     if lp.recompute in ("full", "selective"):

@@ -70,3 +70,25 @@ def test_runtime_plan_check_refuses_cp_for_nanogpt(tmp_path):
     save_plan(plan, tmp_path / "plan.json")
     with pytest.raises(PlanFileError, match="explicit matmul and softmax"):
         check_plan(tmp_path / "plan.json", 2)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_planner_dry_run_runs_cp_x_tp_with_recompute(recompute):
+    """The planner's runtime check (runtime/dry_run.py, fake ranks) runs a cp plan's forward as
+    training does -- the rank's tokens under the context-parallel attention --, so a recomputed
+    layer, whose rerun in backward enters that attention (runtime/recompute.py), sees the rank's
+    tokens: ``autopar plan --cp 2 --tp 2 --recompute full`` refused every plan before
+    (AssertionError (torch.Size([4, 4, 8, 8]), 4) from a forward on the whole sequence)."""
+    from autopar.core.modelfile import load_model_file
+    from autopar.core.plan import ModelRef, uniform_plan
+    from autopar.runtime.dry_run import dry_run
+
+    path = ROOT / "tests/zoo/hf_llama.py"
+    pytest.importorskip("transformers")
+    g = _graph("tests/zoo/hf_llama.py", {})
+    styles = {i: {f"{layer.name}.self_attn.{p}": s for p, s in (("q_proj", "colwise"), ("k_proj", "colwise"),
+                                                                ("v_proj", "colwise"), ("o_proj", "rowwise"))}
+              for i, layer in enumerate(g.layers) if layer.name not in ("pre", "post")}
+    plan = uniform_plan(model=ModelRef(str(path), {}, "hf_llama", g.fingerprint), num_layers=len(g.layers),
+                        cp=2, tp=2, micro_batch=2, recompute=recompute, tp_styles_per_layer=styles)
+    assert dry_run(plan, g, load_model_file(path)) is None

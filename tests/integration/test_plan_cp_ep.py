@@ -23,8 +23,10 @@ from autopar.simulator.plan_price import price_plan
 def test_space_admits_cp_on_runnable_meshes_and_ep_dividing_dp_x_cp():
     meshes = mesh_candidates(8, gpus_per_node=8, num_layers=4, global_batch=8, cp_choices=(1, 2, 4), ep_choices=(1, 2))
     cps = [m for m in meshes if m.cp > 1]
-    # the runtime runs cp with dp and ZeRO only (core/cp_support.CP_RUNTIME_EXCLUDES)
-    assert {(m.dp, m.cp) for m in cps} == {(4, 2), (2, 4)} and all(m.tp == m.pp == 1 for m in cps)
+    # the runtime runs cp with dp, tp (+ sp), ZeRO and recompute, not with pp (cp_support.CP_RUNTIME_EXCLUDES):
+    # 8 = dp x cp x tp with tp a power of two, dp dividing the batch of 8
+    assert {(m.dp, m.cp, m.tp) for m in cps} == {(4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (1, 4, 2)}
+    assert all(m.pp == 1 for m in cps) and any(m.sequence_parallel for m in cps)
     assert all((m.dp * m.cp) % m.ep == 0 for m in meshes)
     assert Mesh(dp=1, tp=8, ep=1) in [Mesh(dp=m.dp, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep) for m in meshes]
     assert not any(m.ep == 2 and m.dp * m.cp == 1 for m in meshes)
@@ -44,8 +46,7 @@ def tiny():
     (0, dict(ep=2), "has no routed experts"),
     (1, dict(ep=3), "do not split into 3"),
     (1, dict(ep=4, dp=2), "borrows its ranks from dp x cp = 2"),
-    (0, dict(cp=2, tp=2), "the runtime runs context parallelism with data parallelism and ZeRO only"),
-    (0, dict(cp=2, recompute=("full",)), "--recompute full"),
+    (0, dict(cp=2, pp=2), "the runtime runs context parallelism with data and tensor parallelism, ZeRO and recompute"),
     (0, dict(cp=64), "2 x cp = 128 equal chunks"),
 ])
 def test_fixed_cp_ep_refused_with_the_reason(tiny, which, knobs, says):
@@ -60,6 +61,8 @@ def test_fixed_cp_ep_accepted(tiny):
     o = constrain(PlanOptions(global_batch=8, cp=2), tiny[0], cluster)
     from autopar.planner.constraints import candidate_meshes
     assert {m.cp for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {2}
+    o = constrain(PlanOptions(global_batch=8, cp=2, tp=2, recompute=("full",)), tiny[0], cluster)
+    assert {(m.cp, m.tp) for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {(2, 2)}
     o = constrain(PlanOptions(global_batch=8, ep=4), tiny[1], cluster)
     assert {m.ep for m in candidate_meshes(o, cluster, len(tiny[1].layers), tiny[1])} == {4}
 

@@ -5,7 +5,9 @@ cp 2 on a GPT with learned position embeddings and SDPA attention (examples/gpt.
 zoo's Hugging Face Llama (rotary positions from ``position_ids``, attention through
 transformers' SDPA interface), both causal, with the load-balanced head-tail split.  Every
 2-rank case runs in one torchrun launch, the 4-rank cases (dp 2 x cp 2, DDP-style replicate
-and FSDP2 ZeRO-3 over dp x cp) in another; each must give, over 5 steps, the losses of
+and FSDP2 ZeRO-3 over dp x cp; cp 2 x tp 2 with Megatron's split, without and with sequence
+parallelism) in another, full and selective recompute among the 2-rank ones; each must give,
+over 5 steps, the losses of
 ``tests/plain_loop.py`` (which never enters the runtime) within 1e-5 and its final parameters.
 
 The head-tail split itself is checked against its definition on a hand-written case.
@@ -28,17 +30,30 @@ MODELS = {
 }
 GLOBAL_BATCH = 4
 STEPS = 5
+# Megatron's split of each block (colwise in, rowwise out), as tests/integration/test_zoo_parity.py
+TP_STYLES = {
+    "gpt": {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"},
+    "llama": {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+              "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+              "mlp.down_proj": "rowwise"},
+}
 
 # name -> (model, uniform_plan arguments); dp * micro_batch * num_microbatches = GLOBAL_BATCH
 TWO_RANK = {
     "gpt_cp2": ("gpt", dict(cp=2, micro_batch=4)),
     "llama_cp2": ("llama", dict(cp=2, micro_batch=4)),
     "gpt_cp2_grad_accum": ("gpt", dict(cp=2, micro_batch=2, num_microbatches=2)),
+    # recompute: the rerun in backward attends over the whole sequence too (runtime/recompute.py)
+    "gpt_cp2_recompute_full": ("gpt", dict(cp=2, micro_batch=4, recompute="full")),
+    "llama_cp2_recompute_selective": ("llama", dict(cp=2, micro_batch=4, recompute="selective")),
 }
 FOUR_RANK = {
     "gpt_dp2_cp2": ("gpt", dict(dp=2, cp=2, micro_batch=2)),
     "gpt_dp2_cp2_zero3": ("gpt", dict(dp=2, cp=2, micro_batch=2, zero=3)),
     "llama_dp2_cp2_zero3": ("llama", dict(dp=2, cp=2, micro_batch=2, zero=3)),
+    # cp x tp: each rank's heads of its tokens; K/V gathered over the cp group of its tp coordinate
+    "gpt_cp2_tp2": ("gpt", dict(cp=2, tp=2, micro_batch=4)),
+    "llama_cp2_tp2_sp_zero3": ("llama", dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True, zero=3)),
 }
 
 
@@ -55,6 +70,9 @@ def _plan(path: Path, model: str, **kw) -> Path:
 
     g = _graph(model, kw["micro_batch"])
     file, args = MODELS[model]
+    if kw.get("tp", 1) > 1:
+        kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in TP_STYLES[model].items()}
+                                     for i, layer in enumerate(g.layers) if layer.name not in ("pre", "post")}
     plan = uniform_plan(model=ModelRef(str(file), dict(args), model, g.fingerprint), num_layers=len(g.layers), **kw)
     assert plan.global_batch == GLOBAL_BATCH
     save_plan(plan, path)
@@ -99,7 +117,7 @@ def test_cp2_matches_reference(two_rank_runs, name):
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(FOUR_RANK))
-def test_dp2_cp2_matches_reference(four_rank_runs, name):
+def test_four_rank_cp_matches_reference(four_rank_runs, name):
     case = four_rank_runs[name]
     assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), _reference(case["model"]), name)
 

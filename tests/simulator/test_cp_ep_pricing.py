@@ -310,3 +310,60 @@ def test_cp_exchange_of_tensor_parallel_heads(llama, h100):
     assert whole.wire_fwd == local_kv and split.wire_fwd == local_kv / 2
     # the mask [S/cp, S] is not split by heads
     assert whole.saved_bytes - split.saved_bytes == pytest.approx(local_kv / 2)
+
+
+def test_experts_inside_an_opaque_module_recognised_and_split(h100):
+    """tests/zoo/deepseek_moe.py routes with a per-expert ``torch.where`` (data-dependent shapes),
+    so capture keeps its MoE opaque (a ``leaf`` op holding the router, 4 routed experts and the
+    shared expert); the experts are still found from the leaf's parameters and the ``topk`` it
+    ran, and ep 2 moves only the routed experts' weights (4 SwiGLUs of 3 x 32 x 16) and adds the
+    dispatch / combine all-to-alls."""
+    cluster, cm = h100
+    g = capture_model_file("tests/zoo/deepseek_moe.py", {}, 1)
+    i = next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.1")
+    assert [o.kind for o in g.layer_ops(i) if o.module_path == "blocks.1.mlp"] == ["leaf"]
+    (r,) = routed_experts(g, i)
+    experts_numel = 4 * 3 * 32 * 16
+    assert (r.module, r.form, r.experts, r.top_k, r.hidden, r.tokens, r.param_numel) == \
+        ("blocks.1.mlp.experts", "module_list", 4, 2, 32, 8, experts_numel)
+    assert "blocks.1.mlp.shared_experts.up_proj.weight" not in r.param_names
+    assert ep_refusal(g, 2) is None and "do not split" in ep_refusal(g, 3)
+    one = _cost(g, Mesh(dp=4), cluster, cm, i=i)
+    two = _cost(g, Mesh(dp=4, ep=2), cluster, cm, i=i)
+    assert one.param_numel - two.param_numel == pytest.approx(experts_numel / 2)
+    message = 8 * 2 * 32 * BF16                     # T x k x h of one micro-batch, bf16
+    t = _ring(1.0, message, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
+    assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
+    # the dense first block has no experts
+    assert routed_experts(g, next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.0")) == ()
+
+
+def test_cp_gather_reruns_in_recompute(llama, h100, monkeypatch):
+    """A recomputed layer under cp reruns its K/V all-gather in backward, full or selective (the
+    runtime's selective policy saves matmul outputs, not the gather's): the recompute's
+    collective time is the forward gather's, and the bytes it sends count again."""
+    import dataclasses
+
+    from autopar.simulator import cp_cost
+
+    cluster, cm = h100
+    i = _block(llama)
+    mesh = Mesh(dp=1, cp=2)
+    layout = propagate(llama, i, {}, 1, False)
+    links = mesh_links(cluster, mesh)
+
+    def cost(mode):
+        return compute_layer_cost(llama, i, layout, LayerPlan(layer=i, recompute=mode), mesh, 1, "bf16", cm, links)
+
+    none, sel, full = cost("none"), cost("selective"), cost("full")
+    local_kv = 2 * HEADS * (SEQ // 2) * HEAD_DIM * BF16
+    t = _ring(1.0, 2 * local_kv, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
+    assert sel.tp_wire_bytes - none.tp_wire_bytes == pytest.approx(local_kv)
+    assert full.tp_wire_bytes - none.tp_wire_bytes == pytest.approx(local_kv)
+    # the same layer with the exchange priced at nothing: its recompute is shorter by the gather
+    real = cp_cost.cp_layer_terms
+    monkeypatch.setattr(cp_cost, "cp_layer_terms", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), fwd_s=0.0, bwd_s=0.0, wire_fwd=0.0, wire_bwd=0.0))
+    assert sel.recompute_s - cost("selective").recompute_s == pytest.approx(t, rel=1e-9)
+    assert full.recompute_s - cost("full").recompute_s == pytest.approx(t, rel=1e-9)
+    assert none.recompute_s == cost("none").recompute_s == 0.0

@@ -1,0 +1,67 @@
+"""Plan, then run, with context and expert parallelism: ``autopar plan --cp 2`` (the zoo's Llama
+and GPT-2, both attending through SDPA; the zoo's nanoGPT writes its attention as matmul and
+softmax, which cp refuses) and ``autopar plan --ep 2`` (the zoo's Mixtral, MoE and DeepSeek-V3
+style MoE) on a 2-device gloo cluster writes a plan with that degree, and ``autopar run`` of the
+plan it printed trains 2 steps on 2 ranks: exit 0, finite losses, the measured file written for
+that plan, and the run saying it ran cp = 2 / ep = 2.
+
+The plan is made in the test process (tests/cli_inprocess.run_cli, with the planner's runtime
+check on fake ranks), the run under torchrun as ``autopar run`` starts it (a free port).  A
+global batch of 2: the cp plans hold it on one dp rank, the ep plans one sample per rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from runtime_support import ROOT, worker_env
+from test_zoo_plan_run import CLUSTER
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+ZOO = ROOT / "tests" / "zoo"
+STEPS = 2
+CASES = {
+    "hf_llama_cp2": ("hf_llama.py", "cp"),
+    "hf_gpt2_cp2": ("hf_gpt2.py", "cp"),
+    "hf_mixtral_ep2": ("hf_mixtral.py", "ep"),
+    "moe_ep2": ("moe.py", "ep"),
+    "deepseek_moe_ep2": ("deepseek_moe.py", "ep"),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cluster") / "two-cpu.yaml"
+    path.write_text(CLUSTER)
+    return path
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_with_cp_or_ep_then_run_trains(name, cluster_file, tmp_path):
+    from cli_inprocess import run_cli
+
+    pytest.importorskip("transformers")
+    model, axis = CASES[name]
+    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
+    r = run_cli("plan", ZOO / model, "--cluster", cluster_file, "--global-batch", "2", f"--{axis}", "2",
+                "--time-budget", "2", "-o", plan_path, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(plan_path.read_text())
+    assert plan["mesh"][axis] == 2 and plan["mesh"]["world_size"] == 2, plan["mesh"]
+    left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
+    assert left[{"cp": "context parallel (used)", "ep": "expert parallel (used)"}[axis]] == f"{axis} 2 fixed by --{axis}"
+    ran = subprocess.run(
+        [sys.executable, "-m", "autopar.cli", "run", str(plan_path), "--steps", str(STEPS), "--warmup-steps", "0",
+         "--measured", str(measured)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=worker_env())
+    out = ran.stdout + ran.stderr
+    assert ran.returncode == 0, f"{name} {plan['mesh']}:\n{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
+    assert f" {axis}=2" in out, out[-2000:]
+    m = json.loads(measured.read_text())
+    assert m["plan"] == str(plan_path) and m["world_size"] == 2 and m["global_batch"] == 2
+    assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"]), m["losses"]
