@@ -179,13 +179,24 @@ class OpGraph:
         model captured at micro-batch 1 (the runtime's check) and at 2 (the planner's capture)
         would differ by that op alone.
         """
+        return self._hash(skip_views=True)
+
+    @property
+    def fingerprints(self) -> tuple[str, str]:
+        """(``fingerprint``, the fingerprint autopar wrote before it left the views out): what a
+        plan file or a checkpoint of this model may carry.  Plans and checkpoints written before
+        that change hold the second; the runtime accepts both (runtime/plan_check.py,
+        runtime/checkpointing.py), so they still run and resume."""
+        return self._hash(skip_views=True), self._hash(skip_views=False)
+
+    def _hash(self, skip_views: bool) -> str:
         h = hashlib.sha256()
         h.update(json.dumps(
             {"params_total": self.params_total, "param_dtype": self.param_dtype,
              "model_args": {k: self.model_args[k] for k in sorted(self.model_args)}},
             sort_keys=True, default=str).encode())
         for o in self.ops:
-            if o.kind == "view" and not o.params:
+            if skip_views and o.kind == "view" and not o.params:
                 continue
             h.update(f"{o.kind}|{o.target}|{o.module_path}|{','.join(o.params)}|{o.param_numel}\n".encode())
         return h.hexdigest()[:16]

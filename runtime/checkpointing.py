@@ -110,12 +110,18 @@ class CheckpointIdentity:
     world_size: int
     mesh: dict
     zero: int
+    #: the model's other fingerprints (core/graph.OpGraph.fingerprints: the one written before
+    #: parameter-free views were left out), which a checkpoint of the same model may carry
+    also: tuple[str, ...] = ()
 
     @classmethod
-    def of_plan(cls, plan) -> "CheckpointIdentity":
+    def of_plan(cls, plan, graph=None) -> "CheckpointIdentity":
+        """``graph``: the plan's model as the runtime captured it; a checkpoint holding any of its
+        fingerprints is this model's."""
         m = plan.mesh
+        also = tuple(f for f in graph.fingerprints if f != plan.model.fingerprint) if graph is not None else ()
         return cls(fingerprint=plan.model.fingerprint, world_size=plan.world_size,
-                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero)
+                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero, also=also)
 
 
 @dataclass(frozen=True)
@@ -348,7 +354,7 @@ def check_manifest(path: Path, manifest: dict, identity: CheckpointIdentity) -> 
     if manifest["step"] != step:
         raise CheckpointError(f"checkpoint {path}: its manifest says step {manifest['step']} but the folder is "
                               f"step {step}. {_what_to_do(path)}")
-    if manifest["model_fingerprint"] != identity.fingerprint:
+    if manifest["model_fingerprint"] not in (identity.fingerprint, *identity.also):
         raise CheckpointError(
             f"checkpoint {path} holds a model whose graph fingerprint is {manifest['model_fingerprint']}, but "
             f"this plan is for {identity.fingerprint}: it is another model's checkpoint (or the model changed). "

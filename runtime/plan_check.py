@@ -62,7 +62,7 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
     from autopar.core.capture import capture_model_file
 
     graph = capture_model_file(str(model_path), dict(plan.model.args), plan.micro_batch)
-    if graph.fingerprint != plan.model.fingerprint:
+    if plan.model.fingerprint not in graph.fingerprints:      # the second: plans written before views left it
         raise PlanFileError(
             f"plan file {plan_path} was made for a model whose graph fingerprint is {plan.model.fingerprint}, "
             f"but {model_path} with model args {dict(plan.model.args)} captures to {graph.fingerprint}: the "

@@ -523,3 +523,49 @@ def test_an_einsum_product_is_priced_as_the_matmul_it_spells():
         times[(use, "flops")] = last.fwd_flops
     assert times[(True, "flops")] == times[(False, "flops")]
     assert times[True] == pytest.approx(times[False], rel=0.05)
+
+
+def _fingerprint_with_every_op(graph) -> str:
+    """The fingerprint as autopar wrote it before parameter-free views were left out: the same
+    hash over every op (the formula of core/graph.py at commit e150930, written out here)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"params_total": graph.params_total, "param_dtype": graph.param_dtype,
+                         "model_args": {k: graph.model_args[k] for k in sorted(graph.model_args)}},
+                        sort_keys=True, default=str).encode())
+    for o in graph.ops:
+        h.update(f"{o.kind}|{o.target}|{o.module_path}|{','.join(o.params)}|{o.param_numel}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def test_plan_and_checkpoint_with_the_earlier_fingerprint_still_accepted(tmp_path):
+    """A plan file printed before the fingerprint left views out carries the hash over every op; the
+    runtime's plan check and checkpoint check take it as this model's, and refuse another hash."""
+    from autopar.core.errors import PlanFileError
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+    from autopar.runtime.checkpointing import CheckpointError, CheckpointIdentity, check_manifest
+    from autopar.runtime.plan_check import check_plan
+
+    args = dict(layers=2, hidden=64, heads=4, seq=32, vocab=100)
+    g = capture_model_file(GPT, args, batch_size=2)
+    old = _fingerprint_with_every_op(g)
+    assert old != g.fingerprint and any(o.kind == "view" and not o.params for o in g.ops)
+    for fingerprint, ok in ((old, True), (g.fingerprint, True), ("0123456789abcdef", False)):
+        path = tmp_path / f"{fingerprint}.json"
+        plan = uniform_plan(model=ModelRef(file=str(GPT), args=args, name="gpt", fingerprint=fingerprint),
+                            num_layers=len(g.layers), dp=1, micro_batch=2, num_microbatches=1)
+        save_plan(plan, path)
+        if not ok:
+            with pytest.raises(PlanFileError, match="fingerprint"):
+                check_plan(path, None)
+            continue
+        checked = check_plan(path, None)
+        identity = CheckpointIdentity.of_plan(checked.plan, checked.graph)
+        step = tmp_path / "step_00000003"          # _STEP_DIR: eight digits or more
+        for saved in (old, g.fingerprint):       # a checkpoint written under either hash resumes
+            check_manifest(step, {"step": 3, "model_fingerprint": saved, "files": {".metadata": {}}}, identity)
+        with pytest.raises(CheckpointError, match="another model"):
+            check_manifest(step, {"step": 3, "model_fingerprint": "0123456789abcdef", "files": {".metadata": {}}},
+                           identity)
