@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from autopar.core.rules import dp_admitted, pp_admitted, tp_admitted
-from autopar.planner.space import divisors, powers_of_two_up_to
+from autopar.planner.integers import divisors, powers_of_two_up_to
 
 
 @dataclass(frozen=True)

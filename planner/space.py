@@ -32,6 +32,9 @@ from autopar.core.plan import LayerPlan, Mesh
 # imported from here too)
 from autopar.core.rules import (ZERO_FAMILIES, interleaved_microbatches_ok, offload_allowed, zero1_shards,
                                 zero_family_of)
+from autopar.planner.axis_rules import MeshLimits, rules_for
+from autopar.planner.integers import divisors, powers_of_two_up_to, prime_factors  # noqa: F401 -- re-exported
+
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -55,39 +58,6 @@ class LayerChoice:
                          zero=self.zero, recompute=self.recompute, offload=self.offload)
 
 
-def powers_of_two_up_to(n: int) -> list[int]:
-    out, p = [], 1
-    while p <= n:
-        out.append(p)
-        p *= 2
-    return out
-
-
-def prime_factors(n: int) -> dict[int, int]:
-    """{prime: exponent} of ``n >= 1`` by trial division (2, then odd numbers): at most
-    sqrt(n) / 2 divisions, so instant for any global batch the CLI admits (core.cli_types)."""
-    out: dict[int, int] = {}
-    p = 2
-    while p * p <= n:
-        while n % p == 0:
-            out[p] = out.get(p, 0) + 1
-            n //= p
-        p += 1 if p == 2 else 2
-    if n > 1:
-        out[n] = out.get(n, 0) + 1
-    return out
-
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n`` in increasing order, built from its prime factors."""
-    if n < 1:
-        return []
-    out = [1]
-    for p, e in prime_factors(n).items():
-        out = [d * p ** k for d in out for k in range(e + 1)]
-    return sorted(out)
-
-
 def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, global_batch: int,
                     max_tp: int | None = None, tp_inside_node: bool = True,
                     sequence_parallel: bool = True, cp_choices: tuple[int, ...] = (1,),
@@ -107,8 +77,6 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     (simulator/ep_cost.ep_degrees), each on every mesh whose dp x cp it divides (ep borrows
     those ranks: core/parallel_dims.py).
     """
-    from autopar.planner.axis_rules import MeshLimits, rules_for    # it reads this module's divisors
-
     limits = MeshLimits(gpus_per_node=gpus_per_node, num_layers=num_layers, global_batch=global_batch,
                         max_tp=max_tp, tp_inside_node=tp_inside_node, cp_choices=tuple(cp_choices))
     names = tuple(a.name for a in mesh_class.axes)

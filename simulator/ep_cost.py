@@ -43,10 +43,10 @@ import re
 from dataclasses import dataclass
 
 from autopar.core.graph import OpGraph
+# the busiest expert's tokens over the mean (Switch Transformer's training capacity factor), defined
+# beside TrainingCode.expert_load, whose default it is
+from autopar.simulator.training_code import CAPACITY_FACTOR
 
-#: the busiest expert's tokens over the mean: Switch Transformer's training capacity factor
-#: (Fedus et al. 2022, Sec. 2.2, Table 1)
-CAPACITY_FACTOR = 1.25
 
 _INDEXED = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
 #: a max over the scores that returns the chosen index (Tensor.max(dim), aten.max.dim, argmax); not amax

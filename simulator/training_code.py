@@ -29,11 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.core.dtypes import DTYPE_BYTES
-from autopar.simulator.ep_cost import CAPACITY_FACTOR
 
 from autopar.simulator.optimizer_step import TORCH_ADAMW, OptimizerRuntime
 from autopar.simulator.pipeline_p2p import TORCH_PIPELINING, P2PRuntime
 from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
+
+#: the busiest expert's tokens over the mean: Switch Transformer's training capacity factor
+#: (Fedus et al. 2022, Sec. 2.2, Table 1); simulator/ep_cost.py prices expert parallelism with it
+CAPACITY_FACTOR = 1.25
 
 #: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
 #: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
@@ -65,7 +68,7 @@ class TrainingCode:
     #: ``context_parallel``: each rank computes only the causal pairs of its chunks, no mask tensor)
     cp_attention: str = "explicit_mask"
     #: the busiest expert's tokens over the mean under expert parallelism (simulator/ep_cost.py
-    #: ``expert_work``): Switch Transformer's training capacity factor, ep_cost.CAPACITY_FACTOR, for
+    #: ``expert_work``): Switch Transformer's training capacity factor, CAPACITY_FACTOR above, for
     #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
     #: forces every expert the same number of tokens)
     expert_load: float = CAPACITY_FACTOR
