@@ -2,8 +2,9 @@
 and GPT-2, both attending through SDPA; the zoo's nanoGPT writes its attention as matmul and
 softmax, which cp refuses) and ``autopar plan --ep 2`` (the zoo's Mixtral, MoE and DeepSeek-V3
 style MoE) on a 2-device gloo cluster writes a plan with that degree, and ``autopar run`` of the
-plan it printed trains 2 steps on 2 ranks: exit 0, finite losses, the measured file written for
-that plan, and the run saying it ran cp = 2 / ep = 2.
+plan it printed (``runtime.run_cli.run_plan``, what the verb runs) trains 2 steps on 2 ranks:
+exit 0, finite losses, the measured file written for that plan, and the run saying it ran
+cp = 2 / ep = 2.
 
 The plan is made in the test process (tests/cli_inprocess.run_cli, with the planner's runtime
 check on fake ranks), the run under torchrun as ``autopar run`` starts it (a free port).  A
@@ -13,12 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from runtime_support import ROOT, worker_env
+from runtime_support import ROOT
 from test_zoo_plan_run import CLUSTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -55,12 +54,16 @@ def test_plan_with_cp_or_ep_then_run_trains(name, cluster_file, tmp_path):
     assert plan["mesh"][axis] == 2 and plan["mesh"]["world_size"] == 2, plan["mesh"]
     left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
     assert left[{"cp": "context parallel (used)", "ep": "expert parallel (used)"}[axis]] == f"{axis} 2 fixed by --{axis}"
-    ran = subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "run", str(plan_path), "--steps", str(STEPS), "--warmup-steps", "0",
-         "--measured", str(measured)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=worker_env())
-    out = ran.stdout + ran.stderr
-    assert ran.returncode == 0, f"{name} {plan['mesh']}:\n{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
+    # autopar run's launch function, in this process (``autopar run PLAN --steps 2 --warmup-steps 0``
+    # as a function: the plan check, then torchrun; planner/trial_steps.py starts plans the same
+    # way): a fresh interpreter would import torch and capture the model again, ~5 s a case
+    from autopar.runtime.run_cli import run_plan
+
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        code = run_plan(plan_path, steps=STEPS, warmup_steps=0, log=log)
+    out = log_path.read_text()
+    assert code == 0, f"{name} {plan['mesh']}:\n{out[-4000:]}"
     assert f" {axis}=2" in out, out[-2000:]
     m = json.loads(measured.read_text())
     assert m["plan"] == str(plan_path) and m["world_size"] == 2 and m["global_batch"] == 2

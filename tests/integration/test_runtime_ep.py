@@ -329,29 +329,30 @@ def test_runtime_check_applies_ep_on_fake_ranks():
 @pytest.mark.multiproc
 def test_autopar_run_of_an_edited_printed_plan_with_ep_trains(tmp_path):
     """``autopar plan`` (dp 2 fixed) prints a plan; setting its ``mesh.ep`` to 2 by hand (the
-    JSON a user edits) and ``autopar run`` of it trains the zoo's MoE like the plain loop."""
-    import subprocess
-
-    from runtime_support import worker_env
+    JSON a user edits) and ``autopar run`` of it trains the zoo's MoE like the plain loop.  Both
+    verbs run in this process (tests/cli_inprocess.run_cli; ``runtime.run_cli.run_plan``, what
+    ``autopar run`` calls), the ranks under torchrun."""
+    from cli_inprocess import run_cli
     from test_zoo_plan_run import CLUSTER
+
+    from autopar.runtime.run_cli import run_plan
 
     cluster = tmp_path / "two-cpu.yaml"
     cluster.write_text(CLUSTER)
-    printed, edited, measured = tmp_path / "plan.json", tmp_path / "plan_ep.json", tmp_path / "measured.json"
-    planned = subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "plan", str(ZOO / "moe.py"), "--cluster", str(cluster),
-         "--global-batch", "4", "--dp", "2", "--time-budget", "2", "-o", str(printed)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=worker_env())
+    printed, edited = tmp_path / "plan.json", tmp_path / "plan_ep.json"
+    measured = edited.with_name("measured.json")
+    planned = run_cli("plan", ZOO / "moe.py", "--cluster", cluster, "--global-batch", "4", "--dp", "2",
+                      "--time-budget", "2", "-o", printed)
     assert planned.returncode == 0, planned.stderr[-3000:]
     plan = json.loads(printed.read_text())
     assert plan["mesh"]["dp"] == 2 and plan["mesh"]["ep"] == 1, plan["mesh"]
     plan["mesh"]["ep"] = 2
     edited.write_text(json.dumps(plan, indent=1))
-    ran = subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "run", str(edited), "--steps", str(STEPS), "--measured", str(measured)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=worker_env())
-    assert ran.returncode == 0, f"{ran.stdout[-2000:]}\n{ran.stderr[-4000:]}"
-    assert "ep=2" in ran.stdout + ran.stderr
+    with open(tmp_path / "run.log", "w") as log:
+        code = run_plan(edited, steps=STEPS, log=log)
+    out = (tmp_path / "run.log").read_text()
+    assert code == 0, out[-4000:]
+    assert "ep=2" in out
     losses = json.loads(measured.read_text())["losses"]
     want = plain("moe", 1).losses
     assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)
