@@ -8,8 +8,6 @@ has no sequence at all.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,10 +47,11 @@ def test_sdpa_models_take_cp(path, args):
 
 
 def test_plan_cp2_for_nanogpt_exits_2_with_the_reason(tmp_path):
+    from cli_inprocess import run_cli
+
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", "tests/zoo/nanogpt.py", "--cluster", "local-cpu",
-                        "--global-batch", "4", "--cp", "2", "--time-budget", "4", "-o", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_cli("plan", "tests/zoo/nanogpt.py", "--cluster", "local-cpu", "--global-batch", "4", "--cp", "2",
+                "--time-budget", "4", "-o", out, cwd=ROOT)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--cp 2" in r.stderr and "explicit matmul and softmax" in " ".join(r.stderr.split())
     assert not out.exists()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,10 +17,12 @@ GPT = ["examples/gpt.py", "--model-arg", "layers=4", "--model-arg", "hidden=64",
 
 
 def _plan(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    out = tmp_path / "plan.json"
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "plan", *args, "--cluster", "local-cpu",
-                           "--time-budget", "4", "-o", str(out), "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """``autopar plan ...`` in this process (tests/cli_inprocess.run_cli: its stdout, stderr and
+    exit code as a subprocess returns them, without ~3 s of imports per case)."""
+    from cli_inprocess import run_cli
+
+    return run_cli("plan", *args, "--cluster", "local-cpu", "--time-budget", "4", "-o", tmp_path / "plan.json",
+                   "--json", cwd=ROOT)
 
 
 def test_fixed_knobs_are_honoured(tmp_path):

@@ -37,6 +37,7 @@ def _work(row: dict) -> float:
     return row["flops"] if row["kind"] in COMPUTE_KINDS else row["bytes"]
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_profile_has_schema_and_every_kind(quick_profile):
     p = quick_profile
     for key in ("name", "device", "memory_bytes", "memory_bandwidth_Bps", "peak_flops", "efficiency",
@@ -52,6 +53,7 @@ def test_profile_has_schema_and_every_kind(quick_profile):
     assert p["machine"]["torch_version"] == torch.__version__
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_flop_and_byte_counts_match_closed_forms(quick_profile):
     for r in quick_profile["op_table"]:
         if r["kind"] == "linear":
@@ -65,6 +67,7 @@ def test_flop_and_byte_counts_match_closed_forms(quick_profile):
             assert r["bytes"] == 28 * r["shape"][0]
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_op_times_non_decreasing_and_growing_with_size(quick_profile):
     groups: dict[tuple, list[dict]] = {}
     for r in quick_profile["op_table"]:
@@ -83,6 +86,7 @@ def test_op_times_non_decreasing_and_growing_with_size(quick_profile):
     assert _work(copy[-1]) / _work(copy[0]) == 256
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_peaks_recomputed_from_rows(quick_profile):
     p = quick_profile
     best = max(r["flops"] / r["measured_seconds"] for r in p["op_table"] if r["kind"] in ("linear", "matmul"))
@@ -101,6 +105,7 @@ def test_peaks_recomputed_from_rows(quick_profile):
     assert p["efficiency"]["linear"] == pytest.approx(min(1.0, median / p["peak_flops"]["fp32"]), rel=1e-12)
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_profile_validates_and_prices_ops_as_measured(quick_profile, tmp_path):
     from autopar.profiles import load_profile
     from autopar.simulator.cost_model import CostModel
@@ -179,6 +184,7 @@ def test_bad_dtype_is_user_error(tmp_path, capsys):
     assert "fp8" in capsys.readouterr().err
 
 
+@pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_merge_replaces_only_the_sweeps_measured_again(quick_profile):
     from autopar.profiling.profile_file import build_profile
 
