@@ -166,10 +166,7 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
     when ``num_key_value_heads < num_attention_heads``) or any other cut are 0: left whole.
     A cut of the per-head dimension after the heads are viewed out (GPT-NeoX's interleaved qkv,
     rotary's rotate-half) is not one: its size is the head dim, not the output features."""
-    readers: dict[str, list[OpNode]] = {}
-    for name in crossed:
-        for src in by_name[name].inputs:
-            readers.setdefault(src, []).append(by_name[name])
+    readers = _readers(crossed, by_name)
     out: dict[str, int] = {}
     for lin in linears:
         shape = by_name[lin].output_shape
@@ -231,6 +228,16 @@ def _fused_parts(linears: set[str], crossed: set[str], by_name: dict[str, OpNode
     return out
 
 
+def _readers(crossed, by_name: dict[str, OpNode]) -> dict[str, list[OpNode]]:
+    """Tensor name -> the ops of a pair's crossed region that read it (the walks of
+    ``_fused_parts`` and ``_head_counts`` follow a column linear's output through them)."""
+    readers: dict[str, list[OpNode]] = {}
+    for name in crossed:
+        for src in by_name[name].inputs:
+            readers.setdefault(src, []).append(by_name[name])
+    return readers
+
+
 def _head_counts(linears, crossed, by_name: dict[str, OpNode], parts: dict[str, int]) -> dict[str, list[tuple[int, tuple]]]:
     """Column linear -> [(head count, the view's output shape)] for each view on the way to the
     row linear that splits its features -- each part's, for a fused projection of ``parts``
@@ -245,10 +252,7 @@ def _head_counts(linears, crossed, by_name: dict[str, OpNode], parts: dict[str, 
     and the cuts into the parts of a fused projection; a fused view ``[..., k, heads,
     head_dim]`` whose k-dim is taken apart (``_fused_parts``'s "unbind" cut) has its heads
     after the k parts."""
-    readers: dict[str, list[OpNode]] = {}
-    for name in crossed:
-        for src in by_name[name].inputs:
-            readers.setdefault(src, []).append(by_name[name])
+    readers = _readers(crossed, by_name)
     out: dict[str, list[tuple[int, tuple]]] = {}
     for lin in linears:
         shape = by_name[lin].output_shape
