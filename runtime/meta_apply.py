@@ -28,11 +28,10 @@ def _meta_units(plan: Plan, graph: OpGraph, model_file):
     """(the model on the meta device, each layer's module paths, each layer's spec)."""
     from autopar.runtime.materialize import build_meta_model
     from autopar.runtime.parallelize import layer_units
-    from autopar.runtime.plan_check import LayerSpec
+    from autopar.runtime.plan_check import layer_specs
 
     meta = build_meta_model(model_file, dict(plan.model.args))
-    held = [LayerSpec(index=i, name=l.name, module_paths=tuple(l.module_paths), plan=plan.layers[i])
-            for i, l in enumerate(graph.layers)]
+    held = layer_specs(plan, graph)
     return meta, layer_units(meta, held), held
 
 

@@ -38,6 +38,12 @@ class CheckedPlan:
     layers: tuple[LayerSpec, ...]
 
 
+def layer_specs(plan: Plan, graph: OpGraph) -> tuple[LayerSpec, ...]:
+    """Each captured layer with its module paths and the plan's choices for it."""
+    return tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
+                 for i, g in enumerate(graph.layers))
+
+
 def resolve_model_path(plan: Plan, plan_path: Path) -> Path:
     """The plan's model file as given, else relative to the plan file's folder."""
     given = Path(plan.model.file).expanduser()
@@ -79,9 +85,8 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
     from autopar.runtime.fp8_check import check_fp8
 
     check_fp8(plan, plan_path)
-    layers = tuple(LayerSpec(index=i, name=g.name, module_paths=tuple(g.module_paths), plan=plan.layers[i])
-                   for i, g in enumerate(graph.layers))
-    checked = CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph, layers=layers)
+    checked = CheckedPlan(plan=plan, plan_path=plan_path, model_file=model_file, graph=graph,
+                          layers=layer_specs(plan, graph))
     if plan.mesh.cp > 1:
         from autopar.runtime.apply_cp import check_cp_plan
 
