@@ -288,32 +288,50 @@ def _mixtral_tp2_param_bytes() -> int:
     return total
 
 
-@pytest.mark.multiproc
-def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(tmp_path):
-    """dp 2 x tp 2 on 4 ranks: the second tp group is ranks {2, 3}, so the experts' all-reduces
-    must address their group, not global ranks; once with DDP and once with ZeRO-3 (FSDP2
-    wraps the experts' Shard(0) DTensors).  Both train like the plain loop; each rank holds its
-    tp share of the parameters (ZeRO-3: half of that, sharded over dp)."""
+DP2_TP2_KINDS = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+DP2_TP2_MODELS = ("hf_mixtral", "hf_gpt2")
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2_runs(tmp_path_factory):
+    """(cases, launch output): each of ``DP2_TP2_MODELS`` at dp 2 x tp 2 under DDP and ZeRO-3, all
+    four plans trained in one 4-rank torchrun launch (tests/zoo_worker.py)."""
     pytest.importorskip("transformers")
-    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
+    tmp = tmp_path_factory.mktemp("dp2_tp2")
     cases = []
-    for kind, kw in kinds.items():
-        base = tmp_path / kind
-        cases.append({"model": "hf_mixtral", "kind": kind, "steps": STEPS,
-                      "plan": str(_plan("hf_mixtral", "tp", kw, base.with_suffix(".json"))),
-                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
-    want = plain("hf_mixtral", 1).losses
-    for c in cases:
+    for model in DP2_TP2_MODELS:
+        for kind, kw in DP2_TP2_KINDS.items():
+            base = tmp / f"{model}_{kind}"
+            cases.append({"model": model, "kind": kind, "steps": STEPS,
+                          "plan": str(_plan(model, "tp", kw, base.with_suffix(".json"))),
+                          "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    return cases, torchrun(4, str(WORKER), str(tmp / "cases.json"), timeout_s=900)
+
+
+def _dp2_tp2_matches_plain_loop(runs, model: str, tp2_param_bytes: int) -> None:
+    """Each of ``model``'s dp 2 x tp 2 runs trained like the plain loop, and every rank holds
+    ``tp2_param_bytes`` of parameters (ZeRO-3: half of that, sharded over dp)."""
+    cases, out = runs
+    want = plain(model, 1).losses
+    for c in (c for c in cases if c["model"] == model):
         assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
         got = json.loads(Path(c["result"]).read_text())
         assert "losses" in got, f"{c['kind']}: {got}"
         diff = max(abs(a - b) for a, b in zip(got["losses"], want))
         assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
         state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
-        per_rank = _mixtral_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
+        per_rank = tp2_param_bytes // (2 if "zero3" in c["kind"] else 1)
         assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
+
+
+@pytest.mark.multiproc
+def test_hf_mixtral_experts_split_on_a_tp_group_off_rank_0(dp2_tp2_runs):
+    """dp 2 x tp 2 on 4 ranks: the second tp group is ranks {2, 3}, so the experts' all-reduces
+    must address their group, not global ranks; once with DDP and once with ZeRO-3 (FSDP2
+    wraps the experts' Shard(0) DTensors).  Both train like the plain loop; each rank holds its
+    tp share of the parameters (ZeRO-3: half of that, sharded over dp)."""
+    _dp2_tp2_matches_plain_loop(dp2_tp2_runs, "hf_mixtral", _mixtral_tp2_param_bytes())
 
 
 def _gpt2_tp2_param_bytes() -> int:
@@ -358,31 +376,12 @@ def test_hf_gpt2_tp_parameters_predicted_as_held(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_hf_gpt2_fused_split_under_dp2_tp2(tmp_path):
+def test_hf_gpt2_fused_split_under_dp2_tp2(dp2_tp2_runs):
     """dp 2 x tp 2 on 4 ranks with c_attn split per part: with DDP (FSDP2's replicate, which
     sums the replicated c_attn bias's partial gradients over tp) and with ZeRO-3 (FSDP2 shards
     the strided c_attn weight on its other dim: runtime/fused_tp.fsdp_shard_placement).  Both
     train like the plain loop; each rank holds its tp share (ZeRO-3: half of it)."""
-    pytest.importorskip("transformers")
-    kinds = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
-    cases = []
-    for kind, kw in kinds.items():
-        base = tmp_path / kind
-        cases.append({"model": "hf_gpt2", "kind": kind, "steps": STEPS,
-                      "plan": str(_plan("hf_gpt2", "tp", kw, base.with_suffix(".json"))),
-                      "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    out = torchrun(4, str(WORKER), str(tmp_path / "cases.json"), timeout_s=900)
-    want = plain("hf_gpt2", 1).losses
-    for c in cases:
-        assert Path(c["result"]).exists(), f"{c['kind']}: no result\n" + failure_summary(out.stdout + out.stderr)
-        got = json.loads(Path(c["result"]).read_text())
-        assert "losses" in got, f"{c['kind']}: {got}"
-        diff = max(abs(a - b) for a, b in zip(got["losses"], want))
-        assert diff <= LOSS_ATOL, f"{c['kind']}: losses {got['losses']} vs plain loop {want} (max diff {diff:.3g})"
-        state = json.loads(Path(c["measured"]).read_text())["model_state_bytes_per_rank"]
-        per_rank = _gpt2_tp2_param_bytes() // (2 if "zero3" in c["kind"] else 1)
-        assert [r["params_bytes"] for r in state] == [per_rank] * 4, (c["kind"], state, per_rank)
+    _dp2_tp2_matches_plain_loop(dp2_tp2_runs, "hf_gpt2", _gpt2_tp2_param_bytes())
 
 
 @pytest.mark.multiproc
