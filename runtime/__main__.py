@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         check_output_paths(opts)
         run(opts)
     except stop_signals.RunStopped as e:
+        stop_signals.ending()
         code = report_stop(e)
     except Exception as e:  # noqa: BLE001 -- every failure becomes one message and one exit code
+        stop_signals.ending()                # a SIGTERM torchrun sends now must not cut the report short
         if stop_signals.received():
             # torchrun signalled this rank (a peer died, or the user stopped the run) and a
             # collective with the gone peer failed: a consequence, not a cause -- stay quiet
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         from autopar.runtime.mesh import shutdown
 
+        stop_signals.ending()                # torchrun's SIGTERM during teardown: recorded, not raised
         shutdown()
     return code
 

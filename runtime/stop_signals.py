@@ -9,6 +9,10 @@ peers would hang or print "Connection closed by peer", mid-checkpoint the save w
 
 * before the training loop (plan checks, model build, resume) a signal raises ``RunStopped``
   at once: nothing has been trained, there is nothing to save;
+* once the rank is leaving (``ending()``: the run trained, failed or stopped, and the process
+  group is being destroyed) it only records the signal too: torchrun sends SIGTERM to every
+  rank when one exits with an error, and raising then, inside ``destroy_process_group``, would
+  print a traceback after the failing rank's message;
 * inside the loop (``in_loop()``) it only records the signal.  After each step every rank
   calls ``agreed_signal`` -- one all-reduce (MAX) of the signal number, outside the step's
   clock -- so all ranks see the request after the same step, even when the signal reached
@@ -24,7 +28,7 @@ from __future__ import annotations
 import signal
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_state = {"signal": 0, "in_loop": False}
+_state = {"signal": 0, "in_loop": False, "ending": False}
 
 
 class RunStopped(BaseException):
@@ -50,7 +54,7 @@ def signal_name(signum: int) -> str:
 def _handler(signum, frame) -> None:
     if not _state["signal"]:
         _state["signal"] = signum
-    if not _state["in_loop"]:
+    if not _state["in_loop"] and not _state["ending"]:
         raise RunStopped(signum, f"stopped by {signal_name(signum)} before training began; nothing was trained "
                                  f"or saved.")
 
@@ -82,6 +86,11 @@ def install() -> None:
 def in_loop(flag: bool) -> None:
     """Inside the loop a signal is only recorded; outside it stops the rank at once."""
     _state["in_loop"] = flag
+
+
+def ending() -> None:
+    """The rank is leaving (module docstring): from now on a signal is only recorded."""
+    _state["ending"] = True
 
 
 def received() -> int:
