@@ -15,8 +15,15 @@ reduce-scatters: each chunk's gradient summed over the ranks that read it goes b
 owner; ``torch.distributed.nn.functional.all_gather`` is not used because on gloo its
 backward scatters from group rank ``i`` as if it were global rank ``i``, which fails in any
 cp group that does not start at rank 0), the attention is
-torch's own ``F.scaled_dot_product_attention`` with the causal mask of the head-tail layout
-(a query at global position p sees the keys at global positions <= p).
+torch's own ``F.scaled_dot_product_attention``.  Under a causal mask each of the rank's two
+query chunks (chunk ``k`` holds global positions ``[k c, (k + 1) c)``, ``c = S / 2 cp``) attends
+to the key prefix ``[0, (k + 1) c)`` with a lower-right-aligned causal mask
+(``torch.nn.attention.bias.causal_lower_right``): the rank computes only its causal (query,
+key) pairs, half of its S/cp x S block, and no [S/cp, S] mask is built.  On CUDA torch runs
+that as its flash kernel (the kernel's own causal flag aligns lower-right when there are more
+keys than queries) or its memory-efficient kernel with the lower-right mask type, both skipping
+the masked blocks; on the CPU it materialises the chunk's mask.  The simulator prices it as
+``TrainingCode.cp_attention`` = "causal_blocks" (simulator/cp_cost.py).
 
 Why not torch's ``context_parallel`` itself: it dispatches the CUDA SDPA kernels (flash,
 efficient, cuDNN) through DTensor; on the CPU, SDPA lowers to
@@ -120,6 +127,15 @@ class CPAttention(TorchFunctionMode):
         self.positions = head_tail_positions(seq, cp, cp_rank)
         # the global key positions in the order the all-gather returns them (rank order)
         self.key_positions = torch.cat([head_tail_positions(seq, cp, r) for r in range(cp)])
+        # gathered key index of each global position: the gathered K/V put in sequence order
+        self.key_order = torch.argsort(self.key_positions)
+        self.chunk = seq // (2 * cp)
+        self.query_chunks = (cp_rank, 2 * cp - 1 - cp_rank)
+        # made here, outside the mode: a CausalBias (a tensor subclass) cannot be created while a
+        # torch-function mode is handling a call
+        from torch.nn.attention.bias import causal_lower_right
+
+        self.chunk_masks = tuple(causal_lower_right(self.chunk, (k + 1) * self.chunk) for k in self.query_chunks)
         self.positions_from_arange = positions_from_arange
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -164,13 +180,27 @@ class CPAttention(TorchFunctionMode):
         kv = torch.cat([key, value], dim=-1).movedim(seq_dim, 0).contiguous()
         gathered = all_gather_single_autograd(kv, 0, self.group).movedim(0, seq_dim)
         keys, values = gathered.split([key.shape[-1], value.shape[-1]], dim=-1)
-        mask = None
-        if is_causal:
-            q_pos = self.positions.to(query.device)
-            k_pos = self.key_positions.to(query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]           # [S_local, S]
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                              enable_gqa=enable_gqa)
+        if not is_causal:
+            return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=enable_gqa)
+        return self._causal_blocks(query, keys, values, scale, enable_gqa)
+
+    def _causal_blocks(self, query, keys, values, scale, enable_gqa):
+        """Each local query chunk against its causal key prefix (module docstring)."""
+        seq_dim = query.dim() - 2
+        order = self.key_order.to(query.device)
+        keys, values = keys.index_select(seq_dim, order), values.index_select(seq_dim, order)
+        if enable_gqa and keys.shape[-3] != query.shape[-3]:
+            # the kernels that take a lower-right causal mask do not all take grouped K/V heads:
+            # repeat them (what enable_gqa means) before the call
+            groups = query.shape[-3] // keys.shape[-3]
+            keys, values = keys.repeat_interleave(groups, dim=-3), values.repeat_interleave(groups, dim=-3)
+        c = self.chunk
+        outs = []
+        for part, k, mask in zip(query.split(c, dim=seq_dim), self.query_chunks, self.chunk_masks):
+            end = (k + 1) * c
+            outs.append(F.scaled_dot_product_attention(
+                part, keys.narrow(seq_dim, 0, end), values.narrow(seq_dim, 0, end), attn_mask=mask, scale=scale))
+        return torch.cat(outs, dim=seq_dim)
 
 
 class ContextParallel:

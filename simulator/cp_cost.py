@@ -116,13 +116,17 @@ def activation_bytes_per_rank(activation_bytes: float, cp: int) -> float:
 # ----------------------------------------------------------------------- wired into layer_cost
 def cp_attention_op(op, how: str = "explicit_mask"):
     """The attention op as a cp rank runs it: its S/cp queries against all S gathered keys.
-    ``how`` (``TrainingCode.cp_attention``): "explicit_mask" -- autopar's runtime
-    (runtime/apply_cp.CPAttention) passes the head-tail causal mask as an explicit ``attn_mask``,
+    ``how`` (``TrainingCode.cp_attention``): "explicit_mask" -- code that passes the head-tail
+    causal mask as an explicit ``attn_mask`` (autopar's runtime before 2026-11-26),
     and a kernel given a mask computes every (query, key) pair of the S/cp x S block (no flash
     kernel skips the masked half of an arbitrary mask), so a causal op is priced as the full
     square (``causal=False``; the graph's FLOPs are the full square already, core/op_costs.py);
     "causal_blocks" -- the rank computes only its causal pairs, half the block with the head-tail
-    split (``causal_pairs``), priced as the causal kernel.  Its FLOPs on the rank are 1/cp of the
+    split (``causal_pairs``), priced as the causal kernel; autopar's runtime
+    (runtime/apply_cp.CPAttention._causal_blocks) runs each query chunk against its key prefix
+    with a lower-right causal mask.  Its one reorder of the gathered K/V into sequence order (a
+    copy of the gather's message, at memory bandwidth against the gather's link bandwidth) is
+    left out.  Its FLOPs on the rank are 1/cp of the
     whole sequence's, the micro-batch scale divided by cp in layer_cost."""
     if how == "explicit_mask" and getattr(op, "causal", False):
         return replace(op, causal=False)

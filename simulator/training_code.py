@@ -61,12 +61,13 @@ class TrainingCode:
     #: which matmul outputs a selective recompute saves (simulator/selective_mm_policy.py): "all"
     #: (runtime/recompute.py) or "every_other" (torchtitan's op-level policy of 2024)
     selective_mm_policy: str = "all"
-    #: how a context-parallel rank runs attention (simulator/cp_cost.py): "explicit_mask"
-    #: (runtime/apply_cp.py: SDPA on the gathered K/V with the head-tail causal mask as an explicit
-    #: ``attn_mask``, so the kernel computes the whole S/cp x S block and keeps the mask) or
-    #: "causal_blocks" (Llama 3's all-gather CP, Dubey et al. 2024 Sec. 3.3.2, and torch's
-    #: ``context_parallel``: each rank computes only the causal pairs of its chunks, no mask tensor)
-    cp_attention: str = "explicit_mask"
+    #: how a context-parallel rank runs attention (simulator/cp_cost.py): "causal_blocks"
+    #: (runtime/apply_cp.py since 2026-11-26 -- each query chunk against its causal key prefix --,
+    #: Llama 3's all-gather CP, Dubey et al. 2024 Sec. 3.3.2, and torch's ``context_parallel``:
+    #: each rank computes only the causal pairs of its chunks, no mask tensor) or "explicit_mask"
+    #: (code that passes the head-tail causal mask as an explicit ``attn_mask``, as autopar's
+    #: runtime did before: the kernel computes the whole S/cp x S block and keeps the mask)
+    cp_attention: str = "causal_blocks"
     #: the busiest expert's tokens over the mean under expert parallelism (simulator/ep_cost.py
     #: ``expert_work``): Switch Transformer's training capacity factor, CAPACITY_FACTOR above, for
     #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
