@@ -404,12 +404,15 @@ def row_plan(row: dict, graph, cluster):
     v = lay.get("virtual_stages", 1)
     # the row's own ZeRO stage where it states one (the EP rows: 0, benchmarks/data/published_runs_cp_ep.json "about")
     zero = lay.get("zero", 3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0)
+    # sequence parallelism where the row's code ran it (the 405B CP rows: torchtitan's apply_tp has no
+    # TP without it; benchmarks/data/published_runs_cp_ep.json "about"); Megatron-LM of 2021 had none
     plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
                        virtual_stages=v, zero=zero,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),
                        offload="none",
-                       precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
+                       precision="bf16", sequence_parallel=bool(lay.get("sequence_parallel", False)),
+                       cluster_name=cluster.name)
     if rec == "partial":
         # checkpointing every n-th block: the fraction of blocks recomputed is what the row's
         # hardware over model FLOPs says, (hfu / mfu - 1) * 3 (a recomputed forward is 1/3 of a step)

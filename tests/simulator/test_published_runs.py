@@ -331,3 +331,26 @@ def test_moe_example_matches_a_per_token_loop():
         want[t] += s.w2.weight.float() @ (F.silu(s.w1.weight.float() @ flat[t]) * (s.w3.weight.float() @ flat[t]))
     assert want.abs().mean() > 0.5
     assert torch.allclose(got.reshape(-1, 16), want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+
+
+def test_405b_cp_rows_run_torchtitans_sequence_parallel_tp(bench, rows):
+    """torchtitan 9dec370's apply_tp shards the block inputs over the sequence (SequenceParallel norms,
+    Shard(1) outputs) whenever tp > 1, so Table 6's rows are priced sequence-parallel; the rows
+    without it in the file (the 8B CP rows, tp 1; Megatron-LM 2021, before sequence parallelism)
+    are not.  The 405B row's plan is built on a four-block copy of the model (the layout is what is
+    checked, not the model)."""
+    from autopar.core.capture import capture_model_file
+
+    for rid, row in rows.items():
+        if row["family"] == "CP":
+            assert row["layout"].get("sequence_parallel", False) == (row["layout"]["tp"] > 1), rid
+        elif row["family"] == "PTD-P":
+            assert not row["layout"].get("sequence_parallel", False), rid
+    row = json.loads(json.dumps(rows["torchtitan24_cp_405b_512gpu_fsdp2_cp4_seq131072"]))
+    row["model"].update(layers=8, hidden=512, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1024, seq_len=1024)
+    path, args = bench.model_spec(row)
+    graph = capture_model_file(path, args, 1)
+    plan = bench.row_plan(row, graph, bench.row_cluster(row))
+    assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.cp, plan.mesh.sequence_parallel) == (8, 8, 4, True)
+    row["layout"].pop("sequence_parallel")
+    assert not bench.row_plan(row, graph, bench.row_cluster(row)).mesh.sequence_parallel
