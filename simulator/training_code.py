@@ -41,6 +41,9 @@ from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
 #: (Fedus et al. 2022, Sec. 2.2, Table 1); simulator/ep_cost.py prices expert parallelism with it
 CAPACITY_FACTOR = 1.25
 
+#: the token dispatchers simulator/ep_cost.py prices (TrainingCode.ep_dispatch)
+EP_DISPATCHES = ("all_to_all", "deepep")
+
 #: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
 #: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
 #: that name no other kernel
@@ -86,6 +89,10 @@ class TrainingCode:
     #: ranks and stepped there, while the gradients still cross the wire once per step (reduce-scatter
     #: and all-gather: one all-reduce's bytes); autopar's runtime shards nothing at ZeRO-0
     distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"TrainingCode.ep_dispatch {self.ep_dispatch!r}: one of {EP_DISPATCHES}")
 
 
 #: autopar's runtime (runtime/): what every plan the planner writes is priced as

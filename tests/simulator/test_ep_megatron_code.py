@@ -120,3 +120,8 @@ def test_distributed_optimizer_shards_state_not_traffic(mixtral, h100):
     assert (dist.param_bytes, dist.grad_bytes) == (ddp.param_bytes, ddp.grad_bytes)
     assert dist.dp_allreduce_s == ddp.dp_allreduce_s and dist.dp_wire_bytes_per_step == ddp.dp_wire_bytes_per_step
     assert dist.optimizer_s < ddp.optimizer_s
+
+
+def test_unknown_dispatcher_refused():
+    with pytest.raises(ValueError, match="ep_dispatch"):
+        TrainingCode(ep_dispatch="allgather")
