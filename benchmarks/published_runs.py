@@ -560,7 +560,9 @@ MBRIDGE_EXPERT_LOAD = 1.0
 #: * 25.11 (v0.2.0) Qwen3: no flex backend for the 30B (configs/qwen3/workload_base_configs.py), so the
 #:   provider's ``moe_token_dispatcher_type = "alltoall"`` (src/megatron/bridge/models/qwen/qwen_provider.py);
 #: * 26.04.01 (v0.4.2) GPT-OSS: the recipe sets ``"alltoall"`` (src/megatron/bridge/recipes/gpt_oss/
-#:   gpt_oss.py) and neither it nor the H100 perf config applies a flex backend.
+#:   gpt_oss.py), and scripts/performance/utils/overrides.py ``set_workload_base_configs`` (v0.4.2 and
+#:   v0.5.0) applies a flex backend only where the perf config names one -- the H100 GPT-OSS config
+#:   names none, so ``"alltoall"``; the Qwen3 H100 config names HybridEP, so flex.
 MBRIDGE_DISPATCH = {"mbridge2606_qwen3_30b_a3b_16gpu_ep16": "deepep",
                     "mbridge2602p1_qwen3_30b_a3b_16gpu_pp2_vp12_ep8": "deepep",
                     "mbridge2511_qwen3_30b_a3b_16gpu_pp2_vp24_ep8_mbs2": "all_to_all",
