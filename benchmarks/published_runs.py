@@ -551,6 +551,26 @@ def row_code(row: dict):
 #: (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md)
 MBRIDGE_EXPERT_LOAD = 1.0
 
+#: the token dispatcher each EP row's recipe ran (TrainingCode.ep_dispatch; NVIDIA-NeMo/Megatron-Bridge at
+#: the container's release tag, docs/releases/software-versions.md and docs/versions1.json):
+#: * 26.06 (v0.5.0) Qwen3: scripts/performance/configs/qwen/qwen3_llm_pretrain.py
+#:   ``qwen3_30b_a3b_pretrain_config_h100`` sets ``moe_token_dispatcher_type = "flex"`` with
+#:   qwen3_workload_base_configs.py's H100 ``moe_flex_dispatcher_backend="hybridep"`` (ep 16, no pp,
+#:   ``moe_a2a_overlap=False``);
+#: * 26.02.01 (v0.3.1) Qwen3: the same (commit f29a269f8, #2477, moved the H100 config to ep 16 with
+#:   HybridEP); 26.02 (v0.3.0), whose pp 2 x vp 12 x ep 8 layout the table repeats, dispatched with
+#:   flex/DeepEP too (the recipe's ``apply_flex_dispatcher_backend(model_cfg, "deepep")``), so either way "deepep";
+#: * 25.11 (v0.2.0) Qwen3: no flex backend for the 30B (configs/qwen3/workload_base_configs.py), so the
+#:   provider's ``moe_token_dispatcher_type = "alltoall"`` (src/megatron/bridge/models/qwen/qwen_provider.py);
+#: * 26.04.01 (v0.4.2) GPT-OSS: the recipe sets ``"alltoall"`` (src/megatron/bridge/recipes/gpt_oss/
+#:   gpt_oss.py), and scripts/performance/utils/overrides.py ``set_workload_base_configs`` (v0.4.2 and
+#:   v0.5.0) applies a flex backend only where the perf config names one -- the H100 GPT-OSS config
+#:   names none, so ``"alltoall"``; the Qwen3 H100 config names HybridEP, so flex.
+MBRIDGE_DISPATCH = {"mbridge2606_qwen3_30b_a3b_16gpu_ep16": "deepep",
+                    "mbridge2602p1_qwen3_30b_a3b_16gpu_pp2_vp12_ep8": "deepep",
+                    "mbridge2511_qwen3_30b_a3b_16gpu_pp2_vp24_ep8_mbs2": "all_to_all",
+                    "mbridge2604p1_gpt_oss_120b_64gpu_pp4_ep8": "all_to_all"}
+
 
 def megatron_core_moe_code(row: dict):
     """The training code of the EP rows, Megatron Bridge's runs of Megatron-Core (2025-26):
@@ -567,13 +587,18 @@ def megatron_core_moe_code(row: dict):
       (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
     * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
     * attention: Transformer Engine's fused attention, priced as FlashAttention-2;
-    * routing: force-balanced (``MBRIDGE_EXPERT_LOAD``)."""
+    * routing: force-balanced (``MBRIDGE_EXPERT_LOAD``);
+    * dispatch: the recipe's token dispatcher (``MBRIDGE_DISPATCH``: DeepEP/HybridEP's deduplicated
+      exchange or the plain all-to-all);
+    * optimizer state: sharded over each parameter's data-parallel ranks (the recipes'
+      ``use_distributed_optimizer = True``: TrainingCode.distributed_optimizer), its traffic DDP's."""
     from autopar.simulator import optimizer_step, pipeline_p2p
     from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL, TrainingCode
 
     return TrainingCode(reduce_bytes=row["layout"]["reduce_bytes"], p2p=pipeline_p2p.TORCH_PIPELINING,
                         optimizer=optimizer_step.TORCH_ADAMW, autocast=row["layout"]["autocast"],
-                        attention_kernel=DEFAULT_ATTENTION_KERNEL, expert_load=MBRIDGE_EXPERT_LOAD)
+                        attention_kernel=DEFAULT_ATTENTION_KERNEL, expert_load=MBRIDGE_EXPERT_LOAD,
+                        ep_dispatch=MBRIDGE_DISPATCH.get(row["id"], "all_to_all"), distributed_optimizer=True)
 
 
 def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:

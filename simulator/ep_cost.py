@@ -217,16 +217,72 @@ class EPLayerTerms:
     estimated: int = 0
 
 
+def group_hit(experts: int, top_k: int, group: float) -> float:
+    """The chance that a token's ``top_k`` experts, drawn uniformly without replacement from
+    ``experts``, include one of a given ``group`` of them: 1 - C(E - g, k) / C(E, k).  Uniform is
+    the routing of the force-balanced benchmarks (NVIDIA/Megatron-LM megatron/core/transformer/moe/
+    router.py ``moe_router_force_load_balancing``: ``apply_random_logits`` replaces the scores by
+    i.i.d. normal ones, so the top k is a uniform k-subset)."""
+    g = int(round(group))
+    if g >= experts or top_k <= 0:
+        return 1.0 if g > 0 else 0.0
+    miss = 1.0
+    for i in range(top_k):                       # C(E-g, k) / C(E, k) as a product
+        miss *= max(0.0, (experts - g - i) / (experts - i))
+    return 1.0 - miss
+
+
+def deepep_dispatch_s(tokens: float, r: "RoutedExperts", ep: int, elem_bytes: float, cm, links) -> tuple[float, float]:
+    """(seconds, bytes sent) of one dispatch (or combine) by DeepEP's kernels, Megatron-Core's ``flex``
+    dispatcher (megatron/core/transformer/moe/README.md, Token Dispatching: it "removes redundant
+    tokens during cross-node communication"): a token crosses the network once per destination node,
+    to the GPU of its own local index there, carrying a bit mask of the node's ranks it is for
+    (deepseek-ai/DeepEP csrc/kernels/internode.cu ``SourceMeta.is_token_in_nvl_rank_bits``), which
+    forwards it over NVLink once per destination rank; within a node it goes once to each destination
+    rank (DeepSeek-AI 2024, DeepSeek-V3 Sec. 3.2.2, the same two-hop scheme).  The combine sends the
+    experts' outputs back the same way, reduced per rank and per node.  HybridEP, NVIDIA's TMA
+    rewrite of it, keeps the hierarchical design (DeepEP hybrid-ep branch) and is priced the same.
+
+    Per rank, with N = ep / r nodes of r ranks and e = E / ep experts a rank:
+    network bytes T h b (N - 1) hit(E / N), NVLink bytes T h b N (r - 1) hit(e) (group_hit), both at
+    once, the slower setting the time, plus (ep - 1) latencies of the slower level (all_to_all_s)."""
+    g = links.ep
+    r_node = max(1, min(ep, links.ep_ranks_per_node)) if links.ep_network is not None else ep
+    nodes = max(1, ep // r_node)
+    row = tokens * r.hidden * elem_bytes
+    eff = cm.collective_efficiency
+    intra = links.ep_intra or g.link
+    nvl = row * nodes * (r_node - 1) * group_hit(r.experts, r.top_k, r.experts / ep)
+    t_intra = nvl / (intra.bandwidth_Bps * eff.get("intra", 1.0))
+    t_inter = net = 0.0
+    lat = intra.latency_s
+    if links.ep_network is not None and nodes > 1:
+        net = row * (nodes - 1) * group_hit(r.experts, r.top_k, r.experts / nodes)
+        t_inter = net / (links.ep_network.bandwidth_Bps * eff.get("inter", 1.0))
+        lat = links.ep_network.latency_s
+    return max(t_intra, t_inter) + (ep - 1) * lat, nvl + net
+
+
 def ep_layer_terms(experts: tuple[RoutedExperts, ...], ep: int, local_scale: float, elem_bytes: float, cm, links,
                    processes: int | None = None) -> EPLayerTerms:
     """The all-to-alls of a layer's routed experts on an ep rank: per experts module, forward a
     dispatch and a combine of T x k x h elements (T the rank's tokens: the graph's at
-    ``local_scale`` = micro-batch / captured batch / cp), backward the same two with gradients."""
+    ``local_scale`` = micro-batch / captured batch / cp), backward the same two with gradients;
+    by DeepEP's deduplicated exchange where the code dispatches with it (TrainingCode.ep_dispatch,
+    ``deepep_dispatch_s``)."""
     if ep <= 1:
         return EPLayerTerms()
     fwd = wire = 0.0
     n = measured = estimated = 0
+    deepep = cm.code.ep_dispatch == "deepep"
     for r in experts:
+        if deepep:
+            t, sent = deepep_dispatch_s(r.tokens * local_scale, r, ep, elem_bytes, cm, links)
+            fwd += 2 * t
+            wire += 2 * sent
+            n += 2
+            estimated += 2
+            continue
         message = r.tokens * local_scale * r.top_k * r.hidden * elem_bytes
         t, m = all_to_all_s(message, ep, cm, links, processes)
         fwd += 2 * t                                  # dispatch + combine

@@ -657,6 +657,13 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         w.fwd_s += cm.overhead("fsdp_unit_fwd_s") + cm.overhead("fsdp_unit_fwd_per_byte_s") * unit_bytes
         w.bwd_s += cm.overhead("fsdp_unit_bwd_s") + cm.overhead("fsdp_unit_bwd_per_byte_s") * unit_bytes
     d.param_bytes, d.grad_bytes, d.optimizer_bytes = state_bytes(param_numel, precision, zero, dp, trainable)
+    # Megatron-Core's distributed optimizer (TrainingCode.distributed_optimizer): ZeRO-1's state
+    # bytes (NVIDIA/Megatron-LM docs/user-guide/features/dist_optimizer.md: 16-bit parameters and
+    # gradients whole, the fp32 main weights and moments over d) and a step on 1/d of the
+    # parameters, with DDP's once-per-step traffic priced below as it is
+    dist_opt = zero == 0 and cm.code.distributed_optimizer and dp > 1
+    if dist_opt:
+        d.optimizer_bytes = state_bytes(param_numel, precision, 1, dp, trainable)[2]
     offload = lp.offload == "cpu"
     if offload:
         d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
@@ -710,7 +717,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         gathers = 2 if zero >= 3 else 1
         d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
-    shard_params = trainable / (dp if zero >= 1 else 1)      # the optimizer steps trainable ones only
+    shard_params = trainable / (dp if zero >= 1 or dist_opt else 1)   # the optimizer steps trainable ones only
     if offload:
         d.h2d_s = cm.h2d_time(param_full_bytes / dp, links.host)
         d.d2h_s = cm.h2d_time(grad_sync_bytes / dp, links.host)
@@ -720,7 +727,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank
         n_tensors = float(len(trainable_names))
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params & trainable_names))
-        owned = 1.0 / dp if zero == 1 else 1.0
+        owned = 1.0 / dp if zero == 1 or dist_opt else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
     if fp8_all_gather(lp, mesh, fp8_recipe):
         d.optimizer_s += w.fp8_precompute_s       # the fp8 weights' scales, after the step

@@ -22,7 +22,10 @@ names the module that owns its mechanism:
   layer's backward needs (simulator/layer_cost.py ``_recompute``);
 * ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py);
 * ``cp_attention``: how a context-parallel rank runs attention (simulator/cp_cost.py);
-* ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py).
+* ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py);
+* ``ep_dispatch``: how the routed tokens reach their experts, ep > 1 (simulator/ep_cost.py);
+* ``distributed_optimizer``: whether ZeRO-0's optimizer state is sharded over the data-parallel ranks
+  (simulator/layer_cost.py ``_data_parallel``).
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
 #: the busiest expert's tokens over the mean: Switch Transformer's training capacity factor
 #: (Fedus et al. 2022, Sec. 2.2, Table 1); simulator/ep_cost.py prices expert parallelism with it
 CAPACITY_FACTOR = 1.25
+
+#: the token dispatchers simulator/ep_cost.py prices (TrainingCode.ep_dispatch)
+EP_DISPATCHES = ("all_to_all", "deepep")
 
 #: the attention kernel PyTorch's scaled_dot_product_attention runs for bf16/fp16 on Ampere and
 #: Hopper GPUs (its FLASH backend, FlashAttention-2 since PyTorch 2.2): autopar's runtime, and runs
@@ -73,6 +79,21 @@ class TrainingCode:
     #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
     #: forces every expert the same number of tokens)
     expert_load: float = CAPACITY_FACTOR
+    #: how the dispatch and combine move tokens (simulator/ep_cost.py ``ep_layer_terms``):
+    #: "all_to_all" (one copy per routed expert, an all-to-all of T x k rows: runtime/apply_ep.py,
+    #: Megatron-Core's ``alltoall`` dispatcher) or "deepep" (Megatron-Core's ``flex`` dispatcher with
+    #: the DeepEP or HybridEP backend: one copy per destination node over the network and one per
+    #: destination rank over NVLink, ep_cost.deepep_dispatch_s)
+    ep_dispatch: str = "all_to_all"
+    #: Megatron-Core's distributed optimizer beside DDP (``use_distributed_optimizer``): the optimizer
+    #: state -- fp32 main weights and Adam's moments -- sharded over each parameter's data-parallel
+    #: ranks and stepped there, while the gradients still cross the wire once per step (reduce-scatter
+    #: and all-gather: one all-reduce's bytes); autopar's runtime shards nothing at ZeRO-0
+    distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"TrainingCode.ep_dispatch {self.ep_dispatch!r}: one of {EP_DISPATCHES}")
 
 
 #: autopar's runtime (runtime/): what every plan the planner writes is priced as

@@ -288,6 +288,10 @@ def test_ep_family_is_megatron_bridges_moe_table_priced_with_its_ep(bench, rows)
     assert bench.measured_step_s(row) == pytest.approx(1024 * 4096 / (8826 * 16))
     code = bench.row_code(row)
     assert code.expert_load == 1.0 and not code.p2p.blocking
+    # each row's dispatcher read from its recipe (MBRIDGE_DISPATCH); every recipe sets the distributed optimizer
+    assert set(bench.MBRIDGE_DISPATCH) == {r["id"] for r in ep_rows}
+    assert code.ep_dispatch == "deepep" and code.distributed_optimizer
+    assert bench.row_code(rows["mbridge2604p1_gpt_oss_120b_64gpu_pp4_ep8"]).ep_dispatch == "all_to_all"
     from autopar.core.capture import capture_model_file
 
     cache = {}
