@@ -404,12 +404,13 @@ def stages_hold_experts(meta: nn.Module, stages: list[nn.Module], ep: int, cut_b
     lost = [s for s in routed_experts(meta) if s.path not in held]
     if lost:
         s = lost[0]
-        how = ("torch.fx cannot trace the model's forward, so its pipeline stages are cut from the torch.export "
-               "graph, which keeps stacked or grouped experts modules as calls but inlines the code of a block that "
-               "calls an nn.ModuleList of experts one by one" if cut_by == "export" else
-               "the pipeline stages do not call it as a module")
-        raise PlanFileError(f"{where} has ep = {ep} with pp > 1, but the experts at {s.path} ({s.form} "
-                            f"form) cannot be split in a pipeline stage: {how}. Plan ep = 1 or pp = 1 for this model.")
+        how = ("torch.fx cannot trace the model's forward, so its stages are cut from the torch.export graph, which "
+               "keeps a stacked or grouped experts module as a call but inlines a block that calls an nn.ModuleList "
+               "of experts one by one" if cut_by == "export" else "the stage modules do not hold it")
+        cut = "torch.export-cut " if cut_by == "export" else ""
+        raise PlanFileError(f"{where} has ep = {ep} with pp > 1, but its {cut}pipeline stages do not call the "
+                            f"experts at {s.path} ({s.form} form) as a module: {how}. Plan ep = 1 or pp = 1 for "
+                            f"this model.")
 
 
 def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> ExpertParallel:
