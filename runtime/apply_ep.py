@@ -6,7 +6,10 @@ group of a rank is ``ep`` consecutive values of its flattened dp x cp coordinate
 tp coordinates (``ParallelDims.ep_group``).  On the DeviceMesh that is the flattened dp x cp
 mesh (``apply_cp.gradient_mesh``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
 inner dim, the outer one (``ep_rep``) joins the ranks that hold the same experts -- torchtitan's
-``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.
+``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.  Under a
+pipeline the ranks of a group share their pp coordinate, so they hold the same stages and run
+their exchanges in the same schedule order; each stage splits the experts it calls (a stage cut
+from the ``torch.export`` graph calls stacked / grouped experts modules: runtime/expert_calls.py).
 
 The weights.  A stacked experts module's ``[E, ...]`` parameters become DTensors ``Shard(0)``
 over the ``ep`` mesh (each rank's local tensor: its ``E / ep`` experts), so checkpoints (DCP),
@@ -365,8 +368,9 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
 def check_ep_plan(checked) -> None:
     """Refuse (exit 2), before any process group, a plan with ep > 1 the model or this runtime
     cannot run: a model without recognised experts or whose expert count ep does not divide
-    (core/experts.py), or a combination not implemented here (``refuse_combinations``: a
-    pipeline, a tp style on the experts)."""
+    (core/experts.py), or a combination not implemented here (``refuse_combinations``: a tp
+    style on the experts; under a pipeline, experts its stages do not call as modules:
+    ``stages_hold_experts``, when the stages are cut)."""
     from autopar.runtime.materialize import build_meta_model
 
     plan, where = checked.plan, f"plan file {checked.plan_path}"

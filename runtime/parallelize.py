@@ -12,7 +12,8 @@ The order (one place, the same for every plan; torchtitan's order):
 3b. expert parallelism (``mesh.ep`` > 1): each rank keeps E/ep of every layer's routed experts
    and exchanges tokens by all-to-all -- ``apply_ep.apply_ep`` (after TP, which leaves the
    experts to it; before recompute, so the recomputed forward exchanges again, and before
-   FSDP2, which shards the experts over the ranks holding the same ones -- step 5);
+   FSDP2, which shards the experts over the ranks holding the same ones -- step 5); under a
+   pipeline on each stage, for the experts it calls (``apply_ep.stages_hold_experts``);
 4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
    forward is the parallel one);
 4b. with ``plan.compile``: ``torch.compile`` of each block's forward -- ``apply_compile`` (after
