@@ -14,10 +14,11 @@ top_k_weights)`` -> ``[T, h]``) and the ``grouped`` form (``experts(x, num_token
 -> ``[rows, h]``) of core/experts.py -- runs as one opaque op, ``autopar::experts_call(path,
 tensors)`` (a ``torch.library`` custom op whose meta function returns an empty tensor like the
 first argument; the experts' own code is not traced).  After the export each such op becomes a
-``call_module`` of the experts module at ``path`` with the same tensors, so the stage holding its
-layer calls the model's own experts module, as an fx-cut stage calls its blocks, and expert
-parallelism (or nothing) applies to it.  The ``list`` form is called expert by expert from the
-block's own code and is not kept (apply_ep then finds no experts in the stage and says so).
+``call_module`` of the experts module at ``path`` with the same tensors (the module given fresh
+meta tensors: ``_fresh_tensors``), so the stage holding its layer calls the model's own experts
+module, as an fx-cut stage calls its blocks, and expert parallelism (or nothing) applies to it.
+The ``list`` form is called expert by expert from the block's own code and is not kept
+(``apply_ep.stages_hold_experts`` refuses ep with pp for it).
 """
 from __future__ import annotations
 
@@ -91,13 +92,27 @@ def calls_into_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if node.op != "call_function" or node.target is not op:
             continue
         path, tensors = node.args
-        _install(gm, path, model.get_submodule(path))
+        _install(gm, path, _fresh_tensors(model.get_submodule(path)))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(path, tuple(tensors))
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
     gm.recompile()
+
+
+def _fresh_tensors(module: nn.Module) -> nn.Module:
+    """``module`` with new parameters and buffers of the same shapes (still on meta): the export
+    leaves weak references on the ones it traced, and materialisation (``to_empty``) cannot swap
+    a tensor that has one -- as apply_pp._restore_names gives an export-cut stage its own."""
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = torch.empty_like(b)
+    return module
 
 
 def _install(root: nn.Module, path: str, module: nn.Module) -> None:
