@@ -6,8 +6,9 @@ its load-balancing loss in a dict output), ``hf_mixtral`` (transformers 5 ``Mixt
 (torchtitan's ``GroupedExperts`` called on tokens sorted by expert) -- runs with
 ``mesh.ep = 2`` under ZeRO-0 (``replicate``), ZeRO-3 and recompute on 2 gloo ranks, and with
 FSDP over the ranks left (dp 4, ep 2 and ep 4), with tensor parallelism (dp 2 x tp 2, ep 2) and
-with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, and resumed from a DCP
-checkpoint.  Each run's losses and its final parameters (read back
+with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, with pipeline parallelism
+(dp 2 x pp 2, ep 2 -- GPipe, 1F1B with ZeRO-3, interleaved; HF Mixtral's stages cut from its
+torch.export graph) on 4, and resumed from a DCP checkpoint.  Each run's losses and its final parameters (read back
 from its DCP checkpoint by DCP's own converter) must match ``plain_loop.train_plain`` -- one process, no autopar runtime, the
 same initial weights and batches -- within 1e-5 (``assert_matches_plain``; elements whose gradient
 comes near zero at some step are held to steps x lr, see there).
@@ -62,7 +63,10 @@ FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSD
               # ep borrowed from the dp ranks of each pipeline stage: ranks 0, 2 (stage 0) and 1, 3
               "dp2_pp2_ep2_gpipe": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="gpipe"), 2),
               "dp2_pp2_ep2_1f1b_zero3": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="1f1b",
-                                              zero=3), 2)}
+                                              zero=3), 2),
+              # two stages per rank, each exchanging over the same ep group
+              "dp2_pp2_ep2_interleaved": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2,
+                                               schedule="interleaved", virtual_stages=2), 2)}
 CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep2_recompute")]
            + [("moe", "dp2_ep2_zero1"), ("moe", "dp2_ep2_accumulate")]
            # cp needs F.scaled_dot_product_attention (core/cp_support.py): the attention models
@@ -79,7 +83,8 @@ CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_z
            # its experts stay module calls, runtime/expert_calls.py), the list form (deepseek_moe),
            # and a 0-d router loss in a dict output merged over the micro-batches (moe_aux)
            + [("moe", "dp2_pp2_ep2_gpipe"), ("hf_mixtral", "dp2_pp2_ep2_1f1b_zero3"),
-              ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe")])
+              ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
+              ("moe", "dp2_pp2_ep2_interleaved")])
 
 
 @functools.lru_cache(maxsize=None)
