@@ -45,9 +45,8 @@ def _(path: str, args: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_like(args[0])
 
 
-def _leading_tensors(module: nn.Module, path: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The call's arguments as the forward's first parameters in order, all tensors."""
-    params = list(inspect.signature(module.forward).parameters)
+def _leading_tensors(params: list[str], path: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The call's arguments as the forward's first parameters ``params`` in order, all tensors."""
     bound = dict(zip(params, args))
     bound.update(kwargs)
     names = params[:len(bound)]
@@ -65,9 +64,10 @@ def opaque_experts(model: nn.Module):
     patched = []
     for site in sites:
         module = model.get_submodule(site.path)
+        params = list(inspect.signature(module.forward).parameters)      # the module's own forward
 
-        def forward(*args, _path=site.path, _module=module, **kwargs):
-            return _experts_call(_path, _leading_tensors(_module, _path, args, kwargs))
+        def forward(*args, _path=site.path, _params=params, **kwargs):
+            return _experts_call(_path, _leading_tensors(_params, _path, args, kwargs))
 
         had = "forward" in module.__dict__
         old = module.__dict__.get("forward")
@@ -83,10 +83,29 @@ def opaque_experts(model: nn.Module):
                 del module.forward
 
 
-def calls_into_modules(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Each ``autopar::experts_call(path, tensors)`` node of ``gm`` (and its nested graphs) becomes
-    a ``call_module`` of ``model``'s module at ``path`` on those tensors, the module installed in
-    ``gm`` at the same path (its ``nn_module_stack`` kept: it is the layer's)."""
+def export_with_expert_calls(model: nn.Module, example_inputs: tuple):
+    """(``torch.export.export`` of ``model`` on ``example_inputs``, its graph module) with each
+    stacked / grouped experts call a ``call_module`` of the experts module (module docstring).
+    Where the model calls its experts inside a nested graph (the body of a higher-order op such
+    as a checkpointed region), which cannot call a module of the stage, the export is taken again
+    with the experts' code inlined, as without this module (expert parallelism then refuses the
+    pipeline: ``apply_ep.stages_hold_experts``)."""
+    with opaque_experts(model):
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    gm = exported.module()
+    op = torch.ops.autopar.experts_call.default
+    if any(sub is not gm and isinstance(sub, fx.GraphModule) and
+           any(n.op == "call_function" and n.target is op for n in sub.graph.nodes) for sub in gm.modules()):
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        return exported, exported.module()
+    _calls_into_modules(gm, model)
+    return exported, gm
+
+
+def _calls_into_modules(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Each ``autopar::experts_call(path, tensors)`` node of ``gm`` becomes a ``call_module`` of
+    ``model``'s module at ``path`` on those tensors, the module installed in ``gm`` at the same
+    path (its ``nn_module_stack`` kept: it is the layer's)."""
     op = torch.ops.autopar.experts_call.default
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not op:
