@@ -105,6 +105,8 @@ def mesh_allowed(m: Mesh, o) -> bool:
         # (``Executable.ep``: whether ep = 2 ran on fake ranks, where the runtime check probes it)
         if m.ep > 1 and not getattr(ex, "ep", True):
             return False
+        if m.ep > 1 and m.pp > 1 and not getattr(ex, "ep_pipeline", True):
+            return False
     return True
 
 
@@ -177,6 +179,11 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if o.ep > 1 and ex is not None and not getattr(ex, "ep", True):
             raise UserError(f"--ep {o.ep}: the runtime cannot split this model's experts: "
                             f"{_reason(ex, 'expert parallel', 'ep=2')}. Use --ep 1 or leave --ep out.")
+        if o.ep > 1 and (o.pp or 1) > 1 and ex is not None and ex.ep and ex.pipeline and \
+                not getattr(ex, "ep_pipeline", True):
+            raise UserError(f"--ep {o.ep} with --pp {o.pp}: the runtime cannot split this model's experts inside "
+                            f"pipeline stages: {_reason(ex, 'expert parallel with pipeline')}. "
+                            f"Use --pp 1 or --ep 1, or leave one of them out.")
         flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
         if flat is not None and flat % o.ep:
             raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "

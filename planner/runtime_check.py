@@ -54,6 +54,8 @@ class Executable:
     # count of each routed-experts site (core/experts.py): an ep degree must divide every one
     ep: bool = False
     experts: tuple[int, ...] = ()
+    # ... and under a pipeline: dp 2 x pp 2 with ep 2 runs (checked where both ep and pp run)
+    ep_pipeline: bool = False
     left_out: tuple[LeftOut, ...] = ()
     check_s: float = 0.0
     whole_fused: frozenset[str] = frozenset()    # fused projections (module paths) left whole: the
@@ -68,7 +70,7 @@ class Executable:
         return {"left_out": [x.to_dict() for x in self.left_out], "tp_degrees": list(self.tp_degrees),
                 "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline, "fsdp": self.fsdp,
                 "offload": self.offload, "recompute": list(self.recompute), "float8": self.float8,
-                "ep": self.ep, "experts": list(self.experts),
+                "ep": self.ep, "experts": list(self.experts), "ep_pipeline": self.ep_pipeline,
                 "tp_split_layers": [i for i, s in enumerate(self.splittable) if s],
                 "check_s": round(self.check_s, 3)}
 
@@ -283,10 +285,12 @@ def find_executable(graph: OpGraph, model_file, *, tp_degrees: tuple[int, ...] =
         if fp8_err is not None:
             left.append(LeftOut("float8", fp8_err))
     ep, experts = _expert_parallel(probe, left)
+    ep_pipeline = ep and pipeline and _expert_pipeline(probe, cuttable, left)
     return Executable(splittable=tuple(splittable), tp_degrees=tuple(degrees), sequence_parallel=sp,
                       whole_fused=whole_fused,
                       pipeline=pipeline, cuttable=frozenset(cuttable), fsdp=fsdp_err is None, offload=offload,
-                      recompute=tuple(recompute), float8=fp8_ok, ep=ep, experts=experts, left_out=tuple(left),
+                      recompute=tuple(recompute), float8=fp8_ok, ep=ep, experts=experts, ep_pipeline=ep_pipeline,
+                      left_out=tuple(left),
                       check_s=time.perf_counter() - t0)
 
 
@@ -304,6 +308,18 @@ def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[in
     if err is not None:
         left.append(LeftOut("expert parallel", err))
     return err is None, experts
+
+
+def _expert_pipeline(probe: _Probe, cuttable: set[int], left: list[LeftOut]) -> bool:
+    """Whether ep 2 runs inside pipeline stages: dp 2 x pp 2 with ep 2, a stage starting at every
+    layer boundary the pipeline check allowed (the runtime splits the experts each stage calls:
+    runtime/apply_ep.py, runtime/expert_calls.py)."""
+    V = probe.num_layers
+    bounds = (0, *[j for j in range(1, V) if probe.view.keep[j] in cuttable], V)
+    err = probe.error(probe.plan(Mesh(dp=2, pp=2, ep=2), bounds=bounds))
+    if err is not None:
+        left.append(LeftOut("expert parallel with pipeline", err))
+    return err is None
 
 
 def _tensor_parallel(probe: _Probe, degrees: tuple[int, ...], left: list[LeftOut]):

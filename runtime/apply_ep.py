@@ -6,7 +6,10 @@ group of a rank is ``ep`` consecutive values of its flattened dp x cp coordinate
 tp coordinates (``ParallelDims.ep_group``).  On the DeviceMesh that is the flattened dp x cp
 mesh (``apply_cp.gradient_mesh``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
 inner dim, the outer one (``ep_rep``) joins the ranks that hold the same experts -- torchtitan's
-``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.
+``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.  Under a
+pipeline the ranks of a group share their pp coordinate, so they hold the same stages and run
+their exchanges in the same schedule order; each stage splits the experts it calls (a stage cut
+from the ``torch.export`` graph calls stacked / grouped experts modules: runtime/expert_calls.py).
 
 The weights.  A stacked experts module's ``[E, ...]`` parameters become DTensors ``Shard(0)``
 over the ``ep`` mesh (each rank's local tensor: its ``E / ep`` experts), so checkpoints (DCP),
@@ -196,9 +199,18 @@ def shard_stacked(module: nn.Module, state: ExpertParallel) -> None:
         counts = torch.bincount(flat, minlength=total)
 
         def compute(rows, local_index, _per_expert):
+            n, local_index = rows.shape[0], local_index.unsqueeze(1)
+            if n == 0:
+                # no token chose this rank's experts: the module's own code runs on one row with
+                # the index num_experts, which adds nothing (the ``_is_expert_parallel`` contract:
+                # core/experts.is_stacked_experts), so it never sees an empty batch (a model's
+                # ``y.view(t, k, -1)`` cannot infer -1 from 0 elements) and its weights still take
+                # part in backward on every rank (FSDP2 reduces them all)
+                rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+                local_index = torch.full((1, 1), local, dtype=local_index.dtype, device=rows.device)
             ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device)
             with _LocalParams(module):
-                return own_forward(rows, local_index.unsqueeze(1), ones, *rest, **kwargs)
+                return own_forward(rows, local_index, ones, *rest, **kwargs)[:n]
 
         out = route_rows(hidden[order // k], counts, compute, state)
         out = out[torch.argsort(order)].view(tokens, k, -1)
@@ -356,8 +368,9 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
 def check_ep_plan(checked) -> None:
     """Refuse (exit 2), before any process group, a plan with ep > 1 the model or this runtime
     cannot run: a model without recognised experts or whose expert count ep does not divide
-    (core/experts.py), or a combination not implemented here (``refuse_combinations``: a
-    pipeline, a tp style on the experts)."""
+    (core/experts.py), or a combination not implemented here (``refuse_combinations``: a tp
+    style on the experts; under a pipeline, experts its stages do not call as modules:
+    ``stages_hold_experts``, when the stages are cut)."""
     from autopar.runtime.materialize import build_meta_model
 
     plan, where = checked.plan, f"plan file {checked.plan_path}"
@@ -369,9 +382,7 @@ def refuse_combinations(plan, sites: list[ExpertSite], where: str) -> None:
     paths = {s.path for s in sites}
     split = [fqn for lp in plan.layers for fqn, _style in lp.tp if fqn in paths or
              any(fqn.startswith(p + ".") for p in paths)]
-    unsupported = [(plan.mesh.pp > 1, "pipeline parallelism (pp > 1): the stages are cut from a traced forward "
-                                      "whose expert calls expert parallelism does not see"),
-                   (bool(split), f"a tensor-parallel split of the experts ({', '.join(split[:2])}): they are split "
+    unsupported = [(bool(split), f"a tensor-parallel split of the experts ({', '.join(split[:2])}): they are split "
                                  f"by ep already; plan them without a tp style")]
     for bad, what in unsupported:
         if bad:
@@ -388,9 +399,29 @@ def expert_sites_or_refuse(model: nn.Module, ep: int, where: str) -> list[Expert
     return sites
 
 
+def stages_hold_experts(meta: nn.Module, stages: list[nn.Module], ep: int, cut_by: str, where: str) -> None:
+    """Under a pipeline, refuse (exit 2, on every rank alike) when a routed-experts site of the
+    model is not among the stage modules' (runtime/expert_calls.py: a stage cut from the
+    ``torch.export`` graph keeps stacked and grouped experts as module calls, not an
+    ``nn.ModuleList`` of experts that its block's code calls one by one)."""
+    held = {s.path for stage in stages for s in routed_experts(stage)}
+    lost = [s for s in routed_experts(meta) if s.path not in held]
+    if lost:
+        s = lost[0]
+        how = ("torch.fx cannot trace the model's forward, so its stages are cut from the torch.export graph, which "
+               "keeps a stacked or grouped experts module as a call but inlines a block that calls an nn.ModuleList "
+               "of experts one by one" if cut_by == "export" else "the stage modules do not hold it")
+        cut = "torch.export-cut " if cut_by == "export" else ""
+        raise PlanFileError(f"{where} has ep = {ep} with pp > 1, but its {cut}pipeline stages do not call the "
+                            f"experts at {s.path} ({s.form} form) as a module: {how}. Plan ep = 1 or pp = 1 for "
+                            f"this model.")
+
+
 def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> ExpertParallel:
-    """Split every routed-experts site of ``part`` ``state.ep`` ways (on meta, before FSDP2)."""
-    sites = expert_sites_or_refuse(part, state.ep, where)
+    """Split every routed-experts site of ``part`` ``state.ep`` ways (on meta, before FSDP2).
+    Under a pipeline ``part`` is a stage, which may hold no experts (the embeddings' stage): the
+    whole model was checked (``check_ep_plan``, ``stages_hold_experts``)."""
+    sites = routed_experts(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
     refuse_combinations(plan, sites, where)
     for site in sites:
         if site.form == STACKED:

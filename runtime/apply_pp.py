@@ -161,8 +161,10 @@ def _export_graph(model: nn.Module, example_inputs: tuple, device: torch.device)
     ``device``: the export's input guards and tensor-metadata assertions (which name the meta
     device of the trace) are dropped and the ``device=meta`` arguments of factory ops (arange,
     new_ones, to) become ``device``."""
-    ep = torch.export.export(model, tuple(example_inputs), strict=False)
-    gm = ep.module()
+    from autopar.runtime.expert_calls import export_with_expert_calls
+
+    # torch.export.export, routed experts kept as module calls (runtime/expert_calls.py)
+    ep, gm = export_with_expert_calls(model, example_inputs)
     for g in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
         for node in list(g.graph.nodes):
             if (node.op == "call_module" and str(node.target).startswith("_guards")) or (

@@ -12,7 +12,8 @@ The order (one place, the same for every plan; torchtitan's order):
 3b. expert parallelism (``mesh.ep`` > 1): each rank keeps E/ep of every layer's routed experts
    and exchanges tokens by all-to-all -- ``apply_ep.apply_ep`` (after TP, which leaves the
    experts to it; before recompute, so the recomputed forward exchanges again, and before
-   FSDP2, which shards the experts over the ranks holding the same ones -- step 5);
+   FSDP2, which shards the experts over the ranks holding the same ones -- step 5); under a
+   pipeline on each stage, for the experts it calls (``apply_ep.stages_hold_experts``);
 4. recompute wrappers per layer -- ``recompute.apply_recompute`` (after TP so the recomputed
    forward is the parallel one);
 4b. with ``plan.compile``: ``torch.compile`` of each block's forward -- ``apply_compile`` (after
@@ -46,7 +47,7 @@ from autopar.runtime.apply_compile import apply_compile
 from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
-from autopar.runtime.apply_ep import apply_ep, build_expert_parallel, shard_expert_weights
+from autopar.runtime.apply_ep import apply_ep, build_expert_parallel, shard_expert_weights, stages_hold_experts
 from autopar.runtime.apply_fp8 import Float8Record
 from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_into_stages
 from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
@@ -220,16 +221,28 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
     """Steps 3-5 on a pipeline stage cut from the ``torch.export`` graph (``apply_pp``): its ops
     call no module of the model, so module-level transformations apply to the stage as a whole
     -- recompute wraps the stage, FSDP2 shards it as one unit -- and tensor parallelism, which
-    replaces ``nn.Linear`` modules' forwards, cannot apply."""
+    replaces ``nn.Linear`` modules' forwards, cannot apply.  The routed experts are the
+    exception (runtime/expert_calls.py): the stage calls their modules, so expert parallelism
+    splits them and FSDP2 / replicate takes them as units of their own, as on an fx-cut stage."""
     plan = checked.plan
     if plan.mesh.tp > 1:
         raise PlanFileError(
             f"plan file {checked.plan_path}: tp = {plan.mesh.tp} with pp = {plan.mesh.pp}, but torch.fx cannot trace "
             f"this model's forward, so its pipeline stages are cut from the torch.export graph, whose ops call no "
             f"nn.Linear module that tensor parallelism could split. Plan tp = 1 with pp > 1 for this model, or pp = 1.")
+    # expert parallelism: the stage calls its experts modules (runtime/expert_calls.py)
+    experts = None
+    if plan.mesh.ep > 1:
+        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+                                                       plan.mesh.ep_group(ctx.rank)),
+                           plan, f"plan file {checked.plan_path}")
     modes = {layer.plan.recompute for layer in held} - {"none"}
     if modes:
         part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop())
+    if experts is not None:
+        root = held[0].plan
+        shard_expert_weights(part, experts, dp_kind, lambda _m: (root.zero, root.offload), plan.precision,
+                             ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
         apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), [], root_zero=root.zero, root_offload=root.offload,
@@ -276,6 +289,8 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
                                   example_inputs=example, device=ctx.device)
         out.restore_output, out.cut_by = split.restore_output, split.cut_by
         out.cross_stage_ties = untie_across_stages(split.stages, ties)
+        if plan.mesh.ep > 1:
+            stages_hold_experts(meta, split.stages, plan.mesh.ep, split.cut_by, f"plan file {checked.plan_path}")
         local = {i: split.stages[i] for i in range(num_stages) if keep_stage(i)}
     else:
         local = {0: meta}

@@ -6,8 +6,9 @@ its load-balancing loss in a dict output), ``hf_mixtral`` (transformers 5 ``Mixt
 (torchtitan's ``GroupedExperts`` called on tokens sorted by expert) -- runs with
 ``mesh.ep = 2`` under ZeRO-0 (``replicate``), ZeRO-3 and recompute on 2 gloo ranks, and with
 FSDP over the ranks left (dp 4, ep 2 and ep 4), with tensor parallelism (dp 2 x tp 2, ep 2) and
-with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, and resumed from a DCP
-checkpoint.  Each run's losses and its final parameters (read back
+with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, with pipeline parallelism
+(dp 2 x pp 2, ep 2 -- GPipe, 1F1B with ZeRO-3, interleaved; HF Mixtral's stages cut from its
+torch.export graph) on 4, and resumed from a DCP checkpoint.  Each run's losses and its final parameters (read back
 from its DCP checkpoint by DCP's own converter) must match ``plain_loop.train_plain`` -- one process, no autopar runtime, the
 same initial weights and batches -- within 1e-5 (``assert_matches_plain``; elements whose gradient
 comes near zero at some step are held to steps x lr, see there).
@@ -58,7 +59,14 @@ FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSD
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2),
               # one expert per rank of dp 2 x cp 2, FSDP over nothing left
-              "dp2_cp2_ep4_zero3": (dict(dp=2, cp=2, micro_batch=2, zero=3), 4)}
+              "dp2_cp2_ep4_zero3": (dict(dp=2, cp=2, micro_batch=2, zero=3), 4),
+              # ep borrowed from the dp ranks of each pipeline stage: ranks 0, 2 (stage 0) and 1, 3
+              "dp2_pp2_ep2_gpipe": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="gpipe"), 2),
+              "dp2_pp2_ep2_1f1b_zero3": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="1f1b",
+                                              zero=3), 2),
+              # two stages per rank, each exchanging over the same ep group
+              "dp2_pp2_ep2_interleaved": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2,
+                                               schedule="interleaved", virtual_stages=2), 2)}
 CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep2_recompute")]
            + [("moe", "dp2_ep2_zero1"), ("moe", "dp2_ep2_accumulate")]
            # cp needs F.scaled_dot_product_attention (core/cp_support.py): the attention models
@@ -70,7 +78,13 @@ CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep
 ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8}}
 CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_zero3"),
             ("deepseek_moe", "dp4_ep4"), ("moe_grouped", "dp4_ep2_zero3"), ("hf_mixtral", "dp2_cp2_ep4_zero3")]
-           + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")])
+           + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")]
+           # with a pipeline: the stacked form cut by torch.fx (moe) and by torch.export (hf_mixtral:
+           # its experts stay module calls, runtime/expert_calls.py), the list form (deepseek_moe),
+           # and a 0-d router loss in a dict output merged over the micro-batches (moe_aux)
+           + [("moe", "dp2_pp2_ep2_gpipe"), ("hf_mixtral", "dp2_pp2_ep2_1f1b_zero3"),
+              ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
+              ("moe", "dp2_pp2_ep2_interleaved")])
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,7 +187,8 @@ def _check(got: dict, log: str, name: str, kind: str, dp: int) -> None:
     assert measured.exists(), f"{name} {kind}: no result\n" + failure_summary(log)
     # moe_aux's load-balancing loss is computed over each rank's micro-batch, as the plain
     # loop's row blocks (plain_loop chunks) compute it
-    ref = plain(name, dp if name == "moe_aux" else 1, json.dumps(ARGS.get((name, kind), {}), sort_keys=True))
+    chunks = dp * {**TWO_RANKS, **FOUR_RANKS}[kind.removesuffix("_resumed")][0].get("num_microbatches", 1)
+    ref = plain(name, chunks if name == "moe_aux" else 1, json.dumps(ARGS.get((name, kind), {}), sort_keys=True))
     assert_matches_plain(measured, ckpt, ref, f"{name} {kind}")
 
 
@@ -244,9 +259,133 @@ def test_an_expert_count_ep_does_not_divide_is_refused(tmp_path):
     assert "3 experts" in msg and "ep = 2" in msg, msg
 
 
-def test_ep_with_a_pipeline_is_refused(tmp_path):
-    msg = _refusal(tmp_path, "moe", dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="gpipe"), 2)
-    assert "pipeline parallelism" in msg, msg
+def test_ep_with_a_pipeline_passes_the_plan_check(tmp_path):
+    """ep borrows the dp ranks of each pipeline stage (the parity cases above run it)."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+    from autopar.runtime.plan_check import check_plan
+
+    path = ZOO / "moe.py"
+    g = capture_model_file(str(path), {}, 1)
+    plan = uniform_plan(model=ModelRef(file=str(path), args={}, name="moe", fingerprint=g.fingerprint),
+                        num_layers=len(g.layers), dp=2, pp=2, ep=2, micro_batch=1, num_microbatches=2,
+                        schedule="gpipe")
+    save_plan(plan, tmp_path / "plan.json")
+    assert check_plan(tmp_path / "plan.json", 4).plan.mesh.ep == 2
+
+
+# a model whose forward torch.fx cannot trace (a branch on the tokens' rank) with an nn.ModuleList
+# of experts that its blocks call one by one on every token (static shapes, so torch.export
+# traces it): its pipeline stages are cut from the export graph, which inlines the block's calls
+LIST_EXPERTS_UNTRACEABLE = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden, experts):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, x):
+        scores = F.softmax(self.router(x), dim=-1)
+        top, chosen = scores.topk(2, dim=-1)
+        w = torch.zeros_like(scores).scatter(-1, chosen, top)          # top-2 gates, zero elsewhere
+        return x + sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(MoE(16, 4) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens):
+        if tokens.dim() != 2:
+            raise ValueError("tokens must be [batch, seq]")
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model():
+    return LM()
+
+
+def make_batch(batch_size):
+    t = torch.randint(0, 64, (batch_size, 9))
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+"""
+
+
+def test_list_experts_in_an_export_cut_stage_are_refused(tmp_path):
+    """The runtime (its dry run on fake ranks) refuses ep x pp for list-form experts in a stage
+    cut from the torch.export graph with a PlanFileError (exit 2) saying why; the planner's
+    runtime check leaves ep x pp out, and ``autopar plan --ep 2 --pp 2`` exits 2 with that reason
+    while ep and pp alone are kept."""
+    from cli_inprocess import run_cli
+
+    from autopar.core.capture import capture_model_file
+    from autopar.core.modelfile import load_model_file
+    from autopar.core.plan import ModelRef, uniform_plan
+    from autopar.planner.runtime_check import find_executable
+    from autopar.runtime.dry_run import dry_run
+
+    path = tmp_path / "list_moe.py"
+    path.write_text(LIST_EXPERTS_UNTRACEABLE)
+    g = capture_model_file(str(path), {}, 1)
+    plan = uniform_plan(model=ModelRef(file=str(path), args={}, name="list_moe", fingerprint=g.fingerprint),
+                        num_layers=len(g.layers), dp=2, pp=2, ep=2, micro_batch=1, num_microbatches=2,
+                        schedule="gpipe")
+    err = dry_run(plan, g, load_model_file(path))
+    assert err and err.startswith("PlanFileError") and "blocks.0.experts (list form) as a module" in err \
+        and "torch.export" in err, err
+    ex = find_executable(capture_model_file(str(path), {}, 2), load_model_file(path))
+    assert ex.ep and ex.pipeline and not ex.ep_pipeline, ex.left_out
+    cluster = tmp_path / "four-cpu.yaml"
+    cluster.write_text((ROOT / "examples" / "clusters" / "local-cpu.yaml").read_text())
+    r = run_cli("plan", path, "--cluster", cluster, "--global-batch", "4", "--ep", "2", "--pp", "2",
+                "--time-budget", "1", "-o", tmp_path / "plan.json")
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "--ep 2 with --pp 2" in said and "list form" in said, r.stderr[-2000:]
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_export_cut_stages_call_the_experts_modules():
+    """HF Mixtral's forward is cut from its torch.export graph (torch.fx cannot trace it): each
+    stage calls its layer's experts module -- the model's own, its parameters not read by any op
+    of the stage -- so expert parallelism can replace its forward (runtime/expert_calls.py)."""
+    pytest.importorskip("transformers")
+    from autopar.core.capture import capture_model_file
+    from autopar.core.experts import routed_experts
+    from autopar.core.modelfile import load_model_file
+    from autopar.runtime.apply_pp import split_into_stages
+    from autopar.runtime.materialize import build_meta_model
+
+    path = ZOO / "hf_mixtral.py"
+    mf, g = load_model_file(path), capture_model_file(str(path), {}, 1)
+    meta = build_meta_model(mf, {})
+    with torch.device("meta"):
+        example, _ = mf.make_batch(1)
+    stage_of = [0, 0, 1, 1]
+    assert [layer.name for layer in g.layers] == ["pre", "model.layers.0", "model.layers.1", "post"]
+    split = split_into_stages(meta, [layer.module_paths for layer in g.layers], stage_of, 2, example_inputs=example)
+    assert split.cut_by == "export"
+    for i, stage in enumerate(split.stages):
+        want = f"model.layers.{i}.mlp.experts"
+        assert [n.target for n in stage.graph.nodes if n.op == "call_module"] == [want]
+        assert stage.get_submodule(want) is meta.get_submodule(want)
+        assert [s.path for s in routed_experts(stage)] == [want]
+        read = {str(n.target) for n in stage.graph.nodes if n.op == "get_attr"}
+        assert not any(r.startswith(want + ".") for r in read), read
 
 
 def test_refusal_exits_2_from_the_cli(tmp_path):
@@ -320,9 +459,12 @@ def test_runtime_check_applies_ep_on_fake_ranks():
         path = ZOO / f"{name}.py"
         ex = find_executable(capture_model_file(path, {}, 2), load_model_file(path))
         assert ex.ep and ex.experts == experts, (name, ex.left_out)
+        # and inside pipeline stages (dp 2 x pp 2 x ep 2)
+        assert ex.pipeline and ex.ep_pipeline, (name, ex.left_out)
     path = ZOO / "tied_lm.py"
     ex = find_executable(capture_model_file(path, {}, 2), load_model_file(path))
-    assert not ex.ep and ex.experts == () and not any(x.kind == "expert parallel" for x in ex.left_out)
+    assert not ex.ep and not ex.ep_pipeline and ex.experts == () and not any(x.kind == "expert parallel"
+                                                                             for x in ex.left_out)
 
 
 # ------------------------------------------------------------------ plan, edit, run

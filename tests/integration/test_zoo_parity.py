@@ -104,7 +104,9 @@ MODELS: dict[str, dict] = {
     # transformers 5 Mixtral: attention split, the stacked experts (MixtralExperts.gate_up_proj /
     # down_proj) split by expert (runtime/expert_tp.py: 2 of the 4 experts per rank, outputs
     # summed over tp), the router replicated on every tp rank
-    "hf_mixtral": dict(kinds={"tp": TP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
+    # a pipeline cut from its torch.export graph keeps the experts as a module call
+    # (runtime/expert_calls.py; inlined, they counted tokens with an int32 histc the CPU refuses)
+    "hf_mixtral": dict(kinds={"tp": TP, "pp": PP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
                                             "mlp.experts": "expert"}),
     # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
     # over the tp ranks (runtime/apply_tp._region_norms)
