@@ -1,0 +1,102 @@
+"""Selective recompute issues no extra tensor- or expert-parallel collective in backward.
+
+Each plan runs twice in one 2-rank torchrun launch (gloo), once with ``recompute: none`` and once
+with ``selective``, and ``tests/collective_count_worker.py`` counts the collectives every step
+issues, forward and backward apart (a dispatch mode outside the runtime's: it sees the ops that
+really run).  The reference is the run without recompute, which never enters
+runtime/recompute.py: under tp 2 (with and without sequence parallelism) and under ep 2 the
+selective run must issue in backward exactly its collectives -- the forward's all-reduces,
+reduce-scatters, all-gathers and all-to-alls are saved, not rerun.  Context parallelism's K/V
+all-gather is rerun by design (runtime/recompute.py; simulator/layer_cost.py prices it): the
+selective run's backward has exactly one more all-gather per forward one.  Each selective run's
+losses equal its no-recompute twin's (whose parity with the plain loop
+tests/integration/test_runtime_parity.py, test_runtime_ep.py and test_runtime_cp.py check).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runtime_support import GPT, MODEL_ARGS, ROOT, TP_STYLES, failure_summary, torchrun
+
+WORKER = Path(__file__).resolve().parents[1] / "collective_count_worker.py"
+ZOO = ROOT / "tests" / "zoo"
+LLAMA_ARGS = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "seq": 8, "vocab": 64}
+GPT_ARGS = dict(MODEL_ARGS, layers=2)
+STEPS = 2
+LOSS_ATOL = 1e-5
+
+# name -> (model file, model arguments, uniform_plan arguments, ep); global batch 4
+PLANS = {
+    "tp2": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4), 1),
+    "tp2_sp": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4, sequence_parallel=True), 1),
+    "ep2": (ZOO / "moe.py", {}, dict(dp=2, micro_batch=2), 2),
+    "cp2": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, micro_batch=4), 1),
+}
+
+
+def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = capture_model_file(str(file), dict(args), kw["micro_batch"])
+    kw = dict(kw)
+    if kw.get("tp", 1) > 1:
+        kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in TP_STYLES.items()}
+                                     for i, layer in enumerate(g.layers) if layer.name.startswith("blocks.")}
+    plan = uniform_plan(model=ModelRef(str(file), dict(args), file.stem, g.fingerprint), num_layers=len(g.layers),
+                        **kw)
+    plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, ep=ep))
+    assert plan.global_batch == 4
+    save_plan(plan, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("recompute_collectives")
+    cases = []
+    for name, (file, args, kw, ep) in PLANS.items():
+        for mode in ("none", "selective"):
+            case = f"{name}_{mode}"
+            cases.append({"name": case, "steps": STEPS,
+                          "plan": str(_plan(tmp / f"{case}.json", file, args, dict(kw, recompute=mode), ep)),
+                          "measured": str(tmp / f"{case}.measured.json"), "counts": str(tmp / f"{case}.counts.json")})
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(2, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
+    assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+    return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()))
+            for c in cases}
+
+
+def _check_losses(counted, name):
+    (_, plain), (_, selective) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert len(selective["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(selective["losses"], plain["losses"])) <= LOSS_ATOL, \
+        (name, selective["losses"], plain["losses"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2"])
+def test_selective_recompute_reissues_no_collective(counted, name):
+    (reference, _), (selective, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert reference["bwd"], reference          # the plan does communicate in backward
+    assert selective["fwd"] == reference["fwd"], (name, selective, reference)
+    assert selective["bwd"] == reference["bwd"], f"{name}: backward collectives {selective['bwd']} " \
+                                                 f"with selective recompute, {reference['bwd']} without"
+    _check_losses(counted, name)
+
+
+@pytest.mark.multiproc
+def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
+    (reference, _), (selective, _) = counted["cp2_none"], counted["cp2_selective"]
+    gathers = reference["fwd"]["_c10d_functional.all_gather_into_tensor"]
+    assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
+    extra = Counter(selective["bwd"])
+    extra.subtract(reference["bwd"])
+    assert {k: v for k, v in extra.items() if v} == {"_c10d_functional.all_gather_into_tensor": gathers}
+    _check_losses(counted, "cp2")
