@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 SAVED_OPS = {
@@ -55,6 +55,16 @@ SAVED_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
+
+# Profiler annotations run as they are called, in the forward and in the rerun, uncached and
+# uncounted: a selective checkpoint otherwise refuses a rerun whose op sequence differs from the
+# forward's, and FSDP2 annotates a rerun that the forward did not -- a unit nested in the layer
+# (expert parallelism's experts) enters its ``_root_pre_forward`` in backward, the forward's root
+# having cleared ``iter_forward_root``, under ``record_function("FSDP::root_pre_forward")``
+# (torch 2.13; ep 2 with selective recompute of the zoo's moe_aux, moe_grouped and deepseek_moe
+# failed on it).  SAC_IGNORED_OPS is torch.utils.checkpoint's own set of such ops.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 _funcol = torch.ops._c10d_functional
 #: functional collectives whose outputs a selective recompute saves (module docstring)

@@ -6,8 +6,9 @@ runtime enters, so it sees exactly the ops that run: an op a selective checkpoin
 its cache never reaches it).  A collective is an op of the ``c10d`` (in-place, process-group)
 or ``_c10d_functional`` (functional) namespaces, ``wait_tensor`` excepted (it waits, it sends
 nothing); an op runs in backward where the autograd engine is executing a graph task
-(``torch._C._current_graph_task_id() != -1``).  Writes ``{case name: {"fwd"|"bwd": {op: n}}}``
-per step, summed over the steps, to the case's ``counts`` path (rank 0)."""
+(``torch._C._current_graph_task_id() != -1``).  Writes ``{"fwd"|"bwd": {op: n}}``, summed over
+the steps (the final checkpoint's, where the case names a ``checkpoint_dir``, among the forward
+ones), to the case's ``counts`` path (rank 0)."""
 import json
 import os
 import sys
@@ -43,14 +44,14 @@ def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     for case in cases:
         opts = RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 2), warmup_steps=0,
-                          measured_path=Path(case["measured"]))
+                          measured_path=Path(case["measured"]),
+                          checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None)
         trainer = Trainer(opts)
         counter = CollectiveCounter()
         for step in range(trainer.first_step, opts.steps):
             with counter:
                 trainer.step(step)
         trainer.finish()
-        trainer.release_lock()
         if dist.get_rank() == 0:
             Path(case["counts"]).write_text(json.dumps({k: dict(v) for k, v in counter.counts.items()}))
     shutdown()

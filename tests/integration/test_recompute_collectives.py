@@ -9,8 +9,10 @@ selective run must issue in backward exactly its collectives -- the forward's al
 reduce-scatters, all-gathers and all-to-alls are saved, not rerun.  Context parallelism's K/V
 all-gather is rerun by design (runtime/recompute.py; simulator/layer_cost.py prices it): the
 selective run's backward has exactly one more all-gather per forward one.  Each selective run's
-losses equal its no-recompute twin's (whose parity with the plain loop
-tests/integration/test_runtime_parity.py, test_runtime_ep.py and test_runtime_cp.py check).
+losses and final parameters (read back from its DCP checkpoint) equal its no-recompute twin's
+(whose parity with the plain loop tests/integration/test_runtime_parity.py, test_runtime_ep.py
+and test_runtime_cp.py check) -- under ep 2 for every form of routed experts, which with
+FSDP2's nested experts unit needed runtime/recompute.py's profiler-annotation rule to run at all.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_support import GPT, MODEL_ARGS, ROOT, TP_STYLES, failure_summary, torchrun
+from runtime_support import (GPT, MODEL_ARGS, PARAM_ATOL, ROOT, TP_STYLES, consolidated_params, failure_summary,
+                             torchrun)
 
 WORKER = Path(__file__).resolve().parents[1] / "collective_count_worker.py"
 ZOO = ROOT / "tests" / "zoo"
@@ -34,7 +37,9 @@ LOSS_ATOL = 1e-5
 PLANS = {
     "tp2": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4), 1),
     "tp2_sp": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4, sequence_parallel=True), 1),
-    "ep2": (ZOO / "moe.py", {}, dict(dp=2, micro_batch=2), 2),
+    # every form of routed experts (core/experts.py): stacked, grouped, list, and transformers 5's
+    **{f"ep2_{m}": (ZOO / f"{m}.py", {}, dict(dp=2, micro_batch=2), 2)
+       for m in ("moe", "moe_aux", "moe_grouped", "deepseek_moe", "hf_mixtral")},
     "cp2": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, micro_batch=4), 1),
 }
 
@@ -65,38 +70,45 @@ def counted(tmp_path_factory):
             case = f"{name}_{mode}"
             cases.append({"name": case, "steps": STEPS,
                           "plan": str(_plan(tmp / f"{case}.json", file, args, dict(kw, recompute=mode), ep)),
-                          "measured": str(tmp / f"{case}.measured.json"), "counts": str(tmp / f"{case}.counts.json")})
+                          "measured": str(tmp / f"{case}.measured.json"), "counts": str(tmp / f"{case}.counts.json"),
+                          "checkpoint_dir": str(tmp / f"{case}.ckpt")})
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = torchrun(2, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
     assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
-    return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()))
+    return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()),
+                        Path(c["checkpoint_dir"]))
             for c in cases}
 
 
-def _check_losses(counted, name):
-    (_, plain), (_, selective) = counted[f"{name}_none"], counted[f"{name}_selective"]
+def _check_training(counted, name):
+    """The selective run's losses and final parameters are its no-recompute twin's."""
+    (_, plain, plain_ckpt), (_, selective, selective_ckpt) = counted[f"{name}_none"], counted[f"{name}_selective"]
     assert len(selective["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(selective["losses"], plain["losses"])) <= LOSS_ATOL, \
         (name, selective["losses"], plain["losses"])
+    want, got = consolidated_params(plain_ckpt), consolidated_params(selective_ckpt)
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert (got[key].float() - tensor.float()).abs().max().item() <= PARAM_ATOL, (name, key)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "ep2"])
+@pytest.mark.parametrize("name", [n for n in PLANS if n != "cp2"])
 def test_selective_recompute_reissues_no_collective(counted, name):
-    (reference, _), (selective, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    (reference, _, _), (selective, _, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
     assert reference["bwd"], reference          # the plan does communicate in backward
     assert selective["fwd"] == reference["fwd"], (name, selective, reference)
     assert selective["bwd"] == reference["bwd"], f"{name}: backward collectives {selective['bwd']} " \
                                                  f"with selective recompute, {reference['bwd']} without"
-    _check_losses(counted, name)
+    _check_training(counted, name)
 
 
 @pytest.mark.multiproc
 def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
-    (reference, _), (selective, _) = counted["cp2_none"], counted["cp2_selective"]
+    (reference, _, _), (selective, _, _) = counted["cp2_none"], counted["cp2_selective"]
     gathers = reference["fwd"]["_c10d_functional.all_gather_into_tensor"]
     assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
     extra = Counter(selective["bwd"])
     extra.subtract(reference["bwd"])
     assert {k: v for k, v in extra.items() if v} == {"_c10d_functional.all_gather_into_tensor": gathers}
-    _check_losses(counted, "cp2")
+    _check_training(counted, "cp2")
