@@ -88,8 +88,8 @@ def _group_name(op, args, kwargs):
 class _InPlaceReplay:
     """An in-place collective saved by the selective policy returns its cached ``Work`` in the
     rerun without writing into the output buffer the rerun passes it: ``record`` keeps (by
-    reference) the buffer the forward's op filled, and ``mode`` -- entered inside the
-    checkpoint's recompute context -- copies it into the rerun's buffer after the cached op."""
+    reference) the buffer the forward's op filled, and ``mode`` wraps the checkpoint's recompute
+    mode with one that copies it into the rerun's buffer after the cached op."""
 
     def __init__(self):
         self.filled: list[torch.Tensor] = []
@@ -97,17 +97,38 @@ class _InPlaceReplay:
     def record(self, args) -> None:
         self.filled.append(args[0])
 
-    def mode(self) -> TorchDispatchMode:
-        replay = self
+    def mode(self, cached: TorchDispatchMode) -> TorchDispatchMode:
+        return _RecomputeWithReplay(cached, self)
 
-        class _Replay(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in REPLAYED_COLLECTIVES:
-                    with _disable_current_modes(), torch.no_grad():
-                        args[0].copy_(replay.filled.pop(0))
-                return out
-        return _Replay()
+
+class _RecomputeWithReplay(TorchDispatchMode):
+    """The checkpoint's recompute mode ``cached``, and inside it -- where the forward recorded an
+    in-place collective -- the copy of what that collective wrote (``_InPlaceReplay``).  One
+    ``TorchDispatchMode``, as ``torch.compile`` requires of a checkpoint's recompute context."""
+
+    def __init__(self, cached: TorchDispatchMode, replay: _InPlaceReplay):
+        super().__init__()
+        self.cached, self.replay, self.active = cached, replay, False
+
+    def __enter__(self):
+        self.cached.__enter__()
+        # entered in backward, after the forward recorded what it replays
+        self.active = bool(self.replay.filled)
+        if self.active:
+            super().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            super().__exit__(*exc)
+        return self.cached.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in REPLAYED_COLLECTIVES:
+            with _disable_current_modes(), torch.no_grad():
+                args[0].copy_(self.replay.filled.pop(0))
+        return out
 
 
 def _selective_policy(rerun_groups: frozenset, replay: _InPlaceReplay, ctx, op, *args, **kwargs):
@@ -126,13 +147,7 @@ def _selective_policy(rerun_groups: frozenset, replay: _InPlaceReplay, ctx, op, 
 def _selective_context(rerun_groups: frozenset = frozenset()):
     replay = _InPlaceReplay()
     fwd, rec = create_selective_checkpoint_contexts(functools.partial(_selective_policy, rerun_groups, replay))
-
-    @contextlib.contextmanager
-    def recompute():
-        # entered in backward, after the forward recorded what it replays
-        with rec, (replay.mode() if replay.filled else contextlib.nullcontext()):
-            yield
-    return fwd, recompute()
+    return fwd, replay.mode(rec)
 
 
 def _with_recompute_context(context_fn: Callable | None, extra: Callable[[], ContextManager]) -> Callable:
@@ -158,7 +173,10 @@ def wrap_for_recompute(child: nn.Module, mode: str,
     recompute reruns rather than saves (module docstring)."""
     if mode not in ("full", "selective"):
         raise ValueError(f"recompute mode {mode!r}")
-    context_fn = functools.partial(_selective_context, frozenset(rerun_groups)) if mode == "selective" else None
+    context_fn = None
+    if mode == "selective":
+        groups = frozenset(rerun_groups)
+        context_fn = _selective_context if not groups else (lambda: _selective_context(groups))
     if recompute_context is not None:
         context_fn = _with_recompute_context(context_fn, recompute_context)
     if context_fn is None:
