@@ -17,8 +17,9 @@
   cached op writes nothing into its output buffer, so the rerun is handed the forward's
   counts).  torchtitan's op-level policy saves its reduce-scatter and all-to-all outputs for
   the same reason (pytorch/torchtitan b5bcd76, 2026-08,
-  ``torchtitan/distributed/activation_checkpoint.py`` ``_get_default_save_ops``).  ``wait_tensor`` is left to rerun: on a tensor whose
-  collective already completed it waits for nothing.  Two kinds of collectives do rerun:
+  ``torchtitan/distributed/activation_checkpoint.py`` ``_get_default_save_ops``).
+  ``wait_tensor`` is left to rerun: on a tensor whose collective already completed it waits
+  for nothing.  Two kinds of collectives do rerun:
   those on the ``rerun_groups`` the caller names -- context parallelism's K/V all-gather
   (runtime/apply_cp.py): saving it would keep every layer's gathered K/V (cp times the
   local K/V) from forward to backward, the memory context parallelism exists to cut, where
