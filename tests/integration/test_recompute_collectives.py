@@ -8,7 +8,8 @@ runtime/recompute.py: under tp 2 (with and without sequence parallelism) and und
 selective run must issue in backward exactly its collectives -- the forward's all-reduces,
 reduce-scatters, all-gathers and all-to-alls are saved, not rerun.  Context parallelism's K/V
 all-gather is rerun by design (runtime/recompute.py; simulator/layer_cost.py prices it): the
-selective run's backward has exactly one more all-gather per forward one.  Each selective run's
+selective run's backward has exactly one more all-gather per forward one, also beside tp's
+sequence-parallel all-gathers (cp 2 x tp 2 on 4 ranks, a second launch).  Each selective run's
 losses and final parameters (read back from its DCP checkpoint) equal its no-recompute twin's
 (whose parity with the plain loop tests/integration/test_runtime_parity.py, test_runtime_ep.py
 and test_runtime_cp.py check) -- under ep 2 for every form of routed experts, which with
@@ -42,6 +43,12 @@ PLANS = {
        for m in ("moe", "moe_aux", "moe_grouped", "deepseek_moe", "hf_mixtral")},
     "cp2": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, micro_batch=4), 1),
 }
+# 4 ranks: both gathers at once -- tp's sequence-parallel all-gathers (saved) and cp's K/V
+# all-gather (rerun), told apart by their process group (runtime/recompute.py ``rerun_groups``)
+PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True), 1)}
+LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise"}
 
 
 def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
@@ -51,8 +58,9 @@ def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
     g = capture_model_file(str(file), dict(args), kw["micro_batch"])
     kw = dict(kw)
     if kw.get("tp", 1) > 1:
-        kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in TP_STYLES.items()}
-                                     for i, layer in enumerate(g.layers) if layer.name.startswith("blocks.")}
+        styles = LLAMA_TP if file.stem == "hf_llama" else TP_STYLES
+        kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in styles.items()}
+                                     for i, layer in enumerate(g.layers) if layer.name not in ("pre", "post")}
     plan = uniform_plan(model=ModelRef(str(file), dict(args), file.stem, g.fingerprint), num_layers=len(g.layers),
                         **kw)
     plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, ep=ep))
@@ -61,11 +69,9 @@ def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def counted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("recompute_collectives")
+def _launch(tmp: Path, nproc: int, plans: dict) -> dict:
     cases = []
-    for name, (file, args, kw, ep) in PLANS.items():
+    for name, (file, args, kw, ep) in plans.items():
         for mode in ("none", "selective"):
             case = f"{name}_{mode}"
             cases.append({"name": case, "steps": STEPS,
@@ -73,11 +79,21 @@ def counted(tmp_path_factory):
                           "measured": str(tmp / f"{case}.measured.json"), "counts": str(tmp / f"{case}.counts.json"),
                           "checkpoint_dir": str(tmp / f"{case}.ckpt")})
     (tmp / "cases.json").write_text(json.dumps(cases))
-    out = torchrun(2, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
+    out = torchrun(nproc, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
     assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
     return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()),
                         Path(c["checkpoint_dir"]))
             for c in cases}
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("recompute_collectives"), 2, PLANS)
+
+
+@pytest.fixture(scope="module")
+def counted_4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("recompute_collectives_4"), 4, PLANS_4)
 
 
 def _check_training(counted, name):
@@ -103,12 +119,27 @@ def test_selective_recompute_reissues_no_collective(counted, name):
     _check_training(counted, name)
 
 
-@pytest.mark.multiproc
-def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
-    (reference, _, _), (selective, _, _) = counted["cp2_none"], counted["cp2_selective"]
-    gathers = reference["fwd"]["_c10d_functional.all_gather_into_tensor"]
-    assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
+def _extra_backward(counted, name) -> dict:
+    (reference, _, _), (selective, _, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert selective["fwd"] == reference["fwd"], (name, selective, reference)
     extra = Counter(selective["bwd"])
     extra.subtract(reference["bwd"])
-    assert {k: v for k, v in extra.items() if v} == {"_c10d_functional.all_gather_into_tensor": gathers}
+    return {k: v for k, v in extra.items() if v}
+
+
+@pytest.mark.multiproc
+def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
+    gathers = counted["cp2_none"][0]["fwd"]["_c10d_functional.all_gather_into_tensor"]
+    assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
+    assert _extra_backward(counted, "cp2") == {"_c10d_functional.all_gather_into_tensor": gathers}
     _check_training(counted, "cp2")
+
+
+@pytest.mark.multiproc
+def test_cp_with_sequence_parallel_tp_reruns_the_kv_gather_only(counted_4):
+    """Of cp 2 x tp 2 (sequence-parallel)'s forward all-gathers, the rerun repeats the K/V ones
+    only: one per attention (2 layers) and step, the tp ones saved."""
+    reference = counted_4["cp2_tp2_sp_none"][0]
+    assert reference["fwd"]["_c10d_functional.all_gather_into_tensor"] > 2 * STEPS    # tp's gathers too
+    assert _extra_backward(counted_4, "cp2_tp2_sp") == {"_c10d_functional.all_gather_into_tensor": 2 * STEPS}
+    _check_training(counted_4, "cp2_tp2_sp")
