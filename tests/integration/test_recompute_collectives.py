@@ -44,11 +44,14 @@ PLANS = {
     "cp2": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, micro_batch=4), 1),
 }
 # 4 ranks: both gathers at once -- tp's sequence-parallel all-gathers (saved) and cp's K/V
-# all-gather (rerun), told apart by their process group (runtime/recompute.py ``rerun_groups``)
-PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True), 1)}
-LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-            "mlp.down_proj": "rowwise"}
+# all-gather (rerun), told apart by their process group (runtime/recompute.py ``rerun_groups``);
+# and tp's all-reduces beside ep's all-to-alls
+PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True), 1),
+           "dp2_tp2_ep2": (ZOO / "hf_mixtral.py", {}, dict(dp=2, tp=2, micro_batch=2), 2)}
+ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise"}
+STYLES = {"gpt": TP_STYLES, "hf_mixtral": ATTENTION_TP,
+          "hf_llama": {**ATTENTION_TP, "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}}
 
 
 def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
@@ -58,7 +61,7 @@ def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
     g = capture_model_file(str(file), dict(args), kw["micro_batch"])
     kw = dict(kw)
     if kw.get("tp", 1) > 1:
-        styles = LLAMA_TP if file.stem == "hf_llama" else TP_STYLES
+        styles = STYLES[file.stem]
         kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in styles.items()}
                                      for i, layer in enumerate(g.layers) if layer.name not in ("pre", "post")}
     plan = uniform_plan(model=ModelRef(str(file), dict(args), file.stem, g.fingerprint), num_layers=len(g.layers),
@@ -133,6 +136,12 @@ def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
     assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
     assert _extra_backward(counted, "cp2") == {"_c10d_functional.all_gather_into_tensor": gathers}
     _check_training(counted, "cp2")
+
+
+@pytest.mark.multiproc
+def test_tp_beside_ep_reissues_no_collective(counted_4):
+    assert _extra_backward(counted_4, "dp2_tp2_ep2") == {}
+    _check_training(counted_4, "dp2_tp2_ep2")
 
 
 @pytest.mark.multiproc
