@@ -572,8 +572,8 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
     input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
     the outputs of the collectives the code's policy saves (``selective_saved_bytes``), and reruns
     the cheap ops between them, context parallelism's K/V all-gather and the collectives the
-    policy does not save (``_TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a checkpointed forward keeps nothing, and
-    the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
+    policy does not save (``_TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a
+    checkpointed forward keeps nothing, and the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
     selective policy's dispatch mode on every op).
 
     A full recompute by non-reentrant ``torch.utils.checkpoint`` (``cm.code.recompute_early_stop``)

@@ -51,7 +51,8 @@ PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micr
 ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                 "self_attn.o_proj": "rowwise"}
 STYLES = {"gpt": TP_STYLES, "hf_mixtral": ATTENTION_TP,
-          "hf_llama": {**ATTENTION_TP, "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}}
+          "hf_llama": {**ATTENTION_TP, "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                       "mlp.down_proj": "rowwise"}}
 
 
 def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
