@@ -173,10 +173,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
                            plan, f"plan file {checked.plan_path}")
     # 4. recompute (under context parallelism the rerun in backward enters its attention mode too)
     recomputes = [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)]
-    rerun_under = None
+    rerun_under, rerun_groups = None, ()
     if plan.mesh.cp > 1 and any(mode != "none" for _, mode in recomputes):
-        rerun_under = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part).mode
-    apply_recompute(part, recomputes, rerun_under)
+        cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part)
+        # ... and a selective one gathers K/V again rather than keep them (runtime/recompute.py)
+        rerun_under, rerun_groups = cp.mode, (cp.group.group_name,)
+    apply_recompute(part, recomputes, rerun_under, rerun_groups)
     # 4b. regional compile of the blocks (not "pre"/"post")
     if plan.compile:
         apply_compile(part, [paths for paths, layer in zip(unit_paths, held) if layer.name not in ("pre", "post")])

@@ -30,7 +30,7 @@ from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
-from autopar.simulator.selective_mm_policy import recomputed_matmuls
+from autopar.simulator.selective_mm_policy import collective_output_bytes, recomputed_matmuls, saves_collective
 from autopar.simulator.topology import MeshLinks
 
 MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
@@ -140,10 +140,13 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     if compiled and layer.kind not in ("pre", "post"):
         _compiled(graph, layer_index, work, layout, lp, mesh, precision, cm, scale)
     _add_module_overheads(work, cm)
-    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops)
+    # a selective recompute keeps the outputs of the collectives its policy saves (selective_mm_policy.py)
+    selective = cm.code.selective_mm_policy if lp.recompute == "selective" else None
+    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops,
+                           selective)
     experts = ep_cost.routed_experts(graph, layer_index)
     extra_meetings = _sequence_and_experts(graph, layer_index, work, tpc, layout, mesh, precision, cm, links, scale,
-                                           node_processes, experts)
+                                           node_processes, experts, selective)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = _data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
 
@@ -442,23 +445,30 @@ class _TensorParallelComm:
     skipped_wire: float = 0.0
     skipped_meetings: int = 0
     # the forward collectives a selective recompute reruns: context parallelism's K/V all-gather
-    # (its output is not a matmul's, so the runtime's policy recomputes it -- counted in backward
-    # on a cp 2 run of the zoo's Llama, one gather per attention in each direction)
+    # (the runtime's policy reruns it, runtime/recompute.py -- counted in backward on a cp 2 run
+    # of the zoo's Llama, one gather per attention in each direction:
+    # tests/integration/test_recompute_collectives.py), and those the code's policy does not save
+    # (selective_mm_policy.saves_collective)
     selective_fwd_s: float = 0.0
     selective_wire: float = 0.0
     selective_meetings: int = 0
+    # ... the outputs of those it saves, on the device: kept from forward to backward
+    selective_saved_bytes: float = 0.0
     measured: int = 0
     estimated: int = 0
 
 
 def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, scale: float, act_scale: float,
-                     node_processes: int | None, skipped_ops: frozenset = frozenset()) -> _TensorParallelComm:
+                     node_processes: int | None, skipped_ops: frozenset = frozenset(),
+                     selective: str | None = None) -> _TensorParallelComm:
     """Tensor parallelism: the collectives the layout puts after the split modules (Shoeybi et
     al. 2019, Sec. 3: f/g all-reduces; with sequence parallelism all-gather/reduce-scatter pairs,
     Korthikanti et al. 2022, Sec. 4.2.2), on the tensor-parallel group's link.  ``skipped_ops``:
     the ops a recompute that stops early does not run; the all-reduce or reduce-scatter of such
     an op's output does not run in it either (an all-gather of its input, issued before the op,
-    does)."""
+    does).  ``selective``: the code's selective policy where the layer is selectively recomputed:
+    a forward collective it saves keeps its output (``selective_saved_bytes``), one it does not
+    reruns in backward (``selective_fwd_s``; simulator/selective_mm_policy.py)."""
     c = _TensorParallelComm()
     for coll in layout.collectives:
         nbytes = coll.bytes * scale * act_scale
@@ -474,6 +484,12 @@ def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks,
                 c.skipped_fwd_s += t
                 c.skipped_wire += wire
                 c.skipped_meetings += 1
+            if selective is not None and saves_collective(coll.kind, selective):
+                c.selective_saved_bytes += collective_output_bytes(coll.kind, nbytes, tp)
+            elif selective is not None:
+                c.selective_fwd_s += t
+                c.selective_wire += wire
+                c.selective_meetings += 1
         else:
             c.wire_bwd += wire
             c.bwd_s += t
@@ -496,13 +512,15 @@ def _fold_into_tp(tpc, terms) -> int:
 
 def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _TensorParallelComm, layout: TPLayout,
                           mesh: Mesh, precision: str, cm: CostModel, links: MeshLinks, scale: float,
-                          node_processes: int | None, experts) -> int:
+                          node_processes: int | None, experts, selective: str | None = None) -> int:
     """Context and expert parallelism's in-layer terms, folded into ``w`` and ``tpc``: the K/V
     all-gather / reduce-scatter of the attention ops (cp_cost.cp_layer_terms) and the experts'
     dispatch / combine all-to-alls (ep_cost.ep_layer_terms) are collectives on the critical path
     inside the layer, as the tensor-parallel ones; the gathered K/V add to what attention keeps
     for backward; the expert GEMMs are priced at their per-expert shapes and their parameters
-    split ep ways (ep_cost.expert_work).  Returns the collectives where the ranks meet."""
+    split ep ways (ep_cost.expert_work).  ``selective``: as ``_tensor_parallel``, for the
+    all-to-alls (the K/V gather reruns under every policy).  Returns the collectives where the
+    ranks meet."""
     elem = float(precision_bytes(precision))
     meetings = 0
     if mesh.cp > 1:
@@ -517,6 +535,16 @@ def _sequence_and_experts(graph: OpGraph, layer_index: int, w: _OpWork, tpc: _Te
     if experts:
         e = ep_cost.ep_layer_terms(experts, mesh.ep, scale, elem, cm, links, node_processes)
         meetings += _fold_into_tp(tpc, e)
+        if selective is not None and mesh.ep > 1 and saves_collective("all_to_all", selective):
+            # the dispatch's and the combine's output per experts module: the rank's T x k rows of
+            # h elements each (ep_cost.ep_layer_terms's message)
+            tpc.selective_saved_bytes += sum(
+                2 * collective_output_bytes("all_to_all", r.tokens * scale * r.top_k * r.hidden * elem, mesh.ep)
+                for r in experts)
+        elif selective is not None:
+            tpc.selective_fwd_s += e.fwd_s
+            tpc.selective_wire += e.wire_fwd
+            tpc.selective_meetings += e.meetings
         x = ep_cost.expert_work(graph, experts, layout, mesh.ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s,
                                 capacity_factor=cm.code.expert_load)
         w.fwd_s += x.fwd_delta_s
@@ -542,9 +570,10 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
                cm: CostModel) -> _Recompute:
     """Recompute (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): "full" keeps the layer's
     input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
-    reruns the cheap ops between them, and context parallelism's K/V all-gather
-    (``_TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a checkpointed forward keeps nothing, and
-    the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
+    the outputs of the collectives the code's policy saves (``selective_saved_bytes``), and reruns
+    the cheap ops between them, context parallelism's K/V all-gather and the collectives the
+    policy does not save (``_TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a
+    checkpointed forward keeps nothing, and the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
     selective policy's dispatch mode on every op).
 
     A full recompute by non-reentrant ``torch.utils.checkpoint`` (``cm.code.recompute_early_stop``)
@@ -568,7 +597,11 @@ def _recompute(lp: LayerPlan, w: _OpWork, tpc: _TensorParallelComm, layer_input_
         w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
     elif lp.recompute == "selective":
         # the matmuls the code's policy does not save rerun too (simulator/selective_mm_policy.py)
-        activation = min(saved, layer_input_bytes + w.matmul_output_bytes - w.rerun_mm_output_bytes)
+        # the kept collectives' outputs on top: the checkpoint's cache holds them whether or not
+        # autograd would keep them without recompute (an all-reduced output feeds a residual add,
+        # which keeps nothing)
+        activation = (min(saved, layer_input_bytes + w.matmul_output_bytes - w.rerun_mm_output_bytes)
+                      + tpc.selective_saved_bytes)
         out = _Recompute(w.cheap_fwd_s + w.rerun_mm_fwd_s + tpc.selective_fwd_s,
                          w.cheap_fwd_flops + w.rerun_mm_fwd_flops, activation, max(0.0, saved - activation),
                          tp_s=tpc.selective_fwd_s, tp_wire=tpc.selective_wire, tp_meetings=tpc.selective_meetings)

@@ -1,0 +1,64 @@
+"""torchrun worker: runs plans one after another (one process group) and counts, per plan, the
+collectives each training step issues, split into forward and backward.
+
+The count is taken by a ``TorchDispatchMode`` entered around every step (outside any mode the
+runtime enters, so it sees exactly the ops that run: an op a selective checkpoint replays from
+its cache never reaches it).  A collective is an op of the ``c10d`` (in-place, process-group)
+or ``_c10d_functional`` (functional) namespaces, ``wait_tensor`` excepted (it waits, it sends
+nothing); an op runs in backward where the autograd engine is executing a graph task
+(``torch._C._current_graph_task_id() != -1``).  Writes ``{"fwd"|"bwd": {op: n}}``, summed over
+the steps (the final checkpoint's, where the case names a ``checkpoint_dir``, among the forward
+ones), to the case's ``counts`` path (rank 0)."""
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.mesh import shutdown
+from autopar.runtime.options import RunOptions
+from autopar.runtime.train import Trainer
+
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {"fwd": Counter(), "bwd": Counter()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace in NAMESPACES and name not in NOT_COLLECTIVES:
+            phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+            self.counts[phase][f"{func.namespace}.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    for case in cases:
+        opts = RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 2), warmup_steps=0,
+                          measured_path=Path(case["measured"]),
+                          checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None)
+        trainer = Trainer(opts)
+        counter = CollectiveCounter()
+        for step in range(trainer.first_step, opts.steps):
+            with counter:
+                trainer.step(step)
+        trainer.finish()
+        if dist.get_rank() == 0:
+            Path(case["counts"]).write_text(json.dumps({k: dict(v) for k, v in counter.counts.items()}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

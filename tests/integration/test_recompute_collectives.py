@@ -1,0 +1,155 @@
+"""Selective recompute issues no extra tensor- or expert-parallel collective in backward.
+
+Each plan runs twice in one 2-rank torchrun launch (gloo), once with ``recompute: none`` and once
+with ``selective``, and ``tests/collective_count_worker.py`` counts the collectives every step
+issues, forward and backward apart (a dispatch mode outside the runtime's: it sees the ops that
+really run).  The reference is the run without recompute, which never enters
+runtime/recompute.py: under tp 2 (with and without sequence parallelism) and under ep 2 the
+selective run must issue in backward exactly its collectives -- the forward's all-reduces,
+reduce-scatters, all-gathers and all-to-alls are saved, not rerun.  Context parallelism's K/V
+all-gather is rerun by design (runtime/recompute.py; simulator/layer_cost.py prices it): the
+selective run's backward has exactly one more all-gather per forward one, also beside tp's
+sequence-parallel all-gathers (cp 2 x tp 2 on 4 ranks, a second launch).  Each selective run's
+losses and final parameters (read back from its DCP checkpoint) equal its no-recompute twin's
+(whose parity with the plain loop tests/integration/test_runtime_parity.py, test_runtime_ep.py
+and test_runtime_cp.py check) -- under ep 2 for every form of routed experts, which with
+FSDP2's nested experts unit needed runtime/recompute.py's profiler-annotation rule to run at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runtime_support import (GPT, MODEL_ARGS, PARAM_ATOL, ROOT, TP_STYLES, consolidated_params, failure_summary,
+                             torchrun)
+
+WORKER = Path(__file__).resolve().parents[1] / "collective_count_worker.py"
+ZOO = ROOT / "tests" / "zoo"
+LLAMA_ARGS = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "seq": 8, "vocab": 64}
+GPT_ARGS = dict(MODEL_ARGS, layers=2)
+STEPS = 2
+LOSS_ATOL = 1e-5
+
+# name -> (model file, model arguments, uniform_plan arguments, ep); global batch 4
+PLANS = {
+    "tp2": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4), 1),
+    "tp2_sp": (GPT, GPT_ARGS, dict(tp=2, micro_batch=4, sequence_parallel=True), 1),
+    # every form of routed experts (core/experts.py): stacked, grouped, list, and transformers 5's
+    **{f"ep2_{m}": (ZOO / f"{m}.py", {}, dict(dp=2, micro_batch=2), 2)
+       for m in ("moe", "moe_aux", "moe_grouped", "deepseek_moe", "hf_mixtral")},
+    "cp2": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, micro_batch=4), 1),
+}
+# 4 ranks: both gathers at once -- tp's sequence-parallel all-gathers (saved) and cp's K/V
+# all-gather (rerun), told apart by their process group (runtime/recompute.py ``rerun_groups``);
+# and tp's all-reduces beside ep's all-to-alls
+PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True), 1),
+           "dp2_tp2_ep2": (ZOO / "hf_mixtral.py", {}, dict(dp=2, tp=2, micro_batch=2), 2)}
+ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise"}
+STYLES = {"gpt": TP_STYLES, "hf_mixtral": ATTENTION_TP,
+          "hf_llama": {**ATTENTION_TP, "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                       "mlp.down_proj": "rowwise"}}
+
+
+def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, save_plan, uniform_plan
+
+    g = capture_model_file(str(file), dict(args), kw["micro_batch"])
+    kw = dict(kw)
+    if kw.get("tp", 1) > 1:
+        styles = STYLES[file.stem]
+        kw["tp_styles_per_layer"] = {i: {f"{layer.name}.{k}": v for k, v in styles.items()}
+                                     for i, layer in enumerate(g.layers) if layer.name not in ("pre", "post")}
+    plan = uniform_plan(model=ModelRef(str(file), dict(args), file.stem, g.fingerprint), num_layers=len(g.layers),
+                        **kw)
+    plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, ep=ep))
+    assert plan.global_batch == 4
+    save_plan(plan, path)
+    return path
+
+
+def _launch(tmp: Path, nproc: int, plans: dict) -> dict:
+    cases = []
+    for name, (file, args, kw, ep) in plans.items():
+        for mode in ("none", "selective"):
+            case = f"{name}_{mode}"
+            cases.append({"name": case, "steps": STEPS,
+                          "plan": str(_plan(tmp / f"{case}.json", file, args, dict(kw, recompute=mode), ep)),
+                          "measured": str(tmp / f"{case}.measured.json"), "counts": str(tmp / f"{case}.counts.json"),
+                          "checkpoint_dir": str(tmp / f"{case}.ckpt")})
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    out = torchrun(nproc, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
+    assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+    return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()),
+                        Path(c["checkpoint_dir"]))
+            for c in cases}
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("recompute_collectives"), 2, PLANS)
+
+
+@pytest.fixture(scope="module")
+def counted_4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("recompute_collectives_4"), 4, PLANS_4)
+
+
+def _check_training(counted, name):
+    """The selective run's losses and final parameters are its no-recompute twin's."""
+    (_, plain, plain_ckpt), (_, selective, selective_ckpt) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert len(selective["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(selective["losses"], plain["losses"])) <= LOSS_ATOL, \
+        (name, selective["losses"], plain["losses"])
+    want, got = consolidated_params(plain_ckpt), consolidated_params(selective_ckpt)
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert (got[key].float() - tensor.float()).abs().max().item() <= PARAM_ATOL, (name, key)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", [n for n in PLANS if n != "cp2"])
+def test_selective_recompute_reissues_no_collective(counted, name):
+    (reference, _, _), (selective, _, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert reference["bwd"], reference          # the plan does communicate in backward
+    assert selective["fwd"] == reference["fwd"], (name, selective, reference)
+    assert selective["bwd"] == reference["bwd"], f"{name}: backward collectives {selective['bwd']} " \
+                                                 f"with selective recompute, {reference['bwd']} without"
+    _check_training(counted, name)
+
+
+def _extra_backward(counted, name) -> dict:
+    (reference, _, _), (selective, _, _) = counted[f"{name}_none"], counted[f"{name}_selective"]
+    assert selective["fwd"] == reference["fwd"], (name, selective, reference)
+    extra = Counter(selective["bwd"])
+    extra.subtract(reference["bwd"])
+    return {k: v for k, v in extra.items() if v}
+
+
+@pytest.mark.multiproc
+def test_selective_recompute_reruns_only_the_cp_kv_gather(counted):
+    gathers = counted["cp2_none"][0]["fwd"]["_c10d_functional.all_gather_into_tensor"]
+    assert gathers == 2 * STEPS                  # one K/V gather per attention (2 layers) and step
+    assert _extra_backward(counted, "cp2") == {"_c10d_functional.all_gather_into_tensor": gathers}
+    _check_training(counted, "cp2")
+
+
+@pytest.mark.multiproc
+def test_tp_beside_ep_reissues_no_collective(counted_4):
+    assert _extra_backward(counted_4, "dp2_tp2_ep2") == {}
+    _check_training(counted_4, "dp2_tp2_ep2")
+
+
+@pytest.mark.multiproc
+def test_cp_with_sequence_parallel_tp_reruns_the_kv_gather_only(counted_4):
+    """Of cp 2 x tp 2 (sequence-parallel)'s forward all-gathers, the rerun repeats the K/V ones
+    only: one per attention (2 layers) and step, the tp ones saved."""
+    reference = counted_4["cp2_tp2_sp_none"][0]
+    assert reference["fwd"]["_c10d_functional.all_gather_into_tensor"] > 2 * STEPS    # tp's gathers too
+    assert _extra_backward(counted_4, "cp2_tp2_sp") == {"_c10d_functional.all_gather_into_tensor": 2 * STEPS}
+    _check_training(counted_4, "cp2_tp2_sp")
