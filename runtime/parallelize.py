@@ -136,9 +136,11 @@ def _untie_units(part: nn.Module, units: list[list[str]], ties: list[TieGroup]) 
 
 
 def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                     dp_kind: str, ties: list[TieGroup] = (), float8: list[Float8Record] | None = None) -> nn.Module:
+                     dp_kind: str, ties: list[TieGroup] = (), float8: list[Float8Record] | None = None,
+                     cp: ContextParallel | None = None) -> nn.Module:
     """Steps 2b-5 on one stage module (or the whole model); returns it still on meta.  The
-    float8 conversion's record is appended to ``float8`` when given."""
+    float8 conversion's record is appended to ``float8`` when given; ``cp``: the model's context
+    parallelism, whose mode a recomputed layer's rerun enters (made from ``part`` if not given)."""
     plan = checked.plan
     ties = list(ties)
     unit_paths = layer_units(part, held)
@@ -174,7 +176,7 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     recomputes = [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)]
     rerun_under = None
     if plan.mesh.cp > 1 and any(mode != "none" for _, mode in recomputes):
-        rerun_under = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part).mode
+        rerun_under = (cp or ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part)).rerun_mode
     apply_recompute(part, recomputes, rerun_under)
     # 4b. regional compile of the blocks (not "pre"/"post")
     if plan.compile:
@@ -216,11 +218,12 @@ def batch_norm_warnings(model: nn.Module, dp: int, num_microbatches: int, micro_
 
 
 def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                             dp_kind: str) -> nn.Module:
+                             dp_kind: str, cp: ContextParallel | None = None) -> nn.Module:
     """Steps 3-5 on a pipeline stage cut from the ``torch.export`` graph (``apply_pp``): its ops
     call no module of the model, so module-level transformations apply to the stage as a whole
-    -- recompute wraps the stage, FSDP2 shards it as one unit -- and tensor parallelism, which
-    replaces ``nn.Linear`` modules' forwards, cannot apply."""
+    -- recompute wraps the stage (its rerun under ``cp``'s mode where given), FSDP2 shards it as
+    one unit -- and tensor parallelism, which replaces ``nn.Linear`` modules' forwards, cannot
+    apply."""
     plan = checked.plan
     if plan.mesh.tp > 1:
         raise PlanFileError(
@@ -229,7 +232,8 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
             f"nn.Linear module that tensor parallelism could split. Plan tp = 1 with pp > 1 for this model, or pp = 1.")
     modes = {layer.plan.recompute for layer in held} - {"none"}
     if modes:
-        part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop())
+        part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop(),
+                                  cp.rerun_mode if cp is not None else None)
     if dp_kind == "fsdp":
         root = held[0].plan
         apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), [], root_zero=root.zero, root_offload=root.offload,
@@ -251,6 +255,7 @@ class StageParts:
     cross_stage_ties: list = field(default_factory=list)
     ties: list[TieGroup] = field(default_factory=list)   # on the model as built (ties.find_ties)
     float8: Float8Record | None = None                   # the float8 conversion of the kept parts
+    cp: ContextParallel | None = None                    # context parallelism (cp > 1; runtime.apply_cp)
 
 
 def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
@@ -269,12 +274,18 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
     out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh), ties=ties)
+    if plan.mesh.cp > 1:
+        out.cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta)
     if plan.mesh.pp > 1:                                                            # 2
         with torch.device("meta"):
             example, _ = checked.model_file.make_batch(plan.micro_batch, **args)
+        if out.cp is not None:      # the stages are cut from a forward on the rank's tokens
+            example = out.cp.stage_args(tuple(out.cp.slice(x) for x in example), torch.device("meta"))
         split = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages,
                                   example_inputs=example, device=ctx.device)
         out.restore_output, out.cut_by = split.restore_output, split.cut_by
+        if out.cp is not None:
+            out.cp.traced_masks = split.cut_by == "export"
         out.cross_stage_ties = untie_across_stages(split.stages, ties)
         local = {i: split.stages[i] for i in range(num_stages) if keep_stage(i)}
     else:
@@ -289,9 +300,9 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
                     f"cannot trace this model's forward, so its pipeline stages are cut from the torch.export graph, "
                     f"whose ops call no nn.Linear module that float8 could convert. Plan --precision bf16 for "
                     f"pp > 1 with this model, or pp = 1.")
-            part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind)
+            part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind, out.cp)
         else:
-            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records)   # 2b-5
+            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records, out.cp)   # 2b-5
         with around_materialize():
             materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
         out.parts[index] = part
@@ -329,9 +340,11 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                                           TiedGradSum.pp_rows(ctx.mesh.mesh, tuple(ctx.mesh.mesh_dim_names)),
                                           ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
+        if built.cp is not None:
+            built.cp.stage_forward_ran = False      # until the schedule's first stage forward
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
-                                     built.restore_output)
+                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = []
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
@@ -352,8 +365,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
 
             after_step = after_optimizer_step(parts)
     low = LOW_PRECISION.get(plan.precision)
-    cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta) if plan.mesh.cp > 1 else None
-    return ParallelModel(cp=cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+    return ParallelModel(cp=built.cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
