@@ -49,14 +49,14 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
     return None
 
 
-#: what runtime/apply_cp.check_cp_plan refuses next to cp > 1 today, which the planner does not
-#: propose (a plan it printed must run): pipeline parallelism (the schedules run the forward
-#: themselves, outside the context-parallel attention).  Tensor parallelism (with or without
-#: sequence parallelism) and recompute (its rerun in backward enters the attention mode) left it
-#: when the runtime ran them with cp 2 like the plain loop (tests/integration/test_runtime_cp.py).
-#: The simulator prices every combination (a plan file or ``autopar simulate`` may ask for one);
-#: when the runtime takes one, it leaves this list.
-CP_RUNTIME_EXCLUDES = ("pp",)
+#: what runtime/apply_cp.check_cp_plan refuses next to cp > 1, which the planner does not propose
+#: (a plan it printed must run): nothing today.  Tensor parallelism (with or without sequence
+#: parallelism), recompute (its rerun in backward enters the attention mode) and pipeline
+#: parallelism (each stage's forward runs in the attention mode) left it when the runtime ran them
+#: with cp 2 like the plain loop (tests/integration/test_runtime_cp.py).  The simulator prices
+#: every combination (a plan file or ``autopar simulate`` may ask for one); an axis the runtime
+#: stops taking with cp comes back here ("tp", "pp" or "recompute").
+CP_RUNTIME_EXCLUDES: tuple[str, ...] = ()
 
 
 def cp_mesh_runs(mesh) -> bool:

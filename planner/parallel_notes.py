@@ -47,8 +47,13 @@ def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
             out.append(AxisNote(kind, f"--{axis} 1 fixed it off"))
         elif not admitted:
             need = " = ".join(a for a in ("tp", "pp") if a in CP_RUNTIME_EXCLUDES)
-            extra = (f"; the runtime runs cp without {', '.join(CP_RUNTIME_EXCLUDES)} (runtime/apply_cp.py), so cp "
-                     f"meshes need {need} = 1" if axis == "cp" else "; ep must divide dp x cp and the experts count")
+            if axis == "ep":
+                extra = "; ep must divide dp x cp and the experts count"
+            elif need:
+                extra = (f"; the runtime runs cp without {', '.join(CP_RUNTIME_EXCLUDES)} (runtime/apply_cp.py), "
+                         f"so cp meshes need {need} = 1")
+            else:
+                extra = "; cp must divide the devices left by the other axes"
             out.append(AxisNote(kind, f"no mesh with {axis} > 1 fits the cluster, the batch and the fixed knobs{extra}"))
         elif alt is None:
             out.append(AxisNote(kind, f"no plan with {axis} > 1 of the {admitted} meshes searched fitted memory"))

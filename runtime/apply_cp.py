@@ -45,9 +45,24 @@ Gradients: each rank's loss is the mean over its tokens; every rank holds the sa
 tokens, so the mean of the cp ranks' losses is the loss over the whole sequence, and averaging
 the gradients over dp x cp (``gradient_mesh``: DDP, ``replicate`` or FSDP2 over the flattened
 dp x cp mesh, as torchtitan shards) gives the gradient of the global mean.
+
+Pipelines (pp > 1): the batch is sliced before the schedule cuts it into micro-batches (along
+the batch dim, so every micro-batch holds the same positions), each stage's forward of a
+micro-batch runs under the mode (``apply_pp.build_schedule``'s ``forward_context``: the
+schedule's metadata inference on meta tensors runs outside it), and the extra keyword
+arguments reach the first stage as positional inputs (``stage_args``).  A stage cut from the
+``torch.export`` graph (Hugging Face models) was traced on the rank's tokens with those
+arguments, and calls ``aten.scaled_dot_product_attention`` with the mask transformers built
+while tracing from the all-ones ``attention_mask``: the mode takes that call too, accepts the
+mask when it is the causal mask of the rank's own tokens (``traced_masks``: in the head-tail
+order a rank's tokens are in increasing position, so the causal mask among them is the lower
+triangle) and attends causally over the gathered keys; any other mask is refused.  Each
+stage's cp group is the ranks of its pp (and dp, tp) coordinate: they run the same schedule,
+so their gathers meet in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -70,17 +85,14 @@ def check_cp_plan(checked) -> None:
     rank's tokens, the mode gathers those heads' K/V over the cp group (a group of the same tp
     coordinate), and sequence parallelism's shards of the rank's tokens are gathered back over
     tp before attention.  Recompute composes: the rerun in backward enters the same attention
-    mode (runtime/recompute.py's ``recompute_context``, set by runtime/parallelize.py)."""
+    mode (runtime/recompute.py's ``recompute_context``, set by runtime/parallelize.py).  Pipeline
+    parallelism composes (tests/integration/test_runtime_cp.py, cp 2 x pp 2): each stage's
+    forward runs under the mode (module docstring)."""
     plan, where = checked.plan, f"plan file {checked.plan_path}"
     reason = cp_refusal(checked.graph, plan.mesh.cp)
     if reason:
         raise PlanFileError(f"{where} has cp = {plan.mesh.cp}, but {checked.model_file.path} cannot take context "
                             f"parallelism: {reason}. Plan with cp = 1 for this model.")
-    if plan.mesh.pp > 1:
-        raise PlanFileError(f"{where} has cp = {plan.mesh.cp} with pipeline parallelism (pp > 1): the schedules run "
-                            f"the forward themselves, outside the context-parallel attention. Plan context "
-                            f"parallelism with dp, tp (with or without sequence parallelism), ZeRO and recompute "
-                            f"only (pp = 1), or cp = 1.")
 
 
 def head_tail_positions(seq: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -109,20 +121,26 @@ def gradient_mesh(ctx: RankContext, cp: int) -> DeviceMesh:
     return ctx.mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def takes_argument(model: nn.Module, name: str) -> bool:
+def forward_parameters(model: nn.Module) -> tuple[str, ...]:
     try:
-        return name in inspect.signature(model.forward).parameters
+        return tuple(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return ()
+
+
+def takes_argument(model: nn.Module, name: str) -> bool:
+    return name in forward_parameters(model)
 
 
 class CPAttention(TorchFunctionMode):
     """During a forward: SDPA over the whole sequence by an all-gather of K/V over the cp group,
     and ``torch.arange(S_local)`` read as the rank's global positions (``positions_from_arange``)."""
 
-    def __init__(self, group, cp: int, cp_rank: int, seq: int, positions_from_arange: bool):
+    def __init__(self, group, cp: int, cp_rank: int, seq: int, positions_from_arange: bool,
+                 traced_masks: bool = False):
         super().__init__()
         self.group, self.cp, self.seq = group, cp, seq
+        self.traced_masks = traced_masks
         self.local = seq // cp
         self.positions = head_tail_positions(seq, cp, cp_rank)
         # the global key positions in the order the all-gather returns them (rank order)
@@ -140,7 +158,7 @@ class CPAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func is _ATEN_SDPA:
             return self._attention(*args, **kwargs)
         if func is torch.arange and self.positions_from_arange:
             out = self._positions_for(args, kwargs)
@@ -165,6 +183,8 @@ class CPAttention(TorchFunctionMode):
                    enable_gqa=False):
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
+        if attn_mask is not None and self.traced_masks and _is_local_causal(attn_mask, self.local):
+            attn_mask, is_causal = None, True
         if attn_mask is not None:
             raise UserError(
                 "context parallelism supports F.scaled_dot_product_attention with is_causal=True or without a "
@@ -213,6 +233,11 @@ class ContextParallel:
         self.positions = head_tail_positions(seq, cp, self.rank)
         self.pass_position_ids = takes_argument(model, "position_ids")
         self.pass_attention_mask = takes_argument(model, "attention_mask")
+        self.forward_params = forward_parameters(model)
+        # pipeline stages cut from the torch.export graph: SDPA receives the traced causal mask
+        self.traced_masks = False
+        # under a pipeline: whether a stage forward ran yet (``rerun_mode``); None without one
+        self.stage_forward_ran: bool | None = None
 
     def slice(self, t: torch.Tensor) -> torch.Tensor:
         return slice_sequence(t, self.positions, self.seq)
@@ -232,4 +257,58 @@ class ContextParallel:
         return out
 
     def mode(self) -> CPAttention:
-        return CPAttention(self.group, self.cp, self.rank, self.seq, positions_from_arange=not self.pass_position_ids)
+        return CPAttention(self.group, self.cp, self.rank, self.seq, positions_from_arange=not self.pass_position_ids,
+                           traced_masks=self.traced_masks)
+
+    def stage_forward(self) -> CPAttention:
+        """The mode around a pipeline stage's forward of a micro-batch (``apply_pp.forward_with``)."""
+        self.stage_forward_ran = True
+        return self.mode()
+
+    def rerun_mode(self) -> contextlib.AbstractContextManager:
+        """What a recomputed layer's rerun in backward enters: the mode, as its forward did --
+        except under a pipeline before the first stage forward: at its first step torch's
+        ``PipelineStage`` infers the stages' shapes by a forward outside the mode (on tensors
+        without values, ``stage.py``'s ``_forward_metadata_inference``) and a backward through
+        it, which reruns the recomputed layers; that rerun must stay outside the mode too."""
+        if self.stage_forward_ran is False:
+            return contextlib.nullcontext()
+        return self.mode()
+
+    def stage_args(self, inputs: tuple, device: torch.device) -> tuple:
+        """The positional inputs of a pipeline's first stage: ``inputs`` (already sliced), then
+        ``forward_kwargs`` in the places the forward's signature gives them -- a stage is called
+        with positional arguments only, and the schedule cuts each of them into micro-batches
+        along dim 0, so the position ids are given a row per sample."""
+        extra = self.forward_kwargs(inputs, device)
+        if not extra:
+            return tuple(inputs)
+        rows = inputs[0].shape[0]
+        extra = {k: (v.expand(rows, -1).contiguous() if k == "position_ids" else v) for k, v in extra.items()}
+        names = list(self.forward_params)
+        places = [names.index(k) for k in extra]
+        if len(inputs) > len(names) or sorted(places) != list(range(len(inputs), len(inputs) + len(extra))):
+            raise PlanFileError(
+                f"context parallelism with pipeline parallelism passes {', '.join(extra)} to the first stage as "
+                f"positional inputs after the model's {len(inputs)} input(s), but the forward's parameters are "
+                f"({', '.join(names)}): they do not follow the inputs there. Plan with pp = 1 or cp = 1 for this "
+                f"model.")
+        return tuple(inputs) + tuple(extra[names[i]] for i in sorted(places))
+
+
+_ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _is_local_causal(mask: torch.Tensor, local: int) -> bool:
+    """Whether ``mask`` (bool: True attends; float: 0 attends) is the causal mask of ``local``
+    tokens in increasing position, broadcast over batch and heads.  Under FakeTensorMode (the
+    dry run of a large model) the values are unknown: its shape is all that is checked."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if mask.shape[-2:] != (local, local):
+        return False
+    if isinstance(mask, FakeTensor) or mask.device.type == "meta":
+        return True
+    attend = mask if mask.dtype == torch.bool else mask == 0
+    idx = torch.arange(local, device=mask.device)
+    return bool(torch.equal(attend, (idx[None, :] <= idx[:, None]).expand_as(attend)))

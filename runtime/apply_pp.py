@@ -41,6 +41,7 @@ the non-pipelined loop uses (``autopar.runtime.profile_breakdown``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,8 +69,11 @@ class LabelledStage(PipelineStage):
     received activations and gradients before calling these methods, and sends after them.
     """
 
+    # entered around each micro-batch's forward (``forward_with``); none by default
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
     def forward_one_chunk(self, *args, **kwargs):
-        with record_function(FORWARD_REGION):
+        with record_function(FORWARD_REGION), self.forward_context():
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
@@ -425,14 +429,29 @@ def runnable_schedule(schedule: str, num_microbatches: int, num_stages: int) -> 
     return schedule
 
 
+def forward_with(stages: list[PipelineStage], context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run every micro-batch forward of ``stages`` inside ``context()`` -- context parallelism's
+    attention mode (runtime/apply_cp.py).  Only the forward of the schedule's actions: the
+    stages' metadata inference (on meta tensors, at the first step), the sends and receives,
+    the loss and the backward stay outside it (a recomputing layer enters the mode itself in
+    backward, runtime/recompute.py)."""
+    for stage in stages:
+        stage.forward_context = context
+
+
 def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh: DeviceMesh,
                    device: torch.device, schedule: str, num_microbatches: int,
-                   loss_fn: Callable, restore_output: Callable = lambda out: out) -> tuple[object, list[PipelineStage]]:
+                   loss_fn: Callable, restore_output: Callable = lambda out: out,
+                   forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                   ) -> tuple[object, list[PipelineStage]]:
     """``PipelineStage`` per local stage and the plan's schedule over them; the last stage's
-    output goes through ``restore_output`` (``split_into_stages``) before ``loss_fn``."""
+    output goes through ``restore_output`` (``split_into_stages``) before ``loss_fn``;
+    ``forward_context``: see ``forward_with``."""
     group = pp_mesh.get_group()
     stages = [LabelledStage(mod, index, num_stages, device, group=group)
               for index, mod in sorted(stage_modules.items())]
+    if forward_context is not None:
+        forward_with(stages, forward_context)
     cls = _merging(SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)])
     user_loss = loss_fn
     loss_fn = labelled_loss(lambda output, target: user_loss(restore_output(output), target))

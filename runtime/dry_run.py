@@ -170,19 +170,23 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
                 inputs, target = model_file.make_batch(plan.micro_batch, **args)
             if plan.mesh.cp > 1:
                 # the rank's tokens under context parallelism's attention, as training runs
-                # them (runtime/train.py; cp runs with pp = 1): a recomputed layer enters the
+                # them (runtime/train.py; under a pipeline every stage's forward, its first
+                # stage given the extra arguments positionally): a recomputed layer enters the
                 # same mode in backward
-                from autopar.runtime.apply_cp import ContextParallel
-
-                cp = ContextParallel(ctx, plan.mesh.cp, graph.seq_len, meta)
+                cp = built.cp
                 inputs = tuple(cp.slice(x) for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
                 target = cp.slice(target)
+                kwargs = cp.forward_kwargs(inputs, device)
+                if plan.mesh.pp > 1:
+                    inputs, kwargs = cp.stage_args(inputs, device), {}
                 with cp.mode():
-                    out = parts[0](*inputs, **cp.forward_kwargs(inputs, device))
+                    out = parts[0](*inputs, **kwargs)
+                    for part in parts[1:]:
+                        out = _call(part, out if isinstance(out, tuple) else (out,))
             else:
                 out = _call(parts[0], inputs)
-            for part in parts[1:]:
-                out = _call(part, out if isinstance(out, tuple) else (out,))
+                for part in parts[1:]:
+                    out = _call(part, out if isinstance(out, tuple) else (out,))
             if plan.mesh.pp > 1:
                 # the schedule merges the last stage's outputs of the micro-batches at the end of
                 # every step (a 0-d output once crashed torch's merge there): merge two

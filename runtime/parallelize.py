@@ -137,9 +137,11 @@ def _untie_units(part: nn.Module, units: list[list[str]], ties: list[TieGroup]) 
 
 
 def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                     dp_kind: str, ties: list[TieGroup] = (), float8: list[Float8Record] | None = None) -> nn.Module:
+                     dp_kind: str, ties: list[TieGroup] = (), float8: list[Float8Record] | None = None,
+                     cp: ContextParallel | None = None) -> nn.Module:
     """Steps 2b-5 on one stage module (or the whole model); returns it still on meta.  The
-    float8 conversion's record is appended to ``float8`` when given."""
+    float8 conversion's record is appended to ``float8`` when given; ``cp``: the model's context
+    parallelism, whose mode a recomputed layer's rerun enters (made from ``part`` if not given)."""
     plan = checked.plan
     ties = list(ties)
     unit_paths = layer_units(part, held)
@@ -175,9 +177,9 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     recomputes = [(paths, layer.plan.recompute) for paths, layer in zip(unit_paths, held)]
     rerun_under, rerun_groups = None, ()
     if plan.mesh.cp > 1 and any(mode != "none" for _, mode in recomputes):
-        cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part)
+        cp_rerun = cp or ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, part)
         # ... and a selective one gathers K/V again rather than keep them (runtime/recompute.py)
-        rerun_under, rerun_groups = cp.mode, (cp.group.group_name,)
+        rerun_under, rerun_groups = cp_rerun.rerun_mode, (cp_rerun.group.group_name,)
     apply_recompute(part, recomputes, rerun_under, rerun_groups)
     # 4b. regional compile of the blocks (not "pre"/"post")
     if plan.compile:
@@ -219,13 +221,14 @@ def batch_norm_warnings(model: nn.Module, dp: int, num_microbatches: int, micro_
 
 
 def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: CheckedPlan, ctx: RankContext,
-                             dp_kind: str) -> nn.Module:
+                             dp_kind: str, cp: ContextParallel | None = None) -> nn.Module:
     """Steps 3-5 on a pipeline stage cut from the ``torch.export`` graph (``apply_pp``): its ops
     call no module of the model, so module-level transformations apply to the stage as a whole
-    -- recompute wraps the stage, FSDP2 shards it as one unit -- and tensor parallelism, which
-    replaces ``nn.Linear`` modules' forwards, cannot apply.  The routed experts are the
-    exception (runtime/expert_calls.py): the stage calls their modules, so expert parallelism
-    splits them and FSDP2 / replicate takes them as units of their own, as on an fx-cut stage."""
+    -- recompute wraps the stage (its rerun under ``cp``'s mode where given), FSDP2 shards it as
+    one unit -- and tensor parallelism, which replaces ``nn.Linear`` modules' forwards, cannot
+    apply.  The routed experts are the exception (runtime/expert_calls.py): the stage calls their
+    modules, so expert parallelism splits them and FSDP2 / replicate takes them as units of their
+    own, as on an fx-cut stage."""
     plan = checked.plan
     if plan.mesh.tp > 1:
         raise PlanFileError(
@@ -240,7 +243,11 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
                            plan, f"plan file {checked.plan_path}")
     modes = {layer.plan.recompute for layer in held} - {"none"}
     if modes:
-        part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop())
+        # under cp the rerun enters its attention mode and a selective one gathers K/V again
+        # rather than keep them (runtime/recompute.py ``rerun_groups``)
+        part = wrap_for_recompute(part, "full" if "full" in modes else modes.pop(),
+                                  cp.rerun_mode if cp is not None else None,
+                                  (cp.group.group_name,) if cp is not None else ())
     if experts is not None:
         root = held[0].plan
         shard_expert_weights(part, experts, dp_kind, lambda _m: (root.zero, root.offload), plan.precision,
@@ -266,6 +273,7 @@ class StageParts:
     cross_stage_ties: list = field(default_factory=list)
     ties: list[TieGroup] = field(default_factory=list)   # on the model as built (ties.find_ties)
     float8: Float8Record | None = None                   # the float8 conversion of the kept parts
+    cp: ContextParallel | None = None                    # context parallelism (cp > 1; runtime.apply_cp)
 
 
 def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, source: Callable,
@@ -284,12 +292,18 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
     stage_of = stage_of_layers(plan)
     num_stages = len(plan.pipeline.stages)
     out = StageParts(parts={}, meta=meta, dp_kind=data_parallel_kind(plan.zero, plan.mesh), ties=ties)
+    if plan.mesh.cp > 1:
+        out.cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta)
     if plan.mesh.pp > 1:                                                            # 2
         with torch.device("meta"):
             example, _ = checked.model_file.make_batch(plan.micro_batch, **args)
+        if out.cp is not None:      # the stages are cut from a forward on the rank's tokens
+            example = out.cp.stage_args(tuple(out.cp.slice(x) for x in example), torch.device("meta"))
         split = split_into_stages(meta, [l.module_paths for l in checked.layers], stage_of, num_stages,
                                   example_inputs=example, device=ctx.device)
         out.restore_output, out.cut_by = split.restore_output, split.cut_by
+        if out.cp is not None:
+            out.cp.traced_masks = split.cut_by == "export"
         out.cross_stage_ties = untie_across_stages(split.stages, ties)
         if plan.mesh.ep > 1:
             stages_hold_experts(meta, split.stages, plan.mesh.ep, split.cut_by, f"plan file {checked.plan_path}")
@@ -306,9 +320,9 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
                     f"cannot trace this model's forward, so its pipeline stages are cut from the torch.export graph, "
                     f"whose ops call no nn.Linear module that float8 could convert. Plan --precision bf16 for "
                     f"pp > 1 with this model, or pp = 1.")
-            part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind)
+            part = parallelize_export_stage(part, held, checked, ctx, out.dp_kind, out.cp)
         else:
-            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records)   # 2b-5
+            part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records, out.cp)   # 2b-5
         with around_materialize():
             materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
         out.parts[index] = part
@@ -346,9 +360,11 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                                           TiedGradSum.pp_rows(ctx.mesh.mesh, tuple(ctx.mesh.mesh_dim_names)),
                                           ctx.rank, ctx.submesh("pp").get_group())
     if plan.mesh.pp > 1:
+        if built.cp is not None:
+            built.cp.stage_forward_ran = False      # until the schedule's first stage forward
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
-                                     built.restore_output)
+                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = []
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
@@ -369,8 +385,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
 
             after_step = after_optimizer_step(parts)
     low = LOW_PRECISION.get(plan.precision)
-    cp = ContextParallel(ctx, plan.mesh.cp, checked.graph.seq_len, meta) if plan.mesh.cp > 1 else None
-    return ParallelModel(cp=cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
+    return ParallelModel(cp=built.cp, notes=notes, warnings=warnings, parts=parts, stage_indices=sorted(local), optimizers=optimizers, schedule=schedule,
                          init_mode=init_mode, uses_fsdp=dp_kind in ("fsdp", "replicate"), uses_ddp=use_ddp,
                          autocast_dtype=None if dp_kind in ("fsdp", "replicate") else low, dp_kind=dp_kind,
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,

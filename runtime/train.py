@@ -93,7 +93,9 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
     if pm.schedule is not None:
         losses: list[torch.Tensor] = []
         kwargs = {"target": target, "losses": losses} if pm.has_last_stage else {}
-        with _autocast(pm, ctx.device):
+        if pm.cp is not None and pm.has_first_stage:   # position ids etc. as the first stage's inputs
+            inputs = pm.cp.stage_args(tuple(inputs), ctx.device)
+        with _autocast(pm, ctx.device):        # each stage's forward under cp's mode (build_schedule)
             pm.schedule.step(*(inputs if pm.has_first_stage else ()), **kwargs)
         local_loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
     elif nmb == 1:

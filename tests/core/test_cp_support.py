@@ -91,3 +91,22 @@ def test_planner_dry_run_runs_cp_x_tp_with_recompute(recompute):
     plan = uniform_plan(model=ModelRef(str(path), {}, "hf_llama", g.fingerprint), num_layers=len(g.layers),
                         cp=2, tp=2, micro_batch=2, recompute=recompute, tp_styles_per_layer=styles)
     assert dry_run(plan, g, load_model_file(path)) is None
+
+
+@pytest.mark.parametrize("model,schedule", [("examples/gpt.py", "1f1b"), ("tests/zoo/hf_llama.py", "gpipe")])
+def test_planner_dry_run_runs_cp_x_pp_with_recompute(model, schedule):
+    """The runtime check on fake ranks (runtime/dry_run.py) runs a cp 2 x pp 2 plan as training
+    does: the first stage given the position ids positionally, every stage's forward in cp's
+    attention (Llama's stages are cut from the torch.export graph on the rank's tokens, their
+    traced causal mask taken by the mode), a recomputed stage rerun in it."""
+    from autopar.core.modelfile import load_model_file
+    from autopar.core.plan import ModelRef, uniform_plan
+    from autopar.runtime.dry_run import dry_run
+
+    if "hf_" in model:
+        pytest.importorskip("transformers")
+    args = {**GPT_ARGS, "layers": 2, "attention": "sdpa"} if "gpt" in model else {}
+    g = _graph(model, args)
+    plan = uniform_plan(model=ModelRef(str(ROOT / model), args, "m", g.fingerprint), num_layers=len(g.layers),
+                        cp=2, pp=2, micro_batch=2, num_microbatches=2, schedule=schedule, recompute="full")
+    assert dry_run(plan, g, load_model_file(ROOT / model)) is None

@@ -23,10 +23,12 @@ from autopar.simulator.plan_price import price_plan
 def test_space_admits_cp_on_runnable_meshes_and_ep_dividing_dp_x_cp():
     meshes = mesh_candidates(8, gpus_per_node=8, num_layers=4, global_batch=8, cp_choices=(1, 2, 4), ep_choices=(1, 2))
     cps = [m for m in meshes if m.cp > 1]
-    # the runtime runs cp with dp, tp (+ sp), ZeRO and recompute, not with pp (cp_support.CP_RUNTIME_EXCLUDES):
-    # 8 = dp x cp x tp with tp a power of two, dp dividing the batch of 8
-    assert {(m.dp, m.cp, m.tp) for m in cps} == {(4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (1, 4, 2)}
-    assert all(m.pp == 1 for m in cps) and any(m.sequence_parallel for m in cps)
+    # the runtime runs cp with dp, pp, tp (+ sp), ZeRO and recompute (cp_support.CP_RUNTIME_EXCLUDES is
+    # empty): 8 = dp x pp x cp x tp with tp a power of two, pp at most the 4 layers, dp dividing the batch
+    assert {(m.dp, m.pp, m.cp, m.tp) for m in cps} == {
+        (4, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 4, 2, 1), (1, 2, 2, 2), (1, 1, 2, 4),   # cp 2: dp pp tp = 4
+        (2, 1, 4, 1), (1, 2, 4, 1), (1, 1, 4, 2)}                                            # cp 4: dp pp tp = 2
+    assert any(m.sequence_parallel for m in cps)
     assert all((m.dp * m.cp) % m.ep == 0 for m in meshes)
     assert Mesh(dp=1, tp=8, ep=1) in [Mesh(dp=m.dp, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep) for m in meshes]
     assert not any(m.ep == 2 and m.dp * m.cp == 1 for m in meshes)
@@ -46,7 +48,6 @@ def tiny():
     (0, dict(ep=2), "has no routed experts"),
     (1, dict(ep=3), "do not split into 3"),
     (1, dict(ep=4, dp=2), "borrows its ranks from dp x cp = 2"),
-    (0, dict(cp=2, pp=2), "the runtime runs context parallelism with data and tensor parallelism, ZeRO and recompute"),
     (0, dict(cp=64), "2 x cp = 128 equal chunks"),
 ])
 def test_fixed_cp_ep_refused_with_the_reason(tiny, which, knobs, says):
@@ -63,6 +64,9 @@ def test_fixed_cp_ep_accepted(tiny):
     assert {m.cp for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {2}
     o = constrain(PlanOptions(global_batch=8, cp=2, tp=2, recompute=("full",)), tiny[0], cluster)
     assert {(m.cp, m.tp) for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {(2, 2)}
+    # cp x pp: the runtime runs each pipeline stage's forward in cp's attention (runtime/apply_cp.py)
+    o = constrain(PlanOptions(global_batch=8, cp=2, pp=2), tiny[0], cluster)
+    assert {(m.cp, m.pp) for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {(2, 2)}
     o = constrain(PlanOptions(global_batch=8, ep=4), tiny[1], cluster)
     assert {m.ep for m in candidate_meshes(o, cluster, len(tiny[1].layers), tiny[1])} == {4}
 

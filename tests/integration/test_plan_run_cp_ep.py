@@ -99,3 +99,29 @@ def test_plan_with_ep_and_pp_then_run_matches_the_plain_loop(tmp_path):
     losses = json.loads(measured.read_text())["losses"]
     want = plain_loop.train_plain(ZOO / "moe.py", {}, 4, STEPS).losses
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)
+
+
+def test_plan_cp_x_pp_then_run_trains(tmp_path):
+    """``autopar plan --cp 2 --pp 2`` on a 4-device gloo cluster writes a cp 2 x pp 2 plan for the
+    zoo's Llama (the runtime check on fake ranks accepts it), and ``autopar run`` of it trains."""
+    from cli_inprocess import run_cli
+    from autopar.runtime.run_cli import run_plan
+
+    pytest.importorskip("transformers")
+    cluster = tmp_path / "four-cpu.yaml"
+    cluster.write_text(CLUSTER.replace("name: two-cpu", "name: four-cpu")
+                       .replace("gpus_per_node: 2", "gpus_per_node: 4").replace("compute_slots: 2", "compute_slots: 4"))
+    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
+    r = run_cli("plan", ZOO / "hf_llama.py", "--cluster", cluster, "--global-batch", "2", "--cp", "2", "--pp", "2",
+                "--time-budget", "2", "-o", plan_path, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(plan_path.read_text())
+    assert (plan["mesh"]["cp"], plan["mesh"]["pp"], plan["mesh"]["world_size"]) == (2, 2, 4), plan["mesh"]
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        code = run_plan(plan_path, steps=STEPS, warmup_steps=0, log=log)
+    out = log_path.read_text()
+    assert code == 0, f"{plan['mesh']}:\n{out[-4000:]}"
+    assert " cp=2" in out and " pp=2" in out, out[-2000:]
+    m = json.loads(measured.read_text())
+    assert m["world_size"] == 4 and len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])

@@ -54,6 +54,13 @@ FOUR_RANK = {
     # cp x tp: each rank's heads of its tokens; K/V gathered over the cp group of its tp coordinate
     "gpt_cp2_tp2": ("gpt", dict(cp=2, tp=2, micro_batch=4)),
     "llama_cp2_tp2_sp_zero3": ("llama", dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True, zero=3)),
+    # cp x pp: the batch sliced before the schedule cuts micro-batches, every stage's forward in
+    # cp's attention on its cp group; Llama's stages are cut from the torch.export graph (traced
+    # on the rank's tokens, its traced causal mask taken by the mode), GPT's by torch.fx
+    "gpt_cp2_pp2_1f1b": ("gpt", dict(cp=2, pp=2, micro_batch=2, num_microbatches=2, schedule="1f1b")),
+    "llama_cp2_pp2_gpipe": ("llama", dict(cp=2, pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe")),
+    "llama_cp2_pp2_1f1b_recompute": ("llama", dict(cp=2, pp=2, micro_batch=2, num_microbatches=2, schedule="1f1b",
+                                                   recompute="full")),
 }
 
 
