@@ -149,11 +149,15 @@ class CPAttention(TorchFunctionMode):
         self.key_order = torch.argsort(self.key_positions)
         self.chunk = seq // (2 * cp)
         self.query_chunks = (cp_rank, 2 * cp - 1 - cp_rank)
-        # made here, outside the mode: a CausalBias (a tensor subclass) cannot be created while a
-        # torch-function mode is handling a call
+        # made here, outside the mode's handler, and with the dispatch modes set aside (a fake-tensor
+        # mode in the planner's dry run, a counting or profiling mode around a step): a CausalBias
+        # is a tensor subclass, and creating one while such a mode is active fails ("Creating a
+        # new Tensor subclass CausalBias but the raw Tensor object is already associated ...")
         from torch.nn.attention.bias import causal_lower_right
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        self.chunk_masks = tuple(causal_lower_right(self.chunk, (k + 1) * self.chunk) for k in self.query_chunks)
+        with _disable_current_modes():
+            self.chunk_masks = tuple(causal_lower_right(self.chunk, (k + 1) * self.chunk) for k in self.query_chunks)
         self.positions_from_arange = positions_from_arange
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -48,3 +48,25 @@ def test_blocks_compute_half_the_pairs_of_the_ranks_square():
         read = sum(c * (k + 1) * c for k in mode.query_chunks)
         assert read == c * c * (2 * cp + 1)          # the same on every rank: the head-tail balance
         assert read < (seq // cp) * seq * 0.6
+
+
+def test_the_mode_is_made_and_runs_under_a_dispatch_mode():
+    """A TorchDispatchMode active when the step makes the attention mode (a fake-tensor dry run,
+    a profiler or a counter around a step) must not stop it: the blocks' lower-right masks are
+    tensor subclasses, which cannot be created under such a mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    cp, seq = 2, 32
+    q, k, v = (torch.randn(1, 2, seq, 8) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gathered = torch.cat([head_tail_positions(seq, cp, r) for r in range(cp)])
+    with Passthrough():
+        mode = CPAttention(None, cp, 1, seq, positions_from_arange=False)
+        pos = head_tail_positions(seq, cp, 1)
+        out = mode._causal_blocks(q.index_select(2, pos), k.index_select(2, gathered), v.index_select(2, gathered),
+                                  None, False)
+    torch.testing.assert_close(out, ref.index_select(2, pos))
