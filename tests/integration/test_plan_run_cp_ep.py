@@ -1,19 +1,24 @@
 """Plan, then run, with context and expert parallelism: ``autopar plan --cp 2`` (the zoo's Llama
 and GPT-2, both attending through SDPA; the zoo's nanoGPT writes its attention as matmul and
 softmax, which cp refuses) and ``autopar plan --ep 2`` (the zoo's Mixtral, MoE and DeepSeek-V3
-style MoE) on a 2-device gloo cluster writes a plan with that degree, and ``autopar run`` of the
-plan it printed (``runtime.run_cli.run_plan``, what the verb runs) trains 2 steps on 2 ranks:
-exit 0, finite losses, the measured file written for that plan, and the run saying it ran
-cp = 2 / ep = 2.
+style MoE) on a 2-device gloo cluster writes a plan with that degree, and the plan it printed,
+checked as ``autopar run`` checks a plan before launch (``runtime.plan_check.check_plan``),
+trains 2 steps on 2 ranks: finite losses, the measured file written for that plan, and the run
+saying it ran cp = 2 / ep = 2.
 
-The plan is made in the test process (tests/cli_inprocess.run_cli, with the planner's runtime
-check on fake ranks), the run under torchrun as ``autopar run`` starts it (a free port).  A
-global batch of 2: the cp plans hold it on one dp rank, the ep plans one sample per rank.
+The plans are made in the test process (tests/cli_inprocess.run_cli, with the planner's runtime
+check on fake ranks); ONE torchrun launch then trains the five in turn (tests/zoo_worker.py:
+``runtime.train.run`` per plan, one process group, as tests/integration/test_zoo_plan_run.py
+does), instead of five launches each importing transformers.  ``autopar run``'s own launch
+function (``runtime.run_cli.run_plan``) runs the two 4-rank cases below (ep x pp, cp x pp) and
+tests/integration/test_runtime_ep.py's edited-plan case.  A global batch of 2: the cp plans
+hold it on one dp rank, the ep plans one sample per rank.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -40,33 +45,61 @@ def cluster_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_plan_with_cp_or_ep_then_run_trains(name, cluster_file, tmp_path):
+WORKER = ROOT / "tests" / "zoo_worker.py"
+
+
+@pytest.fixture(scope="module")
+def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
+    """name -> its plan (or the error planning it), after one torchrun launch trained them all."""
     from cli_inprocess import run_cli
+    from runtime_support import failure_summary, torchrun, worker_env
+
+    from autopar.runtime.plan_check import check_plan
 
     pytest.importorskip("transformers")
-    model, axis = CASES[name]
-    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
-    r = run_cli("plan", ZOO / model, "--cluster", cluster_file, "--global-batch", "2", f"--{axis}", "2",
-                "--time-budget", "2", "-o", plan_path, "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads(plan_path.read_text())
+    folder = tmp_path_factory.mktemp("cp_ep_plans")
+    cases = {}
+    for name, (model, axis) in CASES.items():
+        plan_path = folder / f"{name}.plan.json"
+        r = run_cli("plan", ZOO / model, "--cluster", cluster_file, "--global-batch", "2", f"--{axis}", "2",
+                    "--time-budget", "2", "-o", plan_path, "--json")
+        if r.returncode != 0:
+            cases[name] = {"error": f"autopar plan exited {r.returncode}: {r.stderr[-3000:]}"}
+            continue
+        check_plan(plan_path, None)                    # what autopar run checks before torchrun
+        cases[name] = {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{name}.measured.json"),
+                       "result": str(folder / f"{name}.result.json")}
+    runnable = [c for c in cases.values() if "plan" in c]
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps(runnable))
+    out = torchrun(2, str(WORKER), str(spec), timeout_s=600, env=worker_env())
+    log = out.stdout + out.stderr
+    for c in runnable:
+        c["log"] = log
+        c["launch"] = "" if out.returncode == 0 else failure_summary(log)
+    return cases
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_with_cp_or_ep_then_run_trains(name, trained):
+    _model, axis = CASES[name]
+    case = trained[name]
+    assert "error" not in case, case.get("error")
+    plan_path = case["plan"]
+    plan = json.loads(open(plan_path).read())
     assert plan["mesh"][axis] == 2 and plan["mesh"]["world_size"] == 2, plan["mesh"]
     left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
     assert left[{"cp": "context parallel (used)", "ep": "expert parallel (used)"}[axis]] == f"{axis} 2 fixed by --{axis}"
-    # autopar run's launch function, in this process (``autopar run PLAN --steps 2 --warmup-steps 0``
-    # as a function: the plan check, then torchrun; planner/trial_steps.py starts plans the same
-    # way): a fresh interpreter would import torch and capture the model again, ~5 s a case
-    from autopar.runtime.run_cli import run_plan
-
-    log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
-        code = run_plan(plan_path, steps=STEPS, warmup_steps=0, log=log)
-    out = log_path.read_text()
-    assert code == 0, f"{name} {plan['mesh']}:\n{out[-4000:]}"
-    assert f" {axis}=2" in out, out[-2000:]
-    m = json.loads(measured.read_text())
-    assert m["plan"] == str(plan_path) and m["world_size"] == 2 and m["global_batch"] == 2
+    result = open(case["result"]).read() if os.path.exists(case["result"]) else None
+    assert result is not None, f"{name} {plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
+    out = json.loads(result)
+    assert "losses" in out, f"{name} {plan['mesh']}: {out}"
+    # the run's own line for this plan says what it ran
+    line = next((l for l in case["log"].splitlines() if f"plan {plan_path}: mesh" in l), "")
+    assert f" {axis}=2" in line, case["log"][-3000:]
+    m = json.loads(open(case["measured"]).read())
+    assert m["plan"] == plan_path and m["world_size"] == 2 and m["global_batch"] == 2
+    assert m["losses"] == out["losses"]
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"]), m["losses"]
 
 
