@@ -624,7 +624,7 @@ def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
     meas = measured_step_s(row)
     out = {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
            "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,
-           "predicted_mfu": res.mfu}
+           "predicted_mfu": res.mfu, "predicted_peak_memory_gib": res.max_memory_bytes / 2**30}
     if plan.mesh.ep > 1:
         out["ep"] = plan.mesh.ep
     return out

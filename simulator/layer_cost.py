@@ -29,7 +29,7 @@ from autopar.simulator import autocast as _autocast
 from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
-from autopar.simulator.memory import STATE_BYTES, precision_class, state_bytes
+from autopar.simulator.memory import STATE_BYTES, backward_gradient_bytes, precision_class, state_bytes
 from autopar.simulator.selective_mm_policy import collective_output_bytes, recomputed_matmuls, saves_collective
 from autopar.simulator.topology import MeshLinks
 
@@ -166,7 +166,9 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
         host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes,
-        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes,
+        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes + backward_gradient_bytes(
+            graph.layer_ops(layer_index),
+            lambda o: o.output_bytes * scale * act_scale / layout.output_shard.get(o.name, 1)),
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
         fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,

@@ -77,6 +77,29 @@ def fsdp_buffer_bytes(param_buffer_bytes, grad_buffer_bytes):
     return 2.0 * param_buffer_bytes + grad_buffer_bytes
 
 
+def backward_gradient_bytes(ops, local_output_bytes) -> float:
+    """The largest pair of gradients one op's backward holds at once in a layer: the gradient of
+    its output, which autograd's engine passes in and frees only once the op's backward function
+    returns (torch/csrc/autograd/engine.cpp, ``Engine::evaluate_function`` calls the node with its
+    moved ``InputBuffer``), and the gradients of its inputs that the function allocates (e.g.
+    ``_log_softmax_backward_data`` writes a new [tokens, vocab] tensor; ``_to_copy``'s backward a
+    copy in the input's dtype).  Both are live on top of the tensors still saved for backward, so
+    they add to the layer's transient: at the loss over a large vocabulary, the gradients of the
+    fp32 log-probabilities and of the fp32 logits, two [tokens, vocab] fp32 tensors beside the
+    saved log-probabilities.  ``ops``: the layer's ops; ``local_output_bytes(op)``: an op's output
+    bytes on this device (micro-batch, precision and shards applied).  Views allocate nothing
+    (their backward reshapes the gradient), and ops that do not require grad have no backward."""
+    by_name = {o.name: o for o in ops}
+    best = 0.0
+    for o in ops:
+        if o.kind == "view" or not getattr(o, "requires_grad", True):
+            continue
+        grad_in = sum(local_output_bytes(by_name[i]) for i in set(o.inputs)
+                      if i in by_name and getattr(by_name[i], "requires_grad", True))
+        best = max(best, local_output_bytes(o) + grad_in)
+    return best
+
+
 def p2p_buffer_bytes(boundary_bytes):
     """A pipeline stage's send and receive buffers of one micro-batch's boundary activation."""
     return 2.0 * boundary_bytes
