@@ -10,8 +10,9 @@ The plans are made in the test process (tests/cli_inprocess.run_cli, with the pl
 check on fake ranks); ONE torchrun launch then trains the five in turn (tests/zoo_worker.py:
 ``runtime.train.run`` per plan, one process group, as tests/integration/test_zoo_plan_run.py
 does), instead of five launches each importing transformers.  ``autopar run``'s own launch
-function (``runtime.run_cli.run_plan``) runs the two 4-rank cases below (ep x pp, cp x pp) and
-tests/integration/test_runtime_ep.py's edited-plan case.  A global batch of 2: the cp plans
+function (``runtime.run_cli.run_plan``) is tested by tests/integration/test_runtime_ep.py's
+edited-plan case and test_runtime_launch.py; the two 4-rank cases below (ep x pp, cp x pp)
+share a second launch the same way.  A global batch of 2: the cp plans
 hold it on one dp rank, the ep plans one sample per rank.
 """
 from __future__ import annotations
@@ -103,58 +104,71 @@ def test_plan_with_cp_or_ep_then_run_trains(name, trained):
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"]), m["losses"]
 
 
-def test_plan_with_ep_and_pp_then_run_matches_the_plain_loop(tmp_path):
-    """``autopar plan moe.py --ep 2 --pp 2`` on the 4-process local-cpu cluster writes an ep 2 x
-    pp 2 plan (dp 2: ep borrows the dp ranks of each stage), and ``autopar run`` of it trains like
-    the plain PyTorch loop (tests/plain_loop.py) within 1e-5 on the losses."""
-    import sys
-
+@pytest.fixture(scope="module")
+def trained_4(tmp_path_factory) -> dict[str, dict]:
+    """The two 4-rank cases -- ``autopar plan moe.py --ep 2 --pp 2`` on the 4-process local-cpu
+    cluster and ``autopar plan hf_llama.py --cp 2 --pp 2`` on a 4-device gloo cluster -- planned
+    in this process, checked as ``autopar run`` checks a plan, then trained in one 4-rank launch."""
     from cli_inprocess import run_cli
+    from runtime_support import failure_summary, torchrun, worker_env
 
-    from autopar.runtime.run_cli import run_plan
+    from autopar.runtime.plan_check import check_plan
+
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("pp_plans")
+    four = folder / "four-cpu.yaml"
+    four.write_text(CLUSTER.replace("name: two-cpu", "name: four-cpu")
+                    .replace("gpus_per_node: 2", "gpus_per_node: 4").replace("compute_slots: 2", "compute_slots: 4"))
+    plans = {"moe_ep2_pp2": ("moe.py", ROOT / "examples" / "clusters" / "local-cpu.yaml", "4", ("--ep", "2")),
+             "hf_llama_cp2_pp2": ("hf_llama.py", four, "2", ("--cp", "2"))}
+    cases = {}
+    for name, (model, cluster, batch, axis) in plans.items():
+        plan_path = folder / f"{name}.plan.json"
+        r = run_cli("plan", ZOO / model, "--cluster", cluster, "--global-batch", batch, *axis, "--pp", "2",
+                    "--time-budget", "2", "-o", plan_path, "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        check_plan(plan_path, None)
+        cases[name] = {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{name}.measured.json"),
+                       "result": str(folder / f"{name}.result.json")}
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps(list(cases.values())))
+    out = torchrun(4, str(WORKER), str(spec), timeout_s=600, env=worker_env())
+    log = out.stdout + out.stderr
+    for c in cases.values():
+        c["log"] = log
+        c["launch"] = "" if out.returncode == 0 else failure_summary(log)
+    return cases
+
+
+def _trained_losses(case: dict, axis: str) -> tuple[dict, list[float]]:
+    plan = json.loads(open(case["plan"]).read())
+    assert os.path.exists(case["result"]), f"{plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
+    out = json.loads(open(case["result"]).read())
+    assert "losses" in out, f"{plan['mesh']}: {out}"
+    line = next((l for l in case["log"].splitlines() if f"plan {case['plan']}: mesh" in l), "")
+    assert f" {axis}=2" in line and " pp=2" in line, case["log"][-3000:]
+    m = json.loads(open(case["measured"]).read())
+    assert m["world_size"] == 4 and m["losses"] == out["losses"]
+    return plan, out["losses"]
+
+
+def test_plan_with_ep_and_pp_then_run_matches_the_plain_loop(trained_4):
+    """The ep 2 x pp 2 plan (dp 2: ep borrows the dp ranks of each stage) trains like the plain
+    PyTorch loop (tests/plain_loop.py) within 1e-5 on the losses."""
+    import sys
 
     sys.path.insert(0, str(ROOT / "tests"))
     import plain_loop
 
-    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
-    r = run_cli("plan", ZOO / "moe.py", "--cluster", ROOT / "examples" / "clusters" / "local-cpu.yaml",
-                "--global-batch", "4", "--ep", "2", "--pp", "2", "--time-budget", "2", "-o", plan_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads(plan_path.read_text())
+    plan, losses = _trained_losses(trained_4["moe_ep2_pp2"], "ep")
     assert (plan["mesh"]["ep"], plan["mesh"]["pp"], plan["mesh"]["dp"], plan["precision"]) == (2, 2, 2, "fp32"), \
         plan["mesh"]
-    log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
-        code = run_plan(plan_path, steps=STEPS, warmup_steps=0, log=log)
-    out = log_path.read_text()
-    assert code == 0, out[-4000:]
-    assert " ep=2" in out, out[-2000:]
-    losses = json.loads(measured.read_text())["losses"]
     want = plain_loop.train_plain(ZOO / "moe.py", {}, 4, STEPS).losses
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)
 
 
-def test_plan_cp_x_pp_then_run_trains(tmp_path):
-    """``autopar plan --cp 2 --pp 2`` on a 4-device gloo cluster writes a cp 2 x pp 2 plan for the
-    zoo's Llama (the runtime check on fake ranks accepts it), and ``autopar run`` of it trains."""
-    from cli_inprocess import run_cli
-    from autopar.runtime.run_cli import run_plan
-
-    pytest.importorskip("transformers")
-    cluster = tmp_path / "four-cpu.yaml"
-    cluster.write_text(CLUSTER.replace("name: two-cpu", "name: four-cpu")
-                       .replace("gpus_per_node: 2", "gpus_per_node: 4").replace("compute_slots: 2", "compute_slots: 4"))
-    plan_path, measured = tmp_path / "plan.json", tmp_path / "measured.json"
-    r = run_cli("plan", ZOO / "hf_llama.py", "--cluster", cluster, "--global-batch", "2", "--cp", "2", "--pp", "2",
-                "--time-budget", "2", "-o", plan_path, "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    plan = json.loads(plan_path.read_text())
+def test_plan_cp_x_pp_then_run_trains(trained_4):
+    """The cp 2 x pp 2 plan for the zoo's Llama (the runtime check on fake ranks accepts it) trains."""
+    plan, losses = _trained_losses(trained_4["hf_llama_cp2_pp2"], "cp")
     assert (plan["mesh"]["cp"], plan["mesh"]["pp"], plan["mesh"]["world_size"]) == (2, 2, 4), plan["mesh"]
-    log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
-        code = run_plan(plan_path, steps=STEPS, warmup_steps=0, log=log)
-    out = log_path.read_text()
-    assert code == 0, f"{plan['mesh']}:\n{out[-4000:]}"
-    assert " cp=2" in out and " pp=2" in out, out[-2000:]
-    m = json.loads(measured.read_text())
-    assert m["world_size"] == 4 and len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
