@@ -43,10 +43,19 @@ def run_profile(opts: ProfileOptions) -> dict | None:
         dist.init_process_group(backend)
         started_group = True
     rank = dist.get_rank() if dist.is_initialized() else 0
+    finished = False
     try:
-        return _run(opts, world, rank)
+        out = _run(opts, world, rank)
+        finished = True
+        return out
     finally:
         if started_group:
+            if finished:
+                # the ranks leave together: the other ranks returned straight after the last
+                # measurement while rank 0 still wrote the profile, and a rank tearing its gloo
+                # pairs down while a peer still held them once aborted ("terminate called without
+                # an active exception", rank 1, test_collectives_under_torchrun_merge_into_existing_profile)
+                dist.barrier()
             dist.destroy_process_group()
 
 
