@@ -49,31 +49,31 @@ def cluster_file(tmp_path_factory):
 WORKER = ROOT / "tests" / "zoo_worker.py"
 
 
-@pytest.fixture(scope="module")
-def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
-    """name -> its plan (or the error planning it), after one torchrun launch trained them all."""
+def _plan_and_train(folder, plans: dict, nproc: int) -> dict[str, dict]:
+    """name -> its case, after one torchrun launch trained every plan that planned.  ``plans``:
+    name -> (model file in the zoo, cluster file, global batch, the flags fixing the degrees).
+    Each plan is made in this process and checked as ``autopar run`` checks a plan before
+    torchrun; a plan that fails is kept as its error, for that name's test to show."""
     from cli_inprocess import run_cli
     from runtime_support import failure_summary, torchrun, worker_env
 
     from autopar.runtime.plan_check import check_plan
 
-    pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("cp_ep_plans")
     cases = {}
-    for name, (model, axis) in CASES.items():
+    for name, (model, cluster, batch, flags) in plans.items():
         plan_path = folder / f"{name}.plan.json"
-        r = run_cli("plan", ZOO / model, "--cluster", cluster_file, "--global-batch", "2", f"--{axis}", "2",
+        r = run_cli("plan", ZOO / model, "--cluster", cluster, "--global-batch", batch, *flags,
                     "--time-budget", "2", "-o", plan_path, "--json")
         if r.returncode != 0:
             cases[name] = {"error": f"autopar plan exited {r.returncode}: {r.stderr[-3000:]}"}
             continue
-        check_plan(plan_path, None)                    # what autopar run checks before torchrun
+        check_plan(plan_path, None)
         cases[name] = {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{name}.measured.json"),
                        "result": str(folder / f"{name}.result.json")}
     runnable = [c for c in cases.values() if "plan" in c]
     spec = folder / "cases.json"
     spec.write_text(json.dumps(runnable))
-    out = torchrun(2, str(WORKER), str(spec), timeout_s=600, env=worker_env())
+    out = torchrun(nproc, str(WORKER), str(spec), timeout_s=600, env=worker_env())
     log = out.stdout + out.stderr
     for c in runnable:
         c["log"] = log
@@ -81,75 +81,54 @@ def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
     return cases
 
 
+def _trained(case: dict, needles: tuple[str, ...], world: int) -> tuple[dict, dict]:
+    """(the plan, its measured file) of a case the shared launch trained: it finished, the run's
+    own line for the plan names ``needles`` (what it ran), and the measured file is this plan's,
+    on ``world`` ranks, with the losses the worker recorded."""
+    assert "error" not in case, case.get("error")
+    plan = json.loads(open(case["plan"]).read())
+    assert os.path.exists(case["result"]), f"{plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
+    out = json.loads(open(case["result"]).read())
+    assert "losses" in out, f"{plan['mesh']}: {out}"
+    line = next((l for l in case["log"].splitlines() if f"plan {case['plan']}: mesh" in l), "")
+    assert all(n in line for n in needles), case["log"][-3000:]
+    m = json.loads(open(case["measured"]).read())
+    assert m["plan"] == case["plan"] and m["world_size"] == world and m["losses"] == out["losses"]
+    return plan, m
+
+
+@pytest.fixture(scope="module")
+def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
+    """The five 2-rank cases, trained in one launch."""
+    pytest.importorskip("transformers")
+    plans = {name: (model, cluster_file, "2", (f"--{axis}", "2")) for name, (model, axis) in CASES.items()}
+    return _plan_and_train(tmp_path_factory.mktemp("cp_ep_plans"), plans, 2)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_plan_with_cp_or_ep_then_run_trains(name, trained):
     _model, axis = CASES[name]
-    case = trained[name]
-    assert "error" not in case, case.get("error")
-    plan_path = case["plan"]
-    plan = json.loads(open(plan_path).read())
+    plan, m = _trained(trained[name], (f" {axis}=2",), 2)
     assert plan["mesh"][axis] == 2 and plan["mesh"]["world_size"] == 2, plan["mesh"]
     left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
     assert left[{"cp": "context parallel (used)", "ep": "expert parallel (used)"}[axis]] == f"{axis} 2 fixed by --{axis}"
-    result = open(case["result"]).read() if os.path.exists(case["result"]) else None
-    assert result is not None, f"{name} {plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
-    out = json.loads(result)
-    assert "losses" in out, f"{name} {plan['mesh']}: {out}"
-    # the run's own line for this plan says what it ran
-    line = next((l for l in case["log"].splitlines() if f"plan {plan_path}: mesh" in l), "")
-    assert f" {axis}=2" in line, case["log"][-3000:]
-    m = json.loads(open(case["measured"]).read())
-    assert m["plan"] == plan_path and m["world_size"] == 2 and m["global_batch"] == 2
-    assert m["losses"] == out["losses"]
+    assert m["global_batch"] == 2
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"]), m["losses"]
 
 
 @pytest.fixture(scope="module")
 def trained_4(tmp_path_factory) -> dict[str, dict]:
     """The two 4-rank cases -- ``autopar plan moe.py --ep 2 --pp 2`` on the 4-process local-cpu
-    cluster and ``autopar plan hf_llama.py --cp 2 --pp 2`` on a 4-device gloo cluster -- planned
-    in this process, checked as ``autopar run`` checks a plan, then trained in one 4-rank launch."""
-    from cli_inprocess import run_cli
-    from runtime_support import failure_summary, torchrun, worker_env
-
-    from autopar.runtime.plan_check import check_plan
-
+    cluster and ``autopar plan hf_llama.py --cp 2 --pp 2`` on a 4-device gloo cluster -- trained
+    in one 4-rank launch."""
     pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("pp_plans")
     four = folder / "four-cpu.yaml"
     four.write_text(CLUSTER.replace("name: two-cpu", "name: four-cpu")
                     .replace("gpus_per_node: 2", "gpus_per_node: 4").replace("compute_slots: 2", "compute_slots: 4"))
-    plans = {"moe_ep2_pp2": ("moe.py", ROOT / "examples" / "clusters" / "local-cpu.yaml", "4", ("--ep", "2")),
-             "hf_llama_cp2_pp2": ("hf_llama.py", four, "2", ("--cp", "2"))}
-    cases = {}
-    for name, (model, cluster, batch, axis) in plans.items():
-        plan_path = folder / f"{name}.plan.json"
-        r = run_cli("plan", ZOO / model, "--cluster", cluster, "--global-batch", batch, *axis, "--pp", "2",
-                    "--time-budget", "2", "-o", plan_path, "--json")
-        assert r.returncode == 0, r.stderr[-3000:]
-        check_plan(plan_path, None)
-        cases[name] = {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{name}.measured.json"),
-                       "result": str(folder / f"{name}.result.json")}
-    spec = folder / "cases.json"
-    spec.write_text(json.dumps(list(cases.values())))
-    out = torchrun(4, str(WORKER), str(spec), timeout_s=600, env=worker_env())
-    log = out.stdout + out.stderr
-    for c in cases.values():
-        c["log"] = log
-        c["launch"] = "" if out.returncode == 0 else failure_summary(log)
-    return cases
-
-
-def _trained_losses(case: dict, axis: str) -> tuple[dict, list[float]]:
-    plan = json.loads(open(case["plan"]).read())
-    assert os.path.exists(case["result"]), f"{plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
-    out = json.loads(open(case["result"]).read())
-    assert "losses" in out, f"{plan['mesh']}: {out}"
-    line = next((l for l in case["log"].splitlines() if f"plan {case['plan']}: mesh" in l), "")
-    assert f" {axis}=2" in line and " pp=2" in line, case["log"][-3000:]
-    m = json.loads(open(case["measured"]).read())
-    assert m["world_size"] == 4 and m["losses"] == out["losses"]
-    return plan, out["losses"]
+    plans = {"moe_ep2_pp2": ("moe.py", ROOT / "examples" / "clusters" / "local-cpu.yaml", "4", ("--ep", "2", "--pp", "2")),
+             "hf_llama_cp2_pp2": ("hf_llama.py", four, "2", ("--cp", "2", "--pp", "2"))}
+    return _plan_and_train(folder, plans, 4)
 
 
 def test_plan_with_ep_and_pp_then_run_matches_the_plain_loop(trained_4):
@@ -160,15 +139,15 @@ def test_plan_with_ep_and_pp_then_run_matches_the_plain_loop(trained_4):
     sys.path.insert(0, str(ROOT / "tests"))
     import plain_loop
 
-    plan, losses = _trained_losses(trained_4["moe_ep2_pp2"], "ep")
+    plan, m = _trained(trained_4["moe_ep2_pp2"], (" ep=2", " pp=2"), 4)
     assert (plan["mesh"]["ep"], plan["mesh"]["pp"], plan["mesh"]["dp"], plan["precision"]) == (2, 2, 2, "fp32"), \
         plan["mesh"]
-    want = plain_loop.train_plain(ZOO / "moe.py", {}, 4, STEPS).losses
+    losses, want = m["losses"], plain_loop.train_plain(ZOO / "moe.py", {}, 4, STEPS).losses
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)
 
 
 def test_plan_cp_x_pp_then_run_trains(trained_4):
     """The cp 2 x pp 2 plan for the zoo's Llama (the runtime check on fake ranks accepts it) trains."""
-    plan, losses = _trained_losses(trained_4["hf_llama_cp2_pp2"], "cp")
+    plan, m = _trained(trained_4["hf_llama_cp2_pp2"], (" cp=2", " pp=2"), 4)
     assert (plan["mesh"]["cp"], plan["mesh"]["pp"], plan["mesh"]["world_size"]) == (2, 2, 4), plan["mesh"]
-    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])
