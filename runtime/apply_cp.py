@@ -143,10 +143,9 @@ class CPAttention(TorchFunctionMode):
         self.traced_masks = traced_masks
         self.local = seq // cp
         self.positions = head_tail_positions(seq, cp, cp_rank)
-        # the global key positions in the order the all-gather returns them (rank order)
-        self.key_positions = torch.cat([head_tail_positions(seq, cp, r) for r in range(cp)])
-        # gathered key index of each global position: the gathered K/V put in sequence order
-        self.key_order = torch.argsort(self.key_positions)
+        # gathered key index of each global position (the all-gather returns the keys in rank
+        # order): the gathered K/V put in sequence order
+        self.key_order = torch.argsort(torch.cat([head_tail_positions(seq, cp, r) for r in range(cp)]))
         self.chunk = seq // (2 * cp)
         self.query_chunks = (cp_rank, 2 * cp - 1 - cp_rank)
         # made here, outside the mode's handler, and with the dispatch modes set aside (a fake-tensor
