@@ -29,6 +29,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
 from autopar.simulator import tied_copies
 from autopar.simulator.memory import fsdp_buffer_bytes
+from autopar.simulator.layer_cost import effective_zero
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.term_registry import layer_row, with_term_columns
 
@@ -57,7 +58,8 @@ class LayerTables:
         return num_microbatches * self.time_mb_s + self.step_s
 
 
-def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tuple[float, float]:
+def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int,
+                    pipeline_m: int | None = None) -> tuple[float, float]:
     """(time per micro-batch, exposed time per step) of one LayerCost (module docstring); ``lc``
     may carry the registered terms' columns too (term_registry.with_term_columns), whose
     "compute" terms then enter its passes (overlap.compute_per_pass).
@@ -66,8 +68,13 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tupl
     longer (simulator/overlap.py, the rule the step model applies too).  The data-parallel
     all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
     queues them over the whole backward (evaluator.closed_form_step).
+
+    ``zero``: the stage that runs (layer_cost.effective_zero).  ``pipeline_m``: a pipeline's
+    micro-batches, None without one: its FSDP gathers spread over them and its reduce-scatter is
+    exposed once per step, after the last backward (simulator/pipeline_fsdp.py, the step model's
+    fsdp_tails, which exposes the first chunk's).
     """
-    fwd_comm, _, bwd_comm = fsdp_traffic(lc, zero, offload)
+    fwd_comm, _, bwd_comm = fsdp_traffic(lc, zero, offload, pipeline_m)
     fwd_c, bwd_c = compute_per_pass(lc)
     fwd = max(fwd_c, fwd_comm)
     bwd = max(bwd_c, bwd_comm)
@@ -75,6 +82,8 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int) -> tupl
     if zero <= 1:
         # once per step, behind the last micro-batch's backward; ZeRO-1 gathers parameters after
         exposed = max(0.0, lc.dp_allreduce_s - bwd) + (lc.dp_allgather_s if zero == 1 else 0.0)
+    elif pipeline_m is not None:
+        exposed = lc.dp_reducescatter_s
     return fwd + bwd, exposed + lc.optimizer_s
 
 
@@ -94,7 +103,8 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
     cols = np.zeros((7, len(first), C))      # time_mb, step, static, activation, reserve, output, tied
     valid_rows = np.ones((len(first), C), dtype=bool)
     memo: dict[LayerChoice, tuple] = {}
-    sharded = _sharded_terms(evaluator, mesh, precision, cost_model)
+    pipeline_m = num_microbatches if mesh.pp > 1 else None
+    sharded = _sharded_terms(evaluator, mesh, precision, cost_model, pipeline_m)
     for g, i in enumerate(first.values()):
         can_split = bool(styles[i]) and mesh.tp > 1
         for c, ch in enumerate(choices):
@@ -104,10 +114,11 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 lp = LayerPlan(layer=i, tp=tuple(sorted(styles[i].items())) if eff.tp else (),
                                zero=eff.zero, recompute=eff.recompute, offload=eff.offload)
                 lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
-                if sharded is not None and eff.zero >= 2:
+                runs = effective_zero(eff.zero, mesh)
+                if sharded is not None and runs >= 2:
                     lc = sharded(lc, lp)
-                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), eff.zero, eff.offload == "cpu",
-                                               num_microbatches)
+                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload == "cpu",
+                                               num_microbatches, pipeline_m)
                 memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
                              lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,
@@ -123,7 +134,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
     return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which], tied, uses)
 
 
-def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
+def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m: int | None = None):
     """A function adding to a sharded layer's LayerCost what the simulator adds to whole plans'
     rows (simulator/sharded_dp.py: FSDP2's copy-out and copy-in, the NCCL overlap slowdown, the
     fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
@@ -147,7 +158,7 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model):
         row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload == "cpu" else 0.0,
                                  float(RECOMPUTE_CODE[lp.recompute]), lp, mesh))
         out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
-                                            cm.efficiency.get("memory_bound", 1.0), factor, **terms)
+                                            cm.efficiency.get("memory_bound", 1.0), factor, pipeline_m, **terms)
         return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})
 
     return add

@@ -26,9 +26,9 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
   alike -- layer_cost.effective_zero; fsdp: 2 and 3), and offload moves state, not compute;
 * the sharded-DP terms the tables add (layer_tables._sharded_terms: copy-out, the overlap
   slowdown, the fp32 reduce-scatter) only add;
-* under FSDP it is also at least the traffic before forward plus the traffic after backward of
-  ZeRO-2 without offload (overlap.fsdp_traffic: built in, the all-gather plus the reduce-scatter),
-  which ZeRO-3's second gather and offload's copies only add to.
+* under FSDP without a pipeline it is also at least the traffic before forward plus the traffic
+  after backward of ZeRO-2 without offload (overlap.fsdp_traffic: built in, the all-gather plus
+  the reduce-scatter), which ZeRO-3's second gather and offload's copies only add to.
 
 The strategies' once-per-step part (``step_s``: exposed synchronisation, the optimizer) is
 never negative and is left out.  tests/planner/test_planner_bound.py checks the floor against every
@@ -59,6 +59,7 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
     """
     zero = _FAMILY_ZERO[zero_family]
     out = np.zeros(len(styles))
+    traffic = zero_family == "fsdp" and mesh.pp == 1
     memo: dict[tuple, float] = {}
     for i, st in enumerate(styles):
         can_split = bool(st) and mesh.tp > 1
@@ -75,7 +76,10 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
                     src = with_term_columns(lc, lp, mesh)
                     fwd, bwd = compute_per_pass(src)
                     compute = fwd + bwd
-                    if zero_family == "fsdp":
+                    if traffic:
+                        # (under a pipeline the gathers are per step, spread over however many
+                        # micro-batches the setting runs: simulator/pipeline_fsdp.py; the floor
+                        # leaves them out)
                         # the traffic of ZeRO-2 without offload (overlap.fsdp_traffic), whose parts
                         # ZeRO-3 and offload only add to
                         fwd_comm, _, bwd_comm = fsdp_traffic(src, zero, False)

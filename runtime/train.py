@@ -64,7 +64,18 @@ def local_slice(t: torch.Tensor, dp_rank: int, rows: int, device: torch.device) 
 
 
 def _grad_sync(part, sync: bool, pm: ParallelModel):
+    """Gradient accumulation over micro-batches without a pipeline.
+
+    Sharded data parallelism (FSDP2, ZeRO-2/3) reduce-scatters every micro-batch and accumulates
+    into the sharded gradient: skipping the sync (``set_requires_gradient_sync(False)``) would keep
+    each unit's unsharded gradient until the last micro-batch, upcast to the reduce dtype
+    (torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.to_accumulated_grad_if_needed) --
+    the whole model's gradients in fp32, which ZeRO-2/3 exists to avoid.  The simulator prices one
+    reduce-scatter per micro-batch here (simulator/pipeline_fsdp.py).  Replicated data parallelism
+    (DDP, FSDP2's replicate) holds whole gradients anyway and syncs on the last micro-batch only."""
     if pm.uses_fsdp:
+        if pm.dp_kind == "fsdp":
+            return contextlib.nullcontext()
         part.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
     if pm.uses_ddp and not sync:

@@ -17,7 +17,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import StepForm, after_backward, pipeline_and_ends
+from autopar.simulator.step_model import StepForm, after_backward, last_reduce_scatter, pipeline_and_ends
 from autopar.simulator.topology import busy_devices_per_node
 
 
@@ -122,7 +122,7 @@ def serial_chunk_times(ctx, rows: LayerTable):
     send charged in the fill and drain: none) when communication and compute take turns
     (``serial_communication``): every layer's FSDP traffic and every pipeline send adds to its
     rank's compute instead of hiding under it (step_model.overlapped_chunk_times's serial twin)."""
-    fwd_comm, _, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
+    fwd_comm, _, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload, ctx.pipeline_m)
     fwd_c, bwd_c = compute_per_pass(rows)
     fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
     f_g = np.add.reduceat(fwd, ctx.starts)
@@ -132,6 +132,17 @@ def serial_chunk_times(ctx, rows: LayerTable):
         f_g[:-1] += ctx.p2p_s
         b_g[1:] += ctx.p2p_s
     return fwd, bwd, f_g, b_g, 0.0
+
+
+def serial_fsdp_tail(ctx, rows: LayerTable) -> np.ndarray:
+    """Per pipeline rank: under a pipeline schedule its sharded layers' reduce-scatters, issued
+    once after their chunk's last backward (simulator/pipeline_fsdp.py), taking turns with
+    compute: all of them add up; zeros without a pipeline (each micro-batch's backward holds
+    them, ``serial_chunk_times``)."""
+    if ctx.pipeline_m is None:
+        return np.zeros(ctx.p)
+    per_layer = last_reduce_scatter(rows.dp_reducescatter_s, rows.d2h_s, rows.offload, rows.zero)
+    return np.bincount(ctx.layer_rank, weights=per_layer, minlength=ctx.p)
 
 
 def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
@@ -145,7 +156,7 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     ar = rows.dp_allreduce_s * (rows.zero <= 1)
     # the all-reduces take turns with the last backward: all of them add up
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)
-    sync = end_r + np.maximum(excess, np.zeros(p))
+    sync = end_r + np.maximum(excess, np.zeros(p)) + serial_fsdp_tail(ctx, rows)
     return after_backward(sync, rows, ctx.layer_rank, p), bubble
 
 

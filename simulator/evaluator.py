@@ -135,6 +135,9 @@ class _Context:
     memos: dict = field(default_factory=dict)
     #: per layer, the share of its tied weights' copies its chunk holds (tied_copies.held_share)
     tied_share: np.ndarray | None = None
+    #: a pipeline's micro-batches (pp > 1: torch's schedules gather and reduce-scatter FSDP units
+    #: per step, simulator/pipeline_fsdp.py), None without a pipeline
+    pipeline_m: int | None = None
 
 
 class _LayerMemo:
@@ -391,7 +394,7 @@ class PlanEvaluator:
                        rank_cm_names=rank_cm_names, layer_cm_names=layer_cm_names, row_slots=row_slots,
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()), compiled=plan.compile,
-                       fp8_recipe=plan.fp8_recipe)
+                       fp8_recipe=plan.fp8_recipe, pipeline_m=pl.num_microbatches if p > 1 else None)
         # e.g. DDP buckets (ddp_buckets.py) may apply to a plain data-parallel mesh
         ctx.memo_ok = ctx.step_form.memo_ok and term_registry.memo_safe(ctx)
         ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()
@@ -457,8 +460,11 @@ class PlanEvaluator:
         maxima = np.maximum.reduceat(table[:, _MAXIMA:_OUT_END + 1], ctx.starts, axis=0)
         any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
-                                               maxima[:ctx.p, 3], any_ddp, n_zero1 > 0)
+                                               maxima[:ctx.p, 3] if ctx.pipeline_m is None else None,
+                                               any_ddp, n_zero1 > 0)
         return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima[:, :3].T, maxima[:, 4]),
+        # (under a pipeline the reduce-scatters of each rank's first chunk end its step:
+        # step_model.fsdp_tails sums them from the rows)
                              any_ddp=any_ddp)
 
     def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -531,7 +537,7 @@ class PlanEvaluator:
             if rows is None:
                 rows, _ = self._rows_and_ids(plan, ctx)
             derived = self._derive(LayerTable(rows), ctx)
-            fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail)
+            fwd, bwd = layer_effective_times(derived, ctx.head, ctx.tail, ctx.not_tail, ctx.pipeline_m)
             data = derived.data
             table = np.empty((num_layers, self._table_width))
             table[:, _NUM_DERIVED:] = data

@@ -749,6 +749,17 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         d.wire_bytes_per_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
             (ring_wire_bytes("all_gather", param_full_bytes, dp) if zero == 1 else 0.0)
     else:
+    if zero >= 2 and mesh.pp > 1 and dp > 1:
+        # a pipeline's backwards run without gradient sync or reshard until the last one
+        # (simulator/pipeline_fsdp.py): every unit of the stage keeps its unsharded gradient,
+        # upcast to the reduce dtype when it differs (FSDPParam.to_accumulated_grad_if_needed,
+        # torch.distributed.fsdp._fully_shard._fsdp_param: the accumulated gradient in
+        # MixedPrecisionPolicy.reduce_dtype; TrainingCode.reduce_bytes), and under ZeRO-3 its
+        # unsharded parameters from a backward to the next forward -- in 1F1B's steady state all
+        # of them at once.  Held on top of the sharded state, for the whole step.
+        d.grad_bytes += trainable * max(g_b, cm.code.reduce_bytes)
+        if zero >= 3:
+            d.param_bytes += param_full_bytes
         gathers = 2 if zero >= 3 else 1
         d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
@@ -782,6 +793,12 @@ def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:
     A row-wise linear (weight split on its input dim, output not split) keeps its bias
     replicated: every rank adds it after the all-reduce (Shoeybi et al. 2019, Megatron-LM,
     Sec. 3; torch.distributed.tensor.parallel.RowwiseParallel distributes the bias as
+    elif mesh.pp > 1:
+        # under a pipeline one gather and one reduce-scatter a step, and ZeRO-3's forward gather
+        # each micro-batch (simulator/pipeline_fsdp.py: m + 1 gathers in all)
+        gather = ring_wire_bytes("all_gather", param_full_bytes, dp)
+        d.wire_bytes_per_mb = gather if zero >= 3 else 0.0
+        d.wire_bytes_per_step = gather + ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
     Replicate).  So does a fused projection split per part ("colwise:<k>"): runtime/fused_tp.py
     keeps its bias whole on every rank and adds this rank's rows of it.
     """

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.simulator.pipeline_fsdp import traffic_shares
 from autopar.simulator.term_registry import pass_columns, traffic_terms
 
 
-def fsdp_traffic(src, zero, offload):
+def fsdp_traffic(src, zero, offload, pipeline_m: int | None = None):
     """(forward communication, backward gather, backward communication) of a layer per micro-batch:
     the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
     ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
@@ -28,10 +29,12 @@ def fsdp_traffic(src, zero, offload):
     part of the backward communication and also returned alone: nothing precedes it at the start
     of a model chunk's backward.  (``zero >= k`` and ``offload`` are 0 or 1, so each part's
     product by them is exact: the sums are the same bits as one product of the sums.)
+    ``pipeline_m``: the micro-batches of a pipeline schedule, None without one (pipeline_fsdp.py:
+    a pipeline gathers and reduce-scatters per step, not per micro-batch).
     """
     fwd = None
     for term in traffic_terms():
-        parts = term.traffic(src, zero, offload)
+        parts = term.traffic(src, zero, offload, pipeline_m)
         if parts is None:
             continue
         if fwd is None:
@@ -41,15 +44,20 @@ def fsdp_traffic(src, zero, offload):
     return fwd, gather, gather + after
 
 
-def fsdp_parts(src, zero, offload):
-    """FSDP's part of a layer's traffic: (the parameter all-gather before forward, ZeRO-3's second
-    one before backward, the gradient reduce-scatter after backward)."""
+def fsdp_parts(src, zero, offload, pipeline_m: int | None = None):
+    """FSDP's part of a layer's traffic per micro-batch: (the parameter all-gather before forward,
+    ZeRO-3's second one before backward, the gradient reduce-scatter after backward); under a
+    pipeline the step's gathers spread over its micro-batches and no reduce-scatter
+    (pipeline_fsdp.traffic_shares)."""
     ag = src.dp_allgather_s
-    zero2 = zero >= 2
-    return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
+    if pipeline_m is None:
+        zero2 = zero >= 2
+        return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
+    fwd, bwd, rs = traffic_shares(zero, pipeline_m)
+    return ag * fwd, ag * bwd, src.dp_reducescatter_s * rs
 
 
-def offload_parts(src, zero, offload):
+def offload_parts(src, zero, offload, pipeline_m: int | None = None):
     """The offloaded state's copies on the same stream: (sharded parameters host -> device before
     forward, again before backward under ZeRO-3, sharded gradients device -> host after
     backward); None where nothing is offloaded (no copies: fewer operations)."""

@@ -177,6 +177,7 @@ import numpy as np
 
 from autopar.core.dtypes import precision_bytes
 from autopar.simulator.calibration import Calibration
+from autopar.simulator.pipeline_fsdp import traffic_shares
 from autopar.simulator.zero3_fetch_spans import layer_pass_times
 
 #: the two fitted constants (items 2 and 6) are fields of simulator/calibration.py's ``Calibration``,
@@ -280,7 +281,8 @@ def overlap_slowdown_s(compute_s, comm_s, slowdown: float):
 def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float, memory_efficiency: float,
                           slowdown: float, reduce_factor: float = 1.0, *,
                           runtime: ShardedRuntime = FSDP2, bandwidth_scale: float = 1.0,
-                          latency_s: float = 0.0, units: list | None = None) -> np.ndarray:
+                          latency_s: float = 0.0, units: list | None = None,
+                          pipeline_m: int | None = None) -> np.ndarray:
     """Rows with the copies and the overlap slowdown of sharded layers (zero >= 2) added.
 
     ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
@@ -295,6 +297,11 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     ``units``: per layer, its gathered sub-modules (zero3_fetch_spans.layer_units, None for a
     layer without); where the runtime drains the device at each fetch (item 4c) a ZeRO-3 layer
     with units is priced fetch by fetch (``_priced_by_fetch``) instead of by the terms below.
+
+    ``pipeline_m``: a pipeline's micro-batches, None without one.  Under a pipeline the gathers
+    are per step (pipeline_fsdp.py), so each micro-batch carries its share of them
+    (pipeline_fsdp.traffic_shares) and of the copy-out after ZeRO-3's backward gather, and no
+    reduce-scatter overlaps a micro-batch's backward (they run after the last one).
 
     Locality (the evaluator's memo of derived rows relies on it, evaluator._LayerMemo): row k of
     the result reads rows k-1, k and k+1 only, and its dp_allgather_s, h2d_s, zero and offload
@@ -333,7 +340,8 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     #    copy-in (FSDP2) or pre-divide and, in torch 1.13, pad (FSDP1, item 5b) before each
     #    reduce-scatter, on its stream
     rs_in = rs + cp_grad * runtime.reduce_prep_passes
-    bwd_copies = cp_param3
+    f_share, b_share, rs_share = traffic_shares(zero, pipeline_m)
+    bwd_copies = cp_param3 * b_share if pipeline_m is not None else cp_param3
     if runtime.grad_concat_on_compute:
         # FSDP1: autograd concatenates the unit's gradient on the compute stream (item 5b), in the
         # dtype it was computed in (the rows' gradient bytes, before any reduce-dtype scaling)
@@ -343,14 +351,15 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     #    layer's reduce-scatter and the next gather
     n = len(zero)
     next_fwd = np.empty(n)
-    np.multiply(ag[1:], sharded[1:], out=next_fwd[:-1])
+    np.multiply(ag[1:], f_share[1:], out=next_fwd[:-1])
     next_fwd[-1] = 0.0
     next_bwd = np.empty(n)
     next_bwd[0] = 0.0
-    np.multiply(ag[:-1], gather3[:-1], out=next_bwd[1:])
+    np.multiply(ag[:-1], b_share[:-1], out=next_bwd[1:])
+    rs_beside = rs_in * rs_share if pipeline_m is not None else rs_in
     # (sharded layers only: the slowdown is masked by ``sharded`` below, so its inputs need not be)
     out[:, col["fwd_s"]] = fwd + cp_param3 + overlap_slowdown_s(fwd, next_fwd, slowdown) * sharded
-    out[:, col["bwd_s"]] = bwd + bwd_copies + overlap_slowdown_s(bwd + rec, rs_in + next_bwd, slowdown) * sharded
+    out[:, col["bwd_s"]] = bwd + bwd_copies + overlap_slowdown_s(bwd + rec, rs_beside + next_bwd, slowdown) * sharded
     if runtime.drains_each_fetch and units is not None:
         _priced_by_fetch(out, rows, col, gather3, units, ag, reduce_only,
                          rows[:, col["fsdp_param_buffer_bytes"]] / unit_s, slowdown)
@@ -381,9 +390,10 @@ def _priced_by_fetch(out: np.ndarray, rows: np.ndarray, col: dict, gather3: np.n
 
 
 def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwidth_Bps: float,
-                       memory_efficiency: float, reduce_factor: float = 1.0, **terms) -> np.ndarray:
+                       memory_efficiency: float, reduce_factor: float = 1.0, pipeline_m: int | None = None,
+                       **terms) -> np.ndarray:
     """``with_sharded_dp_costs`` for one layer whose neighbours are like it (the planner's
     per-layer tables price a layer alone): the middle of three copies of its row, so the gather
     it computes under is its own size.  ``terms``: ``collective_terms`` of the plan's group."""
     return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
-                                 reduce_factor=reduce_factor, **terms)[1]
+                                 reduce_factor=reduce_factor, pipeline_m=pipeline_m, **terms)[1]

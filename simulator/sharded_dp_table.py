@@ -33,4 +33,4 @@ def plan_table_costs(rows, ctx, per_gpu_network_GBps: float, fetch_units=None):
         if code.sharded.drains_each_fetch and fetch_units is not None:
             ctx.sharded_args[2]["units"] = fetch_units()
     _, args, kwargs = ctx.sharded_args
-    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args, **kwargs))
+    return LayerTable(sharded_dp.with_sharded_dp_costs(rows.data, *args, pipeline_m=ctx.pipeline_m, **kwargs))

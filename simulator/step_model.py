@@ -18,7 +18,9 @@ report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step
 * data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
   its last backward ends, one after another on the communication stream, so the step ends
   at max_k(ready_k + sum of the all-reduces launched from k on) (Li et al. 2020, "PyTorch
-  Distributed", Sec. 3.2); FSDP's last reduce-scatter is exposed; then the optimizer step
+  Distributed", Sec. 3.2); FSDP's last reduce-scatter is exposed -- under a pipeline every
+  reduce-scatter of the rank's first chunk, which torch's schedules issue once, after the last
+  backward (pipeline_fsdp.py, ``fsdp_tails``); then the optimizer step
   (and ZeRO-1's parameter all-gather) (``after_backward``).
 
 ``ctx`` is the evaluator's context of the plan (evaluator._Context: mesh, stages, micro-batches,
@@ -34,6 +36,7 @@ import numpy as np
 from autopar.simulator import pipeline_p2p
 from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.pipeline_fsdp import pipelined_tail
 
 
 #: columns overlapped_step reads from the first layers' rows
@@ -51,7 +54,7 @@ def chunk_masks(starts: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.nda
 
 
 def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
-                          not_tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                          not_tail: np.ndarray, pipeline_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and micro-batch: forward and backward time with FSDP traffic overlapped.
 
     FSDP prefetches one layer ahead: while layer k computes, layer k+1's all-gather (and
@@ -62,9 +65,11 @@ def layer_effective_times(rows: LayerTable, head: np.ndarray, tail: np.ndarray,
     layer (its last layer) waits for its gather.  ``head``, ``tail``, ``not_tail``: chunk_masks.
     Layer k's times read rows k and k+1 (of k+1 its forward communication: the "traffic" terms'
     columns before forward, built in dp_allgather_s, h2d_s, zero, offload) and k's masks only
-    (the evaluator's memo relies on it).
+    (the evaluator's memo relies on it).  ``pipeline_m``: a pipeline's micro-batches, None without
+    one (pipeline_fsdp.py: its gathers are per step, spread over the micro-batches, and its
+    reduce-scatters end the step, ``fsdp_tails``).
     """
-    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload)
+    fwd_comm, bwd_gather, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload, pipeline_m)
     fwd_c, bwd_c = compute_per_pass(rows)
     next_comm = np.empty_like(fwd_comm)                          # the gather prefetched while k runs
     np.multiply(fwd_comm[1:], not_tail[:-1], out=next_comm[:-1])
@@ -155,7 +160,7 @@ def gradient_ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
 def overlapped_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     """(time at which each pipeline rank finishes the step, bubble fraction), communication
     overlapping compute (a GPU's streams)."""
-    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail, ctx.pipeline_m)
     return step_from_chunk_times(ctx, rows, bwd, np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts))
 
 
@@ -163,7 +168,7 @@ def overlapped_chunk_times(ctx, rows: LayerTable):
     """(per-layer forward and backward slots, per-chunk forward and backward task lengths, the
     send charged in the fill and drain) of the overlapped form: what ``overlapped_step`` composes
     and the trace draws (step_trace.py)."""
-    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
+    fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail, ctx.pipeline_m)
     f_g, b_g, c = pipeline_p2p.task_lengths(np.add.reduceat(fwd, ctx.starts), np.add.reduceat(bwd, ctx.starts),
                                             ctx.p2p_s, ctx.p2p_blocking)
     return fwd, bwd, f_g, b_g, c
@@ -202,6 +207,18 @@ def last_reduce_scatter(rs, d2h, offload, zero):
     return (rs + d2h * offload) * (zero >= 2)
 
 
+def fsdp_tails(ctx, rows: LayerTable) -> np.ndarray:
+    """Per pipeline rank: what its sharded layers' reduce-scatters (and copies out) leave of the
+    step after its last backward -- without a pipeline the last layer to finish's
+    (``last_reduce_scatter`` of each rank's first layer), under one the reduce-scatters of its
+    first model chunk, which the schedule issues after its last backward (pipeline_fsdp.py)."""
+    if ctx.pipeline_m is None:
+        first = rows.data[ctx.starts[:ctx.p]].T
+        return last_reduce_scatter(first[_RS], first[_D2H], first[_OFFLOAD], first[_ZERO])
+    per_layer = last_reduce_scatter(rows.dp_reducescatter_s, rows.d2h_s, rows.offload, rows.zero)
+    return pipelined_tail(per_layer, ctx.layer_stage, ctx.layer_rank, ctx.p)
+
+
 def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarray, b_g: np.ndarray,
                           fsdp_tail: np.ndarray | None = None, any_ddp: bool | None = None,
                           any_zero1: bool | None = None) -> tuple[np.ndarray, float]:
@@ -235,8 +252,7 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
         excess = np.maximum(0.0, np.maximum.reduceat(val, np.minimum(first_idx, len(val) - 1)))
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
     if fsdp_tail is None:
-        first = rows.data[ctx.starts[:p]].T
-        fsdp_tail = last_reduce_scatter(first[_RS], first[_D2H], first[_OFFLOAD], first[_ZERO])
+        fsdp_tail = fsdp_tails(ctx, rows)
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
     sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
     return after_backward(sync, rows, layer_rank, p, any_zero1), bubble

@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 
 from autopar.simulator.layer_table import LayerTable
-from autopar.simulator.step_model import ddp_all_reduces, gradient_ready_offsets, last_reduce_scatter, pipeline_and_ends
+from autopar.simulator.cpu_node import serial_fsdp_tail
+from autopar.simulator.step_model import ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends
 from autopar.simulator.term_registry import pass_events, traffic_terms
 from autopar.simulator.timeline import Timeline
 
@@ -118,6 +119,7 @@ class _Terms:
     end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
     send_s: float            # the activation send drawn between stages
     sends_in_task: bool = False   # a blocking exchange (P2PRuntime.blocking) is the last part of its task
+    pipeline_m: int | None = None  # a pipeline's micro-batches (its FSDP traffic per step: pipeline_fsdp.py)
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
@@ -127,7 +129,7 @@ def _terms(ctx, rows: LayerTable) -> _Terms:
     pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe)
     serial = ctx.step_form.serial
     return _Terms(serial=serial, fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe, end_r=end_r, send_s=ctx.p2p_s,
-                  sends_in_task=serial or ctx.p2p_blocking)
+                  sends_in_task=serial or ctx.p2p_blocking, pipeline_m=ctx.pipeline_m)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
@@ -192,7 +194,7 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
     # the registered "traffic" terms' parts (term_registry.traffic_terms: FSDP's gathers and
     # reduce-scatter, the offload copies), in the order overlap.fsdp_traffic sums them
     traffic = [(t, parts) for t in traffic_terms()
-               for parts in (t.traffic(rows, rows.zero, rows.offload),) if parts is not None]
+               for parts in (t.traffic(rows, rows.zero, rows.offload, terms.pipeline_m),) if parts is not None]
 
     def gather(k: int, s: float, backward: bool, label: str = "") -> float:
         """Layer k's traffic before a pass from ``s`` (overlap.fsdp_traffic's forward
@@ -265,8 +267,7 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
     base = drawn_end
     ar = ddp_all_reduces(rows)
     rel = gradient_ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
-    first = rows.at(ctx.starts[:p])
-    fsdp_tail = last_reduce_scatter(first.dp_reducescatter_s, first.d2h_s, first.offload, first.zero)
+    fsdp_tail = serial_fsdp_tail(ctx, rows) if terms.serial else fsdp_tails(ctx, rows)
     finish = np.zeros(p)
     for r in range(p):
         dev = device_of_rank[r]
@@ -277,7 +278,8 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
             for k in mine[::-1]:
                 tl.add(dev, "dp", f"all_reduce L{k}", t_ar, ar[k])
                 t_ar += ar[k]
-            sync = t_ar
+            tl.add(dev, "fsdp", "reduce_scatter (pipeline, once a step)", t_ar, fsdp_tail[r])
+            sync = t_ar + fsdp_tail[r]
         else:
             # DDP: each all-reduce launched when its gradient is ready, one after another
             queue = -np.inf
@@ -286,7 +288,8 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
                 tl.add(dev, "dp", f"all_reduce L{k}", s0, ar[k])
                 queue = s0 + ar[k]
             excess = max(queue - base[r], 0.0)
-            tl.add(dev, "fsdp", f"reduce_scatter L{starts[r]} (exposed)", base[r], fsdp_tail[r])
+            tl.add(dev, "fsdp", f"reduce_scatter L{starts[r]} (exposed)" if ctx.pipeline_m is None
+                   else "reduce_scatter (pipeline, once a step)", base[r], fsdp_tail[r])
             sync = base[r] + max(excess, fsdp_tail[r])
         opt, offl = rows.optimizer_s[layers], rows.offload[layers] > 0
         dev_opt, host_opt = float(opt[~offl].sum()), float(opt[offl].sum())

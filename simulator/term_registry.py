@@ -17,8 +17,8 @@ How a term enters the step (``Term.enters``):
   sums them in registration order (so the built-in terms' sums are the same floating-point
   operations as ever), the trace draws each as an event on the term's ``stream``;
 * ``"traffic"``: per-layer transfers on the data-parallel stream, overlapped with compute --
-  ``traffic(src, zero, offload)`` gives (before forward, before backward, after backward) or
-  None; overlap.fsdp_traffic sums them in registration order (built in: the FSDP all-gather and
+  ``traffic(src, zero, offload, pipeline_m)`` gives (before forward, before backward, after
+  backward) per micro-batch or None (``pipeline_m``: a pipeline's micro-batches, None without one); overlap.fsdp_traffic sums them in registration order (built in: the FSDP all-gather and
   reduce-scatter, the offload copies), the trace draws each part under ``gather_label`` and
   ``scatter_label`` on the term's ``stream``;
 * ``"table"``: a rewrite of the plan's whole layer table before the step is composed
@@ -72,7 +72,7 @@ class Term:
     stream: str = "compute"             # the trace stream of its "compute" events
     fwd_label: str = ""                 # the trace's event names ("<label> L<layer>")
     bwd_label: str = ""
-    traffic: Callable | None = None     # "traffic": (src, zero, offload) -> (fwd, bwd gather, after bwd) or None
+    traffic: Callable | None = None     # "traffic": (src, zero, offload, pipeline_m) -> (fwd, bwd gather, after bwd) or None
     gather_label: str = ""              # "traffic": trace names of its parts before a pass and after backward
     scatter_label: str = ""
     derive: Callable | None = None      # "table": (rows, ctx, evaluator) -> rows

@@ -8,7 +8,8 @@ or ``_c10d_functional`` (functional) namespaces, ``wait_tensor`` excepted (it wa
 nothing); an op runs in backward where the autograd engine is executing a graph task
 (``torch._C._current_graph_task_id() != -1``).  Writes ``{"fwd"|"bwd": {op: n}}``, summed over
 the steps (the final checkpoint's, where the case names a ``checkpoint_dir``, among the forward
-ones), to the case's ``counts`` path (rank 0)."""
+ones), to the case's ``counts`` path (rank 0).  A case's ``count_from`` leaves the steps before it uncounted (a pipeline's first step
+also runs torch's shape inference, which gathers each unit once more)."""
 import json
 import os
 import sys
@@ -48,7 +49,11 @@ def main() -> None:
                           checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None)
         trainer = Trainer(opts)
         counter = CollectiveCounter()
+        count_from = case.get("count_from", 0)     # a step before it runs uncounted (the first one's set-up)
         for step in range(trainer.first_step, opts.steps):
+            if step < count_from:
+                trainer.step(step)
+                continue
             with counter:
                 trainer.step(step)
         trainer.finish()

@@ -183,7 +183,7 @@ TOY_COPY_S = 1e-7
 
 #: a toy transfer before each layer's forward on a stream of its own, beside compute
 TOY_COPY = Term("toy_copy", "traffic", columns=(Column("toy_copy_s", lambda lc, lp, mesh: TOY_COPY_S),),
-                traffic=lambda src, zero, offload: (src.toy_copy_s, 0.0 * src.toy_copy_s, 0.0 * src.toy_copy_s),
+                traffic=lambda src, zero, offload, pipeline_m=None: (src.toy_copy_s, 0.0 * src.toy_copy_s, 0.0 * src.toy_copy_s),
                 stream="toy", gather_label="toy copy", scatter_label="toy copy back",
                 source="tests/simulator/test_simulator_terms.py")
 
