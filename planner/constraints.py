@@ -95,14 +95,6 @@ def mesh_allowed(m: Mesh, o) -> bool:
         return False
     if o.fixed_schedule is not None and m.pp == 1:
         return False
-    if m.cp > 1 and m.pp > 1 and getattr(o, "cp", None) is None and getattr(o, "pp", None) is None:
-        # cp x pp runs (runtime/apply_cp.py) and is searched once --cp or --pp is fixed, but not in
-        # the free search: the structured phase's screen charges a pipeline's FSDP collectives once
-        # per step where the simulator's price charges them per micro-batch (docs/design.md
-        # "Search"), and the cp x pp settings, tripling the settings of gpt3-175b on 1024 H100s,
-        # filled the screen's best 24 with such plans priced 7-16x their screen: the plan found
-        # went from 7.50 s to 10.91 s (benchmarks/planner_time.py --attention sdpa)
-        return False
     if ex is not None:
         if m.tp > 1 and m.tp not in ex.tp_degrees:
             return False

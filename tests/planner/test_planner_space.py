@@ -76,18 +76,3 @@ def test_move_kinds_are_drawn_as_numpy_draws_with_the_weights():
     got = [bisect.bisect_right(_MOVE_CDF, b.random()) for _ in range(20000)]
     assert got == want
     assert np.bincount(got, minlength=8) / len(got) == pytest.approx(weights / weights.sum(), abs=0.01)
-
-
-def test_free_search_leaves_cp_x_pp_out_until_cp_or_pp_is_fixed():
-    """docs/design.md "Known gap: a pipeline's FSDP collectives": cp x pp is searched only when
-    the user fixes cp or pp; cp or pp alone stays in the free search."""
-    from autopar.core.plan import Mesh
-    from autopar.planner.constraints import mesh_allowed
-    from autopar.planner.search import PlanOptions
-
-    both, cp_only, pp_only = Mesh(dp=2, pp=2, cp=2), Mesh(dp=4, cp=2), Mesh(dp=4, pp=2)
-    free = PlanOptions(global_batch=8)
-    assert not mesh_allowed(both, free)
-    assert mesh_allowed(cp_only, free) and mesh_allowed(pp_only, free)
-    assert mesh_allowed(both, PlanOptions(global_batch=8, cp=2))
-    assert mesh_allowed(both, PlanOptions(global_batch=8, pp=2))
