@@ -9,6 +9,8 @@ Ranks are numbered group by group, node by node, GPU by GPU: rank r sits on node
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -115,16 +117,16 @@ class Cluster:
                     rank += 1
                 node += 1
 
+    @functools.cached_property
+    def _device_table(self) -> tuple[Device, ...]:
+        """Every device by rank (``devices``), built once: the simulator's topology asks for
+        thousands of ranks per mesh (simulator/topology.py)."""
+        return tuple(self.devices())
+
     def device(self, rank: int) -> Device:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} outside a cluster of {self.world_size} devices")
-        for gi, g in enumerate(self.groups):
-            if rank < g.num_devices:
-                first_node = sum(x.nodes for x in self.groups[:gi])
-                node, local = divmod(rank, g.gpus_per_node)
-                return Device(rank, gi, first_node + node, local)
-            rank -= g.num_devices
-        raise AssertionError("unreachable")
+        return self._device_table[rank]
 
     def group_of(self, rank: int) -> NodeGroup:
         return self.groups[self.device(rank).group]

@@ -42,6 +42,7 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
+from autopar.simulator.layer_cost import effective_zero
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.term_registry import with_term_columns
@@ -58,8 +59,8 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
     only that split is priced; otherwise the lesser of split and replicated.
     """
     zero = _FAMILY_ZERO[zero_family]
-    out = np.zeros(len(styles))
     traffic = zero_family == "fsdp" and mesh.pp == 1
+    out = np.zeros(len(styles))
     memo: dict[tuple, float] = {}
     for i, st in enumerate(styles):
         can_split = bool(st) and mesh.tp > 1
@@ -89,6 +90,16 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
             best = min(best, memo[key])
         out[i] = best
     return out
+
+
+def floor_key(mesh: Mesh, micro_batch: int, zero_family: str) -> tuple:
+    """What ``layer_time_floor`` depends on besides the model and the cost model: the settings
+    of one key share their floors.  Under a pipeline the floor counts no FSDP traffic and ZeRO-1
+    runs as ZeRO-2 (layer_cost.effective_zero), so the zero1 and fsdp families price the same
+    layer costs there."""
+    runs = effective_zero(_FAMILY_ZERO[zero_family], mesh)
+    traffic = zero_family == "fsdp" and mesh.pp == 1
+    return (mesh, micro_batch, runs if runs < 2 else 2, traffic)
 
 
 def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtual_stages: int) -> float:

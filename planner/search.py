@@ -38,7 +38,7 @@ from autopar.planner.candidate import Candidate
 from autopar.planner.layer_tables import LayerTables, build_layer_tables
 from autopar.planner.mcmc import metropolis_hastings
 from autopar.planner.moves import MoveSpace, propose
-from autopar.planner.screen_bound import layer_time_floor, screen_bound
+from autopar.planner.screen_bound import floor_key, layer_time_floor, screen_bound
 from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices, mesh_candidates,
                                    microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
 from autopar.planner.structured import Setting, range_costs, solve_setting
@@ -202,6 +202,9 @@ class Planner:
         self.seen: dict[Candidate, Evaluated | None] = {}
         self.num_unscreened = 0
         self.num_pruned = 0                          # settings skipped by their bound (screen_bound.py)
+        #: layer_time_floor by (mesh, micro-batch, ZeRO family, cost model): settings that differ in
+        #: schedule or micro-batch count share their floors
+        self._floors: dict[tuple, np.ndarray] = {}
         self.num_infeasible = 0
         self.ilp_cache: dict = {}
         self.ilp_cache_split: dict = {}              # ILP solutions with every splittable layer split
@@ -396,14 +399,15 @@ class Planner:
 
     def bound(self, s: Setting) -> float:
         """A lower bound on ``screen(s)`` that prices one strategy per distinct layer (screen_bound.py)."""
-        floors: dict[str, np.ndarray] = {}
         rows = []
         for cm in self.evaluator.rank_cost_models(s.mesh):
-            if cm.name not in floors:
-                floors[cm.name] = layer_time_floor(self.evaluator, styles=self.styles, signatures=self.signatures,
-                                                   mesh=s.mesh, micro_batch=s.micro_batch, zero_family=s.zero_family,
-                                                   precision=self.options.precision, cost_model=cm)
-            rows.append(floors[cm.name])
+            key = floor_key(s.mesh, s.micro_batch, s.zero_family) + (cm.name,)
+            if key not in self._floors:
+                self._floors[key] = layer_time_floor(self.evaluator, styles=self.styles, signatures=self.signatures,
+                                                     mesh=s.mesh, micro_batch=s.micro_batch,
+                                                     zero_family=s.zero_family, precision=self.options.precision,
+                                                     cost_model=cm)
+            rows.append(self._floors[key])
         return screen_bound(np.array(rows), s.num_microbatches, s.schedule, s.virtual_stages)
 
     def structured(self, deadline: float) -> list[Evaluated]:

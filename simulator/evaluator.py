@@ -200,6 +200,9 @@ class PlanEvaluator:
              for rerun in (recomputed_matmuls(ops, policy),)]) / b0
         self._flops_per_sample = graph.flops_per_step / b0
         self._cost_cache: dict[tuple, LayerCost] = {}
+        #: the ops' compute of a layer by what it reads (layer_cost._op_work_key): shared between
+        #: meshes that differ in dp or pp only
+        self._work_cache: dict[tuple, object] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)
         self._row_flags: list[tuple[int, int, int]] = []  # per row id: (sharded, offloaded, ZeRO-1)
         self._row_contexts: dict[tuple, int] = {}
@@ -281,7 +284,7 @@ class PlanEvaluator:
                                       # that meet are added per plan (cpu_node.with_meeting_waits)
                                       cpu_node.compute_stretch(self.cluster, mesh),
                                       busy_devices_per_node(self.cluster, mesh), compiled=compiled,
-                                      fp8_recipe=fp8_recipe)
+                                      fp8_recipe=fp8_recipe, work_cache=self._work_cache)
             self._cost_cache[key] = cost
             self.num_layer_costs_computed += 1
         return cost
@@ -459,12 +462,12 @@ class PlanEvaluator:
         sums = np.add.reduceat(table[:, _FWD:_ACT + 1], ctx.starts, axis=0)
         maxima = np.maximum.reduceat(table[:, _MAXIMA:_OUT_END + 1], ctx.starts, axis=0)
         any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
+        # (under a pipeline the reduce-scatters of each rank's first chunk end its step:
+        # step_model.fsdp_tails sums them from the rows)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, _BWD], sums[:, 0], sums[:, 1],
                                                maxima[:ctx.p, 3] if ctx.pipeline_m is None else None,
                                                any_ddp, n_zero1 > 0)
         return self.assemble(plan, ctx, rows, step_r, bubble, chunk_terms=(sums[:, 2], maxima[:, :3].T, maxima[:, 4]),
-        # (under a pipeline the reduce-scatters of each rank's first chunk end its step:
-        # step_model.fsdp_tails sums them from the rows)
                              any_ddp=any_ddp)
 
     def _derived_table(self, plan: Plan, ctx: _Context) -> tuple[np.ndarray, tuple[int, int, int]]:

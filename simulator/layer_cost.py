@@ -18,7 +18,7 @@ cp / ep).
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from autopar.core import rules as _rules
 from autopar.core.graph import OpGraph
@@ -90,8 +90,13 @@ class LayerCost:
 LAYER_COST_FIELDS = tuple(f.name for f in fields(LayerCost))
 
 
+_ROW_OF = __import__("operator").attrgetter(*LAYER_COST_FIELDS)
+
+
 def layer_cost_row(c: LayerCost) -> tuple[float, ...]:
-    return astuple(c)
+    """The LayerCost's fields in order (``astuple``'s values: the fields are plain numbers, which
+    it would deep-copy one by one)."""
+    return _ROW_OF(c)
 
 
 def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
@@ -110,7 +115,8 @@ def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
 def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
                        micro_batch: int, precision: str, cm: CostModel, links: MeshLinks,
                        compute_stretch: float = 1.0, node_processes: int | None = None,
-                       compiled: bool = False, fp8_recipe: str = "tensorwise") -> LayerCost:
+                       compiled: bool = False, fp8_recipe: str = "tensorwise",
+                       work_cache: dict | None = None) -> LayerCost:
     """The cost of layer ``layer_index`` under ``lp``, in parts: the ops' compute
     (``_op_work``), the framework overheads of the modules tensor parallelism wraps
     (``_add_module_overheads``), the tensor-parallel collectives (``_tensor_parallel``),
@@ -122,7 +128,10 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ``node_processes`` processes busy at once, the plan's busy devices per node (the same sharing).
     ``compiled``: the plan compiles each block (runtime/apply_compile.py): a block layer's fused
     memory-bound ops cost their fused kernels (``_compiled``, simulator/compile_fusion.py).
-    ``fp8_recipe``: the plan's float8 recipe, for a layer with ``precision: fp8`` (``_float8``)."""
+    ``fp8_recipe``: the plan's float8 recipe, for a layer with ``precision: fp8`` (``_float8``).
+    ``work_cache``: a dict the caller keeps for one graph, layout and cost model name, where the
+    ops' compute is kept by what it reads (``_op_work_key``) -- the same for meshes that differ in
+    dp or pp only -- and copied out."""
     layer = graph.layers[layer_index]
     # context parallelism: each rank holds 1/cp of every sample's tokens (cp_cost.py)
     scale = micro_batch / max(1, graph.batch_size) / mesh.cp
@@ -132,8 +141,16 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
 
     # a full recompute that stops early (_recompute): what it skips is found only where it applies
     early_stop = lp.recompute == "full" and cm.code.recompute_early_stop
-    work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale,
-                    layer.module_paths if early_stop else ())
+    units = layer.module_paths if early_stop else ()
+    if work_cache is None:
+        work = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale, act_scale, units)
+    else:
+        key = _op_work_key(layer_index, layout, lp, mesh, precision, cm, scale, act_scale, units)
+        kept = work_cache.get(key)
+        if kept is None:
+            kept = work_cache[key] = _op_work(graph.layer_ops(layer_index), layout, lp, mesh, precision, cm, scale,
+                                              act_scale, units)
+        work = _copy_work(kept)
     if lp.precision == "fp8":
         _float8(graph, layer_index, work, layout, cm, scale, fp8_recipe,
                 gathered_dp=mesh.dp if fp8_all_gather(lp, mesh, fp8_recipe) else None)
@@ -233,6 +250,23 @@ class _OpWork:
     compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
     estimated: int = 0
+
+
+def _op_work_key(layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, cm: CostModel,
+                 scale: float, act_scale: float, units: tuple) -> tuple:
+    """Everything ``_op_work`` reads besides the layer's ops: the layer plan's split (with the
+    mesh's tp and sequence parallelism it fixes the layout, evaluator.layer_cost), recompute and
+    precision, the mesh's cp, the autocast mode (from the ZeRO stage that runs and the mesh), the
+    scales and the cost model."""
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)
+    return (layer_index, lp.tp, lp.recompute, lp.precision, mesh.tp, mesh.cp, mesh.sequence_parallel,
+            amp, precision, cm.name, scale, act_scale, units)
+
+
+def _copy_work(w: _OpWork) -> _OpWork:
+    """A copy of ``w`` its callers may change (they add to its numbers and rewrite its per-op times)."""
+    return replace(w, param_names=set(w.param_names), frozen_names=set(w.frozen_names),
+                   dtensor_params=set(w.dtensor_params), op_fwd_s=dict(w.op_fwd_s), op_bwd_s=dict(w.op_bwd_s))
 
 
 def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, cm: CostModel,
@@ -715,6 +749,17 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         w.bwd_s += w.fp8_shard_cast_s if zero >= 3 else 0.0
     d.fsdp_param_buffer_bytes = param_full_bytes if (zero >= 3 or offload) else 0.0
     d.fsdp_grad_buffer_bytes = grad_sync_bytes if zero >= 2 else 0.0
+    if zero >= 2 and mesh.pp > 1 and dp > 1:
+        # a pipeline's backwards run without gradient sync or reshard until the last one
+        # (simulator/pipeline_fsdp.py): every unit of the stage keeps its unsharded gradient,
+        # upcast to the reduce dtype when it differs (FSDPParam.to_accumulated_grad_if_needed,
+        # torch.distributed.fsdp._fully_shard._fsdp_param: the accumulated gradient in
+        # MixedPrecisionPolicy.reduce_dtype; TrainingCode.reduce_bytes), and under ZeRO-3 its
+        # unsharded parameters from a backward to the next forward -- in 1F1B's steady state all
+        # of them at once.  Held on top of the sharded state, for the whole step.
+        d.grad_bytes += trainable * max(g_b, cm.code.reduce_bytes)
+        if zero >= 3:
+            d.param_bytes += param_full_bytes
 
     dpl = links.dp if dpl is None else dpl
     if dp > 1 or zero >= 2:
@@ -748,18 +793,13 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     if zero <= 1:
         d.wire_bytes_per_step = ring_wire_bytes("all_reduce", grad_sync_bytes, dp) + \
             (ring_wire_bytes("all_gather", param_full_bytes, dp) if zero == 1 else 0.0)
+    elif mesh.pp > 1:
+        # under a pipeline one gather and one reduce-scatter a step, and ZeRO-3's forward gather
+        # each micro-batch (simulator/pipeline_fsdp.py: m + 1 gathers in all)
+        gather = ring_wire_bytes("all_gather", param_full_bytes, dp)
+        d.wire_bytes_per_mb = gather if zero >= 3 else 0.0
+        d.wire_bytes_per_step = gather + ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
     else:
-    if zero >= 2 and mesh.pp > 1 and dp > 1:
-        # a pipeline's backwards run without gradient sync or reshard until the last one
-        # (simulator/pipeline_fsdp.py): every unit of the stage keeps its unsharded gradient,
-        # upcast to the reduce dtype when it differs (FSDPParam.to_accumulated_grad_if_needed,
-        # torch.distributed.fsdp._fully_shard._fsdp_param: the accumulated gradient in
-        # MixedPrecisionPolicy.reduce_dtype; TrainingCode.reduce_bytes), and under ZeRO-3 its
-        # unsharded parameters from a backward to the next forward -- in 1F1B's steady state all
-        # of them at once.  Held on top of the sharded state, for the whole step.
-        d.grad_bytes += trainable * max(g_b, cm.code.reduce_bytes)
-        if zero >= 3:
-            d.param_bytes += param_full_bytes
         gathers = 2 if zero >= 3 else 1
         d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
@@ -793,12 +833,6 @@ def _local_param_numel(op, layout: TPLayout, style: str | None) -> float:
     A row-wise linear (weight split on its input dim, output not split) keeps its bias
     replicated: every rank adds it after the all-reduce (Shoeybi et al. 2019, Megatron-LM,
     Sec. 3; torch.distributed.tensor.parallel.RowwiseParallel distributes the bias as
-    elif mesh.pp > 1:
-        # under a pipeline one gather and one reduce-scatter a step, and ZeRO-3's forward gather
-        # each micro-batch (simulator/pipeline_fsdp.py: m + 1 gathers in all)
-        gather = ring_wire_bytes("all_gather", param_full_bytes, dp)
-        d.wire_bytes_per_mb = gather if zero >= 3 else 0.0
-        d.wire_bytes_per_step = gather + ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
     Replicate).  So does a fused projection split per part ("colwise:<k>"): runtime/fused_tp.py
     keeps its bias whole on every rank and adds this rank's rows of it.
     """
