@@ -536,8 +536,12 @@ def row_code(row: dict):
     if row["family"] == "CP":
         # torchtitan's FSDP2 stack; its context parallelism is torch's ``context_parallel`` with the
         # all-gather rotation (torchtitan 9dec370 ``context_parallel_rotate_method = "allgather"``),
-        # whose per-block SDPA keeps causality (no explicit mask): simulator/cp_cost.cp_attention_op
-        return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY, cp_attention="causal_blocks")
+        # whose per-block SDPA keeps causality (no explicit mask): simulator/cp_cost.cp_attention_op;
+        # with tp its loss runs on vocabulary-sharded logits (9dec370 parallel_dims.py
+        # ``loss_parallel_enabled = tp > 1 and enable_loss_parallel``, on unless
+        # --training.disable_loss_parallel; parallelize_llama.py keeps the head's output Shard(-1))
+        return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY, cp_attention="causal_blocks",
+                       loss_parallel=row["layout"]["tp"] > 1)
 
     family, lay = row["family"], row["layout"]
     return TrainingCode(sharded=sharded_runtime(row), reduce_bytes=lay["reduce_bytes"],

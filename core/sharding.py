@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.core.dtypes import dtype_bytes
+from autopar.core.dtypes import DTYPE_BYTES, dtype_bytes
 from autopar.core.graph import OpGraph, OpNode
 from autopar.core.plan import parts_style, tp_style_parts
 
@@ -424,9 +424,16 @@ def _pairs_and_fused(graph: OpGraph, layer_index: int, fused_ok=True):
     return pairs, role, ops, by_name, fused_seen
 
 
+def _is_cast(node: OpNode) -> bool:
+    """A dtype conversion (``aten._to_copy``: ``.float()``, ``.to(dtype)``): element by element,
+    it keeps whatever split its input has."""
+    return node.kind == "elementwise" and "_to_copy" in str(node.target)
+
+
 def _loss_feeders(ops: list[OpNode], by_name: dict[str, OpNode], consumers: dict[str, list[str]],
                   role: dict[str, str], all_consumed: set[str]) -> list[tuple[str, tuple[str, ...], str | None]]:
-    """Linears outside any pair whose output reaches a loss op (through views and its log-softmax) or is a model output."""
+    """Linears outside any pair whose output reaches a loss op (through views, dtype casts and its
+    log-softmax) or is a model output."""
     found = []
     for o in ops:
         if o.kind != "linear" or o.name in role:
@@ -446,7 +453,9 @@ def _loss_feeders(ops: list[OpNode], by_name: dict[str, OpNode], consumers: dict
                 node = by_name[user]
                 if node.kind == "loss":
                     loss = user
-                elif node.kind in ("view", "softmax"):   # reshapes and the loss's log-softmax
+                elif node.kind in ("view", "softmax") or _is_cast(node):
+                    # reshapes, a dtype cast (a bf16 model's logits upcast to fp32 for the loss)
+                    # and the loss's log-softmax
                     path.append(user)
                     frontier.append(user)
                 else:
@@ -599,12 +608,20 @@ def tp_refusals(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: in
 
 
 def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
-              sequence_parallel: bool = False) -> TPLayout:
+              sequence_parallel: bool = False, loss_parallel: bool = False) -> TPLayout:
     """Shard factors and collectives of one layer under the given tensor-parallel styles.
 
     ``styles`` maps module paths to "colwise" / "rowwise" (a LayerPlan's tp field).  A style
     that does not form a valid Megatron pair in this layer is ignored (the op stays
     replicated), so a plan can never be priced cheaper than it can run.
+
+    ``loss_parallel``: the training code computes the loss on logits left sharded over the
+    vocabulary (torch.distributed.tensor.parallel.loss_parallel; torchtitan keeps a column-wise
+    head's output ``Shard(-1)`` when tp > 1, 9dec370 parallelize_llama.py): the head's logits,
+    the reshapes and log-softmax between it and the loss hold 1/tp of the vocabulary on each rank,
+    nothing gathers the logits, and the loss meets over per-token statistics -- three all-reduces of
+    one fp32 value per token (the max and the sum of exponentials of the log-softmax, the target's
+    log-probability of the nll loss).  autopar's runtime gathers the logits (runtime/apply_tp.py).
     """
     ops, by_name, consumers = _layer_index(graph, layer_index)
     if tp <= 1:
@@ -665,8 +682,18 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         # all-gather of the logits forward, all-reduce of the input gradient backward
         # (Shoeybi et al. 2019, Fig. 3 "f" operator); the loss then runs on full logits.
         compute[lin] = param[lin] = tp
-        colls.append(TPCollective("all_gather", float(node.output_bytes), "fwd", lin))
+        if not loss_parallel:
+            colls.append(TPCollective("all_gather", float(node.output_bytes), "fwd", lin))
         colls.append(TPCollective("all_reduce", _tensor_bytes(node.inputs[0], node, graph_by_name), "bwd", lin))
+        if not loss_parallel:
+            continue
+        output[lin] = tp
+        for n in _path:
+            compute[n] = saved[n] = output[n] = tp
+        if _loss is not None and node.output_shape:
+            tokens = _numel(node.output_shape) / node.output_shape[-1]
+            for _ in range(3):
+                colls.append(TPCollective("all_reduce", tokens * DTYPE_BYTES["float32"], "fwd", _loss))
 
     for module, experts in stacked_experts(graph, layer_index).items():
         # (under sequence parallelism the runtime refuses such a layer: its router is a

@@ -273,10 +273,12 @@ class PlanEvaluator:
         if cost is None:
             # the layout depends on the layer, its styles and the tp axis only: shared between
             # the costs of every ZeRO / recompute / offload choice, micro-batch and dp x pp
-            layout_key = (layer_index, layer_plan.tp, mesh.tp, mesh.sequence_parallel)
+            loss_parallel = cm.code.loss_parallel
+            layout_key = (layer_index, layer_plan.tp, mesh.tp, mesh.sequence_parallel, loss_parallel)
             layout = self._layouts.get(layout_key)
             if layout is None:
-                layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel)
+                layout = propagate(self.graph, layer_index, layer_plan.tp_styles, mesh.tp, mesh.sequence_parallel,
+                                   loss_parallel)
                 self._layouts[layout_key] = layout
             cost = compute_layer_cost(self.graph, layer_index, layout, layer_plan, mesh, micro_batch,
                                       precision, cm, self.links(mesh),

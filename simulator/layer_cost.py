@@ -260,6 +260,7 @@ def _op_work_key(layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh, 
     scales and the cost model."""
     amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)
     return (layer_index, lp.tp, lp.recompute, lp.precision, mesh.tp, mesh.cp, mesh.sequence_parallel,
+            cm.code.loss_parallel,
             amp, precision, cm.name, scale, act_scale, units)
 
 

@@ -22,6 +22,7 @@ names the module that owns its mechanism:
   layer's backward needs (simulator/layer_cost.py ``_recompute``);
 * ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py);
 * ``cp_attention``: how a context-parallel rank runs attention (simulator/cp_cost.py);
+* ``loss_parallel``: whether the loss runs on vocabulary-sharded logits under tp (core/sharding.py);
 * ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py);
 * ``ep_dispatch``: how the routed tokens reach their experts, ep > 1 (simulator/ep_cost.py);
 * ``distributed_optimizer``: whether ZeRO-0's optimizer state is sharded over the data-parallel ranks
@@ -74,6 +75,9 @@ class TrainingCode:
     #: (code that passes the head-tail causal mask as an explicit ``attn_mask``, as autopar's
     #: runtime did before: the kernel computes the whole S/cp x S block and keeps the mask)
     cp_attention: str = "causal_blocks"
+    #: the loss runs on logits sharded over the vocabulary under tp (core/sharding.propagate
+    #: ``loss_parallel``: torchtitan's default with tp > 1); autopar's runtime gathers them
+    loss_parallel: bool = False
     #: the busiest expert's tokens over the mean under expert parallelism (simulator/ep_cost.py
     #: ``expert_work``): Switch Transformer's training capacity factor, CAPACITY_FACTOR above, for
     #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
