@@ -587,7 +587,8 @@ def megatron_core_moe_code(row: dict):
       dtype (bf16: the perf scripts' ``grad_reduce_in_fp32 = False``) and the updated parameters
       all-gathered once per step, overlapped with the backward -- priced as DDP's all-reduce, the
       same ring traffic (the row's ``zero`` 0; a plan's ZeRO-1 beside a pipeline would run as
-      FSDP2 without reshard, a reduce-scatter per micro-batch: core/rules.effective_zero); AdamW
+      FSDP2 without reshard, whose reduce-scatters torch's schedules run once a step:
+      core/rules.effective_zero, simulator/pipeline_fsdp.py); AdamW
       (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
     * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
     * attention: Transformer Engine's fused attention, priced as FlashAttention-2;
@@ -595,14 +596,18 @@ def megatron_core_moe_code(row: dict):
     * dispatch: the recipe's token dispatcher (``MBRIDGE_DISPATCH``: DeepEP/HybridEP's deduplicated
       exchange or the plain all-to-all);
     * optimizer state: sharded over each parameter's data-parallel ranks (the recipes'
-      ``use_distributed_optimizer = True``: TrainingCode.distributed_optimizer), its traffic DDP's."""
+      ``use_distributed_optimizer = True``: TrainingCode.distributed_optimizer), its traffic DDP's;
+    * loss: Transformer Engine's fused cross entropy (the GPT provider's ``cross_entropy_loss_fusion
+      = True`` and the performance scripts' ``cross_entropy_fusion_impl = "te"``:
+      TrainingCode.fused_cross_entropy), no gradient pair at the loss's backward."""
     from autopar.simulator import optimizer_step, pipeline_p2p
     from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL, TrainingCode
 
     return TrainingCode(reduce_bytes=row["layout"]["reduce_bytes"], p2p=pipeline_p2p.TORCH_PIPELINING,
                         optimizer=optimizer_step.TORCH_ADAMW, autocast=row["layout"]["autocast"],
                         attention_kernel=DEFAULT_ATTENTION_KERNEL, expert_load=MBRIDGE_EXPERT_LOAD,
-                        ep_dispatch=MBRIDGE_DISPATCH.get(row["id"], "all_to_all"), distributed_optimizer=True)
+                        ep_dispatch=MBRIDGE_DISPATCH.get(row["id"], "all_to_all"), distributed_optimizer=True,
+                        fused_cross_entropy=True)
 
 
 def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:

@@ -430,6 +430,14 @@ def _is_cast(node: OpNode) -> bool:
     return node.kind == "elementwise" and "_to_copy" in str(node.target)
 
 
+def loss_chain(graph: OpGraph, layer_index: int) -> frozenset[str]:
+    """The ops of a layer between a loss-feeding linear (the LM head) and the loss, and the loss
+    itself: the reshapes, dtype casts and log-softmax a fused cross-entropy kernel replaces."""
+    ops, by_name, consumers = _layer_index(graph, layer_index)
+    found = _loss_feeders(ops, by_name, consumers, {}, _consumed(graph))
+    return frozenset(n for _lin, path, loss in found if loss is not None for n in (*path, loss))
+
+
 def _loss_feeders(ops: list[OpNode], by_name: dict[str, OpNode], consumers: dict[str, list[str]],
                   role: dict[str, str], all_consumed: set[str]) -> list[tuple[str, tuple[str, ...], str | None]]:
     """Linears outside any pair whose output reaches a loss op (through views, dtype casts and its

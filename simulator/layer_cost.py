@@ -24,7 +24,7 @@ from autopar.core import rules as _rules
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, tp_style_parts
 from autopar.core.dtypes import dtype_bytes, precision_bytes
-from autopar.core.sharding import TPLayout
+from autopar.core.sharding import TPLayout, loss_chain
 from autopar.simulator import autocast as _autocast
 from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
@@ -184,7 +184,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
         host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes,
         transient_bytes=rec.transient_bytes + work.fp8_transient_bytes + backward_gradient_bytes(
-            graph.layer_ops(layer_index),
+            _unfused_ops(graph, layer_index, cm),
             lambda o: o.output_bytes * scale * act_scale / layout.output_shard.get(o.name, 1)),
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
@@ -250,6 +250,17 @@ class _OpWork:
     compile_fused_ops: int = 0             # ... this many eager ops
     measured: int = 0
     estimated: int = 0
+
+
+def _unfused_ops(graph: OpGraph, layer_index: int, cm: CostModel) -> list:
+    """The layer's ops whose backward allocates its own gradients: all of them, less the loss's
+    chain where the code runs a fused cross-entropy (TrainingCode.fused_cross_entropy,
+    core/sharding.loss_chain)."""
+    ops = graph.layer_ops(layer_index)
+    if not cm.code.fused_cross_entropy:
+        return ops
+    chain = loss_chain(graph, layer_index)
+    return [o for o in ops if o.name not in chain]
 
 
 def _op_work_key(layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, cm: CostModel,

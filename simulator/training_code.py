@@ -23,6 +23,7 @@ names the module that owns its mechanism:
 * ``selective_mm_policy``: which matmuls a selective recompute keeps (simulator/selective_mm_policy.py);
 * ``cp_attention``: how a context-parallel rank runs attention (simulator/cp_cost.py);
 * ``loss_parallel``: whether the loss runs on vocabulary-sharded logits under tp (core/sharding.py);
+* ``fused_cross_entropy``: whether a fused kernel leaves out the loss's gradient pair (simulator/memory.py);
 * ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py);
 * ``ep_dispatch``: how the routed tokens reach their experts, ep > 1 (simulator/ep_cost.py);
 * ``distributed_optimizer``: whether ZeRO-0's optimizer state is sharded over the data-parallel ranks
@@ -78,6 +79,15 @@ class TrainingCode:
     #: the loss runs on logits sharded over the vocabulary under tp (core/sharding.propagate
     #: ``loss_parallel``: torchtitan's default with tp > 1); autopar's runtime gathers them
     loss_parallel: bool = False
+    #: a fused cross-entropy kernel computes the loss's gradient in forward into one [tokens, vocab]
+    #: fp32 tensor kept for backward (the size of the log-softmax output the ops keep otherwise) and
+    #: allocates no gradient pair at the loss's backward (memory.backward_gradient_bytes): Megatron
+    #: Bridge's GPT provider (``cross_entropy_loss_fusion = True``, v0.2.0 and v0.5.0
+    #: gpt_provider.py) with its performance scripts' ``cross_entropy_fusion_impl = "te"``
+    #: (Transformer Engine's ``parallel_cross_entropy``: ``CrossEntropyFunction.forward`` saves the
+    #: fp32 ``grad_input`` its Triton kernel writes, backward scales it); autopar's runtime runs the
+    #: model's own loss (False)
+    fused_cross_entropy: bool = False
     #: the busiest expert's tokens over the mean under expert parallelism (simulator/ep_cost.py
     #: ``expert_work``): Switch Transformer's training capacity factor, CAPACITY_FACTOR above, for
     #: learned routing; 1.0 for code that balances the routing by construction (a benchmark that
