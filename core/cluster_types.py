@@ -124,9 +124,10 @@ class Cluster:
         return tuple(self.devices())
 
     def device(self, rank: int) -> Device:
-        if not 0 <= rank < self.world_size:
+        table = self._device_table
+        if not 0 <= rank < len(table):
             raise IndexError(f"rank {rank} outside a cluster of {self.world_size} devices")
-        return self._device_table[rank]
+        return table[rank]
 
     def group_of(self, rank: int) -> NodeGroup:
         return self.groups[self.device(rank).group]

@@ -18,6 +18,7 @@ Serialisation is JSON only (never pickle); ``save_plan`` writes atomically.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -61,7 +62,10 @@ def parts_style(parts: int) -> str:
     return f"colwise:{parts}" if parts > 1 else "colwise"
 
 
+@functools.lru_cache(maxsize=256)
 def valid_tp_style(style: str) -> bool:
+    """Whether ``style`` names a split (a plan's layers name the same few styles again and again:
+    the answer is kept per string)."""
     base, parts = tp_style_parts(style)
     return style in TP_STYLES or (base == "colwise" and parts >= 2)
 PRECISIONS = ("fp32", "bf16", "fp16")  # bf16/fp16 = mixed precision, fp32 master weights

@@ -57,21 +57,22 @@ class MeshLinks:
 
 
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
-    nodes = {cluster.device(r).node for r in ranks}
-    level = "inter" if len(nodes) > 1 else "intra"
-    link = cluster.link(ranks)
-    if level == "inter":   # a ring over nodes uses its ranks' adapters at once (simulator/network.py)
-        link = _ring_link(cluster, ranks, link)
-    return GroupLink(link, level, len(ranks))
+    devs = [cluster.device(r) for r in ranks]
+    nodes = {d.node for d in devs}
+    if len(nodes) == 1:
+        return GroupLink(cluster.link(ranks), "intra", len(ranks))
+    # a ring over nodes uses its ranks' adapters at once (simulator/network.py); the group's
+    # slowest link is the inter-node one (Cluster.link)
+    return GroupLink(_ring_link(cluster, devs, cluster.inter_node), "inter", len(ranks))
 
 
-def _ring_link(cluster: Cluster, ranks: list[int], link: Link) -> Link:
+def _ring_link(cluster: Cluster, devs: list, link: Link) -> Link:
     from collections import Counter
 
     from autopar.simulator.network import ring_bus_bandwidth_GBps
 
-    per_node = min(Counter(cluster.device(r).node for r in ranks).values())
-    intra = min(cluster.groups[cluster.device(r).group].intra_node.bandwidth_GBps for r in ranks)
+    per_node = min(Counter(d.node for d in devs).values())
+    intra = min(cluster.groups[g].intra_node.bandwidth_GBps for g in {d.group for d in devs})
     return Link(ring_bus_bandwidth_GBps(link.bandwidth_GBps, intra, per_node), link.latency_us)
 
 
