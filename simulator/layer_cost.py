@@ -498,7 +498,7 @@ class _TensorParallelComm:
     # the forward collectives a selective recompute reruns: context parallelism's K/V all-gather
     # (the runtime's policy reruns it, runtime/recompute.py -- counted in backward on a cp 2 run
     # of the zoo's Llama, one gather per attention in each direction:
-    # tests/integration/test_recompute_collectives.py), and those the code's policy does not save
+    # tests/integration/test_collective_counts.py), and those the code's policy does not save
     # (selective_mm_policy.saves_collective)
     selective_fwd_s: float = 0.0
     selective_wire: float = 0.0

@@ -15,7 +15,7 @@ reduce-scatters).  So per FSDP unit and step:
   that follow a forward -- and one reduce-scatter.
 
 Counted on autopar's runtime (dp 2 x pp 2, 4 gloo ranks, per step on pipeline rank 0's three
-units; tests/integration/test_pipeline_fsdp_counts.py checks it on every schedule): ZeRO-2 3
+units; tests/integration/test_collective_counts.py checks it on every schedule): ZeRO-2 3
 all-gathers and 3 reduce-scatters for m = 2 and 4; ZeRO-3 with m = 4: GPipe 12 + 3 (forward +
 backward), 1F1B 6 + 9, interleaved (v 2) 11 + 4 -- 15 = 3 (m + 1) each.
 

@@ -1,5 +1,5 @@
 """A pipeline's FSDP traffic priced per step (simulator/pipeline_fsdp.py), against closed forms of
-the counts tests/integration/test_pipeline_fsdp_counts.py measures on the runtime.
+the counts tests/integration/test_collective_counts.py measures on the runtime.
 
 * the step's data-parallel bytes: each layer's ring all-gather and reduce-scatter bytes ((N-1)/N
   of its bf16 parameters, Patarasuk & Yuan 2009) times the collectives a step runs -- ZeRO-2 one

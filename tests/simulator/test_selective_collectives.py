@@ -1,5 +1,5 @@
 """A selectively recomputed layer keeps its collectives' outputs (autopar's runtime saves them,
-runtime/recompute.py; tests/integration/test_recompute_collectives.py counts that it reruns
+runtime/recompute.py; tests/integration/test_collective_counts.py counts that it reruns
 none): the layer's saved bytes against closed forms from the model's dimensions, and no
 collective added to the layer's backward.  torchtitan's 2024 policy keeps only the
 reduce-scatters and reruns the all-gathers (simulator/selective_mm_policy.py): priced so."""

@@ -14,6 +14,15 @@ losses and final parameters (read back from its DCP checkpoint) equal its no-rec
 (whose parity with the plain loop tests/integration/test_runtime_parity.py, test_runtime_ep.py
 and test_runtime_cp.py check) -- under ep 2 for every form of routed experts, which with
 FSDP2's nested experts unit needed runtime/recompute.py's profiler-annotation rule to run at all.
+
+How often FSDP2's collectives run in a step, against the counts the simulator prices
+(simulator/pipeline_fsdp.py ``collectives_per_step``), in the same 4-rank launch: each plan runs
+two steps and the second is counted on rank 0 (the first also runs the pipeline's shape
+inference); the count of ``_allgather_base_`` and ``_reduce_scatter_base_`` calls is divided among
+rank 0's FSDP units (its layers with parameters).  Under a pipeline torch's schedules skip gradient
+sync and reshard-after-backward until the last backward; without one the runtime reduce-scatters
+every micro-batch of an accumulation step (runtime/train.py ``_grad_sync``), and that run's losses
+must still be the plain loop's.
 """
 from __future__ import annotations
 
@@ -48,6 +57,17 @@ PLANS = {
 # and tp's all-reduces beside ep's all-to-alls
 PLANS_4 = {"cp2_tp2_sp": (ZOO / "hf_llama.py", LLAMA_ARGS, dict(cp=2, tp=2, micro_batch=4, sequence_parallel=True), 1),
            "dp2_tp2_ep2": (ZOO / "hf_mixtral.py", {}, dict(dp=2, tp=2, micro_batch=2), 2)}
+# pipeline FSDP and accumulation: name -> uniform_plan arguments (4 ranks, GPT of MODEL_ARGS)
+FSDP_PLANS = {
+    "gpipe_zero2_m2": dict(dp=2, pp=2, schedule="gpipe", zero=2, num_microbatches=2),
+    "gpipe_zero2_m4": dict(dp=2, pp=2, schedule="gpipe", zero=2, num_microbatches=4),
+    "gpipe_zero3_m4": dict(dp=2, pp=2, schedule="gpipe", zero=3, num_microbatches=4),
+    "1f1b_zero3_m4": dict(dp=2, pp=2, schedule="1f1b", zero=3, num_microbatches=4),
+    "interleaved_zero3_m4": dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, zero=3, num_microbatches=4),
+    "accumulate_zero2_m2": dict(dp=4, zero=2, num_microbatches=2),
+    "accumulate_zero3_m2": dict(dp=4, zero=3, num_microbatches=2),
+}
+GATHER, SCATTER = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
 ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                 "self_attn.o_proj": "rowwise"}
 STYLES = {"gpt": TP_STYLES, "hf_mixtral": ATTENTION_TP,
@@ -73,8 +93,8 @@ def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
     return path
 
 
-def _launch(tmp: Path, nproc: int, plans: dict) -> dict:
-    cases = []
+def _launch(tmp: Path, nproc: int, plans: dict, fsdp_plans: dict | None = None) -> dict:
+    cases = _fsdp_count_cases(tmp, fsdp_plans or {})
     for name, (file, args, kw, ep) in plans.items():
         for mode in ("none", "selective"):
             case = f"{name}_{mode}"
@@ -86,7 +106,7 @@ def _launch(tmp: Path, nproc: int, plans: dict) -> dict:
     out = torchrun(nproc, str(WORKER), str(tmp / "cases.json"), timeout_s=420)
     assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
     return {c["name"]: (json.loads(Path(c["counts"]).read_text()), json.loads(Path(c["measured"]).read_text()),
-                        Path(c["checkpoint_dir"]))
+                        Path(c["checkpoint_dir"]) if c.get("checkpoint_dir") else None)
             for c in cases}
 
 
@@ -97,7 +117,27 @@ def counted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def counted_4(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("recompute_collectives_4"), 4, PLANS_4)
+    return _launch(tmp_path_factory.mktemp("recompute_collectives_4"), 4, PLANS_4, FSDP_PLANS)
+
+
+def _fsdp_plan(kw: dict):
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import ModelRef, uniform_plan
+
+    g = capture_model_file(str(GPT), dict(MODEL_ARGS), 1)
+    ref = ModelRef(file=str(GPT), args=dict(MODEL_ARGS), name="gpt", fingerprint=g.fingerprint)
+    return g, uniform_plan(model=ref, num_layers=len(g.layers), micro_batch=1, precision="fp32", **kw)
+
+
+def _fsdp_count_cases(tmp: Path, plans: dict) -> list[dict]:
+    from autopar.core.plan import save_plan
+
+    cases = []
+    for name, kw in plans.items():
+        save_plan(_fsdp_plan(kw)[1], tmp / f"{name}.json")
+        cases.append({"name": name, "steps": 2, "count_from": 1, "plan": str(tmp / f"{name}.json"),
+                      "measured": str(tmp / f"{name}.measured.json"), "counts": str(tmp / f"{name}.counts.json")})
+    return cases
 
 
 def _check_training(counted, name):
@@ -153,3 +193,43 @@ def test_cp_with_sequence_parallel_tp_reruns_the_kv_gather_only(counted_4):
     assert reference["fwd"]["_c10d_functional.all_gather_into_tensor"] > 2 * STEPS    # tp's gathers too
     assert _extra_backward(counted_4, "cp2_tp2_sp") == {"_c10d_functional.all_gather_into_tensor": 2 * STEPS}
     _check_training(counted_4, "cp2_tp2_sp")
+
+
+def _rank0_units(name: str) -> int:
+    """FSDP units on pipeline rank 0: the layers with parameters of its stages."""
+    g, plan = _fsdp_plan(FSDP_PLANS[name])
+    stages = [s for s in plan.pipeline.stages if s.index % plan.mesh.pp == 0]
+    return sum(1 for s in stages for k in range(s.start, s.end) if g.layers[k].param_numel > 0)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(FSDP_PLANS))
+def test_fsdp_collectives_per_step_are_the_priced_counts(counted_4, name):
+    from autopar.simulator.pipeline_fsdp import collectives_per_step
+
+    kw = FSDP_PLANS[name]
+    counts = counted_4[name][0]
+    ran = {op: counts["fwd"].get(op, 0) + counts["bwd"].get(op, 0) for op in (GATHER, SCATTER)}
+    units = _rank0_units(name)
+    gathers, scatters = collectives_per_step(kw["zero"], kw["num_microbatches"], kw.get("pp", 1) > 1)
+    assert (ran[GATHER], ran[SCATTER]) == (units * gathers, units * scatters), (name, units, counts)
+
+
+@pytest.mark.multiproc
+def test_pipeline_zero2_gathers_once_whatever_the_micro_batches(counted_4):
+    """The step's ZeRO-2 traffic under a pipeline does not grow with the micro-batches: what the
+    price used to charge per micro-batch."""
+    two, four = (counted_4[f"gpipe_zero2_m{m}"][0] for m in (2, 4))
+    assert two["fwd"].get(GATHER) == four["fwd"].get(GATHER) > 0
+    assert two["fwd"].get(SCATTER) == four["fwd"].get(SCATTER) > 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", [2, 3])
+def test_accumulation_reduce_scattering_each_micro_batch_trains_as_the_plain_loop(counted_4, zero):
+    from plain_loop import train_plain
+
+    measured = counted_4[f"accumulate_zero{zero}_m2"][1]
+    want = train_plain(GPT, dict(MODEL_ARGS), 8, 2, chunks=2).losses      # dp 4 x 1 sample x 2 micro-batches
+    assert len(measured["losses"]) == 2
+    assert measured["losses"] == pytest.approx(want, abs=1e-5)
