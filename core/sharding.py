@@ -657,7 +657,12 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         for c in cols:
             node = by_name[c]
             compute[c] = param[c] = output[c] = tp
-            saved[c] = tp if sp else 1          # keeps its (replicated) input; sharded under SP
+            # keeps its replicated input, under sequence parallelism too: DTensor's ColwiseParallel
+            # redistributes the Shard(1) input to Replicate before the matmul, which autograd saves
+            # for the weight gradient (measured on the runtime: tests/integration/
+            # test_collective_counts.py; Megatron-LM instead keeps the sharded input and gathers it
+            # again in backward, Korthikanti et al. 2022, Sec. 4.2.2 -- no code priced here does)
+            saved[c] = 1
             region_inputs.setdefault(node.inputs[0], _tensor_bytes(node.inputs[0], node, graph_by_name))
             if fused.get(c) and node.output_shape and any(p.endswith(".bias") for p in node.params):
                 # split per part, its bias stays whole on every rank and each rank's gradient

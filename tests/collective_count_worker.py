@@ -8,7 +8,8 @@ or ``_c10d_functional`` (functional) namespaces, ``wait_tensor`` excepted (it wa
 nothing); an op runs in backward where the autograd engine is executing a graph task
 (``torch._C._current_graph_task_id() != -1``).  Writes ``{"fwd"|"bwd": {op: n}}``, summed over
 the steps (the final checkpoint's, where the case names a ``checkpoint_dir``, among the forward
-ones), to the case's ``counts`` path (rank 0).  A case's ``count_from`` leaves the steps before it uncounted (a pipeline's first step
+ones), and ``saved_bytes``, what the first counted step's forward keeps for backward
+(``SavedBytes``), to the case's ``counts`` path (rank 0).  A case's ``count_from`` leaves the steps before it uncounted (a pipeline's first step
 also runs torch's shape inference, which gathers each unit once more)."""
 import json
 import os
@@ -41,6 +42,52 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class SavedBytes:
+    """The bytes autograd keeps for backward in one step's forward: every tensor its saved-tensor
+    hooks pack, counted once per storage, this rank's shard of a DTensor, parameters left out
+    (they are state, not activations).  A checkpoint's own hooks take precedence inside a
+    recomputed region, so under recompute this sees only what is saved outside it."""
+
+    def __init__(self, parts):
+        self.params = {self._local(p).untyped_storage().data_ptr() for part in parts for p in part.parameters()}
+        self.storages: dict[int, int] = {}
+        self.done = False
+
+    @staticmethod
+    def _local(t):
+        from torch.distributed.tensor import DTensor
+
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def _add(self, t) -> None:
+        t = self._local(t)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            # a wrapper subclass (a functional collective's AsyncCollectiveTensor): its inner tensors hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                self._add(getattr(t, name))
+            return
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+
+    def _pack(self, t):
+        self._add(t)
+        return t
+
+    def hooks(self, first_only: bool):
+        import contextlib
+
+        if self.done and first_only:
+            return contextlib.nullcontext()
+        self.done = True
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     for case in cases:
@@ -50,15 +97,18 @@ def main() -> None:
         trainer = Trainer(opts)
         counter = CollectiveCounter()
         count_from = case.get("count_from", 0)     # a step before it runs uncounted (the first one's set-up)
+        saved = SavedBytes(trainer.pm.parts)
         for step in range(trainer.first_step, opts.steps):
             if step < count_from:
                 trainer.step(step)
                 continue
-            with counter:
+            with counter, saved.hooks(first_only=True):
                 trainer.step(step)
         trainer.finish()
         if dist.get_rank() == 0:
-            Path(case["counts"]).write_text(json.dumps({k: dict(v) for k, v in counter.counts.items()}))
+            out = {k: dict(v) for k, v in counter.counts.items()}
+            out["saved_bytes"] = saved.total()
+            Path(case["counts"]).write_text(json.dumps(out))
     shutdown()
 
 

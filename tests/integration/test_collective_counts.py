@@ -233,3 +233,34 @@ def test_accumulation_reduce_scattering_each_micro_batch_trains_as_the_plain_loo
     want = train_plain(GPT, dict(MODEL_ARGS), 8, 2, chunks=2).losses      # dp 4 x 1 sample x 2 micro-batches
     assert len(measured["losses"]) == 2
     assert measured["losses"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.multiproc
+def test_saved_activations_are_the_priced_ones_with_and_without_sequence_parallelism(counted):
+    """What autograd keeps in forward on rank 0 (the worker's ``SavedBytes``: saved tensors once per
+    storage, parameters left out) against the simulator's activation bytes summed over the layers,
+    for tp 2 without recompute, with and without sequence parallelism.  A column-parallel linear
+    keeps its gathered input under sequence parallelism too (core/sharding.propagate): priced as
+    sharded, the simulator's saving from sequence parallelism was twice the measured one."""
+    from autopar.core.capture import capture_model_file
+    from autopar.core.cluster import Cluster, Link, NodeGroup
+    from autopar.core.plan import load_plan
+    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+
+    g = capture_model_file(str(GPT), dict(GPT_ARGS), 4)
+    cluster = Cluster("c", (NodeGroup("n", "t", 1, 2, 2**34, Link(1.0, 100.0), 2**36, Link(5.0, 1.0)),),
+                      Link(1.0, 100.0))
+    cm = CostModel.from_profile(dict(name="t", memory_bandwidth_Bps=1e10, peak_flops={"fp32": 1e11},
+                                     efficiency={}, collective_efficiency={}))
+    ev = PlanEvaluator(g, cluster, cm)
+    measured, priced = {}, {}
+    for name in ("tp2_none", "tp2_sp_none"):
+        plan = load_plan(counted[name][2].with_name(f"{name}.json"))
+        measured[name] = counted[name][0]["saved_bytes"]
+        priced[name] = sum(ev.layer_cost(k, lp, plan.mesh, plan.micro_batch, plan.precision).activation_bytes
+                           for k, lp in enumerate(plan.layers))
+        assert priced[name] == pytest.approx(measured[name], rel=0.03), (name, priced[name], measured[name])
+    saving = measured["tp2_none"] - measured["tp2_sp_none"]
+    assert saving > 0
+    assert priced["tp2_none"] - priced["tp2_sp_none"] == pytest.approx(saving, rel=0.02)
