@@ -686,7 +686,7 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         else:        # g operator: all-reduce fwd, identity bwd
             colls.append(TPCollective("all_reduce", out_bytes, "fwd", row))
 
-    for lin, _path, _loss in _loss_feeders(ops, by_name, consumers, {}, _consumed(graph)):
+    for lin, path, loss in _loss_feeders(ops, by_name, consumers, {}, _consumed(graph)):
         node = by_name[lin]
         if styles.get(node.module_path) != "colwise" or (node.output_shape and node.output_shape[-1] % tp):
             continue
@@ -701,12 +701,12 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         if not loss_parallel:
             continue
         output[lin] = tp
-        for n in _path:
+        for n in path:
             compute[n] = saved[n] = output[n] = tp
-        if _loss is not None and node.output_shape:
+        if loss is not None and node.output_shape:
             tokens = _numel(node.output_shape) / node.output_shape[-1]
             for _ in range(3):
-                colls.append(TPCollective("all_reduce", tokens * DTYPE_BYTES["float32"], "fwd", _loss))
+                colls.append(TPCollective("all_reduce", tokens * DTYPE_BYTES["float32"], "fwd", loss))
 
     for module, experts in stacked_experts(graph, layer_index).items():
         # (under sequence parallelism the runtime refuses such a layer: its router is a

@@ -74,9 +74,8 @@ def _grad_sync(part, sync: bool, pm: ParallelModel):
     reduce-scatter per micro-batch here (simulator/pipeline_fsdp.py).  Replicated data parallelism
     (DDP, FSDP2's replicate) holds whole gradients anyway and syncs on the last micro-batch only."""
     if pm.uses_fsdp:
-        if pm.dp_kind == "fsdp":
-            return contextlib.nullcontext()
-        part.set_requires_gradient_sync(sync)
+        if pm.dp_kind != "fsdp":
+            part.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
     if pm.uses_ddp and not sync:
         return part.no_sync()

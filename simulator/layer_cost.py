@@ -258,7 +258,7 @@ def _unfused_ops(graph: OpGraph, layer_index: int, cm: CostModel) -> list:
     chain where the code runs a fused cross-entropy (TrainingCode.fused_cross_entropy,
     core/sharding.loss_chain)."""
     ops = graph.layer_ops(layer_index)
-    if not cm.code.fused_cross_entropy:
+    if not cm.code.fused_cross_entropy or not any(o.kind == "loss" for o in ops):
         return ops
     chain = loss_chain(graph, layer_index)
     return [o for o in ops if o.name not in chain]

@@ -340,8 +340,10 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     #    copy-in (FSDP2) or pre-divide and, in torch 1.13, pad (FSDP1, item 5b) before each
     #    reduce-scatter, on its stream
     rs_in = rs + cp_grad * runtime.reduce_prep_passes
+    # (without a pipeline the shares are 1 on the layers they apply to: cp_param3 is ZeRO-3's only,
+    # and the slowdown below is masked to sharded layers)
     f_share, b_share, rs_share = traffic_shares(zero, pipeline_m)
-    bwd_copies = cp_param3 * b_share if pipeline_m is not None else cp_param3
+    bwd_copies = cp_param3 * b_share
     if runtime.grad_concat_on_compute:
         # FSDP1: autograd concatenates the unit's gradient on the compute stream (item 5b), in the
         # dtype it was computed in (the rows' gradient bytes, before any reduce-dtype scaling)
@@ -356,7 +358,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     next_bwd = np.empty(n)
     next_bwd[0] = 0.0
     np.multiply(ag[:-1], b_share[:-1], out=next_bwd[1:])
-    rs_beside = rs_in * rs_share if pipeline_m is not None else rs_in
+    rs_beside = rs_in * rs_share
     # (sharded layers only: the slowdown is masked by ``sharded`` below, so its inputs need not be)
     out[:, col["fwd_s"]] = fwd + cp_param3 + overlap_slowdown_s(fwd, next_fwd, slowdown) * sharded
     out[:, col["bwd_s"]] = bwd + bwd_copies + overlap_slowdown_s(bwd + rec, rs_beside + next_bwd, slowdown) * sharded

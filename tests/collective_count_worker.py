@@ -76,10 +76,11 @@ class SavedBytes:
         self._add(t)
         return t
 
-    def hooks(self, first_only: bool):
+    def hooks(self):
+        """The saved-tensor hooks for the first step asked, nothing after it."""
         import contextlib
 
-        if self.done and first_only:
+        if self.done:
             return contextlib.nullcontext()
         self.done = True
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -102,7 +103,7 @@ def main() -> None:
             if step < count_from:
                 trainer.step(step)
                 continue
-            with counter, saved.hooks(first_only=True):
+            with counter, saved.hooks():
                 trainer.step(step)
         trainer.finish()
         if dist.get_rank() == 0:

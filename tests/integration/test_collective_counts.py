@@ -27,6 +27,7 @@ must still be the plain loop's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -120,11 +121,18 @@ def counted_4(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("recompute_collectives_4"), 4, PLANS_4, FSDP_PLANS)
 
 
-def _fsdp_plan(kw: dict):
+@functools.lru_cache(maxsize=None)
+def _gpt_graph():
+    """The GPT the FSDP count plans run, captured once (each plan and each test reads it)."""
     from autopar.core.capture import capture_model_file
+
+    return capture_model_file(str(GPT), dict(MODEL_ARGS), 1)
+
+
+def _fsdp_plan(kw: dict):
     from autopar.core.plan import ModelRef, uniform_plan
 
-    g = capture_model_file(str(GPT), dict(MODEL_ARGS), 1)
+    g = _gpt_graph()
     ref = ModelRef(file=str(GPT), args=dict(MODEL_ARGS), name="gpt", fingerprint=g.fingerprint)
     return g, uniform_plan(model=ref, num_layers=len(g.layers), micro_batch=1, precision="fp32", **kw)
 
