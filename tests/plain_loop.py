@@ -84,10 +84,19 @@ def _loss(module, output, target):
 
 
 def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: int, *, seed: int = SEED,
-                lr: float = LR, chunks: int = 1, initial: dict[str, torch.Tensor] | None = None) -> PlainRun:
+                lr: float = LR, chunks: int = 1, initial: dict[str, torch.Tensor] | None = None,
+                batches=None, lr_at=None, grad_clip: float | None = None, betas=BETAS,
+                weight_decay: float = WEIGHT_DECAY, first_step: int = 0) -> PlainRun:
     """``initial``: starting values by parameter name, copied over the model file's own init
     (the caller's choice of another init; ties are kept: the model's parameters are written
-    in place)."""
+    in place).
+
+    ``batches``: ``step -> (inputs tuple, target)``, the global batch of a step, in place of
+    ``make_batch`` under the step's seed (a test's own reading of a data file).  ``lr_at``:
+    ``step -> learning rate`` set on the optimizer before each step (a closed-form schedule
+    written in the test).  ``grad_clip``: ``torch.nn.utils.clip_grad_norm_`` over the whole
+    model's parameters (each tied one once) before each step.  ``first_step``: the step number
+    of the first step run (the batches and learning rates of a run that starts later)."""
     module = load(model_file)
     torch.manual_seed(seed)
     model = module.build_model(**args)
@@ -95,13 +104,19 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(initial[name])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=EPS, weight_decay=weight_decay)
     named = list(model.named_parameters(remove_duplicate=False))
     grad_abs_max = {id(p): torch.zeros_like(p) for _, p in named}
     grad_abs_min = {id(p): torch.full_like(p, float("inf")) for _, p in named}
     losses = []
-    for step in range(steps):
-        inputs, target = draw_batch(module, global_batch, args, seed, step)
+    for step in range(first_step, first_step + steps):
+        if batches is not None:
+            inputs, target = batches(step)
+        else:
+            inputs, target = draw_batch(module, global_batch, args, seed, step)
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
         total = 0.0
         for i in range(chunks):
             part = [x.chunk(chunks)[i] for x in inputs]
@@ -113,6 +128,8 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
                 torch.maximum(grad_abs_max[id(p)], p.grad.abs(), out=grad_abs_max[id(p)])
                 nonzero = torch.where(p.grad == 0, float("inf"), p.grad.abs())
                 torch.minimum(grad_abs_min[id(p)], nonzero, out=grad_abs_min[id(p)])
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
