@@ -52,8 +52,12 @@ the parameters their partition updates; DCP merges them into one checkpoint.  (A
 autopar saved ZeRO-1's partitions beside the DCP files as ``zero1_rank<R>.pt``: such a
 checkpoint still resumes, under its own layout only.)
 
-The step number and the batches are functions of the step (batches are seeded by step), so a
-resumed run continues exactly where the checkpoint was taken.
+The batches are functions of the step (synthetic batches are seeded by step; a token file's
+samples follow from the step, runtime/token_data.py), so a resumed run continues exactly where
+the checkpoint was taken.  The manifest records the data position (``"data"``: the step, the
+token file's path, size and dtype, the shuffle seed) and the validation losses so far
+(``"val_losses"``); the trainer refuses to resume a checkpoint whose data record differs from
+the run's (runtime/train.py).
 """
 from __future__ import annotations
 
@@ -93,6 +97,8 @@ _CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)
 # write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
 _TEMP_FILE = re.compile(r"\.(latest|manifest)\.json\..+$")
 _HASH_CHUNK = 1 << 20
+# the manifest keys ``save_checkpoint``'s ``records`` may write (read back by ``resume``)
+RECORD_KEYS = ("data", "val_losses")
 # flat optimizer keys ("state.blocks.0.attn.qkv.weight.exp_avg") so several stage modules' and
 # optimizers' states merge into one checkpoint without clashing
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -129,6 +135,8 @@ class Resumed:
     step: int
     path: Path
     losses: list[float]
+    #: the manifest's further records (``save_checkpoint``'s ``records``: "data", "val_losses")
+    records: dict | None = None
 
 
 def _is_zero1(opt: torch.optim.Optimizer) -> bool:
@@ -192,8 +200,10 @@ def partial_dir(directory: Path, step: int) -> Path:
 
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
-                    names: StateNames | None = None) -> Path:
+                    names: StateNames | None = None, records: dict | None = None) -> Path:
     """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``.
+    ``records``: further JSON values written under their own keys into both (the data position:
+    ``"data"``, ``"val_losses"``; runtime/train.py), read back as ``Resumed.records``.
 
     Every file is written into ``step_N.partial``; rank 0 writes the manifest there last and
     renames the folder to ``step_N`` (one atomic rename), so a ``step_N`` folder is always
@@ -226,7 +236,7 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
         files = {name: d for _, mine in gathered for name, d in mine.items()}
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
                     "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
-                    "losses": list(losses), "files": dict(sorted(files.items()))}
+                    "losses": list(losses), **(records or {}), "files": dict(sorted(files.items()))}
         try:
             write_text_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
             if path.exists():                    # a folder of this step without a manifest (an older autopar's)
@@ -240,7 +250,8 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
     if rank == 0:
         try:
             write_text_atomic(directory / LATEST,
-                              json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
+                              json.dumps({"step": step, "path": path.name, "losses": list(losses),
+                                          **(records or {})}) + "\n")
             prune(directory, keep)
         except OSError as e:
             verdict = [f"rank 0: {_os_reason(e)}"]
@@ -434,7 +445,8 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
     check_manifest(path, manifest, identity)
     verify_files(path, manifest)                 # before DCP unpickles .metadata
     load_checkpoint(path, parts, optimizers, names)
-    return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]])
+    return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]],
+                   records={k: v for k, v in manifest.items() if k in RECORD_KEYS})
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

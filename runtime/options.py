@@ -18,6 +18,10 @@ WEIGHT_DECAY = 0.1
 DEFAULT_SEED = 1234
 DEFAULT_WARMUP_STEPS = 2     # steps left out of the step-time median (allocator and caches warm up)
 INIT_MODES = ("auto", "host", "per-module")
+# evaluation: global batches of the validation file per evaluation (nanoGPT's eval_iters is 200
+# at its scale; 4 keeps an evaluation near the cost of a few training steps by default)
+DEFAULT_EVAL_BATCHES = 4
+DATA_DTYPES = ("uint16", "uint32")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,13 @@ class RunOptions:
     init: str = "auto"                        # see autopar.runtime.materialize
     log_every: int = 1
     keep_checkpoints: int = 3                 # newest complete checkpoints kept (autopar.runtime.checkpointing)
+    # data and evaluation (autopar.runtime.token_data, autopar.runtime.batches, autopar.runtime.evaluate)
+    data_path: Path | None = None             # --data: a token file; None: make_batch or the file's batches()
+    data_dtype: str = "uint16"                # --data-dtype of --data and --val-data
+    shuffle_seed: int | None = None           # --shuffle SEED: permute the samples once per pass
+    val_data_path: Path | None = None         # --val-data: a token file evaluated every eval_every steps
+    eval_every: int = 0                       # --eval-every K (0: never)
+    eval_batches: int = DEFAULT_EVAL_BATCHES  # --eval-batches N: global batches per evaluation
 
     @property
     def measured_file(self) -> Path:
@@ -66,6 +77,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=T.positive, default=3, metavar="N",
                         help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
                              "each save (default: %(default)s)")
+    g = parser.add_argument_group("data and evaluation (docs/runtime.md)")
+    g.add_argument("--data", type=Path, default=None, metavar="FILE",
+                   help="train on a token file: a flat little-endian array of token ids (nanoGPT's train.bin); "
+                        "default: the model file's batches() if it has one, else make_batch's synthetic batches")
+    g.add_argument("--data-dtype", choices=DATA_DTYPES, default="uint16",
+                   help="dtype of the ids in --data and --val-data (default: %(default)s)")
+    g.add_argument("--shuffle", type=T.seed, default=None, metavar="SEED",
+                   help="permute the samples of --data once per pass, by a permutation drawn from SEED and the pass")
+    g.add_argument("--val-data", type=Path, default=None, metavar="FILE",
+                   help="a validation token file: its mean loss is logged every --eval-every steps and at the end")
+    g.add_argument("--eval-every", type=T.non_negative, default=0, metavar="K",
+                   help="evaluate on --val-data every K steps and at the end (default: 0, never)")
+    g.add_argument("--eval-batches", type=T.positive, default=DEFAULT_EVAL_BATCHES, metavar="N",
+                   help="global batches of --val-data per evaluation, read in order from its start "
+                        "(default: %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -74,10 +100,14 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     for name in ("steps", "log_every", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} is {getattr(args, name)}; it must be a positive integer.")
-    if args.checkpoint_every < 0 or args.warmup_steps < 0:
-        raise UserError("--checkpoint-every and --warmup-steps must not be negative.")
+    if args.eval_batches < 1:
+        raise UserError(f"--eval-batches is {args.eval_batches}; it must be a positive integer.")
+    if args.checkpoint_every < 0 or args.warmup_steps < 0 or args.eval_every < 0:
+        raise UserError("--checkpoint-every, --warmup-steps and --eval-every must not be negative.")
     return RunOptions(plan_path=Path(args.plan), steps=args.steps, lr=args.lr, seed=args.seed,
                       warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, profile=args.profile,
                       measured_path=args.measured, init=args.init, log_every=args.log_every,
-                      keep_checkpoints=args.keep_checkpoints)
+                      keep_checkpoints=args.keep_checkpoints, data_path=args.data, data_dtype=args.data_dtype,
+                      shuffle_seed=args.shuffle, val_data_path=args.val_data, eval_every=args.eval_every,
+                      eval_batches=args.eval_batches)

@@ -25,7 +25,8 @@ from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
-              "log_every", "keep_checkpoints")
+              "log_every", "keep_checkpoints",
+              "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,9 +92,15 @@ def main(args: argparse.Namespace, log=None) -> int:
     opts = options_from_args(args)                    # argument errors before anything starts
     if args.nnodes is not None and args.nnodes < 1:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
-    if args.nnodes in (None, 1) and not args.dry_run:
+    from autopar.runtime import data_check
+
+    data_check.check_files(opts)                      # a missing or truncated token file: before anything
+    has_data = opts.data_path is not None or opts.val_data_path is not None
+    if args.nnodes in (None, 1) and not args.dry_run and not has_data:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
+    # the token files against the plan (length, ids < vocabulary) before any output is created
+    data_check.check_for_plan(opts, checked, scan=not args.dry_run)
     if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # again: the plan's model file is now known as an input
     world = checked.plan.world_size
