@@ -421,9 +421,12 @@ def _what_to_do(path: Path) -> str:
 
 
 def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-           identity: CheckpointIdentity, steps: int, names: StateNames | None = None) -> Resumed | None:
+           identity: CheckpointIdentity, steps: int, names: StateNames | None = None,
+           check_records=None) -> Resumed | None:
     """Load the newest checkpoint under ``directory`` after checking it (None: nothing to resume).
-    Every rank calls it."""
+    Every rank calls it.  ``check_records(path, step, records)``: called before anything is read
+    beyond the manifest, with its ``RECORD_KEYS`` entries, to refuse a checkpoint the run cannot
+    continue (runtime/train.py: other data)."""
     check_directory(directory)
     found = latest_checkpoint(directory)
     if found is None:
@@ -443,10 +446,13 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
             f"start afresh.")
     manifest = read_manifest(path)
     check_manifest(path, manifest, identity)
+    records = {k: v for k, v in manifest.items() if k in RECORD_KEYS}
+    if check_records is not None:
+        check_records(path, step, records)
     verify_files(path, manifest)                 # before DCP unpickles .metadata
     load_checkpoint(path, parts, optimizers, names)
     return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]],
-                   records={k: v for k, v in manifest.items() if k in RECORD_KEYS})
+                   records=records)
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

@@ -249,12 +249,13 @@ class Trainer:
         self.first_step, self.losses = 0, []
         self.identity = checkpointing.CheckpointIdentity.of_plan(plan, self.checked.graph)
         if opts.checkpoint_dir is not None:
-            resumed = checkpointing.resume(opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps,
-                                           names=pm.state_names)
+            resumed = checkpointing.resume(
+                opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps, names=pm.state_names,
+                check_records=lambda path, step, records: check_data_record(records.get("data"),
+                                                                            self.data_record(step), path, opts))
             if resumed is not None:
                 self.first_step, self.losses = resumed.step, resumed.losses
                 records = resumed.records or {}
-                check_data_record(records.get("data"), self.data_record(resumed.step), resumed.path, opts)
                 self.val_losses = [(int(a), float(b)) for a, b in records.get("val_losses", [])]
                 self.log(f"resumed from {resumed.path} (step {self.first_step}, checksums verified)")
         self.rows = plan.micro_batch * plan.pipeline.num_microbatches
