@@ -70,7 +70,7 @@ def worker(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     plan, rounds, per_round, warmup = Path(spec["plan"]), spec["rounds"], spec["steps_per_round"], spec["warmup"]
     total = warmup + rounds * per_round + 1        # one more step each at the end (measures the model state)
-    common = dict(plan_path=plan, steps=total, warmup_steps=warmup, log_every=total)
+    common = dict(plan_path=plan, steps=total, log_every=total)
     trainers = {"data": Trainer(RunOptions(**common, measured_path=plan.with_name("data.json"),
                                            data_path=Path(spec["data"]), shuffle_seed=spec["shuffle"])),
                 "synthetic": Trainer(RunOptions(**common, measured_path=plan.with_name("synthetic.json")))}

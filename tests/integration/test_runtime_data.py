@@ -3,10 +3,11 @@ resume under another layout: each equal to a plain PyTorch loop on the test's ow
 the file (tests/token_reference.py: numpy and the documented rule, no autopar).
 
 One 2-rank torchrun launch (gloo, fp32) runs every case in turn: the 4-block test GPT under
-dp 2 with ``--shuffle`` and ``--val-data``, ZeRO-3, tp 2 with sequence parallelism, pp 2 under
-GPipe (with ``--shuffle`` and ``--val-data``) and 1F1B; the zoo's Llama under cp 2 and the zoo's
-MoE under dp 2 x ep 2; and a chain: 2 steps under pp 2 (GPipe), checkpointed, then resumed
-under ZeRO-3 for the last 2.  The training file holds 7 GPT samples (plus a few tokens that
+dp 2 with ``--shuffle`` and ``--val-data``, ZeRO-3, tp 2 with sequence parallelism (and
+``--val-data``), pp 2 under GPipe (with ``--shuffle`` and ``--val-data``) and 1F1B; the zoo's
+Llama under cp 2 (with ``--val-data``) and the zoo's MoE under dp 2 x ep 2; and a chain: 2 steps
+under pp 2 (GPipe), checkpointed, then resumed under ZeRO-3 for the last 2 (with ``--shuffle``
+and ``--val-data``: the evaluation of step 2 comes back from the checkpoint).  The training file holds 7 GPT samples (plus a few tokens that
 make no sample), so 4 steps of 4 rows run through three passes -- three different
 permutations under ``--shuffle``; the validation file holds 5, so 2 evaluation batches wrap
 around it.  Losses and final parameters (read back from the last DCP checkpoint by DCP's own
@@ -45,11 +46,11 @@ EVAL = {"val_data_path": "VAL", "eval_every": 2, "eval_batches": 2}
 CASES = {
     "gpt_ddp_shuffle_val": ("gpt", dict(dp=2, micro_batch=2), 1, {"shuffle_seed": SHUFFLE, **EVAL}),
     "gpt_zero3": ("gpt", dict(dp=2, micro_batch=2, zero=3), 1, {}),
-    "gpt_tp2_sp": ("gpt", dict(tp=2, micro_batch=4, sequence_parallel=True), 1, {}),
+    "gpt_tp2_sp_val": ("gpt", dict(tp=2, micro_batch=4, sequence_parallel=True), 1, EVAL),
     "gpt_pp2_gpipe_shuffle_val": ("gpt", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe"), 1,
                                   {"shuffle_seed": SHUFFLE, **EVAL}),
     "gpt_pp2_1f1b": ("gpt", dict(pp=2, micro_batch=1, num_microbatches=4, schedule="1f1b"), 1, {}),
-    "llama_cp2": ("llama", dict(cp=2, micro_batch=4), 1, {}),
+    "llama_cp2_val": ("llama", dict(cp=2, micro_batch=4), 1, EVAL),
     "moe_dp2_ep2": ("moe", dict(dp=2, micro_batch=2), 2, {}),
 }
 # 2 steps under pp 2, then ZeRO-3 resumes the same folder for steps 3 and 4
@@ -115,14 +116,15 @@ def _plain(model: str, steps: int, shuffle: int | None, train: str):
                                   batches=ref_tokens.batches(Path(train), seq, GLOBAL_BATCH, shuffle))
 
 
-def _check_val(case: dict, tmp: Path, shuffle: int | None) -> None:
+def _check_val(case: dict, tmp: Path, shuffle: int | None, model_name: str = "gpt") -> None:
     measured = json.loads(Path(case["measured"]).read_text())
     got = measured["val_losses"]
     assert [s for s, _ in got] == [2, 4], got
-    module = plain_loop.load(GPT)
+    path, args = MODELS[model_name]
+    module = plain_loop.load(path)
     for step, value in got:
-        model = _plain("gpt", step, shuffle, str(tmp / "train.bin")).model
-        want = ref_tokens.plain_val_loss(model, module.loss_fn, tmp / "val.bin", SEQ, GLOBAL_BATCH,
+        model = _plain(model_name, step, shuffle, str(tmp / "train.bin")).model
+        want = ref_tokens.plain_val_loss(model, module.loss_fn, tmp / "val.bin", args.get("seq", 8), GLOBAL_BATCH,
                                          EVAL["eval_batches"])
         assert abs(value - want) <= LOSS_ATOL, (case["name"], step, value, want)
 
@@ -140,7 +142,7 @@ def test_layout_on_a_token_file_matches_the_plain_loop(runs, name):
     else:
         assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), ref, name, steps=STEPS)
     if "val_data_path" in options:
-        _check_val(case, runs["tmp"], options.get("shuffle_seed"))
+        _check_val(case, runs["tmp"], options.get("shuffle_seed"), model)
 
 
 @pytest.mark.multiproc
