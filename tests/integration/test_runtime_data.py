@@ -58,6 +58,30 @@ RESUME = [("pp2_gpipe", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="
           ("zero3", dict(dp=2, micro_batch=2, zero=3), STEPS)]
 RESUME_OPTIONS = {"shuffle_seed": SHUFFLE, **EVAL}
 MODELS = {"gpt": (GPT, MODEL_ARGS), "llama": (LLAMA, ZOO_ARGS), "moe": (MOE, {})}
+# a model file with its own data: examples/gpt.py and a batches() over the training file
+OWN_BATCHES = """
+import importlib.util
+
+import numpy as np
+import torch
+
+_spec = importlib.util.spec_from_file_location("gpt_for_own_batches", {gpt!r})
+_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gpt)
+build_model, make_batch, loss_fn = _gpt.build_model, _gpt.make_batch, _gpt.loss_fn
+
+
+def batches(batch_size, dp_rank, dp_size, seed, start_step, seq=16, **_ignored):
+    tokens = np.fromfile({data!r}, dtype="<u2").astype(np.int64)
+    n = (len(tokens) - 1) // seq
+    step = start_step
+    while True:
+        rows = [(3 * (step * batch_size * dp_size + dp_rank * batch_size + r) + seed) % n for r in range(batch_size)]
+        x = np.stack([tokens[j * seq:(j + 1) * seq] for j in rows])
+        y = np.stack([tokens[j * seq + 1:(j + 1) * seq + 1] for j in rows])
+        yield torch.from_numpy(x), torch.from_numpy(y)
+        step += 1
+"""
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,6 +123,13 @@ def runs(tmp_path_factory):
         specs.append({"name": name, "model": model, "plan": str(_plan(tmp / f"{name}.json", model, kw, ep)),
                       "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
                       "steps": STEPS, "options": _options(options, tmp)})
+    own = tmp / "own_batches.py"
+    own.write_text(OWN_BATCHES.format(gpt=str(GPT), data=str(tmp / "train.bin")))
+    MODELS["own"] = (own, MODEL_ARGS)
+    specs.append({"name": "own_batches_dp2", "model": "own", "plan": str(_plan(tmp / "own.json", "own",
+                                                                               dict(dp=2, micro_batch=2), 1)),
+                  "measured": str(tmp / "own.measured.json"), "checkpoint_dir": str(tmp / "own.ckpt"),
+                  "steps": STEPS})
     for name, kw, steps in RESUME:
         specs.append({"name": f"resume.{name}", "model": "gpt", "plan": str(_plan(tmp / f"resume.{name}.json", "gpt",
                                                                                  kw, 1)),
@@ -157,6 +188,25 @@ def test_resume_under_another_layout_reads_the_batches_of_an_uninterrupted_run(r
     assert latest["data"]["step"] == STEPS and latest["data"]["samples_read"] == STEPS * GLOBAL_BATCH
     assert latest["data"]["shuffle_seed"] == SHUFFLE
     assert latest["data"]["file"]["bytes"] == TRAIN_TOKENS * 2 and latest["data"]["file"]["dtype"] == "uint16"
+
+
+@pytest.mark.multiproc
+def test_a_model_files_batches_feed_each_rank_its_rows(runs):
+    """No --data: the model file's batches(batch_size, dp_rank, dp_size, seed, start_step) is read,
+    each rank its own rows; the reference takes the global batch from the same function with one
+    rank holding every row."""
+    case = runs["own_batches_dp2"]
+    path, args = MODELS["own"]
+    module = plain_loop.load(path)
+
+    def whole(step):
+        x, y = next(module.batches(GLOBAL_BATCH, 0, 1, plain_loop.SEED, step, **args))
+        return (x,), y
+
+    ref = plain_loop.train_plain(path, dict(args), GLOBAL_BATCH, STEPS, batches=whole)
+    assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), ref, "own_batches", steps=STEPS)
+    latest = json.loads((Path(case["checkpoint_dir"]) / "latest.json").read_text())
+    assert latest["data"]["source"] == "batches()"
 
 
 @pytest.mark.multiproc
