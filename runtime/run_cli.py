@@ -94,13 +94,16 @@ def main(args: argparse.Namespace, log=None) -> int:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
     from autopar.runtime import data_check
 
-    data_check.check_files(opts)                      # a missing or truncated token file: before anything
+    here = args.nnodes in (None, 1) and not args.dry_run   # started here (else only printed: the ranks check)
+    data_check.check_options(opts)
+    if here:
+        data_check.check_files(opts)                  # a missing or truncated token file: before anything
     has_data = opts.data_path is not None or opts.val_data_path is not None
-    if args.nnodes in (None, 1) and not args.dry_run and not has_data:
+    if here and not has_data:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
     checked = check_plan(Path(args.plan), None)
-    # the token files against the plan (length, ids < vocabulary) before any output is created
-    data_check.check_for_plan(opts, checked, scan=not args.dry_run)
+    if here:   # the token files against the plan (length, ids < vocabulary) before any output is created
+        data_check.check_for_plan(opts, checked)
     if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # again: the plan's model file is now known as an input
     world = checked.plan.world_size
