@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 if TYPE_CHECKING:
     from autopar.report.curves import CurveData
@@ -82,13 +83,15 @@ def curves_figure(data: "CurveData", title: str):
         ax_time.plot(data.time_steps, [t * 1e3 for t in data.step_times_s], ".-", color="#DD8452", ms=3, lw=1.0,
                      label="measured step time")
         ax_time.axhline(data.measured_step_time_s * 1e3, color="#DD8452", ls=":", lw=1.0,
-                        label=f"measured median {data.measured_step_time_s * 1e3:.3g} ms")
+                        label=f"measured median after warm-up {data.measured_step_time_s * 1e3:.3g} ms")
     else:
         ax_time.text(0.5, 0.5, "no step times in measured.json", ha="center", va="center", transform=ax_time.transAxes)
     if data.simulated_step_time_s:
         ax_time.axhline(data.simulated_step_time_s * 1e3, color="#4C72B0", ls="--", lw=1.2,
                         label=f"simulated {data.simulated_step_time_s * 1e3:.3g} ms")
     ax_time.set_xlabel("step")
+    for ax in (ax_loss, ax_time):                       # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_time.set_ylabel("step time (ms)")
     ax_time.set_ylim(bottom=0)
     ax_time.set_title("step time", fontsize=9, loc="left")
