@@ -117,9 +117,10 @@ def plan_device_peak(plan, plan_path: str | Path, device_type: str) -> DevicePea
         cluster = load_plan_cluster(plan, plan_path)
         profile = load_profile(cluster.group_of(0).gpu)
     except (UserError, OSError) as e:
-        what = f"cluster {plan.cluster}" if plan.cluster else "no cluster"
-        return DevicePeak(None, f"mfu n/a: the plan names {what} whose device profile loads here, so no device "
-                                f"peak is known")
+        if not (plan.cluster or plan.provenance.get("cluster_ref") or plan.provenance.get("cluster_file")):
+            return DevicePeak(None, "mfu n/a: the plan names no cluster, so no device peak is known")
+        return DevicePeak(None, f"mfu n/a: the plan's cluster {plan.cluster or ''} or its device profile does not "
+                                f"load here, so no device peak is known ({str(e)[:120]})")
     kind, want = profile.get("device", "gpu"), ("cpu" if device_type == "cpu" else "gpu")
     name = profile.get("name", cluster.group_of(0).gpu)
     if kind != want:

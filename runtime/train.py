@@ -11,7 +11,8 @@ global batch computes (the parity tests' ``tests/plain_loop.py``).  The logged l
 Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own (on
 CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
 they are logged (every ``--log-every`` steps), before a checkpoint and at the end
-(``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
+(``Trainer.flush_losses``); the log line and its other outputs (``--metrics``, TensorBoard, the
+progress line) are ``autopar.runtime.metrics``'s, read after the clock stops.  ``Trainer`` holds a run's state between steps so a caller (the
 overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
 the report.  Between steps (outside the clock) ``run`` makes one small all-reduce: whether any
 rank was sent SIGTERM / SIGINT / SIGHUP (``autopar.runtime.stop_signals``); if so every rank

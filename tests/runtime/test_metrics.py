@@ -60,7 +60,9 @@ def test_the_device_peak_comes_from_the_plans_cluster():
     w500 = M.plan_device_peak(_plan(cluster="h100-96gb-500w-1x8", precision="bf16"), "plan.json", "cuda")
     assert w500.flops_per_s == pytest.approx(989.4e12 * 1545 / 1830)
     none = M.plan_device_peak(_plan(), "plan.json", "cpu")
-    assert none.flops_per_s is None and none.note.startswith("mfu n/a")
+    assert none.flops_per_s is None and none.note.startswith("mfu n/a: the plan names no cluster")
+    gone = M.plan_device_peak(_plan(cluster="no-such-cluster"), "plan.json", "cpu")
+    assert gone.flops_per_s is None and "no-such-cluster or its device profile does not load" in gone.note
 
 
 def test_log_line():
