@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan.json written by 'autopar plan'")
     p.add_argument("measured", help="measured.json written by a run of that plan")
     out = p.add_mutually_exclusive_group()
-    out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (table + timelines + memory)")
-    out.add_argument("--png", metavar="FILE", help="write the timelines and memory figure as PNG")
+    out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (table + timelines + memory + training curves)")
+    out.add_argument("--png", metavar="FILE", help="write the timelines and memory figure as PNG, and the training curves (loss and step "
+                                                         "time per step) beside it as FILE's stem + .curves.png")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of a table")
     p.add_argument("--calibrate", action="store_true",
                    help="refit the profile's efficiency factors to this measurement (needs -o)")
