@@ -305,7 +305,10 @@ class Metrics:
         if lr is None:
             lr = self.default_lr
         if grad_norm is not None and not isinstance(grad_norm, (int, float)):
-            grad_norm = grad_norm.item()      # a device tensor: read now, outside the step clock
+            # a plain device tensor, read now, outside the step clock, on this rank alone: a DTensor's
+            # read could be a collective the other ranks never join
+            assert not hasattr(grad_norm, "placements"), "last_grad_norm must be a plain tensor, not a DTensor"
+            grad_norm = grad_norm.item()
         return StepFigures(step=done, loss=loss, step_time_s=step_time_s, lr=None if lr is None else float(lr),
                            grad_norm=None if grad_norm is None else float(grad_norm), samples_per_s=samples,
                            tokens_per_s=tokens, mfu=mfu(self.model_flops_per_step, step_time_s, self.world_size,
