@@ -18,6 +18,7 @@ WEIGHT_DECAY = 0.1
 DEFAULT_SEED = 1234
 DEFAULT_WARMUP_STEPS = 2     # steps left out of the step-time median (allocator and caches warm up)
 INIT_MODES = ("auto", "host", "per-module")
+PROGRESS_MODES = ("auto", "on", "off")    # auto: on when stdout is a terminal
 # evaluation: global batches of the validation file per evaluation (nanoGPT's eval_iters is 200
 # at its scale; 4 keeps an evaluation near the cost of a few training steps by default)
 DEFAULT_EVAL_BATCHES = 4
@@ -38,6 +39,10 @@ class RunOptions:
     init: str = "auto"                        # see autopar.runtime.materialize
     log_every: int = 1
     keep_checkpoints: int = 3                 # newest complete checkpoints kept (autopar.runtime.checkpointing)
+    # what the log line's figures are also written to, and the progress line (runtime/metrics.py)
+    metrics_path: Path | None = None          # --metrics: one JSON object per logged step (jsonl)
+    tensorboard_dir: Path | None = None       # --tensorboard (default: runtime/metrics.tensorboard_folder)
+    progress: str = "auto"                    # --progress: PROGRESS_MODES
     # data and evaluation (autopar.runtime.token_data, autopar.runtime.batches, autopar.runtime.evaluate)
     data_path: Path | None = None             # --data: a token file; None: make_batch or the file's batches()
     data_dtype: str = "uint16"                # --data-dtype of --data and --val-data
@@ -77,6 +82,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=T.positive, default=3, metavar="N",
                         help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
                              "each save (default: %(default)s)")
+    parser.add_argument("--metrics", type=Path, default=None, metavar="PATH.jsonl",
+                        help="also write every logged step's figures (loss, lr, grad norm, tokens/s, MFU, memory) "
+                             "to this file, one JSON object per line")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="write TensorBoard event files here (needs the tensorboard package; default: "
+                             "<metrics stem>_tb beside --metrics when tensorboard is installed)")
+    parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                        help="a progress line with an ETA, updated in place (default: auto, on when stdout is "
+                             "a terminal)")
     g = parser.add_argument_group("data and evaluation (docs/runtime.md)")
     g.add_argument("--data", type=Path, default=None, metavar="FILE",
                    help="train on a token file: a flat little-endian array of token ids (nanoGPT's train.bin); "
@@ -108,6 +122,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, profile=args.profile,
                       measured_path=args.measured, init=args.init, log_every=args.log_every,
-                      keep_checkpoints=args.keep_checkpoints, data_path=args.data, data_dtype=args.data_dtype,
-                      shuffle_seed=args.shuffle, val_data_path=args.val_data, eval_every=args.eval_every,
-                      eval_batches=args.eval_batches)
+                      keep_checkpoints=args.keep_checkpoints,
+                      metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=args.progress,
+                      data_path=args.data, data_dtype=args.data_dtype, shuffle_seed=args.shuffle,
+                      val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches)
