@@ -10,9 +10,13 @@ when it fails.
 A lock already there is another run's, unless it is stale: its pid is this process (an earlier
 run in the same process), or it names this host and no process has that pid any more (the
 run was killed before it could remove it -- ``kill -9``, or torchrun restarting the group
-after a rank died).  A stale lock is taken over; a live one, or one from another host (whose
-processes cannot be seen from here), is refused with exit code 2 naming the folder and the
-other run's pid and host.
+after a rank died), or it names the SLURM job this process belongs to (``SLURM_JOB_ID``) and
+is not a live process on this host: an earlier incarnation of the same job -- requeued after
+a node failed, or restarted by torchrun with rank 0 on another node -- whose processes are
+gone, since SLURM starts a requeued job only once the previous one has ended and torchrun
+stops every rank before it restarts the group.  A stale lock is taken over; a live one, or one
+from another host and another job (whose processes cannot be seen from here), is refused with
+exit code 2 naming the folder and the other run's pid and host.
 """
 from __future__ import annotations
 
@@ -33,9 +37,15 @@ class CheckpointLockError(UserError):
     """The checkpoint folder is in use by another run."""
 
 
+SLURM_JOB_ENV = "SLURM_JOB_ID"     # set by SLURM in every process of a job; kept by a requeue
+
+
 def _holder_record(plan_path: Path | str) -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "plan": str(plan_path),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "plan": str(plan_path),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if os.environ.get(SLURM_JOB_ENV):
+        record["slurm_job"] = os.environ[SLURM_JOB_ENV]
+    return record
 
 
 def read_holder(directory: Path) -> dict | None:
@@ -59,9 +69,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _stale(holder: dict) -> bool:
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    return holder["pid"] == os.getpid() or not _pid_alive(holder["pid"])
+    here = holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
+    if here and (holder["pid"] == os.getpid() or not _pid_alive(holder["pid"])):
+        return True
+    job = os.environ.get(SLURM_JOB_ENV)
+    return bool(job) and holder.get("slurm_job") == job and not here
 
 
 def _create(path: Path, record: dict) -> bool:
@@ -95,8 +107,11 @@ def acquire(directory: Path, plan_path: Path | str) -> str | None:
             continue
         if not _stale(holder):
             raise CheckpointLockError(_in_use(Path(directory), holder))
-        note = (f"took over {path}: the run that held it (pid {holder['pid']} on this host, started "
-                f"{holder.get('started', '?')}) is no longer running")
+        note = (f"took over {path}: the run that held it (pid {holder.get('pid', '?')} on "
+                f"{'this host' if holder.get('host') == socket.gethostname() else holder.get('host', '?')}, "
+                f"started {holder.get('started', '?')}"
+                + (f", an earlier incarnation of SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else "")
+                + ") is no longer running")
         path.unlink(missing_ok=True)
     raise CheckpointLockError(_in_use(Path(directory), read_holder(directory) or {}))
 
