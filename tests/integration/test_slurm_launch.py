@@ -221,3 +221,55 @@ def test_lock_of_the_same_slurm_job_on_another_host_is_taken_over(tmp_path, monk
     with pytest.raises(checkpoint_lock.CheckpointLockError):
         checkpoint_lock.acquire(ckpt, "p.json")
     assert stat.S_ISREG((ckpt / "lock.json").stat().st_mode)
+
+
+# ----------------------------------------------------------------------------- replan
+
+def _planned(tmp_path: Path, cluster: str) -> Path:
+    """A plan made by 'autopar plan' for the small GPT on ``cluster`` (4 ranks, dp 2 x tp 2 fixed)."""
+    from runtime_support import GLOBAL_BATCH, GPT, MODEL_ARGS
+
+    (tmp_path / "cluster.yaml").write_text(cluster)
+    margs = [f for k, v in MODEL_ARGS.items() for f in ("--model-arg", f"{k}={v}")]
+    out = run_cli("plan", GPT, *margs, "--cluster", tmp_path / "cluster.yaml", "--global-batch", GLOBAL_BATCH,
+                  "--dp", 2, "--tp", 2, "--time-budget", 2, "-o", tmp_path / "plan4.json")
+    assert out.returncode == 0, out.stderr
+    return tmp_path / "plan4.json"
+
+
+def test_replan_for_fewer_nodes_keeps_the_model_and_the_global_batch(tmp_path):
+    """4 ranks on two nodes -> 2 ranks on one (--nodes 1): the same model file, arguments and
+    fingerprint, the same global batch, the predicted step times of both plan files printed,
+    the checkpoint described and the resume command given; a cluster where nothing fits and the
+    rank count does not divide the batch asks for --global-batch (exit 2), writing nothing."""
+    from autopar.core.plan import load_plan
+
+    from runtime_support import GLOBAL_BATCH, MODEL_ARGS
+
+    old_path = _planned(tmp_path, CPU_CLUSTER.replace("env: {GLOO_SOCKET_IFNAME: lo}\n", ""))
+    ck = tmp_path / "ck"
+    (ck / "step_00000003").mkdir(parents=True)
+    (ck / "latest.json").write_text(json.dumps({"step": 3, "path": "step_00000003"}))
+    (ck / "step_00000003" / "manifest.json").write_text(json.dumps(
+        {"step": 3, "world_size": 4, "mesh": {"dp": 2, "pp": 1, "tp": 2}, "zero": 3}))
+    out = run_cli("replan", old_path, "--nodes", 1, "--time-budget", 2, "--checkpoint-dir", ck,
+                  "-o", tmp_path / "plan2.json")
+    assert out.returncode == 0, out.stderr
+    old, new = load_plan(old_path), load_plan(tmp_path / "plan2.json")
+    assert new.world_size == 2 and new.global_batch == old.global_batch == GLOBAL_BATCH
+    assert new.model.args == MODEL_ARGS and new.model.fingerprint == old.model.fingerprint
+    assert new.provenance["cluster_nodes"] == 1
+    text = _flat(out.stdout)
+    assert (f"predicted step time: {1e3 * old.predicted['step_time_s']:.2f} ms before, "
+            f"{1e3 * new.predicted['step_time_s']:.2f} ms after") in text
+    assert f"global batch: {GLOBAL_BATCH} samples per step, kept" in text
+    assert "is step 3 saved by 4 ranks (dp2 x tp2, ZeRO-3)" in text
+    assert f"autopar run {tmp_path / 'plan2.json'} --checkpoint-dir {ck}" in text
+    tiny = CPU_CLUSTER.replace("nodes: 2", "nodes: 3").replace("gpus_per_node: 2", "gpus_per_node: 1") \
+                      .replace("host_memory_GB: 8", "host_memory_GB: 8\n    gpu_memory_GB: 0.0001")
+    (tmp_path / "tiny.yaml").write_text(tiny)
+    out = run_cli("replan", old_path, "--cluster", tmp_path / "tiny.yaml", "--time-budget", 2,
+                  "-o", tmp_path / "plan3.json")
+    assert out.returncode == 2, out.stderr
+    assert "--global-batch 3 or --global-batch 6" in _flat(out.stderr), out.stderr
+    assert not (tmp_path / "plan3.json").exists()
