@@ -8,7 +8,8 @@
   "nodes" (two torchrun agents of 2 gloo ranks each, SLURM's task variables set as srun sets
   them).  The checkpoint folder holds the lock a dead earlier incarnation of the same job left
   on another node (a requeue after a node failure): the run takes it over, trains a dp2 x tp2
-  plan 5 steps and matches the plain loop.
+  plan 5 steps and matches the plain loop.  Then ``autopar replan`` makes a plan for one device,
+  and one process resumes the 4 ranks' checkpoint with it for 2 more steps, as the plain loop goes on.
 * the lock: a stale lock of the same SLURM job on another host is taken over, another job's is not.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,23 @@ def test_slurm_script_runs_as_two_nodes_and_matches_the_plain_loop(tmp_path):
     assert measured["world_size"] == 4
     assert_matches_reference(tmp_path / "measured.json", ckpt, reference(), "slurm dp2xtp2")
     assert not (ckpt / "lock.json").exists()
+    (ckpt / "consolidated.pt").unlink()       # the test's read-back, not a file of the checkpoint folder
+    # the cluster shrinks to one device: replan, and the checkpoint of the 4 ranks (dp 2 x tp 2,
+    # ZeRO-3) resumes on one process (no torchrun) for steps 6..7, as the plain loop goes on
+    (tmp_path / "one.yaml").write_text(CPU_CLUSTER.replace("nodes: 2", "nodes: 1").replace("gpus_per_node: 2",
+                                                                                           "gpus_per_node: 1"))
+    out = run_cli("replan", plan, "--cluster", tmp_path / "one.yaml", "--time-budget", 2, "--checkpoint-dir", ckpt,
+                  "-o", tmp_path / "plan1.json")
+    assert out.returncode == 0, out.stderr
+    assert "is step 5 saved by 4 ranks (dp2 x tp2, ZeRO-3)" in _flat(out.stdout), out.stdout
+    one = subprocess.run([sys.executable, "-m", "autopar.runtime", str(tmp_path / "plan1.json"), "--steps", "7",
+                          "--checkpoint-dir", str(ckpt), "--measured", str(tmp_path / "one.measured.json")],
+                         env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-5000:]
+    assert "resumed from" in one.stdout + one.stderr
+    measured = json.loads((tmp_path / "one.measured.json").read_text())
+    assert measured["world_size"] == 1 and measured["first_step"] == 5 and len(measured["step_times_s"]) == 2
+    assert_matches_reference(tmp_path / "one.measured.json", ckpt, reference(7), "4 ranks -> 1", steps=7)
 
 
 def test_slurm_script_lines_from_the_cluster_and_the_run_options(tmp_path):
