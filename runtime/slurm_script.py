@@ -3,11 +3,12 @@ task per node, each running torchrun with a c10d rendezvous.
 
 What SLURM provides and the script relies on (SLURM's sbatch and srun manuals, "OUTPUT
 ENVIRONMENT VARIABLES"): ``SLURM_JOB_ID`` (kept when the job is requeued, so a requeued job
-meets at a rendezvous of the same id and its rank 0 recognises the checkpoint lock of its
-earlier incarnation, ``runtime/checkpoint_lock.py``), ``SLURM_NNODES`` and
+meets at a rendezvous of the same id), ``SLURM_RESTART_COUNT`` (set once requeued: with the job
+id, it lets rank 0 recognise the checkpoint lock of an earlier incarnation,
+``runtime/checkpoint_lock.py``), ``SLURM_NNODES`` and
 ``SLURM_JOB_NODELIST`` (expanded to host names by ``scontrol show hostnames``; the first is
 the rendezvous host), ``SLURM_CPUS_PER_TASK`` (which srun no longer inherits from sbatch since
-SLURM 22.05, so the script passes it on) and ``SLURM_RESTART_COUNT`` (set once requeued).
+SLURM 22.05, so the script passes it on).
 
 The script checks that SLURM gave it the plan's node count (a plan is for a fixed number of
 ranks; ``autopar replan`` makes one for another count) and exits 2 otherwise.  Each node runs

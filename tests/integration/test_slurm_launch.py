@@ -10,14 +10,14 @@
   on another node (a requeue after a node failure): the run takes it over, trains a dp2 x tp2
   plan 5 steps and matches the plain loop.  Then ``autopar replan`` makes a plan for one device,
   and one process resumes the 4 ranks' checkpoint with it for 2 more steps, as the plain loop goes on.
-* the lock: a stale lock of the same SLURM job on another host is taken over, another job's is not.
+* the lock: a lock left on another host by an earlier incarnation of the same SLURM job (a lower
+  restart count) is taken over; the same incarnation's, another job's, or one outside SLURM is not.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -127,10 +127,12 @@ def test_slurm_script_runs_as_two_nodes_and_matches_the_plain_loop(tmp_path):
     ckpt.mkdir()
     # what a node failure leaves: rank 0 of the job's earlier incarnation died on another node
     (ckpt / "lock.json").write_text(json.dumps({"pid": 12345, "host": "node01-that-died", "plan": str(plan),
-                                                "started": "earlier", "slurm_job": "4242"}))
+                                                "started": "earlier", "slurm_job": "4242",
+                                                "slurm_restart": 0}))
     logs = tmp_path / "logs"
     logs.mkdir()
-    job = subprocess.run(["bash", str(script)], env=_sbatch_env(_stubs(tmp_path / "bin"), logs, "4242"),
+    env = {**_sbatch_env(_stubs(tmp_path / "bin"), logs, "4242"), "SLURM_RESTART_COUNT": "1"}   # requeued once
+    job = subprocess.run(["bash", str(script)], env=env,
                          cwd=logs, capture_output=True, text=True, timeout=240)
     node_logs = {p.name: p.read_text() for p in sorted(logs.glob("node*.log"))}
     everything = job.stdout + job.stderr + "".join(node_logs.values())
@@ -139,7 +141,7 @@ def test_slurm_script_runs_as_two_nodes_and_matches_the_plain_loop(tmp_path):
     assert f"rendezvous at localhost:{port}" in job.stdout
     assert (logs / "srun_options").read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2",
                                                           "--kill-on-bad-exit=1"]
-    assert f"took over {ckpt / 'lock.json'}" in everything and "SLURM job 4242" in everything
+    assert f"took over {ckpt / 'lock.json'}" in everything and "incarnation 0 of this SLURM job 4242" in everything
     measured = json.loads((tmp_path / "measured.json").read_text())
     assert measured["world_size"] == 4
     assert_matches_reference(tmp_path / "measured.json", ckpt, reference(), "slurm dp2xtp2")
@@ -215,31 +217,36 @@ def test_slurm_bad_input_exits_2_and_writes_nothing(tmp_path):
     assert not (tmp_path / "job.sbatch").exists()
 
 
-def test_lock_of_the_same_slurm_job_on_another_host_is_taken_over(tmp_path, monkeypatch):
+def test_lock_of_an_earlier_incarnation_of_the_slurm_job_is_taken_over(tmp_path, monkeypatch):
     """A requeued job's rank 0 may start on another node than the incarnation that died holding
-    the lock; the job id (kept by a requeue) says the holder is gone.  Another job's lock from
-    another host stays refused."""
+    the lock; the job id (kept by a requeue) and a lower restart count say the holder is gone.
+    The same incarnation's lock from another host (a run that may be alive), another job's, and
+    any lock outside SLURM stay refused."""
     from autopar.runtime import checkpoint_lock
 
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
     elsewhere = {"pid": os.getpid(), "host": socket.gethostname() + "-other", "plan": "p.json", "started": "then"}
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    (ckpt / "lock.json").write_text(json.dumps({**elsewhere, "slurm_job": "76"}))
-    with pytest.raises(checkpoint_lock.CheckpointLockError, match="in use by another run"):
-        checkpoint_lock.acquire(ckpt, "p.json")
-    (ckpt / "lock.json").write_text(json.dumps({**elsewhere, "slurm_job": "77"}))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    for holder in ({"slurm_job": "76", "slurm_restart": 0}, {"slurm_job": "77", "slurm_restart": 2}):
+        (ckpt / "lock.json").write_text(json.dumps({**elsewhere, **holder}))
+        with pytest.raises(checkpoint_lock.CheckpointLockError, match="in use by another run"):
+            checkpoint_lock.acquire(ckpt, "p.json")
+    (ckpt / "lock.json").write_text(json.dumps({**elsewhere, "slurm_job": "77", "slurm_restart": 1}))
     note = checkpoint_lock.acquire(ckpt, "p.json")
-    assert note is not None and "earlier incarnation of SLURM job 77" in note
+    assert note is not None and "incarnation 1 of this SLURM job 77" in note
     held = json.loads((ckpt / "lock.json").read_text())
-    assert held["slurm_job"] == "77" and held["host"] == socket.gethostname() and held["pid"] == os.getpid()
+    assert (held["slurm_job"], held["slurm_restart"], held["host"], held["pid"]) == \
+        ("77", 2, socket.gethostname(), os.getpid())
     checkpoint_lock.release(ckpt)
+    assert not (ckpt / "lock.json").exists()
     # outside SLURM the same lock is another host's run: refused
     monkeypatch.delenv("SLURM_JOB_ID")
-    (ckpt / "lock.json").write_text(json.dumps({**elsewhere, "slurm_job": "77"}))
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    (ckpt / "lock.json").write_text(json.dumps({**elsewhere, "slurm_job": "77", "slurm_restart": 1}))
     with pytest.raises(checkpoint_lock.CheckpointLockError):
         checkpoint_lock.acquire(ckpt, "p.json")
-    assert stat.S_ISREG((ckpt / "lock.json").stat().st_mode)
 
 
 # ----------------------------------------------------------------------------- replan
