@@ -118,7 +118,7 @@ def test_slurm_script_runs_as_two_nodes_and_matches_the_plain_loop(tmp_path):
     work.mkdir()
     out = run_cli("launch", "../plan.json", "--slurm", "--cluster", "../cluster.yaml", "-o", "job.sbatch",
                   "--requeue", "--steps", 5, "--checkpoint-dir", "ck", "--checkpoint-every", 2,
-                  "--warmup-steps", 1, "--rdzv-port", port, cwd=work)
+                  "--rdzv-port", port, cwd=work)
     assert out.returncode == 0, out.stderr
     script = work / "job.sbatch"
     text = script.read_text()
@@ -191,6 +191,10 @@ def test_slurm_script_lines_from_the_cluster_and_the_run_options(tmp_path):
                   f"{tmp_path / 'plan.json'} --steps 7 --lr 0.002", f"--checkpoint-dir '{tmp_path / 'ck dir'}'",
                   "--checkpoint-every 3", f"--metrics {tmp_path / 'm.jsonl'}"):
         assert piece in command, (piece, command)
+    # a job given another node count stops before srun, naming replan
+    wrong = subprocess.run(["bash", str(tmp_path / "jobs" / "train.sbatch")], env=worker_env(SLURM_NNODES="3"),
+                           capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "the plan runs on 2" in wrong.stderr and "autopar replan" in wrong.stderr
 
 
 def test_slurm_bad_input_exits_2_and_writes_nothing(tmp_path):
