@@ -117,14 +117,18 @@ def acquire(directory: Path, plan_path: Path | str) -> str | None:
             continue
         if not _stale(holder):
             raise CheckpointLockError(_in_use(Path(directory), holder))
-        note = (f"took over {path}: the run that held it (pid {holder.get('pid', '?')} on "
-                f"{'this host' if holder.get('host') == socket.gethostname() else holder.get('host', '?')}, "
-                f"started {holder.get('started', '?')}"
-                + (f", incarnation {holder.get('slurm_restart', 0)} of this SLURM job {holder['slurm_job']}"
-                   if holder.get("slurm_job") == os.environ.get(SLURM_JOB_ENV) else "")
-                + ") is no longer running")
+        note = _taken_over(path, holder)
         path.unlink(missing_ok=True)
     raise CheckpointLockError(_in_use(Path(directory), read_holder(directory) or {}))
+
+
+def _taken_over(path: Path, holder: dict) -> str:
+    where = "this host" if holder.get("host") == socket.gethostname() else holder.get("host", "?")
+    job = holder.get("slurm_job")
+    incarnation = (f", incarnation {holder.get('slurm_restart', 0)} of this SLURM job {job}"
+                   if job and job == os.environ.get(SLURM_JOB_ENV) else "")
+    return (f"took over {path}: the run that held it (pid {holder.get('pid', '?')} on {where}, started "
+            f"{holder.get('started', '?')}{incarnation}) is no longer running")
 
 
 def _in_use(directory: Path, holder: dict) -> str:
