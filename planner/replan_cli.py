@@ -72,6 +72,12 @@ def _cluster_flags(old, plan_path: str, args: argparse.Namespace) -> list[str]:
     return ["--cluster", ref, "--nodes", str(args.nodes)]
 
 
+def _layout(plan) -> str:
+    """``dp 2 x tp 2``: the plan's axes that split (degree > 1)."""
+    m = plan.mesh
+    return " x ".join(f"{n} {getattr(m, n)}" for n in m.degree_names() if getattr(m, n) > 1) or "one rank"
+
+
 def _step_ms(plan) -> str:
     s = plan.predicted.get("step_time_s")
     return f"{1e3 * s:.2f} ms" if isinstance(s, (int, float)) else "not predicted"
@@ -132,8 +138,8 @@ def main(args: argparse.Namespace) -> int:
                         f"rank count), or a cluster with more memory.") from None
     new = load_plan(args.output)
     print()
-    print(f"autopar replan: {plan_path} ({old.world_size} ranks, {old.mesh.describe()}, on {old.cluster or '?'}) "
-          f"-> {args.output} ({new.world_size} ranks, {new.mesh.describe()}, on {new.cluster or '?'})")
+    print(f"autopar replan: {plan_path} ({old.world_size} ranks, {_layout(old)}, on {old.cluster or '?'}) "
+          f"-> {args.output} ({new.world_size} ranks, {_layout(new)}, on {new.cluster or '?'})")
     print(f"  predicted step time: {_step_ms(old)} before, {_step_ms(new)} after")
     if batch != old.global_batch:
         print(f"  global batch: {old.global_batch} -> {batch} samples per step (changed by --global-batch)")

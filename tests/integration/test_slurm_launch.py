@@ -292,6 +292,7 @@ def test_replan_for_fewer_nodes_keeps_the_model_and_the_global_batch(tmp_path):
     text = _flat(out.stdout)
     assert (f"predicted step time: {1e3 * old.predicted['step_time_s']:.2f} ms before, "
             f"{1e3 * new.predicted['step_time_s']:.2f} ms after") in text
+    assert f"({old.world_size} ranks, dp 2 x tp 2, on two-cpu-nodes" in text and "-> " in text
     assert f"global batch: {GLOBAL_BATCH} samples per step, kept" in text
     assert "is step 3 saved by 4 ranks (dp2 x tp2, ZeRO-3)" in text
     assert f"autopar run {tmp_path / 'plan2.json'} --checkpoint-dir {ck}" in text
