@@ -16,6 +16,7 @@ VERBS = {
     "simulate": ("autopar.simulator.simulate_cli", "predict step time and memory of a configuration or a plan.json"),
     "plan": ("autopar.planner.plan_cli", "search for the fastest plan that fits the cluster and write plan.json"),
     "run": ("autopar.runtime.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters)"),
+    "export": ("autopar.runtime.export_cli", "write a checkpoint's weights as safetensors (from_pretrained / load_state_dict)"),
     "profile": ("autopar.profiling.profile_cli", "measure op and collective costs on this machine into a profile file"),
     "report": ("autopar.report.report_cli", "compare a plan's prediction with a measured run; calibrate the profile"),
 }

@@ -25,7 +25,8 @@ from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
-              "log_every", "keep_checkpoints")
+              "log_every", "keep_checkpoints",
+              "init_from")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +97,11 @@ def main(args: argparse.Namespace, log=None) -> int:
     checked = check_plan(Path(args.plan), None)
     if args.nnodes in (None, 1) and not args.dry_run:
         check_output_paths(opts)                      # again: the plan's model file is now known as an input
+    if opts.init_from is not None:                    # headers only, before any rank starts
+        from autopar.runtime.materialize import build_meta_model
+        from autopar.runtime.weights_in import check_file
+
+        check_file(opts.init_from, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
     world = checked.plan.world_size
     layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
     if args.nnodes is None:
