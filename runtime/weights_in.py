@@ -266,11 +266,6 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def check_file(path: str | Path, meta_model: nn.Module) -> Match:
-    """``autopar run``'s check before torchrun starts: headers only."""
-    return check(WeightsFile.open(path), meta_model)
-
-
 # --------------------------------------------------------------------------- the source
 class WeightsSource:
     """A ``materialize.FullSource`` over a weights file: ``read_local`` fills a rank's tensor
