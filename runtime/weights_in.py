@@ -31,7 +31,9 @@ Reading (``WeightsSource.read_local``): for a DTensor the rank's block is comput
 placements by torch's own ``compute_local_shape_and_global_offset`` (what DCP writes a
 DTensor's shard with: FSDP2's ``Shard(0)`` with its uneven last chunks, TP's ``Shard(d)``,
 FSDP2's ``_StridedShard`` over a TP shard of the same dim, expert parallelism's ``Shard(0)`` of
-stacked experts) and read as one safetensors slice (``get_slice(name)[...]``).  A fused
+stacked experts) and read as one safetensors slice (``get_slice(name)[...]``) -- or, where the block is one byte
+range of the file (a ``Shard(0)``'s rows, a whole tensor) and the rank's tensor a CPU tensor
+of the file's dtype, with one ``pread`` straight into it (``WeightsFile.read_into``).  A fused
 projection split per part over tp (``runtime/fused_tp.py``: ``_StridedShard`` alone on its dim)
 is read as its ``k`` part slices, concatenated.  A plain tensor (DDP, a pipeline stage's
 whole parameter, a buffer) is read whole.  Where the local block computed does not match the
@@ -40,14 +42,17 @@ and cut (``distribute_tensor``), as the host init does -- no plan of the runtime
 that path today; it is kept as the safe answer.  Experts kept as an ``nn.ModuleList`` hold
 only their own experts under their global names, so a rank reads only those.
 
-Peak host memory while loading: the rank's own slices (and, for a safetensors file read
-through its memory map, the file pages those slices touch: a slice on dim 1 of a row-major
-tensor touches every row's page).  ``benchmarks/init_from_memory.py`` measures it.
+Peak host memory while loading: the rank's own shards, plus one tensor's slice in flight
+where it is read through safetensors' memory map (then also the file pages the slice touches,
+which count in the process's resident set: a slice on dim 1 of a row-major tensor touches
+every row's page).  ``benchmarks/init_from_memory.py`` measures it.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +82,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     file: Path
+    start: int | None = None      # a safetensors tensor's first byte in its file
 
 
 @dataclass
@@ -116,6 +122,30 @@ class WeightsFile:
             out.entries = {k: Entry(tuple(v.shape), v.dtype, file) for k, v in state.items()}
         return out
 
+    def read_into(self, key: str, index: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Read the block ``index`` of ``key`` straight into ``out`` with one ``pread`` where the
+        block is one byte range of a safetensors file (the rows of a ``Shard(0)``, a whole
+        tensor) and ``out`` a contiguous CPU tensor of the file's dtype: no copy, and no page of
+        the file mapped into the process.  False where that does not apply."""
+        entry = self.entries[key]
+        span = _byte_range(entry.shape, index)
+        if (entry.start is None or span is None or out.device.type != "cpu" or out.dtype != entry.dtype
+                or not out.is_contiguous()):
+            return False
+        first, count = span
+        if count != out.numel():
+            return False
+        size = out.element_size()
+        buf = out.detach().reshape(-1).view(torch.uint8).numpy() if count else None
+        if buf is None:
+            return True
+        with open(entry.file, "rb") as f:
+            got = os.preadv(f.fileno(), [buf], entry.start + first * size)
+        if got != count * size:
+            raise WeightsError(f"--init-from {self.path}: tensor {key} ends past the end of {entry.file}; the "
+                               f"file is truncated. Write or copy it again.")
+        return True
+
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor ``key`` (or its block ``index``), as stored."""
         entry = self.entries[key]
@@ -137,6 +167,30 @@ class WeightsFile:
 
 
 # --------------------------------------------------------------------------- file headers
+def _byte_range(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, int] | None:
+    """(first element, element count) of the block ``index`` of a row-major tensor of ``shape``
+    when the block is one contiguous run: a range on one dim, one index on every dim before it,
+    every dim after it whole.  None otherwise."""
+    if not shape:
+        return 0, 1
+    bounds = [(sl.start or 0, shape[d] if sl.stop is None else sl.stop) for d, sl in enumerate(index)]
+    bounds += [(0, shape[d]) for d in range(len(index), len(shape))]
+    cut = [d for d, (lo, hi) in enumerate(bounds) if (lo, hi) != (0, shape[d])]
+    if cut:
+        k = cut[-1]
+        if any(hi - lo != 1 for lo, hi in bounds[:k]):
+            return None
+    first, stride = 0, 1
+    for d in reversed(range(len(shape))):
+        first += bounds[d][0] * stride
+        stride *= shape[d]
+    count = 1
+    for lo, hi in bounds:
+        count *= max(hi - lo, 0)
+    return first, count
+
+
+
 def _is_safetensors(file: Path) -> bool:
     return file.suffix == ".safetensors"
 
@@ -154,7 +208,12 @@ def _safetensors_entries(file: Path) -> dict[str, Entry]:
                     raise WeightsError(f"--init-from {file}: tensor {key} has dtype {s.get_dtype()}, which autopar "
                                        f"does not read. Save it as a float or integer dtype.")
                 out[key] = Entry(tuple(s.get_shape()), dtype, file)
-            return out
+        # the format (huggingface/safetensors, "Format"): an 8-byte little-endian header length N,
+        # N bytes of JSON giving each tensor's [begin, end) byte offsets after the header
+        with open(file, "rb") as raw:
+            n = struct.unpack("<Q", raw.read(8))[0]
+            header = json.loads(raw.read(n))
+        return {k: Entry(e.shape, e.dtype, file, 8 + n + int(header[k]["data_offsets"][0])) for k, e in out.items()}
     except WeightsError:
         raise
     except Exception as e:                      # noqa: BLE001 -- SafetensorError is not importable by name
@@ -291,10 +350,13 @@ class WeightsSource:
         if key is None:
             return False
         if not isinstance(tensor, DTensor):
-            tensor.copy_(self.weights.read(key))
+            if not self.weights.read_into(key, (), tensor):
+                tensor.copy_(self.weights.read(key))
             return True
         local = tensor.to_local()
         block = local_block(tensor)
+        if block is not None and len(block[1]) == 1 and self.weights.read_into(key, block[1][0], local):
+            return True
         if block is None:
             self.full_reads.append(fqn)
             return False
