@@ -305,6 +305,11 @@ def check(weights: WeightsFile, meta_model: nn.Module) -> Match:
         problems.append(f"shapes differ: {_first(shapes)}")
     if dtypes:
         problems.append(f"dtypes differ (only float-to-float is cast): {_first(dtypes)}")
+    if missing and unexpected and _is_transformers(meta_model):
+        problems.append("transformers 5 writes some architectures (Mixtral's experts, for one) in their original "
+                        "checkpoint layout and converts them inside from_pretrained, while autopar reads the model's "
+                        "own state_dict() names: load the folder with from_pretrained and write it again with "
+                        "save_pretrained(..., save_original_format=False)")
     if problems:
         raise WeightsError(
             f"--init-from {weights.path} does not fit the model ({type(meta_model).__name__}, "
@@ -314,6 +319,10 @@ def check(weights: WeightsFile, meta_model: nn.Module) -> Match:
             f"the model file's arguments to the model the weights are of. Nothing was trained.")
     notes = [f"--init-from {weights.path}: {_dt(a)} values cast to the model's {_dt(b)}" for a, b in sorted(cast, key=str)]
     return Match(key_of, notes)
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
 def _first(items: list[str]) -> str:

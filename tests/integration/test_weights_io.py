@@ -2,7 +2,8 @@
 
 One 2-rank launch (tests/runtime_worker.py) trains, from weights written to disk, a tied
 transformers model (zoo's Qwen2, ``tie_word_embeddings``) under dp 2, ZeRO-3, CPU offload,
-tp 2 and pp 2, transformers' GPT-2 (fused q/k/v ``c_attn`` split per part) under tp 2, and a
+tp 2 and pp 2, transformers' GPT-2 (fused q/k/v ``c_attn`` split per part) under tp 2,
+Mixtral under expert parallelism (ep 2, ZeRO-3), Llama under context parallelism (cp 2), and a
 plain ``nn.Module`` with a tied head (zoo's tied_lm) under ZeRO-3 and pp 2.  The weights come
 as a ``save_pretrained`` folder (tied keys absent), a folder sharded with an index, a torch
 state dict and a single safetensors file.  Each run's losses must equal ``train_plain`` started
@@ -45,7 +46,10 @@ def _write_weights(tmp: Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     qwen, gpt2, tied = _build("hf_qwen2"), _build("hf_gpt2"), _build("tied_lm")
-    out = {"qwen_folder": tmp / "qwen2", "qwen_sharded": tmp / "qwen2_sharded", "qwen_pt": tmp / "qwen2.pt",
+    _build("hf_llama").save_pretrained(tmp / "llama")
+    # transformers 5 would write Mixtral's stacked experts per expert (its original layout)
+    _build("hf_mixtral").save_pretrained(tmp / "mixtral", save_original_format=False)
+    out = {"llama_folder": tmp / "llama", "mixtral_folder": tmp / "mixtral","qwen_folder": tmp / "qwen2", "qwen_sharded": tmp / "qwen2_sharded", "qwen_pt": tmp / "qwen2.pt",
            "gpt2_folder": tmp / "gpt2", "tied_file": tmp / "tied.safetensors", "tied_sharded": tmp / "tied_sharded"}
     qwen.save_pretrained(out["qwen_folder"])
     qwen.save_pretrained(out["qwen_sharded"], max_shard_size="30KB")
@@ -84,7 +88,19 @@ CASES = [("qwen_ddp", "hf_qwen2", "ddp", DDP, "qwen_folder"),
          ("qwen_pp", "hf_qwen2", "pp", PP, "qwen_folder"),
          ("gpt2_tp", "hf_gpt2", "tp", TP, "gpt2_folder"),
          ("tied_zero3", "tied_lm", "zero3", ZERO3, "tied_file"),
-         ("tied_pp", "tied_lm", "pp", PP, "tied_sharded")]
+         ("tied_pp", "tied_lm", "pp", PP, "tied_sharded"),
+         # expert parallelism: the stacked experts Shard(0) over ep 2, ZeRO-3 over the rest
+         ("mixtral_ep", "hf_mixtral", "ep", dict(dp=2, micro_batch=2, zero=3), "mixtral_folder"),
+         # context parallelism: every rank holds whole parameters, a half of each sequence
+         ("llama_cp", "hf_llama", "cp", dict(cp=2, micro_batch=2, num_microbatches=2), "llama_folder")]
+
+
+def _case_plan(model: str, kind: str, kw: dict, path: Path) -> Path:
+    if kind == "ep":
+        from test_runtime_ep import ep_plan
+
+        return ep_plan(model, kw, 2, path)
+    return _plan(model, kind, kw, path)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +110,7 @@ def runs(tmp_path_factory):
     weights = _write_weights(tmp)
     cases = []
     for case, model, kind, kw, w in CASES:
-        cases.append({"plan": str(_plan(model, kind, kw, tmp / f"{case}.json")), "steps": STEPS,
+        cases.append({"plan": str(_case_plan(model, kind, kw, tmp / f"{case}.json")), "steps": STEPS,
                       "measured": str(tmp / f"{case}.measured.json"), "checkpoint_dir": str(tmp / f"{case}_ck"),
                       "options": {"init_from": str(weights[w])}})
     out = run_cases(2, cases, tmp, timeout_s=900)
