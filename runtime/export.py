@@ -47,6 +47,7 @@ import os
 import shutil
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,5 +264,7 @@ def _read_tensor(checkpoint: Path, key: str, size, dtype: torch.dtype) -> torch.
 
     model_key = key[len(ck.MODEL) + 1:]
     buf = torch.empty(size, dtype=dtype)
-    dcp.load({ck.MODEL: {model_key: buf}}, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
+    with warnings.catch_warnings():           # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({ck.MODEL: {model_key: buf}}, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
     return buf

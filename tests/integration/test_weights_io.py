@@ -147,8 +147,11 @@ def test_init_from_and_export_match_plain_loop(runs, case, model, kind, kw, w):
     assert len(measured["losses"]) == STEPS and diff <= ATOL, \
         f"{case}: losses {measured['losses']} vs plain loop {ref.losses}\n" + failure_summary(out.stdout)
     exported = tmp / f"{case}_export"
-    done = run_cli("export", tmp / f"{case}_ck", "-o", exported)
+    # one case sharded as transformers shards a large model (an index and several files)
+    shards = ("--max-shard-size", "30KB") if case == "qwen_zero3" else ()
+    done = run_cli("export", tmp / f"{case}_ck", "-o", exported, *shards)
     assert done.returncode == 0, done.stderr
+    assert (exported / "model.safetensors.index.json").is_file() == bool(shards), sorted(exported.iterdir())
     if model.startswith("hf_"):
         from transformers import AutoModelForCausalLM
 
@@ -180,6 +183,32 @@ def test_export_refuses_bad_outputs_and_folders(runs, tmp_path):
         assert r.stderr.startswith("autopar export: error:") and "Traceback" not in r.stderr, (label, r.stderr)
         after = sorted(p.name for p in dst.parent.iterdir()) if dst.parent.exists() else None
         assert before == after, (label, before, after)
+
+
+@pytest.mark.multiproc
+def test_export_of_an_old_or_damaged_checkpoint(runs, tmp_path):
+    """A manifest without the model record (an older autopar's) needs --plan; a damaged shard is
+    refused by its checksum before DCP reads anything."""
+    import shutil
+
+    tmp, _, _ = runs
+    step = next((tmp / "tied_zero3_ck").glob("step_*"))
+    old = tmp_path / "old" / step.name
+    shutil.copytree(step, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["model"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    r = run_cli("export", old, "-o", tmp_path / "a")
+    assert r.returncode == 2 and "--plan" in r.stderr and not (tmp_path / "a").exists(), r.stderr
+    r = run_cli("export", old, "-o", tmp_path / "b", "--plan", tmp / "tied_zero3.json")
+    assert r.returncode == 0 and (tmp_path / "b" / "model.safetensors").is_file(), r.stderr
+    shard = next(old.glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    r = run_cli("export", old, "-o", tmp_path / "c", "--plan", tmp / "tied_zero3.json")
+    assert r.returncode == 2 and "checksum" in r.stderr and not (tmp_path / "c").exists(), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "old"]
 
 
 # ------------------------------------------------------------------ bad weights (one process)
