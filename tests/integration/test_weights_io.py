@@ -213,29 +213,28 @@ def test_export_of_an_old_or_damaged_checkpoint(runs, tmp_path):
 
 # ------------------------------------------------------------------ bad weights (one process)
 @pytest.fixture(scope="module")
-def gpt2_plan(tmp_path_factory):
-    pytest.importorskip("transformers")
+def tied_plan(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_weights")
-    return tmp, _plan("hf_gpt2", "ddp", DDP, tmp / "plan.json")
+    return tmp, _plan("tied_lm", "ddp", DDP, tmp / "plan.json")
 
 
 def _bad_weights(tmp: Path) -> dict[str, tuple[Path, str]]:
-    """(weights, a fragment of the refusal) per bad case."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """(weights, a fragment of the refusal) per bad case, for the zoo's tied_lm."""
+    from safetensors.torch import save_file
 
-    llama = _build("hf_llama")
-    llama.save_pretrained(tmp / "llama")
-    wide = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=8, vocab_size=128))
-    wide.save_pretrained(tmp / "wide")
-    _build("hf_gpt2").save_pretrained(tmp / "good")
-    raw = (tmp / "good" / "model.safetensors").read_bytes()
+    pytest.importorskip("transformers")
+    _build("hf_llama").save_pretrained(tmp / "llama")
+    wide = plain_loop.load(ZOO / "tied_lm.py").build_model(vocab=128)
+    save_file({k: v for k, v in wide.state_dict().items() if k != "head.weight"}, tmp / "wide.safetensors")
+    save_file({k: v for k, v in _build("tied_lm").state_dict().items() if k != "head.weight"}, tmp / "good.safetensors")
+    raw = (tmp / "good.safetensors").read_bytes()
     (tmp / "truncated.safetensors").write_bytes(raw[: len(raw) - 100])
-    return {"another model": (tmp / "llama", "not in it"), "wrong shapes": (tmp / "wide", "shapes differ"),
+    return {"another model": (tmp / "llama", "not in it"), "wrong shapes": (tmp / "wide.safetensors", "shapes differ"),
             "truncated": (tmp / "truncated.safetensors", "truncated"), "missing": (tmp / "nope", "no such file")}
 
 
-def test_bad_weights_exit_2_before_torchrun(gpt2_plan):
-    tmp, plan = gpt2_plan
+def test_bad_weights_exit_2_before_torchrun(tied_plan):
+    tmp, plan = tied_plan
     for label, (weights, fragment) in _bad_weights(tmp).items():
         measured = tmp / f"{label}.json"
         r = run_cli("run", plan, "--steps", "1", "--init-from", weights, "--measured", measured,
@@ -247,14 +246,16 @@ def test_bad_weights_exit_2_before_torchrun(gpt2_plan):
         assert not measured.exists() and not (tmp / "ck").exists(), label
 
 
-def test_weights_of_another_model_are_refused_on_the_ranks_too(gpt2_plan):
+def test_weights_of_another_model_are_refused_on_the_ranks_too(tied_plan):
     """The ranks' own check (materialize.choose_source) before anything is allocated."""
+    from safetensors.torch import save_file
+
     from autopar.core.modelfile import load_model_file
     from autopar.runtime.materialize import build_meta_model, choose_source
     from autopar.runtime.weights_in import WeightsError
 
-    tmp, _ = gpt2_plan
-    _build("hf_llama").save_pretrained(tmp / "llama_ranks")
-    mf = load_model_file(ZOO / "hf_gpt2.py")
+    tmp, _ = tied_plan
+    save_file({"embed.weight": torch.zeros(64, 32), "other.weight": torch.zeros(3)}, tmp / "other.safetensors")
+    mf = load_model_file(ZOO / "tied_lm.py")
     with pytest.raises(WeightsError, match="does not fit the model"):
-        choose_source("auto", mf, {}, 0, build_meta_model(mf, {}), tmp / "llama_ranks")
+        choose_source("auto", mf, {}, 0, build_meta_model(mf, {}), tmp / "other.safetensors")
