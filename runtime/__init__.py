@@ -6,7 +6,8 @@
 Modules, in the order a run uses them:
 
 * ``options``        -- the command-line flags and the ``RunOptions`` the trainer receives;
-* ``output_paths``   -- ``--checkpoint-dir`` and ``--measured`` probed for writing before any work;
+* ``output_paths``   -- ``--checkpoint-dir``, ``--measured``, ``--metrics`` and ``--tensorboard``
+  probed for writing before any work;
 * ``plan_check``     -- load the plan and its model file, capture, refuse a mismatch (exit 2),
   with ``tp_check`` (tensor-parallel splits the tp degree divides);
 * ``mesh``           -- process group (NCCL on CUDA, gloo on CPU) and the dp x pp x tp DeviceMesh;
@@ -17,7 +18,8 @@ Modules, in the order a run uses them:
 * ``train``          -- the loop (``Trainer``: setup, one ``step`` per step, ``finish``): batches
   (``batch_check``), steps, loss (``loss_guard``: stop on non-finite), checkpoints
   (``checkpointing``: DCP with a verified manifest), measurements (``measure``,
-  ``profile_breakdown``, ``model_state``) into measured.json;
+  ``profile_breakdown``, ``model_state``) into measured.json; ``metrics``: the log line (lr, grad
+  norm, tokens/s, MFU, memory), ``--metrics`` jsonl, TensorBoard and the progress line;
 * ``rank_errors``    -- the first failing rank's message and exit code, from any rank;
 * ``run_cli``        -- the ``autopar run`` verb (starts torchrun through ``launch``, or prints
   per-node commands);

@@ -18,6 +18,7 @@ WEIGHT_DECAY = 0.1
 DEFAULT_SEED = 1234
 DEFAULT_WARMUP_STEPS = 2     # steps left out of the step-time median (allocator and caches warm up)
 INIT_MODES = ("auto", "host", "per-module")
+PROGRESS_MODES = ("auto", "on", "off")    # auto: on when stdout is a terminal
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class RunOptions:
     init: str = "auto"                        # see autopar.runtime.materialize
     log_every: int = 1
     keep_checkpoints: int = 3                 # newest complete checkpoints kept (autopar.runtime.checkpointing)
+    # what the log line's figures are also written to, and the progress line (runtime/metrics.py)
+    metrics_path: Path | None = None          # --metrics: one JSON object per logged step (jsonl)
+    tensorboard_dir: Path | None = None       # --tensorboard (default: runtime/metrics.tensorboard_folder)
+    progress: str = "auto"                    # --progress: PROGRESS_MODES
     # weights43: initial weights from a file (autopar.runtime.weights_in)
     init_from: Path | None = None
 
@@ -73,6 +78,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=T.positive, default=3, metavar="N",
                         help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
                              "each save (default: %(default)s)")
+    parser.add_argument("--metrics", type=Path, default=None, metavar="PATH.jsonl",
+                        help="also write every logged step's figures (loss, lr, grad norm, tokens/s, MFU, memory) "
+                             "to this file, one JSON object per line")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="write TensorBoard event files here (needs the tensorboard package; default: "
+                             "<metrics stem>_tb beside --metrics when tensorboard is installed)")
+    parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                        help="a progress line with an ETA, updated in place (default: auto, on when stdout is "
+                             "a terminal)")
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -87,4 +101,6 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, profile=args.profile,
                       measured_path=args.measured, init=args.init, log_every=args.log_every,
-                      keep_checkpoints=args.keep_checkpoints, init_from=args.init_from)
+                      keep_checkpoints=args.keep_checkpoints,
+                      metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=args.progress,
+                      init_from=args.init_from)

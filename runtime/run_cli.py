@@ -26,7 +26,7 @@ from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
-              "log_every", "keep_checkpoints",
+              "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
               "init_from")
 
 

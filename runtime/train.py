@@ -11,7 +11,8 @@ global batch computes (the parity tests' ``tests/plain_loop.py``).  The logged l
 Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own (on
 CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
 they are logged (every ``--log-every`` steps), before a checkpoint and at the end
-(``Trainer.flush_losses``).  ``Trainer`` holds a run's state between steps so a caller (the
+(``Trainer.flush_losses``); the log line and its other outputs (``--metrics``, TensorBoard, the
+progress line) are ``autopar.runtime.metrics``'s, read after the clock stops.  ``Trainer`` holds a run's state between steps so a caller (the
 overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
 the report.  Between steps (outside the clock) ``run`` makes one small all-reduce: whether any
 rank was sent SIGTERM / SIGINT / SIGHUP (``autopar.runtime.stop_signals``); if so every rank
@@ -35,6 +36,7 @@ from autopar.runtime import checkpoint_lock, checkpointing, loss_guard, stop_sig
 from autopar.runtime.batch_check import check_batch_rows
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
+from autopar.runtime.metrics import Metrics
 from autopar.runtime.model_state import gather_model_state_bytes, model_state_bytes
 from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
@@ -225,9 +227,12 @@ class Trainer:
         self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
         self.state_bytes: dict | None = None        # model_state_bytes of the last step
         self.saved: dict[int, Path] = {}            # step -> checkpoint folder saved by this run
+        self.metrics = Metrics.for_trainer(self)    # the log line, --metrics, TensorBoard, progress
 
     def log(self, msg: str) -> None:
         if self.ctx.is_logging_rank:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.end_line()             # a progress line gives way
             print(f"[autopar] {msg}", flush=True)
 
     def flush_losses(self) -> None:
@@ -259,10 +264,10 @@ class Trainer:
         self.pending.append(local_loss)
         checkpoint_now = opts.checkpoint_dir is not None and (
             (opts.checkpoint_every and done % opts.checkpoint_every == 0) or done == opts.steps)
-        if done % opts.log_every == 0 or done == opts.steps or checkpoint_now:
+        logged = done % opts.log_every == 0 or done == opts.steps
+        if logged or checkpoint_now:
             self.flush_losses()
-            if done % opts.log_every == 0 or done == opts.steps:
-                self.log(f"step {done}/{opts.steps} loss {self.losses[-1]:.6f} step_time {dt * 1e3:.1f} ms")
+        self.metrics.after_step(self, done, dt, logged)     # the log line (runtime/metrics.py)
         _maybe_fault(ctx.rank, done)
         if checkpoint_now:
             self.log(f"checkpoint {self.save(done)}")
@@ -331,11 +336,12 @@ class Trainer:
             world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
             model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity,
-            float8=self.float8_all_ranks())
+            float8=self.float8_all_ranks(), val_losses=getattr(self, "val_losses", None))
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
                      f"max_memory_bytes {report.max_memory_bytes}")
+        self.metrics.close()
         dist.barrier()
         self.release_lock()
         return report

@@ -198,7 +198,7 @@ class PlanEvaluator:
             [sum(o.fwd_flops for o in ops if o.kind not in MATMUL_KINDS or o.name in rerun)
              for ops in (list(graph.layer_ops(i)) for i in range(self.num_layers))
              for rerun in (recomputed_matmuls(ops, policy),)]) / b0
-        self._flops_per_sample = graph.flops_per_step / b0
+        self._flops_per_sample = graph.flops_per_sample
         self._cost_cache: dict[tuple, LayerCost] = {}
         #: the ops' compute of a layer by what it reads (layer_cost._op_work_key): shared between
         #: meshes that differ in dp or pp only

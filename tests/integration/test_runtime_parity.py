@@ -38,6 +38,9 @@ TWO_RANK_CASES = {
 }
 RUN_OPTIONS = {"tp2_per_module_init": {"init": "per-module"}, "ddp": {"profile": True},
                "pp2_1f1b": {"profile": True}, "pp2_interleaved": {"profile": True}}
+# the case that also writes --metrics (logging every 2 steps): under a pipeline the logging rank
+# (rank 0, the first stage) logs the losses the last stage computed
+METRICS_CASE = "pp2_gpipe"
 # ZeRO-3 of a model whose every parameter has an odd dim 0 (uneven FSDP2 shards); checked for
 # its model-state bytes only
 MLP = ROOT / "examples" / "mlp.py"
@@ -52,6 +55,8 @@ def two_rank_runs(tmp_path_factory):
         cases.append({"name": name, "plan": str(make_plan(tmp / f"{name}.json", **kw)),
                       "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
                       **RUN_OPTIONS.get(name, {})})
+        if name == METRICS_CASE:
+            cases[-1]["options"] = {"metrics_path": str(tmp / f"{name}.metrics.jsonl"), "log_every": 2}
     cases.append({"name": "zero3_uneven_mlp", "plan": str(_mlp_plan(tmp / "zero3_uneven_mlp.json")),
                   "measured": str(tmp / "zero3_uneven_mlp.measured.json"), "steps": 2})
     run_cases(2, cases, tmp, timeout_s=240)
@@ -94,6 +99,29 @@ def test_measured_json_fields_and_profile_breakdown(two_rank_runs):
     assert m["comm_s"] <= mean_step_s * 1.05
     trace = Path(m["trace_file"])
     assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
+
+
+@pytest.mark.multiproc
+def test_metrics_file_has_the_logged_steps_figures(two_rank_runs):
+    """--metrics: one line per logged step (2, 4 and the last, 5), whose loss and step time are
+    measured.json's for that step, tokens/s = global batch x sequence / step time, no MFU (the
+    plan names no cluster), and rank 0's peak memory so far, at most its peak over the run."""
+    import json
+    from pathlib import Path
+
+    from runtime_support import GLOBAL_BATCH, MODEL_ARGS
+
+    case = two_rank_runs[METRICS_CASE]
+    m = json.loads(Path(case["measured"]).read_text())
+    rows = [json.loads(line) for line in Path(case["options"]["metrics_path"]).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 5]
+    for r in rows:
+        assert r["loss"] == m["losses"][r["step"] - 1]
+        assert r["step_time_s"] == m["step_times_s"][r["step"] - 1]
+        assert r["tokens_per_s"] == pytest.approx(GLOBAL_BATCH * MODEL_ARGS["seq"] / r["step_time_s"], rel=1e-12)
+        assert r["samples_per_s"] == pytest.approx(GLOBAL_BATCH / r["step_time_s"], rel=1e-12)
+        assert r["mfu"] is None and r["lr"] > 0
+        assert 0 < r["peak_memory_bytes"] <= m["memory_per_rank_bytes"][0]
 
 
 def _mlp_plan(path):
