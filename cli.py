@@ -19,6 +19,7 @@ VERBS = {
                                              "print how the run resumes"),
     "run": ("autopar.runtime.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters)"),
     "launch": ("autopar.runtime.launch_cli", "write a batch script that trains a plan.json on a SLURM cluster"),
+    "export": ("autopar.runtime.export_cli", "write a checkpoint's weights as safetensors (from_pretrained / load_state_dict)"),
     "profile": ("autopar.profiling.profile_cli", "measure op and collective costs on this machine into a profile file"),
     "report": ("autopar.report.report_cli", "compare a plan's prediction with a measured run; calibrate the profile"),
 }
