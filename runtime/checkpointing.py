@@ -9,7 +9,8 @@ Layout under ``--checkpoint-dir``::
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
         zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
-        manifest.json     autopar's record of the checkpoint, written last
+        manifest.json     autopar's record of the checkpoint, written last (with the model file and its
+                          arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
 
 ``manifest.json`` says what the checkpoint holds -- the step, the model's graph fingerprint
@@ -119,15 +120,19 @@ class CheckpointIdentity:
     #: the model's other fingerprints (core/graph.OpGraph.fingerprints: the one written before
     #: parameter-free views were left out), which a checkpoint of the same model may carry
     also: tuple[str, ...] = ()
+    #: the model file (absolute path) and its arguments, recorded for ``autopar export``
+    model: dict | None = None
 
     @classmethod
-    def of_plan(cls, plan, graph=None) -> "CheckpointIdentity":
+    def of_plan(cls, plan, graph=None, model_file=None) -> "CheckpointIdentity":
         """``graph``: the plan's model as the runtime captured it; a checkpoint holding any of its
-        fingerprints is this model's."""
+        fingerprints is this model's.  ``model_file``: the plan's model file as resolved."""
         m = plan.mesh
         also = tuple(f for f in graph.fingerprints if f != plan.model.fingerprint) if graph is not None else ()
+        model = ({"file": str(Path(model_file).resolve()), "args": dict(plan.model.args), "name": plan.model.name}
+                 if model_file is not None else None)
         return cls(fingerprint=plan.model.fingerprint, world_size=plan.world_size,
-                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero, also=also)
+                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero, also=also, model=model)
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,8 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
                     "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
                     "losses": list(losses), **(records or {}), "files": dict(sorted(files.items()))}
+        if identity.model is not None:
+            manifest["model"] = identity.model
         try:
             write_text_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
             if path.exists():                    # a folder of this step without a manifest (an older autopar's)
@@ -388,11 +395,19 @@ def check_manifest(path: Path, manifest: dict, identity: CheckpointIdentity) -> 
 
 
 def verify_files(path: Path, manifest: dict) -> None:
-    """Sizes and SHA-256 of every listed file; the ranks hash one share each and all see the verdict."""
+    """Sizes and SHA-256 of every listed file; the ranks hash one share each and all see the verdict
+    (``autopar export``, one process, checks them all with ``file_problems``)."""
     names = sorted(manifest["files"])
     rank, world = dist.get_rank(), dist.get_world_size()
+    found: list = [None] * world
+    dist.all_gather_object(found, file_problems(path, manifest, names[rank::world]))
+    raise_file_problems(path, sorted(p for share in found for p in share))
+
+
+def file_problems(path: Path, manifest: dict, names: list[str]) -> list[tuple[str, str]]:
+    """(file, what is wrong) for each of ``names`` whose size or SHA-256 is not the manifest's."""
     problems = []
-    for name in names[rank::world]:
+    for name in names:
         f, want = path / name, manifest["files"][name]
         if not f.is_file():
             problems.append((name, "is missing"))
@@ -401,9 +416,10 @@ def verify_files(path: Path, manifest: dict) -> None:
         elif file_digest(f)["sha256"] != want["sha256"]:
             problems.append((name, "does not match its SHA-256 checksum in the manifest (damaged or changed "
                                    "since it was saved)"))
-    found: list = [None] * world
-    dist.all_gather_object(found, problems)
-    problems = sorted(p for share in found for p in share)
+    return problems
+
+
+def raise_file_problems(path: Path, problems: list[tuple[str, str]]) -> None:
     if problems:
         name, what = problems[0]
         more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""

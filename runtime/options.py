@@ -43,6 +43,8 @@ class RunOptions:
     metrics_path: Path | None = None          # --metrics: one JSON object per logged step (jsonl)
     tensorboard_dir: Path | None = None       # --tensorboard (default: runtime/metrics.tensorboard_folder)
     progress: str = "auto"                    # --progress: PROGRESS_MODES
+    # weights43: initial weights from a file (autopar.runtime.weights_in)
+    init_from: Path | None = None
     # data and evaluation (autopar.runtime.token_data, autopar.runtime.batches, autopar.runtime.evaluate)
     data_path: Path | None = None             # --data: a token file; None: make_batch or the file's batches()
     data_dtype: str = "uint16"                # --data-dtype of --data and --val-data
@@ -78,6 +80,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial weights: 'host' builds the full model on the CPU with the model file's "
                              "own init; 'per-module' never builds it whole (reset_parameters seeded per module); "
                              "'auto' picks host when the model fits in host memory (default)")
+    # weights43
+    parser.add_argument("--init-from", type=Path, default=None, metavar="PATH",
+                        help="start from these weights instead of the model file's init: a safetensors file, a "
+                             "save_pretrained folder (sharded with an index or not), or a torch state dict "
+                             "(.pt/.bin); each rank reads only its own slices")
     parser.add_argument("--log-every", type=T.positive, default=1, help="print loss and step time every N steps")
     parser.add_argument("--keep-checkpoints", type=T.positive, default=3, metavar="N",
                         help="keep the newest N checkpoints under --checkpoint-dir, deleting older ones after "
@@ -124,5 +131,6 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       measured_path=args.measured, init=args.init, log_every=args.log_every,
                       keep_checkpoints=args.keep_checkpoints,
                       metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=args.progress,
+                      init_from=args.init_from,
                       data_path=args.data, data_dtype=args.data_dtype, shuffle_seed=args.shuffle,
                       val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches)

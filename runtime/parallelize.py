@@ -338,10 +338,14 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     plan = checked.plan
     args = dict(plan.model.args)
     meta = build_meta_model(checked.model_file, args)                               # 1
-    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
+    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta, opts.init_from)
     num_stages = len(plan.pipeline.stages)
     built = build_stage_parts(checked, ctx, meta, source,                           # 2-6
                               lambda i: plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank)
+    source_notes = list(getattr(source, "notes", ()))
+    if getattr(source, "full_reads", None):
+        source_notes.append(f"--init-from: {len(source.full_reads)} entries had no one-block slice on this rank and "
+                            f"were read whole ({', '.join(source.full_reads[:3])})")
     del source
     local, dp_kind = built.parts, built.dp_kind
     parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
@@ -365,7 +369,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
-    notes = []
+    notes = source_notes
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"

@@ -15,6 +15,7 @@ nodes hold is refused.  The processes themselves are torchrun's; autopar launche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from autopar.runtime.ports import free_port
 
 _FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
               "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
-              "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches")
+              "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,14 +99,29 @@ def main(args: argparse.Namespace, log=None) -> int:
     data_check.check_options(opts)
     if here:
         data_check.check_files(opts)                  # a missing or truncated token file: before anything
-    has_data = opts.data_path is not None or opts.val_data_path is not None
-    if here and not has_data:
+    weights = None
+    if opts.init_from is not None:                    # headers only: a missing or damaged file fails first
+        from autopar.runtime.weights_in import WeightsFile
+
+        weights = WeightsFile.open(opts.init_from)
+    fresh_dir = opts.checkpoint_dir is not None and not Path(opts.checkpoint_dir).exists()
+    if here:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
-    checked = check_plan(Path(args.plan), None)
-    if here:   # the token files against the plan (length, ids < vocabulary) before any output is created
-        data_check.check_for_plan(opts, checked)
-    if args.nnodes in (None, 1) and not args.dry_run:
-        check_output_paths(opts)                      # again: the plan's model file is now known as an input
+    try:
+        checked = check_plan(Path(args.plan), None)
+        if here:
+            check_output_paths(opts)                  # again: the plan's model file is now known as an input
+            data_check.check_for_plan(opts, checked)  # the token files' length and ids < vocabulary
+        if weights is not None:                       # names, shapes, dtypes, before any rank starts
+            from autopar.runtime.materialize import build_meta_model
+            from autopar.runtime.weights_in import check
+
+            check(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
+    except UserError:
+        if fresh_dir:                                 # the empty folder check_output_paths made
+            with contextlib.suppress(OSError):
+                Path(opts.checkpoint_dir).rmdir()
+        raise
     world = checked.plan.world_size
     layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
     if args.nnodes is None:

@@ -249,7 +249,8 @@ class Trainer:
         for warning in pm.warnings:
             self.log(f"warning: {warning}")
         self.first_step, self.losses = 0, []
-        self.identity = checkpointing.CheckpointIdentity.of_plan(plan, self.checked.graph)
+        self.identity = checkpointing.CheckpointIdentity.of_plan(plan, self.checked.graph,
+                                                                  self.checked.model_file.path)
         if opts.checkpoint_dir is not None:
             resumed = checkpointing.resume(
                 opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps, names=pm.state_names,

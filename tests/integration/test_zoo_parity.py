@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime_support import ROOT, failure_summary, torchrun
 
@@ -292,6 +293,7 @@ def _mixtral_tp2_param_bytes() -> int:
 
 DP2_TP2_KINDS = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
 DP2_TP2_MODELS = ("hf_mixtral", "hf_gpt2")
+INIT_FROM_SEED = 7          # the saved weights' own seed, not the runtime's init seed
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +309,16 @@ def dp2_tp2_runs(tmp_path_factory):
             cases.append({"model": model, "kind": kind, "steps": STEPS,
                           "plan": str(_plan(model, "tp", kw, base.with_suffix(".json"))),
                           "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    # GPT-2 from a save_pretrained folder (--init-from): each rank reads its ZeRO-3 x tp blocks,
+    # c_attn's per-part rows of its FSDP2 columns included (runtime/weights_in.py)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_FROM_SEED)
+        plain_loop.load(ZOO / "hf_gpt2.py").build_model().save_pretrained(tmp / "gpt2_weights")
+    base = tmp / "hf_gpt2_init_from"
+    cases.append({"model": "hf_gpt2_init_from", "kind": "dp2_tp2_zero3", "steps": STEPS,
+                  "plan": str(_plan("hf_gpt2", "tp", DP2_TP2_KINDS["dp2_tp2_zero3"], base.with_suffix(".json"))),
+                  "measured": f"{base}.measured.json", "result": f"{base}.result.json",
+                  "options": {"init_from": str(tmp / "gpt2_weights")}})
     (tmp / "cases.json").write_text(json.dumps(cases))
     return cases, torchrun(4, str(WORKER), str(tmp / "cases.json"), timeout_s=900)
 
@@ -384,6 +396,24 @@ def test_hf_gpt2_fused_split_under_dp2_tp2(dp2_tp2_runs):
     the strided c_attn weight on its other dim: runtime/fused_tp.fsdp_shard_placement).  Both
     train like the plain loop; each rank holds its tp share (ZeRO-3: half of it)."""
     _dp2_tp2_matches_plain_loop(dp2_tp2_runs, "hf_gpt2", _gpt2_tp2_param_bytes())
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_init_from_under_dp2_tp2_zero3(dp2_tp2_runs):
+    """--init-from a save_pretrained folder at dp 2 x tp 2, ZeRO-3: trains like the plain loop
+    started from the folder's values (read here with safetensors)."""
+    from safetensors.torch import load_file
+
+    cases, out = dp2_tp2_runs
+    c = next(c for c in cases if c["model"] == "hf_gpt2_init_from")
+    assert Path(c["result"]).exists(), failure_summary(out.stdout + out.stderr)
+    got = json.loads(Path(c["result"]).read_text())
+    initial = load_file(Path(c["options"]["init_from"]) / "model.safetensors")
+    want = plain_loop.train_plain(ZOO / "hf_gpt2.py", {}, GLOBAL_BATCH, STEPS, initial=initial).losses
+    assert "losses" in got, got
+    diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+    assert len(got["losses"]) == STEPS and diff <= LOSS_ATOL, f"losses {got['losses']} vs plain loop {want}"
+    assert "no one-block slice" not in out.stdout     # rank 0 read only its blocks (runtime/parallelize.py's note)
 
 
 @pytest.mark.multiproc
