@@ -121,6 +121,10 @@ def main(args: argparse.Namespace) -> int:
         options = replace(options, schedules=(args.schedule,))
     options.check()
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
+    from autopar.core.modelfile import load_model_file
+    from autopar.planner.micro_batches import refuse_micro_batches
+
+    options, batch_notes = refuse_micro_batches(options, graph, load_model_file(args.model_file))
     capture_s = time.perf_counter() - t0
     executable = None
     from autopar.planner.float8_choice import fp8_unavailable
@@ -148,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner import confidence
     result, _, _, conf_why = confidence.apply(result, cluster)
     preferred = result.best
-    left_out = list(executable.left_out) if executable is not None else []
+    left_out = batch_notes + (list(executable.left_out) if executable is not None else [])
     if executable is not None:
         result, refused = runnable_result(result, graph, args.model_file)
         left_out += refused

@@ -99,8 +99,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     if left_out:
-        console.print("[bold]left out[/bold]    (what the runtime cannot apply to this model, checked on fake ranks; "
-                      "why context and expert parallelism are used or not)")
+        console.print("[bold]left out[/bold]    (micro-batch sizes the model cannot take; what the runtime cannot apply "
+                      "to this model, checked on fake ranks; why context and expert parallelism are used or not)")
         for x in left_out:
             console.print(escape(f"  - {x.kind}: {x.reason}"))
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

@@ -8,16 +8,22 @@ against the runtime's own code.
 (``runtime.plan_check.check_plan``); then ONE torchrun launch trains every plan in turn
 (``tests/zoo_worker.py``: ``runtime.train.run`` per plan, one process group), instead of one
 ``autopar run`` per model: 19 launches cost the suite ~6 minutes of interpreter and transformers
-start-up.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
+start-up.  The BatchNorm models' runs also match the plain loop (tests/plain_loop.py, with
+BatchNorm's statistics over each micro-batch): whatever plan the planner chose trains the
+model the file wrote.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
 tests/integration/test_runtime_launch.py and test_trial_steps.py.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plain_loop  # noqa: E402
 
 pytestmark = pytest.mark.multiproc          # each case plans, then runs torchrun
 
@@ -112,3 +118,25 @@ def test_plan_then_run_trains(model, trained):
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), (model, case["kinds"], losses)
     measured = json.loads(Path(case["measured"]).read_text())
     assert measured["losses"] == losses
+
+
+# models whose BatchNorm normalises each micro-batch by its own statistics; resnet18_bn cannot
+# train on one sample per micro-batch, which its plan leaves out (planner/micro_batches.py)
+BATCH_NORM = ("cnn_bn", "resnet18_bn")
+LOSS_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("model", BATCH_NORM)
+def test_batch_norm_plan_trains_like_the_plain_loop(model, trained):
+    """The planned run's losses are the plain loop's with the global batch cut into the plan's
+    micro-batches (``chunks``: BatchNorm's statistics are each micro-batch's)."""
+    case = trained[model]
+    assert "error" not in case, case.get("error")
+    plan = json.loads(Path(case["plan"]).read_text())
+    out = json.loads(Path(case["result"]).read_text()) if Path(case["result"]).exists() else {}
+    assert "losses" in out, f"{model} plan {case['kinds']}: {out}\n{case.get('launch', '')}"
+    assert plan["micro_batch"] >= 2 or model != "resnet18_bn", plan["micro_batch"]
+    want = plain_loop.train_plain(ZOO / f"{model}.py", {}, plan["global_batch"], STEPS,
+                                  chunks=plan["global_batch"] // plan["micro_batch"]).losses
+    diff = max(abs(a - b) for a, b in zip(out["losses"], want))
+    assert diff <= LOSS_ATOL, f"{model} plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"
