@@ -28,6 +28,17 @@ def _plan(graph, **kw):
     return uniform_plan(model=ref, num_layers=len(graph.layers), micro_batch=2, **kw)
 
 
+def _styles(graph, modules: tuple[str, ...]) -> dict[int, dict[str, str]]:
+    """The frozen embedding row-wise, the frozen head column-wise and every adapter pair of
+    ``modules`` in each block (lora_A column-wise, lora_B row-wise)."""
+    names = [layer.name for layer in graph.layers]
+    out = {names.index("pre"): {"wte": "rowwise"}, names.index("post"): {"lm_head": "colwise"}}
+    for i, n in enumerate(names):
+        if n.startswith("h."):
+            out[i] = {f"{n}.{m}.lora_{ab}": s for m in modules for ab, s in (("A", "colwise"), ("B", "rowwise"))}
+    return out
+
+
 def _hook_every_row_split_embedding(module: nn.Module) -> None:
     """The hook without its frozen-parameter guard (what the runtime did before)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -43,19 +54,18 @@ def test_runtime_check_catches_a_hook_on_a_frozen_embedding(monkeypatch):
     from autopar.planner.runtime_check import plan_runs
     from autopar.runtime import parallelize
 
-    graph = capture_model_file(LORA, {"tied": True}, 2)
     mf = load_model_file(LORA)
-    names = [layer.name for layer in graph.layers]
-    vocab = {names.index("pre"): {"wte": "rowwise"}, names.index("post"): {"lm_head": "colwise"}}
-    for sp in (False, True):
-        blocks = {i: {f"{n}.attn.{p}.lora_{ab}": s for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-                      for ab, s in (("A", "colwise"), ("B", "rowwise"))} for i, n in enumerate(names) if n.startswith("h.")}
-        plan = _plan(graph, tp=2, sequence_parallel=sp, tp_styles_per_layer={**vocab, **blocks})
-        assert plan_runs(plan, graph, mf) is None, sp
-    plan = _plan(graph, tp=2, tp_styles_per_layer=vocab)
+    mlp = ("mlp.fc_in", "mlp.fc_out")
+    gpt = capture_model_file(LORA, {}, 2)
+    mlp_only = capture_model_file(LORA, {"attention": False, "tied": True}, 2)
+    plans = [(gpt, _plan(gpt, tp=2, tp_styles_per_layer=_styles(gpt, ("attn.q_proj", "attn.o_proj", *mlp)))),
+             (mlp_only, _plan(mlp_only, tp=2, sequence_parallel=True, tp_styles_per_layer=_styles(mlp_only, mlp)))]
+    for graph, plan in plans:
+        assert plan_runs(plan, graph, mf) is None, graph.model_args
     monkeypatch.setattr(parallelize, "keep_embedding_grads_sharded", _hook_every_row_split_embedding)
-    err = plan_runs(plan, graph, mf)
-    assert err is not None and "cannot register a hook on a tensor that doesn't require gradient" in err, err
+    for graph, plan in plans:
+        err = plan_runs(plan, graph, mf)
+        assert err is not None and "cannot register a hook on a tensor that doesn't require gradient" in err, err
 
 
 def test_tp_keeps_frozen_parameters_frozen():
@@ -68,14 +78,15 @@ def test_tp_keeps_frozen_parameters_frozen():
     from autopar.runtime.apply_tp import apply_tp
     from autopar.runtime.dry_run import fake_world
 
-    model = load_model_file(LORA).build()
+    args = {"attention": False}
+    model = load_model_file(LORA).build(**args)
     want = {n for n, p in model.named_parameters() if p.requires_grad}
     assert want and all("lora_" in n for n in want)
-    styles = [("h.0", {"h.0.mlp.fc_in.lora_A": "colwise", "h.0.mlp.fc_in.lora_B": "rowwise"}),
-              ("h.1", {"h.1.mlp.fc_in.lora_A": "colwise", "h.1.mlp.fc_in.lora_B": "rowwise"})]
+    styles = [(f"h.{i}", {f"h.{i}.mlp.{m}.lora_{ab}": s for m in ("fc_in", "fc_out")
+                          for ab, s in (("A", "colwise"), ("B", "rowwise"))}) for i in range(2)]
     with fake_world(2), torch.device("meta"):
         mesh = init_device_mesh("cpu", (2,))
-        model = load_model_file(LORA).build()
+        model = load_model_file(LORA).build(**args)
         apply_tp(model, mesh, [("", {"wte": "rowwise", "lm_head": "colwise"}), *styles], sequence_parallel=True)
         got = {n for n, p in model.named_parameters() if p.requires_grad}
     assert got == want, sorted(got ^ want)
