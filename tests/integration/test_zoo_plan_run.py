@@ -60,22 +60,27 @@ def cluster_file(tmp_path_factory) -> Path:
 WORKER = ROOT / "tests" / "zoo_worker.py"
 
 
-def _plan(model: str, cluster_file: Path, folder: Path) -> dict:
+# further plans of zoo models with fixed knobs: case -> (model, autopar plan flags)
+FIXED = {"lora_gpt_tp2": ("lora_gpt", ("--tp", "2"))}
+
+
+def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] = (), case: str = "") -> dict:
     """Plan one model in this process and check the plan as ``autopar run`` would; the case for the
     shared launch, or why there is none."""
     from autopar.cli import main as cli_main
     from autopar.runtime.plan_check import check_plan
 
-    plan_path = folder / f"{model}.plan.json"
+    case = case or model
+    plan_path = folder / f"{case}.plan.json"
     rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", "4",
-                   "--time-budget", "2", "-o", str(plan_path), "--json"])
+                   "--time-budget", "2", "-o", str(plan_path), "--json", *flags])
     if rc != 0:
-        return {"error": f"autopar plan {model} exited {rc}"}
+        return {"error": f"autopar plan {model} {' '.join(flags)} exited {rc}"}
     check_plan(plan_path, None)
     plan = json.loads(plan_path.read_text())
     kinds = (plan["mesh"], sorted({(l["zero"], l["recompute"], l["offload"], bool(l["tp"])) for l in plan["layers"]}))
-    return {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{model}.measured.json"),
-            "result": str(folder / f"{model}.result.json"), "kinds": repr(kinds)}
+    return {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{case}.measured.json"),
+            "result": str(folder / f"{case}.result.json"), "kinds": repr(kinds)}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +100,11 @@ def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
             cases[model] = _plan(model, cluster_file, folder)
         except Exception as e:  # noqa: BLE001 -- shown by that model's test, the others still run
             cases[model] = {"error": f"{type(e).__name__}: {e}"}
+    for case, (model, flags) in FIXED.items():
+        try:
+            cases[case] = _plan(model, cluster_file, folder, flags, case)
+        except Exception as e:  # noqa: BLE001
+            cases[case] = {"error": f"{type(e).__name__}: {e}"}
     runnable = [c for c in cases.values() if "plan" in c]
     spec = folder / "cases.json"
     spec.write_text(json.dumps(runnable))
@@ -140,3 +150,18 @@ def test_batch_norm_plan_trains_like_the_plain_loop(model, trained):
                                   chunks=plan["global_batch"] // plan["micro_batch"]).losses
     diff = max(abs(a - b) for a, b in zip(out["losses"], want))
     assert diff <= LOSS_ATOL, f"{model} plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"
+
+
+def test_lora_tp2_plan_trains_like_the_plain_loop(trained):
+    """``autopar plan --tp 2`` of the LoRA GPT (base weights, embedding and head frozen) runs on
+    two ranks -- its row-wise frozen embedding has no gradient to hook -- and trains like the
+    plain loop, whose AdamW skips the frozen parameters (no gradient)."""
+    case = trained["lora_gpt_tp2"]
+    assert "error" not in case, case.get("error")
+    plan = json.loads(Path(case["plan"]).read_text())
+    assert plan["mesh"]["tp"] == 2
+    out = json.loads(Path(case["result"]).read_text()) if Path(case["result"]).exists() else {}
+    assert "losses" in out, f"lora_gpt --tp 2 plan {case['kinds']}: {out}\n{case.get('launch', '')}"
+    want = plain_loop.train_plain(ZOO / "lora_gpt.py", {}, plan["global_batch"], STEPS).losses
+    diff = max(abs(a - b) for a, b in zip(out["losses"], want))
+    assert diff <= LOSS_ATOL, f"lora_gpt --tp 2 plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"
