@@ -38,12 +38,15 @@ def _layer_param_bytes() -> dict[str, int]:
 
 
 def test_mistral_tp2_names_its_whole_layers_with_cost_and_memory(tmp_path, capsys):
+    """The search ends by its MCMC chains' patience (about 3 s of CPU), well inside the 20 s
+    budget, so the plan does not depend on the machine's load: the embedding and both decoder
+    layers stay whole, only the LM head is split."""
     pytest.importorskip("transformers")
     from autopar.cli import main
 
     out = tmp_path / "plan.json"
     rc = main(["plan", str(MISTRAL), "--tp", "2", "--cluster", str(_two_device_cluster(tmp_path)),
-               "--global-batch", "4", "--time-budget", "2", "-o", str(out)])
+               "--global-batch", "4", "--time-budget", "20", "-o", str(out)])
     summary = " ".join(capsys.readouterr().out.split())
     assert rc == 0
     plan = json.loads(out.read_text())
