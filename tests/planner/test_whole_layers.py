@@ -55,6 +55,7 @@ def test_mistral_tp2_names_its_whole_layers_with_cost_and_memory(tmp_path, capsy
     assert unsplit, "the plan splits every layer: this test's scenario (layers left whole) is gone"
     whole = plan["provenance"]["whole_layers"]
     assert {w["layer"] for w in whole} == unsplit
+    assert {w["name"] for w in whole} == {"pre", "model.layers.0", "model.layers.1"}, whole
     params = _layer_param_bytes()
     assert f"whole under tp 2: {len(unsplit)} of {len(plan['layers'])} layers" in summary, summary
     for w in whole:
