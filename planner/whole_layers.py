@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.core.dtypes import precision_bytes
+from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.units import fmt_bytes, fmt_seconds
 
@@ -72,7 +73,13 @@ def whole_layers(plan, graph: OpGraph, cluster, cost_models, executable=None, le
         for i in members:
             styles = executable.styles(graph, i) if executable is not None else megatron_styles(graph, i)
             split[i] = replace(split[i], tp=tuple(sorted(styles.items())))
-        res = price_plan(replace(plan, layers=tuple(split)), cluster, cost_models, graph=graph)
+        try:
+            res = price_plan(replace(plan, layers=tuple(split)), cluster, cost_models, graph=graph)
+        except (InfeasibleError, UserError) as e:
+            for i in members:
+                out[i] = WholeLayer(i, graph.layers[i].name, float(graph.layers[i].param_numel * width),
+                                    f"the simulator cannot price the plan with it split ({e})")
+            continue
         step = res.step_time_s - base.step_time_s
         memory = res.max_memory_bytes - base.max_memory_bytes
         them = f"the {len(members)} of them" if len(members) > 1 else "it"
