@@ -33,6 +33,7 @@ class MoveSpace:
     num_layers: int
     global_batch: int
     max_micro_batch: int | None = None
+    refused_micro_batches: frozenset[int] = frozenset()   # sizes the model cannot take
     max_virtual_stages: int = 4
     allow_offload: bool = True
     recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
@@ -158,7 +159,8 @@ def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 
 def _microbatch_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    options = microbatch_candidates(space.global_batch, c.mesh.batch_degree, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, c.mesh.batch_degree, max_micro_batch=space.max_micro_batch,
+                                    refused=space.refused_micro_batches)
     idx = [mb for mb, _ in options].index(c.micro_batch) if c.micro_batch in [mb for mb, _ in options] else 0
     j = idx + int(rng.choice([-1, 1]))
     if not 0 <= j < len(options):
@@ -241,7 +243,8 @@ def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | None:
     """``c`` moved onto another mesh: keep the micro-batch if it divides, split stages equally."""
-    options = microbatch_candidates(space.global_batch, mesh.batch_degree, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, mesh.batch_degree, max_micro_batch=space.max_micro_batch,
+                                    refused=space.refused_micro_batches)
     if not options:
         return None
     mb, m = min(options, key=lambda o: (abs(np.log2(o[0] / c.micro_batch)), -o[0]))

@@ -121,6 +121,10 @@ def main(args: argparse.Namespace) -> int:
         options = replace(options, schedules=(args.schedule,))
     options.check()
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
+    from autopar.core.modelfile import load_model_file
+    from autopar.planner.micro_batches import refuse_micro_batches
+
+    options, batch_notes = refuse_micro_batches(options, graph, load_model_file(args.model_file))
     capture_s = time.perf_counter() - t0
     executable = None
     from autopar.planner.float8_choice import fp8_unavailable
@@ -148,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner import confidence
     result, _, _, conf_why = confidence.apply(result, cluster)
     preferred = result.best
-    left_out = list(executable.left_out) if executable is not None else []
+    left_out = batch_notes + (list(executable.left_out) if executable is not None else [])
     if executable is not None:
         result, refused = runnable_result(result, graph, args.model_file)
         left_out += refused
@@ -206,6 +210,12 @@ def main(args: argparse.Namespace) -> int:
         from autopar.planner.trial_steps import trial_provenance
 
         plan = plan.with_predicted(plan.predicted, trial_steps=trial_provenance(outcome, args.trial_steps))
+    from autopar.planner.whole_layers import lines as whole_lines, whole_layers
+
+    whole = whole_layers(plan, _plan_graph(plan, graphs), cluster, cost_models, executable, left_out,
+                         fixed=options.tp is not None)
+    if whole:
+        plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
     command = torchrun_command(cluster, args.output, plan.world_size)
@@ -226,7 +236,8 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.plan_report import print_plan
 
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
-               confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
+               confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom,
+               whole=whole_lines(whole, plan))
     (console.print if console is not None else print)(compile_choice.summary())
     if console is not None:          # (no markup: the install hint's [fp8] is text)
         console.print(float8_choice.summary(), markup=False)

@@ -26,7 +26,8 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
 
 
 def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
-               confidence=None, left_out=(), headroom: float = 0.0) -> None:
+               confidence=None, left_out=(), headroom: float = 0.0, whole=()) -> None:
+    """The plan summary; ``whole``: the lines of planner/whole_layers.py (layers tp leaves whole)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -99,8 +100,10 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     if left_out:
-        console.print("[bold]left out[/bold]    (what the runtime cannot apply to this model, checked on fake ranks; "
-                      "why context and expert parallelism are used or not)")
+        console.print("[bold]left out[/bold]    (micro-batch sizes the model cannot take; what the runtime cannot apply "
+                      "to this model, checked on fake ranks; why context and expert parallelism are used or not)")
         for x in left_out:
             console.print(escape(f"  - {x.kind}: {x.reason}"))
+    for line in whole:
+        console.print(escape(line))
     console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

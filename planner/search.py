@@ -103,6 +103,8 @@ class PlanOptions:
     cp: int | None = None
     ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
+    # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
+    refused_micro_batches: frozenset[int] = frozenset()
     zero: int | None = None              # one ZeRO stage on every layer
     offload: str | None = None           # "none" | "cpu" on every layer
     fixed_schedule: str | None = None
@@ -196,6 +198,7 @@ class Planner:
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
                                max_micro_batch=options.max_micro_batch,
+                               refused_micro_batches=options.refused_micro_batches,
                                max_virtual_stages=options.max_virtual_stages,
                                allow_offload=options.allow_offload, recompute_choices=tuple(options.recompute),
                                zero_families=tuple(options.zero_families))
@@ -230,7 +233,7 @@ class Planner:
         o, ex = self.options, self.options.executable
         if c.mesh not in self.meshes:
             return False
-        if o.micro_batch is not None and c.micro_batch != o.micro_batch:
+        if (o.micro_batch is not None and c.micro_batch != o.micro_batch) or c.micro_batch in o.refused_micro_batches:
             return False
         if c.mesh.pp > 1 and c.schedule not in o.schedules:
             return False
@@ -308,9 +311,11 @@ class Planner:
             if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
                 continue
             rows = []
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
+                                        refused=o.refused_micro_batches)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
+                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
             pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
             for family in zero_families(mesh.dp):
                 if family not in o.zero_families:
@@ -478,9 +483,11 @@ class Planner:
         o = self.options
         out = []
         for mesh in self.meshes:
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
+                                        refused=o.refused_micro_batches)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
+                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),

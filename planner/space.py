@@ -94,13 +94,16 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     return out
 
 
-def microbatch_candidates(global_batch: int, dp: int, *, max_micro_batch: int | None = None) -> list[tuple[int, int]]:
-    """(micro_batch, num_microbatches) with dp * micro_batch * num_microbatches = global_batch."""
+def microbatch_candidates(global_batch: int, dp: int, *, max_micro_batch: int | None = None,
+                          refused: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+    """(micro_batch, num_microbatches) with dp * micro_batch * num_microbatches = global_batch,
+    leaving out the micro-batch sizes in ``refused`` (those the model cannot take:
+    core/micro_batch_probe.py)."""
     if global_batch % dp:
         return []
     per_replica = global_batch // dp
     return [(mb, per_replica // mb) for mb in divisors(per_replica)
-            if max_micro_batch is None or mb <= max_micro_batch]
+            if (max_micro_batch is None or mb <= max_micro_batch) and mb not in refused]
 
 
 def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,

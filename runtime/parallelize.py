@@ -25,6 +25,9 @@ The order (one place, the same for every plan; torchtitan's order):
    runs as ``replicate`` here and ZeRO-1 as FSDP2 without reshard, and the same under pipelining
    (``apply_dp.data_parallel_kind``);
 6. materialise: ``to_empty`` on the device, values from the init source -- ``materialize``;
+6b. tensor parallelism without FSDP2: the post-accumulate hooks that keep a row-wise
+   embedding's gradient sharded -- ``apply_tp.keep_embedding_grads_sharded`` (on the
+   materialised parameters, whose hooks ``to_empty`` would drop);
 7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters);
 8. AdamW per part (ZeroRedundancyOptimizer for ZeRO-1) and the pipeline schedule.
 
@@ -280,10 +283,10 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
                       keep_stage: Callable[[int], bool],
                       around_materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                       swap_params: bool = True) -> StageParts:
-    """Steps 2-6 on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
+    """Steps 2-6b on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
     selects, and apply tensor parallelism, recompute and FSDP2 / replicate to each before it is
     materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``
-    (``swap_params``: see ``materialize``).  Training keeps this rank's
+    (``swap_params``: see ``materialize``), then hook its tp gradients (6b).  Training keeps this rank's
     stages; the dry run (runtime/dry_run.py) keeps every stage, so a plan
     it accepts is built by exactly these steps."""
     plan = checked.plan
@@ -325,6 +328,8 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
             part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records, out.cp)   # 2b-5
         with around_materialize():
             materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
+        if plan.mesh.tp > 1 and out.dp_kind not in ("fsdp", "replicate"):
+            keep_embedding_grads_sharded(part)   # 6b; FSDP2 shards TP gradients itself
         out.parts[index] = part
     if records:
         out.float8 = Float8Record(recipe=plan.fp8_recipe)
@@ -340,7 +345,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     meta = build_meta_model(checked.model_file, args)                               # 1
     init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta, opts.init_from)
     num_stages = len(plan.pipeline.stages)
-    built = build_stage_parts(checked, ctx, meta, source,                           # 2-6
+    built = build_stage_parts(checked, ctx, meta, source,                           # 2-6b
                               lambda i: plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank)
     source_notes = list(getattr(source, "notes", ()))
     if getattr(source, "full_reads", None):
@@ -351,8 +356,6 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
-        if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
-            keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
         if use_ddp:
             part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
         parts.append(part)
