@@ -57,7 +57,8 @@ import numpy as np
 
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.cpu_node import serial_fsdp_tail
-from autopar.simulator.step_model import ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends
+from autopar.simulator.step_model import (ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends,
+                                          weight_gradient_times)
 from autopar.simulator.term_registry import pass_events, traffic_terms
 from autopar.simulator.timeline import Timeline
 
@@ -126,7 +127,7 @@ def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
     cpu_node.SERIAL), from its own ``chunk_times`` and step_model.pipeline_and_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
-    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe)
+    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe, weight_gradient_times(ctx, rows))
     serial = ctx.step_form.serial
     return _Terms(serial=serial, fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe, end_r=end_r, send_s=ctx.p2p_s,
                   sends_in_task=serial or ctx.p2p_blocking, pipeline_m=ctx.pipeline_m)

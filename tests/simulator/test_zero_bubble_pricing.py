@@ -1,0 +1,173 @@
+"""The split-backward schedules' step model (simulator/pipeline_zero_bubble.py) against schedules
+drawn by hand.
+
+Each case lists, per pp rank, the order of its actions as torch 2.13 builds them for pp 2,
+4 micro-batches ("3F0": stage 3 forward of micro-batch 0; I: input gradient; W: weight
+gradient; B: the whole backward; "(0F3;3B1)": DualPipeV's pair of a forward and a backward).
+``_play`` runs them: an action starts when its rank is free and its inputs are done (a forward
+after the previous stage's forward of the micro-batch, an input gradient after the next
+stage's and its own forward, a weight gradient after its input gradient), with no sends, and
+the step model's length must equal the drawn schedule's end.  The drawings are checked to be
+torch's own orders as well.
+"""
+from __future__ import annotations
+
+import re
+import types
+
+import numpy as np
+import pytest
+
+from autopar.core.rules import stage_rank
+from autopar.simulator.pipeline_zero_bubble import (dualpipev_time, inflight_chunks, split_backward_time,
+                                                    stage_grid)
+
+# pp 2, m 4, two chunks per rank: stages 0..3
+HAND = {
+    # ZB-V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (the V)
+    "zbv": ["0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3",
+            "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"],
+    # interleaved zero bubble: looped chunks, rank 0 stages 0 and 2, rank 1 stages 1 and 3
+    "interleaved-zb": [
+        "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 0I3 0W3",
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3"],
+    # DualPipeV: the V, with forward-backward pairs in its main step
+    "dualpipev": ["0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3",
+                  "1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0) (1F3;2B1) (2F3;1B1) 2B2 1B2 2I3 1I3 2W3 1W3"],
+}
+_ACTION = re.compile(r"(\d+)([FIWB])(\d+)")
+
+
+def _play(ranks: list[str], num_stages: int, f: float, b: float, w: float, pair: float | None = None) -> float:
+    """The end of the drawn schedule: ``f``, ``b``, ``w`` per chunk action, ``pair`` a DualPipeV
+    pair (default: its forward and whole backward one after the other)."""
+    queues = [s.split() for s in ranks]
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * len(ranks), [0] * len(ranks)
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, queue in enumerate(queues):
+            while pos[r] < len(queue):
+                parts = [(int(s), k, int(mb)) for s, k, mb in _ACTION.findall(queue[pos[r]])]
+                own = {("F" if k == "F" else "I", s, mb) for s, k, mb in parts}
+                deps = []
+                for s, k, mb in parts:
+                    if k == "F" and s > 0:
+                        deps.append(("F", s - 1, mb))
+                    elif k in "IB":
+                        deps += [("F", s, mb)] + ([("I", s + 1, mb)] if s < num_stages - 1 else [])
+                    elif k == "W":
+                        deps.append(("I", s, mb))
+                deps = [d for d in deps if d not in own]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                if len(parts) > 1:
+                    length = pair if pair is not None else f + b + w
+                else:
+                    length = {"F": f, "I": b, "W": w, "B": b + w}[parts[0][1]]
+                end = free[r] = start + length
+                for s, k, mb in parts:
+                    for key in {"F": ("F",), "I": ("I",), "W": ("W",), "B": ("I", "W")}[k]:
+                        done[(key, s, mb)] = end
+                pos[r] += 1
+                progressed = True
+    assert all(p == len(q) for p, q in zip(pos, queues)), "the drawn schedule deadlocks"
+    return max(free)
+
+
+def _grid(schedule: str, f: float, b: float, w: float, p: int = 2, v: int = 2):
+    return tuple(np.full((v, p), x) for x in (f, b, w))
+
+
+@pytest.mark.parametrize("schedule", list(HAND))
+def test_drawn_schedules_place_stages_as_the_runtime(schedule):
+    """Each rank's actions are on the stages the runtime puts on it (core/rules.stage_rank), and
+    every stage runs F, its input and its weight gradient of each micro-batch exactly once."""
+    for r, s in enumerate(HAND[schedule]):
+        stages = {int(st) for st, _, _ in _ACTION.findall(s)}
+        assert all(stage_rank(schedule, st, 2) == r for st in stages), (schedule, r, stages)
+        assert set(stage_grid(schedule, 2, 2)[:, r].tolist()) == stages
+    acts = [(int(s), k, int(mb)) for rank in HAND[schedule] for s, k, mb in _ACTION.findall(rank)]
+    for stage in range(4):
+        for mb in range(4):
+            kinds = sorted(k for s, k, m in acts if s == stage and m == mb)
+            assert kinds in (["F", "I", "W"], ["B", "F"]), (schedule, stage, mb, kinds)
+
+
+@pytest.mark.parametrize("schedule", list(HAND))
+def test_drawn_schedules_are_torchs(schedule):
+    """The hand drawings are the orders torch's own classes build (their per-rank action lists)."""
+    from torch.distributed.pipelining import schedules as S
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    cls = {"zbv": S.ScheduleZBVZeroBubble, "interleaved-zb": S.ScheduleInterleavedZeroBubble,
+           "dualpipev": S.ScheduleDualPipeV}[schedule]
+    p, m = 2, 4
+    # the attributes the classes' order builders read (set by their __init__ from the stages)
+    shim = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p, _num_stages=2 * p,
+                                 n_local_stages=2, number_of_rounds=max(1, m // p), microbatches_per_round=p,
+                                 stage_index_to_group_rank=generate_stage_to_rank_mapping(
+                                     p, 2 * p, "loop" if schedule == "interleaved-zb" else "v"))
+    for name in ("_calculate_single_rank_operations", "_add_bubbles_to_actions"):
+        if hasattr(cls, name):
+            setattr(shim, name, types.MethodType(getattr(cls, name), shim))
+    order = {r: shim._calculate_single_rank_operations(r) for r in range(p)}
+    if schedule == "interleaved-zb":
+        shim.pipeline_order = order
+        order = shim._add_bubbles_to_actions(2 * p)
+    for r in range(p):
+        drawn = " ".join(str(a) for a in order[r] if a is not None).replace(")OVERLAP_F_B", ")")
+        assert drawn == HAND[schedule][r], (schedule, r)
+
+
+@pytest.mark.parametrize("schedule", list(HAND))
+def test_equal_chunks_step_model_is_the_drawn_length(schedule):
+    """F = B = W = 1 per chunk: 2 chunks x 4 micro-batches x 3 = 24 of work per rank, plus one
+    boundary's bubble: X = max(F, B, F + B - W) = 1 for the zero-bubble schedules (25), and for
+    DualPipeV (F&B + B - 2W) = 3 + 1 - 2 = 2 with its pairs run one action after the other (26)."""
+    drawn = _play(HAND[schedule], 4, 1.0, 1.0, 1.0)
+    assert drawn == {"zbv": 25.0, "interleaved-zb": 25.0, "dualpipev": 26.0}[schedule]
+    assert split_backward_time(schedule, *_grid(schedule, 1.0, 1.0, 1.0), m=4) == pytest.approx(drawn)
+
+
+@pytest.mark.parametrize("f, b, w", [(1.0, 2.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 0.25), (0.5, 0.5, 2.0)])
+def test_interleaved_zb_unequal_passes(f, b, w):
+    """Interleaved zero bubble: (p - 1) max(F, B, F + B - W) holds for any pass times."""
+    drawn = _play(HAND["interleaved-zb"], 4, f, b, w)
+    assert split_backward_time("interleaved-zb", *_grid("interleaved-zb", f, b, w), m=4) == pytest.approx(drawn)
+    assert drawn == pytest.approx(8 * (f + b + w) + max(f, b, f + b - w))
+
+
+def test_zbv_balanced_passes():
+    """ZB-V with F = B = W (the case it is designed for) at another scale: 2 x 4 x 3 x 0.5 + 0.5."""
+    assert _play(HAND["zbv"], 4, 0.5, 0.5, 0.5) == pytest.approx(12.5)
+    assert split_backward_time("zbv", *_grid("zbv", 0.5, 0.5, 0.5), m=4) == pytest.approx(12.5)
+
+
+def test_dualpipev_pairs_and_overlap():
+    """DualPipeV: rank 0 runs 2m - 3p + 1 = 3 pairs (drawn above).  Unequal passes (F 1, B 2,
+    W 1): the drawn schedule ends at 35 (work 32, then 3); the published bubble charges
+    F&B + B - 2W = 4 + 2 - 2 = 4 (36), one W more than torch's order needs here.  With the
+    all-to-all hidden (a pair costs max(compute, a2a) < F + B + W) the published bubble is
+    again an upper bound of the drawn schedule."""
+    assert sum(s.count("(") for s in HAND["dualpipev"][:1]) == 3
+    drawn = _play(HAND["dualpipev"], 4, 1.0, 2.0, 1.0)
+    assert drawn == pytest.approx(35.0)
+    assert dualpipev_time(1.0, 2.0, 1.0, m=4, p=2) == pytest.approx(36.0)
+    assert split_backward_time("dualpipev", *_grid("dualpipev", 1.0, 2.0, 1.0), m=4) == pytest.approx(36.0)
+    # each chunk's forward and input backward hold 0.5 of all-to-all; overlapped, a pair costs
+    # max(4 - 1, 1) = 3 instead of 4: work 32 - 3 pairs x 1, bubble 3 + 2 - 2
+    overlapped = dualpipev_time(1.0, 2.0, 1.0, m=4, p=2, a2a_f=0.5, a2a_b=0.5, overlap_a2a=True)
+    assert overlapped == pytest.approx(32 - 3 * 1 + (3 + 2 - 2))
+    assert _play(HAND["dualpipev"], 4, 1.0, 2.0, 1.0, pair=3.0) <= overlapped + 1e-12
+
+
+def test_inflight_chunks_per_schedule():
+    """Activation memory in chunks: ZB-V 1F1B's peak (2p chunks of half a stage), DualPipeV PP + 1,
+    interleaved zero bubble interleaved 1F1B's warm-up."""
+    p, m = 4, 16
+    assert [inflight_chunks("zbv", p, r, m, 2) for r in range(p)] == [8] * 4
+    assert [inflight_chunks("dualpipev", p, r, m, 2) for r in range(p)] == [9] * 4
+    assert [inflight_chunks("interleaved-zb", p, r, m, 2) for r in range(p)] == [11, 9, 7, 5]
