@@ -46,6 +46,24 @@ import numpy as np
 from autopar.core.rules import V_SCHEDULES
 
 
+#: the part of the interleaved 1F1B chunk bubble (p - 1)(F + B + W) each schedule keeps when a
+#: chunk's backward is 2F, half of it the weight gradients (B = W = F: a transformer's backward is
+#: its linears' dgrad and wgrad GEMMs, each as long as the forward GEMM) -- Qi et al. 2024 Sec. 2.1:
+#: ZB-H1's bubble is a third of 1F1B's, max(F, B, F + B - W) = F of 3F; DualPipeV's
+#: F&B + B - 2W = 2F of 3F.  For the planner's screen, which knows whole backward passes only.
+SCREEN_BUBBLE_SHARE = {"interleaved-zb": 1.0 / 3.0, "zbv": 1.0 / 3.0, "dualpipev": 2.0 / 3.0}
+
+
+def screen_bubble_share(schedule: str) -> float:
+    return SCREEN_BUBBLE_SHARE.get(schedule, 1.0)
+
+
+def rank_chunk_sums(chunk: np.ndarray, schedule: str, p: int) -> np.ndarray:
+    """Per pipeline rank, the sum of its chunks' values ``chunk`` (one per virtual stage)."""
+    v = len(chunk) // p
+    return np.asarray(chunk)[stage_grid(schedule, p, v)].sum(axis=0)
+
+
 def stage_grid(schedule: str, p: int, v: int) -> np.ndarray:
     """(v, p) array: the virtual stage that rank r runs as its chunk c -- c p + r when looped,
     and for the V schedules r on the way down, 2p - 1 - r on the way back (core/rules.stage_rank)."""

@@ -104,13 +104,15 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
     return pipe, bubble
 
 
-def interleaved_time(total: float, t_max: float, m: int, v: int) -> float:
+def interleaved_time(total: float, t_max: float, m: int, v: int, bubble_share: float = 1.0) -> float:
     """The interleaved schedule's length without sends, ``m max_r T_r + (sum_r T_r - max_r T_r) / v``
     (Narayanan et al. 2021, Sec. 2.2.2: the bubble divided by the v chunks per rank), from
     ``total`` = sum_r T_r and ``t_max`` = max_r T_r; v = 1 is one rank's (or equal stages')
     ``m T``.  The one copy of the formula: ``pipeline_time``, the planner's screen
-    (planner/search.py) and its bound (planner/screen_bound.py) read it."""
-    return m * t_max + (total - t_max) / v
+    (planner/search.py) and its bound (planner/screen_bound.py) read it; ``bubble_share``: the
+    part of that bubble a split-backward schedule keeps, where only whole backward passes are
+    known (pipeline_zero_bubble.screen_bubble_share)."""
+    return m * t_max + bubble_share * (total - t_max) / v
 
 
 def pipeline_and_ends(ctx, f_g: np.ndarray, b_g: np.ndarray, send_s: float,
