@@ -106,7 +106,8 @@ def schedule_microbatches_problem(schedule: str, num_microbatches: int, pp: int,
     if schedule == "dualpipev" and num_microbatches < num_stages:
         return (f"at least as many micro-batches as stages ({num_stages}) for the dualpipev schedule "
                 f"(torch's ScheduleDualPipeV)")
-    if schedule in ("interleaved", "interleaved-zb") and num_stages > pp and not interleaved_microbatches_ok(num_microbatches, pp):
+    if (schedule in ("interleaved", "interleaved-zb") and num_stages > pp
+            and not interleaved_microbatches_ok(num_microbatches, pp)):
         return f"a multiple of mesh.pp = {pp} micro-batches for the {schedule} schedule (core/rules.py)"
     return None
 

@@ -110,8 +110,8 @@ def describe_difference(a: Candidate, b: Candidate) -> str:
     if a.micro_batch != b.micro_batch:
         parts.append(f"micro-batch {b.micro_batch} x {b.num_microbatches}")
     if a.schedule != b.schedule or a.virtual_stages != b.virtual_stages:
-        parts.append(f"schedule {b.schedule}" + (f" v{b.virtual_stages}" if b.schedule in ("interleaved", "interleaved-zb")
-                                                 else ""))
+        looped = b.schedule in ("interleaved", "interleaved-zb")
+        parts.append(f"schedule {b.schedule}" + (f" v{b.virtual_stages}" if looped else ""))
     if a.bounds != b.bounds and a.num_stages == b.num_stages:
         parts.append("stage boundaries " + ",".join(map(str, b.bounds[1:-1])))
     if len(a.choices) == len(b.choices):

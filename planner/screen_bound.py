@@ -109,7 +109,8 @@ def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtu
     priced on pipeline rank r's devices.
 
     One rank, or equal chunks of a multi-chunk schedule: the screen's own formula, ``m max_r lat_r
-    + share (sum_r lat_r - max_r lat_r) / v`` (share: pipeline_zero_bubble.screen_bubble_share) (Narayanan et al. 2021, Sec. 2.2.2), which grows with every
+    + share (sum_r lat_r - max_r lat_r) / v`` (Narayanan et al. 2021, Sec. 2.2.2; share:
+    pipeline_zero_bubble.screen_bubble_share), which grows with every
     ``lat_r``, over the floors of each rank's chunks.  1F1B over p > 1 ranks: the stage DP
     minimises Alpa's eq. 2, ``sum_s t_s + (m - 1) max_s t_s`` (stage_dp.py); any partition's
     stages sum to at least the floors' sum S (each layer on its cheapest rank) and its slowest

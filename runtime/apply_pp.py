@@ -31,7 +31,8 @@ zero bubble (ZB1P over looped chunks), ZB-V and DualPipeV (DeepSeek-V3 technical
 Sec. 3.2.1, cut in a V) -- torch's own classes, with ``scale_grads=True`` so gradients are
 averaged over the micro-batches.  Stage i runs on pp rank i % pp, or for zbv and dualpipev on
 rank i for i < pp and 2 pp - 1 - i after (the V: ``core.rules.stage_rank``, torch's
-``generate_stage_to_rank_mapping(style="v")``), so pp rank 0 holds the first and the last stage.  At the end of a step the
+``generate_stage_to_rank_mapping(style="v")``), so pp rank 0 holds the first and the last stage.
+At the end of a step the
 schedule merges the last stage's outputs of the micro-batches into the batch's
 (``merge_microbatch_outputs``): tensors are joined along the batch dim, as torch's default
 merge does, but a 0-d tensor -- a Hugging Face MoE model's router loss, a loss the forward

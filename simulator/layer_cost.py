@@ -190,7 +190,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
     optimizer_s = dp.optimizer_s if lp.offload == "cpu" else dp.optimizer_s * compute_stretch
     return LayerCost(
-        fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s), recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
+        fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
+        recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,

@@ -13,7 +13,6 @@ torch's own orders as well.
 from __future__ import annotations
 
 import re
-import types
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from autopar.core.rules import stage_rank
 from autopar.simulator.pipeline_zero_bubble import (dualpipev_time, inflight_chunks, split_backward_time,
                                                     stage_grid)
+from autopar.simulator.torch_pipeline_order import torch_action_order
 
 # pp 2, m 4, two chunks per rank: stages 0..3
 HAND = {
@@ -98,28 +98,13 @@ def test_drawn_schedules_place_stages_as_the_runtime(schedule):
 
 @pytest.mark.parametrize("schedule", list(HAND))
 def test_drawn_schedules_are_torchs(schedule):
-    """The hand drawings are the orders torch's own classes build (their per-rank action lists)."""
-    from torch.distributed.pipelining import schedules as S
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    cls = {"zbv": S.ScheduleZBVZeroBubble, "interleaved-zb": S.ScheduleInterleavedZeroBubble,
-           "dualpipev": S.ScheduleDualPipeV}[schedule]
-    p, m = 2, 4
-    # the attributes the classes' order builders read (set by their __init__ from the stages)
-    shim = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p, _num_stages=2 * p,
-                                 n_local_stages=2, number_of_rounds=max(1, m // p), microbatches_per_round=p,
-                                 stage_index_to_group_rank=generate_stage_to_rank_mapping(
-                                     p, 2 * p, "loop" if schedule == "interleaved-zb" else "v"))
-    for name in ("_calculate_single_rank_operations", "_add_bubbles_to_actions"):
-        if hasattr(cls, name):
-            setattr(shim, name, types.MethodType(getattr(cls, name), shim))
-    order = {r: shim._calculate_single_rank_operations(r) for r in range(p)}
-    if schedule == "interleaved-zb":
-        shim.pipeline_order = order
-        order = shim._add_bubbles_to_actions(2 * p)
-    for r in range(p):
-        drawn = " ".join(str(a) for a in order[r] if a is not None).replace(")OVERLAP_F_B", ")")
-        assert drawn == HAND[schedule][r], (schedule, r)
+    """The hand drawings are the orders torch's own classes build for each rank (read through
+    simulator/torch_pipeline_order.py, which the trace draws; a pair as its forward then its
+    backward)."""
+    for r in range(2):
+        torchs = [f"{stage}{kind}{mb}" for kind, mb, stage in torch_action_order(schedule, 2, 4)[r]]
+        drawn = [f"{s}{k}{mb}" for s, k, mb in _ACTION.findall(HAND[schedule][r])]
+        assert torchs == drawn, (schedule, r)
 
 
 @pytest.mark.parametrize("schedule", list(HAND))
