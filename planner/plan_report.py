@@ -1,6 +1,7 @@
 """Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
 from __future__ import annotations
 
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES
 from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in, fmt_seconds
 from autopar.planner.candidate import describe_difference
 
@@ -44,7 +45,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                   f"(ranks = arange({m.world_size}).view({', '.join(m.axis_names)}))")
     pl = plan.pipeline
     v = len(pl.stages) // m.pp
-    sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule == "interleaved" else "")
+    sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule in MULTI_CHUNK_SCHEDULES else "")
     console.print(f"[bold]batching[/bold]    micro-batch {plan.micro_batch} x {pl.num_microbatches} micro-batches "
                   f"x {m.describe(splits='batch')} = {plan.global_batch}")
     if m.pp > 1 or v > 1:

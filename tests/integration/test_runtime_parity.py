@@ -24,6 +24,15 @@ TWO_RANK_CASES = {
     # fewer micro-batches than stages: torch's Schedule1F1B refuses it; it runs as GPipe
     "pp2_1f1b_one_microbatch": dict(pp=2, micro_batch=4, num_microbatches=1, schedule="1f1b"),
     "pp2_interleaved": dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2),
+    # the split-backward schedules (torch's ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+    # ScheduleDualPipeV), each under full recompute and FSDP (ZeRO-2: FSDP2 units per block at dp = 1);
+    # zbv and dualpipev place the stages in a V, the first and the last on pp rank 0
+    "pp2_interleaved_zb_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="interleaved-zb",
+                                          virtual_stages=2, recompute="full", zero=2),
+    "pp2_zbv_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="zbv", virtual_stages=2,
+                               recompute="full", zero=2),
+    "pp2_dualpipev_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="dualpipev",
+                                     virtual_stages=2, recompute="full", zero=2),
     "recompute_full": dict(dp=2, micro_batch=2, zero=3, recompute="full"),
     "recompute_selective": dict(dp=2, micro_batch=2, recompute="selective"),
     "offload": dict(dp=2, micro_batch=2, zero=3, offload="cpu"),
