@@ -99,7 +99,7 @@ _CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)
 _TEMP_FILE = re.compile(r"\.(latest|manifest)\.json\..+$")
 _HASH_CHUNK = 1 << 20
 # the manifest keys ``save_checkpoint``'s ``records`` may write (read back by ``resume``)
-RECORD_KEYS = ("data", "val_losses")
+RECORD_KEYS = ("data", "val_losses", "lr_schedule")   # "lr_schedule": runtime/lr_schedule.py
 # flat optimizer keys ("state.blocks.0.attn.qkv.weight.exp_avg") so several stage modules' and
 # optimizers' states merge into one checkpoint without clashing
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -9,6 +9,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopar.runtime.lr_schedule import SCHEDULES, LrSchedule
+
 # AdamW defaults.  beta2 = 0.95 and weight decay 0.1 are the GPT-3 training settings
 # (Brown et al. 2020, Appendix B); the learning rate is a small-model value and is a flag.
 DEFAULT_LR = 1e-3
@@ -16,7 +18,7 @@ ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 WEIGHT_DECAY = 0.1
 DEFAULT_SEED = 1234
-DEFAULT_WARMUP_STEPS = 2     # steps left out of the step-time median (allocator and caches warm up)
+DEFAULT_TIMING_WARMUP = 2    # steps left out of the step-time median (allocator and caches warm up)
 INIT_MODES = ("auto", "host", "per-module")
 PROGRESS_MODES = ("auto", "on", "off")    # auto: on when stdout is a terminal
 # evaluation: global batches of the validation file per evaluation (nanoGPT's eval_iters is 200
@@ -31,7 +33,7 @@ class RunOptions:
     steps: int = 10
     lr: float = DEFAULT_LR
     seed: int = DEFAULT_SEED
-    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    timing_warmup_steps: int = DEFAULT_TIMING_WARMUP
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0                 # 0: only at the end of the run (when a dir is given)
     profile: bool = False
@@ -52,10 +54,21 @@ class RunOptions:
     val_data_path: Path | None = None         # --val-data: a token file evaluated every eval_every steps
     eval_every: int = 0                       # --eval-every K (0: never)
     eval_batches: int = DEFAULT_EVAL_BATCHES  # --eval-batches N: global batches per evaluation
+    # optimizer: learning-rate schedule (runtime/lr_schedule.py), clipping (runtime/grad_norm.py), AdamW's settings
+    lr_schedule: str = "constant"
+    lr_warmup: int = 0
+    min_lr: float = 0.0
+    grad_clip: float | None = None            # None: no clipping (the norm is still computed and logged)
+    weight_decay: float = WEIGHT_DECAY
+    betas: tuple[float, float] = ADAM_BETAS
 
     @property
     def measured_file(self) -> Path:
         return self.measured_path or self.plan_path.with_name("measured.json")
+
+    def schedule(self) -> LrSchedule:
+        return LrSchedule(lr=self.lr, schedule=self.lr_schedule, warmup=self.lr_warmup, min_lr=self.min_lr,
+                          steps=self.steps)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +79,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=T.positive_number, default=DEFAULT_LR, help=f"AdamW learning rate (default: {DEFAULT_LR})")
     parser.add_argument("--seed", type=T.seed, default=DEFAULT_SEED,
                         help="seed of the initial weights and of the batches (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=T.non_negative, default=DEFAULT_WARMUP_STEPS,
+    parser.add_argument("--timing-warmup", dest="timing_warmup_steps", type=T.non_negative,
+                        default=DEFAULT_TIMING_WARMUP, metavar="N",
                         help="steps left out of the median step time (default: %(default)s)")
+    parser.add_argument("--warmup-steps", dest="warmup_steps_deprecated", type=T.non_negative, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
                         help="save torch.distributed.checkpoint checkpoints here and resume from the latest")
     parser.add_argument("--checkpoint-every", type=T.non_negative, default=0, metavar="K",
@@ -113,6 +129,46 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batches", type=T.positive, default=DEFAULT_EVAL_BATCHES, metavar="N",
                    help="global batches of --val-data per evaluation, read in order from its start "
                         "(default: %(default)s)")
+    g = parser.add_argument_group("optimizer (AdamW)")
+    g.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                   help="learning rate after the warm-up: constant, or decaying linearly / by a cosine from --lr "
+                        "to --min-lr at the last step (default: constant)")
+    g.add_argument("--lr-warmup", type=T.non_negative, default=0, metavar="W",
+                   help="steps of linear warm-up: step t < W uses lr * (t + 1) / W (default: 0)")
+    g.add_argument("--min-lr", type=T.number(0.0, lo_open=False), default=0.0,
+                   help="the learning rate a linear or cosine schedule reaches at the last step (default: 0)")
+    g.add_argument("--grad-clip", type=T.positive_number, default=None, metavar="C",
+                   help="clip the global gradient norm to C before each step, as "
+                        "torch.nn.utils.clip_grad_norm_ on the whole model (default: no clipping)")
+    g.add_argument("--weight-decay", type=T.number(0.0, lo_open=False), default=WEIGHT_DECAY,
+                   help="AdamW's decoupled weight decay (default: %(default)s)")
+    g.add_argument("--betas", type=_betas, default=ADAM_BETAS, metavar="B1,B2",
+                   help=f"AdamW's betas (default: {ADAM_BETAS[0]},{ADAM_BETAS[1]})")
+
+
+def _betas(text: str) -> tuple[float, float]:
+    parts = str(text).split(",")
+    try:
+        values = tuple(float(x) for x in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 2 or not all(0.0 <= b < 1.0 for b in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not two numbers B1,B2 in [0, 1) (e.g. 0.9,0.95).")
+    return values
+
+
+def timing_warmup(args: argparse.Namespace) -> int:
+    """--timing-warmup, or the older --warmup-steps (with a note, once) when that is given."""
+    old = getattr(args, "warmup_steps_deprecated", None)
+    if old is None:
+        return args.timing_warmup_steps
+    import sys
+
+    print("autopar: --warmup-steps is now --timing-warmup (steps left out of the median step time; "
+          "--lr-warmup is the learning-rate warm-up); --warmup-steps still works.", file=sys.stderr, flush=True)
+    args.warmup_steps_deprecated = None           # the note once, however often the args are read
+    args.timing_warmup_steps = old
+    return old
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -123,14 +179,19 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
             raise UserError(f"--{name.replace('_', '-')} is {getattr(args, name)}; it must be a positive integer.")
     if args.eval_batches < 1:
         raise UserError(f"--eval-batches is {args.eval_batches}; it must be a positive integer.")
-    if args.checkpoint_every < 0 or args.warmup_steps < 0 or args.eval_every < 0:
-        raise UserError("--checkpoint-every, --warmup-steps and --eval-every must not be negative.")
-    return RunOptions(plan_path=Path(args.plan), steps=args.steps, lr=args.lr, seed=args.seed,
-                      warmup_steps=args.warmup_steps, checkpoint_dir=args.checkpoint_dir,
+    warmup = timing_warmup(args)
+    if args.checkpoint_every < 0 or warmup < 0 or args.eval_every < 0:
+        raise UserError("--checkpoint-every, --timing-warmup and --eval-every must not be negative.")
+    opts = RunOptions(plan_path=Path(args.plan), steps=args.steps, lr=args.lr, seed=args.seed,
+                      timing_warmup_steps=warmup, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, profile=args.profile,
                       measured_path=args.measured, init=args.init, log_every=args.log_every,
                       keep_checkpoints=args.keep_checkpoints,
                       metrics_path=args.metrics, tensorboard_dir=args.tensorboard, progress=args.progress,
                       init_from=args.init_from,
                       data_path=args.data, data_dtype=args.data_dtype, shuffle_seed=args.shuffle,
-                      val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches)
+                      val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches,
+                      lr_schedule=args.lr_schedule, lr_warmup=args.lr_warmup, min_lr=args.min_lr,
+                      grad_clip=args.grad_clip, weight_decay=args.weight_decay, betas=tuple(args.betas))
+    opts.schedule()                                   # a --min-lr above --lr: refused before any start
+    return opts

@@ -56,7 +56,7 @@ from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_in
 from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
-from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
+from autopar.runtime.options import ADAM_EPS, RunOptions
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
 from autopar.runtime.state_names import StateNames
@@ -360,7 +360,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
             part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
-                                  ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY) for p in parts]  # 8
+                                  tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),

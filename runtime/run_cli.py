@@ -25,9 +25,12 @@ from autopar.core.errors import UserError
 from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
-_FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
+_FORWARDED = ("steps", "lr", "seed", "timing_warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
               "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
-              "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches")
+              "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches",
+              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas")
+# flags whose name is not the argument's with '-' for '_'
+_FLAG_OF = {"timing_warmup_steps": "--timing-warmup"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +54,9 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is None:
             continue
-        out += [f"--{name.replace('_', '-')}", str(value)]
+        if isinstance(value, tuple):                  # --betas B1,B2
+            value = ",".join(str(v) for v in value)
+        out += [_FLAG_OF.get(name, f"--{name.replace('_', '-')}"), str(value)]
     if args.profile:
         out.append("--profile")
     return out
@@ -66,9 +71,9 @@ def torchrun_command(args: argparse.Namespace, nproc_per_node: int | str, rdzv_e
             *runtime_arguments(args)]
 
 
-def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = None, profile: bool = False,
+def run_plan(plan_path: str | Path, *, steps: int, timing_warmup_steps: int | None = None, profile: bool = False,
              log=None) -> int:
-    """``autopar run PLAN --steps N [--warmup-steps W]`` as a function: the launch path other
+    """``autopar run PLAN --steps N [--timing-warmup W]`` as a function: the launch path other
     verbs reuse (``autopar plan --trial-steps``), so they start a plan exactly as a user would.
 
     Writes measured.json beside the plan; returns the exit code (a plan for several nodes prints
@@ -78,8 +83,8 @@ def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = No
     parser = argparse.ArgumentParser(prog="autopar run")
     add_arguments(parser)
     argv = [str(plan_path), "--steps", str(steps)]
-    if warmup_steps is not None:
-        argv += ["--warmup-steps", str(warmup_steps)]
+    if timing_warmup_steps is not None:
+        argv += ["--timing-warmup", str(timing_warmup_steps)]
     if profile:
         argv.append("--profile")
     return main(parser.parse_args(argv), log=log)

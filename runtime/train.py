@@ -11,11 +11,16 @@ the data-parallel gradient reduction averages over the dp ranks, so every layout
 the gradient of the mean loss over the global batch -- what a single-process loop over the
 global batch computes (the parity tests' ``tests/plain_loop.py``).  The logged loss is that global mean.
 
-Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own (on
-CUDA the step clock synchronises the device at both ends of the step).  The losses stay on the device and are reduced over the ranks in one all-reduce when
-they are logged (every ``--log-every`` steps), before a checkpoint and at the end
-(``Trainer.flush_losses``); the log line and its other outputs (``--metrics``, TensorBoard, the
-progress line) are ``autopar.runtime.metrics``'s, read after the clock stops.  ``Trainer`` holds a run's state between steps so a caller (the
+Per step the clock holds only the step's own work -- the batch is drawn before it starts --: no ``.item()``, no collective of its own
+but, with ``--grad-clip``, the global gradient norm's one all-reduce (on CUDA the step clock
+synchronises the device at both ends of the step).  The step's learning rate is the schedule's
+(runtime/lr_schedule.py, set by ``optimizer_control``).  The losses stay on the device and are
+reduced over the ranks in one all-reduce when they are logged (every ``--log-every`` steps),
+before a checkpoint and at the end (``Trainer.flush_losses``); without clipping, the logged
+step's gradient norm is taken outside the clock (this rank's sum of squares after the step) and
+reduced in that same all-reduce (``Trainer.last_grad_norm``).  The log line and its other outputs
+(``--metrics``, TensorBoard, the progress line) are ``autopar.runtime.metrics``'s, read after the
+clock stops.  ``Trainer`` holds a run's state between steps so a caller (the
 overhead benchmark) can interleave its steps with other work; ``run`` is setup, the steps and
 the report.  Between steps (outside the clock) ``run`` makes one small all-reduce: whether any
 rank was sent SIGTERM / SIGINT / SIGHUP (``autopar.runtime.stop_signals``); if so every rank
@@ -42,6 +47,7 @@ from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, mea
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
 from autopar.runtime.metrics import Metrics
 from autopar.runtime.model_state import gather_model_state_bytes, model_state_bytes
+from autopar.runtime.optimizer_control import OptimizerControl
 from autopar.runtime.options import RunOptions
 from autopar.runtime.parallelize import ParallelModel, build_parallel_model
 from autopar.runtime.plan_check import CheckedPlan, check_plan
@@ -85,9 +91,11 @@ def _cp_forward(pm: ParallelModel, inputs, device: torch.device):
     return pm.cp.mode(), pm.cp.forward_kwargs(tuple(inputs), device)
 
 
-def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs, target) -> torch.Tensor:
+def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs, target,
+               control: OptimizerControl | None = None) -> torch.Tensor:
     """Forward, backward and optimizer step; returns this rank's mean loss over its samples (0 off
-    the last stage).  The gradients are left in place: the caller clears them (``zero_grad``)."""
+    the last stage).  ``control``: clips the gradients (``--grad-clip``) once they are final, before
+    the optimizer steps.  The gradients are left in place: the caller clears them (``zero_grad``)."""
     nmb = checked.plan.pipeline.num_microbatches
     loss_fn = checked.model_file.loss
     if pm.schedule is not None:
@@ -123,6 +131,8 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
     if pm.tied_grad_sum is not None:
         pm.tied_grad_sum(pm.parts)
     with record_function("autopar.optimizer"):
+        if control is not None:
+            control.clip()
         for opt in pm.optimizers:
             opt.step()
         if pm.after_optimizer_step is not None:     # the float8 weights' scales (runtime/apply_fp8.py)
@@ -130,22 +140,47 @@ def train_step(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs
     return local_loss
 
 
+def step_on_rows(pm: ParallelModel, checked: CheckedPlan, ctx: RankContext, inputs, target,
+                 control: OptimizerControl, step: int) -> torch.Tensor:
+    """One optimizer step (step number ``step``) on this rank's rows of the global batch, on the
+    device: the schedule's learning rate, context parallelism's share of the tokens, then
+    ``train_step``.  The trainer and the Python API (runtime/api.py) both step through it."""
+    control.before(step)
+    inputs, target = rank_tokens(pm, inputs, target)
+    return train_step(pm, checked, ctx, inputs, target, control)
+
+
+def rank_tokens(pm: ParallelModel, inputs, target):
+    """This cp rank's tokens of its rows (runtime/apply_cp.py); the rows unchanged without cp."""
+    if pm.cp is None:
+        return inputs, target
+    return tuple(pm.cp.slice(x) for x in inputs), pm.cp.slice(target) if target is not None else None
+
+
 def zero_grad(pm: ParallelModel) -> None:
     for opt in pm.optimizers:
         opt.zero_grad(set_to_none=True)
 
 
-def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int) -> list[float]:
+def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int,
+                  sums: list[torch.Tensor] = ()) -> list[float] | tuple[list[float], list[float]]:
     """The global-batch mean of each step: the last stage's tp-rank-0 losses, averaged over
     ``dp`` ranks (one all-reduce for all the steps given); the caller passes dp x cp, since the
-    cp ranks each hold the mean over an equal share of the tokens."""
-    if not local_losses:
-        return []
-    values = torch.stack([l.detach().float().reshape(()).to(ctx.device) for l in local_losses])
+    cp ranks each hold the mean over an equal share of the tokens.  ``sums``: further 0-d values
+    summed over every rank in the same all-reduce (the gradients' squares, runtime/grad_norm.py);
+    given, the result is (losses, those sums)."""
+    if not local_losses and not sums:
+        return ([], []) if sums else []
+    values = torch.stack([l.detach().float().reshape(()).to(ctx.device) for l in local_losses]) \
+        if local_losses else torch.zeros(0, device=ctx.device)
     if not (pm.has_last_stage and ctx.tp_rank == 0):
         values = torch.zeros_like(values)
+    if sums:
+        values = torch.cat([values, torch.stack([x.float().reshape(()).to(ctx.device) for x in sums])])
     dist.all_reduce(values)
-    return [v / dp for v in values.tolist()]
+    out = values.tolist()
+    losses = [v / dp for v in out[:len(local_losses)]]
+    return (losses, out[len(local_losses):]) if sums else losses
 
 
 def _maybe_fault(rank: int, step: int) -> None:
@@ -239,6 +274,9 @@ class Trainer:
         check_data_on_ranks(opts, self.checked, ctx)     # before the model is built: nothing trains on bad data
         torch.manual_seed(opts.seed)
         self.pm = pm = build_parallel_model(self.checked, ctx, opts, self.checked.model_file.loss)
+        self.control = OptimizerControl(pm, opts, ctx.device)
+        self.last_lr: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None   # global norm before clipping (runtime/grad_norm.py)
         ep = f" ep={plan.mesh.ep}" if plan.mesh.ep > 1 else ""
         self.log(f"plan {opts.plan_path}: mesh {plan.mesh.describe('{name}={size}', ' ')}{ep}, "
                  f"zero {plan.zero} ({pm.dp_kind}), "
@@ -254,9 +292,9 @@ class Trainer:
         if opts.checkpoint_dir is not None:
             resumed = checkpointing.resume(
                 opts.checkpoint_dir, pm.parts, pm.optimizers, self.identity, opts.steps, names=pm.state_names,
-                check_records=lambda path, step, records: check_data_record(records.get("data"),
-                                                                            self.data_record(step), path, opts))
+                check_records=self._check_records)
             if resumed is not None:
+                self.control.apply_hyperparameters()     # the loaded optimizer state carried the saving run's
                 self.first_step, self.losses = resumed.step, resumed.losses
                 records = resumed.records or {}
                 self.val_losses = [(int(a), float(b)) for a, b in records.get("val_losses", [])]
@@ -268,6 +306,7 @@ class Trainer:
             self.evaluator = Evaluator(self._token_rows(val, shuffle=None, prefetch=False), opts.eval_batches)
         self.clock, self.prof, self.profiled = StepClock(ctx.device), None, 0
         self.pending: list[torch.Tensor] = []       # local losses not yet reduced over the ranks
+        self.pending_squares: list[torch.Tensor] = []   # the last unclipped step's gradient squares (grad_norm)
         self.state_bytes: dict | None = None        # model_state_bytes of the last step
         self.saved: dict[int, Path] = {}            # step -> checkpoint folder saved by this run
         self.metrics = Metrics.for_trainer(self)    # the log line, --metrics, TensorBoard, progress
@@ -306,12 +345,14 @@ class Trainer:
             if source is not None:
                 source.close()
 
+    def _check_records(self, path, step: int, records: dict) -> None:
+        """Before a checkpoint is read: its data position (runtime/data_check.py) and its
+        learning-rate schedule (runtime/lr_schedule.py) must be this run's."""
+        check_data_record(records.get("data"), self.data_record(step), path, self.opts)
+        self.control.check_schedule(records, f"checkpoint {path}")
+
     def _rank_tokens(self, inputs, target):
-        """This cp rank's tokens of its rows (runtime/apply_cp.py); the rows unchanged without cp."""
-        if self.pm.cp is None:
-            return inputs, target
-        return (tuple(self.pm.cp.slice(x) for x in inputs),
-                self.pm.cp.slice(target) if target is not None else None)
+        return rank_tokens(self.pm, inputs, target)
 
     def evaluate(self, done: int) -> float:
         """The global mean validation loss over ``--eval-batches`` batches (runtime/evaluate.py),
@@ -342,14 +383,19 @@ class Trainer:
             print(f"[autopar] {msg}", flush=True)
 
     def flush_losses(self) -> None:
-        new = global_losses(self.pending, self.pm, self.ctx, self.plan.mesh.dp * self.plan.mesh.cp)
+        """Reduce the pending losses (and, without clipping, the last step's gradient squares, in
+        the same all-reduce: ``last_grad_norm``) over the ranks."""
+        dp = self.plan.mesh.dp * self.plan.mesh.cp
+        new, squares = global_losses(self.pending, self.pm, self.ctx, dp, self.pending_squares[-1:])
         loss_guard.check_losses(new, len(self.losses), self.opts.checkpoint_dir)   # same values on every rank
+        if squares:
+            self.last_grad_norm = torch.tensor(squares[0], device=self.ctx.device).sqrt()
         self.losses += new
-        self.pending = []
+        self.pending, self.pending_squares = [], []
 
     def step(self, step: int) -> None:
         opts, ctx = self.opts, self.ctx
-        if opts.profile and step - self.first_step == opts.warmup_steps:
+        if opts.profile and step - self.first_step == opts.timing_warmup_steps:
             self.prof = start_profiler(ctx.device)
         done = step + 1
         # a synthetic batch is drawn before the clock starts, as a data loader's workers would
@@ -358,11 +404,14 @@ class Trainer:
         self.batches.prepare(step)
         self.clock.start()
         with record_function(STEP_REGION) if self.prof is not None else contextlib.nullcontext():
-            inputs, target = self._rank_tokens(*self.batches.get(step))
-            local_loss = train_step(self.pm, self.checked, ctx, inputs, target)
+            inputs, target = self.batches.get(step)
+            local_loss = step_on_rows(self.pm, self.checked, ctx, inputs, target, self.control, step)
         dt = self.clock.stop()
         if done == opts.steps:               # after the backward and the step, before zero_grad
             self.state_bytes = model_state_bytes(self.pm.parts, self.pm.optimizers)
+        self.last_lr, self.last_grad_norm = self.control.last_lr, self.control.last_grad_norm
+        if self.last_grad_norm is None:      # not clipped: this rank's squares, reduced with the losses
+            self.pending_squares = [self.control.norm.local_squares()]
         zero_grad(self.pm)
         self.profiled += self.prof is not None
         self.pending.append(local_loss)
@@ -386,7 +435,8 @@ class Trainer:
                                              self.identity, self.losses, keep=opts.keep_checkpoints,
                                              names=self.pm.state_names,
                                              records={"data": self.data_record(done),
-                                                      "val_losses": [list(x) for x in self.val_losses]})
+                                                      "val_losses": [list(x) for x in self.val_losses],
+                                                      **self.control.record()})
         self.saved[done] = path
         return path
 
@@ -438,7 +488,7 @@ class Trainer:
             self.state_bytes = model_state_bytes(self.pm.parts, self.pm.optimizers)
         state_per_rank = gather_model_state_bytes(self.state_bytes)
         report = measured_report(
-            step_times_s=self.clock.times_s, warmup_steps=opts.warmup_steps, global_batch=plan.global_batch,
+            step_times_s=self.clock.times_s, warmup_steps=opts.timing_warmup_steps, global_batch=plan.global_batch,
             seq_len=self.checked.graph.seq_len, memory_per_rank_bytes=gather_per_rank(self.memory.peak_bytes()),
             memory_kind=self.memory.kind, losses=self.losses, fingerprint=plan.model.fingerprint,
             world_size=ctx.world_size, device=ctx.device, plan_file=str(opts.plan_path),

@@ -16,7 +16,7 @@ def main() -> None:
         # "options": any further RunOptions fields of the case (paths as strings)
         extra = {k: (Path(v) if k.endswith(("_path", "_dir", "_file")) and isinstance(v, str) else v)
                  for k, v in case.get("options", {}).items()}
-        run(RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 5), warmup_steps=1,
+        run(RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 5), timing_warmup_steps=1,
                        checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None,
                        checkpoint_every=case.get("checkpoint_every", 0), measured_path=Path(case["measured"]),
                        init=case.get("init", "auto"), profile=case.get("profile", False), **extra))
