@@ -162,25 +162,26 @@ def zero_grad(pm: ParallelModel) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int,
-                  sums: list[torch.Tensor] = ()) -> list[float] | tuple[list[float], list[float]]:
+def global_losses(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int) -> list[float]:
     """The global-batch mean of each step: the last stage's tp-rank-0 losses, averaged over
     ``dp`` ranks (one all-reduce for all the steps given); the caller passes dp x cp, since the
-    cp ranks each hold the mean over an equal share of the tokens.  ``sums``: further 0-d values
-    summed over every rank in the same all-reduce (the gradients' squares, runtime/grad_norm.py);
-    given, the result is (losses, those sums)."""
+    cp ranks each hold the mean over an equal share of the tokens."""
+    return losses_and_sums(local_losses, pm, ctx, dp)[0]
+
+
+def losses_and_sums(local_losses: list[torch.Tensor], pm: ParallelModel, ctx: RankContext, dp: int,
+                    sums: list[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+    """``global_losses`` and, in the same all-reduce, ``sums``: further 0-d values summed over
+    every rank (the gradients' squares, runtime/grad_norm.py)."""
     if not local_losses and not sums:
-        return ([], []) if sums else []
-    values = torch.stack([l.detach().float().reshape(()).to(ctx.device) for l in local_losses]) \
-        if local_losses else torch.zeros(0, device=ctx.device)
+        return [], []
+    values = [l.detach().float().reshape(()).to(ctx.device) for l in local_losses]
     if not (pm.has_last_stage and ctx.tp_rank == 0):
-        values = torch.zeros_like(values)
-    if sums:
-        values = torch.cat([values, torch.stack([x.float().reshape(()).to(ctx.device) for x in sums])])
+        values = [torch.zeros_like(v) for v in values]
+    values = torch.stack(values + [x.float().reshape(()).to(ctx.device) for x in sums])
     dist.all_reduce(values)
     out = values.tolist()
-    losses = [v / dp for v in out[:len(local_losses)]]
-    return (losses, out[len(local_losses):]) if sums else losses
+    return [v / dp for v in out[:len(local_losses)]], out[len(local_losses):]
 
 
 def _maybe_fault(rank: int, step: int) -> None:
@@ -386,7 +387,7 @@ class Trainer:
         """Reduce the pending losses (and, without clipping, the last step's gradient squares, in
         the same all-reduce: ``last_grad_norm``) over the ranks."""
         dp = self.plan.mesh.dp * self.plan.mesh.cp
-        new, squares = global_losses(self.pending, self.pm, self.ctx, dp, self.pending_squares[-1:])
+        new, squares = losses_and_sums(self.pending, self.pm, self.ctx, dp, self.pending_squares[-1:])
         loss_guard.check_losses(new, len(self.losses), self.opts.checkpoint_dir)   # same values on every rank
         if squares:
             self.last_grad_norm = torch.tensor(squares[0], device=self.ctx.device).sqrt()
