@@ -18,12 +18,17 @@ Modules, in the order a run uses them:
 * ``parallelize``    -- the one documented order that applies a plan:
   ``apply_pp`` (stages) -> ``apply_tp`` (TP / SP) -> ``recompute`` -> ``apply_dp`` (FSDP2 /
   replicate) -> ``materialize`` (shards only) -> ``apply_dp`` (DDP, ZeRO-1) -> optimizers;
+* ``optimizer_control`` -- around each optimizer step: the learning rate of ``lr_schedule``
+  (warm-up, constant / linear / cosine), the global gradient norm and ``--grad-clip``
+  (``grad_norm``: each piece of the model counted once, whatever the layout), betas and weight decay;
 * ``train``          -- the loop (``Trainer``: setup, one ``step`` per step, ``finish``): batches
   (``batches``: synthetic, a token file's rows of this rank prefetched a step ahead, or the model
   file's ``batches()``; ``batch_check``), evaluation (``evaluate``: ``--val-data``), steps, loss (``loss_guard``: stop on non-finite), checkpoints
   (``checkpointing``: DCP with a verified manifest), measurements (``measure``,
   ``profile_breakdown``, ``model_state``) into measured.json; ``metrics``: the log line (lr, grad
   norm, tokens/s, MFU, memory), ``--metrics`` jsonl, TensorBoard and the progress line;
+* ``api``            -- ``autopar.prepare``: a plan applied inside the user's own loop
+  (``PreparedJob.step`` is the trainer's step), docs/runtime.md;
 * ``rank_errors``    -- the first failing rank's message and exit code, from any rank;
 * ``run_cli``        -- the ``autopar run`` verb (starts torchrun through ``launch``, or prints
   per-node commands);
