@@ -12,7 +12,9 @@ With ``lr`` the peak, ``W`` the warm-up steps, ``T`` the run's total steps (``--
 
 The runtime sets the value on every optimizer's parameter groups before each step
 (``set_group_values``), so the schedule's only state is the step number, which a checkpoint already
-holds; ``LrSchedule.record`` is what the checkpoint's manifest keeps of its settings, and
+holds (torch's ``LambdaLR`` would compute the same values, but keeps a step counter of its own per
+optimizer, one more state to save and restore under every layout, pipeline stages and ZeRO-1's
+partitions included); ``LrSchedule.record`` is what the checkpoint's manifest keeps of its settings, and
 ``check_resume`` decides whether a resumed run may go on with the settings it was given.
 """
 from __future__ import annotations
