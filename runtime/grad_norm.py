@@ -49,7 +49,9 @@ def _piece_key(name: str, p: torch.Tensor) -> tuple:
     if not isinstance(p, DTensor):
         return (name,)
     mesh = p.device_mesh
-    shards = tuple((d, mesh.get_local_rank(d)) for d, pl in enumerate(p.placements) if pl.is_shard())
+    # every placement but Replicate splits the tensor over its mesh dim: Shard, and FSDP2's
+    # _StridedShard (a tp-sharded dim sharded again), which is no Shard subclass in torch 2.13
+    shards = tuple((d, mesh.get_local_rank(d)) for d, pl in enumerate(p.placements) if not pl.is_replicate())
     return (name, mesh.mesh_dim_names, shards)
 
 
