@@ -19,10 +19,14 @@ from autopar.runtime.train import Trainer, run
 def _norms_run(opts: RunOptions, path: Path) -> None:
     trainer = Trainer(opts)
     norms = []
-    for step in range(trainer.first_step, opts.steps):
-        trainer.step(step)
-        norms.append(float(trainer.last_grad_norm))
-    trainer.finish()
+    try:
+        for step in range(trainer.first_step, opts.steps):
+            trainer.step(step)
+            norms.append(float(trainer.last_grad_norm))
+        trainer.finish()
+    finally:
+        trainer.close_data()
+        trainer.release_lock()
     if dist.get_rank() == 0:
         path.write_text(json.dumps(norms))
 
@@ -32,7 +36,7 @@ def main() -> None:
     for case in cases:
         # "options": any further RunOptions fields of the case (paths as strings, betas as a list)
         extra = {k: (Path(v) if k.endswith(("_path", "_dir", "_file")) and isinstance(v, str) else
-                     tuple(v) if isinstance(v, list) else v)
+                     tuple(v) if k == "betas" else v)
                  for k, v in case.get("options", {}).items()}
         opts = RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 5), timing_warmup_steps=1,
                           checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None,
