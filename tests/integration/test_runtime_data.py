@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -45,7 +46,9 @@ EVAL = {"val_data_path": "VAL", "eval_every": 2, "eval_batches": 2}
 # name -> (model, uniform_plan arguments, ep, further options)
 CASES = {
     "gpt_ddp_shuffle_val": ("gpt", dict(dp=2, micro_batch=2), 1, {"shuffle_seed": SHUFFLE, **EVAL}),
-    "gpt_zero3": ("gpt", dict(dp=2, micro_batch=2, zero=3), 1, {}),
+    # on a token file with a warm-up + cosine schedule and clipping that bites (runtime/lr_schedule.py)
+    "gpt_zero3_cosine_clip": ("gpt", dict(dp=2, micro_batch=2, zero=3), 1,
+                              {"lr_schedule": "cosine", "lr_warmup": 1, "min_lr": 1e-4, "grad_clip": 0.5}),
     "gpt_tp2_sp_val": ("gpt", dict(tp=2, micro_batch=4, sequence_parallel=True), 1, EVAL),
     "gpt_pp2_gpipe_shuffle_val": ("gpt", dict(pp=2, micro_batch=2, num_microbatches=2, schedule="gpipe"), 1,
                                   {"shuffle_seed": SHUFFLE, **EVAL}),
@@ -139,12 +142,19 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, **{s["name"]: s for s in specs}}
 
 
+def _cosine_lr(t: int) -> float:
+    """gpt_zero3_cosine_clip's learning rate, written out: 1 warm-up step, then cosine from 1e-3 to 1e-4."""
+    lr, floor, w = 1e-3, 1e-4, 1
+    return lr * (t + 1) / w if t < w else floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * (t - w) / (STEPS - w)))
+
+
 @functools.lru_cache(maxsize=None)
-def _plain(model: str, steps: int, shuffle: int | None, train: str):
+def _plain(model: str, steps: int, shuffle: int | None, train: str, cosine_clip: bool = False):
     path, args = MODELS[model]
     seq = args.get("seq", 8)
+    optimizer = {"lr_at": _cosine_lr, "grad_clip": 0.5} if cosine_clip else {}
     return plain_loop.train_plain(path, dict(args), GLOBAL_BATCH, steps,
-                                  batches=ref_tokens.batches(Path(train), seq, GLOBAL_BATCH, shuffle))
+                                  batches=ref_tokens.batches(Path(train), seq, GLOBAL_BATCH, shuffle), **optimizer)
 
 
 def _check_val(case: dict, tmp: Path, shuffle: int | None, model_name: str = "gpt") -> None:
@@ -165,7 +175,9 @@ def _check_val(case: dict, tmp: Path, shuffle: int | None, model_name: str = "gp
 def test_layout_on_a_token_file_matches_the_plain_loop(runs, name):
     case = runs[name]
     model, _, _, options = CASES[name]
-    ref = _plain(model, STEPS, options.get("shuffle_seed"), str(runs["tmp"] / "train.bin"))
+    ref = _plain(model, STEPS, options.get("shuffle_seed"), str(runs["tmp"] / "train.bin"), "grad_clip" in options)
+    if "grad_clip" in options:
+        assert min(ref.grad_norms) > options["grad_clip"], ref.grad_norms    # the clip bites at every step
     if model == "moe":
         # the router's near-tie elements are checked by test_runtime_ep.py's own bound; the losses here
         losses = json.loads(Path(case["measured"]).read_text())["losses"]
