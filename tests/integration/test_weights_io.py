@@ -1,4 +1,11 @@
-"""``--init-from`` and ``autopar export`` against a plain PyTorch loop.
+"""The whole job -- ``--init-from``, ``--data``, a warm-up + cosine schedule, clipping, and
+``autopar export`` -- against a plain PyTorch loop.
+
+Every case starts from weights on disk, trains on a token file (half of them with
+``--shuffle``) under a warm-up + cosine learning-rate schedule with a gradient clip that bites
+at every step, and is exported; the plain loop is given the same weights, the test's own
+reading of the token file (tests/token_reference.py), the schedule's closed form written here
+and ``torch.nn.utils.clip_grad_norm_``.
 
 One 2-rank launch (tests/runtime_worker.py) trains, from weights written to disk, a tied
 transformers model (zoo's Qwen2, ``tie_word_embeddings``) under dp 2, ZeRO-3, CPU offload,
@@ -29,8 +36,11 @@ from cli_inprocess import run_cli
 from runtime_support import NOISE_GRAD, failure_summary, run_cases
 from test_zoo_parity import GLOBAL_BATCH, OFFLOAD, PP, TP, ZERO3, ZOO, _plan
 
-STEPS = 3
+STEPS = 4
 ATOL = 1e-5
+SEQ, VOCAB = 8, 64            # the zoo models' sequence length and vocabulary
+LR, MIN_LR, WARMUP = plain_loop.LR, 1e-4, 2
+CLIP = 0.05                   # below every step's gradient norm (checked on the plain loop)
 SEED = 7                      # the saved weights' own seed, not the runtime's default init seed
 DDP = dict(dp=2, micro_batch=2)
 
@@ -80,6 +90,19 @@ def _read_directly(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+def lr_at(step: int) -> float:
+    """The issue's warm-up + cosine rule, written out (T = STEPS)."""
+    import math
+
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    return MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, STEPS - WARMUP)))
+
+
+def _shuffle(case: str) -> int | None:
+    return 11 if CASES_BY_NAME[case][1] in ("hf_qwen2",) and case != "qwen_ddp" else None
+
+
 # (case, zoo model, plan kind, plan kwargs, weights)
 CASES = [("qwen_ddp", "hf_qwen2", "ddp", DDP, "qwen_folder"),
          ("qwen_zero3", "hf_qwen2", "zero3", ZERO3, "qwen_sharded"),
@@ -95,6 +118,9 @@ CASES = [("qwen_ddp", "hf_qwen2", "ddp", DDP, "qwen_folder"),
          ("llama_cp", "hf_llama", "cp", dict(cp=2, micro_batch=2, num_microbatches=2), "llama_folder")]
 
 
+CASES_BY_NAME = {c[0]: c for c in CASES}
+
+
 def _case_plan(model: str, kind: str, kw: dict, path: Path) -> Path:
     if kind == "ep":
         from test_runtime_ep import ep_plan
@@ -108,19 +134,33 @@ def runs(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("weights_io")
     weights = _write_weights(tmp)
+    import token_reference
+
+    ids = torch.randint(0, VOCAB, (4001,), generator=torch.Generator().manual_seed(3))
+    weights["tokens"] = token_reference.write_tokens(tmp / "train.bin", ids.numpy())
     cases = []
     for case, model, kind, kw, w in CASES:
+        options = {"init_from": str(weights[w]), "data_path": str(weights["tokens"]), "lr_schedule": "cosine",
+                   "lr_warmup": WARMUP, "min_lr": MIN_LR, "grad_clip": CLIP}
+        if _shuffle(case) is not None:
+            options["shuffle_seed"] = _shuffle(case)
         cases.append({"plan": str(_case_plan(model, kind, kw, tmp / f"{case}.json")), "steps": STEPS,
                       "measured": str(tmp / f"{case}.measured.json"), "checkpoint_dir": str(tmp / f"{case}_ck"),
-                      "options": {"init_from": str(weights[w])}})
+                      "options": options})
     out = run_cases(2, cases, tmp, timeout_s=900)
     return tmp, weights, out
 
 
 @functools.lru_cache(maxsize=None)
-def _plain(model: str, weights_path: str):
+def _plain(model: str, weights_path: str, tokens: str, shuffle: int | None):
+    import token_reference
+
     initial = _read_directly(Path(weights_path))
-    return plain_loop.train_plain(ZOO / f"{model}.py", {}, GLOBAL_BATCH, STEPS, initial=initial)
+    ref = plain_loop.train_plain(ZOO / f"{model}.py", {}, GLOBAL_BATCH, STEPS, initial=initial,
+                                 batches=token_reference.batches(Path(tokens), SEQ, GLOBAL_BATCH, shuffle),
+                                 lr_at=lr_at, grad_clip=CLIP)
+    assert min(ref.grad_norms) > CLIP, ("the clip must bite at every step", ref.grad_norms)
+    return ref
 
 
 def _assert_close(got: dict[str, torch.Tensor], ref, label: str) -> None:
@@ -142,7 +182,7 @@ def test_init_from_and_export_match_plain_loop(runs, case, model, kind, kw, w):
     tmp, weights, out = runs
     measured = json.loads((tmp / f"{case}.measured.json").read_text())
     assert measured.get("init") == "init-from", measured.get("init")
-    ref = _plain(model, str(weights[w]))
+    ref = _plain(model, str(weights[w]), str(weights["tokens"]), _shuffle(case))
     diff = max(abs(a - b) for a, b in zip(measured["losses"], ref.losses))
     assert len(measured["losses"]) == STEPS and diff <= ATOL, \
         f"{case}: losses {measured['losses']} vs plain loop {ref.losses}\n" + failure_summary(out.stdout)
