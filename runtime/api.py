@@ -22,7 +22,7 @@ optimizer step, then ``zero_grad``.
 
 The model: the plan's model file (default), another model file (``model_file=``), or functions
 of the script (``build_model=``, with ``make_batch=`` -- the plan's model file's when not given
--- and optionally ``loss_fn=``): the same contract as a model file (docs/model_files.md), where
+-- and optionally ``loss_fn=``): the same contract as a model file (README, "Model files"), where
 ``make_batch`` is used only on the meta device, to capture the forward and cut pipeline stages.
 """
 from __future__ import annotations
