@@ -266,6 +266,13 @@ class GatherSequence(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                if x.dim() != 3:
+                    # tokens flattened to [tokens, hidden] (a MoE's shared expert): the row-wise
+                    # module's reduce-scatter back to Shard(1) would cut the hidden dim
+                    raise PlanFileError(
+                        f"sequence parallelism: {type(module).__name__} (a column/row pair's parent) is called on a "
+                        f"{x.dim()}-D activation {tuple(x.shape)}, not [batch, seq, hidden]: its sequence shards "
+                        f"cannot be gathered and scattered back. Plan sequence_parallel false for this model.")
                 return DTensor.from_local(x, device_mesh, (Shard(SEQ_DIM),), run_check=False) \
                     .redistribute(device_mesh, (Replicate(),)).to_local()
             return x
