@@ -16,9 +16,11 @@ The rows:
   pipeline parallelism (DualPipe), 64-way expert parallelism over 8 nodes, ZeRO-1 data
   parallelism, no tensor parallelism, and the recomputation of RMSNorm and the MLA
   up-projections (priced here as the selective recompute).  DualPipe is not priced on this
-  branch: the hand layout runs the best schedule the simulator has for it, interleaved 1F1B with
-  two model chunks per rank (DualPipe's two chunks), named in the table; ``--schedule`` fixes
-  another for the hand layouts (``dualpipev`` where the simulator prices it).
+  branch: the hand layout runs the best schedule the simulator has for it, named in the table:
+  interleaved 1F1B with two model chunks per rank (DualPipe's two chunks) where the micro-batch
+  count allows (a multiple of pp), else 1F1B -- DeepSeek-V3's 120 micro-batches per dp rank over
+  pp 16 run 1F1B; ``--schedule`` fixes another for the hand layouts (``dualpipev`` where the
+  simulator prices it).
 - Mixtral 8x22B (mistralai/Mixtral-8x22B-v0.1 config.json: 56 layers, hidden 6144, 48 heads, 8
   K/V heads, 8 experts of ffn 16384, top 2, vocabulary 32768): no training layout is published
   by Mistral; the hand layout is an expert's choice (this benchmark's author, after Megatron-Core
@@ -97,6 +99,11 @@ def hand_plan(row: Row, schedule: str, cluster):
     h = row.hand
     graph = capture_model_file(str(MODEL), model_args(row), h["micro_batch"])
     sched = schedule if h["pp"] > 1 else "1f1b"
+    micro = row.global_batch // (h["dp"] * h["micro_batch"])
+    if sched == "interleaved" and micro % h["pp"]:
+        # torch's interleaved 1F1B takes a multiple of pp micro-batches (core/rules.py): DeepSeek-V3's
+        # 15360 / dp 128 = 120 is not one of 16, so its hand layout runs plain 1F1B
+        sched = "1f1b"
     plan = config_plan(graph, dp=h["dp"], tp=h["tp"], pp=h["pp"], micro_batch=h["micro_batch"],
                        global_batch=row.global_batch, schedule=sched, virtual_stages=h["virtual_stages"],
                        zero=h["zero"], recompute=h["recompute"], offload="none", precision="bf16",
@@ -109,7 +116,8 @@ def hand_plan(row: Row, schedule: str, cluster):
 
 
 def free_plan(row: Row, time_budget: float, folder: Path):
-    """(the plan ``autopar plan`` writes for the row, CPU seconds of the whole command, its text)."""
+    """(the plan ``autopar plan`` writes for the row, CPU seconds of the whole command, the plan's
+    provenance: its search's wall seconds ``search_s``)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from cli_inprocess import run_cli
 
@@ -123,7 +131,8 @@ def free_plan(row: Row, time_budget: float, folder: Path):
     cpu = time.process_time() - t0
     if r.returncode != 0:
         raise SystemExit(f"autopar plan for {row.name} exited {r.returncode}:\n{r.stderr[-3000:]}")
-    return load_plan(out), cpu, r.stdout
+    prov = json.loads(out.read_text()).get("provenance", {})
+    return load_plan(out), cpu, prov
 
 
 def describe(plan) -> str:
@@ -153,7 +162,8 @@ def main(argv=None) -> int:
 
     lines = [f"MoE layouts: hand layout vs the planner's free plan, priced alike (simulator, {CLUSTER} profile "
              f"h100-sxm, bf16, eager); hand pipelines run '{args.schedule}'", ""]
-    header = f"{'model':<15} {'GPUs':>5} {'batch':>6} {'plan':<8} {'step s':>9} {'TFLOP/s/GPU':>12} {'fits':>5}  layout"
+    header = (f"{'model':<15} {'GPUs':>5} {'batch':>6} {'plan':<8} {'step s':>9} {'TFLOP/s/GPU':>12} {'peak GiB':>9} "
+              f"{'fits':>5}  layout")
     lines += [header, "-" * len(header)]
     records = []
     folder = Path(tempfile.mkdtemp(prefix="moe_layouts_"))
@@ -164,24 +174,29 @@ def main(argv=None) -> int:
         cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
         hplan, graph = hand_plan(row, args.schedule, cluster)
         hres = price_plan(hplan, cluster, cms, graph=graph)
-        fplan, cpu_s, _text = free_plan(row, args.time_budget, folder)
+        fplan, cpu_s, prov = free_plan(row, args.time_budget, folder)
         fres = price_plan(fplan, cluster, cms)
         gpus = row.nodes * 8
         for label, plan, res in (("hand", hplan, hres), ("planner", fplan, fres)):
             lines.append(f"{row.name:<15} {gpus:>5} {row.global_batch:>6} {label:<8} {res.step_time_s:>9.2f} "
-                         f"{res.tflops_per_gpu:>12.1f} {'yes' if res.fits else 'NO':>5}  {describe(plan)}")
+                         f"{res.tflops_per_gpu:>12.1f} {res.max_memory_bytes / 2**30:>9.1f} "
+                         f"{'yes' if res.fits else 'NO':>5}  {describe(plan)}")
         ratio = fres.step_time_s / hres.step_time_s
         lines.append(f"{'':<15} planner / hand step time = {ratio:.3f} "
                      f"({'planner faster or equal' if ratio <= 1 else 'PLANNER SLOWER'}); free search "
-                     f"{cpu_s:.1f} CPU-s (whole autopar plan); hand layout: {row.source}")
+                     f"{cpu_s:.1f} CPU-s (whole autopar plan; its search {prov.get('search_s', float('nan')):.1f} s "
+                     f"wall)")
+        lines.append(f"{'':<15} hand layout: {row.source}")
         lines.append("")
         records.append({"model": row.name, "gpus": gpus, "global_batch": row.global_batch,
                         "hand": {"layout": describe(hplan), "step_s": hres.step_time_s,
                                  "tflops_per_gpu": hres.tflops_per_gpu, "fits": hres.fits, "source": row.source},
                         "planner": {"layout": describe(fplan), "step_s": fres.step_time_s,
                                     "tflops_per_gpu": fres.tflops_per_gpu, "fits": fres.fits,
-                                    "search_cpu_s": cpu_s},
+                                    "plan_cpu_s": cpu_s, "search_wall_s": prov.get("search_s")},
                         "ratio_planner_over_hand": ratio})
+    lines.append("fits: the plan's peak memory within an H100's 80 GB less the planner's headroom; a hand layout "
+                 "that does not fit could not run as priced (the planner only offers plans that fit).")
     lines.append("DualPipe (DeepSeek-V3's schedule) is not priced here: rerun with --schedule dualpipev where the "
                  "simulator prices it.")
     text = "\n".join(lines)
