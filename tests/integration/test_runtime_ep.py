@@ -60,6 +60,9 @@ FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSD
               "dp2_pp2_ep2_1f1b": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="1f1b"), 2),
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2),
+              # sequence parallelism: the router and the ep-split experts, replicated over tp, read
+              # the sequence shards; their gradients are summed over tp (apply_tp._sum_replicated_grads)
+              "dp2_tp2_sp_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3, sequence_parallel=True), 2),
               # one expert per rank of dp 2 x cp 2, FSDP over nothing left
               "dp2_cp2_ep4_zero3": (dict(dp=2, cp=2, micro_batch=2, zero=3), 4),
               # ep borrowed from the dp ranks of each pipeline stage: ranks 0, 2 (stage 0) and 1, 3
@@ -97,7 +100,8 @@ CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_z
               ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
               ("moe", "dp2_pp2_ep2_interleaved")]
            # the real-size models' structure, shrunk (``ARGS``)
-           + [("hf_mixtral", "dp4_ep4_zero3"), ("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")])
+           + [("hf_mixtral", "dp4_ep4_zero3"), ("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")]
+           + [("hf_mixtral", "dp2_tp2_sp_ep2_zero3")])
 
 
 @functools.lru_cache(maxsize=None)
