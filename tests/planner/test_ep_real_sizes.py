@@ -66,6 +66,7 @@ def test_qwen3_slice_plans_at_ep8(tmp_path):
     assert plan["mesh"]["ep"] == 8
 
 
+@pytest.mark.slow
 def test_hf_mixtral_at_real_width_plans_with_ep(tmp_path):
     """transformers' grouped experts call ``torch._grouped_mm`` on the weights' dtype (float32),
     which its meta function refuses under FakeTensorMode while the kernels run it
@@ -78,6 +79,7 @@ def test_hf_mixtral_at_real_width_plans_with_ep(tmp_path):
     assert plan["mesh"]["ep"] == 8
 
 
+@pytest.mark.slow
 def test_deepseek_v3_check_offers_ep():
     """The runtime check of the DeepSeek-V3-shaped model (on fake tensors) lets ep run, inside
     pipeline stages too; sequence parallelism is left out for its shared expert, a column/row
