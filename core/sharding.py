@@ -55,6 +55,7 @@ class TPCollective:
     bytes: float     # the full (unsharded) tensor, at capture batch size and dtype
     pass_: str       # "fwd" | "bwd"
     at: str          # op name it belongs to
+    per_sample: bool = True   # its bytes grow with the batch (an activation); False: a parameter's gradient
 
 
 @dataclass(frozen=True)
@@ -642,7 +643,9 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
     # Sequence parallelism covers only the layers that hold a column/row pair (the runtime
     # applies it the same way, runtime/apply_tp.py); a layer without one runs replicated on
     # full activations even on a sequence-parallel mesh.
-    sp = bool(sequence_parallel and applied)
+    split_experts = {m: e for m, e in stacked_experts(graph, layer_index).items()
+                     if styles.get(m) == "expert" and e % tp == 0}
+    sp = bool(sequence_parallel and (applied or split_experts))
     outside = tp if sp else 1
     compute = {o.name: outside for o in ops}
     saved = {o.name: outside for o in ops}
@@ -708,11 +711,7 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
             for _ in range(3):
                 colls.append(TPCollective("all_reduce", tokens * DTYPE_BYTES["float32"], "fwd", loss))
 
-    for module, experts in stacked_experts(graph, layer_index).items():
-        # (under sequence parallelism the runtime refuses such a layer: its router is a
-        # replicated parameter on sequence shards, runtime/apply_tp._check_sequence_parallel_params)
-        if styles.get(module) != "expert" or experts % tp:
-            continue
+    for module in split_experts:
         inside = _expert_ops(ops, module)
         names = {o.name for o in inside}
         # each rank holds E/tp experts and multiplies only the rows routed to them: the ops that
@@ -721,18 +720,45 @@ def propagate(graph: OpGraph, layer_index: int, styles: dict[str, str], tp: int,
         # 2022, "Switch Transformers", Sec. 2.2); the routing bookkeeping and the element-wise
         # ops between them run on every routed row on every rank.
         for o in inside:
+            # under SP the module runs on the tokens of every tp rank (gathered below)
+            compute[o.name] = saved[o.name] = output[o.name] = 1
             if o.params:
                 compute[o.name] = param[o.name] = tp
         # f operator on the floating inputs (tokens, routing weights): all-reduce of their
-        # gradients backward; g operator on the output: all-reduce forward (Shoeybi et al. 2019, Fig. 3)
+        # gradients backward; g operator on the output: all-reduce forward (Shoeybi et al. 2019,
+        # Fig. 3).  Under SP, all-gather of the inputs forward (reduce-scatter backward) and
+        # reduce-scatter of the output forward (all-gather backward): Korthikanti et al. 2022,
+        # Fig. 5, as runtime/expert_tp.ExpertShard runs it
         entering = {src: _tensor_bytes(src, o, graph_by_name) for o in inside if o.requires_grad
                     and o.dtype.startswith(("float", "bfloat")) for src in o.inputs if src not in names
                     and by_name.get(src) is not None and by_name[src].requires_grad}
         for src, nbytes in entering.items():
-            colls.append(TPCollective("all_reduce", nbytes, "bwd", src))
+            if sp:
+                colls.append(TPCollective("all_gather", nbytes, "fwd", src))
+                colls.append(TPCollective("reduce_scatter", nbytes, "bwd", src))
+            else:
+                colls.append(TPCollective("all_reduce", nbytes, "bwd", src))
         for o in inside:
             if any(c not in names for c in consumers.get(o.name, [])):
-                colls.append(TPCollective("all_reduce", float(o.output_bytes), "fwd", o.name))
+                if sp:
+                    colls.append(TPCollective("reduce_scatter", float(o.output_bytes), "fwd", o.name))
+                    colls.append(TPCollective("all_gather", float(o.output_bytes), "bwd", o.name))
+                else:
+                    colls.append(TPCollective("all_reduce", float(o.output_bytes), "fwd", o.name))
+
+    if sp:
+        # a replicated parameter read on the sequence shards (a norm's weight, a router): its
+        # gradient is summed over tp backward, once per micro-batch (runtime/apply_tp.py: DTensor's
+        # SequenceParallel for a norm, _sum_replicated_grads for the others; Megatron-LM sums
+        # both the same way, once per step, finalize_model_grads)
+        seen: set[str] = set()
+        for o in ops:
+            trained = [p for p in o.params if p not in o.frozen_params and p not in seen]
+            if not trained or param[o.name] > 1 or compute[o.name] != tp:
+                continue
+            seen.update(trained)
+            nbytes = float(o.param_numel - o.frozen_numel) * dtype_bytes(o.dtype)
+            colls.append(TPCollective("all_reduce", nbytes, "bwd", o.name, per_sample=False))
 
     emb = _largest_embedding(ops)
     if emb is not None and styles.get(emb.module_path) == "rowwise":

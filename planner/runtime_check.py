@@ -478,8 +478,14 @@ MAX_CHECK_WORLD = 64     # larger plans are checked with 2 data-parallel ranks
 def reduced_plan(plan: Plan) -> Plan:
     """``plan`` with at most 2 data-parallel ranks once its world exceeds MAX_CHECK_WORLD: the
     runtime transforms every dp replica alike (same tp splits, stage cuts and FSDP units; 2
-    ranks shard as the many do), and a fake world of thousands of ranks costs seconds to build."""
+    ranks shard as the many do), and a fake world of thousands of ranks costs seconds to build.
+    Expert parallelism, borrowed from the dp x cp ranks, keeps the largest degree those ranks
+    still hold (gcd(ep, 2 cp)): every ep group splits and exchanges alike, and that its degree
+    divides each site's experts is checked apart (core/experts.ep_refusal, the planner's space)."""
+    import math
+
     m = plan.mesh
     if m.world_size <= MAX_CHECK_WORLD or m.dp <= 2:
         return plan
-    return replace(plan, mesh=replace(m, dp=2), global_batch=2 * plan.micro_batch * plan.pipeline.num_microbatches)
+    mesh = replace(m, dp=2, ep=math.gcd(m.ep, 2 * m.cp))
+    return replace(plan, mesh=mesh, global_batch=2 * plan.micro_batch * plan.pipeline.num_microbatches)

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -127,6 +128,29 @@ def _exchange_counts(counts: torch.Tensor, state: ExpertParallel) -> torch.Tenso
     return recv.view(ep, local)
 
 
+def _balanced_splits(rows: int, experts: int, state: ExpertParallel):
+    """(recv_counts [ep, E/ep], send_splits, recv_splits) of a balanced routing of ``rows`` rows
+    over ``experts`` experts (expert ``e`` gets ``rows // E`` rows, one more for the first
+    ``rows % E``), as this rank would see it if every rank of the group routed alike.
+
+    Under ``FakeTensorMode`` (the planner's dry run of a large model, runtime/dry_run.py) the
+    routed counts are tensors without values: read with ``.tolist()`` they become unbacked
+    symbols, and the all-to-all's output size (a sum of them) cannot be evaluated
+    (``GuardOnDataDependentSymNode``).  The exchange's shapes are then those of this stand-in
+    routing: what the dry run checks -- that every transformation applies and every shape
+    lines up in forward and backward -- holds for any routing, since the code path is the same
+    and only the row counts differ (no routing makes a shape mismatch that a balanced one
+    hides: the rows each expert gets are cut by the same counts on both sides of each
+    exchange).  The simulator prices the mean rows per expert too, times a capacity factor
+    (simulator/ep_cost.py)."""
+    ep, local = state.ep, experts // state.ep
+    per = [rows // experts + (1 if e < rows % experts else 0) for e in range(experts)]
+    mine = per[state.rank_in_group * local:(state.rank_in_group + 1) * local]
+    send_splits = [sum(per[r * local:(r + 1) * local]) for r in range(ep)]
+    recv_splits = [sum(mine)] * ep
+    return torch.tensor([mine] * ep, dtype=torch.int64), send_splits, recv_splits
+
+
 def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertParallel) -> torch.Tensor:
     """Rows sorted by expert (``counts[e]`` rows for expert ``e`` of ``E``) -> the experts'
     outputs, same order, computed on the ranks holding them.  ``compute(rows, local_index,
@@ -134,14 +158,17 @@ def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertP
     ep = state.ep
     local = counts.numel() // ep
     recv_counts = _exchange_counts(counts, state)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_splits = recv_counts.sum(1).tolist()
+    if is_fake(counts):
+        recv_counts, send_splits, recv_splits = _balanced_splits(rows.shape[0], counts.numel(), state)
+    else:
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
     received = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, state.group)
     # received rows: by source rank, then by local expert -> by local expert, then by source
     # (not torch.arange: under context parallelism apply_cp.CPAttention answers an arange of the
     # local sequence length with the rank's token positions)
     index = torch.repeat_interleave(torch.tensor(list(range(local)) * ep, device=rows.device),
-                                    recv_counts.flatten().to(rows.device))
+                                    recv_counts.flatten().to(rows.device), output_size=sum(recv_splits))
     order = torch.argsort(index, stable=True)
     # the experts' weight gradients scaled by 1 / ep, their input gradient left exact (module
     # docstring, "Gradients"); ep is a power of two in practice, so the scaling rounds nothing
@@ -196,7 +223,10 @@ def shard_stacked(module: nn.Module, state: ExpertParallel) -> None:
         tokens, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=total)
+        # (not ``bincount``, whose length depends on the largest index: a value, unknown under
+        # the dry run's FakeTensorMode)
+        counts = torch.zeros(total, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
 
         def compute(rows, local_index, _per_expert):
             n, local_index = rows.shape[0], local_index.unsqueeze(1)

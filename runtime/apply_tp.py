@@ -20,7 +20,7 @@ A module given the style "expert" (a mixture of experts' stacked experts) is spl
 (``expert_tp.ExpertShard``): each rank runs experts / tp of them and the outputs are summed.
 
 Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) applies to the layers that hold a
-column/row pair: between the TP regions the activations are sharded on the sequence dim
+column/row pair or experts split by expert: between the TP regions the activations are sharded on the sequence dim
 (``Shard(1)``): norms run under ``SequenceParallel``, the sequence is all-gathered on entry to
 each column-wise module's parent (the attention or MLP module, whose forward may read the
 sequence length from its input; the column-wise module itself where the parent runs an unsplit
@@ -28,7 +28,10 @@ module of its own on that input, as a LoRA wrapper runs its frozen base layer) a
 row-wise module reduce-scatters back into it
 (``output_layouts=Shard(1)``).  At the edges of a run of such layers the activation is cut
 (``Replicate -> Shard(1)``, no communication) on entry and all-gathered on exit, so the layers
-outside the run, and pipeline stage boundaries, see ordinary full tensors.
+outside the run, and pipeline stage boundaries, see ordinary full tensors.  Any other
+replicated parameter used on the sequence shards (a router) has its gradient summed over the tp
+ranks (``_sum_replicated_grads``), and experts split by expert gather the shards
+(``expert_tp.ExpertShard``).
 
 Gradients keep their parameter's sharding.  DTensor's backward of an embedding lookup has no
 vocab-sharded (row-wise) strategy: with the indices and the incoming gradient replicated it
@@ -59,7 +62,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from autopar.core.errors import PlanFileError
 from autopar.core.plan import tp_style_parts
-from autopar.runtime.expert_tp import EXPERT_STYLE, ExpertShard, is_stacked_experts
+from autopar.runtime.expert_tp import EXPERT_STYLE, ExpertShard, SumGradOverGroup, is_stacked_experts
 from autopar.runtime.fused_tp import PartsColwise, is_parts_split
 
 SEQ_DIM = 1      # activations are [batch, seq, hidden]
@@ -101,19 +104,22 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
         return
     plan: dict[str, object] = {}
     matmul = {f for _, styles in layer_styles for f in styles if _is_matmul(module.get_submodule(f))}
-    sp_layers = [sequence_parallel and _has_pair(styles, matmul) and bool(path) for path, styles in layer_styles]
+    # a layer is sequence parallel where tp splits a column/row pair or experts by expert (each a
+    # region that takes the sequence shards whole and hands them back)
+    sp_layers = [sequence_parallel and bool(path) and (_has_pair(styles, matmul) or EXPERT_STYLE in styles.values())
+                 for path, styles in layer_styles]
     for (path, styles), sp in zip(layer_styles, sp_layers):
         if sp:
-            _check_sequence_parallel_params(module, path, styles)
+            _sum_replicated_grads(module, path, styles, tp_mesh)
         # a pair is a column- and a row-wise Linear (or Conv1D) under one parent; a row-wise
         # embedding is a vocabulary-parallel lookup, never the second half of a pair
         parents_with_row = {_parent(f) for f, s in styles.items() if s == "rowwise" and f in matmul}
         parents_with_col = {_parent(f) for f, s in styles.items() if _base(s) == "colwise" and f in matmul}
         for fqn, style in styles.items():
             if style == EXPERT_STYLE:
-                # tokens and routing are replicated over tp (also under SP: the layer's
-                # router is then a loose parameter and _check_sequence_parallel_params refuses it)
-                plan[fqn] = ExpertShard()
+                # tokens and routing are replicated over tp; under SP the module gathers the
+                # sequence shards on entry and reduce-scatters its output (expert_tp.ExpertShard)
+                plan[fqn] = ExpertShard(sequence_parallel=sp)
                 continue
             paired = fqn in matmul and _parent(fqn) in (parents_with_row if _base(style) == "colwise"
                                                         else parents_with_col)
@@ -189,26 +195,52 @@ def _region_norms(module: nn.Module, path: str, styles: dict[str, str], parents:
     return norms
 
 
-def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[str, str]) -> None:
+def _sum_replicated_grads(module: nn.Module, path: str, styles: dict[str, str], tp_mesh: DeviceMesh) -> None:
     """Under sequence parallelism a layer's activations between its TP regions are sequence
-    shards, so a replicated parameter used there (other than a norm's, which ``SequenceParallel``
-    sums over the tp ranks) would get the gradient of this rank's tokens only and the replicas
-    would drift apart -- a mixture of experts' router (transformers 5 Mixtral's, and its
-    stacked experts unless split by expert) is such a parameter.  Refuse the layout instead of training another model.
-    A frozen parameter (``requires_grad=False``) gets no gradient and cannot drift."""
+    shards, so a replicated parameter used there gets from each tp rank the gradient of that
+    rank's tokens only.  A norm's is summed by ``SequenceParallel`` (DTensor: Replicate weight,
+    Partial -> Replicate gradient); every other such parameter -- a mixture of experts' router,
+    its experts unless split by expert (or split by ep, replicated over tp), a gate's bias --
+    reads its parameters through ``SumGradOverGroup`` (identity forward, gradient summed over
+    the tp group backward, before any data-parallel reduction sees it), hooked on the submodule
+    that owns them for the length of its forward.  Megatron-LM does the same for the router's
+    weight under sequence parallelism (it marks it ``sequence_parallel`` and all-reduces such
+    gradients over the tp group, megatron/core/transformer/moe/router.py and
+    megatron/core/distributed/finalize_model_grads.py).  A parameter the layer module owns
+    itself is refused: data parallelism's units swap such parameters at the layer's own forward,
+    where no hook of this module can come after them.  A frozen parameter
+    (``requires_grad=False``) gets no gradient and cannot drift: it is neither refused nor hooked."""
     layer = module.get_submodule(path)
     covered = set()
     for name, sub in layer.named_modules():
         fqn = f"{path}.{name}" if name else path
         if fqn in styles or _is_norm(sub):
             covered.update(id(p) for p in sub.parameters())
-    loose = [f"{path}.{n}" for n, p in layer.named_parameters() if id(p) not in covered and p.requires_grad]
-    if loose:
+    own = [f"{path}.{n}" for n, p in layer.named_parameters(recurse=False)
+           if id(p) not in covered and p.requires_grad]
+    if own:
         raise PlanFileError(
-            f"sequence parallelism: layer {path} holds parameters that neither a tp split nor a norm covers "
-            f"({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}); on a sequence shard their gradients "
-            f"would cover one rank's tokens only. Plan sequence_parallel false for this model, or split those "
-            f"modules too.")
+            f"sequence parallelism: layer {path} holds parameters of its own that neither a tp split nor a norm "
+            f"covers ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}); on a sequence shard their gradients "
+            f"would cover one rank's tokens only. Plan sequence_parallel false for this model, or move them into a "
+            f"submodule.")
+    group = tp_mesh.get_group()
+    for name, sub in layer.named_modules():
+        loose = [n for n, p in sub.named_parameters(recurse=False) if id(p) not in covered and p.requires_grad]
+        if name and loose:
+            sub.register_forward_pre_hook(partial(_read_summed, names=loose, group=group))
+            sub.register_forward_hook(_restore_read)
+
+
+def _read_summed(mod: nn.Module, _args, *, names: list[str], group) -> None:
+    mod.__dict__["_sp_grad_saved"] = saved = {}
+    for n in names:
+        saved[n] = p = mod._parameters[n]
+        mod._parameters[n] = SumGradOverGroup.apply(p, group)
+
+
+def _restore_read(mod: nn.Module, _args, _output) -> None:
+    mod._parameters.update(mod.__dict__.pop("_sp_grad_saved", {}))
 
 
 def keep_embedding_grads_sharded(module: nn.Module) -> None:
@@ -255,6 +287,13 @@ class GatherSequence(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                if x.dim() != 3:
+                    # tokens flattened to [tokens, hidden] (a MoE's shared expert): the row-wise
+                    # module's reduce-scatter back to Shard(1) would cut the hidden dim
+                    raise PlanFileError(
+                        f"sequence parallelism: {type(module).__name__} (a column/row pair's parent) is called on a "
+                        f"{x.dim()}-D activation {tuple(x.shape)}, not [batch, seq, hidden]: its sequence shards "
+                        f"cannot be gathered and scattered back. Plan sequence_parallel false for this model.")
                 return DTensor.from_local(x, device_mesh, (Shard(SEQ_DIM),), run_check=False) \
                     .redistribute(device_mesh, (Replicate(),)).to_local()
             return x

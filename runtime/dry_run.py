@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph
@@ -155,8 +156,13 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
 
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
+        @contextlib.contextmanager
         def fake_tensors():   # one mode for the parameters and the forward that reads them
-            return contextlib.nullcontext() if fake_mode is None else fake_mode
+            if fake_mode is None:
+                yield
+                return
+            with fake_mode, _GroupedMMAnyDtype():
+                yield
 
         # steps 2-6b exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
         built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors,
@@ -195,6 +201,24 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
                 out = built.restore_output(out)
             loss = model_file.loss(out, target)
             loss.backward()
+
+
+class _GroupedMMAnyDtype(TorchDispatchMode):
+    """Under FakeTensorMode, ``aten._grouped_mm`` on float32 / float16 operands answers as the
+    kernels do: an output of the operands' dtype.  Its meta function (torch 2.13,
+    torch/_meta_registrations.py ``_meta_grouped_mm_common``) still refuses any dtype but
+    bfloat16, while the CPU kernel and the CUDA one (aten/src/ATen/native/cuda/GroupedBlas.cpp:
+    a CUTLASS path for bf16 on sm90/sm100, ``_grouped_mm_fallback`` -- a loop of mm over the
+    groups -- otherwise) run them; transformers 5's grouped experts call it on the weights'
+    dtype.  The shape comes from the meta function on bfloat16 copies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype in (torch.float32, torch.float16):
+            a, b, *rest = args
+            kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
+        return func(*args, **kwargs)
 
 
 def _check_even_splits(model, plan: Plan) -> None:

@@ -31,6 +31,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -70,8 +71,52 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class SumGradOverGroup(torch.autograd.Function):
+    """Megatron's ``f`` on a parameter that may be a DTensor (its gradient then one too, summed
+    on its local tensor): identity forward, gradient summed over ``group`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = (grad.to_local() if isinstance(grad, DTensor) else grad).contiguous().clone()
+        dist.all_reduce(local, group=ctx.group)
+        if isinstance(grad, DTensor):
+            local = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                                       shape=grad.shape, stride=grad.stride())
+        return local, None
+
+
+def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """The tp ranks' token rows (dim 0) concatenated in rank order; backward: the gradient summed
+    over the ranks and this rank's rows kept (a reduce-scatter), Korthikanti et al. 2022, Fig. 5 ``g``."""
+    return funcol.all_gather_tensor_autograd(x.contiguous(), 0, group)
+
+
+def _scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Rows summed over the tp ranks, this rank's share of them kept (dim 0); backward: all-gather
+    (Korthikanti et al. 2022, Fig. 5 ``g-bar``)."""
+    return funcol.reduce_scatter_tensor_autograd(x.contiguous(), "sum", 0, group)
+
+
 class ExpertShard(ParallelStyle):
-    """Split a stacked-experts module by expert over the tp mesh (module docstring)."""
+    """Split a stacked-experts module by expert over the tp mesh (module docstring).
+
+    ``sequence_parallel``: the module is called on this rank's sequence shard of the tokens (a
+    layer under sequence parallelism): the tokens, their expert indices and routing weights are
+    all-gathered over tp on entry, each rank runs its experts on every rank's tokens, and the
+    partial outputs are reduce-scattered back to the shard -- Megatron-Core's MoE under
+    sequence parallelism (its token dispatchers gather the tokens of the tp group before
+    routing them to the local experts and reduce-scatter after: ``gather_from_sequence_parallel_region``
+    / ``reduce_scatter_to_sequence_parallel_region``, megatron/core/transformer/moe/token_dispatcher.py),
+    instead of ``f`` / ``g``."""
+
+    def __init__(self, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
@@ -81,6 +126,7 @@ class ExpertShard(ParallelStyle):
         local = total // tp
         lo = rank * local
         group = device_mesh.get_group()
+        sp = self.sequence_parallel
         names = [n for n, _ in module.named_parameters(recurse=False)]
         for name in names:
             param = getattr(module, name)
@@ -100,10 +146,15 @@ class ExpertShard(ParallelStyle):
             values = dict(zip(keys, args))
             values.update({k: kwargs[k] for k in keys if k in kwargs})
             hidden, index, weights = (values[k] for k in keys)
+            if sp:
+                hidden, weights = _gather_tokens(hidden, group), _gather_tokens(weights, group)
+                index = funcol.all_gather_tensor(index.contiguous(), 0, group)
+            else:
+                hidden, weights = _CopyToGroup.apply(hidden, group), _CopyToGroup.apply(weights, group)
             mine = (index >= lo) & (index < lo + local)
-            values[keys[0]] = _CopyToGroup.apply(hidden, group)
+            values[keys[0]] = hidden
             values[keys[1]] = torch.where(mine, index - lo, torch.full_like(index, local))
-            values[keys[2]] = _CopyToGroup.apply(weights, group) * mine.to(weights.dtype)
+            values[keys[2]] = weights * mine.to(weights.dtype)
             # the forward reads this rank's experts as plain tensors; to_local keeps autograd
             # (the gradient arrives as a Shard(0) DTensor on the parameter)
             mod.__dict__["_expert_tp_saved"] = saved = {}
@@ -117,7 +168,7 @@ class ExpertShard(ParallelStyle):
 
         def post(mod, _args, _kwargs, output):
             mod._parameters.update(mod.__dict__.pop("_expert_tp_saved", {}))
-            return _SumOverGroup.apply(output, group)
+            return _scatter_tokens(output, group) if sp else _SumOverGroup.apply(output, group)
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)

@@ -171,9 +171,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     _add_module_overheads(work, cm)
     # a selective recompute keeps the outputs of the collectives its policy saves (selective_mm_policy.py)
     selective = cm.code.selective_mm_policy if lp.recompute == "selective" else None
-    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops,
-                           selective)
     experts = ep_cost.routed_experts(graph, layer_index)
+    # expert ops split ep ways: a gradient sum of their replicated weights (sequence parallel)
+    # carries this rank's E / ep experts
+    ep_ops = frozenset(n for r in experts for n in r.ops) if mesh.ep > 1 else frozenset()
+    tpc = _tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops,
+                           selective, ep_ops, mesh.ep)
     extra_meetings = _sequence_and_experts(graph, layer_index, work, tpc, layout, mesh, precision, cm, links, scale,
                                            node_processes, experts, selective)
     rec = _recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
@@ -526,7 +529,7 @@ class _TensorParallelComm:
 
 def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, scale: float, act_scale: float,
                      node_processes: int | None, skipped_ops: frozenset = frozenset(),
-                     selective: str | None = None) -> _TensorParallelComm:
+                     selective: str | None = None, ep_ops: frozenset = frozenset(), ep: int = 1) -> _TensorParallelComm:
     """Tensor parallelism: the collectives the layout puts after the split modules (Shoeybi et
     al. 2019, Sec. 3: f/g all-reduces; with sequence parallelism all-gather/reduce-scatter pairs,
     Korthikanti et al. 2022, Sec. 4.2.2), on the tensor-parallel group's link.  ``skipped_ops``:
@@ -534,10 +537,15 @@ def _tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks,
     an op's output does not run in it either (an all-gather of its input, issued before the op,
     does).  ``selective``: the code's selective policy where the layer is selectively recomputed:
     a forward collective it saves keeps its output (``selective_saved_bytes``), one it does not
-    reruns in backward (``selective_fwd_s``; simulator/selective_mm_policy.py)."""
+    reruns in backward (``selective_fwd_s``; simulator/selective_mm_policy.py).  A parameter
+    gradient's sum (``per_sample`` False) does not grow with the batch; at an op of ``ep_ops``
+    it holds 1 / ``ep`` of the experts."""
     c = _TensorParallelComm()
     for coll in layout.collectives:
-        nbytes = coll.bytes * scale * act_scale
+        if coll.per_sample:
+            nbytes = coll.bytes * scale * act_scale
+        else:
+            nbytes = coll.bytes / (ep if coll.at in ep_ops else 1)
         wire = ring_wire_bytes(coll.kind, nbytes, tp)
         t, m = cm.collective_time_ex(coll.kind, nbytes, tp, links.tp.link, links.tp.level, processes=node_processes)
         c.measured += m

@@ -56,8 +56,13 @@ TWO_RANKS = {"dp2_ep2": (dict(dp=2, micro_batch=2), 2),
              "cp2_ep2": (dict(cp=2, micro_batch=4), 2)}
 FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSDP over the 2 ranks left
               "dp4_ep4": (dict(dp=4, micro_batch=1), 4),                   # one expert per rank, no replica
+              "dp4_ep4_zero3": (dict(dp=4, micro_batch=1, zero=3), 4),
+              "dp2_pp2_ep2_1f1b": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="1f1b"), 2),
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2),
+              # sequence parallelism: the router and the ep-split experts, replicated over tp, read
+              # the sequence shards; their gradients are summed over tp (apply_tp._sum_replicated_grads)
+              "dp2_tp2_sp_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3, sequence_parallel=True), 2),
               # one expert per rank of dp 2 x cp 2, FSDP over nothing left
               "dp2_cp2_ep4_zero3": (dict(dp=2, cp=2, micro_batch=2, zero=3), 4),
               # ep borrowed from the dp ranks of each pipeline stage: ranks 0, 2 (stage 0) and 1, 3
@@ -75,7 +80,16 @@ CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep
            # rank saves only its own experts' entries)
            + [("hf_mixtral", "dp2_ep2_resumed"), ("deepseek_moe", "dp2_ep2_zero3_resumed")])
 # model arguments of a case (default: the zoo's): 8 experts, 4 per ep rank
-ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8}}
+ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8},
+        # the real-size models the planner plans with ep (tests/planner/test_ep_real_sizes.py),
+        # their width shrunk and their routing kept: Mixtral 8x7B (8 experts, top 2, 4 query
+        # heads per K/V head), the Qwen3-30B-A3B slice (4 layers, 64 experts, top 8, 2 query
+        # heads per K/V head), DeepSeek-V3 (256 routed experts, top 8, a shared expert, dense
+        # first layers) -- at ep 4, and DeepSeek-V3's ep inside pipeline stages
+        ("hf_mixtral", "dp4_ep4_zero3"): {"experts": 8, "top_k": 2, "heads": 4, "kv_heads": 1},
+        ("hf_mixtral", "dp4_ep4"): {"layers": 4, "experts": 64, "top_k": 8, "heads": 4, "kv_heads": 2, "ffn": 16},
+        ("deepseek_moe", "dp2_pp2_ep2_1f1b"): {"layers": 4, "dense_layers": 2, "experts": 256, "top_k": 8,
+                                               "expert_ffn": 8}}
 CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_zero3"),
             ("deepseek_moe", "dp4_ep4"), ("moe_grouped", "dp4_ep2_zero3"), ("hf_mixtral", "dp2_cp2_ep4_zero3")]
            + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")]
@@ -84,7 +98,10 @@ CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_z
            # and a 0-d router loss in a dict output merged over the micro-batches (moe_aux)
            + [("moe", "dp2_pp2_ep2_gpipe"), ("hf_mixtral", "dp2_pp2_ep2_1f1b_zero3"),
               ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
-              ("moe", "dp2_pp2_ep2_interleaved")])
+              ("moe", "dp2_pp2_ep2_interleaved")]
+           # the real-size models' structure, shrunk (``ARGS``)
+           + [("hf_mixtral", "dp4_ep4_zero3"), ("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")]
+           + [("hf_mixtral", "dp2_tp2_sp_ep2_zero3")])
 
 
 @functools.lru_cache(maxsize=None)

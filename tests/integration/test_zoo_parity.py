@@ -108,7 +108,10 @@ MODELS: dict[str, dict] = {
     # summed over tp), the router replicated on every tp rank
     # a pipeline cut from its torch.export graph keeps the experts as a module call
     # (runtime/expert_calls.py; inlined, they counted tokens with an int32 histc the CPU refuses)
-    "hf_mixtral": dict(kinds={"tp": TP, "pp": PP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
+    # tp_sp: the router runs on the sequence shards, its gradient summed over tp
+    # (runtime/apply_tp._sum_replicated_grads); the experts gather the shards and reduce-scatter
+    # their output (runtime/expert_tp.ExpertShard)
+    "hf_mixtral": dict(kinds={"tp": TP, "tp_sp": TP_SP, "pp": PP}, tp={**{k: v for k, v in LLAMA_TP.items() if k.startswith("self_attn.")},
                                             "mlp.experts": "expert"}),
     # per-head q/k RMSNorm inside the split attention: its replicated weight's gradient is summed
     # over the tp ranks (runtime/apply_tp._region_norms)
@@ -118,8 +121,9 @@ MODELS: dict[str, dict] = {
     # logits gathered): no Linear pair, so neither pairs with the other
     "lstm_lm": dict(kinds={"ddp": DDP, "tp_vocab": TP}, tp_vocab={"model": {"encoder": "rowwise", "decoder": "colwise"}}),
     # the stacked experts split by expert (runtime/expert_tp.py: the zoo's Experts module is
-    # called as transformers 5 calls its experts), and the pre/post splits
-    "moe": dict(kinds={**CORE, "pp": PP, "tp": TP, "tp_prepost": TP}, tp={"moe.experts": "expert"},
+    # called as transformers 5 calls its experts), and the pre/post splits; tp_sp: the block runs
+    # on sequence shards (its norm, its router: gradient summed over tp) around the experts
+    "moe": dict(kinds={**CORE, "pp": PP, "tp": TP, "tp_sp": TP_SP, "tp_prepost": TP}, tp={"moe.experts": "expert"},
                 tp_prepost={"pre": {"embed": "rowwise"}, "post": {"head": "colwise"}}),
     "two_tower": dict(kinds={**CORE, "tp": TP, "tp_prepost": TP},
                       tp={"0": "colwise"}, tp_prepost={"post": {"head.0": "colwise", "head.2": "rowwise"}}),
@@ -158,11 +162,6 @@ REFUSED: dict[str, dict[str, tuple[dict, str, str]]] = {
     "mha_dict": {"tp_sp": (TP_SP, "mixes sequence positions", "nn.MultiheadAttention is not split by the tp "
                                                                "styles: on a sequence shard it attends to half "
                                                                "the sequence")},
-    # it ran and trained another model (loss 1.9e-4 off the plain loop at step 3, before the
-    # experts were split): each rank's replicated router and experts got the gradient of its
-    # own sequence shard only; the router is still replicated
-    "hf_mixtral": {"tp_sp": (TP_SP, "neither a tp split nor a norm covers", "the router is a replicated "
-                                                                            "parameter on sequence shards")},
     "hf_t5": {"pp": (PP, "pipeline", "the decoder blocks take the encoder's output besides their own input: "
                                      "the layers do not pass one activation")},
 }

@@ -373,3 +373,35 @@ def test_cp_gather_reruns_in_recompute(llama, h100, monkeypatch):
     assert sel.recompute_s - cost("selective").recompute_s == pytest.approx(t, rel=1e-9)
     assert full.recompute_s - cost("full").recompute_s == pytest.approx(t, rel=1e-9)
     assert none.recompute_s == cost("none").recompute_s == 0.0
+
+
+def test_sequence_parallel_beside_the_router_by_hand(mixtral, h100):
+    """tp 2 with sequence parallelism on a Mixtral block (attention split, experts split by
+    expert): every replicated parameter read on the sequence shards -- the two RMSNorm weights
+    and the router ``Linear(hidden, experts)`` -- has its gradient all-reduced over tp backward,
+    a message of its fp32 bytes whatever the batch (runtime/apply_tp._sum_replicated_grads);
+    the experts all-gather their token rows and routing weights forward and reduce-scatter their
+    output (runtime/expert_tp.ExpertShard), no all-reduce."""
+    from autopar.core.sharding import megatron_styles
+    from autopar.simulator.layer_cost import _tensor_parallel
+
+    cluster, cm = h100
+    i = _block(mixtral)
+    layout = propagate(mixtral, i, megatron_styles(mixtral, i), 2, True)
+    grads = sorted(c.bytes for c in layout.collectives if not c.per_sample)
+    fp32 = 4
+    assert grads == [HIDDEN * fp32, HIDDEN * fp32, EXPERTS * HIDDEN * fp32]
+    assert all(c.kind == "all_reduce" and c.pass_ == "bwd" for c in layout.collectives if not c.per_sample)
+    assert not [c for c in layout.collectives if c.per_sample and c.kind == "all_reduce"]
+    tokens = MSEQ * HIDDEN * fp32
+    gathered = sorted(c.bytes for c in layout.collectives if c.kind == "all_gather" and c.pass_ == "fwd")
+    # the attention's input, the experts' token rows (8 x 32) and routing weights (8 x 2)
+    assert gathered == [MSEQ * TOP_K * fp32, tokens, tokens]
+    only = replace(layout, collectives=tuple(c for c in layout.collectives if not c.per_sample))
+    links = mesh_links(cluster, Mesh(tp=2, sequence_parallel=True))
+    link, eff = cluster.groups[0].intra_node, cm.collective_efficiency["intra"]
+    # ring all-reduce (a reduce-scatter then an all-gather): 2 (n-1) latencies + 2 (n-1)/n M / bandwidth
+    want = sum(2 * link.latency_s + 2 * 0.5 * b / (link.bandwidth_Bps * eff) for b in grads)
+    for scale in (1.0, 8.0):
+        got = _tensor_parallel(only, 2, cm, links, scale, 1.0, None)
+        assert got.bwd_s == pytest.approx(want, rel=1e-9) and got.fwd_s == 0.0
