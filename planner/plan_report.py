@@ -25,7 +25,7 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
     return runs
 
 
-def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
+def print_plan(console, graph, cluster, result, *, output: str, command: str | None, capture_s: float,
                confidence=None, left_out=(), headroom: float = 0.0) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -103,4 +103,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
                       "why context and expert parallelism are used or not)")
         for x in left_out:
             console.print(escape(f"  - {x.kind}: {x.reason}"))
-    console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")
+    if command is None:
+        console.print(escape(f"\nwrote the plan to {output}, which is not a regular file: nothing is kept to run. "
+                             f"To run this plan, write it to a file with -o PLAN.json, then 'autopar run PLAN.json'."))
+    else:
+        console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
 from autopar.runtime import checkpoint_lock, checkpointing, loss_guard, stop_signals
-from autopar.runtime.batch_check import check_batch_rows
+from autopar.runtime.batch_check import check_batch
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
 from autopar.runtime.mesh import RankContext, init_distributed, launched_world_size
 from autopar.runtime.model_state import gather_model_state_bytes, model_state_bytes
@@ -55,7 +55,7 @@ def global_batch(checked: CheckedPlan, seed: int, step: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step_seed(seed, step))
         batch = checked.model_file.make_batch(checked.plan.global_batch, **dict(checked.plan.model.args))
-    check_batch_rows(*batch, checked.plan.global_batch, checked.model_file.path)
+    check_batch(*batch, checked.plan.global_batch, checked.model_file.path)
     return batch
 
 
