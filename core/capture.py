@@ -202,7 +202,9 @@ def _record_loss(walk: Walk, loss_fn: Callable, target: Any) -> None:
             return result
 
     with torch.no_grad(), Recorder():
-        loss_fn(walk.output_value, target)
+        loss = loss_fn(walk.output_value, target)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ValueError(f"the loss is {type(loss).__name__}, not a one-element Tensor")
 
 
 def _flat_args(obj: Any) -> list[Any]:
