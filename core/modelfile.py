@@ -13,7 +13,10 @@ naming the file, the function and what to do -- never a bare traceback.
 
 The user's code runs inside ``user_code``: what it prints goes to stderr (stdout carries
 ``--json`` output), and a ``sys.exit()`` in it -- a ``SystemExit``, which ``except Exception``
-does not catch -- becomes a ``ModelFileError`` instead of ending autopar silently.
+does not catch -- becomes a ``ModelFileError`` instead of ending autopar silently.  In the CLI
+each call is bounded in time (``bound_user_code``): a call still running after 30 s prints what
+autopar waits on, one past the limit is a ``ModelFileError``.  An ``os.chdir`` in the file stays
+the file's own (its calls run where it moved to, autopar's paths resolve where autopar started).
 """
 from __future__ import annotations
 
