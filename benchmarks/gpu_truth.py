@@ -24,7 +24,7 @@ Three parts, each one job of an existing module:
     ``profiles/h100-sxm-measured.json`` with the command in ``measured_by``.  Then the clock under
     sustained load (``--clock-seconds``, 20 s): the block's w1 GEMM back to back while NVML reports
     the SM clock, board power and power limit -- what a profile's ``power_limit_W`` and
-    ``sustained_clock_MHz`` mean (simulator/clocks.py, docs/profiles.md "GPU variants").
+    ``sustained_clock_MHz`` mean (core/clocks.py, docs/profiles.md "GPU variants").
 
 (b) **Training steps.**  examples/llama.py at Llama 3 8B's widths (hidden 4096, 32 heads, 8 KV
     heads, FFN 14336, vocab 128256, seq 8192) with 4 layers, bf16, one GPU: eager with recompute
@@ -286,7 +286,7 @@ def sustained_gemm(dims: dict, micro_batch: int, dtype: str, device, seconds: fl
     """The block's widest GEMM (tokens x hidden by hidden x ffn, w1) back to back for ``seconds``,
     sampled every ~0.1 s: the SM clock, board power and power limit from NVML (nvidia-ml-py's
     ``pynvml``, where importable) and the achieved TFLOP/s (CUDA events).  What the profile's
-    ``sustained_clock_MHz`` and ``power_limit_W`` mean (simulator/clocks.py), measured."""
+    ``sustained_clock_MHz`` and ``power_limit_W`` mean (core/clocks.py), measured."""
     import time
 
     import torch
@@ -389,7 +389,7 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
             f"the published convention; the other series are the bundled profile's published figures")
     if clocks.get("power_limit_W"):
         # recorded, not applied: the measured op rows already ran at this limit's clock, so the
-        # profile states no sustained_clock_MHz (simulator/clocks.py would scale the peaks again)
+        # profile states no sustained_clock_MHz (core/clocks.py would scale the peaks again)
         prof["power_limit_W"] = clocks["power_limit_W"]
         prof["sources"]["power_limit_W"] = (f"measured: NVML enforced power limit during `{command}`; the SM clock "
                                             f"and GEMM rate it held under sustained load are in machine.sustained_gemm")

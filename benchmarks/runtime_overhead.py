@@ -135,7 +135,7 @@ def worker(spec_path: Path) -> None:
     plan, rounds, per_round, warmup = Path(spec["plan"]), spec["rounds"], spec["steps_per_round"], spec["warmup"]
     # one more autopar step at the end: the last step of a run also measures the model state
     total = warmup + rounds * per_round + 1
-    autopar = Trainer(RunOptions(plan_path=plan, steps=total, warmup_steps=warmup, log_every=per_round,
+    autopar = Trainer(RunOptions(plan_path=plan, steps=total, timing_warmup_steps=warmup, log_every=per_round,
                                  measured_path=plan.with_name("measured.json")))
     hand = HandWritten(plan)
     cuda = torch.cuda.is_available()

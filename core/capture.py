@@ -31,7 +31,7 @@ import torch.fx as fx
 from autopar.core.errors import ModelFileError
 from autopar.core.graph import OpGraph, OpNode
 from autopar.core.layers import assign_layers, build_layers, find_blocks
-from autopar.core.modelfile import check_batch_rows, load_model_file, user_code
+from autopar.core.modelfile import ModelFile, check_batch_rows, load_model_file, user_code
 from autopar.core.op_costs import canonical, cost
 from autopar.core.trace_export import trace_export
 from autopar.core.trace_fx import leaf_fallback, trace_symbolic
@@ -70,7 +70,15 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
     the model file's own error (``ModelFileError``); one that fails only on meta is a note."""
     model_args = dict(model_args or {})
     t0 = time.perf_counter()
-    mf = load_model_file(path)
+    return capture_loaded(load_model_file(path), model_args, batch_size, t0)
+
+
+def capture_loaded(mf: ModelFile, model_args: dict[str, Any] | None = None, batch_size: int = 8,
+                   t0: float | None = None) -> OpGraph:
+    """``capture_model_file`` of a model file already loaded (or of functions made into one:
+    runtime/api.py)."""
+    model_args = dict(model_args or {})
+    t0 = time.perf_counter() if t0 is None else t0
     torch.manual_seed(0)
     with torch.device("meta"):
         module = mf.build(**model_args)

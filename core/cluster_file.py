@@ -15,6 +15,8 @@ Schema (docs/cluster-file.md has the long version)::
         intra_node: {bandwidth_GBps: 300, latency_us: 3}   # optional; default: profile nvlink_*
         host_memory_GB: 2048      # per node
         host_to_device: {bandwidth_GBps: 32, latency_us: 10} # optional; default: profile pcie_*
+        env: {NCCL_SOCKET_IFNAME: ib0}   # optional; exported on this group's nodes (wins over the top level's)
+    env: {NCCL_IB_HCA: mlx5}      # optional; exported on every node by the launch scripts
 
 ``GB`` and ``GBps`` are decimal (10^9 bytes, 10^9 bytes/s); bandwidths are per GPU and per
 direction.  Every problem raises ``ClusterFileError`` naming the file, the field path (e.g.
@@ -28,6 +30,7 @@ that a typo like ``1e300`` is refused instead of overflowing later.
 from __future__ import annotations
 
 import difflib
+import re
 from importlib import resources
 from pathlib import Path
 from typing import NoReturn
@@ -43,9 +46,9 @@ from autopar.core.profile_schema import ProfileError, available_profiles, load_p
 _PACKAGE = "autopar.examples.clusters"
 
 TOP_REQUIRED = ("inter_node", "groups")
-TOP_OPTIONAL = ("name", "backend")
+TOP_OPTIONAL = ("name", "backend", "env")
 GROUP_REQUIRED = ("name", "gpu", "nodes", "gpus_per_node", "host_memory_GB")
-GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slots")
+GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slots", "env")
 LINK_REQUIRED = ("bandwidth_GBps", "latency_us")
 
 _DOCS = "See docs/cluster-file.md for the schema."
@@ -202,19 +205,48 @@ def _slots_within_node(group: dict, path: str, report: schema.Reporter) -> None:
                          f"compute at once (CPU: physical cores / threads per process)")
 
 
+#: a POSIX shell variable name (the portable spelling, POSIX.1-2017 XBD 8.1: letters, digits and
+#: underscores, not starting with a digit); the launch scripts write ``export NAME=value``
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_value_ok(v: object) -> bool:
+    if isinstance(v, str):
+        return "\0" not in v and "\n" not in v and "\r" not in v
+    return schema.is_number(v)
+
+
+def _env_names(env: dict, path: str, report: schema.Reporter) -> None:
+    for key in env:
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+            report.bad_value(schema.join(path, key), key, "an environment variable name: letters, digits and "
+                                                          "underscores, not starting with a digit")
+
+
+_ENV = schema.Mapping({}, "a mapping of environment variable names to values (e.g. {NCCL_SOCKET_IFNAME: ib0})",
+                      extra=schema.Leaf(_env_value_ok, "a text on one line or a number (quote a yes/no/on/off "
+                                                       "value: YAML reads it as a boolean)"),
+                      then=_env_names)
+
+
+def _env_pairs(env: dict | None) -> tuple[tuple[str, str], ...]:
+    """A checked ``env`` mapping as (name, text) pairs, in the file's order."""
+    return tuple((k, v if isinstance(v, str) else str(v)) for k, v in (env or {}).items())
+
+
 _WHOLE = schema.whole(lower=1, upper=MAX_DEVICES, must=f"a whole number >= 1 and at most {MAX_DEVICES} (autopar plans "
                                                       f"clusters of at most {MAX_DEVICES} devices)")
 _LINK = _mapping(LINK_REQUIRED, {}, {"bandwidth_GBps": _limited("bandwidth_GBps", positive=True),
                                      "latency_us": _limited("latency_us", positive=False)})
 _GROUP = _mapping(GROUP_REQUIRED,
                   {"gpu_memory_GB": _limited("gpu_memory_GB", positive=True), "intra_node": _LINK,
-                   "host_to_device": _LINK, "compute_slots": _WHOLE},
+                   "host_to_device": _LINK, "compute_slots": _WHOLE, "env": _ENV},
                   {"name": schema.text(), "gpu": schema.text(), "nodes": _WHOLE, "gpus_per_node": _WHOLE,
                    "host_memory_GB": _limited("host_memory_GB", positive=True)},
                   then=_slots_within_node)
 #: the shape of a cluster file; what relates fields across groups, or needs the profile, is
 #: checked while the Cluster is built (``_Validator.cluster``)
-CLUSTER_SCHEMA = _mapping(TOP_REQUIRED, {"name": schema.text(), "backend": schema.one_of(BACKENDS)},
+CLUSTER_SCHEMA = _mapping(TOP_REQUIRED, {"name": schema.text(), "backend": schema.one_of(BACKENDS), "env": _ENV},
                           {"inter_node": _LINK,
                            "groups": schema.ListOf(_GROUP, "a non-empty list of node groups", nonempty=True)})
 
@@ -286,6 +318,7 @@ class _Validator:
             host_memory_bytes=round(float(g["host_memory_GB"]) * 1e9),
             host_to_device=self.link_or_default(g, "host_to_device", path, prof, gpu, "pcie_GBps", "pcie_latency_us"),
             compute_slots=g.get("compute_slots", 0),     # 0 (absent) = every device of the node
+            env=_env_pairs(g.get("env")),
         )
         return group, prof
 
@@ -316,7 +349,7 @@ class _Validator:
                                 f"runtime trains every rank on one kind of device (CPU ranks on gloo, GPU ranks on "
                                 f"nccl), so one cluster cannot mix them. Split it into two cluster files.")
         return Cluster(name=name, groups=tuple(groups), inter_node=_link(data["inter_node"]), backend=backend,
-                       source=self.source)
+                       source=self.source, env=_env_pairs(data.get("env")))
 
 
 def _link(d: dict) -> Link:

@@ -49,6 +49,9 @@ class NodeGroup:
     # A CPU group whose "devices" are processes sharing the node's cores sets
     # physical cores / threads per process: more busy devices than this share the cores.
     compute_slots: int = 0
+    # environment variables the launch scripts export on this group's nodes (network interfaces,
+    # NCCL settings): (name, value) pairs, in the file's order; they override the cluster's own
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -70,6 +73,7 @@ class Cluster:
     inter_node: Link          # per GPU share of the node's network (InfiniBand / Ethernet)
     backend: str = "nccl"     # "nccl" on GPUs, "gloo" on CPU
     source: str = ""          # the file it was read from
+    env: tuple[tuple[str, str], ...] = ()   # exported on every node by the launch scripts (cluster file 'env')
 
     @property
     def world_size(self) -> int:
@@ -87,6 +91,11 @@ class Cluster:
     def gpus_per_node(self) -> int:
         """GPUs per node; for a heterogeneous cluster the smallest node's count."""
         return min(g.gpus_per_node for g in self.groups)
+
+    def node_env(self, group: int = 0) -> dict[str, str]:
+        """The environment a node of ``groups[group]`` runs with: the cluster's ``env``, then
+        the group's own (which wins where both name a variable)."""
+        return {**dict(self.env), **dict(self.groups[group].env)}
 
     def ranks_per_node(self, world_size: int) -> list[int] | None:
         """Ranks on each node a job of ``world_size`` ranks uses -- ranks fill the devices in

@@ -143,6 +143,14 @@ class OpGraph:
         return self.fwd_flops + self.bwd_flops
 
     @property
+    def flops_per_sample(self) -> float:
+        """Model FLOPs of one training sample: forward + backward over the captured batch, per
+        sample (recompute left out).  The numerator of MFU (Chowdhery et al. 2022, PaLM,
+        Appendix B: model FLOPs, not hardware FLOPs); for a transformer it is close to Kaplan
+        et al. 2020's 6 x parameters x tokens, the backward being about twice the forward."""
+        return self.flops_per_step / max(1, self.batch_size)
+
+    @property
     def trainable_params(self) -> int:
         """Parameter elements that require grad (frozen ones, ``OpNode.frozen_numel``, left out)."""
         return self.params_total - sum(o.frozen_numel for o in self.ops)

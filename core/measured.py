@@ -24,6 +24,8 @@ The file is one JSON object:
 * ``losses``, ``fingerprint`` (the model's, as in the plan), ``world_size``, ``device``,
   ``device_kind``, ``global_batch``, ``init``, ``plan`` (the plan file's path),
   ``plan_identity`` (``Plan.identity`` of the plan that ran: a report checks it).
+* ``val_losses``: ``[[step, loss], ...]``, the validation loss after each of those steps (a run
+  with ``--val-data`` and ``--eval-every``); absent where the run evaluated nothing.
 * ``float8``: for a plan with fp8 layers, what the float8 conversion did (runtime/apply_fp8.py):
   ``recipe``, ``fsdp_float8_all_gather`` (true or false), ``converted`` (the linears' module
   names) and ``left_bf16`` (module name -> why it stayed in bf16).
@@ -115,6 +117,7 @@ class Measured:
     profiled_steps: int | None = None
     trace_file: str | None = None
     float8: Mapping[str, Any] | None = None
+    val_losses: tuple[tuple[int, float], ...] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = MEASURED_VERSION
 
@@ -136,6 +139,8 @@ class Measured:
                 continue
             if f.name == "model_state_bytes_per_rank":
                 v = [{g.name: getattr(row, g.name) for g in fields(RankModelState)} for row in v]
+            elif f.name == "val_losses":
+                v = [[step, loss] for step, loss in v]
             elif isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v
@@ -193,7 +198,8 @@ def read_measured(path: str | os.PathLike) -> Measured:
 
 
 # field -> kind of value: "amount" a number >= 0; "count" a whole number >= 0; "positive" a whole
-# number >= 1; "text"; "amounts" a list of numbers >= 0; "numbers" a list of numbers;
+# number >= 1; "text"; "amounts" a list of numbers >= 0; "numbers" a list of numbers; "step_losses"
+# a list of [step (a whole number >= 1), loss (a number)] pairs;
 # "model_state" a list of RankModelState objects
 _FIELD_KINDS = {
     "step_time_s": "amount", "samples_per_s": "amount", "tokens_per_s": "amount", "max_memory_bytes": "amount",
@@ -203,6 +209,7 @@ _FIELD_KINDS = {
     "plan_identity": "text",
     "model_state_bytes_per_rank": "model_state", "fwd_s": "amount", "bwd_s": "amount", "comm_s": "amount",
     "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text", "float8": "float8",
+    "val_losses": "step_losses",
 }
 assert set(_FIELD_KINDS) == {f.name for f in fields(Measured)} - {"extra", "version"}
 
@@ -236,6 +243,11 @@ def _checked(source: str, key: str, v: Any, kind: str) -> Any:
         if not (isinstance(v, list) and all(_is_number(x) and (kind == "numbers" or x >= 0) for x in v)):
             raise fail("a list of numbers >= 0" if kind == "amounts" else "a list of numbers")
         return tuple(v)
+    if kind == "step_losses":
+        if not (isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and _is_whole(p[0], 1)
+                                            and _is_number(p[1]) for p in v)):
+            raise fail("a list of [step, loss] pairs (a whole number >= 1 and a number)")
+        return tuple((p[0], p[1]) for p in v)
     if kind == "float8":
         if not (isinstance(v, dict) and isinstance(v.get("recipe"), str)
                 and isinstance(v.get("fsdp_float8_all_gather"), bool)

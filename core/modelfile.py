@@ -5,6 +5,9 @@ The contract (docs/design.md, "Contracts")::
     def build_model(**model_args) -> torch.nn.Module      # called under torch.device("meta")
     def make_batch(batch_size: int, **model_args) -> (inputs, target)
     def loss_fn(output, target) -> scalar Tensor          # optional
+    def batches(batch_size, dp_rank, dp_size, seed, start_step, **model_args)
+        -> iterator of (inputs, target)                    # optional: the training data (docs/runtime.md)
+    vocab_size = V  (or def vocab_size(**model_args) -> int)   # optional: token ids --data may hold
 
 ``load_model_file`` imports the file by path under a module name of its own (so two model
 files with the same stem never collide), checks the functions, and returns a ``ModelFile``
@@ -37,6 +40,8 @@ from autopar.core.errors import ModelFileError, UserError
 
 REQUIRED_FUNCTIONS = ("build_model", "make_batch")
 LOSS_FUNCTION = "loss_fn"
+BATCHES_FUNCTION = "batches"
+VOCAB_SIZE = "vocab_size"
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -94,6 +99,52 @@ class ModelFile:
     def has_loss(self) -> bool:
         return callable(getattr(self.module, LOSS_FUNCTION, None))
 
+    @property
+    def has_batches(self) -> bool:
+        return callable(getattr(self.module, BATCHES_FUNCTION, None))
+
+    def batches(self, batch_size: int, dp_rank: int, dp_size: int, seed: int, start_step: int,
+                **model_args: Any) -> Iterator[tuple[tuple, Any]]:
+        """The rank's rows step after step from the file's ``batches`` generator, starting at step
+        ``start_step``: each item checked as ``make_batch``'s (inputs as a tuple, target) with
+        ``batch_size`` rows; the generator's end, or a failure in it, is a ``ModelFileError``."""
+        fn = self.module.batches
+        names, var_kw = _signature_names(fn)
+        kwargs = model_args if var_kw else {k: v for k, v in model_args.items() if k in names}
+        args = (batch_size, dp_rank, dp_size, seed, start_step)
+        it = iter(self._call(BATCHES_FUNCTION, fn, args, kwargs))
+        step = start_step
+        while True:
+            try:       # runs in the runtime's prefetch thread: not under user_code (process-wide)
+                item = next(it)
+            except StopIteration:
+                raise ModelFileError(
+                    f"{self.path}: batches({_fmt_args(args, kwargs)}) ended before step {step}; it must yield a "
+                    f"batch for every step of the run (loop over the data again, as a new pass).") from None
+            except UserError:
+                raise
+            except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's generator failed
+                raise ModelFileError(f"{self.path}: batches(...) raised {type(e).__name__}: {e}"
+                                     f"{_line_in_file(e, self.path)} at step {step}. Fix the model file.") from None
+            inputs, target = self._pair(item, f"batches(...) at step {step}")
+            check_batch_rows(inputs, target, batch_size, self.path, f"batches(...) at step {step}")
+            yield inputs, target
+            step += 1
+
+    def vocab_size(self, **model_args: Any) -> int | None:
+        """The file's ``vocab_size`` (an int, or a function of the model args), or None."""
+        v = getattr(self.module, VOCAB_SIZE, None)
+        if callable(v):
+            names, var_kw = _signature_names(v)
+            v = self._call(VOCAB_SIZE, v, (), model_args if var_kw else
+                           {k: x for k, x in model_args.items() if k in names})
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelFileError(f"{self.path}: vocab_size is {v!r}; it must be a positive int (the number of "
+                                 f"token ids the model embeds), or a function of the model args returning one.")
+        return v
+
     # ------------------------------------------------------------------ model args
     def accepted_args(self) -> tuple[list[str], bool]:
         """(names build_model accepts, whether it also takes **kwargs)."""
@@ -125,17 +176,20 @@ class ModelFile:
 
     def make_batch(self, batch_size: int, **model_args: Any) -> tuple[tuple, Any]:
         """Call ``make_batch``; returns (inputs as a tuple, target)."""
-        import torch
-
         if batch_size < 1:
             raise UserError(f"--batch-size must be a positive integer, got {batch_size}.")
         fn = self.module.make_batch
         names, var_kw = _signature_names(fn)
         kwargs = model_args if var_kw else {k: v for k, v in model_args.items() if k in names}
         result = self._call("make_batch", fn, (batch_size,), kwargs)
+        return self._pair(result, "make_batch")
+
+    def _pair(self, result: Any, fname: str) -> tuple[tuple, Any]:
+        import torch
+
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
             raise ModelFileError(
-                f"{self.path}: make_batch returned {type(result).__name__}; it must return a pair "
+                f"{self.path}: {fname} returned {type(result).__name__}; it must return a pair "
                 f"(inputs, target) where inputs is a Tensor or a tuple of Tensors.")
         inputs, target = result
         if isinstance(inputs, torch.Tensor):
@@ -144,7 +198,7 @@ class ModelFile:
             inputs = tuple(inputs)
         if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise ModelFileError(
-                f"{self.path}: make_batch's inputs must be a Tensor or a tuple of Tensors, "
+                f"{self.path}: {fname}'s inputs must be a Tensor or a tuple of Tensors, "
                 f"got {type(inputs).__name__}.")
         return inputs, target
 
@@ -187,7 +241,7 @@ def _tensors(obj: Any, where: str):
             yield from _tensors(v, f"{where}[{i}]")
 
 
-def check_batch_rows(inputs: Any, target: Any, batch_size: int, model_path: Any) -> None:
+def check_batch_rows(inputs: Any, target: Any, batch_size: int, model_path: Any, fname: str | None = None) -> None:
     """Every input tensor and the target hold ``batch_size`` rows along dim 0 (see
     ``autopar.runtime.batch_check``); else a ModelFileError."""
     for where, t in [*_tensors(inputs, "inputs"), *_tensors(target, "target")]:
@@ -195,9 +249,9 @@ def check_batch_rows(inputs: Any, target: Any, batch_size: int, model_path: Any)
         if rows != batch_size:
             got = "a 0-d tensor" if rows is None else f"{rows} rows"
             raise ModelFileError(
-                f"{model_path}: make_batch({batch_size}) returned {where} with {got} (shape {tuple(t.shape)}); "
-                f"every input and the target must have batch_size = {batch_size} rows along dim 0. Make "
-                f"make_batch build its tensors from its batch_size argument.")
+                f"{model_path}: {fname or f'make_batch({batch_size})'} returned {where} with {got} (shape "
+                f"{tuple(t.shape)}); every input and the target must have batch_size = {batch_size} rows along "
+                f"dim 0. Make {(fname or 'make_batch').split('(')[0]} build its tensors from its batch_size argument.")
 
 
 def default_loss(output: Any, target: Any):

@@ -30,10 +30,14 @@ from autopar.core.errors import PlanFileError
 from autopar.core.jsonfile import read_json_object
 from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 from autopar.core.parallel_dims import AXES, AXIS_NAMES, ParallelDims
-from autopar.core.rules import interleaved_microbatches_ok, offload_allowed, zeros_mix
+from autopar.core.rules import (MULTI_CHUNK_SCHEDULES, V_SCHEDULES, offload_allowed, schedule_microbatches_problem,
+                                split_backward_problem, stage_rank, zeros_mix)
 
 PLAN_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# gpipe, 1f1b and interleaved (1F1B) run each backward whole; interleaved-zb, zbv and dualpipev
+# split it into input and weight gradients (core/rules.py, SPLIT_BACKWARD_SCHEDULES); zbv and
+# dualpipev lay the 2 stages of each rank out in a V (rules.stage_rank)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 # Recompute: "full" keeps only each layer's input and reruns its forward inside backward
 # (Chen et al. 2016; Megatron "full"); "selective" keeps the outputs of the matmul-class ops
 # (linear, matmul, attention) and recomputes the cheap ones between them (norms, activations,
@@ -103,8 +107,9 @@ class Pipeline:
     stages: tuple[Stage, ...] = ()
 
     def stage_rank(self, stage_index: int, pp: int) -> int:
-        """pp coordinate that runs a stage: stage i on pp rank i % pp (looped for interleaved)."""
-        return stage_index % pp
+        """pp coordinate that runs a stage: stage i on pp rank i % pp (looped), or in a V for zbv
+        and dualpipev (rules.stage_rank)."""
+        return stage_rank(self.schedule, stage_index, pp)
 
     def stages_per_rank(self, pp: int) -> int:
         return max(1, len(self.stages) // pp)
@@ -199,11 +204,19 @@ class Plan:
             _bad("pipeline.stages", [], "at least one stage")
         if len(p.stages) % m.pp:
             _bad("pipeline.stages", len(p.stages), f"a multiple of mesh.pp = {m.pp} stages")
-        if len(p.stages) > m.pp and p.schedule != "interleaved":
-            _bad("pipeline.schedule", p.schedule, f"'interleaved' for {len(p.stages)} stages on {m.pp} pipeline ranks")
-        if len(p.stages) > m.pp and not interleaved_microbatches_ok(p.num_microbatches, m.pp):
-            _bad("pipeline.num_microbatches", p.num_microbatches,
-                 f"a multiple of mesh.pp = {m.pp} for the interleaved schedule (core/rules.py)")
+        if len(p.stages) > m.pp and p.schedule not in MULTI_CHUNK_SCHEDULES:
+            _bad("pipeline.schedule", p.schedule, f"one of {', '.join(MULTI_CHUNK_SCHEDULES)} for {len(p.stages)} "
+                                                  f"stages on {m.pp} pipeline ranks")
+        if m.pp > 1 or p.schedule in V_SCHEDULES:
+            problem = schedule_microbatches_problem(p.schedule, p.num_microbatches, m.pp, len(p.stages))
+            if problem:
+                _bad("pipeline.stages" if "stages per" in problem else "pipeline.num_microbatches",
+                     len(p.stages) if "stages per" in problem else p.num_microbatches, problem)
+        if m.pp > 1:
+            for lp in self.layers:
+                problem = split_backward_problem(p.schedule, lp.recompute, lp.zero, lp.offload, self.compile)
+                if problem:
+                    _bad("pipeline.schedule", p.schedule, f"a schedule that runs layer {lp.layer}'s choices: {problem}")
         expected_start = 0
         for i, s in enumerate(p.stages):
             if s.index != i or s.start != expected_start or s.end <= s.start:

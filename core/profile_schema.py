@@ -53,7 +53,7 @@ OPTIONAL_KEYS = {
     # runs beside the next tile's main loop ("overlapped": Hopper persistent kernels)
     "gemm_epilogue": "epilogue",
     "host_adam_params_per_s": "positive",
-    # a GPU variant (simulator/clocks.py; docs/profiles.md "GPU variants"): the board power limit the
+    # a GPU variant (core/clocks.py; docs/profiles.md "GPU variants"): the board power limit the
     # figures hold at, and the SM clock the datasheet peaks are quoted at and the one the part holds
     # under sustained load at that limit (the peaks are scaled by their ratio)
     "power_limit_W": "positive",

@@ -74,6 +74,68 @@ def interleaved_microbatches_ok(num_microbatches: int, pp: int) -> bool:
     return num_microbatches % pp == 0
 
 
+#: schedules that split each backward into its input and weight gradients (Qi et al. 2024, "Zero
+#: Bubble Pipeline Parallelism"): torch.distributed.pipelining's ScheduleInterleavedZeroBubble,
+#: ScheduleZBVZeroBubble and ScheduleDualPipeV
+SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
+#: schedules that run several model chunks per pipeline rank
+MULTI_CHUNK_SCHEDULES = ("interleaved", "interleaved-zb", "zbv", "dualpipev")
+#: schedules that place the chunks in a V (stage i and 2 pp - 1 - i on pp rank i): ZB-V (Qi et al.
+#: 2024, Sec. 6) and DualPipeV; torch's classes take exactly two stages per rank
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def stage_rank(schedule: str, stage_index: int, pp: int) -> int:
+    """The pp rank that runs a stage: stage i on rank i % pp (looped), or for the V schedules
+    rank i on the way down and 2 pp - 1 - i on the way back (torch's
+    ``generate_stage_to_rank_mapping(style="v")``)."""
+    if schedule in V_SCHEDULES:
+        return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
+    return stage_index % pp
+
+
+def schedule_microbatches_problem(schedule: str, num_microbatches: int, pp: int, num_stages: int) -> str | None:
+    """Why torch's class for ``schedule`` refuses this many micro-batches / stages, or None.
+
+    Interleaved 1F1B and interleaved zero bubble run the micro-batches in rounds of ``pp``
+    (``interleaved_microbatches_ok``); the V schedules need exactly 2 stages per rank (torch's
+    ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` raise otherwise); ``ScheduleDualPipeV``
+    needs at least as many micro-batches as stages (2 pp)."""
+    if schedule in V_SCHEDULES and num_stages != 2 * pp:
+        return f"exactly 2 stages per pipeline rank ({2 * pp} stages on {pp} ranks) for the {schedule} schedule"
+    if schedule == "dualpipev" and num_microbatches < num_stages:
+        return (f"at least as many micro-batches as stages ({num_stages}) for the dualpipev schedule "
+                f"(torch's ScheduleDualPipeV)")
+    if (schedule in ("interleaved", "interleaved-zb") and num_stages > pp
+            and not interleaved_microbatches_ok(num_microbatches, pp)):
+        return f"a multiple of mesh.pp = {pp} micro-batches for the {schedule} schedule (core/rules.py)"
+    return None
+
+
+def split_backward_problem(schedule: str, recompute: str, zero: int, offload: str, compile: bool) -> str | None:
+    """Why a split-backward schedule (SPLIT_BACKWARD_SCHEDULES) cannot run a layer's choice, or None.
+
+    * selective recompute: torch's selective activation checkpoint allows one backward through a
+      region ("Trying to backward an extra time ... under selective activation checkpoint"), and the
+      input and the weight gradients are two;
+    * ZeRO-3 (and offload, which shards as ZeRO-3): under torch 2.13 the split backward of an FSDP2
+      unit that reshards its parameters after forward trains another model (losses off the plain
+      loop's from the second step: tests/integration/test_runtime_zero_bubble.py); ZeRO-2 matches;
+    * compile: torch's zero-bubble classes refuse compiled stage modules
+      (``_check_torch_compile_compatibility``: no input/weight split of a compiled backward)."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    if recompute == "selective":
+        return (f"the {schedule} schedule splits each backward into input and weight gradients, and torch's "
+                f"selective activation checkpoint allows one backward per region: use recompute 'full' or 'none'")
+    if zero >= 3 or offload != "none":
+        return (f"the {schedule} schedule's split backward under FSDP2 with parameters resharded after forward "
+                f"(ZeRO-3, offload) does not reproduce the plain loop's gradients in torch 2.13: use ZeRO 0-2")
+    if compile:
+        return f"torch's {schedule} schedule class refuses compiled stage modules: plan without compile"
+    return None
+
+
 # ------------------------------------------------------------------ mesh admission
 def tp_cap(gpus_per_node: int, max_tp: int | None, tp_inside_node: bool) -> int | None:
     """The largest tensor-parallel degree asked for: ``max_tp`` (--max-tp), else the GPUs of a node

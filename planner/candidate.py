@@ -22,7 +22,7 @@ class Candidate:
     mesh: Mesh
     micro_batch: int
     num_microbatches: int
-    schedule: str                         # "1f1b" | "gpipe" | "interleaved"
+    schedule: str                         # one of core.plan.SCHEDULES
     bounds: tuple[int, ...]               # stage boundaries [0, b1, ..., L]; pp * virtual stages
     choices: tuple[LayerChoice, ...]      # one per layer
 
@@ -110,7 +110,8 @@ def describe_difference(a: Candidate, b: Candidate) -> str:
     if a.micro_batch != b.micro_batch:
         parts.append(f"micro-batch {b.micro_batch} x {b.num_microbatches}")
     if a.schedule != b.schedule or a.virtual_stages != b.virtual_stages:
-        parts.append(f"schedule {b.schedule}" + (f" v{b.virtual_stages}" if b.schedule == "interleaved" else ""))
+        looped = b.schedule in ("interleaved", "interleaved-zb")
+        parts.append(f"schedule {b.schedule}" + (f" v{b.virtual_stages}" if looped else ""))
     if a.bounds != b.bounds and a.num_stages == b.num_stages:
         parts.append("stage boundaries " + ",".join(map(str, b.bounds[1:-1])))
     if len(a.choices) == len(b.choices):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.core.rules import split_backward_problem
 from autopar.core.units import fmt_seconds
 from autopar.planner.search import TIDY_TOLERANCE, Evaluated, SearchResult, keep_best_unless_beaten
 
@@ -62,8 +63,13 @@ def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool
     for item in [result.best] + list(result.runner_ups):
         eager_plan = replace(item.plan, compile=False)
         compiled_plan = replace(item.plan, compile=True)
-        eager, compiled = ev.evaluate(eager_plan), ev.evaluate(compiled_plan)
-        if flag is not None:
+        # torch's split-backward schedule classes refuse compiled stages (core/rules.py)
+        refused = item.plan.mesh.pp > 1 and split_backward_problem(item.plan.pipeline.schedule, "none", 0, "none", True)
+        eager = ev.evaluate(eager_plan)
+        compiled = eager if refused else ev.evaluate(compiled_plan)
+        if refused:
+            on, why = False, f"torch's {item.plan.pipeline.schedule} schedule refuses compiled stages"
+        elif flag is not None:
             on, why = flag, "--compile" if flag else "--no-compile"
         elif gloo:
             on, why = False, "gloo cluster: compiling takes longer than the CPU runs autopar plans; --compile turns it on"

@@ -43,7 +43,8 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
     recompute = "full" if "full" in options.recompute else options.recompute[-1]
     offloads = ("cpu", "none") if options.allow_offload else ("none",)
     for mesh in meshes:
-        mbs = microbatch_candidates(options.global_batch, mesh.batch_degree)
+        mbs = microbatch_candidates(options.global_batch, mesh.batch_degree,
+                                    refused=options.refused_micro_batches)
         if not mbs:
             continue
         mb, m = mbs[0]

@@ -23,6 +23,7 @@ from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from autopar.planner.space import RECOMPUTE_CHOICES, LayerChoice, microbatch_candidates, schedule_candidates
 
 
@@ -33,6 +34,7 @@ class MoveSpace:
     num_layers: int
     global_batch: int
     max_micro_batch: int | None = None
+    refused_micro_batches: frozenset[int] = frozenset()   # sizes the model cannot take
     max_virtual_stages: int = 4
     allow_offload: bool = True
     recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
@@ -146,7 +148,7 @@ def _to_family(ch: LayerChoice, family: str) -> LayerChoice:
 
 # ------------------------------------------------------------------------ pipeline
 def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    if c.num_stages == 1 or c.schedule == "interleaved":    # interleaved chunks stay equal (space.schedule_candidates)
+    if c.num_stages == 1 or c.schedule in MULTI_CHUNK_SCHEDULES:   # their chunks stay equal (space.schedule_candidates)
         return None
     k = 1 + int(rng.integers(c.num_stages - 1))          # an inner boundary
     step = int(rng.choice([-2, -1, 1, 2]))
@@ -158,7 +160,8 @@ def _boundary_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 
 def _microbatch_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
-    options = microbatch_candidates(space.global_batch, c.mesh.batch_degree, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, c.mesh.batch_degree, max_micro_batch=space.max_micro_batch,
+                                    refused=space.refused_micro_batches)
     idx = [mb for mb, _ in options].index(c.micro_batch) if c.micro_batch in [mb for mb, _ in options] else 0
     j = idx + int(rng.choice([-1, 1]))
     if not 0 <= j < len(options):
@@ -168,8 +171,11 @@ def _microbatch_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 
 def _schedule_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
+    # a chain keeps to the whole- or the split-backward schedules it started in (planner/search.py,
+    # split_backward_twins: the split ones enter as twins of the structured plans)
     options = schedule_candidates(c.mesh.pp, space.num_layers, c.num_microbatches,
-                                  max_virtual_stages=space.max_virtual_stages)
+                                  max_virtual_stages=space.max_virtual_stages,
+                                  split_backward=c.schedule in SPLIT_BACKWARD_SCHEDULES)
     options = [o for o in options if o != (c.schedule, c.virtual_stages)]
     if not options:
         return None
@@ -181,7 +187,8 @@ def _schedule_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 def _fix_schedule(c: Candidate, space: MoveSpace, rng) -> Candidate:
     """Keep the schedule if still valid for the micro-batch count, else fall back to 1F1B."""
     options = schedule_candidates(c.mesh.pp, space.num_layers, c.num_microbatches,
-                                  max_virtual_stages=space.max_virtual_stages)
+                                  max_virtual_stages=space.max_virtual_stages,
+                                  split_backward=c.schedule in SPLIT_BACKWARD_SCHEDULES)
     if (c.schedule, c.virtual_stages) in options:
         return c
     return replace(c, schedule="1f1b", bounds=equal_bounds(space.num_layers, c.mesh.pp))
@@ -241,7 +248,8 @@ def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
 
 def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | None:
     """``c`` moved onto another mesh: keep the micro-batch if it divides, split stages equally."""
-    options = microbatch_candidates(space.global_batch, mesh.batch_degree, max_micro_batch=space.max_micro_batch)
+    options = microbatch_candidates(space.global_batch, mesh.batch_degree, max_micro_batch=space.max_micro_batch,
+                                    refused=space.refused_micro_batches)
     if not options:
         return None
     mb, m = min(options, key=lambda o: (abs(np.log2(o[0] / c.micro_batch)), -o[0]))

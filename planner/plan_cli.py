@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.core.plan import SCHEDULES
+from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES, split_backward_problem
 from autopar.planner.constraints import constrain
 
 
@@ -60,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fix.add_argument("--offload", choices=("none", "cpu"), default=None,
                      help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3)")
     fix.add_argument("--micro-batch", type=T.positive, default=None, metavar="N", help="samples per micro-batch")
-    fix.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
-                     help="pipeline schedule (needs pp > 1)")
+    fix.add_argument("--schedule", choices=SCHEDULES, default=None,
+                     help="pipeline schedule (needs pp > 1): gpipe, 1f1b, interleaved (1F1B), or the split-backward "
+                          "ones, interleaved-zb (zero bubble), zbv (ZB-V) and dualpipev (DeepSeek's DualPipeV)")
     parser.add_argument("--memory-headroom", type=T.number(0.0, 1.0, lo_open=False, hi_open=True, what="a fraction"), default=DEFAULT_MEMORY_HEADROOM, metavar="FRACTION",
                         help=f"fraction of each device's memory a plan leaves free for allocator fragmentation "
                              f"and workspaces (default {DEFAULT_MEMORY_HEADROOM:.3f}: the mean fragmentation GMLake, "
@@ -119,8 +122,18 @@ def main(args: argparse.Namespace) -> int:
         options = replace(options, recompute=(args.recompute,))
     if args.schedule is not None:
         options = replace(options, schedules=(args.schedule,))
+        problem = split_backward_problem(args.schedule, args.recompute or "none", args.zero or 0,
+                                         args.offload or "none", bool(args.compile))
+        if problem:
+            raise UserError(f"--schedule {args.schedule} with the knobs given cannot run: {problem}.")
+    elif args.compile:       # torch's split-backward classes refuse compiled stages (core/rules.py)
+        options = replace(options, schedules=tuple(s for s in options.schedules if s not in SPLIT_BACKWARD_SCHEDULES))
     options.check()
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
+    from autopar.core.modelfile import load_model_file
+    from autopar.planner.micro_batches import refuse_micro_batches
+
+    options, batch_notes = refuse_micro_batches(options, graph, load_model_file(args.model_file))
     capture_s = time.perf_counter() - t0
     executable = None
     from autopar.planner.float8_choice import fp8_unavailable
@@ -148,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner import confidence
     result, _, _, conf_why = confidence.apply(result, cluster)
     preferred = result.best
-    left_out = list(executable.left_out) if executable is not None else []
+    left_out = batch_notes + (list(executable.left_out) if executable is not None else [])
     if executable is not None:
         result, refused = runnable_result(result, graph, args.model_file)
         left_out += refused
@@ -206,6 +219,12 @@ def main(args: argparse.Namespace) -> int:
         from autopar.planner.trial_steps import trial_provenance
 
         plan = plan.with_predicted(plan.predicted, trial_steps=trial_provenance(outcome, args.trial_steps))
+    from autopar.planner.whole_layers import lines as whole_lines, whole_layers
+
+    whole = whole_layers(plan, _plan_graph(plan, graphs), cluster, cost_models, executable, left_out,
+                         fixed=options.tp is not None)
+    if whole:
+        plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
     from autopar.core.output_file import is_special
@@ -229,7 +248,8 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.plan_report import print_plan
 
     print_plan(console, graph, cluster, result, output=str(args.output), command=command, capture_s=capture_s,
-               confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom)
+               confidence=(conf_errors, conf_close, conf_why), left_out=left_out, headroom=options.memory_headroom,
+               whole=whole_lines(whole, plan))
     (console.print if console is not None else print)(compile_choice.summary())
     if console is not None:          # (no markup: the install hint's [fp8] is text)
         console.print(float8_choice.summary(), markup=False)
@@ -390,8 +410,11 @@ def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
     from autopar.simulator.plan_price import price_plan
 
     graph = _plan_graph(plan, graphs)
-    eager, compiled = (price_plan(replace(plan, compile=on), cluster, cost_models, graph=graph).step_time_s
-                       for on in (False, True))
+    eager = price_plan(replace(plan, compile=False), cluster, cost_models, graph=graph).step_time_s
+    # a split-backward schedule cannot run compiled (compile_choice.choose_compile): its eager step
+    refused = plan.mesh.pp > 1 and split_backward_problem(plan.pipeline.schedule, "none", 0, "none", True)
+    compiled = eager if refused else price_plan(replace(plan, compile=True), cluster, cost_models,
+                                                graph=graph).step_time_s
     return replace(choice, eager_step_s=eager, compiled_step_s=compiled)
 
 

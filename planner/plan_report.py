@@ -1,6 +1,7 @@
 """Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
 from __future__ import annotations
 
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES
 from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in, fmt_seconds
 from autopar.planner.candidate import describe_difference
 
@@ -26,7 +27,9 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
 
 
 def print_plan(console, graph, cluster, result, *, output: str, command: str | None, capture_s: float,
-               confidence=None, left_out=(), headroom: float = 0.0) -> None:
+               confidence=None, left_out=(), headroom: float = 0.0, whole=()) -> None:
+    """The plan summary; ``whole``: the lines of planner/whole_layers.py (layers tp leaves whole);
+    ``command``: None where the output is not a regular file (a device keeps nothing to run)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -43,7 +46,7 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str | N
                   f"(ranks = arange({m.world_size}).view({', '.join(m.axis_names)}))")
     pl = plan.pipeline
     v = len(pl.stages) // m.pp
-    sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule == "interleaved" else "")
+    sched = pl.schedule + (f", {v} virtual stages per rank" if pl.schedule in MULTI_CHUNK_SCHEDULES else "")
     console.print(f"[bold]batching[/bold]    micro-batch {plan.micro_batch} x {pl.num_microbatches} micro-batches "
                   f"x {m.describe(splits='batch')} = {plan.global_batch}")
     if m.pp > 1 or v > 1:
@@ -99,10 +102,12 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str | N
                        val, describe_difference(best.candidate, ev.candidate))
         console.print(rt)
     if left_out:
-        console.print("[bold]left out[/bold]    (what the runtime cannot apply to this model, checked on fake ranks; "
-                      "why context and expert parallelism are used or not)")
+        console.print("[bold]left out[/bold]    (micro-batch sizes the model cannot take; what the runtime cannot apply "
+                      "to this model, checked on fake ranks; why context and expert parallelism are used or not)")
         for x in left_out:
             console.print(escape(f"  - {x.kind}: {x.reason}"))
+    for line in whole:
+        console.print(escape(line))
     if command is None:
         console.print(escape(f"\nwrote the plan to {output}, which is not a regular file: nothing is kept to run. "
                              f"To run this plan, write it to a file with -o PLAN.json, then 'autopar run PLAN.json'."))

@@ -44,6 +44,8 @@ from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
 from autopar.simulator.layer_cost import effective_zero
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES, stage_rank
+from autopar.simulator.pipeline_zero_bubble import screen_bubble_share
 from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.term_registry import with_term_columns
 
@@ -106,8 +108,9 @@ def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtu
     """Lower bound on ``Planner.screen``'s score from per-layer floors ``floors`` (p, L), row r
     priced on pipeline rank r's devices.
 
-    One rank, or equal interleaved chunks: the screen's own formula, ``m max_r lat_r + (sum_r
-    lat_r - max_r lat_r) / v`` (Narayanan et al. 2021, Sec. 2.2.2), which grows with every
+    One rank, or equal chunks of a multi-chunk schedule: the screen's own formula, ``m max_r lat_r
+    + share (sum_r lat_r - max_r lat_r) / v`` (Narayanan et al. 2021, Sec. 2.2.2; share:
+    pipeline_zero_bubble.screen_bubble_share), which grows with every
     ``lat_r``, over the floors of each rank's chunks.  1F1B over p > 1 ranks: the stage DP
     minimises Alpa's eq. 2, ``sum_s t_s + (m - 1) max_s t_s`` (stage_dp.py); any partition's
     stages sum to at least the floors' sum S (each layer on its cheapest rank) and its slowest
@@ -115,12 +118,12 @@ def screen_bound(floors: np.ndarray, num_microbatches: int, schedule: str, virtu
     """
     p, L = floors.shape
     m, v = num_microbatches, virtual_stages
-    if p == 1 or schedule == "interleaved":
+    if p == 1 or schedule in MULTI_CHUNK_SCHEDULES:
         bounds = equal_bounds(L, p * v)
-        chunk = np.add.reduceat(floors, bounds[:-1], axis=1)[np.arange(len(bounds) - 1) % p,
-                                                             np.arange(len(bounds) - 1)]
-        lat = np.bincount(np.arange(len(bounds) - 1) % p, weights=chunk, minlength=p)
-        return float(interleaved_time(lat.sum(), lat.max(), m, v))
+        ranks = np.array([stage_rank(schedule, k, p) for k in range(len(bounds) - 1)])
+        chunk = np.add.reduceat(floors, bounds[:-1], axis=1)[ranks, np.arange(len(bounds) - 1)]
+        lat = np.bincount(ranks, weights=chunk, minlength=p)
+        return float(interleaved_time(lat.sum(), lat.max(), m, v, screen_bubble_share(schedule)))
     cheapest = floors.min(axis=0)
     total = float(cheapest.sum())
     return total + (m - 1) * max(total / p, float(cheapest.max()))

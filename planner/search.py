@@ -33,6 +33,7 @@ from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, split_backward_problem, stage_rank
 from autopar.core.sharding import megatron_styles
 from autopar.planner.candidate import Candidate
 from autopar.planner.layer_tables import LayerTables, build_layer_tables
@@ -44,6 +45,7 @@ from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices
 from autopar.planner.structured import Setting, range_costs, solve_setting
 from autopar.planner.stage_dp import partition_stages
 from autopar.simulator.memory import inflight_microbatches
+from autopar.simulator.pipeline_zero_bubble import screen_bubble_share
 from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.topology import stage_groups
 
@@ -87,8 +89,9 @@ class PlanOptions:
     allow_offload: bool = True
     recompute: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
-    schedules: tuple[str, ...] = ("1f1b", "interleaved")   # gpipe: dominated by 1F1B (same bubble,
-    # more activations: Narayanan et al. 2021, Sec. 2.2.1); MCMC still proposes it
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+    # gpipe: dominated by 1F1B (same bubble, more activations: Narayanan et al. 2021, Sec. 2.2.1);
+    # MCMC still proposes it
     num_screened: int = 24               # settings the structured phase assembles and simulates
     mcmc_iterations: int = 4000
     # a chain stops once this many proposals in a row found no better plan; None: half of
@@ -103,6 +106,8 @@ class PlanOptions:
     cp: int | None = None
     ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
+    # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
+    refused_micro_batches: frozenset[int] = frozenset()
     zero: int | None = None              # one ZeRO stage on every layer
     offload: str | None = None           # "none" | "cpu" on every layer
     fixed_schedule: str | None = None
@@ -196,6 +201,7 @@ class Planner:
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
                                max_micro_batch=options.max_micro_batch,
+                               refused_micro_batches=options.refused_micro_batches,
                                max_virtual_stages=options.max_virtual_stages,
                                allow_offload=options.allow_offload, recompute_choices=tuple(options.recompute),
                                zero_families=tuple(options.zero_families))
@@ -230,9 +236,13 @@ class Planner:
         o, ex = self.options, self.options.executable
         if c.mesh not in self.meshes:
             return False
-        if o.micro_batch is not None and c.micro_batch != o.micro_batch:
+        if (o.micro_batch is not None and c.micro_batch != o.micro_batch) or c.micro_batch in o.refused_micro_batches:
             return False
         if c.mesh.pp > 1 and c.schedule not in o.schedules:
+            return False
+        if c.mesh.pp > 1 and c.schedule in SPLIT_BACKWARD_SCHEDULES and any(
+                split_backward_problem(c.schedule, ch.recompute, ch.zero, ch.offload, False)
+                for ch in {id(ch): ch for ch in c.choices}.values()):
             return False
         hit = self._choices_admitted.get(id(c.choices))   # moves that keep the choices keep their tuple
         if hit is None or hit[0] is not c.choices:
@@ -301,16 +311,23 @@ class Planner:
         tp > 1 only sequence-parallel meshes are screened -- sequence parallelism moves the same
         bytes as the all-reduces it replaces and divides activations and element-wise work by
         tp (Korthikanti et al. 2022, Sec. 4.2.2), so it does not lose under this cost model.
+        The split-backward schedules are screened only where no other pipeline schedule is
+        searched (``--schedule`` fixed one): the screen knows whole backward passes only, so it
+        cannot tell their bubble, and they are priced instead as twins of the structured plans
+        (``split_backward_twins``) and reached by MCMC's schedule moves.
         """
         o = self.options
         per_mesh = []
+        whole = [s for s in o.schedules if s not in SPLIT_BACKWARD_SCHEDULES]
         for mesh in self.meshes:
             if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
                 continue
             rows = []
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
+                                        refused=o.refused_micro_batches)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
+                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
             pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
             for family in zero_families(mesh.dp):
                 if family not in o.zero_families:
@@ -318,7 +335,8 @@ class Planner:
                 for mb, m in pow2 or mbs:
                     for schedule, v in schedule_candidates(mesh.pp, self.num_layers, m,
                                                            max_virtual_stages=o.max_virtual_stages):
-                        if mesh.pp > 1 and schedule not in o.schedules:
+                        if mesh.pp > 1 and (schedule not in o.schedules or
+                                            (whole and schedule in SPLIT_BACKWARD_SCHEDULES)):
                             continue
                         rows.append(Setting(mesh, mb, m, schedule, v, family))
             per_mesh.append(rows)
@@ -330,7 +348,9 @@ class Planner:
     def tables(self, s: Setting) -> tuple[list[LayerTables], np.ndarray | None]:
         """Per pipeline rank, the layer tables of the setting (shared between ranks of one GPU type)."""
         o = self.options
-        key = (s.mesh, s.micro_batch, s.zero_family)
+        # a split-backward schedule runs a subset of the choices (core/rules.split_backward_problem)
+        split = s.mesh.pp > 1 and s.schedule in SPLIT_BACKWARD_SCHEDULES
+        key = (s.mesh, s.micro_batch, s.zero_family, split)
         hit = self.table_cache.get(key)
         if hit is not None:
             return hit
@@ -338,7 +358,10 @@ class Planner:
                                 allow_offload=o.allow_offload)
         choices = [c for c in choices if c.recompute in o.recompute
                    and (c.recompute == "none" or cp_recompute_runs(s.mesh))
-                   and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)]
+                   and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
+                   and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
+        if not choices:
+            raise InfeasibleError(f"no layer choice runs under the {s.schedule} schedule with the fixed knobs")
         by_cm: dict[str, LayerTables] = {}
         per_rank = []
         for cm in self.evaluator.rank_cost_models(s.mesh):
@@ -379,17 +402,19 @@ class Planner:
         where it is not below ``cap`` and the stage DP could tell without finishing."""
         capacity = self.capacity(s.mesh)
         m, p, v = s.num_microbatches, s.mesh.pp, s.virtual_stages
-        if p == 1 or s.schedule == "interleaved":
+        if p == 1 or s.schedule in MULTI_CHUNK_SCHEDULES:
             # equal chunks; each of a rank's v chunks gets 1/v of its memory and in-flight count,
-            # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2)
+            # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2), of which a split-backward
+            # schedule keeps its share (pipeline_zero_bubble.screen_bubble_share)
             bounds = equal_bounds(self.num_layers, p * v)
             inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
             cost = range_costs(tables, s, [c / v for c in capacity], allowed, inflight, cuttable=self.cuttable,
                                ranges=list(zip(bounds[:-1], bounds[1:])))
-            lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(r, len(bounds) - 1, p)) for r in range(p)]
+            lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1)
+                       if stage_rank(s.schedule, k, p) == r) for r in range(p)]
             if not all(map(math.isfinite, lat)):
                 return math.inf
-            return float(interleaved_time(sum(lat), max(lat), m, v))
+            return float(interleaved_time(sum(lat), max(lat), m, v, screen_bubble_share(s.schedule)))
         try:
             part = partition_stages(range_costs(tables, s, capacity, allowed, cuttable=self.cuttable), p, m,
                                     upper_bound=cap)
@@ -463,6 +488,32 @@ class Planner:
         self.progress("ILP + stage DP", len(top), len(top))
         return out
 
+    def split_backward_twins(self, pool: list[Evaluated]) -> list[Evaluated]:
+        """Each pipelined plan of ``pool`` under the split-backward schedules it admits (equal
+        chunks, space.schedule_candidates), its layers' choices kept where the split backward runs
+        them, else the nearest that runs (selective recompute -> full, ZeRO-3 -> 2, no offload:
+        core/rules.split_backward_problem), priced by the simulator.  Only where whole-backward
+        schedules are searched too (otherwise ``settings`` screened them)."""
+        o = self.options
+        split = [s for s in o.schedules if s in SPLIT_BACKWARD_SCHEDULES]
+        if not split or all(s in SPLIT_BACKWARD_SCHEDULES for s in o.schedules):
+            return []
+        out = []
+        for ev in pool:
+            c = ev.candidate
+            if c.mesh.pp == 1:
+                continue
+            choices = tuple(_runs_split(ch) for ch in c.choices)
+            for schedule, v in schedule_candidates(c.mesh.pp, self.num_layers, c.num_microbatches,
+                                                   max_virtual_stages=o.max_virtual_stages):
+                if schedule in split and (schedule, v) != (c.schedule, c.virtual_stages):
+                    twin = replace(c, schedule=schedule, bounds=equal_bounds(self.num_layers, c.mesh.pp * v),
+                                   choices=choices)
+                    priced = self.price(twin)
+                    if priced is not None:
+                        out.append(priced)
+        return out
+
     # ------------------------------------------------------------------ MCMC
     def _axis_alternatives(self, fitting: list[Evaluated]) -> dict:
         """Per "cp" / "ep": (meshes admitted with it > 1, the fastest fitting plan with it > 1 or None)."""
@@ -478,9 +529,11 @@ class Planner:
         o = self.options
         out = []
         for mesh in self.meshes:
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch)
+            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
+                                        refused=o.refused_micro_batches)
             if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree) if x[0] == o.micro_batch]
+                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
+                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
@@ -556,10 +609,14 @@ class Planner:
         phase: dict[str, float] = {}
         self.num_settings = 0
         pool: list[Evaluated] = []
+        twins: list[Evaluated] = []
         if o.algo in ("ilp", "auto"):
             # the structured phase may use most of the budget, MCMC the rest
             share = 1.0 if o.algo == "ilp" else STRUCTURED_SHARE
-            pool += self.structured(t0 + share * o.time_budget_s)
+            structured = self.structured(t0 + share * o.time_budget_s)
+            # the twins join the pool after MCMC's starts are drawn from it (_distinct_best below)
+            twins = self.split_backward_twins(structured)
+            pool += structured
             phase["structured_s"] = time.perf_counter() - t0
         if o.algo in ("mcmc", "auto"):
             t1 = time.perf_counter()
@@ -567,14 +624,17 @@ class Planner:
             if not starts:       # MCMC alone, or nothing structured fitted: start from plain corners
                 starts = [ev for c in self.start_candidates() if (ev := self.price(c)) is not None]
                 starts = _distinct_best(starts, max(1, o.mcmc_starts))
-            pool += self.refine(starts, deadline)
+            refined = self.refine(starts, deadline)
+            pool += refined + self.split_backward_twins(refined)
             phase["mcmc_s"] = time.perf_counter() - t1
+        pool += twins
         fitting = [ev for ev in self.seen.values() if ev is not None]
         if not fitting:
             from autopar.planner.feasibility import explain_infeasible
 
             raise explain_infeasible(self.graph, self.cluster, self.cost_model, o, searched=len(self.seen))
         ranked = _distinct_best(fitting, o.top_k + 1)
+        ranked += _whole_backward_runner_up(ranked, fitting)
         ranked[0] = self.tidy(ranked[0])
         method = {"auto": "ilp+dp then mcmc refine", "ilp": "ilp+dp", "mcmc": "mcmc"}[o.algo]
         result = SearchResult(best=ranked[0], runner_ups=ranked[1:], num_evaluated=len(self.seen),
@@ -652,6 +712,27 @@ def _distinct_best(evs: list[Evaluated], k: int) -> list[Evaluated]:
         if len(out) == k:
             break
     return out
+
+
+def _whole_backward_runner_up(ranked: list[Evaluated], fitting: list[Evaluated]) -> list[Evaluated]:
+    """The fastest plan whose schedule runs whole backward passes, where every ranked plan splits
+    it: the search ranks plans eager, and only the others can be compiled afterwards
+    (compile_choice.py), which may make them the faster -- so one of them stays in the running."""
+    def split(ev: Evaluated) -> bool:
+        return ev.plan.mesh.pp > 1 and ev.plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+
+    if not ranked or not all(split(ev) for ev in ranked):
+        return []
+    whole = [ev for ev in fitting if not split(ev)]
+    return [min(whole, key=lambda ev: ev.result.step_time_s)] if whole else []
+
+
+def _runs_split(ch: LayerChoice) -> LayerChoice:
+    """The nearest choice a split-backward schedule runs (core/rules.split_backward_problem)."""
+    if ch.recompute != "selective" and ch.zero < 3 and ch.offload == "none":
+        return ch
+    return replace(ch, recompute="full" if ch.recompute == "selective" else ch.recompute, zero=min(ch.zero, 2),
+                   offload="none")
 
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,

@@ -94,17 +94,20 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     return out
 
 
-def microbatch_candidates(global_batch: int, dp: int, *, max_micro_batch: int | None = None) -> list[tuple[int, int]]:
-    """(micro_batch, num_microbatches) with dp * micro_batch * num_microbatches = global_batch."""
+def microbatch_candidates(global_batch: int, dp: int, *, max_micro_batch: int | None = None,
+                          refused: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+    """(micro_batch, num_microbatches) with dp * micro_batch * num_microbatches = global_batch,
+    leaving out the micro-batch sizes in ``refused`` (those the model cannot take:
+    core/micro_batch_probe.py)."""
     if global_batch % dp:
         return []
     per_replica = global_batch // dp
     return [(mb, per_replica // mb) for mb in divisors(per_replica)
-            if max_micro_batch is None or mb <= max_micro_batch]
+            if (max_micro_batch is None or mb <= max_micro_batch) and mb not in refused]
 
 
 def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
-                        *, max_virtual_stages: int = 4) -> list[tuple[str, int]]:
+                        *, max_virtual_stages: int = 4, split_backward: bool = True) -> list[tuple[str, int]]:
     """(schedule, virtual stages per pipeline rank) for a pipeline of ``pp`` ranks.
 
     pp == 1 has no pipeline ("1f1b" with one stage is plain gradient accumulation).  The
@@ -114,7 +117,10 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
     schedule of unequal chunks runs longer than it prices -- by 20% of the step for one
     published layout, and more the more micro-batches (docs/validation.md, "The pipelined
     PTD-P rows") -- so an unequal split would be chosen for a speed it does not have.
-    Megatron-LM asks the same of its interleaved schedule (layers divisible by pp * v).
+    Megatron-LM asks the same of its interleaved schedule (layers divisible by pp * v).  The
+    split-backward schedules (interleaved-zb beside interleaved; zbv and dualpipev with v = 2 in
+    a V) take equal chunks for the same reason: their formulas are those of equal chunks.
+    ``split_backward=False`` leaves them out.
     """
     if pp == 1:
         return [("1f1b", 1)]
@@ -122,7 +128,11 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
     if interleaved_microbatches_ok(num_microbatches, pp):
         for v in range(2, max_virtual_stages + 1):
             if v * pp <= num_layers and num_layers % (v * pp) == 0:
-                out.append(("interleaved", v))
+                out += [("interleaved", v)] + ([("interleaved-zb", v)] if split_backward else [])
+    # the V schedules: two equal chunks per rank, and (ZB-V's steady state, DualPipeV's floor)
+    # at least 2 pp micro-batches (pipeline_zero_bubble.py, core/rules.schedule_microbatches_problem)
+    if split_backward and 2 * pp <= num_layers and num_layers % (2 * pp) == 0 and num_microbatches >= 2 * pp:
+        out += [("zbv", 2), ("dualpipev", 2)]
     return out
 
 

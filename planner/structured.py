@@ -22,6 +22,7 @@ import numpy as np
 
 from autopar.core.errors import InfeasibleError
 from autopar.core.plan import Mesh, equal_bounds
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES, stage_rank
 from autopar.planner.candidate import Candidate
 from autopar.planner.ilp import ChoiceNode, group_consecutive, solve_intra_op
 from autopar.planner.layer_tables import LayerTables
@@ -199,7 +200,7 @@ def solve_setting(tables_by_rank: list[LayerTables], signatures: list[str], sett
     mesh = setting.mesh
     L = tables_by_rank[0].num_layers
     num_stages = mesh.pp * setting.virtual_stages
-    if setting.schedule == "interleaved" or mesh.pp == 1:
+    if setting.schedule in MULTI_CHUNK_SCHEDULES or mesh.pp == 1:
         bounds = equal_bounds(L, num_stages)
     else:
         cost = range_costs(tables_by_rank, setting, capacity_bytes, allowed, cuttable=cuttable)
@@ -209,7 +210,8 @@ def solve_setting(tables_by_rank: list[LayerTables], signatures: list[str], sett
     for r in range(mesh.pp):
         # the layers pipeline rank r holds (several chunks when interleaved), solved together
         tables = tables_by_rank[r]
-        chunks = [range(bounds[s], bounds[s + 1]) for s in range(r, num_stages, mesh.pp)]
+        chunks = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)
+                  if stage_rank(setting.schedule, s, mesh.pp) == r]
         inflight = _inflight(setting, r) / max(1, setting.virtual_stages)
         key = (tuple(tuple(signatures[c.start:c.stop]) for c in chunks), chunks[0].start == 0,
                chunks[-1].stop == L, inflight, capacity_bytes[r], setting, id(tables))

@@ -149,7 +149,7 @@ def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str 
         if multi_node:
             t.error = "several nodes: not run here"
             say(head + "  -> run on every node:")
-            code = launch(plan_path, steps=steps, warmup_steps=warmup, profile=breakdown)
+            code = launch(plan_path, steps=steps, timing_warmup_steps=warmup, profile=breakdown)
             t.wall_s = time.perf_counter() - t0
             if code != 0:
                 t.error = f"autopar run exited {code}"
@@ -157,7 +157,7 @@ def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str 
         say(head, end="")                       # the rest of the line when the run ends
         try:
             with open(t.log_path, "w") as log:
-                code = launch(plan_path, steps=steps, warmup_steps=warmup, profile=breakdown, log=log)
+                code = launch(plan_path, steps=steps, timing_warmup_steps=warmup, profile=breakdown, log=log)
         except UserError as e:
             code, t.error = 2, str(e)
         t.wall_s = time.perf_counter() - t0

@@ -12,6 +12,7 @@ Modules, in the order the verb uses them:
 * ``compare``         -- simulated against measured, figure by figure, and the errors;
 * ``timelines``       -- the simulator's events and the runtime's torch.profiler trace as lanes,
   and the simulated per-phase figures built as the runtime measures them;
+* ``curves``          -- the training curves' arrays (loss, validation loss, step time per step);
 * ``figures``         -- the pictures (matplotlib);
 * ``calibrate``       -- refit a profile's efficiency factors to measured runs, with
   ``calibration_fit`` (the least-squares fit over arrays).

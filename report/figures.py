@@ -1,4 +1,5 @@
-"""The report's pictures: simulated and measured timelines one above the other, memory per rank.
+"""The report's pictures: simulated and measured timelines one above the other, memory per rank;
+and the training curves (loss and step time per step, ``curves_figure``).
 
 A timeline is drawn from *lanes*: ``{lane name: [Span, ...]}`` with times in seconds from
 the start of the step.  ``autopar.report.timelines`` turns the simulator's timeline and
@@ -9,11 +10,16 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+if TYPE_CHECKING:
+    from autopar.report.curves import CurveData
 
 CATEGORY_COLORS = {
     "fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#937860", "comm": "#55A868",
@@ -53,6 +59,44 @@ def report_figure(simulated: Lanes, measured: Lanes | None, memory_sim_bytes: li
     _draw_memory(ax_mem, memory_sim_bytes, memory_meas_bytes)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in CATEGORY_COLORS.values()]
     ax_sim.legend(handles, list(CATEGORY_COLORS), ncol=len(CATEGORY_COLORS), fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def curves_figure(data: "CurveData", title: str):
+    """A matplotlib Figure: loss (and validation loss) per step left, step time per step right
+    with the measured median and the simulated step time as horizontal lines."""
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 3.8), constrained_layout=True)
+    if data.losses:
+        ax_loss.plot(data.loss_steps, data.losses, color="#4C72B0", lw=1.2, label="training loss")
+    if data.val_losses:
+        ax_loss.plot(data.val_steps, data.val_losses, "o-", color="#DD8452", ms=4, lw=1.2, label="validation loss")
+    if not (data.losses or data.val_losses):
+        ax_loss.text(0.5, 0.5, "no losses in measured.json", ha="center", va="center", transform=ax_loss.transAxes)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss", fontsize=9, loc="left")
+    ax_loss.grid(alpha=0.3)
+    if data.losses or data.val_losses:
+        ax_loss.legend(fontsize=7, loc="best")
+    if data.step_times_s:
+        ax_time.plot(data.time_steps, [t * 1e3 for t in data.step_times_s], ".-", color="#DD8452", ms=3, lw=1.0,
+                     label="measured step time")
+        ax_time.axhline(data.measured_step_time_s * 1e3, color="#DD8452", ls=":", lw=1.0,
+                        label=f"measured median after warm-up {data.measured_step_time_s * 1e3:.3g} ms")
+    else:
+        ax_time.text(0.5, 0.5, "no step times in measured.json", ha="center", va="center", transform=ax_time.transAxes)
+    if data.simulated_step_time_s:
+        ax_time.axhline(data.simulated_step_time_s * 1e3, color="#4C72B0", ls="--", lw=1.2,
+                        label=f"simulated {data.simulated_step_time_s * 1e3:.3g} ms")
+    ax_time.set_xlabel("step")
+    for ax in (ax_loss, ax_time):                       # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_time.set_ylabel("step time (ms)")
+    ax_time.set_ylim(bottom=0)
+    ax_time.set_title("step time", fontsize=9, loc="left")
+    ax_time.grid(alpha=0.3)
+    ax_time.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
     return fig
 

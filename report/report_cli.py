@@ -5,7 +5,11 @@
 
 The simulated side is the plan's ``predicted`` block, completed by re-simulating the plan
 (with the plan's profile, or ``--profile``) for the forward / backward / communication /
-optimizer breakdown, the memory per rank and the timeline.
+optimizer breakdown, the memory per rank and the timeline.  With ``--html`` or ``--png`` the
+report also draws the run's training curves (report/curves.py): loss per step (and the
+validation loss where measured.json has it) and step time per step beside the simulated step
+time -- a second image in the HTML page, or a second PNG beside ``--png FILE``,
+``FILE``'s stem + ``.curves.png`` (``curves_png_path``), named in the output.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan.json written by 'autopar plan'")
     p.add_argument("measured", help="measured.json written by a run of that plan")
     out = p.add_mutually_exclusive_group()
-    out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (table + timelines + memory)")
-    out.add_argument("--png", metavar="FILE", help="write the timelines and memory figure as PNG")
+    out.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (table + timelines + memory + training curves)")
+    out.add_argument("--png", metavar="FILE", help="write the timelines and memory figure as PNG, and the training curves (loss and step "
+                                                         "time per step) beside it as FILE's stem + .curves.png")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of a table")
     p.add_argument("--calibrate", action="store_true",
                    help="refit the profile's efficiency factors to this measurement (needs -o)")
@@ -51,6 +56,9 @@ def main(args: argparse.Namespace) -> int:
     for flag, path in (("-o", args.output), ("--html", args.html), ("--png", args.png)):
         if path:
             check_writable(path, flag)
+    curves_path = curves_png_path(args.png) if args.png else None
+    if curves_path is not None:
+        check_writable(curves_path, "--png (its curves figure)")
     plan = load_plan(args.plan)
     measured = load_measured(args.measured)
     compare.check_same_run(plan.model.fingerprint, plan.world_size, measured, args.plan, args.measured,
@@ -69,6 +77,13 @@ def main(args: argparse.Namespace) -> int:
         notes.append(f"left out: {', '.join(missing)} measured as 0 -- the run's profiler saw no region with that "
                      f"label (e.g. pipeline stages the schedule does not label), which is not a measurement.")
 
+    from autopar.report.curves import curve_data
+
+    curves = curve_data(measured, simulated.get("step_time_s"))
+    if curves.empty:
+        curves_path = None
+        if args.html or args.png:
+            notes.append("no training curves: measured.json has no losses or step times per step.")
     calibration = None
     if args.calibrate:
         from autopar.profiles import load_profile
@@ -83,6 +98,8 @@ def main(args: argparse.Namespace) -> int:
                "figures": [f.to_dict() for f in figures], "summary": summary, "notes": notes}
         if calibration is not None:
             out["calibration"] = _calibration_dict(calibration, args.output)
+        if curves_path is not None:
+            out["curves_png"] = str(curves_path)
         print(json.dumps(out, indent=2, default=_json_safe))
     else:
         _print_table(figures, summary, notes, args.plan, args.measured, ctx.profile_name)
@@ -100,12 +117,28 @@ def main(args: argparse.Namespace) -> int:
                                  meas_memory,
                                  f"{plan.model.name}: simulated ({ctx.profile_name}) vs measured — {args.plan}")
         png = figs.figure_png_bytes(fig)
+        curves_png = None if curves.empty else figs.figure_png_bytes(figs.curves_figure(
+            curves, f"{plan.model.name}: training curves ({args.measured}), simulated step time ({ctx.profile_name})"))
         if args.png:
             write_bytes_atomic(args.png, png)
+            if curves_path is not None:
+                write_bytes_atomic(curves_path, curves_png)
+                if not args.json:
+                    print(f"wrote {args.png} (timelines, memory per rank) and {curves_path} (loss and step time "
+                          f"per step)")
         else:
             write_text_atomic(args.html, render_html(figures, summary, notes, png, args.plan, args.measured,
-                                                     ctx.profile_name, calibration))
+                                                     ctx.profile_name, calibration, curves_png=curves_png))
     return 0
+
+
+def curves_png_path(png: str | Path) -> Path | None:
+    """Where ``--png FILE`` puts the training curves: beside it, ``FILE``'s stem + ``.curves.png``;
+    None for a device or FIFO (``/dev/null``), which takes the one figure only."""
+    from autopar.core.output_file import is_special
+
+    p = Path(png)
+    return None if is_special(p) else p.with_name(p.stem + ".curves.png")
 
 
 def load_measured(path: str) -> Measured:
@@ -248,7 +281,8 @@ def _print_calibration(res, output) -> None:
         c.print("errors before -> after: " + ", ".join(f"{k} {_fmt_err(v)} -> {_fmt_err(after[k])}" for k, v in errs.items()))
 
 
-def render_html(figures, summary, notes, png: bytes, plan_path, measured_path, profile_name, calibration=None) -> str:
+def render_html(figures, summary, notes, png: bytes, plan_path, measured_path, profile_name, calibration=None,
+                curves_png: bytes | None = None) -> str:
     from autopar.report.figures import png_data_uri
 
     esc = html.escape
@@ -263,6 +297,8 @@ def render_html(figures, summary, notes, png: bytes, plan_path, measured_path, p
         cal = "<h2>calibration</h2><table><tr><th>factor</th><th>efficiency</th><th>time &times;</th><th>why</th></tr>" + "".join(
             f"<tr><td>{esc(c.factor)}</td><td>{c.old_efficiency:.4g} &rarr; {c.new_efficiency:.4g}</td>"
             f"<td>{c.time_scale:.3f}</td><td>{esc(c.why)}</td></tr>" for c in calibration.changes) + "</table>"
+    curves = "" if curves_png is None else (
+        f'\n<h2>training curves</h2>\n<img alt="loss and step time per step" src="{png_data_uri(curves_png)}">')
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>autopar report: {esc(str(plan_path))}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -274,7 +310,7 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{
 {rows}
 </table>{summ}{note_html}{cal}
 <h2>timelines and memory per rank</h2>
-<img alt="simulated and measured timelines, memory per rank" src="{png_data_uri(png)}">
+<img alt="simulated and measured timelines, memory per rank" src="{png_data_uri(png)}">{curves}
 </body></html>
 """
 

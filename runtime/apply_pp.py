@@ -25,8 +25,14 @@ whose stages need a non-tensor value from another stage cannot be pipelined, and
 says so.
 
 Schedules: GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021, PipeDream-Flush),
-interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), with ``scale_grads=True`` so gradients are
-averaged over the micro-batches.  Stage i runs on pp rank i % pp.  At the end of a step the
+interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2), and the ones that split each backward into
+its input and weight gradients (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): interleaved
+zero bubble (ZB1P over looped chunks), ZB-V and DualPipeV (DeepSeek-V3 technical report 2024,
+Sec. 3.2.1, cut in a V) -- torch's own classes, with ``scale_grads=True`` so gradients are
+averaged over the micro-batches.  Stage i runs on pp rank i % pp, or for zbv and dualpipev on
+rank i for i < pp and 2 pp - 1 - i after (the V: ``core.rules.stage_rank``, torch's
+``generate_stage_to_rank_mapping(style="v")``), so pp rank 0 holds the first and the last stage.
+At the end of a step the
 schedule merges the last stage's outputs of the micro-batches into the batch's
 (``merge_microbatch_outputs``): tensors are joined along the batch dim, as torch's default
 merge does, but a 0-d tensor -- a Hugging Face MoE model's router loss, a loss the forward
@@ -49,7 +55,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.microbatch import merge_chunks
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -57,7 +64,11 @@ from torch.profiler import record_function
 
 from autopar.core.errors import PlanFileError
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                    "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                    "dualpipev": ScheduleDualPipeV}
+#: the schedules that take a list of stages (several per rank), the others one stage
+MULTI_STAGE = ("interleaved", "interleaved-zb", "zbv", "dualpipev")
 FORWARD_REGION = "autopar.forward"
 BACKWARD_REGION = "autopar.backward"
 
@@ -455,8 +466,9 @@ def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh
     cls = _merging(SCHEDULE_CLASSES[runnable_schedule(schedule, num_microbatches, num_stages)])
     user_loss = loss_fn
     loss_fn = labelled_loss(lambda output, target: user_loss(restore_output(output), target))
-    if schedule == "interleaved":
+    if schedule in MULTI_STAGE:
         return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages
     if len(stages) != 1:
-        raise PlanFileError(f"pipeline schedule {schedule!r} runs one stage per pp rank; use 'interleaved'.")
+        raise PlanFileError(f"pipeline schedule {schedule!r} runs one stage per pp rank; use one of "
+                            f"{', '.join(MULTI_STAGE)}.")
     return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages

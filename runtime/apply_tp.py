@@ -23,7 +23,9 @@ Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) applies to the layers
 column/row pair: between the TP regions the activations are sharded on the sequence dim
 (``Shard(1)``): norms run under ``SequenceParallel``, the sequence is all-gathered on entry to
 each column-wise module's parent (the attention or MLP module, whose forward may read the
-sequence length from its input) and each row-wise module reduce-scatters back into it
+sequence length from its input; the column-wise module itself where the parent runs an unsplit
+module of its own on that input, as a LoRA wrapper runs its frozen base layer) and each
+row-wise module reduce-scatters back into it
 (``output_layouts=Shard(1)``).  At the edges of a run of such layers the activation is cut
 (``Replicate -> Shard(1)``, no communication) on entry and all-gathered on exit, so the layers
 outside the run, and pipeline stage boundaries, see ordinary full tensors.
@@ -38,6 +40,9 @@ the parameter's TP placements before reducing).  Without FSDP2 a hook after accu
 (``keep_embedding_grads_sharded``) brings such a gradient to its parameter's placements
 (``Replicate -> Shard``: a local slice, no communication) and keeps only the slice, so the
 full gradient lives only during the embedding's backward, not until the step.
+
+Frozen parameters (``requires_grad=False``: a LoRA model's base weights, embedding and head)
+stay frozen under every style: they are split like the others, get no gradient and no hook.
 """
 from __future__ import annotations
 
@@ -113,8 +118,12 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
             paired = fqn in matmul and _parent(fqn) in (parents_with_row if _base(style) == "colwise"
                                                         else parents_with_col)
             # the sequence is all-gathered where the TP region starts: at the colwise module's
-            # parent (attn, mlp), whose forward may read the sequence length from its input
-            gather_at_parent = sp and _base(style) == "colwise" and _parent(fqn) not in ("", path)
+            # parent (attn, mlp), whose forward may read the sequence length from its input --
+            # unless the parent also runs modules of its own on that input (a LoRA wrapper's
+            # base layer beside its split adapters): those stay on the sequence shard, and the
+            # colwise module gathers the sequence itself
+            gather_at_parent = sp and _base(style) == "colwise" and _parent(fqn) not in ("", path) \
+                and not _runs_unsplit(module.get_submodule(_parent(fqn)), _parent(fqn), styles)
             plan[fqn] = _style(style, paired, sp and not gather_at_parent, sp,
                                conv1d=is_conv1d(module.get_submodule(fqn)))
             if gather_at_parent:
@@ -144,15 +153,22 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, layer_styles: list[tuple[st
             plan[path] = PrepareModuleInput(**enter)
         elif last:
             plan[path] = PrepareModuleOutput(**leave)
+    # torch's SequenceParallel re-registers a norm's parameters as trainable whatever they were:
+    # each parameter keeps the model file's requires_grad (a frozen one stays frozen)
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     for fqn, style in plan.items():
         parallelize_module(module.get_submodule(fqn), tp_mesh, style)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if name in frozen:
+            p.requires_grad_(False)
     _divide_head_counts(module, plan, tp_mesh.size())
 
 
 def _region_norms(module: nn.Module, path: str, styles: dict[str, str], parents: set[str]) -> list[str]:
     """The norms inside each column/row pair's parent module (the attention, say), which run on
-    this rank's heads; any other parameter there that no split covers is refused: it would be
-    replicated while each rank's gradient covers only its own heads."""
+    this rank's heads; any other trained parameter there that no split covers is refused: it
+    would be replicated while each rank's gradient covers only its own heads (a frozen one has
+    no gradient and stays as it is on every rank)."""
     norms = []
     for parent in sorted(p for p in parents if p not in ("", path)):
         covered = set()
@@ -163,7 +179,8 @@ def _region_norms(module: nn.Module, path: str, styles: dict[str, str], parents:
             elif name and _is_norm(sub):
                 norms.append(fqn)
                 covered.update(id(p) for p in sub.parameters())
-        loose = [f"{parent}.{n}" for n, p in module.get_submodule(parent).named_parameters() if id(p) not in covered]
+        loose = [f"{parent}.{n}" for n, p in module.get_submodule(parent).named_parameters()
+                 if id(p) not in covered and p.requires_grad]
         if loose:
             raise PlanFileError(
                 f"tensor parallelism: {parent} splits its projections over the tp ranks but also holds "
@@ -177,14 +194,15 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
     shards, so a replicated parameter used there (other than a norm's, which ``SequenceParallel``
     sums over the tp ranks) would get the gradient of this rank's tokens only and the replicas
     would drift apart -- a mixture of experts' router (transformers 5 Mixtral's, and its
-    stacked experts unless split by expert) is such a parameter.  Refuse the layout instead of training another model."""
+    stacked experts unless split by expert) is such a parameter.  Refuse the layout instead of training another model.
+    A frozen parameter (``requires_grad=False``) gets no gradient and cannot drift."""
     layer = module.get_submodule(path)
     covered = set()
     for name, sub in layer.named_modules():
         fqn = f"{path}.{name}" if name else path
         if fqn in styles or _is_norm(sub):
             covered.update(id(p) for p in sub.parameters())
-    loose = [f"{path}.{n}" for n, p in layer.named_parameters() if id(p) not in covered]
+    loose = [f"{path}.{n}" for n, p in layer.named_parameters() if id(p) not in covered and p.requires_grad]
     if loose:
         raise PlanFileError(
             f"sequence parallelism: layer {path} holds parameters that neither a tp split nor a norm covers "
@@ -194,16 +212,18 @@ def _check_sequence_parallel_params(module: nn.Module, path: str, styles: dict[s
 
 
 def keep_embedding_grads_sharded(module: nn.Module) -> None:
-    """Hook every row-wise (vocab-sharded) embedding weight of ``module``, and every replicated
-    bias of a fused projection split per part, so its gradient keeps the parameter's
-    placements.  Call it on the materialised module (``to_empty`` swaps the parameter tensors,
-    and their hooks with them), and only without FSDP2, which does the same itself."""
+    """Hook every trained row-wise (vocab-sharded) embedding weight of ``module``, and every
+    trained replicated bias of a fused projection split per part, so its gradient keeps the
+    parameter's placements; a frozen one (``requires_grad=False``) has no gradient and no hook.
+    Call it on the materialised module (``to_empty`` swaps the parameter tensors, and their
+    hooks with them), and only without FSDP2, which does the same itself."""
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
-        if isinstance(sub, nn.Embedding) and isinstance(weight, DTensor) and Shard(0) in weight.placements:
+        if isinstance(sub, nn.Embedding) and isinstance(weight, DTensor) and Shard(0) in weight.placements \
+                and weight.requires_grad:
             weight.register_post_accumulate_grad_hook(_shard_grad_like_param)
         bias = getattr(sub, "bias", None)
-        if is_parts_split(sub) and isinstance(bias, DTensor):
+        if is_parts_split(sub) and isinstance(bias, DTensor) and bias.requires_grad:
             # a fused projection's replicated bias: its gradient arrives Partial (runtime/fused_tp.py)
             bias.register_post_accumulate_grad_hook(_shard_grad_like_param)
 
@@ -248,6 +268,17 @@ class GatherSequence(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+def _runs_unsplit(parent: nn.Module, path: str, styles: dict[str, str]) -> bool:
+    """``parent`` holds a parameterised module that no split covers and that is not a norm
+    (PEFT's ``LoraLayer``: the frozen ``base_layer`` beside ``lora_A`` / ``lora_B``)."""
+    for name, sub in parent.named_children():
+        fqn = f"{path}.{name}"
+        if fqn not in styles and not _is_norm(sub) and any(True for _ in sub.parameters()) \
+                and not any(s == fqn or s.startswith(f"{fqn}.") for s in styles):
+            return True
+    return False
 
 
 def _gather_sequence(parent: nn.Module) -> GatherSequence:

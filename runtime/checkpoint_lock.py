@@ -10,9 +10,13 @@ when it fails.
 A lock already there is another run's, unless it is stale: its pid is this process (an earlier
 run in the same process), or it names this host and no process has that pid any more (the
 run was killed before it could remove it -- ``kill -9``, or torchrun restarting the group
-after a rank died).  A stale lock is taken over; a live one, or one from another host (whose
-processes cannot be seen from here), is refused with exit code 2 naming the folder and the
-other run's pid and host.
+after a rank died), or it was written by an earlier incarnation of the SLURM job this process
+belongs to: the same ``SLURM_JOB_ID`` (kept by a requeue) and a lower ``SLURM_RESTART_COUNT``
+(SLURM counts the requeues), whose processes are gone wherever they ran, since SLURM starts a
+requeued job only once the previous incarnation has ended (sbatch manual, --requeue).  A stale
+lock is taken over; a live one, or one from another host (whose processes cannot be seen from
+here) that is not an earlier incarnation of this job, is refused with exit code 2 naming the
+folder and the other run's pid and host.
 """
 from __future__ import annotations
 
@@ -33,9 +37,24 @@ class CheckpointLockError(UserError):
     """The checkpoint folder is in use by another run."""
 
 
+SLURM_JOB_ENV = "SLURM_JOB_ID"     # set by SLURM in every process of a job; kept by a requeue
+SLURM_RESTART_ENV = "SLURM_RESTART_COUNT"   # set by SLURM once a job is requeued: 1, 2, ...
+
+
+def _slurm_restart() -> int:
+    try:
+        return int(os.environ.get(SLURM_RESTART_ENV) or 0)
+    except ValueError:
+        return 0
+
+
 def _holder_record(plan_path: Path | str) -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "plan": str(plan_path),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "plan": str(plan_path),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if os.environ.get(SLURM_JOB_ENV):
+        record["slurm_job"] = os.environ[SLURM_JOB_ENV]
+        record["slurm_restart"] = _slurm_restart()
+    return record
 
 
 def read_holder(directory: Path) -> dict | None:
@@ -59,9 +78,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _stale(holder: dict) -> bool:
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    return holder["pid"] == os.getpid() or not _pid_alive(holder["pid"])
+    here = holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
+    if here and (holder["pid"] == os.getpid() or not _pid_alive(holder["pid"])):
+        return True
+    job, restart = os.environ.get(SLURM_JOB_ENV), holder.get("slurm_restart", 0)
+    return (bool(job) and holder.get("slurm_job") == job and isinstance(restart, int)
+            and restart < _slurm_restart())
 
 
 def _create(path: Path, record: dict) -> bool:
@@ -95,10 +117,18 @@ def acquire(directory: Path, plan_path: Path | str) -> str | None:
             continue
         if not _stale(holder):
             raise CheckpointLockError(_in_use(Path(directory), holder))
-        note = (f"took over {path}: the run that held it (pid {holder['pid']} on this host, started "
-                f"{holder.get('started', '?')}) is no longer running")
+        note = _taken_over(path, holder)
         path.unlink(missing_ok=True)
     raise CheckpointLockError(_in_use(Path(directory), read_holder(directory) or {}))
+
+
+def _taken_over(path: Path, holder: dict) -> str:
+    where = "this host" if holder.get("host") == socket.gethostname() else holder.get("host", "?")
+    job = holder.get("slurm_job")
+    incarnation = (f", incarnation {holder.get('slurm_restart', 0)} of this SLURM job {job}"
+                   if job and job == os.environ.get(SLURM_JOB_ENV) else "")
+    return (f"took over {path}: the run that held it (pid {holder.get('pid', '?')} on {where}, started "
+            f"{holder.get('started', '?')}{incarnation}) is no longer running")
 
 
 def _in_use(directory: Path, holder: dict) -> str:

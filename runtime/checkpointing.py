@@ -9,7 +9,8 @@ Layout under ``--checkpoint-dir``::
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
         zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
-        manifest.json     autopar's record of the checkpoint, written last
+        manifest.json     autopar's record of the checkpoint, written last (with the model file and its
+                          arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
 
 ``manifest.json`` says what the checkpoint holds -- the step, the model's graph fingerprint
@@ -52,8 +53,12 @@ the parameters their partition updates; DCP merges them into one checkpoint.  (A
 autopar saved ZeRO-1's partitions beside the DCP files as ``zero1_rank<R>.pt``: such a
 checkpoint still resumes, under its own layout only.)
 
-The step number and the batches are functions of the step (batches are seeded by step), so a
-resumed run continues exactly where the checkpoint was taken.
+The batches are functions of the step (synthetic batches are seeded by step; a token file's
+samples follow from the step, runtime/token_data.py), so a resumed run continues exactly where
+the checkpoint was taken.  The manifest records the data position (``"data"``: the step, the
+token file's path, size and dtype, the shuffle seed) and the validation losses so far
+(``"val_losses"``); the trainer refuses to resume a checkpoint whose data record differs from
+the run's (runtime/train.py).
 """
 from __future__ import annotations
 
@@ -93,6 +98,8 @@ _CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)
 # write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
 _TEMP_FILE = re.compile(r"\.(latest|manifest)\.json\..+$")
 _HASH_CHUNK = 1 << 20
+# the manifest keys ``save_checkpoint``'s ``records`` may write (read back by ``resume``)
+RECORD_KEYS = ("data", "val_losses", "lr_schedule")   # "lr_schedule": runtime/lr_schedule.py
 # flat optimizer keys ("state.blocks.0.attn.qkv.weight.exp_avg") so several stage modules' and
 # optimizers' states merge into one checkpoint without clashing
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -113,15 +120,19 @@ class CheckpointIdentity:
     #: the model's other fingerprints (core/graph.OpGraph.fingerprints: the one written before
     #: parameter-free views were left out), which a checkpoint of the same model may carry
     also: tuple[str, ...] = ()
+    #: the model file (absolute path) and its arguments, recorded for ``autopar export``
+    model: dict | None = None
 
     @classmethod
-    def of_plan(cls, plan, graph=None) -> "CheckpointIdentity":
+    def of_plan(cls, plan, graph=None, model_file=None) -> "CheckpointIdentity":
         """``graph``: the plan's model as the runtime captured it; a checkpoint holding any of its
-        fingerprints is this model's."""
+        fingerprints is this model's.  ``model_file``: the plan's model file as resolved."""
         m = plan.mesh
         also = tuple(f for f in graph.fingerprints if f != plan.model.fingerprint) if graph is not None else ()
+        model = ({"file": str(Path(model_file).resolve()), "args": dict(plan.model.args), "name": plan.model.name}
+                 if model_file is not None else None)
         return cls(fingerprint=plan.model.fingerprint, world_size=plan.world_size,
-                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero, also=also)
+                   mesh={"dp": m.dp, "pp": m.pp, "tp": m.tp}, zero=plan.zero, also=also, model=model)
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ class Resumed:
     step: int
     path: Path
     losses: list[float]
+    #: the manifest's further records (``save_checkpoint``'s ``records``: "data", "val_losses")
+    records: dict | None = None
 
 
 def _is_zero1(opt: torch.optim.Optimizer) -> bool:
@@ -192,8 +205,10 @@ def partial_dir(directory: Path, step: int) -> Path:
 
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
-                    names: StateNames | None = None) -> Path:
+                    names: StateNames | None = None, records: dict | None = None) -> Path:
     """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``.
+    ``records``: further JSON values written under their own keys into both (the data position:
+    ``"data"``, ``"val_losses"``; runtime/train.py), read back as ``Resumed.records``.
 
     Every file is written into ``step_N.partial``; rank 0 writes the manifest there last and
     renames the folder to ``step_N`` (one atomic rename), so a ``step_N`` folder is always
@@ -226,7 +241,9 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
         files = {name: d for _, mine in gathered for name, d in mine.items()}
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model_fingerprint": identity.fingerprint,
                     "world_size": identity.world_size, "mesh": identity.mesh, "zero": identity.zero,
-                    "losses": list(losses), "files": dict(sorted(files.items()))}
+                    "losses": list(losses), **(records or {}), "files": dict(sorted(files.items()))}
+        if identity.model is not None:
+            manifest["model"] = identity.model
         try:
             write_text_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
             if path.exists():                    # a folder of this step without a manifest (an older autopar's)
@@ -240,7 +257,8 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
     if rank == 0:
         try:
             write_text_atomic(directory / LATEST,
-                              json.dumps({"step": step, "path": path.name, "losses": list(losses)}) + "\n")
+                              json.dumps({"step": step, "path": path.name, "losses": list(losses),
+                                          **(records or {})}) + "\n")
             prune(directory, keep)
         except OSError as e:
             verdict = [f"rank 0: {_os_reason(e)}"]
@@ -377,11 +395,19 @@ def check_manifest(path: Path, manifest: dict, identity: CheckpointIdentity) -> 
 
 
 def verify_files(path: Path, manifest: dict) -> None:
-    """Sizes and SHA-256 of every listed file; the ranks hash one share each and all see the verdict."""
+    """Sizes and SHA-256 of every listed file; the ranks hash one share each and all see the verdict
+    (``autopar export``, one process, checks them all with ``file_problems``)."""
     names = sorted(manifest["files"])
     rank, world = dist.get_rank(), dist.get_world_size()
+    found: list = [None] * world
+    dist.all_gather_object(found, file_problems(path, manifest, names[rank::world]))
+    raise_file_problems(path, sorted(p for share in found for p in share))
+
+
+def file_problems(path: Path, manifest: dict, names: list[str]) -> list[tuple[str, str]]:
+    """(file, what is wrong) for each of ``names`` whose size or SHA-256 is not the manifest's."""
     problems = []
-    for name in names[rank::world]:
+    for name in names:
         f, want = path / name, manifest["files"][name]
         if not f.is_file():
             problems.append((name, "is missing"))
@@ -390,9 +416,10 @@ def verify_files(path: Path, manifest: dict) -> None:
         elif file_digest(f)["sha256"] != want["sha256"]:
             problems.append((name, "does not match its SHA-256 checksum in the manifest (damaged or changed "
                                    "since it was saved)"))
-    found: list = [None] * world
-    dist.all_gather_object(found, problems)
-    problems = sorted(p for share in found for p in share)
+    return problems
+
+
+def raise_file_problems(path: Path, problems: list[tuple[str, str]]) -> None:
     if problems:
         name, what = problems[0]
         more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
@@ -410,9 +437,12 @@ def _what_to_do(path: Path) -> str:
 
 
 def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-           identity: CheckpointIdentity, steps: int, names: StateNames | None = None) -> Resumed | None:
+           identity: CheckpointIdentity, steps: int, names: StateNames | None = None,
+           check_records=None) -> Resumed | None:
     """Load the newest checkpoint under ``directory`` after checking it (None: nothing to resume).
-    Every rank calls it."""
+    Every rank calls it.  ``check_records(path, step, records)``: called before anything is read
+    beyond the manifest, with its ``RECORD_KEYS`` entries, to refuse a checkpoint the run cannot
+    continue (runtime/train.py: other data)."""
     check_directory(directory)
     found = latest_checkpoint(directory)
     if found is None:
@@ -432,9 +462,13 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
             f"start afresh.")
     manifest = read_manifest(path)
     check_manifest(path, manifest, identity)
+    records = {k: v for k, v in manifest.items() if k in RECORD_KEYS}
+    if check_records is not None:
+        check_records(path, step, records)
     verify_files(path, manifest)                 # before DCP unpickles .metadata
     load_checkpoint(path, parts, optimizers, names)
-    return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]])
+    return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]],
+                   records=records)
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

@@ -158,7 +158,7 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
         def fake_tensors():   # one mode for the parameters and the forward that reads them
             return contextlib.nullcontext() if fake_mode is None else fake_mode
 
-        # steps 2-6 exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
+        # steps 2-6b exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
         built = build_stage_parts(checked, ctx, meta, zeros, lambda i: True, around_materialize=fake_tensors,
                                   swap_params=fake_mode is None)
         parts = [built.parts[i] for i in sorted(built.parts)]

@@ -21,6 +21,11 @@ fully-qualified name (FQN) in a *source* of full values:
 ``auto`` uses the host source when the full parameters of the model, times the processes on
 this node, fit in half of the host's available memory.
 
+``--init-from PATH`` (``RunOptions.init_from``) replaces both with a weights file
+(runtime/weights_in.py): a source whose ``read_local(fqn, tensor)`` fills a rank's tensor with
+its own slices of the file, so no rank reads the full model; buffers the file lacks come from
+the per-module source's buffers (the model file's own values; its parameters are never built).
+
 Each rank keeps only its shard: for a DTensor parameter the full value is cut to the
 parameter's placements locally (``distribute_tensor(..., src_data_rank=None)``: no
 communication, every rank computes the same full value).
@@ -79,7 +84,13 @@ def per_module_source(model_file: ModelFile, model_args: dict, seed: int) -> Ful
 
 
 def choose_source(mode: str, model_file: ModelFile, model_args: dict, seed: int,
-                  meta_model: nn.Module) -> tuple[str, FullSource]:
+                  meta_model: nn.Module, init_from=None) -> tuple[str, FullSource]:
+    """(the init mode, its source); ``init_from``: a weights file or folder (runtime/weights_in.py),
+    checked against ``meta_model`` here (a ``WeightsError`` before anything is allocated)."""
+    if init_from is not None:
+        from autopar.runtime.weights_in import weights_source
+
+        return "init-from", weights_source(init_from, meta_model, per_module_source(model_file, model_args, seed))
     if mode == "auto":
         mode = "host" if _fits_in_host(meta_model) else "per-module"
     if mode == "host":
@@ -113,8 +124,11 @@ def materialize(module: nn.Module, device: torch.device, source: FullSource, tie
 @torch.no_grad()
 def fill_from_source(module: nn.Module, source: FullSource, alias: dict[str, str] | None = None) -> None:
     alias = alias or {}
+    read_local = getattr(source, "read_local", None)      # a source that reads a rank's slices itself
     for name, tensor in _named_tensors(module):
         fqn = canonical_fqn(name)
+        if read_local is not None and read_local(alias.get(fqn, fqn), tensor):
+            continue
         full = source(alias.get(fqn, fqn))
         if isinstance(tensor, DTensor):
             full = full.to(device=tensor.device, dtype=tensor.dtype)

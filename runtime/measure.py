@@ -97,7 +97,8 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
                     world_size: int, device: torch.device, plan_file: str, first_step: int,
                     breakdown: dict | None, trace_file: str | None, init_mode: str,
                     model_state_bytes_per_rank: list[dict] | None = None,
-                    plan_identity: str | None = None, float8: dict | None = None) -> Measured:
+                    plan_identity: str | None = None, float8: dict | None = None,
+                    val_losses: list[tuple[int, float]] | None = None) -> Measured:
     """The run's ``Measured`` (autopar.core.measured: the schema of measured.json)."""
     step_time_s = median_after_warmup(step_times_s, warmup_steps)
     samples_per_s = global_batch / step_time_s if step_time_s > 0 else 0.0
@@ -126,4 +127,5 @@ def measured_report(*, step_times_s: list[float], warmup_steps: int, global_batc
         **(breakdown or {}),
         trace_file=trace_file or None,
         float8=float8,
+        val_losses=tuple((int(s), float(v)) for s, v in val_losses) if val_losses else None,
     )

@@ -25,6 +25,9 @@ The order (one place, the same for every plan; torchtitan's order):
    runs as ``replicate`` here and ZeRO-1 as FSDP2 without reshard, and the same under pipelining
    (``apply_dp.data_parallel_kind``);
 6. materialise: ``to_empty`` on the device, values from the init source -- ``materialize``;
+6b. tensor parallelism without FSDP2: the post-accumulate hooks that keep a row-wise
+   embedding's gradient sharded -- ``apply_tp.keep_embedding_grads_sharded`` (on the
+   materialised parameters, whose hooks ``to_empty`` would drop);
 7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters);
 8. AdamW per part (ZeroRedundancyOptimizer for ZeRO-1) and the pipeline schedule.
 
@@ -53,7 +56,7 @@ from autopar.runtime.apply_pp import build_schedule, runnable_schedule, split_in
 from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, resolve_tp_styles
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
-from autopar.runtime.options import ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY, RunOptions
+from autopar.runtime.options import ADAM_EPS, RunOptions
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
 from autopar.runtime.state_names import StateNames
@@ -280,10 +283,10 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
                       keep_stage: Callable[[int], bool],
                       around_materialize: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                       swap_params: bool = True) -> StageParts:
-    """Steps 2-6 on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
+    """Steps 2-6b on the meta model ``meta``: cut the pipeline stages, keep those ``keep_stage``
     selects, and apply tensor parallelism, recompute and FSDP2 / replicate to each before it is
     materialised from ``source`` (an FQN -> full tensor function) inside ``around_materialize()``
-    (``swap_params``: see ``materialize``).  Training keeps this rank's
+    (``swap_params``: see ``materialize``), then hook its tp gradients (6b).  Training keeps this rank's
     stages; the dry run (runtime/dry_run.py) keeps every stage, so a plan
     it accepts is built by exactly these steps."""
     plan = checked.plan
@@ -325,6 +328,8 @@ def build_stage_parts(checked: CheckedPlan, ctx: RankContext, meta: nn.Module, s
             part = parallelize_part(part, held, checked, ctx, out.dp_kind, ties, records, out.cp)   # 2b-5
         with around_materialize():
             materialize(part, ctx.device, source, ties, swap=swap_params)           # 6
+        if plan.mesh.tp > 1 and out.dp_kind not in ("fsdp", "replicate"):
+            keep_embedding_grads_sharded(part)   # 6b; FSDP2 shards TP gradients itself
         out.parts[index] = part
     if records:
         out.float8 = Float8Record(recipe=plan.fp8_recipe)
@@ -338,22 +343,24 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     plan = checked.plan
     args = dict(plan.model.args)
     meta = build_meta_model(checked.model_file, args)                               # 1
-    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta)
+    init_mode, source = choose_source(opts.init, checked.model_file, args, opts.seed, meta, opts.init_from)
     num_stages = len(plan.pipeline.stages)
-    built = build_stage_parts(checked, ctx, meta, source,                           # 2-6
+    built = build_stage_parts(checked, ctx, meta, source,                           # 2-6b
                               lambda i: plan.pipeline.stage_rank(i, plan.mesh.pp) == ctx.pp_rank)
+    source_notes = list(getattr(source, "notes", ()))
+    if getattr(source, "full_reads", None):
+        source_notes.append(f"--init-from: {len(source.full_reads)} entries had no one-block slice on this rank and "
+                            f"were read whole ({', '.join(source.full_reads[:3])})")
     del source
     local, dp_kind = built.parts, built.dp_kind
     parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
-        if plan.mesh.tp > 1 and dp_kind not in ("fsdp", "replicate"):
-            keep_embedding_grads_sharded(part)   # FSDP2 shards TP gradients itself
         if use_ddp:
             part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
-                                  ADAM_BETAS, ADAM_EPS, WEIGHT_DECAY) for p in parts]  # 8
+                                  tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
@@ -365,7 +372,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
-    notes = []
+    notes = source_notes
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"

@@ -54,8 +54,10 @@ def resolve_model_path(plan: Plan, plan_path: Path) -> Path:
     return beside if beside.is_file() else given
 
 
-def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
-    """Everything that can be checked before any process group exists."""
+def check_plan(plan_path: Path, world_size: int | None, model_file: ModelFile | None = None) -> CheckedPlan:
+    """Everything that can be checked before any process group exists.  ``model_file``: the
+    model to run in place of the plan's model file (the Python API's ``build_model`` function,
+    runtime/api.py); its capture must give the fingerprint the plan was made for."""
     plan = load_plan(plan_path)
     if world_size is not None and world_size != plan.world_size:
         m = plan.mesh
@@ -64,11 +66,12 @@ def check_plan(plan_path: Path, world_size: int | None) -> CheckedPlan:
             f"but this launch has {world_size}. Start it with 'torchrun --nproc-per-node {plan.world_size} "
             f"-m autopar.runtime {plan_path}' (or nodes x processes per node = {plan.world_size}), "
             f"or plan again for {world_size} ranks.")
-    model_path = resolve_model_path(plan, plan_path)
-    model_file = load_model_file(model_path)
-    from autopar.core.capture import capture_model_file
+    if model_file is None:
+        model_file = load_model_file(resolve_model_path(plan, plan_path))
+    model_path = model_file.path
+    from autopar.core.capture import capture_loaded
 
-    graph = capture_model_file(str(model_path), dict(plan.model.args), plan.micro_batch)
+    graph = capture_loaded(model_file, dict(plan.model.args), plan.micro_batch)
     if plan.model.fingerprint not in graph.fingerprints:      # the second: plans written before views left it
         raise PlanFileError(
             f"plan file {plan_path} was made for a model whose graph fingerprint is {plan.model.fingerprint}, "

@@ -15,6 +15,7 @@ nodes hold is refused.  The processes themselves are torchrun's; autopar launche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import subprocess
 import sys
@@ -24,8 +25,12 @@ from autopar.core.errors import UserError
 from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
-_FORWARDED = ("steps", "lr", "seed", "warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
-              "log_every", "keep_checkpoints")
+_FORWARDED = ("steps", "lr", "seed", "timing_warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
+              "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
+              "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches",
+              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas")
+# flags whose name is not the argument's with '-' for '_'
+_FLAG_OF = {"timing_warmup_steps": "--timing-warmup"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +54,9 @@ def runtime_arguments(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is None:
             continue
-        out += [f"--{name.replace('_', '-')}", str(value)]
+        if isinstance(value, tuple):                  # --betas B1,B2
+            value = ",".join(str(v) for v in value)
+        out += [_FLAG_OF.get(name, f"--{name.replace('_', '-')}"), str(value)]
     if args.profile:
         out.append("--profile")
     return out
@@ -64,9 +71,9 @@ def torchrun_command(args: argparse.Namespace, nproc_per_node: int | str, rdzv_e
             *runtime_arguments(args)]
 
 
-def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = None, profile: bool = False,
+def run_plan(plan_path: str | Path, *, steps: int, timing_warmup_steps: int | None = None, profile: bool = False,
              log=None) -> int:
-    """``autopar run PLAN --steps N [--warmup-steps W]`` as a function: the launch path other
+    """``autopar run PLAN --steps N [--timing-warmup W]`` as a function: the launch path other
     verbs reuse (``autopar plan --trial-steps``), so they start a plan exactly as a user would.
 
     Writes measured.json beside the plan; returns the exit code (a plan for several nodes prints
@@ -76,8 +83,8 @@ def run_plan(plan_path: str | Path, *, steps: int, warmup_steps: int | None = No
     parser = argparse.ArgumentParser(prog="autopar run")
     add_arguments(parser)
     argv = [str(plan_path), "--steps", str(steps)]
-    if warmup_steps is not None:
-        argv += ["--warmup-steps", str(warmup_steps)]
+    if timing_warmup_steps is not None:
+        argv += ["--timing-warmup", str(timing_warmup_steps)]
     if profile:
         argv.append("--profile")
     return main(parser.parse_args(argv), log=log)
@@ -91,11 +98,35 @@ def main(args: argparse.Namespace, log=None) -> int:
     opts = options_from_args(args)                    # argument errors before anything starts
     if args.nnodes is not None and args.nnodes < 1:
         raise UserError(f"--nnodes is {args.nnodes}; it must be a positive integer.")
-    if args.nnodes in (None, 1) and not args.dry_run:
+    from autopar.runtime import data_check
+
+    here = args.nnodes in (None, 1) and not args.dry_run   # started here (else only printed: the ranks check)
+    data_check.check_options(opts)
+    if here:
+        data_check.check_files(opts)                  # a missing or truncated token file: before anything
+    weights = None
+    if opts.init_from is not None:                    # headers only: a missing or damaged file fails first
+        from autopar.runtime.weights_in import WeightsFile
+
+        weights = WeightsFile.open(opts.init_from)
+    fresh_dir = opts.checkpoint_dir is not None and not Path(opts.checkpoint_dir).exists()
+    if here:
         check_output_paths(opts)                      # before the plan check's capture: nothing is wasted
-    checked = check_plan(Path(args.plan), None)
-    if args.nnodes in (None, 1) and not args.dry_run:
-        check_output_paths(opts)                      # again: the plan's model file is now known as an input
+    try:
+        checked = check_plan(Path(args.plan), None)
+        if here:
+            check_output_paths(opts)                  # again: the plan's model file is now known as an input
+            data_check.check_for_plan(opts, checked)  # the token files' length and ids < vocabulary
+        if weights is not None:                       # names, shapes, dtypes, before any rank starts
+            from autopar.runtime.materialize import build_meta_model
+            from autopar.runtime.weights_in import check
+
+            check(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
+    except UserError:
+        if fresh_dir:                                 # the empty folder check_output_paths made
+            with contextlib.suppress(OSError):
+                Path(opts.checkpoint_dir).rmdir()
+        raise
     world = checked.plan.world_size
     layout = plan_nodes(checked.plan)                 # ranks per node of the planned cluster, or None
     if args.nnodes is None:

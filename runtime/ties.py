@@ -16,7 +16,9 @@ meta device builds a new tensor per module entry.  This module
   step, each copy's gradient is replaced by the sum of the copies' gradients over the pp ranks
   that hold them (``TiedGradSum``), so every copy takes the same step as the single parameter
   would (Megatron-LM keeps its first- and last-stage word embeddings in sync the same way;
-  Shoeybi et al. 2019 / Narayanan et al. 2021, "embedding group").
+  Shoeybi et al. 2019 / Narayanan et al. 2021, "embedding group").  A frozen group
+  (``requires_grad=False``) has no gradient and is left alone: a zero gradient would let
+  AdamW's weight decay move it.
 """
 from __future__ import annotations
 
@@ -173,6 +175,8 @@ class TiedGradSum:
                     p = mod._parameters[leaf]
                     if all(p is not q for q in params):
                         params.append(p)
+            if not any(p.requires_grad for p in params):
+                continue            # frozen (the same on every holder): no gradient to sum
             grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
             total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
             dist.all_reduce(total, group=pg)

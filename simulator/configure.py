@@ -9,6 +9,7 @@ checkpointing wrap).
 """
 from __future__ import annotations
 
+from autopar.core.rules import V_SCHEDULES
 from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import ModelRef, Plan, equal_bounds, uniform_plan
@@ -40,7 +41,9 @@ def config_plan(graph: OpGraph, *, dp: int, tp: int, pp: int, micro_batch: int, 
         raise UserError(f"--global-batch {global_batch} is not a multiple of dp x micro-batch = "
                         f"{dp} x {micro_batch}; choose a global batch divisible by {dp * micro_batch}.")
     num_micro = global_batch // (dp * micro_batch)
-    if schedule != "interleaved":
+    if schedule in V_SCHEDULES:
+        virtual_stages = 2                # two chunks per rank in a V (core/rules.py)
+    elif schedule not in ("interleaved", "interleaved-zb"):
         virtual_stages = 1
     bounds = block_stage_bounds(graph, pp * virtual_stages)
     styles = {i: megatron_styles(graph, i) for i in range(len(graph.layers))} if tp > 1 else None

@@ -46,7 +46,7 @@ from autopar.core.cluster import Link
 from autopar.core.dtypes import precision_bytes
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
-from autopar.simulator.clocks import clock_ratio, peak_flops_at_clock
+from autopar.core.clocks import clock_ratio, peak_flops_at_clock
 from autopar.simulator.cpu_meeting_waits import MeetingWaits
 from autopar.simulator.calibration import FITTED, Calibration
 from autopar.simulator.training_code import AUTOPAR, TrainingCode
@@ -154,7 +154,7 @@ class CostModel:
     #: the training code priced (simulator/training_code.py): autopar's runtime unless a caller
     #: prices a run made with other code; set it before an evaluator first prices with this model
     code: TrainingCode = AUTOPAR
-    #: sustained / boost clock of a GPU variant (simulator/clocks.py): scales the peaks (done in
+    #: sustained / boost clock of a GPU variant (core/clocks.py): scales the peaks (done in
     #: ``from_profile``) and the published flash-attention rates, measured at the boost part's clock
     clock_ratio: float = 1.0
     #: the fitted constants priced with (simulator/calibration.py): the last fit unless a caller
@@ -171,7 +171,7 @@ class CostModel:
         try:
             cm = cls(
                 name=str(prof["name"]),
-                peak_flops=peak_flops_at_clock(prof),             # simulator/clocks.py: the clock it holds
+                peak_flops=peak_flops_at_clock(prof),             # core/clocks.py: the clock it holds
                 memory_bandwidth_Bps=float(prof["memory_bandwidth_Bps"]),
                 efficiency={k: float(v) for k, v in prof.get("efficiency", {}).items()},
                 collective_efficiency={k: float(v) for k, v in prof.get("collective_efficiency", {}).items()},

@@ -17,7 +17,8 @@ from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import StepForm, after_backward, last_reduce_scatter, pipeline_and_ends
+from autopar.simulator.step_model import (StepForm, after_backward, last_reduce_scatter, pipeline_and_ends,
+                                          weight_gradient_times)
 from autopar.simulator.topology import busy_devices_per_node
 
 
@@ -152,7 +153,7 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     all-reduce adds to its rank's last backward."""
     p = ctx.p
     _, _, f_g, b_g, _ = serial_chunk_times(ctx, rows)
-    _, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, 0.0)
+    _, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, 0.0, weight_gradient_times(ctx, rows))
     ar = rows.dp_allreduce_s * (rows.zero <= 1)
     # the all-reduces take turns with the last backward: all of them add up
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)

@@ -32,7 +32,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, Plan
-from autopar.core.rules import interleaved_microbatches_ok
+from autopar.core.rules import schedule_microbatches_problem
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
@@ -43,6 +43,7 @@ from autopar.simulator.selective_mm_policy import recomputed_matmuls
 from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero
 from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.memory import inflight_microbatches, stage_memory
+from autopar.simulator.pipeline_zero_bubble import stage_grid
 from autopar.simulator.result import SimResult, StepWork
 from autopar.simulator.step_model import (OVERLAPPED, StepForm, chunk_masks, last_reduce_scatter,
                                          layer_effective_times, step_from_chunk_times)
@@ -91,6 +92,7 @@ class _Context:
     starts: np.ndarray          # first layer of each virtual stage (G,)
     ends: np.ndarray
     layer_rank: np.ndarray      # pipeline rank of each layer (L,)
+    grid: np.ndarray            # (v, p): the virtual stage of rank r's chunk c (stage_grid)
     layer_stage: np.ndarray     # virtual stage of each layer (L,)
     stage_start_of_layer: np.ndarray
     head: np.ndarray            # first layer of each model chunk (step_model.chunk_masks)
@@ -198,7 +200,7 @@ class PlanEvaluator:
             [sum(o.fwd_flops for o in ops if o.kind not in MATMUL_KINDS or o.name in rerun)
              for ops in (list(graph.layer_ops(i)) for i in range(self.num_layers))
              for rerun in (recomputed_matmuls(ops, policy),)]) / b0
-        self._flops_per_sample = graph.flops_per_step / b0
+        self._flops_per_sample = graph.flops_per_sample
         self._cost_cache: dict[tuple, LayerCost] = {}
         #: the ops' compute of a layer by what it reads (layer_cost._op_work_key): shared between
         #: meshes that differ in dp or pp only
@@ -344,9 +346,9 @@ class PlanEvaluator:
         if stages[-1].end != self.num_layers:
             raise InfeasibleError(f"pipeline stages end at layer {stages[-1].end}, the model has {self.num_layers}")
         v = len(stages) // p
-        if v > 1 and pl.schedule == "interleaved" and not interleaved_microbatches_ok(pl.num_microbatches, p):
-            raise InfeasibleError(f"the interleaved schedule needs micro-batches ({pl.num_microbatches}) "
-                                  f"divisible by pipeline ranks ({p})")
+        problem = schedule_microbatches_problem(pl.schedule, pl.num_microbatches, p, len(stages)) if p > 1 else None
+        if problem:
+            raise InfeasibleError(f"the pipeline needs {problem}")
         if mesh.world_size > self.cluster.world_size:
             raise InfeasibleError(f"plan needs {mesh.world_size} devices, the cluster has {self.cluster.world_size}")
         starts = np.array([s.start for s in stages])
@@ -373,7 +375,10 @@ class PlanEvaluator:
             p2p_s, p2p_m = pipeline_p2p.exchange_time(rank_cm[0], boundary * scale * act_scale / sp_div, mesh.tp,
                                                       links.pp.link, links.pp.level, links.tp.link, links.tp.level,
                                                       busy)
-        layer_rank = layer_stage % p
+        grid = stage_grid(pl.schedule, p, v)
+        stage_rank = np.empty(len(stages), dtype=int)
+        stage_rank[grid] = np.arange(p)[None, :]
+        layer_rank = stage_rank[layer_stage]
         serial = cpu_node.serial_communication(self.cluster, mesh)
         row_context = self._row_contexts.setdefault(key[:3] + (plan.compile, plan.fp8_recipe), len(self._row_contexts))
         rank_cm_names = [cm.name for cm in rank_cm]
@@ -384,8 +389,8 @@ class PlanEvaluator:
         layer_cms = self._rank_cm_keys.setdefault(tuple(layer_cm_names), len(self._rank_cm_keys))
         ctx = _Context(mesh=mesh, micro_batch=plan.micro_batch, precision=plan.precision, schedule=pl.schedule,
                        num_microbatches=pl.num_microbatches, p=p, v=v, starts=starts, ends=ends,
-                       layer_rank=layer_rank, layer_stage=layer_stage,
-                       rank_onehot=(np.arange(p)[:, None] == (layer_stage % p)[None, :]).astype(float),
+                       layer_rank=layer_rank, layer_stage=layer_stage, grid=grid,
+                       rank_onehot=(np.arange(p)[:, None] == layer_rank[None, :]).astype(float),
                        stage_start_of_layer=starts[layer_stage], links=links, rank_cm=rank_cm,
                        **dict(zip(("head", "tail", "not_tail"), chunk_masks(starts, self.num_layers))),
                        capacity=capacity, capacity_list=capacity.tolist(), inflight=inflight,
@@ -580,16 +585,16 @@ class PlanEvaluator:
         if chunk_terms is None:
             # per model chunk, one column at a time (cheaper than one reduceat over a 2-D selection)
             transient, param_buf, grad_buf = (np.maximum.reduceat(data[:, c], ctx.starts) for c in _MAX_COLUMNS)
-            act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts).reshape(ctx.v, p)
+            act_g = np.add.reduceat(data[:, _ACTIVATION], ctx.starts)[ctx.grid]
             out_end = data[ctx.last_layers, _OUTPUT] if p > 1 else 0.0
         else:
             act_g, (transient, param_buf, grad_buf), out_end = chunk_terms
-            act_g = act_g.reshape(ctx.v, p)
+            act_g = act_g[ctx.grid]
             if p == 1:
                 out_end = 0.0
         if ctx.v > 1:                                           # the largest over each rank's chunks
-            transient, param_buf, grad_buf = (a.reshape(ctx.v, p).max(axis=0) for a in (transient, param_buf, grad_buf))
-            out_end = out_end.reshape(ctx.v, p).max(axis=0) if p > 1 else 0.0
+            transient, param_buf, grad_buf = (a[ctx.grid].max(axis=0) for a in (transient, param_buf, grad_buf))
+            out_end = out_end[ctx.grid].max(axis=0) if p > 1 else 0.0
         ddp_active = ctx.no_ddp
         if mesh.dp > 1 and any_ddp is not False:
             ddp_layers = data[:, _ZERO] <= 1

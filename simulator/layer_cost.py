@@ -40,6 +40,14 @@ MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
 #: calls the saved-tensor pack hook, before it redispatches to the kernel), so a recompute that
 #: stops at such an op's saved tensors never runs its kernel (``_recompute``)
 SAVES_INPUTS_ONLY = frozenset({"linear", "matmul", "conv"})
+#: the share of an op's backward that computes its weight's gradient (the W pass of a split
+#: backward, Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2): a linear's (conv's,
+#: recurrent cell's) backward is two GEMMs of equal FLOPs, dgrad dX = dY W and wgrad dW = dY^T X
+#: (2 M N K each), so half; an embedding's input is indices, so all of it is the weight's; ops
+#: without a trainable weight (attention, matmuls between activations, activations) have none,
+#: and a norm's weight gradient (a reduction over the tokens, a few % of its backward) is left
+#: in B
+WEIGHT_GRAD_SHARE = {"linear": 0.5, "conv": 0.5, "rnn": 0.5, "embedding": 1.0}
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,9 @@ class LayerCost:
     tied_optimizer_bytes: float = 0.0
     tied_host_bytes: float = 0.0
     tied_dp_grad_bytes: float = 0.0
+    # of bwd_s, the weight gradients (WEIGHT_GRAD_SHARE): what a split-backward schedule runs as its
+    # W pass (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2); the rest is B
+    bwd_weight_s: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -179,7 +190,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
     optimizer_s = dp.optimizer_s if lp.offload == "cpu" else dp.optimizer_s * compute_stretch
     return LayerCost(
-        fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
+        fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
+        recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
@@ -235,6 +247,7 @@ class _OpWork:
     rerun_mm_fwd_s: float = 0.0            # matmuls a selective recompute reruns (selective_mm_policy.py)
     rerun_mm_fwd_flops: float = 0.0
     rerun_mm_output_bytes: float = 0.0
+    bwd_weight_s: float = 0.0              # of bwd_s, the weight gradients (WEIGHT_GRAD_SHARE)
     param_names: set[str] = field(default_factory=set)       # parameter tensors of the layer
     frozen_names: set[str] = field(default_factory=set)      # ... those with requires_grad=False
     dtensor_params: set[str] = field(default_factory=set)    # ... held as DTensors by tensor parallelism
@@ -348,6 +361,8 @@ def _op_work(ops, layout: TPLayout, lp: LayerPlan, mesh: Mesh, precision: str, c
                 w.rerun_mm_output_bytes += op.output_bytes * scale * act_scale / osh
             t, m = cm.op_time_ex(op, precision, shard, backward=True, scale=scale, bytes_scale=bscale, out_shard=osh)
             w.bwd_s += t
+            if op.params and len(op.frozen_params) < len(op.params):
+                w.bwd_weight_s += t * WEIGHT_GRAD_SHARE.get(op.kind, 0.0)
             w.op_bwd_s[op.name] = t
             w.measured += m
             w.estimated += not m

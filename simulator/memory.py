@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from autopar.core.dtypes import DTYPE_BYTES, PRECISION_BYTES
+from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
+from autopar.simulator.pipeline_zero_bubble import inflight_chunks
 
 #: bytes per parameter (params, grads, optimizer) -- ZeRO Sec. 3.1 (mixed: 16-bit parameters and
 #: gradients, an fp32 master copy and Adam's two moments) and Adam in fp32 (two moments); element
@@ -54,7 +56,8 @@ def state_bytes(num_params: float, precision: str, zero: int, dp: int,
 
 def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatches: int,
                           virtual_stages: int = 1) -> int:
-    """Micro-batches (model chunks for 'interleaved') whose activations rank ``stage_rank`` holds at peak."""
+    """Micro-batches (model chunks for the schedules with several per rank) whose activations rank
+    ``stage_rank`` holds at peak (the split-backward schedules: pipeline_zero_bubble.inflight_chunks)."""
     m, p, r, v = num_microbatches, pp, stage_rank, max(1, virtual_stages)
     if p == 1:
         return 1                     # no pipeline: micro-batches are accumulation steps, one at a time
@@ -62,6 +65,8 @@ def inflight_microbatches(schedule: str, pp: int, stage_rank: int, num_microbatc
         return m
     if schedule == "interleaved":
         return min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return inflight_chunks(schedule, p, r, m, v)
     return min(p - r, m)                                   # 1F1B
 
 

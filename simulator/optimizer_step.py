@@ -79,3 +79,26 @@ MEGATRON_FP16_2021 = OptimizerRuntime("Megatron-LM 2021: local DDP after the flu
 MEGATRON_FP16_TORCH_DDP_2021 = replace(MEGATRON_FP16_2021,
                                        name="Megatron-LM 2021 with torch DDP: overlapped all-reduce, fp16 optimizer",
                                        sync_after_flush=False)
+
+
+# ---------------------------------------------------------------------------- gradient clipping
+#: ``--grad-clip`` as autopar's runtime runs it (runtime/grad_norm.py), per gradient element this
+#: rank holds: one read for the norm (``torch._foreach_norm``, as torch.nn.utils.get_total_norm),
+#: then a read and a write for the scaling (``torch._foreach_mul_`` by the clamped coefficient,
+#: applied whether or not the norm exceeds the threshold: torch.nn.utils.clip_grads_with_norm_
+#: avoids a host-side branch, and so does the runtime)
+GRAD_CLIP_PASSES = 3
+#: the all-reduced value: the sum of the squares, one fp32 scalar
+GRAD_NORM_BYTES = 4
+
+
+def grad_clip_time(cm, grad_elements: float, grad_bytes_per_element: float, world_size: int, link,
+                   level: str = "intra") -> float:
+    """Seconds the gradient clip adds to a step on one rank: its ``GRAD_CLIP_PASSES`` memory-bound
+    passes over the ``grad_elements`` gradient elements it holds (bytes over the achievable HBM
+    bandwidth, as ``CostModel.optimizer_time`` prices AdamW) plus the one all-reduce of
+    ``GRAD_NORM_BYTES`` over every rank that the runtime issues (``cm.collective_time`` over
+    ``link``: for a scalar, its latency term).  Not part of the step any plan is priced with yet:
+    a planner option would add it to the step's serial tail."""
+    passes = GRAD_CLIP_PASSES * grad_elements * grad_bytes_per_element / cm.achievable_memory_Bps
+    return passes + cm.collective_time("all_reduce", GRAD_NORM_BYTES, world_size, link, level)

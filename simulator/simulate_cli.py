@@ -14,7 +14,7 @@ from pathlib import Path
 from autopar.core.errors import UserError
 from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in, fmt_seconds
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch", type=T.positive, default=1, help="samples per micro-batch per data-parallel rank")
     g.add_argument("--global-batch", type=T.global_batch, default=None, help="samples per step (default dp x micro-batch x pp)")
     g.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b")
-    g.add_argument("--virtual-stages", type=T.positive, default=2, help="model chunks per pipeline rank (interleaved only)")
+    g.add_argument("--virtual-stages", type=T.positive, default=2,
+                   help="model chunks per pipeline rank (interleaved and interleaved-zb; zbv and dualpipev run 2)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     g.add_argument("--offload", choices=("none", "cpu"), default="none")

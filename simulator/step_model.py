@@ -14,7 +14,9 @@ report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step
   Narayanan et al. 2021 Sec. 2.2.2); plus the activation sends of the fill and the drain: the
   first micro-batch crosses every stage boundary forward and its gradient every one back,
   2 (p - 1) sends, and 2 (p v - 1) when it runs through the p v model chunks of an interleaved
-  pipeline (Sec. 2.2.2: v times as many stage boundaries) (``pipeline_time``);
+  pipeline (Sec. 2.2.2: v times as many stage boundaries) (``pipeline_time``); the schedules
+  that split the backward into input and weight gradients (interleaved-zb, zbv, dualpipev) from
+  each chunk's forward, input-gradient and weight-gradient times (pipeline_zero_bubble.py);
 * data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
   its last backward ends, one after another on the communication stream, so the step ends
   at max_k(ready_k + sum of the all-reduces launched from k on) (Li et al. 2020, "PyTorch
@@ -33,7 +35,9 @@ from typing import Callable
 
 import numpy as np
 
+from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator import pipeline_p2p
+from autopar.simulator.pipeline_zero_bubble import split_backward_time
 from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
 from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.pipeline_fsdp import pipelined_tail
@@ -100,22 +104,41 @@ def pipeline_time(t_r: np.ndarray, m: int, p: int, v: int, send_s: float) -> tup
     return pipe, bubble
 
 
-def interleaved_time(total: float, t_max: float, m: int, v: int) -> float:
+def interleaved_time(total: float, t_max: float, m: int, v: int, bubble_share: float = 1.0) -> float:
     """The interleaved schedule's length without sends, ``m max_r T_r + (sum_r T_r - max_r T_r) / v``
     (Narayanan et al. 2021, Sec. 2.2.2: the bubble divided by the v chunks per rank), from
     ``total`` = sum_r T_r and ``t_max`` = max_r T_r; v = 1 is one rank's (or equal stages')
     ``m T``.  The one copy of the formula: ``pipeline_time``, the planner's screen
-    (planner/search.py) and its bound (planner/screen_bound.py) read it."""
-    return m * t_max + (total - t_max) / v
+    (planner/search.py) and its bound (planner/screen_bound.py) read it; ``bubble_share``: the
+    part of that bubble a split-backward schedule keeps, where only whole backward passes are
+    known (pipeline_zero_bubble.screen_bubble_share)."""
+    return m * t_max + bubble_share * (total - t_max) / v
 
 
-def pipeline_and_ends(ctx, f_g: np.ndarray, b_g: np.ndarray, send_s: float) -> tuple[float, float, np.ndarray]:
+def pipeline_and_ends(ctx, f_g: np.ndarray, b_g: np.ndarray, send_s: float,
+                      w_g: np.ndarray | None = None) -> tuple[float, float, np.ndarray]:
     """(pipeline length, bubble fraction, when each rank's last backward ends) from the model
-    chunks' task lengths ``f_g``, ``b_g`` and the send ``send_s`` charged in the fill and drain."""
+    chunks' task lengths ``f_g``, ``b_g`` and the send ``send_s`` charged in the fill and drain;
+    ``w_g``: of ``b_g``, the weight gradients (``weight_gradient_times``), which a split-backward
+    schedule runs apart (none: nothing to defer)."""
     p, v = ctx.p, ctx.v
-    t_r = f_g + b_g if v == 1 else (f_g + b_g).reshape(v, p).sum(axis=0)   # per rank, over its chunks
+    if ctx.schedule in SPLIT_BACKWARD_SCHEDULES and p > 1:
+        w = np.zeros_like(b_g) if w_g is None else np.minimum(w_g, b_g)
+        grid, m = ctx.grid, ctx.num_microbatches
+        pipe = split_backward_time(ctx.schedule, f_g[grid], (b_g - w)[grid], w[grid], m) + 2 * (p * v - 1) * send_s
+        t_max = float((f_g + b_g)[grid].sum(axis=0).max())
+        return pipe, (1.0 - m * t_max / pipe if pipe > 0 else 0.0), rank_ends(pipe, b_g[:p], send_s)
+    t_r = f_g + b_g if v == 1 else (f_g + b_g)[ctx.grid].sum(axis=0)   # per rank, over its chunks
     pipe, bubble = pipeline_time(t_r, ctx.num_microbatches, p, v, send_s)
     return pipe, bubble, rank_ends(pipe, b_g[:p], send_s)
+
+
+def weight_gradient_times(ctx, rows: LayerTable) -> np.ndarray | None:
+    """Per model chunk and micro-batch: its layers' weight-gradient compute (``bwd_weight_s``), for
+    a split-backward schedule; None for the others."""
+    if ctx.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    return np.add.reduceat(rows.bwd_weight_s, ctx.starts)
 
 
 def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:
@@ -152,8 +175,9 @@ def gradient_ready_offsets(ctx, bwd: np.ndarray, b_g: np.ndarray) -> np.ndarray:
     before = cum - bwd - (cum[ctx.starts] - bwd[ctx.starts])[ctx.layer_stage]
     chunk_off = np.zeros(len(ctx.starts))
     if v > 1:
-        b_vp = b_g.reshape(v, p)
-        chunk_off = (np.cumsum(b_vp, axis=0) - b_vp).reshape(-1) * p
+        b_vp = b_g[ctx.grid]
+        chunk_off = np.empty(len(ctx.starts))
+        chunk_off[ctx.grid] = (np.cumsum(b_vp, axis=0) - b_vp) * p
     return -(before + chunk_off[ctx.layer_stage])
 
 
@@ -230,7 +254,7 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
     p = ctx.p
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
-    pipe, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, c)    # chunk 0 of each rank finishes last
+    pipe, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, c, weight_gradient_times(ctx, rows))  # chunk 0 ends last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
     layer_rank = ctx.layer_rank
     excess = None                         # no DDP all-reduce past the last backward

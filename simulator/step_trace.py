@@ -57,7 +57,11 @@ import numpy as np
 
 from autopar.simulator.layer_table import LayerTable
 from autopar.simulator.cpu_node import serial_fsdp_tail
-from autopar.simulator.step_model import ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends
+from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
+from autopar.simulator.pipeline_zero_bubble import stage_grid
+from autopar.simulator.torch_pipeline_order import torch_action_order
+from autopar.simulator.step_model import (ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends,
+                                          weight_gradient_times)
 from autopar.simulator.term_registry import pass_events, traffic_terms
 from autopar.simulator.timeline import Timeline
 
@@ -69,8 +73,14 @@ def schedule_tasks(schedule: str, p: int, r: int, m: int, v: int) -> list[tuple[
     forwards, then one forward one backward (Narayanan et al. 2021 Sec. 2.2.1); interleaved
     1F1B: v model chunks per rank, 2(p - r - 1) + (v - 1)p warm-up steps, micro-batches in
     groups of p per chunk (Sec. 2.2.2).  A single rank runs each micro-batch's forward then
-    its backward.
+    its backward.  The split-backward schedules (interleaved-zb, zbv, dualpipev): the order
+    torch's own classes give each rank (torch_pipeline_order.py), with "I" (input gradient) and
+    "W" (weight gradient) tasks, or "B" where the backward runs whole.
     """
+    if schedule in SPLIT_BACKWARD_SCHEDULES and p > 1:
+        # torch's own order (torch_pipeline_order.py); the stage as the rank's chunk index
+        chunk_of = {int(g): c for c, g in enumerate(stage_grid(schedule, p, v)[:, r])}
+        return [(kind, mb, chunk_of[stage]) for kind, mb, stage in torch_action_order(schedule, p, m, v)[r]]
     if schedule == "gpipe" or (p == 1 and v == 1):
         if schedule == "gpipe" and p > 1:
             return [("F", i, c) for i in range(m) for c in range(v)] + \
@@ -120,16 +130,23 @@ class _Terms:
     send_s: float            # the activation send drawn between stages
     sends_in_task: bool = False   # a blocking exchange (P2PRuntime.blocking) is the last part of its task
     pipeline_m: int | None = None  # a pipeline's micro-batches (its FSDP traffic per step: pipeline_fsdp.py)
+    w: np.ndarray | None = None    # split-backward schedules: each layer's weight-gradient slot (of bwd)
+    w_g: np.ndarray | None = None  # ... and per model chunk
 
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
     cpu_node.SERIAL), from its own ``chunk_times`` and step_model.pipeline_and_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
-    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe)
+    w_g = weight_gradient_times(ctx, rows)
+    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe, w_g)
     serial = ctx.step_form.serial
+    w = None
+    if w_g is not None:
+        w = np.minimum(rows.bwd_weight_s, bwd)
+        w_g = np.add.reduceat(w, ctx.starts)
     return _Terms(serial=serial, fwd=fwd, bwd=bwd, f_g=f_g, b_g=b_g, pipe=pipe, end_r=end_r, send_s=ctx.p2p_s,
-                  sends_in_task=serial or ctx.p2p_blocking, pipeline_m=ctx.pipeline_m)
+                  sends_in_task=serial or ctx.p2p_blocking, pipeline_m=ctx.pipeline_m, w=w, w_g=w_g)
 
 
 def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int, float, float | None]]], np.ndarray]:
@@ -146,6 +163,10 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
     serial = terms.serial or terms.sends_in_task       # each send is the last part of its task
     c = terms.send_s
     f_g, b_g = terms.f_g.tolist(), terms.b_g.tolist()
+    w_g = terms.w_g.tolist() if terms.w_g is not None else [0.0] * G
+    length = {"F": f_g, "B": b_g, "I": [b - w for b, w in zip(b_g, w_g)], "W": w_g}
+    grid = stage_grid(ctx.schedule, p, v).tolist()
+    rank_of = {g: r for row in grid for r, g in enumerate(row)}
     end_r = terms.end_r.tolist()
     tasks = [schedule_tasks(ctx.schedule, p, r, m, v) for r in range(p)]
     ptr = [0] * p
@@ -160,25 +181,30 @@ def _pipeline_starts(ctx, terms: _Terms) -> tuple[list[list[tuple[str, int, int,
             my = tasks[r]
             while ptr[r] < len(my):
                 kind, mb, chunk = my[ptr[r]]
-                g = chunk * p + r
+                g = grid[chunk][r]
                 if kind == "F":
                     dep = ("F", mb, g - 1) if g > 0 else None
-                else:
+                elif kind == "W":
+                    dep = None                  # after its own input gradient, earlier on this rank
+                else:                           # "B", or "I": the gradient of the next stage's input
                     dep = ("B", mb, g + 1) if g < G - 1 else ("F", mb, g)
                 if dep is not None and dep not in arrive:
                     break
                 t = max(free[r], arrive[dep] if dep is not None else 0.0)
-                end = t + (f_g[g] if kind == "F" else b_g[g])
+                end = t + length[kind][g]
                 # (a relative 1e-12 absorbs the rounding of the two sums that reach the same end)
                 if ptr[r] == len(my) - 1 and end <= end_r[r] * (1.0 + 1e-12):
-                    t, end = end_r[r] - b_g[g], end_r[r]
+                    t, end = end_r[r] - length[kind][g], end_r[r]
                 free[r] = end
                 send = None
-                if (kind == "F" and g < G - 1) or (kind == "B" and g > 0):
+                # a send where the neighbouring stage is on another rank (the V's turn is not)
+                to = g + 1 if kind == "F" else g - 1
+                if kind != "W" and 0 <= to < G and rank_of[to] != r:
                     send = end - c if serial else max(pp_free[r], end)
                     pp_free[r] = send + c
                 out[r].append((kind, mb, chunk, t, send))
-                arrive[(kind, mb, g)] = end if send is None or serial else send + c
+                if kind != "W":
+                    arrive[("F" if kind == "F" else "B", mb, g)] = end if send is None or serial else send + c
                 ptr[r] += 1
                 remaining -= 1
                 progressed = True
@@ -215,7 +241,7 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
 
     # the registered "compute" terms of this pass, in order (term_registry.pass_events): the
     # built-in ones draw forward then its tp collectives, recompute then backward then its collectives
-    events = [(rows.column(col), label, stream) for col, label, stream in pass_events()[kind == "B"]]
+    events = [(rows.column(col), label, stream) for col, label, stream in pass_events()[kind in ("B", "I")]]
 
     def compute(k: int, s: float) -> float:
         for values, label, stream in events:
@@ -225,6 +251,14 @@ def _draw_task(tl: Timeline, dev: int, kind: str, mb: int, g: int, a: int, b: in
 
     order = range(a, b) if kind == "F" else range(b - 1, a - 1, -1)
     slots = terms.fwd if kind == "F" else terms.bwd
+    if kind == "W":                 # the weight gradients a split backward ran apart
+        for k in order:
+            tl.add(dev, "compute", f"bwd weights L{k}", t, terms.w[k], **args)
+            t += terms.w[k]
+        return t
+    if kind == "I":                 # the input gradient: the backward less its weight gradients
+        events = [(v - terms.w if label == "bwd" else v, label, stream) for v, label, stream in events]
+        slots = terms.bwd - terms.w
     for k in order:
         if terms.serial:
             # communication takes turns with compute: gather, compute, (backward) reduce-scatter
@@ -256,8 +290,9 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
     task_starts, drawn_end = _pipeline_starts(ctx, terms)
     for r in range(p):
         dev = device_of_rank[r]
+        grid = stage_grid(ctx.schedule, p, ctx.v)
         for kind, mb, chunk, t, send in task_starts[r]:
-            g = chunk * p + r
+            g = int(grid[chunk, r])
             _draw_task(tl, dev, kind, mb, g, starts[g], ends[g], t, rows, terms, ctx.head, ctx.tail)
             if send is not None:
                 tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", send, terms.send_s,

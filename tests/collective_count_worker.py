@@ -92,7 +92,7 @@ class SavedBytes:
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     for case in cases:
-        opts = RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 2), warmup_steps=0,
+        opts = RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 2), timing_warmup_steps=0,
                           measured_path=Path(case["measured"]),
                           checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None)
         trainer = Trainer(opts)

@@ -17,7 +17,7 @@ from autopar.runtime.train import run
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     for case in cases:
-        run(RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 5), warmup_steps=1,
+        run(RunOptions(plan_path=Path(case["plan"]), steps=case.get("steps", 5), timing_warmup_steps=1,
                        checkpoint_dir=Path(case["checkpoint_dir"]) if case.get("checkpoint_dir") else None,
                        measured_path=Path(case["measured"])))
         counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}

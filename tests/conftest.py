@@ -19,3 +19,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("multiproc") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo process group in this process (for collective code: DCP's save and load,
+    the gradient norm's all-reduce)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(tempfile.mktemp(prefix="store", dir=tmp_path), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -46,6 +46,8 @@ class PlainRun:
     model: nn.Module
     # per element, the smallest nonzero |gradient| over the steps (inf: zero at every step)
     grad_abs_min: dict[str, torch.Tensor] | None = None
+    # per step, the global gradient norm before clipping (torch.nn.utils.get_total_norm)
+    grad_norms: list[float] | None = None
 
 
 def load(path: str | Path):
@@ -108,7 +110,7 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
     named = list(model.named_parameters(remove_duplicate=False))
     grad_abs_max = {id(p): torch.zeros_like(p) for _, p in named}
     grad_abs_min = {id(p): torch.full_like(p, float("inf")) for _, p in named}
-    losses = []
+    losses, grad_norms = [], []
     for step in range(first_step, first_step + steps):
         if batches is not None:
             inputs, target = batches(step)
@@ -128,6 +130,8 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
                 torch.maximum(grad_abs_max[id(p)], p.grad.abs(), out=grad_abs_max[id(p)])
                 nonzero = torch.where(p.grad == 0, float("inf"), p.grad.abs())
                 torch.minimum(grad_abs_min[id(p)], nonzero, out=grad_abs_min[id(p)])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
@@ -135,4 +139,4 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
         losses.append(total)
     return PlainRun(losses=losses, params={n: p.detach().clone() for n, p in named},
                     grad_abs_max={n: grad_abs_max[id(p)] for n, p in named}, model=model,
-                    grad_abs_min={n: grad_abs_min[id(p)] for n, p in named})
+                    grad_abs_min={n: grad_abs_min[id(p)] for n, p in named}, grad_norms=grad_norms)

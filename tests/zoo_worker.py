@@ -35,9 +35,12 @@ def main() -> None:
     for case in cases:
         result = Path(case["result"])
         try:
-            report = run(RunOptions(plan_path=Path(case["plan"]), steps=case["steps"], warmup_steps=0,
+            report = run(RunOptions(plan_path=Path(case["plan"]), steps=case["steps"], timing_warmup_steps=0,
                                     measured_path=Path(case["measured"]), log_every=case["steps"],
-                                    **({"lr": case["lr"]} if "lr" in case else {})))
+                                    **({"lr": case["lr"]} if "lr" in case else {}),
+                                    # "options": further RunOptions fields (a weights file for init_from)
+                                    **{k: Path(v) if k == "init_from" else v
+                                       for k, v in case.get("options", {}).items()}))
             out = {"losses": list(report.losses)}
         except UserError as e:
             out = {"refused": str(e)}

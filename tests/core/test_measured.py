@@ -87,6 +87,8 @@ def test_the_runtime_writes_through_the_schema():
     ("breakdown", {"fwd_s": True}, ("breakdown.fwd_s",)),
     ("version", 2, ("version 2", "newer autopar")),
     ("float8", {"recipe": "tensorwise", "converted": "head"}, ("float8", "converted (a list of texts)")),
+    ("val_losses", [[0, 2.5]], ("val_losses", "[step, loss] pairs")),
+    ("val_losses", [[3, "x"]], ("val_losses", "[step, loss] pairs")),
 ])
 def test_a_bad_value_names_the_file_and_the_key(key, value, words):
     data = {k: v for k, v in PRE_SCHEMA.items() if not (key == "breakdown" and k in ("fwd_s", "profiled_steps"))}
@@ -110,3 +112,20 @@ def test_float8_record_round_trip():
     m = Measured.from_json({**PRE_SCHEMA, "float8": record})
     assert m.float8 == record and "float8" not in m.extra
     assert Measured.from_json(json.loads(m.to_json_text())).float8 == record
+
+
+def test_validation_losses_round_trip():
+    """``val_losses`` ([[step, loss], ...], written by a run that evaluates) is optional: a file
+    without it reads as before."""
+    import torch
+
+    from autopar.runtime.measure import measured_report
+
+    m = measured_report(step_times_s=[0.1, 0.2], warmup_steps=0, global_batch=4, seq_len=None,
+                        memory_per_rank_bytes=[1], memory_kind="cpu_peak_rss_growth", losses=[2.0, 1.5],
+                        fingerprint="ab", world_size=1, device=torch.device("cpu"), plan_file="p.json", first_step=0,
+                        breakdown=None, trace_file=None, init_mode="host", val_losses=[(1, 2.25), (2, 1.75)])
+    d = json.loads(m.to_json_text())
+    assert d["val_losses"] == [[1, 2.25], [2, 1.75]]
+    assert Measured.from_json(d) == m and Measured.from_json(d).val_losses == ((1, 2.25), (2, 1.75))
+    assert Measured.from_json(PRE_SCHEMA).val_losses is None

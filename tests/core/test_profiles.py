@@ -129,9 +129,9 @@ def test_unknown_name_and_missing_file_list_the_profiles(tmp_path):
 
 def test_gpu_variant_derives_its_rates_from_its_clock_and_cites_it():
     """H100 SXM 96 GB HBM2e at 500 W (torchtitan's hardware statement): the SXM5 datasheet peaks on
-    the same die, scaled by sustained / boost clock (simulator/clocks.py): 1545 / 1830 of 989.4 is the
+    the same die, scaled by sustained / boost clock (core/clocks.py): 1545 / 1830 of 989.4 is the
     H100 NVL datasheet's dense bf16 figure, 1,671 / 2 TFLOP/s; 2.4 TB/s; 500 W; each figure cited."""
-    from autopar.simulator.clocks import clock_ratio
+    from autopar.core.clocks import clock_ratio
     from autopar.simulator.cost_model import CostModel
 
     prof = load_profile("h100-sxm-96gb-500w")

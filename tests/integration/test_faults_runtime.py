@@ -95,7 +95,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("trained")
     plan = make_plan(d / "plan.json", dp=2, micro_batch=2)
     out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", d / "ckpt", "--checkpoint-every", 1,
-                      "--warmup-steps", 1)
+                      "--timing-warmup", 1)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     return d
 
@@ -132,14 +132,14 @@ def test_damaged_checkpoint_is_refused_then_resumes_from_the_previous_one(traine
     mid = len(data) // 2
     data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
     shard.write_bytes(bytes(data))
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
     assert_clean_refusal(out, 2, shard.name, "checksum", "step_00000004",
                          "to resume from step_00000003")
     assert out.stderr.count(f"file {shard.name}") <= 2      # said by one rank (and repeated once at the end)
     assert not (tmp_path / "measured.json").exists()
     # do what the message says: the run resumes from step 3 and matches the plain reference
     shutil.rmtree(ckpt / "step_00000004")
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert "resumed from" in out.stdout and "step_00000003" in out.stdout
     assert json.loads((tmp_path / "measured.json").read_text())["first_step"] == 3
@@ -385,7 +385,7 @@ def test_checkpoint_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_pat
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (ckpt / "lock.json").write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
                                                 "plan": "killed.json", "started": "earlier"}))
-    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert f"took over {ckpt / 'lock.json'}" in out.stdout and f"pid {gone.stdout.strip()}" in out.stdout
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
@@ -405,7 +405,7 @@ def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "autopar.runtime.launch", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(worker), str(plan), "--steps", "6",
-         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--warmup-steps", "1",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timing-warmup", "1",
          "--measured", str(tmp_path / "measured.json")],
         env=worker_env(AUTOPAR_TEST_FULL_DISK="1:step_00000004"), cwd=ROOT, capture_output=True, text=True,
         timeout=TIMEOUT_S)
@@ -415,7 +415,7 @@ def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(tmp_path):
     assert flat.count("savingthecheckpointofstep4") == 1, out.stderr[-5000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
     assert json.loads((ckpt / "latest.json").read_text())["step"] == 2
-    out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", ckpt, "--warmup-steps", 1)
+    out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert "resumed from" in out.stdout and "step_00000002" in out.stdout
     assert_matches_reference(tmp_path / "measured.json", ckpt, reference(4), "after a failed save", steps=4)

@@ -101,3 +101,24 @@ def test_memory_headroom_is_kept():
     kept = search(graph, tight, cms, replace(opts, memory_headroom=DEFAULT_MEMORY_HEADROOM,
                                              recompute=("full",))).best
     assert float(kept.result.max_memory_bytes) <= (1 - DEFAULT_MEMORY_HEADROOM) * cap
+
+
+GPT6 = [a if a != "layers=4" else "layers=6" for a in GPT]       # 8 layers: 2 equal chunks per rank at pp 2
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev"])
+def test_fixed_split_backward_schedule_is_honoured(tmp_path, schedule):
+    """``--schedule`` fixes a split-backward schedule: two stages per pp rank, and only choices
+    its backward runs (no selective recompute, ZeRO-3 or offload: core/rules.split_backward_problem)."""
+    r = _plan(tmp_path, *GPT6, "--global-batch", "8", "--pp", "2", "--schedule", schedule)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["pipeline"]["schedule"] == schedule and len(plan["pipeline"]["stages"]) == 4
+    assert all(l["recompute"] != "selective" and l["zero"] < 3 and l["offload"] == "none" for l in plan["layers"])
+
+
+def test_split_backward_schedule_with_a_knob_it_cannot_run_exits_2(tmp_path):
+    r = _plan(tmp_path, *GPT6, "--global-batch", "8", "--pp", "2", "--schedule", "zbv", "--recompute", "selective")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "selective activation checkpoint" in " ".join(r.stderr.split())
+    assert not (tmp_path / "plan.json").exists()

@@ -98,7 +98,8 @@ def _launch(tmp: Path, nproc: int, cases: dict) -> dict:
     specs = []
     for name, (model, kw) in cases.items():
         specs.append({"name": name, "model": model, "plan": str(_plan(tmp / f"{name}.json", model, **kw)),
-                      "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt")})
+                      "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
+                      "grad_norms": str(tmp / f"{name}.norms.json")})     # every step's Trainer.last_grad_norm
     run_cases(nproc, specs, tmp, timeout_s=300)
     return {c["name"]: c for c in specs}
 
@@ -119,6 +120,7 @@ def four_rank_runs(tmp_path_factory):
 def test_cp2_matches_reference(two_rank_runs, name):
     case = two_rank_runs[name]
     assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), _reference(case["model"]), name)
+    _assert_grad_norms(case)
 
 
 @pytest.mark.slow
@@ -127,6 +129,17 @@ def test_cp2_matches_reference(two_rank_runs, name):
 def test_four_rank_cp_matches_reference(four_rank_runs, name):
     case = four_rank_runs[name]
     assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), _reference(case["model"]), name)
+    _assert_grad_norms(case)
+
+
+def _assert_grad_norms(case: dict) -> None:
+    """The global gradient norm of every step (the cp ranks' gradients are synchronised replicas:
+    counted once) is the plain loop's."""
+    import json
+
+    norms = json.loads(Path(case["grad_norms"]).read_text())
+    want = _reference(case["model"]).grad_norms
+    assert norms == pytest.approx(want, rel=1e-5), (case["name"], norms, want)
 
 
 def test_head_tail_split_is_chunks_i_and_2cp_minus_1_minus_i():

@@ -124,9 +124,12 @@ def _launch(nproc: int, cases: list[tuple[str, str]], kinds: dict, tmp: Path) ->
         plan = str(ep_plan(name, kw, ep, base.with_suffix(".json"), ARGS.get((name, kind))))
         if kind.endswith("_resumed"):
             specs.append({"model": name, "kind": kind + "_first", "steps": STEPS - 1, "plan": plan,
-                          "measured": f"{base}.first.json", "checkpoint_dir": f"{base}.ckpt"})
+                          "measured": f"{base}.first.json", "checkpoint_dir": f"{base}.ckpt",
+                          "grad_norms": f"{base}.first.norms.json"})
+        # every step's global gradient norm (Trainer.last_grad_norm): each expert counted once
         specs.append({"model": name, "kind": kind, "steps": STEPS, "plan": plan,
-                      "measured": f"{base}.measured.json", "checkpoint_dir": f"{base}.ckpt"})
+                      "measured": f"{base}.measured.json", "checkpoint_dir": f"{base}.ckpt",
+                      "grad_norms": f"{base}.norms.json"})
     (tmp / "cases.json").write_text(json.dumps(specs))
     out = torchrun(nproc, str(WORKER), str(tmp / "cases.json"), timeout_s=900)
     return {"_log": out.stdout + out.stderr, "_rc": out.returncode,
@@ -190,6 +193,10 @@ def _check(got: dict, log: str, name: str, kind: str, dp: int) -> None:
     chunks = dp * {**TWO_RANKS, **FOUR_RANKS}[kind.removesuffix("_resumed")][0].get("num_microbatches", 1)
     ref = plain(name, chunks if name == "moe_aux" else 1, json.dumps(ARGS.get((name, kind), {}), sort_keys=True))
     assert_matches_plain(measured, ckpt, ref, f"{name} {kind}")
+    norms = json.loads(Path(got["grad_norms"]).read_text())
+    if kind.endswith("_resumed"):
+        norms = json.loads(Path(got["grad_norms"].replace(".norms.json", ".first.norms.json")).read_text()) + norms
+    assert norms == pytest.approx(ref.grad_norms, rel=1e-5), (name, kind, norms, ref.grad_norms)
 
 
 @pytest.mark.multiproc

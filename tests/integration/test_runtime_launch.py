@@ -27,7 +27,7 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2, zero=3)
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "autopar.cli", "run", str(plan), "--steps", "5", "--checkpoint-dir", str(ckpt),
-           "--checkpoint-every", "2", "--max-restarts", "1", "--warmup-steps", "1"]
+           "--checkpoint-every", "2", "--max-restarts", "1", "--timing-warmup", "1"]
     out = subprocess.run(cmd, env=worker_env(AUTOPAR_FAULT_AT="1:3"), cwd=ROOT, capture_output=True, text=True,
                          timeout=180)
     log = out.stdout + out.stderr

@@ -24,6 +24,15 @@ TWO_RANK_CASES = {
     # fewer micro-batches than stages: torch's Schedule1F1B refuses it; it runs as GPipe
     "pp2_1f1b_one_microbatch": dict(pp=2, micro_batch=4, num_microbatches=1, schedule="1f1b"),
     "pp2_interleaved": dict(pp=2, micro_batch=2, num_microbatches=2, schedule="interleaved", virtual_stages=2),
+    # the split-backward schedules (torch's ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+    # ScheduleDualPipeV), each under full recompute and FSDP (ZeRO-2: FSDP2 units per block at dp = 1);
+    # zbv and dualpipev place the stages in a V, the first and the last on pp rank 0
+    "pp2_interleaved_zb_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="interleaved-zb",
+                                          virtual_stages=2, recompute="full", zero=2),
+    "pp2_zbv_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="zbv", virtual_stages=2,
+                               recompute="full", zero=2),
+    "pp2_dualpipev_full_zero2": dict(pp=2, micro_batch=1, num_microbatches=4, schedule="dualpipev",
+                                     virtual_stages=2, recompute="full", zero=2),
     "recompute_full": dict(dp=2, micro_batch=2, zero=3, recompute="full"),
     "recompute_selective": dict(dp=2, micro_batch=2, recompute="selective"),
     "offload": dict(dp=2, micro_batch=2, zero=3, offload="cpu"),
@@ -38,6 +47,24 @@ TWO_RANK_CASES = {
 }
 RUN_OPTIONS = {"tp2_per_module_init": {"init": "per-module"}, "ddp": {"profile": True},
                "pp2_1f1b": {"profile": True}, "pp2_interleaved": {"profile": True}}
+# the case that also writes --metrics (logging every 2 steps): under a pipeline the logging rank
+# (rank 0, the first stage) logs the losses the last stage computed
+METRICS_CASE = "pp2_gpipe"
+# autopar run's optimizer options (the Trainer's path; the Python API's: test_runtime_api.py):
+# warm-up + linear decay with clipping that bites (this model's gradient norms are ~2), on the
+# ZeroRedundancyOptimizer (ZeRO-1) and on the vocabulary-parallel tp split
+SCHEDULE = {"lr_schedule": "linear", "lr_warmup": 2, "min_lr": 2e-4, "grad_clip": 0.5, "weight_decay": 0.02,
+            "betas": [0.85, 0.98]}
+SCHEDULE_CASES = {
+    "zero1_schedule_clip": dict(dp=2, micro_batch=2, zero=1),
+    "tp2_vocab_schedule_clip": TWO_RANK_CASES["tp2_vocab"],
+}
+
+
+def linear_lr(t: int, steps: int = 5) -> float:
+    """SCHEDULE's learning rate of step t, written out: warm-up, then linear to min_lr over the run."""
+    lr, w, floor = 1e-3, SCHEDULE["lr_warmup"], SCHEDULE["min_lr"]
+    return lr * (t + 1) / w if t < w else lr - (lr - floor) * (t - w) / (steps - w)
 # ZeRO-3 of a model whose every parameter has an odd dim 0 (uneven FSDP2 shards); checked for
 # its model-state bytes only
 MLP = ROOT / "examples" / "mlp.py"
@@ -52,6 +79,13 @@ def two_rank_runs(tmp_path_factory):
         cases.append({"name": name, "plan": str(make_plan(tmp / f"{name}.json", **kw)),
                       "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
                       **RUN_OPTIONS.get(name, {})})
+        if name == METRICS_CASE:
+            cases[-1]["options"] = {"metrics_path": str(tmp / f"{name}.metrics.jsonl"), "log_every": 2}
+    for name, kw in SCHEDULE_CASES.items():
+        cases.append({"name": name, "plan": str(make_plan(tmp / f"{name}.json", **kw)), "options": SCHEDULE,
+                      "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
+                      "grad_norms": str(tmp / f"{name}.norms.json")})
+    cases[0]["grad_norms"] = str(tmp / "ddp.norms.json")    # without clipping: the norm reduced with the losses
     cases.append({"name": "zero3_uneven_mlp", "plan": str(_mlp_plan(tmp / "zero3_uneven_mlp.json")),
                   "measured": str(tmp / "zero3_uneven_mlp.measured.json"), "steps": 2})
     run_cases(2, cases, tmp, timeout_s=240)
@@ -66,6 +100,30 @@ def test_two_rank_layout_matches_reference(two_rank_runs, name):
     case = two_rank_runs[name]
     ref = reference(init=case.get("init", "auto"))
     assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), ref, name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["ddp", *SCHEDULE_CASES])
+def test_schedule_clip_and_grad_norms_match_reference(two_rank_runs, name):
+    """The learning-rate schedule, clipping, betas and weight decay of autopar run's options, and
+    ``Trainer.last_grad_norm`` every step, against the plain loop (``clip_grad_norm_`` on the
+    whole model, the schedule written out)."""
+    import json
+    from pathlib import Path
+
+    from plain_loop import train_plain
+    from runtime_support import GLOBAL_BATCH, GPT, MODEL_ARGS
+
+    case = two_rank_runs[name]
+    if name == "ddp":
+        ref = reference()
+    else:
+        ref = train_plain(GPT, dict(MODEL_ARGS), GLOBAL_BATCH, 5, lr_at=linear_lr, grad_clip=SCHEDULE["grad_clip"],
+                          betas=tuple(SCHEDULE["betas"]), weight_decay=SCHEDULE["weight_decay"])
+        assert min(ref.grad_norms) > SCHEDULE["grad_clip"]           # the clip bites at every step
+        assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), ref, name)
+    norms = json.loads(Path(case["grad_norms"]).read_text())
+    assert norms == pytest.approx(ref.grad_norms, rel=1e-5), (norms, ref.grad_norms)
 
 
 @pytest.mark.multiproc
@@ -94,6 +152,31 @@ def test_measured_json_fields_and_profile_breakdown(two_rank_runs):
     assert m["comm_s"] <= mean_step_s * 1.05
     trace = Path(m["trace_file"])
     assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
+
+
+@pytest.mark.multiproc
+def test_metrics_file_has_the_logged_steps_figures(two_rank_runs):
+    """--metrics: one line per logged step (2, 4 and the last, 5), whose loss and step time are
+    measured.json's for that step, tokens/s = global batch x sequence / step time, no MFU (the
+    plan names no cluster), and rank 0's peak memory so far, at most its peak over the run."""
+    import json
+    from pathlib import Path
+
+    from runtime_support import GLOBAL_BATCH, MODEL_ARGS
+
+    case = two_rank_runs[METRICS_CASE]
+    m = json.loads(Path(case["measured"]).read_text())
+    rows = [json.loads(line) for line in Path(case["options"]["metrics_path"]).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 5]
+    for r in rows:
+        assert r["loss"] == m["losses"][r["step"] - 1]
+        assert r["step_time_s"] == m["step_times_s"][r["step"] - 1]
+        assert r["tokens_per_s"] == pytest.approx(GLOBAL_BATCH * MODEL_ARGS["seq"] / r["step_time_s"], rel=1e-12)
+        assert r["samples_per_s"] == pytest.approx(GLOBAL_BATCH / r["step_time_s"], rel=1e-12)
+        assert r["mfu"] is None and r["lr"] == 1e-3
+        assert 0 < r["peak_memory_bytes"] <= m["memory_per_rank_bytes"][0]
+        # the logged step's gradient norm (over both stages, reduced with the losses) is the plain loop's
+        assert r["grad_norm"] == pytest.approx(reference().grad_norms[r["step"] - 1], rel=1e-5)
 
 
 def _mlp_plan(path):

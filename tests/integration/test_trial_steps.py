@@ -55,9 +55,9 @@ def test_a_failed_trial_is_reported_and_the_fastest_measured_is_kept(tmp_path):
     with step times where the third is fastest; the loop goes on past the failure and keeps 3."""
     steps_by_trial = {"1": 0.30, "3": 0.20}
 
-    def launch(plan_path, *, steps, warmup_steps, profile=False, log=None):
+    def launch(plan_path, *, steps, timing_warmup_steps, profile=False, log=None):
         k = Path(plan_path).parent.name
-        assert steps == 4 and warmup_steps == 2 and log is not None
+        assert steps == 4 and timing_warmup_steps == 2 and log is not None
         if k not in steps_by_trial:
             print("rank 1: boom", file=log)
             return 1

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime_support import ROOT, failure_summary, torchrun
 
@@ -53,7 +54,8 @@ LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_
             "mlp.down_proj": "rowwise"}
 
 # model -> {"kinds": {kind: plan kwargs}, "tp": per-block TP styles (relative to the block),
-#           kind: {layer name: TP styles} for kinds that split "pre"/"post" modules}
+#           kind: {layer name: TP styles} for kinds that split "pre"/"post" modules,
+#           "file", "args": the zoo file and model arguments, when not tests/zoo/<model>.py with its defaults}
 MODELS: dict[str, dict] = {
     # sequence parallelism: Hugging Face layers take hidden_states= by keyword, norms are LlamaRMSNorm
     # pp_interleaved: four stages of one layer each, so the rotary tables and the mask that
@@ -122,6 +124,23 @@ MODELS: dict[str, dict] = {
     "two_tower": dict(kinds={**CORE, "tp": TP, "tp_prepost": TP},
                       tp={"0": "colwise"}, tp_prepost={"post": {"head.0": "colwise", "head.2": "rowwise"}}),
     "cnn_bn": dict(kinds={**CORE, "pp": PP, "tp_prepost": TP}, tp_prepost={"post": {"fc": "colwise"}}),
+    # LoRA: only the adapters train; base weights, embedding, norms and head are frozen.  Each
+    # adapter pair is split (lora_A column-wise, lora_B row-wise) beside its replicated frozen
+    # base layer; tp_vocab also splits the frozen embedding row-wise (no gradient, no hook:
+    # runtime/apply_tp.keep_embedding_grads_sharded) and the frozen head column-wise
+    "lora_gpt": dict(kinds={"tp": TP, "tp_vocab": TP},
+                     tp={f"{p}.lora_{ab}": s for p in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                                                        "mlp.fc_in", "mlp.fc_out")
+                         for ab, s in (("A", "colwise"), ("B", "rowwise"))},
+                     tp_vocab={"pre": {"wte": "rowwise"}, "post": {"lm_head": "colwise"}}),
+    # the same adapters in MLP-only blocks with the head tied to the frozen embedding, under
+    # sequence parallelism: the frozen norms stay frozen under SequenceParallel, the base
+    # layers run on the sequence shards and each adapter pair gathers the sequence itself
+    "lora_mlp": dict(file="lora_gpt", args={"attention": False, "tied": True},
+                     kinds={"tp_sp": TP_SP, "tp_vocab_sp": TP_SP},
+                     tp={f"mlp.{p}.lora_{ab}": s for p in ("fc_in", "fc_out") for ab, s in (("A", "colwise"),
+                                                                                          ("B", "rowwise"))},
+                     tp_vocab_sp={"pre": {"wte": "rowwise"}, "post": {"lm_head": "colwise"}}),
     # {"logits", "aux_loss": 0-d}: the pipeline schedules merge a 0-d output over micro-batches
     "moe_aux": dict(kinds={**CORE, "tp": TP, "pp": PP, "pp_1f1b": PP_1F1B, "pp_interleaved": PP_INTERLEAVED,
                            "pp_zero3": PP_ZERO3},
@@ -158,16 +177,27 @@ LEFT_OUT = {
                                   "the next blocks (the runtime crashes in the forward: the planner must not "
                                   "offer it)",
     ("cnn_bn", "tp of the stages"): "convolutions: no column/row split of nn.Linear",
+    ("lora_gpt", "sequence parallel"): "the attention (scaled_dot_product_attention) sits outside the adapter "
+                                       "pairs, so on sequence shards it would see part of the sequence; the "
+                                       "planner's runtime check leaves it out",
     ("hf_*", "tp + pp"): "needs 4 ranks; the runtime refuses it (parallelize_export_stage): stages of a model "
                          "torch.fx cannot trace are cut from its torch.export graph, which calls no nn.Linear",
 }
+
+
+def _file(name: str) -> Path:
+    return ZOO / f"{MODELS.get(name, {}).get('file', name)}.py"
+
+
+def _args(name: str) -> dict:
+    return dict(MODELS.get(name, {}).get("args", {}))
 
 
 @functools.lru_cache(maxsize=None)
 def _graph(name: str):
     from autopar.core.capture import capture_model_file
 
-    return capture_model_file(str(ZOO / f"{name}.py"), {}, MICRO_BATCH)
+    return capture_model_file(str(_file(name)), _args(name), MICRO_BATCH)
 
 
 def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
@@ -189,7 +219,7 @@ def _plan(name: str, kind: str, kw: dict, path: Path) -> Path:
                 own = by_prefix[0] if by_prefix and kind != "tp_head_only" else block_styles
                 styles[i] = {f"{layer.name}.{k}": v for k, v in own.items()}
         kw["tp_styles_per_layer"] = styles
-    ref = ModelRef(file=str(ZOO / f"{name}.py"), args={}, name=name, fingerprint=g.fingerprint)
+    ref = ModelRef(file=str(_file(name)), args=_args(name), name=name, fingerprint=g.fingerprint)
     plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
     assert plan.global_batch == GLOBAL_BATCH and plan.micro_batch == MICRO_BATCH, kw
     save_plan(plan, path)
@@ -234,7 +264,7 @@ def run_model(name: str, tmp: Path) -> dict[str, dict]:
 
 @functools.lru_cache(maxsize=None)
 def plain(name: str, chunks: int):
-    return plain_loop.train_plain(ZOO / f"{name}.py", {}, GLOBAL_BATCH, STEPS, chunks=chunks,
+    return plain_loop.train_plain(_file(name), _args(name), GLOBAL_BATCH, STEPS, chunks=chunks,
                                   lr=MODELS[name].get("lr", plain_loop.LR))
 
 
@@ -292,6 +322,7 @@ def _mixtral_tp2_param_bytes() -> int:
 
 DP2_TP2_KINDS = {"dp2_tp2": dict(dp=2, tp=2, micro_batch=2), "dp2_tp2_zero3": dict(dp=2, tp=2, micro_batch=2, zero=3)}
 DP2_TP2_MODELS = ("hf_mixtral", "hf_gpt2")
+INIT_FROM_SEED = 7          # the saved weights' own seed, not the runtime's init seed
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +338,16 @@ def dp2_tp2_runs(tmp_path_factory):
             cases.append({"model": model, "kind": kind, "steps": STEPS,
                           "plan": str(_plan(model, "tp", kw, base.with_suffix(".json"))),
                           "measured": f"{base}.measured.json", "result": f"{base}.result.json"})
+    # GPT-2 from a save_pretrained folder (--init-from): each rank reads its ZeRO-3 x tp blocks,
+    # c_attn's per-part rows of its FSDP2 columns included (runtime/weights_in.py)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_FROM_SEED)
+        plain_loop.load(ZOO / "hf_gpt2.py").build_model().save_pretrained(tmp / "gpt2_weights")
+    base = tmp / "hf_gpt2_init_from"
+    cases.append({"model": "hf_gpt2_init_from", "kind": "dp2_tp2_zero3", "steps": STEPS,
+                  "plan": str(_plan("hf_gpt2", "tp", DP2_TP2_KINDS["dp2_tp2_zero3"], base.with_suffix(".json"))),
+                  "measured": f"{base}.measured.json", "result": f"{base}.result.json",
+                  "options": {"init_from": str(tmp / "gpt2_weights")}})
     (tmp / "cases.json").write_text(json.dumps(cases))
     return cases, torchrun(4, str(WORKER), str(tmp / "cases.json"), timeout_s=900)
 
@@ -384,6 +425,24 @@ def test_hf_gpt2_fused_split_under_dp2_tp2(dp2_tp2_runs):
     the strided c_attn weight on its other dim: runtime/fused_tp.fsdp_shard_placement).  Both
     train like the plain loop; each rank holds its tp share (ZeRO-3: half of it)."""
     _dp2_tp2_matches_plain_loop(dp2_tp2_runs, "hf_gpt2", _gpt2_tp2_param_bytes())
+
+
+@pytest.mark.multiproc
+def test_hf_gpt2_init_from_under_dp2_tp2_zero3(dp2_tp2_runs):
+    """--init-from a save_pretrained folder at dp 2 x tp 2, ZeRO-3: trains like the plain loop
+    started from the folder's values (read here with safetensors)."""
+    from safetensors.torch import load_file
+
+    cases, out = dp2_tp2_runs
+    c = next(c for c in cases if c["model"] == "hf_gpt2_init_from")
+    assert Path(c["result"]).exists(), failure_summary(out.stdout + out.stderr)
+    got = json.loads(Path(c["result"]).read_text())
+    initial = load_file(Path(c["options"]["init_from"]) / "model.safetensors")
+    want = plain_loop.train_plain(ZOO / "hf_gpt2.py", {}, GLOBAL_BATCH, STEPS, initial=initial).losses
+    assert "losses" in got, got
+    diff = max(abs(a - b) for a, b in zip(got["losses"], want))
+    assert len(got["losses"]) == STEPS and diff <= LOSS_ATOL, f"losses {got['losses']} vs plain loop {want}"
+    assert "no one-block slice" not in out.stdout     # rank 0 read only its blocks (runtime/parallelize.py's note)
 
 
 @pytest.mark.multiproc

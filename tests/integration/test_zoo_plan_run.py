@@ -8,16 +8,22 @@ against the runtime's own code.
 (``runtime.plan_check.check_plan``); then ONE torchrun launch trains every plan in turn
 (``tests/zoo_worker.py``: ``runtime.train.run`` per plan, one process group), instead of one
 ``autopar run`` per model: 19 launches cost the suite ~6 minutes of interpreter and transformers
-start-up.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
+start-up.  The BatchNorm models' runs also match the plain loop (tests/plain_loop.py, with
+BatchNorm's statistics over each micro-batch): whatever plan the planner chose trains the
+model the file wrote.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
 tests/integration/test_runtime_launch.py and test_trial_steps.py.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plain_loop  # noqa: E402
 
 pytestmark = pytest.mark.multiproc          # each case plans, then runs torchrun
 
@@ -54,22 +60,27 @@ def cluster_file(tmp_path_factory) -> Path:
 WORKER = ROOT / "tests" / "zoo_worker.py"
 
 
-def _plan(model: str, cluster_file: Path, folder: Path) -> dict:
+# further plans of zoo models with fixed knobs: case -> (model, autopar plan flags)
+FIXED = {"lora_gpt_tp2": ("lora_gpt", ("--tp", "2"))}
+
+
+def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] = (), case: str = "") -> dict:
     """Plan one model in this process and check the plan as ``autopar run`` would; the case for the
     shared launch, or why there is none."""
     from autopar.cli import main as cli_main
     from autopar.runtime.plan_check import check_plan
 
-    plan_path = folder / f"{model}.plan.json"
+    case = case or model
+    plan_path = folder / f"{case}.plan.json"
     rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", "4",
-                   "--time-budget", "2", "-o", str(plan_path), "--json"])
+                   "--time-budget", "2", "-o", str(plan_path), "--json", *flags])
     if rc != 0:
-        return {"error": f"autopar plan {model} exited {rc}"}
+        return {"error": f"autopar plan {model} {' '.join(flags)} exited {rc}"}
     check_plan(plan_path, None)
     plan = json.loads(plan_path.read_text())
     kinds = (plan["mesh"], sorted({(l["zero"], l["recompute"], l["offload"], bool(l["tp"])) for l in plan["layers"]}))
-    return {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{model}.measured.json"),
-            "result": str(folder / f"{model}.result.json"), "kinds": repr(kinds)}
+    return {"plan": str(plan_path), "steps": STEPS, "measured": str(folder / f"{case}.measured.json"),
+            "result": str(folder / f"{case}.result.json"), "kinds": repr(kinds)}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +100,11 @@ def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
             cases[model] = _plan(model, cluster_file, folder)
         except Exception as e:  # noqa: BLE001 -- shown by that model's test, the others still run
             cases[model] = {"error": f"{type(e).__name__}: {e}"}
+    for case, (model, flags) in FIXED.items():
+        try:
+            cases[case] = _plan(model, cluster_file, folder, flags, case)
+        except Exception as e:  # noqa: BLE001
+            cases[case] = {"error": f"{type(e).__name__}: {e}"}
     runnable = [c for c in cases.values() if "plan" in c]
     spec = folder / "cases.json"
     spec.write_text(json.dumps(runnable))
@@ -112,3 +128,40 @@ def test_plan_then_run_trains(model, trained):
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), (model, case["kinds"], losses)
     measured = json.loads(Path(case["measured"]).read_text())
     assert measured["losses"] == losses
+
+
+# models whose BatchNorm normalises each micro-batch by its own statistics; resnet18_bn cannot
+# train on one sample per micro-batch, which its plan leaves out (planner/micro_batches.py)
+BATCH_NORM = ("cnn_bn", "resnet18_bn")
+LOSS_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("model", BATCH_NORM)
+def test_batch_norm_plan_trains_like_the_plain_loop(model, trained):
+    """The planned run's losses are the plain loop's with the global batch cut into the plan's
+    micro-batches (``chunks``: BatchNorm's statistics are each micro-batch's)."""
+    case = trained[model]
+    assert "error" not in case, case.get("error")
+    plan = json.loads(Path(case["plan"]).read_text())
+    out = json.loads(Path(case["result"]).read_text()) if Path(case["result"]).exists() else {}
+    assert "losses" in out, f"{model} plan {case['kinds']}: {out}\n{case.get('launch', '')}"
+    assert plan["micro_batch"] >= 2 or model != "resnet18_bn", plan["micro_batch"]
+    want = plain_loop.train_plain(ZOO / f"{model}.py", {}, plan["global_batch"], STEPS,
+                                  chunks=plan["global_batch"] // plan["micro_batch"]).losses
+    diff = max(abs(a - b) for a, b in zip(out["losses"], want))
+    assert diff <= LOSS_ATOL, f"{model} plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"
+
+
+def test_lora_tp2_plan_trains_like_the_plain_loop(trained):
+    """``autopar plan --tp 2`` of the LoRA GPT (base weights, embedding and head frozen) runs on
+    two ranks -- its row-wise frozen embedding has no gradient to hook -- and trains like the
+    plain loop, whose AdamW skips the frozen parameters (no gradient)."""
+    case = trained["lora_gpt_tp2"]
+    assert "error" not in case, case.get("error")
+    plan = json.loads(Path(case["plan"]).read_text())
+    assert plan["mesh"]["tp"] == 2
+    out = json.loads(Path(case["result"]).read_text()) if Path(case["result"]).exists() else {}
+    assert "losses" in out, f"lora_gpt --tp 2 plan {case['kinds']}: {out}\n{case.get('launch', '')}"
+    want = plain_loop.train_plain(ZOO / "lora_gpt.py", {}, plan["global_batch"], STEPS).losses
+    diff = max(abs(a - b) for a, b in zip(out["losses"], want))
+    assert diff <= LOSS_ATOL, f"lora_gpt --tp 2 plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"

@@ -148,6 +148,44 @@ def test_html_and_png(pair, capsys):
     assert img.shape[0] > 200 and img.shape[1] > 1000
 
 
+def test_curve_data_is_measured_jsons_arrays():
+    from autopar.core.measured import Measured
+    from autopar.report.curves import curve_data
+
+    # a run resumed after step 3: it timed steps 4..6, and holds the losses of steps 1..6
+    data = {"step_time_s": 0.02, "step_times_s": [0.03, 0.02, 0.01], "first_step": 3,
+            "losses": [5.0, 4.5, 4.0, 3.5, 3.0, 2.5], "val_losses": [[3, 4.1], [6, 2.9]]}
+    c = curve_data(Measured.from_json(data), 0.015)
+    assert (c.loss_steps, c.losses) == ([1, 2, 3, 4, 5, 6], data["losses"])
+    assert (c.time_steps, c.step_times_s) == ([4, 5, 6], data["step_times_s"])
+    assert (c.val_steps, c.val_losses) == ([3, 6], [4.1, 2.9])
+    assert (c.measured_step_time_s, c.simulated_step_time_s) == (0.02, 0.015)
+    # an uninterrupted run; a hand-made file without per-step figures has no curves
+    c = curve_data(Measured.from_json({"step_time_s": 0.5, "step_times_s": [0.4, 0.6], "losses": [2.0, 1.0]}), None)
+    assert (c.loss_steps, c.time_steps, c.val_steps) == ([1, 2], [1, 2], [])
+    assert curve_data(Measured.from_json({"step_time_s": 0.5}), None).empty
+
+
+def test_png_writes_the_training_curves_beside_it(pair, capsys):
+    import matplotlib.image as mpimg
+
+    tmp_path, plan, measured, _ = pair
+    m = {**measured, "step_times_s": [0.02, 0.012, 0.013], "losses": [5.0, 4.9, 4.7], "val_losses": [[3, 4.8]]}
+    (tmp_path / "measured.json").write_text(json.dumps(m))
+    assert cli_main(["report", str(tmp_path / "plan.json"), str(tmp_path / "measured.json"),
+                     "--png", str(tmp_path / "r.png")]) == 0
+    curves = tmp_path / "r.curves.png"
+    assert f"and {curves} (loss and step time per step)" in capsys.readouterr().out
+    img = mpimg.imread(curves)
+    assert img.shape[0] > 200 and img.shape[1] > 800
+    out = _report_json(tmp_path, capsys, "--png", str(tmp_path / "s.png"))
+    assert out["curves_png"] == str(tmp_path / "s.curves.png") and (tmp_path / "s.curves.png").is_file()
+    assert cli_main(["report", str(tmp_path / "plan.json"), str(tmp_path / "measured.json"),
+                     "--html", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 2 and "training curves" in page
+
+
 def test_calibrate_writes_a_profile_that_predicts_the_run_better(pair, capsys, ctx):
     tmp_path, plan, measured, resim = pair
     # a run 1.6x slower than simulated in every phase: the fit must slow the informed factors

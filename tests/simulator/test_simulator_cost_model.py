@@ -380,3 +380,18 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     extra = 36 * plain.column("param_numel") / (base.memory_bandwidth_Bps * base.efficiency["memory_bound"])
     assert rows.column("optimizer_s") == pytest.approx(plain.column("optimizer_s") + extra)
     assert simulate(g, plan, cluster, torch_ddp).step_time_s < simulate(g, plan, cluster, local_ddp).step_time_s
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_grad_clip_time_closed_form(n):
+    """The clip's three memory-bound passes over the rank's gradients plus the ring all-reduce of
+    one fp32 scalar: 2 (n - 1) latencies and 2 (n - 1) / n x 4 bytes (simulator/optimizer_step.py)."""
+    from autopar.simulator.optimizer_step import grad_clip_time
+
+    cm = CostModel.from_profile(PROFILE)
+    elements, a, b = 125e6, INTRA.latency_s, 1 / INTRA.bandwidth_Bps
+    hbm = PROFILE["memory_bandwidth_Bps"] * PROFILE["efficiency"]["memory_bound"]
+    want = 3 * elements * 4 / hbm + (2 * (n - 1) * a + 2 * (n - 1) / n * 4 * b if n > 1 else 0.0)
+    assert grad_clip_time(cm, elements, 4, n, INTRA) == pytest.approx(want)
+    # the passes dominate a large model's clip; the scalar's all-reduce is a few link latencies
+    assert grad_clip_time(cm, elements, 4, n, INTRA) - 3 * elements * 4 / hbm <= 2 * n * a + 1e-9

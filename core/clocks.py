@@ -1,4 +1,7 @@
-"""A GPU's compute rates at the clock it holds, from its datasheet peaks (issue 34, GPU variants).
+"""A GPU's compute rates at the clock it holds, from its datasheet peaks.
+
+It lives in ``core`` because the simulator (its cost model) and the runtime (the MFU of its log
+line, runtime/metrics.py) both read it.
 
 A datasheet's peak FLOP/s is SMs x FLOPs per SM per clock x the clock it is quoted at: for the
 H100 SXM5, 989.4 dense bf16 TFLOP/s = 132 SMs x 4096 (2048 FMA per SM per clock, twice the A100's
