@@ -17,8 +17,10 @@ and no temporary file is left beside them, and no process naming the case's fold
 a rank) outlives the command.  A few cases have another goal, said in their line: printed
 output that stays valid JSON, a file mode kept, a command printed instead of a launch, a device
 still a device.  The signal cases send SIGTERM / SIGHUP to ``autopar run`` (or SIGINT to its
-whole group, as Ctrl-C does) once its third step is logged: the goal is the signal's exit code
-(128 + the signal), a "stopped by" message, a complete newest checkpoint and the resume command.
+whole group, as Ctrl-C does, once or twice) once its third step is logged: the goal is the
+signal's exit code (128 + the signal), a "stopped by" message, a complete newest checkpoint and the
+resume command.  Every run-time case also fails when its message shows twice, or torchrun's lines
+about stopping the other ranks (or a "Logging error") show.
 A few CLI cases run as a fresh process (``fresh``: how the process ends is what they test).
 
 The tally lists per case the exit code, whether a traceback showed, the files lost or left
@@ -62,7 +64,7 @@ class Case:
     env: dict = field(default_factory=dict)
     timeout: float = 120.0
     fresh: bool = False                         # a fresh process even for a CLI case (its exit matters)
-    signal: tuple | None = None                 # (signum, text on stdout to wait for, to the whole group)
+    signal: tuple | None = None                 # (signum, text on stdout to wait for, to the whole group[, times])
     paragraph: bool = True                      # the goal includes "error:" and one paragraph
 
 
@@ -234,6 +236,20 @@ def stopped_resumable(saved: bool) -> Callable[[Path, str, str], str]:
     return check
 
 
+def no_graph_dump(d: Path, out: str, err: str) -> str:
+    return "torch printed graphs on stderr" if "def forward" in err else ""
+
+
+def plan_written_here(d: Path, out: str, err: str) -> str:
+    return "" if (d / "p.json").is_file() else "the plan is not where -o named it"
+
+
+def no_command_for(device: str) -> Callable[[Path, str, str], str]:
+    def check(d: Path, out: str, err: str) -> str:
+        return still_device(device)(d, out, err) or (f"prints a command that runs {device}" if "torchrun" in out else "")
+    return check
+
+
 def same_inode_link(target: str, link: str) -> Callable[[Path], None]:
     return lambda d: os.symlink(d / target, d / link)
 
@@ -273,6 +289,31 @@ OS_EXIT_BATCH = GOOD_MODEL.replace("def make_batch(batch_size, **kw):\n",
                                    "def make_batch(batch_size, **kw):\n    import os; os._exit(0)\n")
 RAISES_KEYBOARD_INTERRUPT = GOOD_MODEL.replace("def build_model(**kw):\n",
                                                "def build_model(**kw):\n    raise KeyboardInterrupt\n")
+CATCHES_THE_STOP = GOOD_MODEL.replace("def build_model(**kw):\n", "def build_model(**kw):\n    import time\n"
+                                      "    while True:\n        try:\n            time.sleep(1)\n"
+                                      "        except BaseException:\n            pass\n")
+CHDIR_AT_IMPORT = "import os\nos.chdir('/')\n" + GOOD_MODEL
+DATA_DEPENDENT_GATE = """
+import torch
+class Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+    def forward(self, h):
+        h = self.l(h)
+        if h.sum().item() > 0:
+            h = h * 2
+        return h
+def build_model(**kw):
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), Gate(), torch.nn.Linear(4, 4))
+def make_batch(batch_size, **kw):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 4)
+"""
+NOT_TRAINABLE = {
+    "make_batch on meta": MODEL_BODY["make_batch on meta"],
+    "mixed parameter dtypes": GOOD_MODEL.replace("torch.nn.Linear(4, 4))", "torch.nn.Linear(4, 4).double())"),
+    "no parameters": MODEL_BODY["no parameters"],
+}
 ON_RANK_1 = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
@@ -570,8 +611,8 @@ groups:
     add(Case("run --measured the plan's model file", "cli",
              lambda d: ["run", str(d / "plan.json"), "--measured", str(d / "m.py")],
              both(model_file(GOOD_MODEL), _plan_for_model("m.py", dp=2)), guard=lambda d: [d / "m.py"]))
-    add(Case("plan -o /dev/null (goal: exit 0, still a device)", "cli", lambda d: plan4(d, "/dev/null"),
-             model_and_cluster, code=0, check=still_device("/dev/null")))
+    add(Case("plan -o /dev/null (goal: exit 0, still a device, no command naming it)", "cli",
+             lambda d: plan4(d, "/dev/null"), model_and_cluster, code=0, check=no_command_for("/dev/null")))
     add(Case("plan -o /dev/full (disk full)", "cli", lambda d: plan4(d, "/dev/full"), model_and_cluster,
              check=says("disk is full")))
     add(Case("simulate --trace /dev/full (disk full)", "cli",
@@ -638,6 +679,28 @@ groups:
     add(Case("report: measured.json of this plan (goal: exit 0)", "cli", rep, both(plan_file(), this_plans_measured),
              code=0))
 
+    # -- issue 42: the last bad inputs and rough edges
+    for name in ("target of another shape", "loss_fn returns None"):
+        add(Case(f"model: {name} (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+                 model_file(MODEL_BODY[name]), check=short_message(1500)))
+    add(Case("model: loss_fn raises (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(GOOD_MODEL + "def loss_fn(out, target):\n    raise ValueError('needs labels')\n"),
+             check=says("loss_fn", "needs labels")))
+    add(Case("build_model catches autopar's stop (inspect)", "cli", lambda d: ["inspect", str(d / "m.py")],
+             model_file(CATCHES_THE_STOP), env={"AUTOPAR_MODEL_CALL_TIMEOUT_S": "2"}, timeout=60,
+             check=says("did not return within 2 s", "caught autopar's stop")))
+    add(Case("os.chdir at import, relative paths (goal: exit 0, plan written)", "cli",
+             lambda d: ["plan", "m.py", "--cluster", "local-cpu", "--global-batch", "4", "--time-budget", "2",
+                        "-o", "p.json"], model_file(CHDIR_AT_IMPORT), code=0, check=plan_written_here))
+    add(Case("profile -o an existing plan file", "cli", lambda d: ["profile", "-o", str(d / "plan.json"), "--quick"],
+             plan_file(), guard=lambda d: [d / "plan.json"], timeout=60, check=says("holds a plan", "plan.json")))
+    add(Case("export cannot trace a valid model (goal: exit 0, no graph dumps)", "cli",
+             lambda d: ["inspect", str(d / "m.py")], model_file(DATA_DEPENDENT_GATE), code=0, check=no_graph_dump))
+    for name, body in NOT_TRAINABLE.items():
+        add(Case(f"run: {name}, plan made with --no-runtime-check", "cli", run_args(),
+                 both(model_file(body), _unchecked_plan_for_model("m.py", dp=2)),
+                 guard=lambda d: [d / "measured.json"], check=short_message(1500)))
+
     # -- the runtime (torchrun, 2-3 ranks on gloo, 1-2 steps of a tiny GPT)
     R = "runtime"
     add(Case("tp=3 with 4 heads", R, run_args(), tiny_plan(tp=3, micro_batch=2)))
@@ -684,7 +747,23 @@ groups:
              check=stopped_resumable(False), guard=lambda d: [d / "measured.json"], timeout=240))
     add(Case("SIGHUP to autopar run, checkpointing", R, long_run, tiny_plan(dp=2), code=129, paragraph=False,
              signal=(1, "step 3/", False), check=stopped_resumable(True), timeout=240))
+    # -- issue 42: a batch on meta from a plan no runtime check saw; Ctrl-C pressed twice
+    add(Case("make_batch on meta, plan without provenance (ranks)", R, run_args(),
+             both(model_file(MODEL_BODY["make_batch on meta"]), _plan_for_model("m.py", dp=2)),
+             check=says("error: rank", "on the meta device")))
+    add(Case("Ctrl-C twice (SIGINT to the group, twice)", R, long_run, tiny_plan(dp=2), code=130, paragraph=False,
+             signal=(2, "step 3/", True, 2), check=stopped_resumable(True), timeout=240))
     return C
+
+
+def _unchecked_plan_for_model(name: str, **kw) -> Callable[[Path], None]:
+    """As ``_plan_for_model``, for a plan 'autopar plan --no-runtime-check' would write."""
+    def setup(d: Path) -> None:
+        _plan_for_model(name, **kw)(d)
+        p = json.loads((d / "plan.json").read_text())
+        p["provenance"]["runtime_check"] = "skipped (--no-runtime-check)"
+        w(d / "plan.json", json.dumps(p, indent=1))
+    return setup
 
 
 def _plan_for_model(name: str, **kw) -> Callable[[Path], None]:
@@ -802,7 +881,7 @@ def _processes_under(d: Path) -> list[int]:
 def signalled(case: Case, d: Path, env: dict) -> tuple[int | str, str, str]:
     """``autopar ARGV`` in a fresh process; once stdout shows the case's text, the signal goes to
     it (or, as Ctrl-C does, to its whole process group); then wait for it to end."""
-    signum, text, group = case.signal
+    signum, text, group, times = (*case.signal, 1)[:4]
     out_f, err_f = d.parent / f"{d.name}.out", d.parent / f"{d.name}.err"
     with open(out_f, "w") as o, open(err_f, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "autopar.cli", *case.argv(d)], cwd=d, env=env, stdout=o,
@@ -815,7 +894,8 @@ def signalled(case: Case, d: Path, env: dict) -> tuple[int | str, str, str]:
                 rc = proc.returncode
                 break
             if not sent and text in out_f.read_text(errors="replace"):
-                (os.killpg if group else os.kill)(proc.pid, signum)
+                for _ in range(times):                 # a key pressed twice: back to back
+                    (os.killpg if group else os.kill)(proc.pid, signum)
                 sent = True
             time.sleep(0.1)
         else:
@@ -865,6 +945,8 @@ def run_case(case: Case, base: Path, fork: bool = True) -> dict:
         whys.append("traceback shown")
     if case.code != 0 and case.paragraph and rc == case.code and not one_paragraph(err):
         whys.append("no one-paragraph error message")
+    if case.kind == "runtime" and (err.count("error:") > 1 or "closing signal" in err or "Logging error" in err):
+        whys.append("message repeated or torchrun's stop lines shown")
     if left_running:
         whys.append(f"{len(left_running)} process(es) still running")
     if lost:

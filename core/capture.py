@@ -39,6 +39,7 @@ from autopar.core.trace_walk import (ParamIndex, Val, Walk, call_attrs, dtype_na
                                      nbytes, order_operands, short_error)
 
 LOSS_TARGET = "target"              # value name of the loss target in the graph
+LOSS_NOT_CAPTURED = "loss not captured"   # the note a capture whose loss failed on meta carries
 
 
 # torch's tracers log each failed attempt with its traceback (kilobytes per try); the capture's
@@ -63,7 +64,11 @@ def _torch_logs_quiet():
 # ============================================================================ public API
 def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
                        batch_size: int = 8) -> OpGraph:
-    """Load a model file, build the model and a batch on meta, and capture the forward."""
+    """Load a model file, build the model and a batch on meta, and capture the forward.
+
+    A forward or loss that fails here and also in one plain CPU step (``core.model_check``) is
+    the model file's own error (``ModelFileError``); one that fails only on meta is a note."""
+    model_args = dict(model_args or {})
     t0 = time.perf_counter()
     return capture_loaded(load_model_file(path), model_args, batch_size, t0)
 
@@ -101,6 +106,14 @@ def capture_loaded(mf: ModelFile, model_args: dict[str, Any] | None = None, batc
         if shape is not None and ran:
             raise ModelFileError(f"{shape[0]}. {traced_path_advice(shape[1])}") from None
         raise
+    if any(n.startswith(LOSS_NOT_CAPTURED) for n in graph.notes):
+        # the loss failed on meta: if it fails on real tensors too (a target of another shape,
+        # a loss_fn that raises), the model file cannot train -- its error, exit 2
+        from autopar.core.model_check import own_failure
+
+        own = own_failure(mf, model_args, batch_size)
+        if own is not None:
+            raise own
     graph.notes.insert(0, f"build_model + make_batch on meta: {build_s:.2f} s")
     graph.capture_s += build_s
     return graph
@@ -139,7 +152,7 @@ def capture(module: torch.nn.Module, inputs: Any, *, model_name: str, model_file
         try:
             _record_loss(walk, loss_fn, target)
         except Exception as e:
-            notes.append(f"loss not captured ({short_error(e)})")
+            notes.append(f"{LOSS_NOT_CAPTURED} ({short_error(e)})")
 
     t1 = time.perf_counter()
     graph = _assemble(walk, module, params, model_name=model_name, model_file=model_file,
@@ -197,7 +210,9 @@ def _record_loss(walk: Walk, loss_fn: Callable, target: Any) -> None:
             return result
 
     with torch.no_grad(), Recorder():
-        loss_fn(walk.output_value, target)
+        loss = loss_fn(walk.output_value, target)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ValueError(f"the loss is {type(loss).__name__}, not a one-element Tensor")
 
 
 def _flat_args(obj: Any) -> list[Any]:

@@ -59,8 +59,7 @@ def own_failure(model_file, model_args: dict, batch_size: int) -> ModelFileError
         meta = mf.build(**model_args)
     params = list(meta.parameters())
     if not params:
-        return ModelFileError(f"{p}: build_model returned a {type(meta).__name__} with no parameters, so there "
-                              f"is nothing to train. Return the model whose weights training updates.")
+        return no_parameters_error(p, type(meta).__name__)
     if sum(t.numel() * 4 for t in params) > MAX_PARAM_BYTES:
         return None
     with torch.random.fork_rng(devices=[]):
@@ -69,12 +68,9 @@ def own_failure(model_file, model_args: dict, batch_size: int) -> ModelFileError
         inputs, target = mf.make_batch(batch_size, **model_args)
     if any(t.is_meta for t in model.parameters()):
         return None                                 # builds on meta by itself: nothing to run here
-    metas = [w for w, t in _tensors(inputs, target) if t.is_meta]
-    if metas:
-        return ModelFileError(
-            f"{p}: make_batch({batch_size}) returned {', '.join(metas)} on the meta device (no data), which "
-            f"training cannot use. Create the batch with torch.randn / torch.randint (or load data) without "
-            f"device='meta'; autopar itself calls make_batch under torch.device('meta') when it needs only shapes.")
+    meta_batch = meta_batch_error(p, batch_size, inputs, target)
+    if meta_batch is not None:
+        return meta_batch
     check_batch_rows(inputs, target, batch_size, p)
     given = f"make_batch({batch_size})'s inputs {_describe(inputs)}"
     try:
@@ -123,6 +119,24 @@ def own_failure(model_file, model_args: dict, batch_size: int) -> ModelFileError
         return ModelFileError(f"{p}: backward through the model raised {_first_line(e)}{_line(e, p)}. Fix the "
                               f"model's forward so that it is differentiable.")
     return None
+
+
+def no_parameters_error(path, model_type: str) -> ModelFileError:
+    """The model has no parameters: nothing to train (also the runtime's check, runtime/plan_check.py)."""
+    return ModelFileError(f"{path}: build_model returned a {model_type} with no parameters, so there is nothing to "
+                          f"train. Return the model whose weights training updates.")
+
+
+def meta_batch_error(path, batch_size: int, inputs: Any, target: Any) -> ModelFileError | None:
+    """A batch (drawn outside ``torch.device('meta')``) holding meta tensors, or None (also the
+    runtime's check of every batch it draws, runtime/train.py)."""
+    metas = [w for w, t in _tensors(inputs, target) if t.is_meta]
+    if not metas:
+        return None
+    return ModelFileError(
+        f"{path}: make_batch({batch_size}) returned {', '.join(metas)} on the meta device (no data), which "
+        f"training cannot use. Create the batch with torch.randn / torch.randint (or load data) without "
+        f"device='meta'; autopar itself calls make_batch under torch.device('meta') when it needs only shapes.")
 
 
 def _main(out: Any):

@@ -16,7 +16,10 @@ naming the file, the function and what to do -- never a bare traceback.
 
 The user's code runs inside ``user_code``: what it prints goes to stderr (stdout carries
 ``--json`` output), and a ``sys.exit()`` in it -- a ``SystemExit``, which ``except Exception``
-does not catch -- becomes a ``ModelFileError`` instead of ending autopar silently.
+does not catch -- becomes a ``ModelFileError`` instead of ending autopar silently.  In the CLI
+each call is bounded in time (``bound_user_code``): a call still running after 30 s prints what
+autopar waits on, one past the limit is a ``ModelFileError``.  An ``os.chdir`` in the file stays
+the file's own (its calls run where it moved to, autopar's paths resolve where autopar started).
 """
 from __future__ import annotations
 
@@ -278,6 +281,8 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
             f"build_model(**model_args) and make_batch(batch_size, **model_args), e.g. "
             f"examples/gpt.py.")
     p = p.resolve()
+    import torch  # noqa: F401  (imported here, not inside the model file's bounded import: it takes seconds)
+
     from autopar.core.output_file import note_input
 
     note_input(p, "model file")
@@ -289,7 +294,7 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        with user_code(p, "importing it"):
+        with user_code(p, "importing it", importing=True):
             spec.loader.exec_module(module)
     except ModelFileError:
         sys.modules.pop(module_name, None)
@@ -327,12 +332,21 @@ def load_model_file(path: str | os.PathLike) -> ModelFile:
 # them on the meta device: seconds even for a 175B model); the runtime's real builds are not.
 TIME_LIMIT_ENV = "AUTOPAR_MODEL_CALL_TIMEOUT_S"
 DEFAULT_TIME_LIMIT_S = 300.0
-_guard: dict[str, Any] = {"depth": 0, "pid": None, "limit_s": None}
+# A bounded call still running after this long gets one line on stderr saying what autopar
+# waits on and when it gives up (a user otherwise sees a silent terminal for minutes); one such
+# line per process at most (a slow machine must not repeat it for every call).
+PROGRESS_AFTER_S = 30.0
+# A model file that catches the timeout (a bare ``except:`` in a retry loop) and goes on gets
+# this long after it; then the process prints the error and exits 2 (nothing is written yet).
+HARD_STOP_GRACE_S = 5.0
+_guard: dict[str, Any] = {"depth": 0, "pid": None, "limit_s": None, "prog": "autopar", "phase": None,
+                          "doing": "", "path": None, "t0": 0.0, "cwd": {}, "progress_said": False}
 
 
-def bound_user_code(limit_s: float | None) -> None:
-    """Bound each later call into a model file to ``limit_s`` seconds (None: unbounded)."""
-    _guard["limit_s"] = limit_s
+def bound_user_code(limit_s: float | None, prog: str = "autopar") -> None:
+    """Bound each later call into a model file to ``limit_s`` seconds (None: unbounded);
+    ``prog`` ("autopar plan") prefixes the lines printed from the timer."""
+    _guard.update(limit_s=limit_s, prog=prog, progress_said=False)
 
 
 def default_time_limit_s() -> float:
@@ -367,8 +381,51 @@ def _exit_guard(code: int = 0) -> None:
     posix._exit(code)
 
 
+def _timeout_message(path: Path | str, doing: str, limit: float, where: str = "") -> str:
+    return (f"model file {path} did not return within {limit:g} s while {doing}{where}; it loops or waits "
+            f"forever there. Fix the model file; if it is only slow, raise the limit with {TIME_LIMIT_ENV}=SECONDS.")
+
+
+def _say(text: str) -> None:
+    """A line on stderr from the timer (straight to the descriptor: the interrupted code may be
+    in the middle of a print)."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError, RuntimeError):
+        pass
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
 def _on_alarm(signum, frame) -> None:
-    raise _ModelTimeout()
+    """The bounded call's timer: a progress line, then the timeout, then -- where the model file
+    swallowed the timeout -- the error and exit code 2 without it."""
+    import signal
+    import time
+
+    limit, phase = _guard["limit_s"], _guard["phase"]
+    path = Path(str(_guard["path"]))
+    if phase == "progress":
+        waited = time.monotonic() - _guard["t0"]
+        _guard["progress_said"] = True
+        _say(f"{_guard['prog']}: still {_guard['doing']} in {path.name} after {waited:.0f} s; autopar stops it "
+             f"after {limit:g} s ({TIME_LIMIT_ENV} sets the limit).\n")
+        _guard["phase"] = "limit"
+        signal.setitimer(signal.ITIMER_REAL, max(limit - waited, 0.001))
+        return
+    if phase == "limit":
+        _guard["phase"] = "hard"
+        signal.setitimer(signal.ITIMER_REAL, HARD_STOP_GRACE_S)
+        raise _ModelTimeout()
+    import posix
+
+    from autopar.core.errors import paragraph
+
+    _say(paragraph(f"{_guard['prog']}: error: {_timeout_message(path, _guard['doing'], limit)} It also caught "
+                   f"autopar's stop and went on, so autopar ends here.") + "\n")
+    posix._exit(2)
 
 
 def _sigint_received() -> bool:
@@ -377,22 +434,47 @@ def _sigint_received() -> bool:
     return sigint_received()
 
 
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:                       # the folder was removed under the process
+        return None
+
+
+def _chdir(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.chdir(path)
+        except OSError:
+            pass
+
+
 @contextlib.contextmanager
-def user_code(path: Path | str, doing: str) -> Iterator[None]:
+def user_code(path: Path | str, doing: str, *, importing: bool = False) -> Iterator[None]:
     """Run the model file's code: its prints go to stderr, and ``sys.exit()`` or ``os._exit()``
     becomes a ModelFileError, as do a ``KeyboardInterrupt`` it raises itself (no Ctrl-C was
-    pressed) and, where a limit is set (``bound_user_code``), a call that does not return."""
+    pressed) and, where a limit is set (``bound_user_code``), a call that does not return.
+
+    The model file's ``os.chdir`` stays its own: its calls run in the folder it last moved to
+    (its import starts from autopar's), and autopar's own relative paths (the model file, -o,
+    --checkpoint-dir) keep resolving from the folder autopar was started in."""
     import signal
     import threading
+    import time
 
     outer = _guard["depth"] == 0
     real_exit, armed, previous, limit = os._exit, False, None, _guard["limit_s"]
+    home = _cwd() if outer else None
     if outer:
         _guard["pid"] = os.getpid()
         os._exit = _exit_guard
+        if not importing and _guard["cwd"].get(str(path)) not in (None, home):
+            _chdir(_guard["cwd"][str(path)])
         if limit and threading.current_thread() is threading.main_thread():
+            _guard.update(doing=doing, path=str(path), t0=time.monotonic(),
+                          phase="progress" if limit > PROGRESS_AFTER_S and not _guard["progress_said"] else "limit")
             previous = signal.signal(signal.SIGALRM, _on_alarm)
-            signal.setitimer(signal.ITIMER_REAL, limit)
+            signal.setitimer(signal.ITIMER_REAL, PROGRESS_AFTER_S if _guard["phase"] == "progress" else limit)
             armed = True
     _guard["depth"] += 1
     try:
@@ -409,10 +491,7 @@ def user_code(path: Path | str, doing: str) -> Iterator[None]:
             f"autopar runs the model file inside its own process, so the file must not end it. Remove the "
             f"os._exit() call (raise an exception with a message instead).") from None
     except _ModelTimeout as e:
-        raise ModelFileError(
-            f"model file {path} did not return within {limit:g} s while {doing}{_line_in_file(e, Path(path))}; "
-            f"it loops or waits forever there. Fix the model file; if it is only slow, raise the limit with "
-            f"{TIME_LIMIT_ENV}=SECONDS.") from None
+        raise ModelFileError(_timeout_message(path, doing, limit, _line_in_file(e, Path(path)))) from None
     except KeyboardInterrupt as e:
         if _sigint_received():
             raise
@@ -426,6 +505,11 @@ def user_code(path: Path | str, doing: str) -> Iterator[None]:
             if armed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+                _guard["phase"] = None
+            now = _cwd()
+            if home is not None and now != home:
+                _guard["cwd"][str(path)] = now
+                _chdir(home)
 
 
 def _signature_names(fn: Callable) -> tuple[list[str], bool]:

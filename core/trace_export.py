@@ -17,7 +17,9 @@ from autopar.core.trace_walk import (ParamIndex, Val, Walk, aten_rnn_attrs, call
 
 
 def trace_export(module: torch.nn.Module, inputs: tuple, params: ParamIndex) -> Walk:
-    ep = torch.export.export(module, inputs, strict=False)
+    from autopar.core.quiet_export import export
+
+    ep = export(module, inputs, strict=False)
     from torch.export.graph_signature import InputKind
 
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}

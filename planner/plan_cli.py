@@ -227,7 +227,10 @@ def main(args: argparse.Namespace) -> int:
         plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     result.best = replace(result.best, plan=plan)
     save_plan(plan, args.output)
-    command = torchrun_command(cluster, args.output, plan.world_size)
+    from autopar.core.output_file import is_special
+
+    # a device (-o /dev/null) keeps nothing to run: no command names it
+    command = None if is_special(args.output) else torchrun_command(cluster, args.output, plan.world_size)
     if args.json:
         out = {"plan": plan.to_dict(), "output": str(args.output), "torchrun": command,
                "capture_s": round(capture_s, 3),

@@ -26,9 +26,10 @@ def fold_layers(plan) -> list[tuple[int, int, str]]:
     return runs
 
 
-def print_plan(console, graph, cluster, result, *, output: str, command: str, capture_s: float,
+def print_plan(console, graph, cluster, result, *, output: str, command: str | None, capture_s: float,
                confidence=None, left_out=(), headroom: float = 0.0, whole=()) -> None:
-    """The plan summary; ``whole``: the lines of planner/whole_layers.py (layers tp leaves whole)."""
+    """The plan summary; ``whole``: the lines of planner/whole_layers.py (layers tp leaves whole);
+    ``command``: None where the output is not a regular file (a device keeps nothing to run)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -107,4 +108,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str, ca
             console.print(escape(f"  - {x.kind}: {x.reason}"))
     for line in whole:
         console.print(escape(line))
-    console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")
+    if command is None:
+        console.print(escape(f"\nwrote the plan to {output}, which is not a regular file: nothing is kept to run. "
+                             f"To run this plan, write it to a file with -o PLAN.json, then 'autopar run PLAN.json'."))
+    else:
+        console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")

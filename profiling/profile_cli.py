@@ -70,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import check_writable
 
     check_writable(out, "-o")                         # before minutes of timing, not after
+    check_merge_target(out)
     opts = ProfileOptions(output=out, quick=args.quick, dtypes=dtypes, device=device,
                           name=args.name or out.stem, measure_ops=not args.skip_ops,
                           measure_collectives=not args.skip_collectives,
@@ -83,6 +84,38 @@ def main(args: argparse.Namespace) -> int:
 
         print_summary(prof, out, time.perf_counter() - t0)
     return 0
+
+
+def check_merge_target(out: Path) -> None:
+    """An existing ``-o`` file is merged into (profiling/profile_file.py), so it must be a profile
+    autopar reads: anything else (a plan, a cluster file, a damaged profile) is refused here,
+    before the timing, not after it."""
+    if not out.is_file():
+        return
+    from autopar.core.profile_schema import load_profile
+
+    try:
+        load_profile(out)
+    except UserError as e:
+        raise UserError(f"-o {out} already exists and is not a profile autopar can merge into: {_what_it_holds(out, e)}. "
+                        f"autopar profile adds its measurements to an existing profile file, so nothing would "
+                        f"be written after the profiling. Give -o a new path (or a profile written by autopar "
+                        f"profile); nothing was measured and {out} is unchanged.") from None
+
+
+def _what_it_holds(path: Path, error: UserError) -> str:
+    import json
+
+    try:
+        data = json.loads(path.read_text(errors="replace")[: 1 << 20])
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and "mesh" in data and "layers" in data:
+        return "it holds a plan (written by autopar plan)"
+    if isinstance(data, dict) and "groups" in data and "inter_node" in data:
+        return "it holds a cluster description"
+    text = " ".join(str(error).split())
+    return f"it does not read as one ({text if len(text) <= 300 else text[:297] + '...'})"
 
 
 def _canonical_args(args: argparse.Namespace) -> list[str]:

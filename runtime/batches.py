@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from autopar.runtime.batch_check import check_batch_rows
+from autopar.runtime.batch_check import check_batch
 from autopar.runtime.token_data import TokenFile, read_rows, sample_ids
 
 
@@ -46,7 +46,7 @@ def global_batch(checked, seed: int, step: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step_seed(seed, step))
         batch = checked.model_file.make_batch(checked.plan.global_batch, **dict(checked.plan.model.args))
-    check_batch_rows(*batch, checked.plan.global_batch, checked.model_file.path)
+    check_batch(*batch, checked.plan.global_batch, checked.model_file.path)
     return batch
 
 

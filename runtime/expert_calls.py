@@ -90,13 +90,15 @@ def export_with_expert_calls(model: nn.Module, example_inputs: tuple):
     as a checkpointed region), which cannot call a module of the stage, the export is taken again
     with the experts' code inlined, as without this module (expert parallelism then refuses the
     pipeline: ``apply_ep.stages_hold_experts``)."""
+    from autopar.core.quiet_export import export
+
     with opaque_experts(model):
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = export(model, tuple(example_inputs), strict=False)
     gm = exported.module()
     op = torch.ops.autopar.experts_call.default
     if any(sub is not gm and isinstance(sub, fx.GraphModule) and
            any(n.op == "call_function" and n.target is op for n in sub.graph.nodes) for sub in gm.modules()):
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = export(model, tuple(example_inputs), strict=False)
         return exported, exported.module()
     _calls_into_modules(gm, model)
     return exported, gm

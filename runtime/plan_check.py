@@ -7,7 +7,8 @@ the plan's model arguments) different from the one the plan was made for, and a 
 that differs from the captured graph's, and a tensor-parallel split whose dims (or head
 counts) the tp degree does not divide (``autopar.runtime.tp_check``), float8 layers on a
 machine without fp8 support (``autopar.runtime.fp8_check``), and expert parallelism of a model
-without recognised experts or whose expert count ep does not divide (``autopar.runtime.apply_ep``).
+without recognised experts or whose expert count ep does not divide (``autopar.runtime.apply_ep``),
+and a model file that cannot train by itself (``check_model_trains``).
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def check_plan(plan_path: Path, world_size: int | None, model_file: ModelFile | 
             f"plan file {plan_path} has pp = {plan.mesh.pp}, but the captured forward of {model_path} does not "
             f"pass one activation from layer to layer, so it cannot be cut into pipeline stages. "
             f"Plan with pp = 1 for this model.")
+    check_model_trains(plan, model_file, graph)
     from autopar.runtime.fp8_check import check_fp8
 
     check_fp8(plan, plan_path)
@@ -116,6 +118,27 @@ def check_plan(plan_path: Path, world_size: int | None, model_file: ModelFile | 
                     f"styles split, on one rank's shard of the sequence: the run would train another model. "
                     f"Plan with sequence_parallel off, or split that attention's projections too.")
     return checked
+
+
+def check_model_trains(plan: Plan, model_file: ModelFile, graph: OpGraph) -> None:
+    """The model file's own mistakes, named as the plan-time check names them
+    (``autopar.core.model_check``): a model without parameters, always; and -- when the plan
+    was made with ``--no-runtime-check``, so that check never ran -- one plain CPU step of it
+    (a batch on meta, a forward that fails on its own batch such as mixed dtypes, a loss that
+    does not fit).  ``autopar run`` runs this before it starts any process, and every rank runs
+    it again before the process group exists, so the error is one paragraph with exit code 2."""
+    from autopar.core import model_check
+
+    if graph.params_total == 0:
+        import torch
+
+        with torch.device("meta"):
+            model = model_file.build(**dict(plan.model.args))
+        raise model_check.no_parameters_error(model_file.path, type(model).__name__)
+    if str(plan.provenance.get("runtime_check", "")).startswith("skipped"):
+        own = model_check.own_failure(model_file, dict(plan.model.args), plan.micro_batch)
+        if own is not None:
+            raise own
 
 
 def _check_fused_styles(plan: Plan, plan_path: Path, graph: OpGraph) -> None:

@@ -8,10 +8,12 @@ torchrun agent's, which outlives the workers): the first failing rank claims the
 ``autopar/first_failure`` with ``compare_set`` *before* it closes its connections, so a peer
 that fails because of it finds the claim already there.
 
-* The first rank prints its message -- a ``UserError``'s one paragraph, prefixed with the
-  rank and its place in the mesh, or the traceback of anything else (a bug) -- and records it
-  in ``$AUTOPAR_ERROR_FILE`` (set by ``autopar run``) and in torchrun's own
-  ``$TORCHELASTIC_ERROR_FILE``, so torchrun's summary names it as the root cause.
+* The first rank records its message -- a ``UserError``'s one paragraph, prefixed with the
+  rank and its place in the mesh, or the traceback of anything else (a bug) -- in
+  ``$AUTOPAR_ERROR_FILE`` (set by ``autopar run``, which prints it once, after torchrun has
+  stopped the other ranks) and in torchrun's own ``$TORCHELASTIC_ERROR_FILE``, so torchrun's
+  summary names it as the root cause.  Without ``$AUTOPAR_ERROR_FILE`` (torchrun started by
+  hand) the rank prints it itself.
 * A later rank prints nothing and exits with the first rank's code.
 * The store is the torchrun agent's (``MASTER_ADDR:MASTER_PORT``), so the claim works also
   before the process group exists: a model file whose ``build_model`` or ``make_batch`` fails
@@ -19,8 +21,8 @@ that fails because of it finds the claim already there.
   torchrun (no store) every rank runs the same checks on the same files, so rank 0 alone prints.
 
 ``autopar run`` reads ``$AUTOPAR_ERROR_FILE`` after torchrun returns (``relaunch_exit``), prints
-the message again as the last paragraph and exits with its code: 2 for the user's mistakes,
-4 for a non-finite loss, 1 for anything else.
+the message as the last paragraph and exits with its code: 2 for the user's mistakes, 4 for a
+non-finite loss, 1 for anything else.
 """
 from __future__ import annotations
 
@@ -120,20 +122,23 @@ def _claim(store, record: dict) -> dict:
         return record
 
 
-def _write_error_file(record: dict) -> None:
-    """The record for ``autopar run`` (``ERROR_FILE_ENV``), where it asked for one."""
+def _write_error_file(record: dict) -> bool:
+    """The record for ``autopar run`` (``ERROR_FILE_ENV``), where it asked for one: whether it was written."""
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         try:
             from autopar.core.plan import write_text_atomic
 
             write_text_atomic(path, json.dumps(record) + "\n")
+            return True
         except OSError:
             pass
+    return False
 
 
-def _write_records(record: dict) -> None:
-    _write_error_file(record)
+def _write_records(record: dict) -> bool:
+    """Both records (module docstring); whether ``autopar run``'s was written."""
+    written = _write_error_file(record)
     elastic = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if elastic and not os.path.exists(elastic):
         # torchrun's error-file format (torch.distributed.elastic.multiprocessing.errors): the
@@ -145,6 +150,7 @@ def _write_records(record: dict) -> None:
                 json.dump(data, f)
         except OSError:
             pass
+    return written
 
 
 def set_model_file(path) -> None:
@@ -200,8 +206,8 @@ def report_failure(exc: BaseException) -> int:
         first = _claim(store, record)
         if first.get("rank") != rank:
             return int(first.get("exit_code", code))
-    print(_paragraph(first["message"]) if user else first["message"], file=sys.stderr, flush=True)
-    _write_records(first)
+    if not _write_records(first):             # else autopar run prints it, once, at the end
+        print(_paragraph(first["message"]) if user else first["message"], file=sys.stderr, flush=True)
     return code
 
 
@@ -222,7 +228,7 @@ def report_stop(exc) -> int:
 
 def relaunch_exit(returncode: int, error_file: str, stream=None) -> int:
     """``autopar run``'s exit code after torchrun returned ``returncode``: the first failing
-    rank's code, its message repeated last (torchrun's summary comes between) on ``stream``
+    rank's code, and its message (which that rank recorded instead of printing) on ``stream``
     (default stderr)."""
     if returncode == 0:
         return 0
@@ -235,6 +241,5 @@ def relaunch_exit(returncode: int, error_file: str, stream=None) -> int:
     elif record.get("user_error"):
         print(_paragraph(record["message"]), file=stream or sys.stderr, flush=True)
     else:
-        print(f"autopar run: rank {record.get('rank')} failed first; its traceback is above.",
-              file=stream or sys.stderr, flush=True)
+        print(record["message"], file=stream or sys.stderr, flush=True)
     return int(record.get("exit_code", returncode))

@@ -58,6 +58,8 @@ def assert_clean_refusal(out: subprocess.CompletedProcess, code: int, *needles: 
         assert "".join(n.split()) in flat, (n, log[-5000:])
     assert "Connection closed" not in log, log[-5000:]
     assert "Traceback" not in log, log[-5000:]
+    # one message per failure: no repeat, no torchrun lines about stopping the other ranks
+    assert out.stderr.count("error:") == 1 and "closing signal" not in log, log[-5000:]
 
 
 def plan_for_model_file(model_path: Path, plan_path: Path, **kw) -> Path:
