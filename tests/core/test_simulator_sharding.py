@@ -39,8 +39,13 @@ def test_propagate_collectives_and_shards(graph, sp):
     if not sp:   # Shoeybi et al. 2019, Sec. 3: one all-reduce fwd and one bwd per attention and per MLP
         assert kinds == sorted([("all_reduce", "fwd", act)] * 2 + [("all_reduce", "bwd", act)] * 2)
     else:        # Korthikanti et al. 2022, Sec. 4.2.2: all-gather + reduce-scatter in each pass
+        # and each LayerNorm, which sees a sequence shard, has its weight and bias gradients summed
+        # over the tp ranks (Megatron-LM: finalize_model_grads all-reduces the sequence-parallel
+        # parameters' gradients): 2 x hidden fp32 elements per norm, two norms per block
+        norm_grads = 2 * h * 4
         assert kinds == sorted([("all_gather", "fwd", act), ("reduce_scatter", "fwd", act),
-                                ("reduce_scatter", "bwd", act), ("all_gather", "bwd", act)] * 2)
+                                ("reduce_scatter", "bwd", act), ("all_gather", "bwd", act),
+                                ("all_reduce", "bwd", norm_grads)] * 2)
     ops = graph.layer_ops(i)
     matmul_flops = sum(o.fwd_flops for o in ops if o.kind in ("linear", "matmul", "attention"))
     sharded = sum(o.fwd_flops / layout.compute_shard[o.name] for o in ops if o.kind in ("linear", "matmul", "attention"))

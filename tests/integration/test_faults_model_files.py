@@ -94,6 +94,7 @@ def test_a_call_that_never_returns_says_what_it_waits_on(capfd, tmp_path, monkey
     assert rc == 2, err
     before, message = err.split("error:", 1)
     assert "autopar inspect: still calling build_model() in m.py" in before and "stops it after 1 s" in before
+    message = " ".join(message.split())           # the paragraph is wrapped to the terminal's width
     assert "did not return within 1 s" in message and "build_model" in message
 
 
