@@ -58,6 +58,11 @@ def test_clip_adds_its_passes_and_the_norm_all_reduce(dp, zero, precision, grad_
     want = _by_hand(dp, held, grad_bytes)
     assert clipped.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-9)
     assert want > 0
+    # the planner's evaluator (its fast path) over cost models that clip prices the same step
+    clip_cm = cm.for_code(replace(cm.code, grad_clip=True))
+    ev = PlanEvaluator(GRAPH, _cluster(), clip_cm)
+    for _ in range(2):                        # priced, then from the evaluator's memos
+        assert ev.evaluate(plan).step_time_s == pytest.approx(clipped.step_time_s, rel=1e-12)
     # the flag changes the price, not the memory
     assert clipped.max_memory_bytes == plain.max_memory_bytes
 
