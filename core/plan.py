@@ -152,6 +152,10 @@ class Plan:
     compile: bool = False
     # the float8 recipe of the layers with precision fp8 (FP8_RECIPES); unused without them
     fp8_recipe: str = "tensorwise"
+    # priced as a run that clips its gradients by their global norm (``--grad-clip``: the norm's
+    # passes and all-reduce, simulator/optimizer_step.py); a pricing assumption, not part of what
+    # the run does (the run's own --grad-clip decides): written only when true, left out of the identity
+    grad_clip: bool = False
     predicted: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -277,6 +281,7 @@ class Plan:
             "precision": self.precision,
             "compile": self.compile,
             **({"fp8_recipe": self.fp8_recipe} if self.uses_fp8 else {}),
+            **({"grad_clip": True} if self.grad_clip else {}),
             "pipeline": {"schedule": self.pipeline.schedule,
                          "num_microbatches": self.pipeline.num_microbatches,
                          "stages": [{"index": s.index, "layers": [s.start, s.end]} for s in self.pipeline.stages]},
@@ -330,6 +335,7 @@ class Plan:
                 precision=str(d.get("precision", "fp32")),
                 compile=_flag(d, "compile", ""),
                 fp8_recipe=str(d.get("fp8_recipe", "tensorwise")),
+                grad_clip=_flag(d, "grad_clip", ""),
                 pipeline=Pipeline(schedule=_text(pl, "schedule", "pipeline."),
                                   num_microbatches=_int(pl, "num_microbatches", "pipeline."),
                                   stages=tuple(_stage(s, i) for i, s in enumerate(stages))),

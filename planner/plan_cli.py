@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fix.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="regional torch.compile of every block: on, off, or (default) chosen by the planner "
                           "(planner/compile_choice.py)")
+    parser.add_argument("--grad-clip", action="store_true",
+                        help="price the plans as runs that clip gradients by their global norm (autopar run "
+                             "--grad-clip C; the threshold does not change the cost); recorded in the plan")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -106,6 +109,8 @@ def main(args: argparse.Namespace) -> int:
     model_args = parse_model_args(args.model_args)
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost_models = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
+    if args.grad_clip:                # every plan priced as a clipped run (simulator/optimizer_step.py)
+        cost_models = {k: cm.for_code(replace(cm.code, grad_clip=True)) for k, cm in cost_models.items()}
     _note_other_machine(cluster, args.profile)
     # --precision fp8 is a bf16 plan whose layers train their linears in float8
     fp8_flag = args.precision if args.precision in ("bf16", "fp8") else None
@@ -215,6 +220,8 @@ def main(args: argparse.Namespace) -> int:
             conf_why = (f"trial {outcome.kept.index} measured the fastest step of the trials "
                         f"({1e3 * outcome.kept.measured_s:.1f} ms)")
     plan = result.best.plan.with_predicted(result.best.plan.predicted, **provenance)
+    if args.grad_clip:
+        plan = replace(plan, grad_clip=True)
     if outcome is not None:
         from autopar.planner.trial_steps import trial_provenance
 

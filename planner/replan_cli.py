@@ -117,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
     model_file = resolve_model_path(old, plan_path)
     argv = [str(model_file), *(f for k, v in old.model.args.items() for f in ("--model-arg", _model_arg(k, v))),
             *_cluster_flags(old, args.plan, args), "--global-batch", str(batch), "--precision", old.precision,
-            "--time-budget", str(args.time_budget), "--seed", str(args.seed), "-o", str(args.output)]
+            "--time-budget", str(args.time_budget), "--seed", str(args.seed), "-o", str(args.output),
+            *(["--grad-clip"] if old.grad_clip else [])]          # priced as the old plan was
     parser = argparse.ArgumentParser(prog="autopar plan")
     plan_cli.add_arguments(parser)
     plan_args = parser.parse_args(argv)

@@ -158,7 +158,7 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     # the all-reduces take turns with the last backward: all of them add up
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)
     sync = end_r + np.maximum(excess, np.zeros(p)) + serial_fsdp_tail(ctx, rows)
-    return after_backward(sync, rows, ctx.layer_rank, p), bubble
+    return after_backward(sync, rows, ctx.layer_rank, p, grad_norm_s=ctx.grad_norm_s), bubble
 
 
 #: a CPU node's whose communication takes turns with compute (``serial_communication``): chosen

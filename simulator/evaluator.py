@@ -47,7 +47,9 @@ from autopar.simulator.pipeline_zero_bubble import stage_grid
 from autopar.simulator.result import SimResult, StepWork
 from autopar.simulator.step_model import (OVERLAPPED, StepForm, chunk_masks, last_reduce_scatter,
                                          layer_effective_times, step_from_chunk_times)
-from autopar.simulator.topology import MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups
+from autopar.simulator.topology import (MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups,
+                                       world_link)
+from autopar.simulator.optimizer_step import grad_norm_allreduce_time
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]
@@ -125,6 +127,9 @@ class _Context:
     min_capacity: float         # the smallest pipeline rank's device memory, bytes
     compiled: bool = False      # the plan compiles each block (simulator/compile_fusion.py)
     fp8_recipe: str = "tensorwise"  # the plan's float8 recipe (its fp8 layers: simulator/float8.py)
+    #: (p,) the gradient norm's all-reduce per pipeline rank when the code clips (TrainingCode.grad_clip,
+    #: simulator/optimizer_step.py), else None
+    grad_norm_s: np.ndarray | None = None
     #: sharded_dp.with_sharded_dp_costs's arguments, worked out on first use (sharded_dp_table.plan_table_costs)
     sharded_args: tuple | None = None
     #: the per-layer terms are local (_LayerMemo): the step form's (no serial communication) and
@@ -405,6 +410,10 @@ class PlanEvaluator:
                        peak_flops=rank_cm[0].peak(plan.precision), last_layers=ends - 1,
                        no_ddp=np.zeros(p, dtype=bool), min_capacity=float(capacity.min()), compiled=plan.compile,
                        fp8_recipe=plan.fp8_recipe, pipeline_m=pl.num_microbatches if p > 1 else None)
+        if any(cm.code.grad_clip for cm in rank_cm):
+            world = world_link(self.cluster, mesh)
+            ctx.grad_norm_s = np.array([grad_norm_allreduce_time(cm, mesh.world_size, world.link, world.level)
+                                        if cm.code.grad_clip else 0.0 for cm in rank_cm])
         # e.g. DDP buckets (ddp_buckets.py) may apply to a plain data-parallel mesh
         ctx.memo_ok = ctx.step_form.memo_ok and term_registry.memo_safe(ctx)
         ctx.position_class = (ctx.head + 2 * ctx.tail).tolist()

@@ -31,6 +31,7 @@ from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, backward_gradient_bytes, precision_class, state_bytes
+from autopar.simulator.optimizer_step import grad_clip_pass_time
 from autopar.simulator.selective_mm_policy import collective_output_bytes, recomputed_matmuls, saves_collective
 from autopar.simulator.topology import MeshLinks
 
@@ -853,6 +854,11 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
         n_dtensor = n_tensors if zero >= 2 else float(len(w.dtensor_params & trainable_names))
         owned = 1.0 / dp if zero == 1 or dist_opt else 1.0
         d.optimizer_s = cm.optimizer_time(shard_params, (n_tensors - n_dtensor) * owned, n_dtensor * owned)
+    if cm.code.grad_clip and trainable:
+        # the clip's passes over the gradients this rank holds once they are reduced: FSDP2's
+        # shards under ZeRO-2/3, whole under DDP and ZeRO-1 (ZeroRedundancyOptimizer shards the
+        # state, not the gradients), in the gradient dtype (runtime/grad_norm.py; optimizer_step.py)
+        d.optimizer_s += grad_clip_pass_time(cm, trainable / (dp if zero >= 2 else 1), g_b)
     if fp8_all_gather(lp, mesh, fp8_recipe):
         d.optimizer_s += w.fp8_precompute_s       # the fp8 weights' scales, after the step
     if cm.code.optimizer.sync_after_flush and zero <= 1 and d.allreduce_s:

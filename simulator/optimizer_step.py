@@ -92,13 +92,25 @@ GRAD_CLIP_PASSES = 3
 GRAD_NORM_BYTES = 4
 
 
+def grad_clip_pass_time(cm, grad_elements: float, grad_bytes_per_element: float) -> float:
+    """Seconds of the clip's ``GRAD_CLIP_PASSES`` memory-bound passes over ``grad_elements``
+    gradient elements on one rank: bytes over the achievable HBM bandwidth, as
+    ``CostModel.optimizer_time`` prices AdamW."""
+    return GRAD_CLIP_PASSES * grad_elements * grad_bytes_per_element / cm.achievable_memory_Bps
+
+
+def grad_norm_allreduce_time(cm, world_size: int, link, level: str = "intra") -> float:
+    """Seconds of the one all-reduce of ``GRAD_NORM_BYTES`` over every rank that the runtime issues
+    per clipped step (``cm.collective_time`` over ``link``: for a scalar, its latency term)."""
+    return cm.collective_time("all_reduce", GRAD_NORM_BYTES, world_size, link, level)
+
+
 def grad_clip_time(cm, grad_elements: float, grad_bytes_per_element: float, world_size: int, link,
                    level: str = "intra") -> float:
-    """Seconds the gradient clip adds to a step on one rank: its ``GRAD_CLIP_PASSES`` memory-bound
-    passes over the ``grad_elements`` gradient elements it holds (bytes over the achievable HBM
-    bandwidth, as ``CostModel.optimizer_time`` prices AdamW) plus the one all-reduce of
-    ``GRAD_NORM_BYTES`` over every rank that the runtime issues (``cm.collective_time`` over
-    ``link``: for a scalar, its latency term).  Not part of the step any plan is priced with yet:
-    a planner option would add it to the step's serial tail."""
-    passes = GRAD_CLIP_PASSES * grad_elements * grad_bytes_per_element / cm.achievable_memory_Bps
-    return passes + cm.collective_time("all_reduce", GRAD_NORM_BYTES, world_size, link, level)
+    """Seconds the gradient clip adds to a step on one rank: its passes over the ``grad_elements``
+    gradient elements it holds (``grad_clip_pass_time``) plus the norm's all-reduce over every rank
+    (``grad_norm_allreduce_time``).  A plan priced with clipping (``TrainingCode.grad_clip``) has
+    the passes in each layer's optimizer column (simulator/layer_cost.py) and the all-reduce once
+    per pipeline rank after its last backward (simulator/step_model.py ``after_backward``)."""
+    return (grad_clip_pass_time(cm, grad_elements, grad_bytes_per_element)
+            + grad_norm_allreduce_time(cm, world_size, link, level))

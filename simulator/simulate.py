@@ -9,6 +9,7 @@ ends when the step model says that rank finishes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from autopar.core.cluster import Cluster
@@ -20,6 +21,15 @@ from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
 from autopar.simulator.result import SimResult
 
 
+def plan_cost_models(plan: Plan, cost_model: CostModel | Mapping[str, CostModel]):
+    """``cost_model`` (one, or by GPU name) pricing the training code the plan assumes: with
+    ``TrainingCode.grad_clip`` when the plan is priced as a clipped run (``Plan.grad_clip``)."""
+    if not plan.grad_clip:
+        return cost_model
+    clip = (lambda cm: cm if cm.code.grad_clip else cm.for_code(replace(cm.code, grad_clip=True)))
+    return clip(cost_model) if isinstance(cost_model, CostModel) else {k: clip(cm) for k, cm in cost_model.items()}
+
+
 def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel | Mapping[str, CostModel], *,
              timeline: bool = False, evaluator: PlanEvaluator | None = None) -> SimResult:
     """Price one training step of ``plan``; ``timeline=True`` also keeps every event of the trace."""
@@ -27,7 +37,7 @@ def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel
         plan.validate(len(graph.layers))
     except PlanFileError as e:
         raise InfeasibleError(str(e)) from None
-    ev = evaluator or PlanEvaluator(graph, cluster, cost_model)
+    ev = evaluator or PlanEvaluator(graph, cluster, plan_cost_models(plan, cost_model))
     ctx, rows = ev.prepare(plan)
     step_r, bubble = closed_form_step(ctx, rows)
     events = None

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true", help="split activations over tp between regions")
     g.add_argument("--compile", action="store_true",
                    help="regional torch.compile of every block (simulator/compile_fusion.py)")
+    parser.add_argument("--grad-clip", action="store_true",
+                        help="price the step as a run that clips gradients by their global norm (autopar run "
+                             "--grad-clip C); a plan made with 'autopar plan --grad-clip' is priced so already")
     parser.add_argument("--profile", default=None, help="profile name or JSON (default: the cluster's GPU type)")
     parser.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace (open in Perfetto)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -125,6 +128,10 @@ def main(args: argparse.Namespace) -> int:
         if fp8:
             plan = replace(plan, fp8_recipe=args.fp8_recipe,
                            layers=tuple(replace(lp, precision="fp8") for lp in plan.layers))
+    if args.grad_clip:
+        from dataclasses import replace
+
+        plan = replace(plan, grad_clip=True)
     _check_cp_ep(graph, plan)
     capture_s = time.perf_counter() - t0
     if plan.world_size > cluster.world_size:

@@ -151,10 +151,13 @@ def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarr
 
 
 def after_backward(sync: np.ndarray, rows: LayerTable, layer_rank: np.ndarray, p: int,
-                   any_zero1: bool | None = None) -> np.ndarray:
-    """When each pipeline rank ends the step: after the gradient sync ``sync``, the optimizer step
-    and ZeRO-1's parameter all-gather; ``any_zero1``: does some layer run ZeRO-1, where the caller
-    knows."""
+                   any_zero1: bool | None = None, grad_norm_s: np.ndarray | None = None) -> np.ndarray:
+    """When each pipeline rank ends the step: after the gradient sync ``sync``, the gradient norm's
+    all-reduce of a clipped step (``grad_norm_s``, per rank, or None: optimizer_step.py; the clip's
+    passes are in the optimizer column), the optimizer step and ZeRO-1's parameter all-gather;
+    ``any_zero1``: does some layer run ZeRO-1, where the caller knows."""
+    if grad_norm_s is not None:
+        sync = sync + grad_norm_s
     opt = np.bincount(layer_rank, weights=rows.optimizer_s, minlength=p)
     if any_zero1 is False:
         return sync + opt
@@ -279,4 +282,4 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
         fsdp_tail = fsdp_tails(ctx, rows)
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
     sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
-    return after_backward(sync, rows, layer_rank, p, any_zero1), bubble
+    return after_backward(sync, rows, layer_rank, p, any_zero1, ctx.grad_norm_s), bubble

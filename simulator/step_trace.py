@@ -326,6 +326,9 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
             tl.add(dev, "fsdp", f"reduce_scatter L{starts[r]} (exposed)" if ctx.pipeline_m is None
                    else "reduce_scatter (pipeline, once a step)", base[r], fsdp_tail[r])
             sync = base[r] + max(excess, fsdp_tail[r])
+        if ctx.grad_norm_s is not None:      # a clipped step: the norm's all-reduce before the step
+            tl.add(dev, "dp", "all_reduce grad norm", sync, float(ctx.grad_norm_s[r]))
+            sync = sync + ctx.grad_norm_s[r]
         opt, offl = rows.optimizer_s[layers], rows.offload[layers] > 0
         dev_opt, host_opt = float(opt[~offl].sum()), float(opt[offl].sum())
         tl.add(dev, "compute", "optimizer", sync, dev_opt)

@@ -56,6 +56,12 @@ class MeshLinks:
         return self.axes[name]
 
 
+def world_link(cluster: Cluster, mesh: Mesh) -> GroupLink:
+    """The link of one group of every rank of the mesh (e.g. the gradient norm's all-reduce,
+    runtime/grad_norm.py): the inter-node link when the mesh spans nodes."""
+    return _group(cluster, list(range(mesh.world_size)))
+
+
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
     devs = [cluster.device(r) for r in ranks]
     nodes = {d.node for d in devs}

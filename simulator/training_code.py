@@ -27,7 +27,9 @@ names the module that owns its mechanism:
 * ``expert_load``: the busiest expert's routed tokens over the mean, ep > 1 (simulator/ep_cost.py);
 * ``ep_dispatch``: how the routed tokens reach their experts, ep > 1 (simulator/ep_cost.py);
 * ``distributed_optimizer``: whether ZeRO-0's optimizer state is sharded over the data-parallel ranks
-  (simulator/layer_cost.py ``_data_parallel``).
+  (simulator/layer_cost.py ``_data_parallel``);
+* ``grad_clip``: whether the run clips the gradients by their global norm (``--grad-clip``,
+  runtime/grad_norm.py; its cost: simulator/optimizer_step.py ``grad_clip_time``).
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class TrainingCode:
     #: ranks and stepped there, while the gradients still cross the wire once per step (reduce-scatter
     #: and all-gather: one all-reduce's bytes); autopar's runtime shards nothing at ZeRO-0
     distributed_optimizer: bool = False
+    grad_clip: bool = False
 
     def __post_init__(self):
         if self.ep_dispatch not in EP_DISPATCHES:

@@ -116,3 +116,39 @@ def test_help_does_not_import_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_grad_clip_flag_is_recorded_and_priced(capsys, tmp_path, monkeypatch):
+    """'autopar plan --grad-clip' writes "grad_clip": true and prices its plan as a clipped run;
+    'autopar simulate' of that file gives the same step, and of the file without the field (an
+    older plan, the same run) a shorter one -- the one 'simulate --grad-clip' lengthens again."""
+    out = tmp_path / "plan.json"
+    fixed = ["--tp", "1", "--pp", "1", "--zero", "0", "--recompute", "none", "--micro-batch", "2", "--no-compile"]
+    assert cli_main(["plan", GPT, *MODEL, "--cluster", "local-cpu", "--global-batch", "8", *fixed,
+                     "--time-budget", "3", "--no-runtime-check", "--grad-clip", "-o", str(out), "--json"]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    assert d["grad_clip"] is True
+    clipped = _run(capsys, ["simulate", str(out), "--json"])
+    assert clipped["step_time_s"] == pytest.approx(d["predicted"]["step_time_s"], rel=1e-9)
+    del d["grad_clip"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(d))
+    plain = _run(capsys, ["simulate", str(old), "--json"])
+    assert plain["step_time_s"] < clipped["step_time_s"]
+    again = _run(capsys, ["simulate", str(old), "--grad-clip", "--json"])
+    assert again["step_time_s"] == pytest.approx(clipped["step_time_s"], rel=1e-12)
+    # 'autopar replan' plans again with the flag the old plan was priced with
+    from autopar.planner import plan_cli
+
+    seen = []
+
+    def planned(a):                # the planner's part: the flag it is given, and a plan file
+        seen.append(a.grad_clip)
+        Path(a.output).write_text(out.read_text())
+        return 0
+
+    monkeypatch.setattr(plan_cli, "main", planned)
+    for path, want in ((out, True), (old, False)):
+        assert cli_main(["replan", str(path), "--nodes", "1", "-o", str(tmp_path / "re.json")]) == 0
+        assert seen.pop() is want

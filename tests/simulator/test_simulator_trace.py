@@ -131,6 +131,14 @@ def _cases():
     for kw in CPU_LATE:
         yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), cpu, False,
                            id="late-cpu-" + _name(kw) + f"-v{kw['v']}")
+    # priced as clipped runs (TrainingCode.grad_clip): the norm's all-reduce after the sync, on a
+    # GPU and on a CPU node whose communication takes turns with compute
+    clip = lambda c: replace(c, code=replace(c.code, grad_clip=True))          # noqa: E731
+    for kw in (EXACT[1], EXACT[7]):
+        yield pytest.param(GRAPH, _plan(GRAPH, kw), _gpu_cluster(), clip(gpu), True, id="clip-gpu-" + _name(kw))
+    for kw in (CPU_PLANS[0], CPU_PLANS[2]):
+        yield pytest.param(CPU_GRAPH, _plan(CPU_GRAPH, kw, "fp32"), _cpu_cluster(), clip(cpu), True,
+                           id="clip-cpu-" + _name(kw))
     # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
     # the formula; interleaved with unequal chunks does not, nor interleaved where the layers'
     # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, layer_cost.effective_zero;
