@@ -135,6 +135,16 @@ def free_plan(row: Row, time_budget: float, folder: Path):
     return load_plan(out), cpu, prov
 
 
+def ep_in_search(plan, prov: dict) -> str:
+    """How the free search treated ep: chosen (the plan's ep), or the reason and price under
+    ``left out`` (the check that ep is considered at this size, tests/planner/test_ep_real_sizes.py
+    checks it on the runtime check alone)."""
+    left = {x.get("kind"): x.get("reason", "") for x in prov.get("left_out", [])}
+    if plan.mesh.ep > 1:
+        return f"chosen, ep {plan.mesh.ep} ({left.get('expert parallel (used)', '')})"
+    return f"not chosen: {left.get('expert parallel', 'no entry under left out')}"
+
+
 def describe(plan) -> str:
     m = plan.mesh
     sp = "+sp" if m.sequence_parallel else ""
@@ -187,6 +197,7 @@ def main(argv=None) -> int:
                      f"{cpu_s:.1f} CPU-s (whole autopar plan; its search {prov.get('search_s', float('nan')):.1f} s "
                      f"wall)")
         lines.append(f"{'':<15} hand layout: {row.source}")
+        lines.append(f"{'':<15} expert parallelism in the free search: {ep_in_search(fplan, prov)}")
         lines.append("")
         records.append({"model": row.name, "gpus": gpus, "global_batch": row.global_batch,
                         "hand": {"layout": describe(hplan), "step_s": hres.step_time_s,

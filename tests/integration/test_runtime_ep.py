@@ -56,7 +56,6 @@ TWO_RANKS = {"dp2_ep2": (dict(dp=2, micro_batch=2), 2),
              "cp2_ep2": (dict(cp=2, micro_batch=4), 2)}
 FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSDP over the 2 ranks left
               "dp4_ep4": (dict(dp=4, micro_batch=1), 4),                   # one expert per rank, no replica
-              "dp4_ep4_zero3": (dict(dp=4, micro_batch=1, zero=3), 4),
               "dp2_pp2_ep2_1f1b": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2, schedule="1f1b"), 2),
               "dp2_tp2_ep2": (dict(dp=2, tp=2, micro_batch=2), 2),
               "dp2_tp2_ep2_zero3": (dict(dp=2, tp=2, micro_batch=2, zero=3), 2),
@@ -82,12 +81,11 @@ CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep
 # model arguments of a case (default: the zoo's): 8 experts, 4 per ep rank
 ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8},
         # the real-size models the planner plans with ep (tests/planner/test_ep_real_sizes.py),
-        # their width and expert count shrunk (the suite's time), their routing kept: Mixtral 8x7B
-        # (8 experts, top 2, 4 query heads per K/V head), the Qwen3-30B-A3B slice (top 8 of many
+        # their width and expert count shrunk (the suite's time), their routing kept: the
+        # Qwen3-30B-A3B slice (top 8 of many
         # experts -- 16 here, 64 in the model --, 2 query heads per K/V head), DeepSeek-V3 (top 8
         # routed experts -- of 32 here, 256 in the model --, a shared expert, dense first layers)
         # -- at ep 4, and DeepSeek-V3's ep inside pipeline stages
-        ("hf_mixtral", "dp4_ep4_zero3"): {"experts": 8, "top_k": 2, "heads": 4, "kv_heads": 1},
         ("hf_mixtral", "dp4_ep4"): {"layers": 2, "experts": 16, "top_k": 8, "heads": 4, "kv_heads": 2, "ffn": 16},
         ("deepseek_moe", "dp2_pp2_ep2_1f1b"): {"layers": 4, "dense_layers": 2, "experts": 32, "top_k": 8,
                                                "expert_ffn": 8}}
@@ -101,7 +99,7 @@ CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_z
               ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
               ("moe", "dp2_pp2_ep2_interleaved")]
            # the real-size models' structure, shrunk (``ARGS``)
-           + [("hf_mixtral", "dp4_ep4_zero3"), ("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")]
+           + [("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")]
            + [("hf_mixtral", "dp2_tp2_sp_ep2_zero3")])
 
 

@@ -96,13 +96,6 @@ def test_deepseek_v3_check_offers_ep():
     assert "2-D activation" in left["sequence parallel"] and "router" not in left["sequence parallel"], left
 
 
-@pytest.mark.slow
-def test_deepseek_v3_free_search_considers_ep(tmp_path):
-    """The free search on 2048 H100 (256 nodes of 8) at DeepSeek-V3's batch (15360 sequences,
-    its report's Sec. 4.2) lists ep with its price, in the plan or under ``left out``."""
-    plan = _plan(tmp_path, "examples/moe.py", DEEPSEEK_V3, "--nodes", "256", "--global-batch", "15360")
-    left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
-    if plan["mesh"]["ep"] > 1:
-        assert "chosen" in left["expert parallel (used)"] or "fixed" in left["expert parallel (used)"]
-    else:
-        assert "predicts" in left["expert parallel"], left
+# The free search of the DeepSeek-V3-shaped model on 2048 H100s (40 CPU-s) runs in
+# benchmarks/moe_layouts.py, which prints how the search treated ep (its line "expert
+# parallelism in the free search"); the runtime check above is what decides whether ep is offered.
