@@ -47,7 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     if argv is None:                                  # the command line, not a caller in Python
         _exit_past_stray_threads(code)
+        _exit_past_torch_teardown(code)
     return code
+
+
+def _exit_past_torch_teardown(code: int) -> None:
+    """Under torchrun (``autopar profile`` timing collectives on several ranks) leave through
+    ``os._exit`` once the work is written and the process group destroyed, as the runtime's ranks
+    do (runtime/__main__.py): a rank tearing torch's C++ state down in interpreter exit has aborted
+    after a successful profile ("terminate called without an active exception", rank 1 of
+    tests/integration/test_profiling_profile.py, twice in fresh-clone runs), failing a run that
+    had done its job."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:
