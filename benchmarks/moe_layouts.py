@@ -104,9 +104,16 @@ def hand_plan(row: Row, schedule: str, cluster):
         # torch's interleaved 1F1B takes a multiple of pp micro-batches (core/rules.py): DeepSeek-V3's
         # 15360 / dp 128 = 120 is not one of 16, so its hand layout runs plain 1F1B
         sched = "1f1b"
+    from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
+
+    recompute = h["recompute"]
+    if sched in SPLIT_BACKWARD_SCHEDULES and recompute == "selective":
+        # torch's selective checkpoint allows one backward per region and these schedules run two
+        # (core/rules.split_backward_problem): full recompute, as the planner's split-backward twins
+        recompute = "full"
     plan = config_plan(graph, dp=h["dp"], tp=h["tp"], pp=h["pp"], micro_batch=h["micro_batch"],
                        global_batch=row.global_batch, schedule=sched, virtual_stages=h["virtual_stages"],
-                       zero=h["zero"], recompute=h["recompute"], offload="none", precision="bf16",
+                       zero=h["zero"], recompute=recompute, offload="none", precision="bf16",
                        sequence_parallel=h["sp"], cluster_name=cluster.name)
     plan = replace(plan, mesh=replace(plan.mesh, ep=h["ep"]))
     if h["ep"] > 1:
@@ -208,8 +215,9 @@ def main(argv=None) -> int:
                         "ratio_planner_over_hand": ratio})
     lines.append("fits: the plan's peak memory within an H100's 80 GB less the planner's headroom; a hand layout "
                  "that does not fit could not run as priced (the planner only offers plans that fit).")
-    lines.append("DualPipe (DeepSeek-V3's schedule) is not priced here: rerun with --schedule dualpipev where the "
-                 "simulator prices it.")
+    if args.schedule != "dualpipev":
+        lines.append("DualPipe (DeepSeek-V3's schedule) is not priced in this table: --schedule dualpipev prices the "
+                     "hand pipelines with it (full recompute where the row has selective).")
     text = "\n".join(lines)
     print(text)
     if not args.only:
