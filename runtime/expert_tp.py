@@ -42,21 +42,6 @@ from autopar.core.experts import is_stacked_experts  # noqa: F401  (the one rule
 EXPERT_STYLE = "expert"
 
 
-class _CopyToGroup(torch.autograd.Function):
-    """Megatron's ``f``: identity forward, gradient summed over ``group`` backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _SumOverGroup(torch.autograd.Function):
     """Megatron's ``g``: output summed over ``group`` forward, identity backward."""
 
@@ -72,8 +57,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class SumGradOverGroup(torch.autograd.Function):
-    """Megatron's ``f`` on a parameter that may be a DTensor (its gradient then one too, summed
-    on its local tensor): identity forward, gradient summed over ``group`` backward."""
+    """Megatron's ``f``: identity forward, gradient summed over ``group`` backward; on an
+    activation, or on a parameter that may be a DTensor (its gradient then one too, summed on its
+    local tensor)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -150,7 +136,7 @@ class ExpertShard(ParallelStyle):
                 hidden, weights = _gather_tokens(hidden, group), _gather_tokens(weights, group)
                 index = funcol.all_gather_tensor(index.contiguous(), 0, group)
             else:
-                hidden, weights = _CopyToGroup.apply(hidden, group), _CopyToGroup.apply(weights, group)
+                hidden, weights = SumGradOverGroup.apply(hidden, group), SumGradOverGroup.apply(weights, group)
             mine = (index >= lo) & (index < lo + local)
             values[keys[0]] = hidden
             values[keys[1]] = torch.where(mine, index - lo, torch.full_like(index, local))
