@@ -192,8 +192,12 @@ class ParallelDims:
     def ranks_where(self, **fixed: int) -> list[int]:
         """Every rank whose coordinates match ``fixed`` (the others range over their degrees),
         in rank order."""
-        ranges = [[fixed[n]] if n in fixed else range(size) for n, size in zip(self.axis_names, self.shape)]
-        return [self.rank(*point) for point in _grid(ranges)]
+        out = [0]
+        for n, size, stride in zip(self.axis_names, self.shape, self._strides):
+            # outermost first, so the innermost axis varies fastest: rank order
+            values = (fixed[n],) if n in fixed else range(size)
+            out = [o + v * stride for o in out for v in values]
+        return out
 
     def groups(self, axis: str, **fixed: int) -> list[tuple[int, ...]]:
         """Every group along ``axis`` whose other coordinates match ``fixed``, in the order of
@@ -223,13 +227,13 @@ class ParallelDims:
         """The ranks that split ``rank``'s experts between them: ``ep`` ranks with its pp and tp
         coordinates whose flattened dp x cp coordinate (``dp_coord * cp + cp_coord``) lies in the
         same run of ``ep`` consecutive values."""
-        c = self.coords_by_axis(rank)
-        flat = c["dp"] * self.cp + c["cp"]
+        names = self.axis_names
+        s_dp, s_cp = self._strides[names.index("dp")], self._strides[names.index("cp")]
+        c_dp, c_cp = self.coord(rank, "dp"), self.coord(rank, "cp")
+        base = rank - c_dp * s_dp - c_cp * s_cp           # the rank at dp = cp = 0, other coordinates kept
+        flat = c_dp * self.cp + c_cp
         first = flat - flat % self.ep
-        out = []
-        for f in range(first, first + self.ep):
-            out.append(self.rank_at(**{**c, "dp": f // self.cp, "cp": f % self.cp}))
-        return tuple(out)
+        return tuple(base + (f // self.cp) * s_dp + (f % self.cp) * s_cp for f in range(first, first + self.ep))
 
     def ep_groups(self) -> list[tuple[int, ...]]:
         """Every expert-parallel group, in the order of their first ranks."""
@@ -301,15 +305,6 @@ def _product(values: Iterable[int]) -> int:
     for v in values:
         out *= v
     return out
-
-
-def _grid(ranges: list) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for rest in _grid(ranges[1:]):
-            yield (head, *rest)
 
 
 check_declaration(ParallelDims)
