@@ -145,3 +145,29 @@ def test_fast_path_prices_nvme_layers_as_a_fresh_evaluator():
         scratch = fresh.assemble(p, ctx, rows, *closed_form_step(ctx, rows))
         assert (fast.step_time_s, fast.nvme_bytes_per_node, fast.host_bytes_per_node, fast.fits) == \
             (scratch.step_time_s, scratch.nvme_bytes_per_node, scratch.host_bytes_per_node, scratch.fits)
+
+
+def test_profile_disk_writes_an_nvme_entry_the_cluster_file_takes(tmp_path):
+    """``autopar profile --disk``: a scratch file written (fsync), read back and removed; the line
+    it writes is a group's ``nvme`` entry of the disk's free space and bandwidths."""
+    import yaml
+
+    from cli_inprocess import run_cli
+
+    out = run_cli("profile", "--disk", tmp_path, "-o", tmp_path / "nvme.yaml", "--disk-size-mb", 4)
+    assert out.returncode == 0, out.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["nvme.yaml"]          # the scratch file is gone
+    entry = yaml.safe_load((tmp_path / "nvme.yaml").read_text())["nvme"]
+    c = parse_cluster(CLUSTER % ("nvme: " + yaml.safe_dump(entry, default_flow_style=True).strip()))
+    tier = c.groups[0].nvme
+    assert tier.path == str(tmp_path.resolve()) and tier.read_GBps > 0 and tier.write_GBps > 0
+    assert 0 < tier.capacity_bytes <= nvme_free(tmp_path) * 1.01 + 1e8
+    bad = run_cli("profile", "--disk", tmp_path / "missing", "-o", tmp_path / "x.yaml")
+    assert bad.returncode == 2 and "no such folder" in bad.stderr
+
+
+def nvme_free(path) -> int:
+    import os
+
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
