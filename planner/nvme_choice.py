@@ -29,10 +29,10 @@ def nvme_retry(graph, cluster: Cluster, cost_model, options):
     host-offload search could not (module docstring), else None."""
     from autopar.planner.feasibility import frugal_fit
 
-    if (not options.allow_offload or options.offload_tier != "cpu" or options.offload not in (None, "cpu")
-            or nvme_missing(cluster) is not None):
+    if (not options.allow_offload or options.offload_tier != "cpu" or options.offload is not None
+            or nvme_missing(cluster) is not None):          # (--offload fixed: the user's choice stands)
         return None
-    retry = replace(options, offload_tier="nvme", offload="nvme" if options.offload == "cpu" else None)
+    retry = replace(options, offload_tier="nvme")
     if not frugal_fit(graph, cluster, cost_model, retry)[0]:
         return None
     host_need: list = []

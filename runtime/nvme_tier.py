@@ -65,12 +65,9 @@ def check_nvme_path(path: Path | None, where: str) -> Path:
     if not path.is_dir():
         raise UserError(f"--nvme-path {path}: no such folder. Create it (a folder on a local NVMe disk) or give "
                         f"another.")
-    try:                                          # a real file: permissions, a read-only mount
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UserError(f"--nvme-path {path}: cannot create a file there ({os.strerror(e.errno)}). Give a folder "
-                        f"this process may write.") from None
+    from autopar.runtime.output_paths import _probe
+
+    _probe(path, "--nvme-path", path)             # a real file: permissions, a read-only mount
     return path
 
 
