@@ -33,6 +33,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -145,6 +146,9 @@ class NvmeStates:
             raise
         os.unlink(name)                           # the kernel frees it when the process ends
         self.fd, self.file_name = fd, name
+        # the file's space returns once the descriptor and the mapping are gone: at close(), or
+        # when the trainer's model and optimizer are collected (a process running several plans)
+        self._closer = weakref.finalize(self, os.close, fd)
         self.moments: list[dict[str, torch.Tensor]] = []
         for p, shape, dtype, pair in zip(self.params, shapes, dtypes, offsets):
             n = shape.numel()
@@ -227,8 +231,8 @@ class NvmeStates:
         try:
             self.map.close()
         except BufferError:                       # a view still alive (the optimizer's state): the
-            pass                                  # mapping goes with the process
-        os.close(self.fd)
+            pass                                  # mapping goes with its last view
+        self._closer()
 
 
 def attach_nvme_tier(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], path: Path | None,
