@@ -65,10 +65,12 @@ def reason_holds(reason: dict) -> bool:
 
         return not any(reason["gpu"] in name for name in available_profiles())
     if reason["check"] == "tier_offloads":
+        from autopar.core.plan import OFFLOAD
         from autopar.simulator import nvme_tier
 
-        # the tier holds AdamW's two fp32 moments per trainable parameter and nothing else
-        return nvme_tier.MOMENT_BYTES == 2 * 4 and not hasattr(nvme_tier, "PARAM_BYTES")
+        # the plan's one NVMe tier ("nvme", core/plan.py OFFLOAD) keeps AdamW's two fp32 moments per
+        # trainable parameter in files and the parameters in host memory (simulator/nvme_tier.py)
+        return OFFLOAD == ("none", "cpu", "nvme") and nvme_tier.MOMENT_BYTES == 2 * 4
     return True                            # "stated": about what the source publishes
 
 
