@@ -184,10 +184,10 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
             raise UserError(f"--ep {o.ep} with --pp {o.pp}: the runtime cannot split this model's experts inside "
                             f"pipeline stages: {_reason(ex, 'expert parallel with pipeline')}. "
                             f"Use --pp 1 or --ep 1, or leave one of them out.")
-        flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
-        if flat is not None and flat % o.ep:
-            raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "
-                            f"does not divide; choose an ep that divides dp x cp, or leave --dp out.")
+        lent = Mesh(dp=o.dp, cp=o.cp or 1, ep=o.ep) if o.dp is not None else None
+        if lent is not None and any(p[0] == "mesh.ep" for p in lent.problems()):     # the ep rule
+            raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {lent.grad_degree}, "
+                            f"which {o.ep} does not divide; choose an ep that divides dp x cp, or leave --dp out.")
     if o.fixed_schedule is not None and o.pp == 1:
         raise UserError(f"--schedule {o.fixed_schedule} is a pipeline schedule; it needs --pp > 1.")
     changes: dict = {}

@@ -207,7 +207,7 @@ class _Probe:
             layers.append(LayerPlan(layer=j, tp=tp, zero=zero, recompute=recompute, offload=offload))
         g = self.graph
         return Plan(model=ModelRef(g.model_file, dict(g.model_args), g.model_name, g.fingerprint), mesh=mesh,
-                    global_batch=mesh.dp * self.micro_batch, micro_batch=self.micro_batch,
+                    global_batch=mesh.batch_degree * self.micro_batch, micro_batch=self.micro_batch,
                     pipeline=Pipeline(schedule="gpipe", num_microbatches=1, stages=stages), layers=tuple(layers),
                     precision=self.precision)
 
@@ -487,5 +487,6 @@ def reduced_plan(plan: Plan) -> Plan:
     m = plan.mesh
     if m.world_size <= MAX_CHECK_WORLD or m.dp <= 2:
         return plan
-    mesh = replace(m, dp=2, ep=math.gcd(m.ep, 2 * m.cp))
+    mesh = replace(m, dp=2, ep=1)
+    mesh = replace(mesh, ep=math.gcd(m.ep, mesh.grad_degree))
     return replace(plan, mesh=mesh, global_batch=2 * plan.micro_batch * plan.pipeline.num_microbatches)

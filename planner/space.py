@@ -74,8 +74,8 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     and without sequence parallelism.  ``cp_choices``: the context-parallel degrees the model
     takes (core/cp_support.cp_degrees), each on a mesh the runtime runs it on
     (``cp_mesh_runs``); ``ep_choices``: the expert-parallel degrees it takes
-    (simulator/ep_cost.ep_degrees), each on every mesh whose dp x cp it divides (ep borrows
-    those ranks: core/parallel_dims.py).
+    (simulator/ep_cost.ep_degrees), each on every mesh whose gradient group it divides (ep borrows
+    those ranks: core/parallel_dims.ParallelDims.problems).
     """
     limits = MeshLimits(gpus_per_node=gpus_per_node, num_layers=num_layers, global_batch=global_batch,
                         max_tp=max_tp, tp_inside_node=tp_inside_node, cp_choices=tuple(cp_choices))
@@ -86,7 +86,7 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
         if global_batch % mesh.batch_degree or not cp_mesh_runs(mesh):
             continue
         for ep in ep_choices:
-            if (mesh.dp * mesh.cp) % ep:
+            if mesh_class(**degrees, ep=ep).problems():        # the ep rule: ParallelDims.problems
                 continue
             out.append(mesh_class(**degrees, ep=ep))
             if mesh.tp > 1 and sequence_parallel:

@@ -84,7 +84,7 @@ def data_parallel_kind(zero: int, mesh: Mesh) -> str:
     (runtime/apply_cp.py), so the reducing degree is dp x cp.  Expert parallelism (ep > 1) splits
     the model too: its experts are DTensors and reduce over another group than the dense
     weights (runtime/apply_ep.py), which only FSDP2's machinery (fsdp or replicate) takes."""
-    return rules.data_parallel_kind(zero, mesh.dp * mesh.cp, mesh.splits_model or mesh.ep > 1)
+    return rules.data_parallel_kind(zero, mesh.grad_degree, mesh.splits_model or mesh.ep > 1)
 
 
 def build_optimizer(params: list[nn.Parameter], zero: int, dp_mesh: DeviceMesh, lr: float,

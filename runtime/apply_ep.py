@@ -4,7 +4,7 @@ and every token goes to the rank holding its expert and back.
 The ranks.  ``ep`` is borrowed from the data and context ranks (core/parallel_dims.py): the
 group of a rank is ``ep`` consecutive values of its flattened dp x cp coordinate with its pp and
 tp coordinates (``ParallelDims.ep_group``).  On the DeviceMesh that is the flattened dp x cp
-mesh (``apply_cp.gradient_mesh``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
+mesh (``RankContext.get_mesh("grad")``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
 inner dim, the outer one (``ep_rep``) joins the ranks that hold the same experts -- torchtitan's
 ``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.  Under a
 pipeline the ranks of a group share their pp coordinate, so they hold the same stages and run

@@ -218,7 +218,7 @@ def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[
     if not w.tied_numel:
         return {}
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
-    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp * mesh.cp, trainable)
+    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.grad_degree, trainable)
     host = 0.0
     if lp.offload == "cpu":
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
@@ -713,10 +713,10 @@ class _DataParallel:
 def _data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
                          node_processes: int | None, fp8_recipe: str = "tensorwise") -> _DataParallel:
     """Data parallelism over dp x cp (the cp ranks hold the same weights and average their
-    gradients: runtime/apply_cp.gradient_mesh, as torchtitan shards); with ep > 1 the routed
+    gradients: ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad"), as torchtitan shards); with ep > 1 the routed
     experts are a second unit over the dp x cp / ep ranks holding the same experts (ep_cost.py),
     its collectives after the dense unit's."""
-    flat = mesh.dp * mesh.cp
+    flat = mesh.grad_degree
     if mesh.ep <= 1 or not w.expert_names:
         return _data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp, fp8_recipe)
     from dataclasses import replace as _replace

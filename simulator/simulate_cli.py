@@ -179,8 +179,8 @@ def _check_cp_ep(graph, plan) -> None:
         raise UserError(f"cp {m.cp}: {graph.model_file} cannot take context parallelism: {why}. Use --cp 1.")
     if m.ep > 1 and (why := ep_refusal(graph, m.ep)):
         raise UserError(f"ep {m.ep}: {graph.model_file} cannot take expert parallelism: {why}. Use --ep 1.")
-    if m.ep > 1 and (m.dp * m.cp) % m.ep:
-        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.dp * m.cp}, which "
+    if m.ep > 1 and any(p[0] == "mesh.ep" for p in m.problems()):      # the ep rule
+        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.grad_degree}, which "
                         f"{m.ep} does not divide; choose an ep that divides dp x cp.")
 
 
