@@ -158,15 +158,6 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if reason:
             raise UserError(f"--cp {o.cp}: {graph.model_file} cannot take context parallelism: {reason}. "
                             f"Use --cp 1 or leave --cp out.")
-        from autopar.core.cp_support import CP_RUNTIME_EXCLUDES
-
-        clash = [f"--{k} {getattr(o, k)}" for k in ("tp", "pp") if k in CP_RUNTIME_EXCLUDES and (getattr(o, k) or 1) > 1]
-        if "recompute" in CP_RUNTIME_EXCLUDES and tuple(o.recompute) and "none" not in o.recompute:
-            clash.append(f"--recompute {o.recompute[0]}")
-        if clash:
-            raise UserError(f"--cp {o.cp} with {' and '.join(clash)}: the runtime runs context parallelism with data "
-                            f"and tensor parallelism, ZeRO and recompute only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
-                            f"runtime/apply_cp.check_cp_plan). Leave those out, or leave --cp out.")
     if getattr(o, "ep", None) is not None:
         from autopar.simulator.ep_cost import ep_refusal
 

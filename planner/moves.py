@@ -19,7 +19,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
@@ -266,8 +265,5 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
-    if not cp_recompute_runs(mesh) and any(ch.recompute != "none" for ch in choices):
-        # the runtime runs context parallelism without recompute (core/cp_support.CP_RUNTIME_EXCLUDES)
-        choices = tuple(_with(ch, recompute="none") for ch in choices)
     return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
                      choices=choices)

@@ -29,7 +29,6 @@ from typing import Any, Callable
 import numpy as np
 
 from autopar.core.cluster import Cluster
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
@@ -250,8 +249,6 @@ class Planner:
             self._choices_admitted[id(c.choices)] = hit
         if not hit[1]:
             return False
-        if not cp_recompute_runs(c.mesh) and any(ch.recompute != "none" for ch in c.choices):
-            return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False
         return self.splits_something(c)
@@ -357,7 +354,6 @@ class Planner:
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
                                 allow_offload=o.allow_offload)
         choices = [c for c in choices if c.recompute in o.recompute
-                   and (c.recompute == "none" or cp_recompute_runs(s.mesh))
                    and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
                    and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
         if not choices:
@@ -545,8 +541,6 @@ class Planner:
                     off = o.offload
                 mb, m = mbs[-1] if family != "fsdp" else mbs[0]
                 zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
-                if not cp_recompute_runs(mesh):
-                    rc = "none"
                 choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
                                             recompute=rc if rc in o.recompute else o.recompute[-1],
                                             offload=off) for i in range(self.num_layers))

@@ -23,8 +23,8 @@ from autopar.simulator.plan_price import price_plan
 def test_space_admits_cp_on_runnable_meshes_and_ep_dividing_dp_x_cp():
     meshes = mesh_candidates(8, gpus_per_node=8, num_layers=4, global_batch=8, cp_choices=(1, 2, 4), ep_choices=(1, 2))
     cps = [m for m in meshes if m.cp > 1]
-    # the runtime runs cp with dp, pp, tp (+ sp), ZeRO and recompute (cp_support.CP_RUNTIME_EXCLUDES is
-    # empty): 8 = dp x pp x cp x tp with tp a power of two, pp at most the 4 layers, dp dividing the batch
+    # the runtime runs cp with dp, pp, tp (+ sp), ZeRO and recompute (every mesh
+    # of the space): 8 = dp x pp x cp x tp with tp a power of two, pp at most the 4 layers, dp dividing the batch
     assert {(m.dp, m.pp, m.cp, m.tp) for m in cps} == {
         (4, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 4, 2, 1), (1, 2, 2, 2), (1, 1, 2, 4),   # cp 2: dp pp tp = 4
         (2, 1, 4, 1), (1, 2, 4, 1), (1, 1, 4, 2)}                                            # cp 4: dp pp tp = 2
