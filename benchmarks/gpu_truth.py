@@ -412,7 +412,7 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
 def _plan(graph, cluster, cfg: Config, micro_batch: int, precision: str):
     from autopar.simulator.configure import config_plan
 
-    return config_plan(graph, dp=1, tp=1, pp=1, micro_batch=micro_batch, global_batch=micro_batch,
+    return config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1}, micro_batch=micro_batch, global_batch=micro_batch,
                        schedule="1f1b", virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
                        precision=precision, sequence_parallel=False, cluster_name=cluster.name)
 

@@ -406,7 +406,8 @@ def row_plan(row: dict, graph, cluster):
     zero = lay.get("zero", 3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0)
     # sequence parallelism where the row's code ran it (the 405B CP rows: torchtitan's apply_tp has no
     # TP without it; benchmarks/data/published_runs_cp_ep.json "about"); Megatron-LM of 2021 had none
-    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
+    plan = config_plan(graph, degrees={"dp": lay["dp"], "tp": lay["tp"], "pp": pp, "cp": lay.get("cp", 1)},
+                       micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
                        virtual_stages=v, zero=zero,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),

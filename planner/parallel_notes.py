@@ -32,7 +32,7 @@ def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
     for axis in ("cp", "ep"):
         degree = getattr(best.plan.mesh, axis)
         admitted, alt = result.axis_alternatives.get(axis, (0, None))
-        fixed = getattr(options, axis, None)
+        fixed = options.ep if axis == "ep" else options.degrees.get(axis)
         kind = NAMES[axis]
         if degree > 1:
             why = (f"{axis} {degree} fixed by --{axis}" if fixed else

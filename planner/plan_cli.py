@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
                           time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
-                          **{name: getattr(args, name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
+                          degrees={n: v for n in DEGREE_NAMES if (v := getattr(args, n)) is not None},   # --dp, --tp
                           ep=args.ep, zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
                           fixed_schedule=args.schedule, memory_headroom=args.memory_headroom)
     if args.recompute is not None:
@@ -229,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.whole_layers import lines as whole_lines, whole_layers
 
     whole = whole_layers(plan, _plan_graph(plan, graphs), cluster, cost_models, executable, left_out,
-                         fixed=options.tp is not None)
+                         fixed="tp" in options.degrees)
     if whole:
         plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     result.best = replace(result.best, plan=plan)
@@ -339,7 +339,7 @@ def check_kinds(graph, model_file: str, cluster, options, float8: bool = False):
     from autopar.planner.runtime_check import find_executable
 
     meshes = cluster_meshes(options, cluster, len(graph.layers))
-    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
+    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.degrees["tp"]} if options.degrees.get("tp", 1) > 1 else set())))
     return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision,
                            float8=float8)
 

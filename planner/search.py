@@ -24,7 +24,7 @@ import math
 import time
 from itertools import groupby
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -99,10 +99,9 @@ class PlanOptions:
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
     # knobs the user fixed (None: the search chooses); see planner/constraints.py
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
+    #: the degrees the user fixed, by declared axis name (``{"dp": 2, "tp": 4}``: core/parallel_dims.py);
+    #: an axis not named is chosen by the search
+    degrees: Mapping[str, int] = field(default_factory=dict)
     ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
     # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
@@ -194,8 +193,8 @@ class Planner:
         if not any(self.styles):
             # a tp > 1 mesh with no layer split runs the whole model on every tp rank
             from autopar.planner.constraints import nothing_to_split
-            if options.tp is not None and options.tp > 1:
-                raise nothing_to_split(graph, options.tp, ex)
+            if options.degrees.get("tp", 1) > 1:
+                raise nothing_to_split(graph, options.degrees["tp"], ex)
             self.meshes = [m for m in self.meshes if m.tp == 1]
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,

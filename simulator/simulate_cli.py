@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
         fp8 = precision == "fp8"               # float8 linears on a bf16 plan
         precision = "bf16" if fp8 else precision
-        plan = config_plan(graph, **_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
+        plan = config_plan(graph, degrees=_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
                            global_batch=args.global_batch, schedule=args.schedule,
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
                            offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
