@@ -589,7 +589,7 @@ def megatron_core_moe_code(row: dict):
       all-gathered once per step, overlapped with the backward -- priced as DDP's all-reduce, the
       same ring traffic (the row's ``zero`` 0; a plan's ZeRO-1 beside a pipeline would run as
       FSDP2 without reshard, whose reduce-scatters torch's schedules run once a step:
-      core/rules.effective_zero, simulator/pipeline_fsdp.py); AdamW
+      core/rules.zero_stage_that_runs, simulator/pipeline_fsdp.py); AdamW
       (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
     * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
     * attention: Transformer Engine's fused attention, priced as FlashAttention-2;

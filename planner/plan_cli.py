@@ -237,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import is_special
 
     # a device (-o /dev/null) keeps nothing to run: no command names it
-    command = None if is_special(args.output) else torchrun_command(cluster, args.output, plan.world_size)
+    command = None if is_special(args.output) else torchrun_hint(cluster, args.output, plan.world_size)
     if args.json:
         out = {"plan": plan.to_dict(), "output": str(args.output), "torchrun": command,
                "capture_s": round(capture_s, 3),
@@ -376,7 +376,7 @@ def runnable_result(result, graph, model_file: str):
                     + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")
 
 
-def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> str:
+def torchrun_hint(cluster, plan_path: str, world_size: int | None = None) -> str:
     """The torchrun line that runs the plan on every node it uses (c10d rendezvous across nodes).
 
     Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first

@@ -298,9 +298,9 @@ def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[in
     """(ep = 2 runs, the expert count of each routed-experts site).  A model without routed
     experts (core/experts.py) is not probed and nothing is left out for it: there is nothing to
     split."""
-    from autopar.core.experts import routed_experts
+    from autopar.core.experts import expert_sites
 
-    sites = routed_experts(meta_template(probe.model_file, dict(probe.graph.model_args), probe.view.drop))
+    sites = expert_sites(meta_template(probe.model_file, dict(probe.graph.model_args), probe.view.drop))
     if not sites:
         return False, ()
     experts = tuple(s.num_experts for s in sites)
@@ -481,7 +481,7 @@ def reduced_plan(plan: Plan) -> Plan:
     ranks shard as the many do), and a fake world of thousands of ranks costs seconds to build.
     Expert parallelism, borrowed from the dp x cp ranks, keeps the largest degree those ranks
     still hold (gcd(ep, 2 cp)): every ep group splits and exchanges alike, and that its degree
-    divides each site's experts is checked apart (core/experts.ep_refusal, the planner's space)."""
+    divides each site's experts is checked apart (core/experts.expert_sites_refusal, the planner's space)."""
     import math
 
     m = plan.mesh

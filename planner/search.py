@@ -69,7 +69,7 @@ TIDY_TOLERANCE = 0.002
 # floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
 _ROUNDING = 1e-9
 
-Progress = Callable[[str, int, int], None]     # (phase, done, total)
+ProgressCallback = Callable[[str, int, int], None]     # (phase, done, total)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class Planner:
     """One search: the graph, the cluster and the simulator's evaluator, with caches."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
-                 evaluator=None, progress: Progress | None = None):
+                 evaluator=None, progress: ProgressCallback | None = None):
         from autopar.simulator.evaluator import PlanEvaluator
 
         from autopar.planner.constraints import candidate_meshes
@@ -729,7 +729,7 @@ def _runs_split(ch: LayerChoice) -> LayerChoice:
 
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,
-           progress: Progress | None = None, evaluator=None) -> SearchResult:
+           progress: ProgressCallback | None = None, evaluator=None) -> SearchResult:
     """The best plan, its runner-ups and the search's statistics."""
     return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
 

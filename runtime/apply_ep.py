@@ -71,7 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autopar.core.errors import PlanFileError
-from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, ep_refusal, routed_experts
+from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, expert_sites_refusal, expert_sites
 
 
 @dataclass
@@ -421,8 +421,8 @@ def refuse_combinations(plan, sites: list[ExpertSite], where: str) -> None:
 
 
 def expert_sites_or_refuse(model: nn.Module, ep: int, where: str) -> list[ExpertSite]:
-    sites = routed_experts(model)
-    reason = ep_refusal(sites, ep)
+    sites = expert_sites(model)
+    reason = expert_sites_refusal(sites, ep)
     if reason:
         raise PlanFileError(f"{where} has ep = {ep}, but the model cannot take expert parallelism: {reason}. "
                             f"Plan with ep = 1 for this model.")
@@ -434,8 +434,8 @@ def stages_hold_experts(meta: nn.Module, stages: list[nn.Module], ep: int, cut_b
     model is not among the stage modules' (runtime/expert_calls.py: a stage cut from the
     ``torch.export`` graph keeps stacked and grouped experts as module calls, not an
     ``nn.ModuleList`` of experts that its block's code calls one by one)."""
-    held = {s.path for stage in stages for s in routed_experts(stage)}
-    lost = [s for s in routed_experts(meta) if s.path not in held]
+    held = {s.path for stage in stages for s in expert_sites(stage)}
+    lost = [s for s in expert_sites(meta) if s.path not in held]
     if lost:
         s = lost[0]
         how = ("torch.fx cannot trace the model's forward, so its stages are cut from the torch.export graph, which "
@@ -451,7 +451,7 @@ def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> Expert
     """Split every routed-experts site of ``part`` ``state.ep`` ways (on meta, before FSDP2).
     Under a pipeline ``part`` is a stage, which may hold no experts (the embeddings' stage): the
     whole model was checked (``check_ep_plan``, ``stages_hold_experts``)."""
-    sites = routed_experts(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
+    sites = expert_sites(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
     refuse_combinations(plan, sites, where)
     for site in sites:
         if site.form == STACKED:

@@ -108,7 +108,7 @@ def _with_params(part: nn.Module, paths: list[str]) -> list[str]:
     return [p for p in paths if any(True for _ in part.get_submodule(p).parameters())]
 
 
-def layer_units(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
+def layer_module_paths(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
     """Each held layer's modules inside ``part`` that are units of their own: a module that
     contains another listed module (a parent such as ``model`` or ``encoder`` that capture
     lists with the embeddings) is left out -- wrapping it would wrap its blocks twice (FSDP2
@@ -147,7 +147,7 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     parallelism, whose mode a recomputed layer's rerun enters (made from ``part`` if not given)."""
     plan = checked.plan
     ties = list(ties)
-    unit_paths = layer_units(part, held)
+    unit_paths = layer_module_paths(part, held)
     styles = []
     if plan.mesh.tp > 1:
         for layer in held:

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
 from autopar.runtime import checkpoint_lock, checkpointing, data_check, loss_guard, stop_signals
-from autopar.runtime.batches import (ModelFileBatches, SyntheticBatches, TokenBatches, global_batch,  # noqa: F401
+from autopar.runtime.batches import (ModelFileBatches, SyntheticBatches, TokenBatches, synthetic_global_batch,  # noqa: F401
                                      local_slice, step_seed)
 from autopar.runtime.evaluate import Evaluator, eval_mode, local_eval_loss
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report

@@ -896,6 +896,6 @@ def effective_zero(zero: int, mesh: Mesh) -> int:
     When another axis splits the model (tensor or pipeline parallelism: ``mesh.splits_model``)
     the runtime runs ZeRO-1 as FSDP2 without reshard
     (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; core/rules.py,
-    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.effective_zero).
+    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.zero_stage_that_runs).
     """
-    return _rules.effective_zero(zero, mesh.splits_model)
+    return _rules.zero_stage_that_runs(zero, mesh.splits_model)

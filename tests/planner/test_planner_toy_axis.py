@@ -3,7 +3,7 @@ mesh move, its settings, folded layer tables and screening bound.
 
 The toy axis ``xp`` splits the batch.  It is declared in a ``ParallelDims`` subclass (an ``Axis``
 entry and an int field: core/parallel_dims.py) and its degree rule ("1 or 2") is registered by
-name (planner/axis_rules.register); nothing in the planner is edited.  The independent
+name (planner/axis_rules.register_rule); nothing in the planner is edited.  The independent
 references are built by hand here: the factorisations of the world over (dp, xp, tp, pp) that
 the written-out rules admit, the neighbours of a mesh (one axis doubled, another halved), and
 and, where xp joins the gradient group (``SyncedDims``), the ring all-reduce of its gradient sync
@@ -52,7 +52,7 @@ def _meshes(mesh_class=Mesh):
 
 
 def test_the_space_enumerates_the_toy_axis():
-    with axis_rules.registered("xp", toy_rule):
+    with axis_rules.registered_rule("xp", toy_rule):
         toy = _meshes(ToyDims)
         plain = _meshes()
     # by hand: tp a power of two dividing the node's 8 GPUs, pp at most L, xp 1 or 2, and the
@@ -67,12 +67,12 @@ def test_the_space_enumerates_the_toy_axis():
     # a registered rule of an axis the mesh class does not declare changes nothing
     assert plain == _meshes()
     # without its rule the toy axis is refused, saying where to register one
-    with pytest.raises(ValueError, match="axis_rules.register"):
+    with pytest.raises(ValueError, match="axis_rules.register_rule"):
         _meshes(ToyDims)
 
 
 def test_the_mesh_move_reaches_the_toy_axis():
-    with axis_rules.registered("xp", toy_rule):
+    with axis_rules.registered_rule("xp", toy_rule):
         meshes = tuple(_meshes(ToyDims))
     space = MoveSpace(meshes=meshes, can_split=(True,) * L, num_layers=L, global_batch=GB)
     cur = ToyDims(dp=16)
@@ -117,7 +117,7 @@ def test_the_toy_axis_gradient_sync_is_priced_in_closed_form():
 
     The files the axis needed: the ParallelDims declaration (an ``Axis`` entry, a field and the
     groups it joins: core/parallel_dims.py for a real axis) and its degree rule
-    (``axis_rules.register``): 2, and no package module names ``xp``."""
+    (``axis_rules.register_rule``): 2, and no package module names ``xp``."""
     import importlib.util
     import pathlib
 
@@ -134,7 +134,7 @@ def test_the_toy_axis_gradient_sync_is_priced_in_closed_form():
     cluster = load_cluster("dgx-a100-1x8")
     cm = CostModel.from_profile("a100-80gb-sxm")
     cms = {g.gpu: cm for g in cluster.groups}
-    with axis_rules.registered("xp", toy_rule):
+    with axis_rules.registered_rule("xp", toy_rule):
         toy = Planner(graph, cluster, cms, PlanOptions(global_batch=64, precision="fp32", mesh_class=SyncedDims))
         settings = toy.settings()
         assert any(s.mesh.xp == 2 for s in settings) and all(type(s.mesh) is SyncedDims for s in settings)
