@@ -204,12 +204,12 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
 
 
 #: the chance that a mesh move goes to a neighbouring mesh (one axis doubled, another halved)
-#: rather than to any admitted mesh.  Set by hand with the first planner (commit 3f9d03e), not
-#: fitted: mostly local proposals keep the chain's acceptance rate up near a good plan (a
-#: neighbour shares most of the plan's costs), and one proposal in five jumps anywhere so that a
-#: chain is not confined to the meshes next to its start (FlexFlow's search, Jia et al. 2019,
-#: likewise proposes one random change at a time).  It changes which plans MCMC
-#: visits, so the recorded plans depend on it (planner_vs_grid.py re-measures a change).
+#: rather than to any admitted mesh.  Set by hand, not fitted: mostly local proposals keep the
+#: chain's acceptance rate up near a good plan (a neighbour shares most of the plan's costs), and
+#: one proposal in five jumps anywhere so that a chain is not confined to the meshes next to its
+#: start (FlexFlow's search, Jia et al. 2019, likewise proposes one random change at a time).  It
+#: changes which plans MCMC visits, so the recorded plans depend on it (planner_vs_grid.py
+#: re-measures a change).
 NEAR_MESH_PROBABILITY = 0.8
 
 

@@ -49,11 +49,10 @@ from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.topology import stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
-# How the time budget is split, where it binds.  Both shares were set by hand with the first
-# planner (commit 3f9d03e) and no measurement fixed them; they matter only when a search runs
-# out of time: the benchmarks' searches (planner_vs_grid.py, --time-budget 3000 and the default
-# 40 s) finish the structured phase in 1-4 s, far inside either share, so no recorded plan
-# depends on them.  What each trades:
+# How the time budget is split, where it binds.  Both shares are set by hand and no measurement
+# fixed them; they matter only when a search runs out of time: the benchmarks' searches
+# (planner_vs_grid.py, --time-budget 3000 and the default 40 s) finish the structured phase in
+# 1-4 s, far inside either share, so no recorded plan depends on them.  What each trades:
 # * STRUCTURED_SHARE: under --algo auto the structured phase (screen, ILP + stage DP) may run
 #   until this fraction of the budget, MCMC refinement gets the rest -- more than half to the
 #   phase that finds the plans MCMC starts from, enough left for MCMC to refine them.

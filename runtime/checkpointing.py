@@ -8,7 +8,7 @@ Layout under ``--checkpoint-dir``::
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
-        zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
+        zero1_rank<R>.pt  ZeRO-1 only, in checkpoints of older autopar versions: a rank's optimizer partition
         manifest.json     autopar's record of the checkpoint, written last (with the model file and its
                           arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
