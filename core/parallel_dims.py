@@ -228,8 +228,12 @@ class ParallelDims:
     def ranks_where(self, **fixed: int) -> list[int]:
         """Every rank whose coordinates match ``fixed`` (the others range over their degrees),
         in rank order."""
-        ranges = [[fixed[n]] if n in fixed else range(size) for n, size in zip(self.axis_names, self.shape)]
-        return [self.rank(*point) for point in _grid(ranges)]
+        out = [0]
+        for n, size, stride in zip(self.axis_names, self.shape, self._strides):
+            # outermost first, so the innermost axis varies fastest: rank order
+            values = (fixed[n],) if n in fixed else range(size)
+            out = [o + v * stride for o in out for v in values]
+        return out
 
     def groups(self, axis: str, **fixed: int) -> list[tuple[int, ...]]:
         """Every group along ``axis`` whose other coordinates match ``fixed``, in the order of
@@ -259,10 +263,23 @@ class ParallelDims:
     def ep_group(self, rank: int) -> tuple[int, ...]:
         """The ranks that split ``rank``'s experts between them: ``ep`` ranks of its gradient group
         (``get_group("grad")``) whose flattened coordinate in it (``dp_coord * cp + cp_coord``)
-        lies in the same run of ``ep`` consecutive values."""
-        grad = self.get_group("grad", rank)
-        first = grad.index(rank) // self.ep * self.ep
-        return grad[first:first + self.ep]
+        lies in the same run of ``ep`` consecutive values; by stride arithmetic (O(ep))."""
+        axes = self.group_axes("grad")
+        where = [self.axis_names.index(a) for a in axes]
+        sizes, strides = [self.shape[i] for i in where], [self._strides[i] for i in where]
+        coords = [self.coord(rank, a) for a in axes]
+        base = rank - sum(c * st for c, st in zip(coords, strides))   # the group's first rank
+        flat = 0
+        for c, size in zip(coords, sizes):
+            flat = flat * size + c
+        first = flat - flat % self.ep
+        out = []
+        for f in range(first, first + self.ep):
+            r = base
+            for size, st in zip(reversed(sizes), reversed(strides)):
+                r, f = r + f % size * st, f // size
+            out.append(r)
+        return tuple(out)
 
     def ep_groups(self) -> list[tuple[int, ...]]:
         """Every expert-parallel group, in the order of their first ranks."""
@@ -334,15 +351,6 @@ def _product(values: Iterable[int]) -> int:
     for v in values:
         out *= v
     return out
-
-
-def _grid(ranges: list) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for rest in _grid(ranges[1:]):
-            yield (head, *rest)
 
 
 check_declaration(ParallelDims)

@@ -45,7 +45,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev
 # torch.utils.checkpoint.create_selective_checkpoint_contexts.
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
-OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
+OFFLOAD = ("none", "cpu", "nvme")   # "cpu": parameters, gradients and optimizer state in host memory;
+#                                     "nvme": the same, with AdamW's moments in files (runtime/nvme_tier.py)
 TP_STYLES = ("colwise", "rowwise", "expert")  # Megatron column / row split of a Linear's weight; a
 #                                             mixture of experts' stacked experts split by expert
 # "colwise:<k>": the column split of a fused projection whose output is k equal parts (GPT-2's

@@ -197,14 +197,22 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
             raise UserError("--zero 1 shards the optimizer over data-parallel ranks; it needs --dp > 1.")
         changes["zero_families"] = (zero_family_of(o.zero),)
     if o.offload is not None:
-        if o.offload not in ("none", "cpu"):
-            raise UserError(f"--offload {o.offload}: it is 'none' or 'cpu'.")
-        if o.offload == "cpu":
+        if o.offload not in ("none", "cpu", "nvme"):
+            raise UserError(f"--offload {o.offload}: it is 'none', 'cpu' or 'nvme'.")
+        if o.offload in ("cpu", "nvme"):
             if o.zero is not None and not offload_allowed(o.zero):
-                raise UserError("--offload cpu goes through FSDP; it needs --zero 2 or 3.")
+                raise UserError(f"--offload {o.offload} goes through FSDP; it needs --zero 2 or 3.")
             if ex is not None and not ex.offload:
-                raise UserError(f"--offload cpu: the runtime cannot offload this model: {_reason(ex, 'offload')}.")
+                raise UserError(f"--offload {o.offload}: the runtime cannot offload this model: "
+                                f"{_reason(ex, 'offload')}.")
+            if o.offload == "nvme":
+                from autopar.planner.nvme_choice import nvme_missing
+
+                missing = nvme_missing(cluster)
+                if missing:
+                    raise UserError(f"--offload nvme: {missing}.")
             changes["zero_families"] = ("fsdp",)
+            changes["offload_tier"] = o.offload
         else:
             changes["allow_offload"] = False
     recompute = tuple(o.recompute)

@@ -117,7 +117,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 runs = effective_zero(eff.zero, mesh)
                 if sharded is not None and runs >= 2:
                     lc = sharded(lc, lp)
-                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload == "cpu",
+                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload != "none",
                                                num_microbatches, pipeline_m)
                 memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
@@ -155,7 +155,7 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m
                                         cm.collective_efficiency.get("inter", 1.0), cm.calibration)
 
     def add(lc, lp: LayerPlan):
-        row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload == "cpu" else 0.0,
+        row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload != "none" else 0.0,
                                  float(RECOMPUTE_CODE[lp.recompute]), lp, mesh))
         out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
                                             cm.efficiency.get("memory_bound", 1.0), factor, pipeline_m, **terms)

@@ -36,6 +36,7 @@ class MoveSpace:
     refused_micro_batches: frozenset[int] = frozenset()   # sizes the model cannot take
     max_virtual_stages: int = 4
     allow_offload: bool = True
+    offload_tier: str = "cpu"             # what an offloaded layer uses: "cpu" or "nvme" (PlanOptions)
     recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
 
@@ -86,7 +87,7 @@ def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerCho
     for split in splits:
         for zero in ZERO_FAMILIES[family]:
             for rc in space.recompute_choices:
-                for off in ("none", "cpu") if (space.allow_offload and offload_allowed(zero)) else ("none",):
+                for off in ("none", space.offload_tier) if (space.allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(_interned(split, zero, rc, off))
     return out
 
@@ -113,7 +114,7 @@ def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     elif knob == "offload":
         if family != "fsdp" or not space.allow_offload:
             return None
-        value = ["none", "cpu"][int(rng.integers(2))]
+        value = ["none", space.offload_tier][int(rng.integers(2))]
     elif knob == "zero":
         if family != "fsdp":
             return None

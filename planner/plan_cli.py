@@ -59,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                      help="activation recompute on every layer")
-    fix.add_argument("--offload", choices=("none", "cpu"), default=None,
-                     help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3)")
+    fix.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None,
+                     help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3); "
+                          "nvme: the same with AdamW's moments on the cluster file's nvme tier")
     fix.add_argument("--micro-batch", type=T.positive, default=None, metavar="N", help="samples per micro-batch")
     fix.add_argument("--schedule", choices=SCHEDULES, default=None,
                      help="pipeline schedule (needs pp > 1): gpipe, 1f1b, interleaved (1F1B), or the split-backward "

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from autopar.core.cluster import Cluster
-from autopar.core.errors import InfeasibleError, UserError
+from autopar.core.errors import InfeasibleError, NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, split_backward_problem, stage_rank
@@ -85,6 +85,9 @@ class PlanOptions:
     max_virtual_stages: int = 4
     sequence_parallel: bool = True
     allow_offload: bool = True
+    # where an offloaded layer's state goes: "cpu" (host memory), or "nvme" (AdamW's moments on the
+    # cluster's NVMe tier) -- searched only where no plan fits host memory (planner/nvme_choice.py)
+    offload_tier: str = "cpu"
     recompute: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -106,7 +109,7 @@ class PlanOptions:
     # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
     refused_micro_batches: frozenset[int] = frozenset()
     zero: int | None = None              # one ZeRO stage on every layer
-    offload: str | None = None           # "none" | "cpu" on every layer
+    offload: str | None = None           # "none" | "cpu" | "nvme" on every layer
     fixed_schedule: str | None = None
     # fraction of each device's memory kept free for the allocator's fragmentation and
     # workspaces (see planner/headroom.py); plans must fit in the rest
@@ -157,6 +160,8 @@ class SearchResult:
     # per "cp" / "ep", the fastest fitting plan priced with that degree > 1 (None: none fitted), and
     # how many meshes with it > 1 the search admitted
     axis_alternatives: dict = field(default_factory=dict)
+    # why the plan offloads to the NVMe tier (planner/nvme_choice.py); "" where it does not
+    tier_note: str = ""
 
     @property
     def plan(self) -> Plan:
@@ -200,7 +205,8 @@ class Planner:
                                max_micro_batch=options.max_micro_batch,
                                refused_micro_batches=options.refused_micro_batches,
                                max_virtual_stages=options.max_virtual_stages,
-                               allow_offload=options.allow_offload, recompute_choices=tuple(options.recompute),
+                               allow_offload=options.allow_offload, offload_tier=options.offload_tier,
+                               recompute_choices=tuple(options.recompute),
                                zero_families=tuple(options.zero_families))
         self.seen: dict[Candidate, Evaluated | None] = {}
         self.num_unscreened = 0
@@ -350,7 +356,7 @@ class Planner:
         if hit is not None:
             return hit
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
-                                allow_offload=o.allow_offload)
+                                allow_offload=o.allow_offload, offload_tier=o.offload_tier)
         choices = [c for c in choices if c.recompute in o.recompute
                    and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
                    and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
@@ -531,7 +537,7 @@ class Planner:
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
-                       ("fsdp", "full", "cpu" if o.allow_offload else "none")]
+                       ("fsdp", "full", o.offload_tier if o.allow_offload else "none")]
             for family, rc, off in corners:
                 if family not in o.zero_families or (family == "zero1" and "ddp" in o.zero_families):
                     continue
@@ -729,8 +735,21 @@ def _runs_split(ch: LayerChoice) -> LayerChoice:
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,
            progress: ProgressCallback | None = None, evaluator=None) -> SearchResult:
-    """The best plan, its runner-ups and the search's statistics."""
-    return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
+    """The best plan, its runner-ups and the search's statistics.  Where no plan fits host memory
+    and the cluster has an NVMe tier, the search again with the tier (planner/nvme_choice.py)."""
+    try:
+        return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
+    except NoFeasiblePlanError as first:
+        from autopar.planner.nvme_choice import nvme_retry
+
+        retry = nvme_retry(graph, cluster, cost_model, options)
+        if retry is None:
+            raise
+        try:
+            result = Planner(graph, cluster, cost_model, retry[0], evaluator=evaluator, progress=progress).run()
+        except NoFeasiblePlanError:
+            raise first from None
+        return replace(result, tier_note=retry[1])
 
 
 def plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:

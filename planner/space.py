@@ -136,11 +136,12 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
 
 
 def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
-                  allow_offload: bool = True) -> list[LayerChoice]:
+                  allow_offload: bool = True, offload_tier: str = "cpu") -> list[LayerChoice]:
     """Every strategy of one layer on a mesh for a ZeRO family.
 
     ``can_split``: the layer has a Megatron split (core.sharding.megatron_styles is not empty).
-    Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()).
+    Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()); ``offload_tier`` is
+    where it goes: "cpu", or "nvme" when host memory does not hold the state (planner/nvme_choice.py).
     """
     zeros = ZERO_FAMILIES[zero_family]
     if not zero1_shards(dp) and zero_family != "fsdp":
@@ -150,7 +151,7 @@ def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
     for split in splits:
         for zero in zeros:
             for recompute in RECOMPUTE_CHOICES:
-                for offload in ("none", "cpu") if (allow_offload and offload_allowed(zero)) else ("none",):
+                for offload in ("none", offload_tier) if (allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(LayerChoice(tp=split, zero=zero, recompute=recompute, offload=offload))
     return out
 

@@ -36,6 +36,10 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
     if offload == "cpu":
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")   # pinning needs an accelerator
+    if offload == "nvme":                 # host offload, AdamW's moments in files (runtime/nvme_tier.py)
+        from autopar.runtime.nvme_tier import NvmeOffloadPolicy
+
+        return NvmeOffloadPolicy(pin_memory=device.type == "cuda")
     return OffloadPolicy()
 
 

@@ -61,6 +61,7 @@ class RunOptions:
     grad_clip: float | None = None            # None: no clipping (the norm is still computed and logged)
     weight_decay: float = WEIGHT_DECAY
     betas: tuple[float, float] = ADAM_BETAS
+    nvme_path: Path | None = None             # --nvme-path: the folder of offload "nvme" layers' states (runtime/nvme_tier.py)
 
     @property
     def measured_file(self) -> Path:
@@ -144,6 +145,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                    help="AdamW's decoupled weight decay (default: %(default)s)")
     g.add_argument("--betas", type=_betas, default=ADAM_BETAS, metavar="B1,B2",
                    help=f"AdamW's betas (default: {ADAM_BETAS[0]},{ADAM_BETAS[1]})")
+    parser.add_argument("--nvme-path", type=Path, default=None, metavar="DIR",
+                        help="a folder on a local disk for the optimizer states of the plan's offload 'nvme' "
+                             "layers (files removed at exit; docs/runtime.md, NVMe tier)")
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -192,6 +196,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       data_path=args.data, data_dtype=args.data_dtype, shuffle_seed=args.shuffle,
                       val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches,
                       lr_schedule=args.lr_schedule, lr_warmup=args.lr_warmup, min_lr=args.min_lr,
-                      grad_clip=args.grad_clip, weight_decay=args.weight_decay, betas=tuple(args.betas))
+                      grad_clip=args.grad_clip, weight_decay=args.weight_decay, betas=tuple(args.betas),
+                      nvme_path=args.nvme_path)
     opts.schedule()                                   # a --min-lr above --lr: refused before any start
     return opts

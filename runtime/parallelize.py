@@ -57,6 +57,7 @@ from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, res
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_EPS, RunOptions
+from autopar.runtime.nvme_tier import NvmeStates, attach_nvme_tier
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
 from autopar.runtime.state_names import StateNames
@@ -89,6 +90,8 @@ class ParallelModel:
     float8: Float8Record | None = None
     # called after every optimizer step (the FSDP2 float8 all-gather's scales); None when not needed
     after_optimizer_step: Callable[[], None] | None = None
+    # the optimizer states on the NVMe tier (runtime.nvme_tier), one per part that has any
+    nvme: list[NvmeStates] = field(default_factory=list)
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -361,6 +364,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
+    # the NVMe tier: AdamW's moments of offload "nvme" units in files (runtime/nvme_tier.py)
+    nvme = attach_nvme_tier(parts, optimizers, opts.nvme_path, f"plan file {checked.plan_path}")
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
@@ -373,6 +378,9 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = source_notes
+    if nvme:
+        notes.append(f"NVMe tier: {sum(t.state_bytes for t in nvme) / 1e6:.2f} MB of AdamW moments on this rank in "
+                     f"files under {opts.nvme_path} (removed at exit)")
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"
@@ -398,4 +406,4 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local,
-                         float8=built.float8, after_optimizer_step=after_step)
+                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme)

@@ -28,7 +28,7 @@ from autopar.runtime.ports import free_port
 _FORWARDED = ("steps", "lr", "seed", "timing_warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
               "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
               "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches",
-              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas")
+              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas", "nvme_path")
 # flags whose name is not the argument's with '-' for '_'
 _FLAG_OF = {"timing_warmup_steps": "--timing-warmup"}
 
@@ -117,6 +117,10 @@ def main(args: argparse.Namespace, log=None) -> int:
         if here:
             check_output_paths(opts)                  # again: the plan's model file is now known as an input
             data_check.check_for_plan(opts, checked)  # the token files' length and ids < vocabulary
+            if any(lp.offload == "nvme" for lp in checked.plan.layers):   # a missing or read-only folder
+                from autopar.runtime.nvme_tier import check_nvme_path
+
+                check_nvme_path(opts.nvme_path, f"plan file {args.plan}")
         if weights is not None:                       # names, shapes, dtypes, before any rank starts
             from autopar.runtime.materialize import build_meta_model
             from autopar.runtime.weights_in import check_weights

@@ -10,7 +10,7 @@ term lives where ``source`` says; this module only declares it.
 """
 from __future__ import annotations
 
-from autopar.simulator import cpu_node, ddp_buckets, overlap, sharded_dp_table
+from autopar.simulator import cpu_node, ddp_buckets, nvme_tier, overlap, sharded_dp_table
 from autopar.simulator.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
@@ -32,6 +32,11 @@ register(Term("sharded_dp", "table", reads=("dp_allgather_s", "dp_reducescatter_
               derive=lambda rows, ctx, ev: sharded_dp_table.plan_table_costs(
                   rows, ctx, ev.cluster.inter_node.bandwidth_GBps, ev._fetch_units),
               source="simulator/sharded_dp.py"))
+#: the NVMe tier's read and write of the moments beyond what the step's compute hides, on the
+#: optimizer step (ZeRO-Infinity, Rajbhandari et al. 2021; per layer: local)
+register(Term("nvme_tier", "table", reads=("nvme_bytes", "optimizer_s", "fwd_s", "bwd_s", "recompute_s"),
+              derive=lambda rows, ctx, ev: nvme_tier.with_tier_stalls(rows, ctx, ev.cluster),
+              source="simulator/nvme_tier.py"))
 #: CPU ranks that meet wait for each other: a per-rank stretch from the whole rank's work (not local)
 register(Term("cpu_waits", "table", local=False, reads=("fwd_s", "bwd_s", "recompute_s", "optimizer_s", "meetings"),
               derive=lambda rows, ctx, ev: (cpu_node.with_meeting_waits(rows, ctx, ctx.processes)

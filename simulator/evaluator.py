@@ -36,7 +36,7 @@ from autopar.core.rules import schedule_microbatches_problem
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
 from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, layer_table, pipeline_p2p, term_registry, tied_copies
+from autopar.simulator import cpu_node, layer_table, nvme_tier, pipeline_p2p, term_registry, tied_copies
 from autopar.simulator.ddp_buckets import DDP_FIRST_BUCKET_BYTES, ddp_bucketed_all_reduces  # noqa: F401
 from autopar.simulator.zero3_fetch_spans import layer_units
 from autopar.simulator.selective_mm_policy import recomputed_matmuls
@@ -66,7 +66,7 @@ _STATE = [_PARAM, _GRAD, _OPTIMIZER, _HOST, _DP_GRAD]
 _TIED_STATE = [COLUMN_INDEX[f"tied_{c}"] for c in ("param_bytes", "grad_bytes", "optimizer_bytes", "host_bytes",
                                                    "dp_grad_bytes")]
 
-_OFFLOAD, _RS, _D2H = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s"))
+_OFFLOAD, _RS, _D2H, _NVME = (COLUMN_INDEX[c] for c in ("offload", "dp_reducescatter_s", "d2h_s", "nvme_bytes"))
 #: the fast path's derived table (PlanEvaluator._derived_table): per layer the effective forward
 #: and backward time, the activation bytes, the three _MAX_COLUMNS, the
 #: step_model.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
@@ -312,7 +312,7 @@ class PlanEvaluator:
             cm = ctx.rank_cm[ctx.layer_rank[index]]
             c = self.layer_cost(index, lp, ctx.mesh, ctx.micro_batch, ctx.precision, cm, ctx.compiled, ctx.fp8_recipe)
             row = np.array(term_registry.layer_row(c, float(effective_zero(lp.zero, ctx.mesh)),
-                                                   1.0 if lp.offload == "cpu" else 0.0,
+                                                   1.0 if lp.offload != "none" else 0.0,
                                                    float(RECOMPUTE_CODE[lp.recompute]), lp, ctx.mesh), dtype=float)
             row_id = self._row_cache[key] = (row, len(self._row_cache))
             # (runs sharded, is offloaded, runs ZeRO-1)
@@ -624,6 +624,12 @@ class PlanEvaluator:
             host_fits = bool((host_per_node <= ctx.host_capacity).all())
         else:                                                   # nothing offloaded: the same, known
             host_per_node, host_worst, host_fits = ctx.host_when_empty
+        # ---- the NVMe tier per node: the moments of every device on the node in its drives
+        nvme_need = nvme_cap = 0.0
+        nvme_fits = True
+        if np.count_nonzero(data[:, _NVME]):
+            nvme_need, nvme_cap, nvme_fits = nvme_tier.node_need(ctx.rank_onehot @ data[:, _NVME], ctx.node_counts,
+                                                                 self.cluster)
         totals_list = totals.tolist()
         device_fits = all(map(le, totals_list, ctx.capacity_list))
         samples = plan.global_batch
@@ -663,7 +669,8 @@ class PlanEvaluator:
             step_time_s=step, samples_per_s=samples / step if step > 0 else 0.0,
             tokens_per_s=samples * seq / step if step > 0 else 0.0,
             max_memory_bytes=max(totals_list), capacity_bytes=ctx.min_capacity,
-            fits=device_fits and host_fits, device_fits=device_fits, host_fits=host_fits,
+            fits=device_fits and host_fits and nvme_fits, device_fits=device_fits, host_fits=host_fits,
+            nvme_fits=nvme_fits, nvme_bytes_per_node=nvme_need, nvme_capacity_bytes=nvme_cap,
             host_bytes_per_node=float(host_per_node[host_worst]),
             host_capacity_bytes=float(ctx.host_capacity[host_worst]), bubble_fraction=bubble, memory_arrays=memory,
             work_fn=work, timeline=timeline, stage_step_s=stage_step, world_size=world,

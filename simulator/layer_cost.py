@@ -31,6 +31,7 @@ from autopar.simulator import cp_cost, ep_cost
 from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
 from autopar.simulator.cost_model import CostModel, op_variant
 from autopar.simulator.memory import STATE_BYTES, backward_gradient_bytes, precision_class, state_bytes
+from autopar.simulator.nvme_tier import nvme_moment_bytes
 from autopar.simulator.optimizer_step import grad_clip_pass_time
 from autopar.simulator.selective_mm_policy import collective_output_bytes, recomputed_matmuls, saves_collective
 from autopar.simulator.topology import MeshLinks
@@ -94,6 +95,9 @@ class LayerCost:
     # of bwd_s, the weight gradients (WEIGHT_GRAD_SHARE): what a split-backward schedule runs as its
     # W pass (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2); the rest is B
     bwd_weight_s: float = 0.0
+    # offload "nvme": AdamW's moments of this device's shard in files on the node's NVMe tier (not
+    # in host_bytes; simulator/nvme_tier.py prices their read and write each step)
+    nvme_bytes: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -192,14 +196,14 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     fwd_s = work.fwd_s * compute_stretch
     bwd_s = work.bwd_s * compute_stretch
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
-    optimizer_s = dp.optimizer_s if lp.offload == "cpu" else dp.optimizer_s * compute_stretch
+    optimizer_s = dp.optimizer_s if lp.offload != "none" else dp.optimizer_s * compute_stretch
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
         recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
-        host_bytes=dp.host_bytes, activation_bytes=rec.activation_bytes,
+        host_bytes=dp.host_bytes, nvme_bytes=dp.nvme_bytes, activation_bytes=rec.activation_bytes,
         transient_bytes=rec.transient_bytes + work.fp8_transient_bytes + backward_gradient_bytes(
             _unfused_ops(graph, layer_index, cm),
             lambda o: o.output_bytes * scale * act_scale / layout.output_shard.get(o.name, 1)),
@@ -220,10 +224,10 @@ def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
     p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.grad_degree, trainable)
     host = 0.0
-    if lp.offload == "cpu":
+    if lp.offload != "none":
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
     return dict(tied_param_bytes=p, tied_grad_bytes=g, tied_optimizer_bytes=o, tied_host_bytes=host,
-                tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])
+                tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])  # (nvme: on the host)
 
 
 @dataclass
@@ -694,6 +698,7 @@ class _DataParallel:
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     host_bytes: float = 0.0                # offloaded state
+    nvme_bytes: float = 0.0                # offload "nvme": the moments in files (of host_bytes' share)
     grad_sync_bytes: float = 0.0           # gradients synchronised across data parallel
     fsdp_param_buffer_bytes: float = 0.0
     fsdp_grad_buffer_bytes: float = 0.0
@@ -772,10 +777,13 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     dist_opt = zero == 0 and cm.code.distributed_optimizer and dp > 1
     if dist_opt:
         d.optimizer_bytes = state_bytes(param_numel, precision, 1, dp, trainable)[2]
-    offload = lp.offload == "cpu"
+    offload = lp.offload != "none"
     if offload:
         d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
+        if lp.offload == "nvme":           # the moments move from host memory to the NVMe files
+            d.nvme_bytes = nvme_moment_bytes(trainable / (dp if zero >= 1 else 1))
+            d.host_bytes -= d.nvme_bytes
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
     if fp8_all_gather(lp, mesh, fp8_recipe):
