@@ -84,7 +84,7 @@ def _main(argv: list[str] | None) -> int:
 
         forget_inputs()                               # a fresh command (tests call main() repeatedly)
         note_arguments(parser, args)                  # no output may overwrite one of these
-        interrupts.install()                          # a real Ctrl-C, told from a raised KeyboardInterrupt
+        interrupts.install_sigint_flag()                          # a real Ctrl-C, told from a raised KeyboardInterrupt
         bound_user_code(default_time_limit_s(), f"autopar {args.verb}")   # a model file that never returns is an error
         return int(importlib.import_module(args._module).main(args) or 0)
     except UserError as e:

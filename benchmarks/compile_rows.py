@@ -43,7 +43,8 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), args, micro_batch)
     cluster = load_cluster("h100-16x8", nodes=1)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    eager = config_plan(graph, dp=8, tp=1, pp=1, micro_batch=micro_batch, global_batch=8 * micro_batch,
+    eager = config_plan(graph, degrees={"dp": 8, "tp": 1, "pp": 1},
+                        micro_batch=micro_batch, global_batch=8 * micro_batch,
                         schedule="1f1b", virtual_stages=1, zero=3, recompute="selective", offload="none",
                         precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
     out = {}

@@ -406,7 +406,8 @@ def row_plan(row: dict, graph, cluster):
     zero = lay.get("zero", 3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0)
     # sequence parallelism where the row's code ran it (the 405B CP rows: torchtitan's apply_tp has no
     # TP without it; benchmarks/data/published_runs_cp_ep.json "about"); Megatron-LM of 2021 had none
-    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
+    plan = config_plan(graph, degrees={"dp": lay["dp"], "tp": lay["tp"], "pp": pp, "cp": lay.get("cp", 1)},
+                       micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
                        virtual_stages=v, zero=zero,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),
@@ -588,7 +589,7 @@ def megatron_core_moe_code(row: dict):
       all-gathered once per step, overlapped with the backward -- priced as DDP's all-reduce, the
       same ring traffic (the row's ``zero`` 0; a plan's ZeRO-1 beside a pipeline would run as
       FSDP2 without reshard, whose reduce-scatters torch's schedules run once a step:
-      core/rules.effective_zero, simulator/pipeline_fsdp.py); AdamW
+      core/rules.zero_stage_that_runs, simulator/pipeline_fsdp.py); AdamW
       (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
     * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
     * attention: Transformer Engine's fused attention, priced as FlashAttention-2;

@@ -191,7 +191,7 @@ def _limited(name: str, *, positive: bool) -> schema.Leaf:
         if not isinstance(value, str):
             return None
         return "a number, not text" + (" (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else "")
-    return schema.number(positive=positive, upper=LIMITS[name], explain=explain)
+    return schema.number_leaf(positive=positive, upper=LIMITS[name], explain=explain)
 
 
 def _mapping(required: tuple[str, ...], optional: dict, fields: dict, then=None) -> schema.Mapping:
@@ -223,7 +223,7 @@ def _env_value_ok(v: object) -> bool:
 def _env_names(env: dict, path: str, report: schema.Reporter) -> None:
     for key in env:
         if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
-            report.bad_value(schema.join(path, key), key, "an environment variable name: letters, digits and "
+            report.bad_value(schema.join_path(path, key), key, "an environment variable name: letters, digits and "
                                                           "underscores, not starting with a digit")
 
 
@@ -274,7 +274,7 @@ class _Validator:
         self.fail(path, f"the value is {value!r}; it must be {must}.")
 
     def unknown_key(self, path: str, key: object, hint: str, allowed: tuple[str, ...]) -> NoReturn:
-        self.fail(schema.join(path, key), f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
+        self.fail(schema.join_path(path, key), f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
 
     def missing_keys(self, path: str, missing: list[str], required: tuple[str, ...]) -> NoReturn:
         self.fail(path, f"the required key {missing[0]!r} is missing"

@@ -63,9 +63,10 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
         if "fp8" not in cm.peak_flops:
             return (f"profile {cm.name} has no fp8 peak: fp8 tensor cores need compute capability 8.9 or later "
                     f"(Ada, Hopper)")
-    from autopar.runtime.meta_apply import FP8_INSTALL_HINT as INSTALL_HINT, torchao_available
+    from autopar.runtime import apply_fp8
+    from autopar.runtime.meta_apply import FP8_INSTALL_HINT as INSTALL_HINT
 
-    if not torchao_available():
+    if not apply_fp8.torchao_available():
         return f"torchao is not installed ('{INSTALL_HINT}')"
     if executable is not None and not executable.float8:
         why = next((x.reason for x in executable.left_out if x.kind == "float8"), "refused by the runtime check")

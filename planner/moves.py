@@ -19,7 +19,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
@@ -206,12 +205,12 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
 
 
 #: the chance that a mesh move goes to a neighbouring mesh (one axis doubled, another halved)
-#: rather than to any admitted mesh.  Set by hand with the first planner (commit 3f9d03e), not
-#: fitted: mostly local proposals keep the chain's acceptance rate up near a good plan (a
-#: neighbour shares most of the plan's costs), and one proposal in five jumps anywhere so that a
-#: chain is not confined to the meshes next to its start (FlexFlow's search, Jia et al. 2019,
-#: likewise proposes one random change at a time).  It changes which plans MCMC
-#: visits, so the recorded plans depend on it (planner_vs_grid.py re-measures a change).
+#: rather than to any admitted mesh.  Set by hand, not fitted: mostly local proposals keep the
+#: chain's acceptance rate up near a good plan (a neighbour shares most of the plan's costs), and
+#: one proposal in five jumps anywhere so that a chain is not confined to the meshes next to its
+#: start (FlexFlow's search, Jia et al. 2019, likewise proposes one random change at a time).  It
+#: changes which plans MCMC visits, so the recorded plans depend on it (planner_vs_grid.py
+#: re-measures a change).
 NEAR_MESH_PROBABILITY = 0.8
 
 
@@ -267,8 +266,5 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
-    if not cp_recompute_runs(mesh) and any(ch.recompute != "none" for ch in choices):
-        # the runtime runs context parallelism without recompute (core/cp_support.CP_RUNTIME_EXCLUDES)
-        choices = tuple(_with(ch, recompute="none") for ch in choices)
     return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
                      choices=choices)

@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--top-k is {args.top_k}; it must be 0 or more.")
     options = PlanOptions(global_batch=args.global_batch, algo=args.algo, seed=args.seed,
                           time_budget_s=args.time_budget, precision=precision, top_k=args.top_k,
-                          **{name: getattr(args, name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
+                          degrees={n: v for n in DEGREE_NAMES if (v := getattr(args, n)) is not None},   # --dp, --tp
                           ep=args.ep, zero=args.zero, offload=args.offload, micro_batch=args.micro_batch,
                           fixed_schedule=args.schedule, memory_headroom=args.memory_headroom)
     if args.recompute is not None:
@@ -230,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.whole_layers import lines as whole_lines, whole_layers
 
     whole = whole_layers(plan, _plan_graph(plan, graphs), cluster, cost_models, executable, left_out,
-                         fixed=options.tp is not None)
+                         fixed="tp" in options.degrees)
     if whole:
         plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     result.best = replace(result.best, plan=plan)
@@ -238,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import is_special
 
     # a device (-o /dev/null) keeps nothing to run: no command names it
-    command = None if is_special(args.output) else torchrun_command(cluster, args.output, plan.world_size)
+    command = None if is_special(args.output) else torchrun_hint(cluster, args.output, plan.world_size)
     if args.json:
         out = {"plan": plan.to_dict(), "output": str(args.output), "torchrun": command,
                "capture_s": round(capture_s, 3),
@@ -340,7 +340,7 @@ def check_kinds(graph, model_file: str, cluster, options, float8: bool = False):
     from autopar.planner.runtime_check import find_executable
 
     meshes = cluster_meshes(options, cluster, len(graph.layers))
-    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
+    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.degrees["tp"]} if options.degrees.get("tp", 1) > 1 else set())))
     return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision,
                            float8=float8)
 
@@ -377,7 +377,7 @@ def runnable_result(result, graph, model_file: str):
                     + ". Fix some knobs (--tp 1, --pp 1, --zero 0) to plan a simpler layout.")
 
 
-def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> str:
+def torchrun_hint(cluster, plan_path: str, world_size: int | None = None) -> str:
     """The torchrun line that runs the plan on every node it uses (c10d rendezvous across nodes).
 
     Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first

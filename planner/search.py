@@ -24,12 +24,11 @@ import math
 import time
 from itertools import groupby
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from autopar.core.cluster import Cluster
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError, NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
@@ -50,11 +49,10 @@ from autopar.simulator.step_model import interleaved_time
 from autopar.simulator.topology import stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
-# How the time budget is split, where it binds.  Both shares were set by hand with the first
-# planner (commit 3f9d03e) and no measurement fixed them; they matter only when a search runs
-# out of time: the benchmarks' searches (planner_vs_grid.py, --time-budget 3000 and the default
-# 40 s) finish the structured phase in 1-4 s, far inside either share, so no recorded plan
-# depends on them.  What each trades:
+# How the time budget is split, where it binds.  Both shares are set by hand and no measurement
+# fixed them; they matter only when a search runs out of time: the benchmarks' searches
+# (planner_vs_grid.py, --time-budget 3000 and the default 40 s) finish the structured phase in
+# 1-4 s, far inside either share, so no recorded plan depends on them.  What each trades:
 # * STRUCTURED_SHARE: under --algo auto the structured phase (screen, ILP + stage DP) may run
 #   until this fraction of the budget, MCMC refinement gets the rest -- more than half to the
 #   phase that finds the plans MCMC starts from, enough left for MCMC to refine them.
@@ -70,7 +68,7 @@ TIDY_TOLERANCE = 0.002
 # floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
 _ROUNDING = 1e-9
 
-Progress = Callable[[str, int, int], None]     # (phase, done, total)
+ProgressCallback = Callable[[str, int, int], None]     # (phase, done, total)
 
 
 @dataclass(frozen=True)
@@ -103,10 +101,9 @@ class PlanOptions:
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
     # knobs the user fixed (None: the search chooses); see planner/constraints.py
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
+    #: the degrees the user fixed, by declared axis name (``{"dp": 2, "tp": 4}``: core/parallel_dims.py);
+    #: an axis not named is chosen by the search
+    degrees: Mapping[str, int] = field(default_factory=dict)
     ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
     # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
@@ -175,7 +172,7 @@ class Planner:
     """One search: the graph, the cluster and the simulator's evaluator, with caches."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
-                 evaluator=None, progress: Progress | None = None):
+                 evaluator=None, progress: ProgressCallback | None = None):
         from autopar.simulator.evaluator import PlanEvaluator
 
         from autopar.planner.constraints import candidate_meshes
@@ -200,8 +197,8 @@ class Planner:
         if not any(self.styles):
             # a tp > 1 mesh with no layer split runs the whole model on every tp rank
             from autopar.planner.constraints import nothing_to_split
-            if options.tp is not None and options.tp > 1:
-                raise nothing_to_split(graph, options.tp, ex)
+            if options.degrees.get("tp", 1) > 1:
+                raise nothing_to_split(graph, options.degrees["tp"], ex)
             self.meshes = [m for m in self.meshes if m.tp == 1]
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
@@ -255,8 +252,6 @@ class Planner:
             hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
             self._choices_admitted[id(c.choices)] = hit
         if not hit[1]:
-            return False
-        if not cp_recompute_runs(c.mesh) and any(ch.recompute != "none" for ch in c.choices):
             return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False
@@ -363,7 +358,6 @@ class Planner:
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
                                 allow_offload=o.allow_offload, offload_tier=o.offload_tier)
         choices = [c for c in choices if c.recompute in o.recompute
-                   and (c.recompute == "none" or cp_recompute_runs(s.mesh))
                    and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
                    and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
         if not choices:
@@ -551,8 +545,6 @@ class Planner:
                     off = o.offload
                 mb, m = mbs[-1] if family != "fsdp" else mbs[0]
                 zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
-                if not cp_recompute_runs(mesh):
-                    rc = "none"
                 choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
                                             recompute=rc if rc in o.recompute else o.recompute[-1],
                                             offload=off) for i in range(self.num_layers))
@@ -742,7 +734,7 @@ def _runs_split(ch: LayerChoice) -> LayerChoice:
 
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,
-           progress: Progress | None = None, evaluator=None) -> SearchResult:
+           progress: ProgressCallback | None = None, evaluator=None) -> SearchResult:
     """The best plan, its runner-ups and the search's statistics.  Where no plan fits host memory
     and the cluster has an NVMe tier, the search again with the tier (planner/nvme_choice.py)."""
     try:

@@ -83,12 +83,12 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> n
 
 def data_parallel_kind(zero: int, mesh: Mesh) -> str:
     """Which native part runs the plan's data parallelism: ``ddp``, ``zero1``, ``fsdp``,
-    ``replicate`` or ``none`` (the rule and why: core/rules.py ``data_parallel_kind``).  The
+    ``replicate`` or ``none`` (the rule and why: core/rules.py ``native_data_parallel``).  The
     context-parallel ranks of a data-parallel rank average their gradients too
     (runtime/apply_cp.py), so the reducing degree is dp x cp.  Expert parallelism (ep > 1) splits
     the model too: its experts are DTensors and reduce over another group than the dense
     weights (runtime/apply_ep.py), which only FSDP2's machinery (fsdp or replicate) takes."""
-    return rules.data_parallel_kind(zero, mesh.dp * mesh.cp, mesh.splits_model or mesh.ep > 1)
+    return rules.native_data_parallel(zero, mesh.grad_degree, mesh.splits_model or mesh.ep > 1)
 
 
 def build_optimizer(params: list[nn.Parameter], zero: int, dp_mesh: DeviceMesh, lr: float,

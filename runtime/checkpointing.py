@@ -8,7 +8,7 @@ Layout under ``--checkpoint-dir``::
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
-        zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
+        zero1_rank<R>.pt  ZeRO-1 only, in checkpoints of older autopar versions: a rank's optimizer partition
         manifest.json     autopar's record of the checkpoint, written last (with the model file and its
                           arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
@@ -83,7 +83,7 @@ from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
 from autopar.runtime.checkpoint_lock import LOCK
 from autopar.runtime.fused_tp import checkpoint_value
-from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
+from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical_states
 
 LATEST = "latest.json"
 MANIFEST = "manifest.json"
@@ -169,8 +169,8 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], name
     optim_states = [{} if legacy_zero1 and _is_zero1(opt) else
                     get_optimizer_state_dict(part, _local_optimizer(opt), options=_FLAT)
                     for part, opt in zip(parts, optimizers)]
-    model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
-    optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
+    model_sd, model_keys = canonical_states(names, MODEL, model_states, for_save=for_save)
+    optim_sd, optim_keys = canonical_states(names, OPTIM, optim_states, for_save=for_save)
     # a fused projection split per part over tp is written and read whole (runtime/fused_tp.py)
     model_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in model_sd.items()}
     optim_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in optim_sd.items()}

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.runtime.lr_schedule import SCHEDULES, LrSchedule
+from autopar.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
 
 # AdamW defaults.  beta2 = 0.95 and weight decay 0.1 are the GPT-3 training settings
 # (Brown et al. 2020, Appendix B); the learning rate is a small-model value and is a flag.
@@ -131,7 +131,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                    help="global batches of --val-data per evaluation, read in order from its start "
                         "(default: %(default)s)")
     g = parser.add_argument_group("optimizer (AdamW)")
-    g.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="learning rate after the warm-up: constant, or decaying linearly / by a cosine from --lr "
                         "to --min-lr at the last step (default: constant)")
     g.add_argument("--lr-warmup", type=T.non_negative, default=0, metavar="W",

@@ -47,7 +47,7 @@ import torch.nn as nn
 from autopar.core.errors import PlanFileError
 from autopar.core.plan import Plan
 from autopar.runtime.apply_compile import apply_compile
-from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
+from autopar.runtime.apply_cp import ContextParallel
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
 from autopar.runtime.apply_ep import apply_ep, build_expert_parallel, shard_expert_weights, stages_hold_experts
@@ -111,7 +111,7 @@ def _with_params(part: nn.Module, paths: list[str]) -> list[str]:
     return [p for p in paths if any(True for _ in part.get_submodule(p).parameters())]
 
 
-def layer_units(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
+def layer_module_paths(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
     """Each held layer's modules inside ``part`` that are units of their own: a module that
     contains another listed module (a parent such as ``model`` or ``encoder`` that capture
     lists with the embeddings) is left out -- wrapping it would wrap its blocks twice (FSDP2
@@ -150,7 +150,7 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     parallelism, whose mode a recomputed layer's rerun enters (made from ``part`` if not given)."""
     plan = checked.plan
     ties = list(ties)
-    unit_paths = layer_units(part, held)
+    unit_paths = layer_module_paths(part, held)
     styles = []
     if plan.mesh.tp > 1:
         for layer in held:
@@ -171,12 +171,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
             float8.append(record)
     # 3. tensor / sequence parallelism
     if plan.mesh.tp > 1:
-        apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
+        apply_tp(part, ctx.get_mesh("tp"), styles, plan.mesh.sequence_parallel)
         retie(part, ties)             # parallelize_module gives each module its own parameter
     # 3b. expert parallelism
     experts = None
     if plan.mesh.ep > 1:
-        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+        experts = apply_ep(part, build_expert_parallel(ctx.get_mesh("grad"), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
                            plan, f"plan file {checked.plan_path}")
     # 4. recompute (under context parallelism the rerun in backward enters its attention mode too)
@@ -203,10 +203,10 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
         shard_expert_weights(part, experts, dp_kind, layer_of, plan.precision, ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), units, root_zero=root.zero, root_offload=root.offload,
+        apply_fsdp(part, ctx.get_mesh("grad"), units, root_zero=root.zero, root_offload=root.offload,
                    precision=plan.precision, device=ctx.device)
     elif dp_kind == "replicate":
-        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [u[0] for u in units], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [u[0] for u in units], plan.precision)
     return part
 
 
@@ -244,7 +244,7 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
     # expert parallelism: the stage calls its experts modules (runtime/expert_calls.py)
     experts = None
     if plan.mesh.ep > 1:
-        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+        experts = apply_ep(part, build_expert_parallel(ctx.get_mesh("grad"), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
                            plan, f"plan file {checked.plan_path}")
     modes = {layer.plan.recompute for layer in held} - {"none"}
@@ -260,10 +260,10 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
                              ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), [], root_zero=root.zero, root_offload=root.offload,
+        apply_fsdp(part, ctx.get_mesh("grad"), [], root_zero=root.zero, root_offload=root.offload,
                    precision=plan.precision, device=ctx.device)
     elif dp_kind == "replicate":
-        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [], plan.precision)
     return part
 
 
@@ -356,7 +356,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                             f"were read whole ({', '.join(source.full_reads[:3])})")
     del source
     local, dp_kind = built.parts, built.dp_kind
-    parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
+    parts, dp_mesh = [], ctx.get_mesh("grad")
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         if use_ddp:
@@ -370,11 +370,11 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
                                           TiedGradSum.pp_rows(ctx.mesh.mesh, tuple(ctx.mesh.mesh_dim_names)),
-                                          ctx.rank, ctx.submesh("pp").get_group())
+                                          ctx.rank, ctx.get_mesh("pp").get_group())
     if plan.mesh.pp > 1:
         if built.cp is not None:
             built.cp.stage_forward_ran = False      # until the schedule's first stage forward
-        schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
+        schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.get_mesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = source_notes

@@ -123,9 +123,9 @@ def main(args: argparse.Namespace, log=None) -> int:
                 check_nvme_path(opts.nvme_path, f"plan file {args.plan}")
         if weights is not None:                       # names, shapes, dtypes, before any rank starts
             from autopar.runtime.materialize import build_meta_model
-            from autopar.runtime.weights_in import check
+            from autopar.runtime.weights_in import check_weights
 
-            check(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
+            check_weights(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
     except UserError:
         if fresh_dir:                                 # the empty folder check_output_paths made
             with contextlib.suppress(OSError):

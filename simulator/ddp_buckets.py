@@ -25,7 +25,7 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTabl
     cost.  Other plans are returned unchanged."""
     mesh = ctx.mesh
     # (with ep > 1 the experts' gradients sync over dp / ep ranks, not in DDP's buckets: layer_cost)
-    if mesh.dp <= 1 or mesh.splits_model or mesh.ep > 1 or not (rows.zero <= 1).all():
+    if mesh.grad_degree <= 1 or mesh.splits_model or mesh.ep > 1 or not (rows.zero <= 1).all():
         return rows
     if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
         return rows
@@ -36,7 +36,7 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTabl
     for k in range(len(rows) - 1, -1, -1):
         filled += grad[k]
         if filled > 0 and (filled >= cap or k == 0):
-            ar[k] = cm.collective_time("all_reduce", filled, mesh.dp, link, level, processes=processes)
+            ar[k] = cm.collective_time("all_reduce", filled, mesh.grad_degree, link, level, processes=processes)
             cap, filled = DDP_BUCKET_BYTES, 0.0
     return rows.with_columns(dp_allreduce_s=ar)
 
@@ -44,4 +44,4 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTabl
 def acts(ctx) -> bool:
     """Whether ``ddp_bucketed_all_reduces`` may rewrite the rows of context ``ctx``: a plain
     data-parallel mesh (it reads the whole table: which layers close a bucket)."""
-    return ctx.mesh.dp > 1 and not ctx.mesh.splits_model
+    return ctx.mesh.grad_degree > 1 and not ctx.mesh.splits_model

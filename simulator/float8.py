@@ -41,11 +41,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.core.dtypes import FP8_DIM_MULTIPLE
+from autopar.core.op_costs import FP32_BYTES      # the FSDP2 master shard (mixed precision keeps fp32)
+
 FP8_BYTES = 1
-FP32_BYTES = 4                 # the FSDP2 master shard (mixed precision keeps fp32 parameters)
-#: both dims of an fp8 GEMM operand in multiples of 16 (torch._scaled_mm's alignment; the
-#: runtime converts only such linears, runtime/apply_fp8.py)
-FP8_DIM_MULTIPLE = 16
 BF16_BYTES = 2
 FP8_OVER_BF16_PEAK = 2.0       # NVIDIA H100 datasheet (SXM5): 1,979 / 989.4 dense TFLOPS
 RECIPES = ("tensorwise", "rowwise")

@@ -222,7 +222,7 @@ def _tied_copy(w: "_OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[
     if not w.tied_numel:
         return {}
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
-    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.dp * mesh.cp, trainable)
+    p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.grad_degree, trainable)
     host = 0.0
     if lp.offload != "none":
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
@@ -718,10 +718,10 @@ class _DataParallel:
 def _data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: CostModel, links: MeshLinks,
                          node_processes: int | None, fp8_recipe: str = "tensorwise") -> _DataParallel:
     """Data parallelism over dp x cp (the cp ranks hold the same weights and average their
-    gradients: runtime/apply_cp.gradient_mesh, as torchtitan shards); with ep > 1 the routed
+    gradients: ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad"), as torchtitan shards); with ep > 1 the routed
     experts are a second unit over the dp x cp / ep ranks holding the same experts (ep_cost.py),
     its collectives after the dense unit's."""
-    flat = mesh.dp * mesh.cp
+    flat = mesh.grad_degree
     if mesh.ep <= 1 or not w.expert_names:
         return _data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp, fp8_recipe)
     from dataclasses import replace as _replace
@@ -904,6 +904,6 @@ def effective_zero(zero: int, mesh: Mesh) -> int:
     When another axis splits the model (tensor or pipeline parallelism: ``mesh.splits_model``)
     the runtime runs ZeRO-1 as FSDP2 without reshard
     (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; core/rules.py,
-    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.effective_zero).
+    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.zero_stage_that_runs).
     """
-    return _rules.effective_zero(zero, mesh.splits_model)
+    return _rules.zero_stage_that_runs(zero, mesh.splits_model)

@@ -1,6 +1,6 @@
 """What a selective recompute saves: all matmuls and all collectives (autopar's runtime), or
 every other matmul and the reduce-scatters (torchtitan's op-level policy of 2024) -- a real
-difference between two codes (issue 34; the collectives: issue 36).
+difference between two codes, in the matmuls and in the collectives.
 
 autopar's runtime (runtime/recompute.py ``SAVED_OPS``) saves the output of every mm, addmm, bmm,
 baddbmm and fused attention of a selectively checkpointed layer and recomputes the rest.

@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
         fp8 = precision == "fp8"               # float8 linears on a bf16 plan
         precision = "bf16" if fp8 else precision
-        plan = config_plan(graph, **_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
+        plan = config_plan(graph, degrees=_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
                            global_batch=args.global_batch, schedule=args.schedule,
                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
                            offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
@@ -179,8 +179,8 @@ def _check_cp_ep(graph, plan) -> None:
         raise UserError(f"cp {m.cp}: {graph.model_file} cannot take context parallelism: {why}. Use --cp 1.")
     if m.ep > 1 and (why := ep_refusal(graph, m.ep)):
         raise UserError(f"ep {m.ep}: {graph.model_file} cannot take expert parallelism: {why}. Use --ep 1.")
-    if m.ep > 1 and (m.dp * m.cp) % m.ep:
-        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.dp * m.cp}, which "
+    if m.ep > 1 and any(p[0] == "mesh.ep" for p in m.problems()):      # the ep rule
+        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.grad_degree}, which "
                         f"{m.ep} does not divide; choose an ep that divides dp x cp.")
 
 

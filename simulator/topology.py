@@ -4,7 +4,7 @@ Ranks are laid out over the named axes of ``core/parallel_dims.py``
 (``arange(world).view(dp, pp, cp, tp)``), so a tensor-parallel group is a run of consecutive ranks,
 a context-parallel group strides by ``tp``, a pipeline pair is ``cp * tp`` ranks apart and a
 data-parallel group strides by ``pp * cp * tp``; the groups come from ``ParallelDims.group``/
-``groups``.  Gradients and FSDP shards span dp x cp (runtime/apply_cp.gradient_mesh, as
+``groups``.  Gradients and FSDP shards span dp x cp (ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad"), as
 torchtitan shards), so ``dp`` is that flattened group; an expert-parallel group is
 ``ParallelDims.ep_group`` and the experts' own data-parallel group (``ep_dp``) the dp x cp
 ranks with the same place in their ep groups.  A group on one node uses the node's link
@@ -35,7 +35,7 @@ class MeshLinks:
     ``links.axis("tp")`` or ``links.tp``, for whichever axes the mesh declares; ``host``: host <->
     device (PCIe), the slowest in the cluster.  The batch axis's link is that of the groups the
     gradients and FSDP shards span: dp x cp flattened when a sequence axis splits too
-    (runtime/apply_cp.gradient_mesh).  Expert parallelism borrows dp x cp ranks (no axis of its own,
+    (ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad")).  Expert parallelism borrows dp x cp ranks (no axis of its own,
     ``ParallelDims.ep``): its links are the optional fields, None when ep = 1."""
     axes: dict
     host: Link
@@ -100,7 +100,6 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
     # the strides, and a bounded sample otherwise.
     batch = next(a.name for a in mesh.axes if a.splits == "batch")
     layers = next(a.name for a in mesh.axes if a.splits == "layers")
-    sequence = [a.name for a in mesh.axes if a.splits == "sequence" and mesh.size(a.name) > 1]
     nb, nl = mesh.size(batch), mesh.size(layers)
     dps = range(nb) if not cluster.homogeneous or nb * nl <= 64 else range(0, nb, max(1, nb // 8))
     innermost = {a.name: 0 for a in mesh.axes if a.innermost}
@@ -111,10 +110,10 @@ def mesh_links(cluster: Cluster, mesh: Mesh) -> MeshLinks:
             pipe = mesh.group(a.name)
             groups = ([_group(cluster, [x, y]) for x, y in zip(pipe, pipe[1:])]
                       or [GroupLink(cluster.groups[0].intra_node, "intra", 1)])
-        elif a.splits == "batch" and sequence:
-            # gradients and FSDP shards over the batch and sequence axes flattened
-            # (runtime/apply_cp.gradient_mesh): every rank of one pipeline stage and tp coordinate
-            groups = [_group(cluster, mesh.ranks_where(**{layers: p}, **innermost)) for p in range(nl)]
+        elif a.name == mesh.GROUPS["grad"][0] and mesh.grad_degree > mesh.size(a.name):
+            # gradients and FSDP shards over the gradient group's axes flattened (dp x cp:
+            # ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad")), one group per pipeline stage
+            groups = [_group(cluster, list(mesh.get_group("grad", mesh.rank_at(**{layers: p})))) for p in range(nl)]
         elif a.splits == "batch":
             groups = [_group(cluster, list(g)) for g in mesh.groups(a.name, **{k: v for k, v in innermost.items()
                                                                                if k != a.name})]
@@ -141,7 +140,7 @@ def _ep_links(cluster: Cluster, mesh: Mesh, dps) -> dict:
     out = {"ep": ep, "ep_ranks_per_node": per_node, "ep_intra": intra}
     if ep.level == "inter":
         out["ep_network"] = cluster.inter_node
-    flat = mesh.dp * mesh.cp
+    flat = mesh.grad_degree
     if flat > mesh.ep:
         rows = []
         for p in range(mesh.pp):

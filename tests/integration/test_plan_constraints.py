@@ -91,7 +91,7 @@ def test_memory_headroom_is_kept():
     base = load_cluster("dgx-a100-1x8")
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in base.groups}
     opts = PlanOptions(global_batch=64, algo="mcmc", time_budget_s=5, mcmc_iterations=300, precision="bf16", allow_offload=False,
-                       zero_families=("ddp",), recompute=("none",), dp=8, micro_batch=8, zero=0)
+                       zero_families=("ddp",), recompute=("none",), degrees={"dp": 8}, micro_batch=8, zero=0)
     need = float(search(graph, base, cms, opts).best.result.max_memory_bytes)
     cap = need / 0.90
     tight = replace(base, groups=tuple(replace(g, gpu_memory_bytes=int(cap)) for g in base.groups))

@@ -245,11 +245,11 @@ def _stage_parts(model):
 
 
 def test_state_names_key_a_tie_once_under_its_canonical_name():
-    from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
+    from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical_states
 
     ties = [("embed.weight", "head.weight")]
     whole = StateNames.build(ties, [], [0])
-    merged, keys = canonical(whole, MODEL, [{"embed.weight": 1, "head.weight": 1, "norm.bias": 2}], for_save=True)
+    merged, keys = canonical_states(whole, MODEL, [{"embed.weight": 1, "head.weight": 1, "norm.bias": 2}], for_save=True)
     assert merged == {"embed.weight": 1, "norm.bias": 2} and keys[0]["head.weight"] == "embed.weight"
     assert whole.canonical_key(OPTIM, "state.head.weight.exp_avg") == ("state.embed.weight.exp_avg", "embed.weight")
     assert whole.canonical_key(OPTIM, "param_groups.head.weight.lr") == ("param_groups.embed.weight.lr",
@@ -257,8 +257,8 @@ def test_state_names_key_a_tie_once_under_its_canonical_name():
     # pipeline: the last stage's copy is saved by the first stage only, and loaded by both
     staged = StateNames.build(ties, [(ties[0], [0, 3])], [3])
     states = [{"head.weight": "copy", "norm.weight": 5}]
-    assert canonical(staged, MODEL, states, for_save=True)[0] == {"norm.weight": 5}
-    assert canonical(staged, MODEL, states, for_save=False)[0] == {"embed.weight": "copy", "norm.weight": 5}
+    assert canonical_states(staged, MODEL, states, for_save=True)[0] == {"norm.weight": 5}
+    assert canonical_states(staged, MODEL, states, for_save=False)[0] == {"embed.weight": "copy", "norm.weight": 5}
 
 
 def test_whole_model_checkpoint_loads_into_stages_holding_tied_copies(one_rank, tmp_path):

@@ -81,7 +81,7 @@ def test_cp_exchange_compute_and_activations_by_hand(llama, h100):
 
 def test_cp_shards_state_over_dp_x_cp(llama, h100):
     cluster, cm = h100
-    # FSDP over dp x cp (runtime/apply_cp.gradient_mesh): dp 1 x cp 4 shards as dp 4 does
+    # FSDP over dp x cp (ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad")): dp 1 x cp 4 shards as dp 4 does
     a = _cost(llama, Mesh(dp=1, cp=4), cluster, cm, zero=3)
     b = _cost(llama, Mesh(dp=4), cluster, cm, zero=3)
     assert a.param_bytes == pytest.approx(b.param_bytes)

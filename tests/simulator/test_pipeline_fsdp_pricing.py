@@ -29,7 +29,8 @@ DP = 4
 
 
 def _plan(zero: int, m: int, pp: int):
-    return config_plan(GRAPH, dp=DP, tp=1, pp=pp, micro_batch=1, global_batch=DP * m, schedule="1f1b",
+    return config_plan(GRAPH, degrees={"dp": DP, "tp": 1, "pp": pp},
+                       micro_batch=1, global_batch=DP * m, schedule="1f1b",
                        zero=zero, recompute="none", offload="none", precision="bf16", virtual_stages=1,
                        sequence_parallel=False)
 

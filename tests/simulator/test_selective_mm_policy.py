@@ -102,7 +102,8 @@ def test_the_steps_hardware_flops_count_the_rerun_matmuls():
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), LLAMA, 2)
     cluster = load_cluster("h100-16x8", nodes=1)
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="selective", offload="none", precision="bf16", sequence_parallel=False,
                        cluster_name=cluster.name)
 

@@ -45,7 +45,8 @@ def _setting():
     graph = gpt_graph(8, 512, 8, 256, 1000)
     group = NodeGroup("n", "h100-sxm", 1, 8, 80 * 2**30, Link(20.0, 1.0), 2**40, Link(50.0, 10.0))
     cluster = Cluster("c", (group,), Link(50.0, 5.0))
-    plan = config_plan(graph, dp=8, tp=1, pp=1, micro_batch=1, global_batch=16, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 8, "tp": 1, "pp": 1},
+                       micro_batch=1, global_batch=16, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     return graph, cluster, plan
 

@@ -335,7 +335,8 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
 
     # tensor parallel 2: the rows keep one all-reduce per layer (DDP's buckets are priced only for
     # plain data-parallel plans, and not at all for a code that syncs after the flush)
-    plan = config_plan(g, dp=16, tp=2, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 16, "tp": 2, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
 
     _, plain = PlanEvaluator(g, cluster, cm).prepare(plan)
@@ -349,7 +350,8 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
     assert meg.column("optimizer_s") == pytest.approx(plain.column("optimizer_s") + ar + extra)
     assert meg_step > plain_step + extra.sum()
     # a plain data-parallel plan: no buckets either, the whole sync in the tail
-    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 32, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
     assert not meg.column("dp_allreduce_s").any()
@@ -370,7 +372,8 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     g = gpt_graph(4, 1024, 16, 1024, 50304)
     cluster = load_cluster("dgx-a100-4x8")
     base = CostModel.from_profile("a100-80gb-sxm")
-    plan = config_plan(g, dp=16, tp=2, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 16, "tp": 2, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     torch_ddp = base.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_TORCH_DDP_2021))
     local_ddp = base.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_2021))

@@ -90,7 +90,7 @@ def test_a_walk_of_plans_matches_pricing_each_from_scratch(dp, tp, pp, schedule,
     group = NodeGroup("n", "h100-sxm", 4, 4, 80 * 2**30, Link(20.0, 1.0), 2**40, Link(network_GBps, 10.0))
     cluster = Cluster("c", (group,), Link(network_GBps, 5.0))
     cm = CostModel.from_profile("h100-sxm")
-    plan = config_plan(graph, dp=dp, tp=tp, pp=pp, micro_batch=1, global_batch=32, schedule=schedule,
+    plan = config_plan(graph, degrees={"dp": dp, "tp": tp, "pp": pp}, micro_batch=1, global_batch=32, schedule=schedule,
                        virtual_stages=v, zero=3, recompute="selective", offload="none", precision="bf16",
                        sequence_parallel=tp > 1)
     rng = random.Random(dp * 100 + pp)

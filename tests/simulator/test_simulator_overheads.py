@@ -336,7 +336,8 @@ def test_serial_communication_adds_ddp_allreduce():
     """One process per core: the gradient all-reduces add to compute instead of hiding under it."""
     g = gpt_graph(4, 256, 4, 128, 1000, batch=2)
     cm = CostModel.from_profile(_profile(OVERHEADS))
-    plan = config_plan(g, dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
     serial_cl, overlap_cl = _cluster(gpus=4, slots=2), _cluster(gpus=4, slots=0)
     ev = PlanEvaluator(g, serial_cl, cm)
@@ -419,7 +420,8 @@ def test_meeting_waits_stretch_each_ranks_work_by_how_often_it_meets(dp, tp, zer
 
 
 def _ddp_plan(g, dp=2, tp=1, zero=0):
-    return config_plan(g, dp=dp, tp=tp, pp=1, micro_batch=2, global_batch=2 * dp, schedule="1f1b", virtual_stages=1,
+    return config_plan(g, degrees={"dp": dp, "tp": tp, "pp": 1},
+                       micro_batch=2, global_batch=2 * dp, schedule="1f1b", virtual_stages=1,
                        zero=zero, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
 
 

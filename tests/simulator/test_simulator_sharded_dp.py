@@ -161,7 +161,8 @@ def test_planner_tables_carry_the_sharded_terms_of_the_full_price():
     g = gpt_graph(8, 1024, 16, 1024, 50304)
     cluster = load_cluster("dgx-a100-4x8")
     ev = PlanEvaluator(g, cluster, CostModel.from_profile("a100-80gb-sxm"))
-    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=128, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 32, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=128, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     ctx, rows = ev.prepare(plan)
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)

@@ -53,7 +53,8 @@ def _cms(cluster):
 
 
 def _plan(graph, dp, tp, m, zero=0, recompute="none"):
-    return config_plan(graph, dp=dp, tp=tp, pp=1, micro_batch=2, global_batch=2 * dp * m, schedule="1f1b",
+    return config_plan(graph, degrees={"dp": dp, "tp": tp, "pp": 1},
+                       micro_batch=2, global_batch=2 * dp * m, schedule="1f1b",
                        virtual_stages=1, zero=zero, recompute=recompute, offload="none", precision="bf16",
                        sequence_parallel=False)
 

@@ -108,7 +108,7 @@ CPU_LATE = [
 
 
 def _plan(graph, kw, precision="bf16"):
-    return config_plan(graph, dp=kw["dp"], tp=kw["tp"], pp=kw["pp"], micro_batch=1,
+    return config_plan(graph, degrees={"dp": kw["dp"], "tp": kw["tp"], "pp": kw["pp"]}, micro_batch=1,
                        global_batch=kw["dp"] * kw["m"], schedule=kw["schedule"], virtual_stages=kw.get("v", 2),
                        zero=kw["zero"], recompute=kw["recompute"], offload=kw["offload"], precision=precision,
                        sequence_parallel=kw.get("sp", False))
@@ -253,7 +253,8 @@ def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact):
 def test_chrome_trace(tmp_path):
     g = GRAPH
     cl = _gpu_cluster()
-    plan = config_plan(g, dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 2, "pp": 2},
+                       micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
     r = simulate(g, plan, cl, CostModel.from_profile(PROFILE), timeline=True)
     path = tmp_path / "trace.json"
