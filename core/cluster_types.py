@@ -133,6 +133,16 @@ class Cluster:
             counts[-1] += left                       # left <= 0: the last node is partly used
         return counts
 
+    def nvme_missing(self) -> str | None:
+        """Why the cluster has no NVMe tier to plan on (a node group without an ``nvme`` entry),
+        or None when every group has one."""
+        missing = [g.name for g in self.groups if g.nvme is None]
+        if not missing:
+            return None
+        return (f"cluster {self.name} gives no nvme entry for node group {missing[0]!r}; add "
+                f"'nvme: {{path: ..., capacity_GB: ..., read_GBps: ..., write_GBps: ...}}' to each group "
+                f"(autopar profile --disk PATH measures a disk; docs/cluster-file.md)")
+
     @property
     def min_gpu_memory_bytes(self) -> int:
         return min(g.gpu_memory_bytes for g in self.groups)

@@ -206,9 +206,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
                 raise UserError(f"--offload {o.offload}: the runtime cannot offload this model: "
                                 f"{_reason(ex, 'offload')}.")
             if o.offload == "nvme":
-                from autopar.planner.nvme_choice import nvme_missing
-
-                missing = nvme_missing(cluster)
+                missing = cluster.nvme_missing()
                 if missing:
                     raise UserError(f"--offload nvme: {missing}.")
             changes["zero_families"] = ("fsdp",)

@@ -14,23 +14,13 @@ from dataclasses import replace
 from autopar.core.cluster import Cluster
 
 
-def nvme_missing(cluster: Cluster) -> str | None:
-    """Why the cluster has no NVMe tier to plan on, or None when every group has one."""
-    missing = [g.name for g in cluster.groups if g.nvme is None]
-    if not missing:
-        return None
-    return (f"cluster {cluster.name} gives no nvme entry for node group {missing[0]!r}; add "
-            f"'nvme: {{path: ..., capacity_GB: ..., read_GBps: ..., write_GBps: ...}}' to each group "
-            f"(autopar profile --disk PATH measures a disk; docs/cluster-file.md)")
-
-
 def nvme_retry(graph, cluster: Cluster, cost_model, options):
     """(options of the NVMe search, the summary's reason) where that search can find a plan the
     host-offload search could not (module docstring), else None."""
     from autopar.planner.feasibility import frugal_fit
 
     if (not options.allow_offload or options.offload_tier != "cpu" or options.offload is not None
-            or nvme_missing(cluster) is not None):          # (--offload fixed: the user's choice stands)
+            or cluster.nvme_missing() is not None):          # (--offload fixed: the user's choice stands)
         return None
     retry = replace(options, offload_tier="nvme")
     if not frugal_fit(graph, cluster, cost_model, retry)[0]:
