@@ -126,8 +126,10 @@ def acts(ctx) -> bool:
     return ctx.rank_cm[0].code.grad_compression != "none"
 
 
-def with_compression(rows, ctx, graph):
-    """``rows`` with the dp reduce priced compressed (module docstring); unchanged for "none"."""
+def with_compression(rows, ctx, graph, gloo: bool = False):
+    """``rows`` with the dp reduce priced compressed (module docstring); unchanged for "none".
+    ``gloo``: the cluster runs gloo, where the runtime keeps PowerSGD's gradients in one DDP bucket
+    (runtime/apply_dp.py ``one_bucket_on_gloo``)."""
     cm = ctx.rank_cm[0]
     c = GradCompression.parse(cm.code.grad_compression)
     mesh = ctx.mesh
@@ -158,7 +160,8 @@ def with_compression(rows, ctx, graph):
     per_layer = _graph_matrices(graph)
     ar = np.zeros(len(rows))
     launch = cm.overhead("op_launch_s")
-    for closing, top, filled in buckets(rows.dp_grad_bytes):
+    groups = [(0, len(rows) - 1, float(rows.dp_grad_bytes.sum()))] if gloo else buckets(rows.dp_grad_bytes)
+    for closing, top, filled in groups:
         whole = p = q = flops = 0.0
         kernels = 0
         for k in range(closing, top + 1):
