@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"text: {about}",
                   f"model: examples/gpt.py {MODEL_ARGS}; dp {DP} (gloo), {MICRO_BATCH} samples per rank, "
                   f"{args.steps} steps, AdamW lr 1e-3 (runtime defaults); validation: {EVAL_BATCHES} global batches",
-                  "", f"{'grad_compression':<18}{'val loss':>10}{f'last {TAIL} train':>16}{'margin (val)':>14}{'wall s':>9}"]
+                  "", f"{'grad_compression':<18}{'val loss':>10}{f'last {TAIL} train':>16}{'margin (val)':>20}{'wall s':>9}"]
         print("\n".join(lines), flush=True)
         base = None
         for compression in ["none"] + [f"powersgd:{r}" for r in args.ranks]:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             v, tail = val_loss(m), sum(m["losses"][-TAIL:]) / len(m["losses"][-TAIL:])
             base = v if base is None else base
             margin = "" if compression == "none" else f"{v - base:+.4f} ({(v - base) / base:+.1%})"
-            line = f"{compression:<18}{v:>10.4f}{tail:>16.4f}{margin:>14}{m['wall_s']:>9.1f}"
+            line = f"{compression:<18}{v:>10.4f}{tail:>16.4f}{margin:>20}{m['wall_s']:>9.1f}"
             lines.append(line)
             print(line, flush=True)
     if not args.no_write:

@@ -45,6 +45,7 @@ import numpy as np
 from autopar.core.dtypes import precision_bytes
 from autopar.core.grad_compression import CAST_BYTES, GradCompression, powersgd_compresses
 from autopar.simulator.ddp_buckets import buckets
+from autopar.simulator.layer_cost import ring_wire_bytes
 
 #: bytes of the PowerSGD hook's traffic through memory per byte of the bucket (module docstring)
 POWERSGD_MEMORY_PASSES = 12
@@ -155,10 +156,18 @@ def with_compression(rows, ctx, graph, gloo: bool = False):
                 ar[k] = cm.collective_time("all_reduce", rows.dp_grad_bytes[k] * wire / priced, grad_ranks, dpl.link,
                                            dpl.level, processes=procs)
             ar = np.where(ddp, ar, rows.dp_allreduce_s)
-        return rows.with_columns(dp_reducescatter_s=rs, dp_allreduce_s=ar)
+        # the bytes each rank sends (the rows counted them at the training precision's bytes)
+        less = ring_wire_bytes("reduce_scatter", rows.dp_grad_bytes, grad_ranks) * (
+            1.0 - wire / priced)
+        sharded_step = mesh.pp > 1                  # a pipeline reduce-scatters once a step
+        return rows.with_columns(
+            dp_reducescatter_s=rs, dp_allreduce_s=ar,
+            dp_wire_bytes_per_step=rows.dp_wire_bytes_per_step - np.where(ddp, 2 * less, less if sharded_step else 0.0),
+            dp_wire_bytes_per_mb=rows.dp_wire_bytes_per_mb - np.where(ddp | sharded_step, 0.0, less))
     # PowerSGD: plain DDP only (core/grad_compression.py compression_problem)
     per_layer = _graph_matrices(graph)
     ar = np.zeros(len(rows))
+    sent = np.array([sum(powersgd_layer(*per_layer[k], c.rank)[:3]) * priced for k in range(len(rows))])
     launch = cm.overhead("op_launch_s")
     groups = [(0, len(rows) - 1, float(rows.dp_grad_bytes.sum()))] if gloo else buckets(rows.dp_grad_bytes)
     for closing, top, filled in groups:
@@ -174,7 +183,10 @@ def with_compression(rows, ctx, graph, gloo: bool = False):
                        + cm.collective_time("all_reduce", q * priced, grad_ranks, dpl.link, dpl.level, processes=procs)
                        + max(compute, kernels * launch))
     # error feedback: one more buffer of the bucket's gradients, held for the whole run
-    return rows.with_columns(dp_allreduce_s=ar, grad_bytes=rows.grad_bytes + rows.dp_grad_bytes)
+    wire = rows.dp_wire_bytes_per_step + (ring_wire_bytes("all_reduce", sent, grad_ranks)
+                                          - ring_wire_bytes("all_reduce", rows.dp_grad_bytes, grad_ranks))
+    return rows.with_columns(dp_allreduce_s=ar, grad_bytes=rows.grad_bytes + rows.dp_grad_bytes,
+                             dp_wire_bytes_per_step=wire)
 
 
 def compressed_fraction(graph, spec: str) -> float:

@@ -64,6 +64,8 @@ def test_cast_prices_each_ddp_bucket_at_two_bytes():
         want[closing] = _ring_all_reduce(8, filled / 2)         # fp32 rows: 4 bytes -> 2
     assert list(rows.dp_allreduce_s) == pytest.approx(want, rel=1e-12)
     assert sum(want) > 0 and sum(want) < plain.dp_allreduce_s.sum()
+    # the bytes a rank sends: the ring all-reduce's 2 (n - 1) / n M, at 2 bytes instead of 4
+    assert rows.dp_wire_bytes_per_step == pytest.approx(plain.dp_wire_bytes_per_step / 2, rel=1e-12)
 
 
 def test_powersgd_bucket_by_hand():
@@ -92,6 +94,14 @@ def test_powersgd_bucket_by_hand():
                    kernels * launch)
         want = _ring_all_reduce(8, 4 * whole) + _ring_all_reduce(8, 4 * p) + _ring_all_reduce(8, 4 * q) + work
         assert p > 0 and rows.dp_allreduce_s[closing] == pytest.approx(want, rel=1e-12)
+    # each layer sends its whole tensors, P and Q: 2 (n - 1) / n of them at 4 bytes
+    sent = []
+    for k in range(len(rows)):
+        mats, vec = layer_matrices(GRAPH, k)
+        total = vec + sum(n * m if (n + m) * min(n, m, rank) * 2 >= n * m else (n + m) * min(n, m, rank)
+                          for n, m in mats)
+        sent.append(2 * 7 / 8 * 4 * total)
+    assert list(rows.dp_wire_bytes_per_step) == pytest.approx(sent, rel=1e-12)
     # error feedback keeps one more copy of the gradients
     assert rows.grad_bytes == pytest.approx(plain.grad_bytes + plain.dp_grad_bytes, rel=1e-12)
 
