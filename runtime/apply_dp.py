@@ -87,19 +87,20 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device,
     gradient all-reduce compressed as ``grad_compression`` says (``register_compression_hook``)."""
     ddp = DistributedDataParallel(module, process_group=dp_mesh.get_group(),
                                   device_ids=[device.index] if device.type == "cuda" else None,
-                                  **one_bucket_on_gloo(module, grad_compression, dp_mesh.get_group()))
+                                  **one_bucket_on_gloo(module, grad_compression,
+                                                       torch.distributed.get_backend(dp_mesh.get_group())))
     register_compression_hook(ddp, grad_compression, dp_mesh.get_group())
     return ddp
 
 
-def one_bucket_on_gloo(module: nn.Module, grad_compression: str, group) -> dict:
+def one_bucket_on_gloo(module: nn.Module, grad_compression: str, backend: str) -> dict:
     """DDP's keyword arguments that keep every gradient in one bucket when PowerSGD runs on gloo:
     torch's ``powerSGD_hook`` waits, inside the future callback of a bucket's all-reduce, for the
     next all-reduce of that bucket; on gloo that wait never returns while another bucket's
     collective is queued (seen here: both ranks stopped in ``unpack_uncompressed_tensors_and_
     allreduce_ps`` once the model's gradients exceeded DDP's 1 MiB first bucket).  ``bucket_cap_mb``
     above the gradients' size gives one bucket (an explicit cap also sets the first bucket's)."""
-    if not grad_compression.startswith("powersgd") or torch.distributed.get_backend(group) != "gloo":
+    if not grad_compression.startswith("powersgd") or backend != "gloo":
         return {}
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     return {"bucket_cap_mb": grad_bytes / 2**20 + 1}
