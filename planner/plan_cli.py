@@ -88,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", action="store_true",
                         help="price the plans as runs that clip gradients by their global norm (autopar run "
                              "--grad-clip C; the threshold does not change the cost); recorded in the plan")
+    fix.add_argument("--grad-compression", type=T.grad_compression, default=None, metavar="none|bf16|fp16|powersgd:R",
+                     help="how the data-parallel gradient reduce is compressed (default: the plan's own 16-bit type "
+                          "on the wire where that shortens the step by more than 5%%, else none; "
+                          "planner/compression_choice.py). powersgd:R: rank-R PowerSGD with error feedback (changes "
+                          "the training; DDP plans only)")
+    parser.add_argument("--allow-lossy-compression", action="store_true",
+                        help="let the planner choose PowerSGD (ranks 1, 2, 4) where it is fastest; it changes the "
+                             "training (Vogels et al. 2019)")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -135,6 +143,9 @@ def main(args: argparse.Namespace) -> int:
     elif args.compile:       # torch's split-backward classes refuse compiled stages (core/rules.py)
         options = replace(options, schedules=tuple(s for s in options.schedules if s not in SPLIT_BACKWARD_SCHEDULES))
     options.check()
+    from autopar.planner.compression_choice import constrain_for
+
+    options = constrain_for(args.grad_compression, options)
     graph = capture_model_file(args.model_file, model_args, args.batch_size)
     from autopar.core.modelfile import load_model_file
     from autopar.planner.micro_batches import refuse_micro_batches
@@ -162,6 +173,9 @@ def main(args: argparse.Namespace) -> int:
     from autopar.planner.float8_choice import choose_float8
     result, float8_choice = choose_float8(result, graph, cluster, cost_models, fp8_flag, precision, executable,
                                           options.memory_headroom, recipe=args.fp8_recipe)
+    from autopar.planner.compression_choice import choose_compression
+    result, compression_choice = choose_compression(result, graph, cluster, cost_models, args.grad_compression,
+                                                    args.allow_lossy_compression, options.memory_headroom)
     # each plan's family validation error; a better-validated plan within the band goes first
     # (planner/confidence.py), and the runtime check then takes the first plan it can run
     from autopar.planner import confidence
@@ -197,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
                       runtime_check="skipped (--no-runtime-check)" if executable is None else
                       f"kinds applied on fake ranks in {executable.check_s:.1f} s; the plan itself too" + compile_note,
                       left_out=[x.to_dict() for x in left_out], compile_choice=compile_choice.to_dict(),
-                      float8_choice=float8_choice.to_dict())
+                      float8_choice=float8_choice.to_dict(), grad_compression_choice=compression_choice.to_dict())
     if float8_record is not None:
         provenance["float8_conversion"] = float8_record.to_dict()
     # plan.json's figures are those 'autopar simulate plan.json' gives (simulator/plan_price.py);
@@ -246,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
                                "difference": _difference(result.best, ev)} for ev in result.runner_ups]}
         out["compile"] = compile_choice.summary()
         out["float8"] = float8_choice.summary()
+        out["grad_compression"] = compression_choice.summary()
         out["validation"] = {"why": conf_why, "plans": [  # best first, then the runner-ups
             {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(conf_errors, conf_close)]}
         if outcome is not None:
@@ -263,6 +278,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(float8_choice.summary(), markup=False)
     else:
         print(float8_choice.summary())
+    (console.print if console is not None else print)(compression_choice.summary())
     if outcome is not None:
         from autopar.planner.trial_steps import summary_lines
 

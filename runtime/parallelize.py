@@ -28,7 +28,8 @@ The order (one place, the same for every plan; torchtitan's order):
 6b. tensor parallelism without FSDP2: the post-accumulate hooks that keep a row-wise
    embedding's gradient sharded -- ``apply_tp.keep_embedding_grads_sharded`` (on the
    materialised parameters, whose hooks ``to_empty`` would drop);
-7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters);
+7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters), with the
+   plan's gradient compression as a communication hook (FSDP2 takes it as ``reduce_dtype``, step 5);
 8. AdamW per part (ZeroRedundancyOptimizer for ZeRO-1) and the pipeline schedule.
 
 Mixed precision without FSDP (DDP, ZeRO-1, TP alone) runs the forward under ``torch.autocast``
@@ -204,9 +205,10 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     if dp_kind == "fsdp":
         root = held[0].plan
         apply_fsdp(part, ctx.get_mesh("grad"), units, root_zero=root.zero, root_offload=root.offload,
-                   precision=plan.precision, device=ctx.device)
+                   precision=plan.precision, device=ctx.device, grad_compression=plan.grad_compression)
     elif dp_kind == "replicate":
-        apply_replicate(part, ctx.get_mesh("grad"), [u[0] for u in units], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [u[0] for u in units], plan.precision,
+                        plan.grad_compression)
     return part
 
 
@@ -261,9 +263,9 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
     if dp_kind == "fsdp":
         root = held[0].plan
         apply_fsdp(part, ctx.get_mesh("grad"), [], root_zero=root.zero, root_offload=root.offload,
-                   precision=plan.precision, device=ctx.device)
+                   precision=plan.precision, device=ctx.device, grad_compression=plan.grad_compression)
     elif dp_kind == "replicate":
-        apply_replicate(part, ctx.get_mesh("grad"), [], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [], plan.precision, plan.grad_compression)
     return part
 
 
@@ -360,7 +362,7 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         if use_ddp:
-            part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
+            part = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
@@ -381,6 +383,10 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     if nvme:
         notes.append(f"NVMe tier: {sum(t.state_bytes for t in nvme) / 1e6:.2f} MB of AdamW moments on this rank in "
                      f"files under {opts.nvme_path} (removed at exit)")
+    if plan.grad_compression != "none":
+        from autopar.runtime.apply_dp import compression_note
+
+        notes.append(compression_note(plan.grad_compression, dp_kind))
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"

@@ -5,12 +5,12 @@ The "compute" terms are registered recompute, compute, tensor-parallel: a layer'
 ``fwd_s + tp_comm_fwd_s`` and its backward ``recompute_s + bwd_s + tp_comm_bwd_s``, summed in
 that order (overlap.compute_per_pass).  The "traffic" terms are summed FSDP, then offload
 (overlap.fsdp_traffic).  The "table" terms rewrite the plan's table in the order
-DDP buckets, sharded data parallelism, CPU meeting waits (evaluator._derive).  The math of each
+DDP buckets, sharded data parallelism, gradient compression, CPU meeting waits (evaluator._derive).  The math of each
 term lives where ``source`` says; this module only declares it.
 """
 from __future__ import annotations
 
-from autopar.simulator import cpu_node, ddp_buckets, nvme_tier, overlap, sharded_dp_table
+from autopar.simulator import cpu_node, ddp_buckets, grad_compression, nvme_tier, overlap, sharded_dp_table
 from autopar.simulator.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
@@ -37,6 +37,13 @@ register(Term("sharded_dp", "table", reads=("dp_allgather_s", "dp_reducescatter_
 register(Term("nvme_tier", "table", reads=("nvme_bytes", "optimizer_s", "fwd_s", "bwd_s", "recompute_s"),
               derive=lambda rows, ctx, ev: nvme_tier.with_tier_stalls(rows, ctx, ev.cluster),
               source="simulator/nvme_tier.py"))
+#: gradient compression (bf16 / fp16 on the wire, PowerSGD): the dp reduce's bytes and the
+#: compression's own work; re-buckets DDP's all-reduces, so not local
+register(Term("grad_compression", "table", local=False, reads=("dp_grad_bytes", "dp_allreduce_s", "dp_reducescatter_s",
+                                                                "grad_bytes", "zero"),
+              derive=lambda rows, ctx, ev: grad_compression.with_compression(rows, ctx, ev.graph,
+                                                                           ev.cluster.backend == "gloo"),
+              acts=grad_compression.acts, source="simulator/grad_compression.py"))
 #: CPU ranks that meet wait for each other: a per-rank stretch from the whole rank's work (not local)
 register(Term("cpu_waits", "table", local=False, reads=("fwd_s", "bwd_s", "recompute_s", "optimizer_s", "meetings"),
               derive=lambda rows, ctx, ev: (cpu_node.with_meeting_waits(rows, ctx, ctx.processes)

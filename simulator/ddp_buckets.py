@@ -30,15 +30,24 @@ def ddp_bucketed_all_reduces(rows: LayerTable, ctx, processes: int) -> LayerTabl
     if ctx.rank_cm[0].code.optimizer.sync_after_flush:      # no buckets: one sync after the backward
         return rows
     cm, link, level = ctx.rank_cm[0], ctx.links.dp.link, ctx.links.dp.level
-    grad = rows.dp_grad_bytes
     ar = np.zeros(len(rows))
-    cap, filled = DDP_FIRST_BUCKET_BYTES, 0.0
-    for k in range(len(rows) - 1, -1, -1):
-        filled += grad[k]
-        if filled > 0 and (filled >= cap or k == 0):
-            ar[k] = cm.collective_time("all_reduce", filled, mesh.grad_degree, link, level, processes=processes)
-            cap, filled = DDP_BUCKET_BYTES, 0.0
+    for closing, _top, filled in buckets(rows.dp_grad_bytes):
+        ar[closing] = cm.collective_time("all_reduce", filled, mesh.grad_degree, link, level, processes=processes)
     return rows.with_columns(dp_allreduce_s=ar)
+
+
+def buckets(grad_bytes) -> list[tuple[int, int, float]]:
+    """DDP's buckets over layers whose gradients hold ``grad_bytes``: (the layer that closes the
+    bucket -- the lowest, which backward reaches last --, the highest layer in it, its bytes), in
+    backward order (``ddp_bucketed_all_reduces``)."""
+    out = []
+    cap, filled, start = DDP_FIRST_BUCKET_BYTES, 0.0, len(grad_bytes) - 1
+    for k in range(len(grad_bytes) - 1, -1, -1):
+        filled += grad_bytes[k]
+        if filled > 0 and (filled >= cap or k == 0):
+            out.append((k, start, filled))
+            cap, filled, start = DDP_BUCKET_BYTES, 0.0, k - 1
+    return out
 
 
 def acts(ctx) -> bool:

@@ -23,11 +23,16 @@ from autopar.simulator.result import SimResult
 
 def plan_cost_models(plan: Plan, cost_model: CostModel | Mapping[str, CostModel]):
     """``cost_model`` (one, or by GPU name) pricing the training code the plan assumes: with
-    ``TrainingCode.grad_clip`` when the plan is priced as a clipped run (``Plan.grad_clip``)."""
-    if not plan.grad_clip:
+    ``TrainingCode.grad_clip`` when the plan is priced as a clipped run (``Plan.grad_clip``), and
+    the plan's gradient compression (``Plan.grad_compression``, simulator/grad_compression.py)."""
+    if not plan.grad_clip and plan.grad_compression == "none":
         return cost_model
-    clip = (lambda cm: cm if cm.code.grad_clip else cm.for_code(replace(cm.code, grad_clip=True)))
-    return clip(cost_model) if isinstance(cost_model, CostModel) else {k: clip(cm) for k, cm in cost_model.items()}
+
+    def code(cm: CostModel) -> CostModel:
+        want = replace(cm.code, grad_clip=cm.code.grad_clip or plan.grad_clip, grad_compression=plan.grad_compression)
+        return cm if want == cm.code else cm.for_code(want)
+
+    return code(cost_model) if isinstance(cost_model, CostModel) else {k: code(cm) for k, cm in cost_model.items()}
 
 
 def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel | Mapping[str, CostModel], *,

@@ -29,7 +29,9 @@ names the module that owns its mechanism:
 * ``distributed_optimizer``: whether ZeRO-0's optimizer state is sharded over the data-parallel ranks
   (simulator/layer_cost.py ``_data_parallel``);
 * ``grad_clip``: whether the run clips the gradients by their global norm (``--grad-clip``,
-  runtime/grad_norm.py; its cost: simulator/optimizer_step.py ``grad_clip_time``).
+  runtime/grad_norm.py; its cost: simulator/optimizer_step.py ``grad_clip_time``);
+* ``grad_compression``: how the data-parallel gradient reduce is compressed (the plan's
+  ``grad_compression``, core/grad_compression.py; its price: simulator/grad_compression.py).
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class TrainingCode:
     #: and all-gather: one all-reduce's bytes); autopar's runtime shards nothing at ZeRO-0
     distributed_optimizer: bool = False
     grad_clip: bool = False
+    grad_compression: str = "none"
 
     def __post_init__(self):
         if self.ep_dispatch not in EP_DISPATCHES:

@@ -20,6 +20,8 @@ EXPECTED = {
     "h100-16x8": (16, 8, "h100-sxm", 450, 50),
     "h100-128x8": (128, 8, "h100-sxm", 450, 50),
     "local-cpu": (1, 4, "local-cpu", None, None),
+    # one 100 GbE port per node: 100 / 8 bits / 8 GPUs (a network-bound data-parallel reduce)
+    "ethernet-8x8": (8, 8, "a100-80gb-sxm", 300, 1.5625),
 }
 
 GOOD = """\
