@@ -28,6 +28,7 @@ taken in at once, through a re-plan.  It stops
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import socket
@@ -41,7 +42,7 @@ from autopar.core.errors import UserError
 _FINAL = {0, 2, 3, 4}
 # the re-plan's search budget, seconds (autopar plan's default is 40; a switch waits for it)
 DEFAULT_REPLAN_BUDGET_S = 20.0
-DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 60      # whole seconds: torch's c10d rendezvous reads integers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint (needs --checkpoint-dir; every node runs the same command)")
     g.add_argument("--min-nodes", type=T.positive, default=None, metavar="N",
                    help="with --elastic: stop (exit 2) rather than train on fewer than N nodes (default 1)")
-    g.add_argument("--rendezvous-timeout", type=T.positive_number, default=None, metavar="SECONDS",
+    g.add_argument("--rendezvous-timeout", type=T.positive, default=None, metavar="SECONDS",
                    help=f"with --elastic: how long the rendezvous waits for a missing node before it goes on "
                         f"without it (default {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
     g.add_argument("--replan-budget", type=T.positive_number, default=None, metavar="SECONDS",
@@ -87,11 +88,11 @@ def check_reachable(endpoint: str, timeout_s: float) -> None:
                     f"-- and give every node its host:port; check the address and that the port is open.")
 
 
-def _plan_shape(args: argparse.Namespace, checked) -> tuple[int, int]:
+def _plan_shape(args: argparse.Namespace, plan) -> tuple[int, int]:
     """(ranks per node, nodes) of the plan's cluster."""
     from autopar.runtime.run_cli import plan_nodes
 
-    shape = plan_nodes(checked.plan)
+    shape = plan_nodes(plan)
     if shape is None:
         raise UserError(f"plan file {args.plan} does not name a cluster that loads (provenance.cluster_ref, written "
                         f"by 'autopar plan'), so --elastic cannot re-plan it for fewer nodes. Make the plan with "
@@ -103,18 +104,26 @@ def _plan_shape(args: argparse.Namespace, checked) -> tuple[int, int]:
     return counts[0], len(counts)
 
 
-def _check_same_model(plan_path: str, checked, checkpoint_dir: Path) -> None:
-    from autopar.runtime.checkpointing import latest_checkpoint, read_manifest
+def _check_same_model(plan_path: str, plan, checkpoint_dir: Path) -> None:
+    """The newest checkpoint's model fingerprint must be the plan's."""
+    from autopar.elastic.switches import read_json
+    from autopar.runtime.checkpointing import ELASTIC_DIR, MANIFEST, latest_checkpoint
 
     found = latest_checkpoint(checkpoint_dir)
     if found is None:
         return
-    manifest = read_manifest(found[1])
-    saved = manifest.get("fingerprint")
-    if saved is not None and saved not in (checked.plan.model.fingerprint, *checked.graph.fingerprints):
+    saved = (read_json(found[1] / MANIFEST) or {}).get("fingerprint")   # the ranks check the rest when they resume
+    known = {plan.model.fingerprint}
+    current = (read_json(checkpoint_dir / ELASTIC_DIR / "state.json") or {}).get("plan")
+    if current:                                       # an elastic run that switched plans before
+        from autopar.core.plan import load_plan
+
+        with contextlib.suppress(UserError):
+            known.add(load_plan(Path(current)).model.fingerprint)
+    if saved is not None and saved not in known:
         raise UserError(f"plan file {plan_path} is for another "
                         f"model than the checkpoint {found[1]} under --checkpoint-dir (model fingerprint {saved}, "
-                        f"the plan's {checked.plan.model.fingerprint}). Give the plan of the run that saved it, or a "
+                        f"the plan's {plan.model.fingerprint}). Give the plan of the run that saved it, or a "
                         f"new --checkpoint-dir.")
 
 
@@ -123,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.elastic.agent import RENDEZVOUS_FAILED
     from autopar.runtime.options import options_from_args
     from autopar.runtime.output_paths import check_output_paths
-    from autopar.runtime.plan_check import check_plan
+    from autopar.core.plan import load_plan
     from autopar.runtime.ports import free_port
     from autopar.runtime.run_cli import _call_and_report, runtime_arguments
 
@@ -138,14 +147,15 @@ def main(args: argparse.Namespace) -> int:
     timeout = args.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT_S
     budget = args.replan_budget or DEFAULT_REPLAN_BUDGET_S
     least = args.min_nodes or 1
-    checked = check_plan(Path(args.plan), None)
-    per_node, max_nodes = _plan_shape(args, checked)
+    # the plan file alone (its model is captured by every rank, which report a bad one once, exit 2)
+    plan = load_plan(Path(args.plan))
+    per_node, max_nodes = _plan_shape(args, plan)
     if least > max_nodes:
         raise UserError(f"--min-nodes {least} is more than the {max_nodes} node(s) plan file {args.plan} runs on; "
                         f"an elastic run trains on at most the plan's nodes. Give --min-nodes {max_nodes} or less, "
                         f"or plan for a larger cluster.")
     ck = Path(opts.checkpoint_dir)
-    _check_same_model(args.plan, checked, ck)
+    _check_same_model(args.plan, plan, ck)
     endpoint = args.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     check_reachable(endpoint, timeout)
     check_output_paths(opts)
@@ -164,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
         low = max_nodes if first else least
         # torch's join_timeout bounds the whole rendezvous: the wait for MIN nodes, then the last
         # call for the others, then torch's 5 s roll-back period (dynamic_rendezvous._RendezvousJoinOp)
-        conf = (f"join_timeout={2 * timeout + 5:g},last_call_timeout={timeout:g},"
+        conf = (f"join_timeout={2 * timeout + 5},last_call_timeout={timeout},"
                 f"keep_alive_interval={switches.KEEP_ALIVE_INTERVAL_S},"
                 f"keep_alive_max_attempt={switches.KEEP_ALIVE_MAX_ATTEMPT}")
         cmd = [sys.executable, "-m", "autopar.elastic.agent", "--nnodes", f"{low}:{max_nodes}",
