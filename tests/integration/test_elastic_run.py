@@ -20,62 +20,16 @@ with one paragraph, in one process.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from cli_inprocess import run_cli
-from runtime_support import ROOT, assert_matches_reference, free_port, make_plan, reference, worker_env
+from elastic_support import plan_on_cluster, run_losing_a_node
+from runtime_support import assert_matches_reference, reference
 
-CLUSTER = """\
-name: two-cpu-nodes
-backend: gloo
-inter_node: {bandwidth_GBps: 1.4, latency_us: 750}
-groups:
-  - name: cpu
-    gpu: local-cpu
-    nodes: 2
-    gpus_per_node: 2
-    host_memory_GB: 8
-"""
 STEPS = 6
 KILL_AFTER = 3                 # node 1 dies once step 3 is logged; the newest checkpoint is step 2
-
-
-def _plan_on_cluster(tmp: Path) -> Path:
-    """The dp2 x tp2 plan, recorded as planned for the two-node cluster (what 'autopar plan
-    --cluster' writes in provenance), so the elastic run can re-plan it with --nodes."""
-    (tmp / "cluster.yaml").write_text(CLUSTER)
-    plan = make_plan(tmp / "plan.json", dp=2, tp=2, micro_batch=2, zero=3)
-    data = json.loads(plan.read_text())
-    data.setdefault("provenance", {}).update(cluster_ref=str(tmp / "cluster.yaml"), cluster_nodes=None)
-    plan.write_text(json.dumps(data))
-    return plan
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [pid]
-    while todo:
-        x = todo.pop()
-        out.append(x)
-        todo += children.get(x, [])
-    return out
 
 
 def _logged_steps(text: str) -> list[int]:
@@ -84,64 +38,27 @@ def _logged_steps(text: str) -> list[int]:
 
 @pytest.mark.multiproc
 def test_elastic_run_loses_a_node_replans_and_matches_the_plain_loop(tmp_path):
-    plan = _plan_on_cluster(tmp_path)
-    port = free_port()
+    plan = plan_on_cluster(tmp_path)
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "autopar.cli", "run", str(plan), "--checkpoint-dir", str(ck), "--checkpoint-every",
-           "2", "--steps", str(STEPS), "--elastic", "--rendezvous-timeout", "2", "--replan-budget", "1",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--timing-warmup", "0"]
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]
-    node0 = subprocess.Popen(cmd, stdout=logs[0], stderr=subprocess.STDOUT, cwd=tmp_path, env=worker_env(),
-                             start_new_session=True)
-    node1 = None
-    try:
-        deadline = time.monotonic() + 120
-        while True:                     # node 0 hosts the rendezvous store: start node 1 once it listens
-            assert node0.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.log").read_text()
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        node1 = subprocess.Popen(cmd, stdout=logs[1], stderr=subprocess.STDOUT, cwd=tmp_path, env=worker_env(),
-                                 start_new_session=True)
-        metrics = ck / "elastic" / "metrics.jsonl"
-        while _last(metrics) < KILL_AFTER:
-            assert node0.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.log").read_text()
-            time.sleep(0.05)
-        for pid in _tree(node1.pid):    # the whole node: its autopar run, its agent, its ranks
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        node1.wait(timeout=30)
-        code = node0.wait(timeout=180)
-    finally:
-        for p in (node0, node1):
-            if p is not None and p.poll() is None:
-                for pid in _tree(p.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-        for f in logs:
-            f.close()
-    out = (tmp_path / "node0.log").read_text()
+    run = run_losing_a_node(tmp_path, plan, ck, STEPS, KILL_AFTER,
+                            ("--checkpoint-every", "2", "--rendezvous-timeout", "2", "--replan-budget", "1",
+                             "--timing-warmup", "0"))
+    code, out = run.code, run.node0
     assert code == 0, out[-6000:]
     m = json.loads((tmp_path / "measured.json").read_text())
     assert m["world_size"] == 2 and m["plan"].endswith("plan_1.json"), m["plan"]
     (switch,) = m["switches"]
     assert switch["old_layout"] == "4 ranks, dp 2 x tp 2" and switch["new_layout"].startswith("2 ranks"), switch
-    assert len(switch["nodes_before"]) == 2 and switch["nodes_after"] == switch["nodes_before"][:1] or \
-        len(switch["nodes_after"]) == 1, switch
-    assert switch["nodes_lost"] and not switch["nodes_joined"], switch
+    assert len(switch["nodes_before"]) == 2 and len(switch["nodes_after"]) == 1, switch
+    assert switch["nodes_lost"] == [n for n in switch["nodes_before"] if n not in switch["nodes_after"]], switch
+    assert not switch["nodes_joined"], switch
     ckpt_step = switch["checkpoint_step"]
     assert ckpt_step == 2 and m["first_step"] == ckpt_step, (switch, m["first_step"])
     # the steps: before the switch 1..last (logged by the round's rank 0, on either node), after it
     # ckpt+1..STEPS on node 0, each once; the lost ones run again
     first_round, _, second_round = out.partition("launching again with the nodes that remain")
     assert second_round, out[-4000:]
-    before = _logged_steps(first_round) + _logged_steps((tmp_path / "node1.log").read_text())
+    before = _logged_steps(first_round) + _logged_steps(run.node1)
     after = _logged_steps(second_round)
     assert before == list(range(1, before[-1] + 1)) and before[-1] >= KILL_AFTER, steps
     assert after == list(range(ckpt_step + 1, STEPS + 1)), steps
@@ -156,13 +73,6 @@ def test_elastic_run_loses_a_node_replans_and_matches_the_plain_loop(tmp_path):
     assert not list(ck.glob("*.partial")) and not (ck / "lock.json").exists()
 
 
-def _last(metrics: Path) -> int:
-    try:
-        return max([json.loads(l)["step"] for l in metrics.read_text().splitlines() if l.strip()] or [0])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
 def _flat(text: str) -> str:
     return " ".join(text.split())
 
@@ -171,7 +81,7 @@ def test_elastic_bad_input_exits_2_with_one_paragraph(tmp_path):
     """--min-nodes above the plan's nodes, a plan for another model than the checkpoint's, an
     unreachable rendezvous, and --elastic without a checkpoint folder: exit 2, one paragraph,
     nothing started."""
-    plan = _plan_on_cluster(tmp_path)
+    plan = plan_on_cluster(tmp_path)
     ck = tmp_path / "ck"
     base = ("run", plan, "--elastic", "--checkpoint-dir", ck)
     for extra, said in ((("--min-nodes", 3), "--min-nodes 3 is more than the 2 node(s)"),
