@@ -5,7 +5,7 @@ Every node runs the same command (``--rdzv-endpoint`` names node 0, which hosts 
 store).  Membership is torch's: each launch is one torchrun agent per node
 (``autopar.elastic.agent``) with ``--nnodes MIN:MAX`` and torch's c10d rendezvous.  MAX is the
 number of nodes the plan's cluster has; the first launch waits for all of them (MIN = MAX) up
-to ``--rendezvous-timeout``, a later one for ``--min-nodes``, and then ``--rendezvous-timeout``
+to ``--start-timeout`` (torch's default join timeout, 600 s), a later one for ``--min-nodes``, and then ``--rendezvous-timeout``
 more for the others (torch's ``last_call_timeout``) before it goes on with those that came.
 The ranks of each round agree on the plan (``autopar.elastic.worker``): the current one, or a
 re-plan through the planner for the round's node count (``autopar replan --nodes N``, the global
@@ -20,8 +20,8 @@ taken in at once, through a re-plan.  It stops
 
 * when a launch ends well (exit 0), or with a user error (2, 3) or a non-finite loss (4), or
   after a stop signal (128 + the signal): that launch's code;
-* when fewer than ``--min-nodes`` nodes come to the rendezvous within ``--rendezvous-timeout``:
-  exit 2;
+* when fewer than ``--min-nodes`` nodes come to the rendezvous within ``--start-timeout`` (the
+  first launch) or ``--rendezvous-timeout`` (a later one): exit 2;
 * when a launch fails again without a checkpoint or a switch since the last failure (a failure
   that is not the cluster's): that launch's code.
 """
@@ -42,6 +42,9 @@ from autopar.core.errors import UserError
 _FINAL = {0, 2, 3, 4}
 # the re-plan's search budget, seconds (autopar plan's default is 40; a switch waits for it)
 DEFAULT_REPLAN_BUDGET_S = 20.0
+# the first launch waits this long for all the plan's nodes: torch's c10d join_timeout default
+# (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, RendezvousTimeout)
+DEFAULT_START_TIMEOUT_S = 600
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60      # whole seconds: torch's c10d rendezvous reads integers
 
 
@@ -57,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rendezvous-timeout", type=T.positive, default=None, metavar="SECONDS",
                    help=f"with --elastic: how long the rendezvous waits for a missing node before it goes on "
                         f"without it (default {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
+    g.add_argument("--start-timeout", type=T.positive, default=None, metavar="SECONDS",
+                   help=f"with --elastic: how long the first rendezvous waits for all the plan's nodes before it goes "
+                        f"on with those that came (default {DEFAULT_START_TIMEOUT_S}, torch's join_timeout)")
     g.add_argument("--replan-budget", type=T.positive_number, default=None, metavar="SECONDS",
                    help=f"with --elastic: the re-plan's search budget (default {DEFAULT_REPLAN_BUDGET_S:g})")
 
@@ -145,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--nnodes and --elastic go apart: an elastic run takes the nodes that come to the rendezvous "
                         "(at most the plan's); give --min-nodes for the fewest it may train on.")
     timeout = args.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT_S
+    start = args.start_timeout or DEFAULT_START_TIMEOUT_S
     budget = args.replan_budget or DEFAULT_REPLAN_BUDGET_S
     least = args.min_nodes or 1
     # the plan file alone (its model is captured by every rank, which report a bad one once, exit 2)
@@ -172,9 +179,11 @@ def main(args: argparse.Namespace) -> int:
     while True:
         launched = time.time()
         low = max_nodes if first else least
-        # torch's join_timeout bounds the whole rendezvous: the wait for MIN nodes, then the last
-        # call for the others, then torch's 5 s roll-back period (dynamic_rendezvous._RendezvousJoinOp)
-        conf = (f"join_timeout={2 * timeout + 5},last_call_timeout={timeout},"
+        # torch's join_timeout bounds the whole rendezvous (dynamic_rendezvous._RendezvousJoinOp):
+        # the wait for MIN nodes, then, where MIN < MAX, the last call for the others
+        join = start if first else (timeout if low == max_nodes else 2 * timeout)
+        # close_timeout: an agent leaving a rendezvous whose store died gives up after it
+        conf = (f"join_timeout={join},last_call_timeout={timeout},close_timeout={timeout},"
                 f"keep_alive_interval={switches.KEEP_ALIVE_INTERVAL_S},"
                 f"keep_alive_max_attempt={switches.KEEP_ALIVE_MAX_ATTEMPT}")
         cmd = [sys.executable, "-m", "autopar.elastic.agent", "--nnodes", f"{low}:{max_nodes}",
@@ -193,16 +202,17 @@ def main(args: argparse.Namespace) -> int:
         code = _call_and_report(cmd, failure=failure)
         if code == RENDEZVOUS_FAILED:
             if first and least < max_nodes:
-                print(f"autopar run --elastic: not all {max_nodes} node(s) came within {timeout:g} s; going on with "
+                print(f"autopar run --elastic: not all {max_nodes} node(s) came within {start} s; going on with "
                       f"at least --min-nodes {least}.", file=sys.stderr, flush=True)
                 switches.record_failure(state, {"time": time.time(), "why": f"not all {max_nodes} node(s) came to "
-                                                f"the rendezvous within {timeout:g} s"})
+                                                f"the rendezvous within --start-timeout {start} s"})
                 first = False
                 continue
+            waited = f"--start-timeout {start}" if first else f"--rendezvous-timeout {timeout}"
             raise UserError(f"fewer than --min-nodes {low} node(s) came to the rendezvous at {endpoint} within "
-                            f"--rendezvous-timeout {timeout:g} s, so the run stops here; its newest checkpoint "
+                            f"{waited} s, so the run stops here; its newest checkpoint "
                             f"under {ck} is kept. Start the missing nodes (each runs this same command), lower "
-                            f"--min-nodes, or give a longer --rendezvous-timeout.")
+                            f"--min-nodes, or wait longer ({waited.split()[0]}).")
         if code in _FINAL or code >= 128:
             return code
         progress = (switches.checkpoint_step(ck), len((switches.read_json(state / switches.STATE) or {})

@@ -24,6 +24,7 @@ def main(args: argparse.Namespace) -> int:
 
         return orchestrate.main(args)
     given = [f for f, v in (("--min-nodes", args.min_nodes), ("--rendezvous-timeout", args.rendezvous_timeout),
+                            ("--start-timeout", args.start_timeout),
                             ("--replan-budget", args.replan_budget)) if v is not None]
     if given:
         raise UserError(f"{', '.join(given)} only apply to an elastic run: add --elastic (and --checkpoint-dir).")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -78,9 +79,9 @@ def _flat(text: str) -> str:
 
 
 def test_elastic_bad_input_exits_2_with_one_paragraph(tmp_path):
-    """--min-nodes above the plan's nodes, a plan for another model than the checkpoint's, an
-    unreachable rendezvous, and --elastic without a checkpoint folder: exit 2, one paragraph,
-    nothing started."""
+    """--min-nodes above the plan's nodes or above the nodes that come to the rendezvous, a plan
+    for another model than the checkpoint's, an unreachable rendezvous, and --elastic without a
+    checkpoint folder: exit 2, one paragraph, no rank started."""
     plan = plan_on_cluster(tmp_path)
     ck = tmp_path / "ck"
     base = ("run", plan, "--elastic", "--checkpoint-dir", ck)
@@ -92,6 +93,12 @@ def test_elastic_bad_input_exits_2_with_one_paragraph(tmp_path):
         assert said in _flat(out.stderr) and "Traceback" not in out.stderr, (extra, out.stderr)
     out = run_cli("run", plan, "--elastic")
     assert out.returncode == 2 and "needs --checkpoint-dir" in _flat(out.stderr), out.stderr
+    # --min-nodes 2 where one node comes: the rendezvous (a torchrun agent, no rank starts) gives up
+    out = run_cli(*base, "--min-nodes", 2, "--start-timeout", 1)
+    assert out.returncode == 2, out.stderr
+    assert "fewer than --min-nodes 2 node(s) came to the rendezvous" in _flat(out.stderr), out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    shutil.rmtree(ck)
     out = run_cli("run", plan, "--min-nodes", 1)
     assert out.returncode == 2 and "only apply to an elastic run" in _flat(out.stderr), out.stderr
     # a checkpoint of another model (the manifest's fingerprint) under --checkpoint-dir
