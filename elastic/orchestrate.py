@@ -222,8 +222,9 @@ def main(args: argparse.Namespace) -> int:
                   f"change since the last failure: stopping.", file=sys.stderr, flush=True)
             return code
         failed_before, mark, first = True, progress, False
-        why = (f"ranks failed (exit {code}; first: rank {failure.get('rank', '?')}) and torchrun's "
-               f"--max-restarts {args.max_restarts} were spent")
+        said = (str(failure.get("message") or "").strip().splitlines() or [""])[-1][:200]
+        why = (f"ranks failed (exit {code}; first: rank {failure.get('rank', '?')}{': ' + said if said else ''}) "
+               f"and torchrun's --max-restarts {args.max_restarts} were spent")
         switches.record_failure(state, {"time": failure.get("time", time.time()), "code": code, "why": why})
         print(f"autopar run --elastic: {why}; launching again with the nodes that remain.", file=sys.stderr,
               flush=True)
