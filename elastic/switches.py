@@ -21,10 +21,11 @@ one.  The predicted switch time is the sum of
   ``DynamicRendezvousHandler``), plus torch's dead-node detection, ``keep_alive_interval`` x
   ``keep_alive_max_attempt`` (the values ``autopar run --elastic`` gives it);
 * the re-plan: the search's wall-clock budget (``--replan-budget``; the planner stops there);
-* the restart: the start-up the previous launch measured (from its launch to its first
-  logged step: process start, model build, and where it resumed, the checkpoint read).  The
-  reshard of the checkpoint into the new layout is part of that read; a first launch read no
-  checkpoint, so the first switch's prediction leaves it out.
+* the restart: the start-up of the previous launch's ranks (from their start, once its
+  rendezvous completed, to the first logged step: imports, plan check, model build, and where
+  it resumed, the checkpoint read).  The reshard of the checkpoint into the new layout is part
+  of that read; a first launch read no checkpoint, so the first switch's prediction leaves it
+  out, and so it does the agents' own start (a Python process importing torch).
 
 The measured switch time runs from the failure (the first failing rank's record; where no rank
 failed, the launch's start) to the first step after logged in the metrics file.
@@ -86,6 +87,19 @@ def record_failure(directory: Path, record: dict) -> None:
         return
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def clear_earlier_round_lock(checkpoint_dir: Path, run_id: str, log) -> None:
+    """Remove the checkpoint lock an earlier round of this elastic run left (its rank 0 may have
+    been on a node that is gone, so the runtime cannot see that its pid is dead).  A new round
+    starts only after the agents stopped the earlier round's ranks; a lock of another run is kept."""
+    from autopar.runtime.checkpoint_lock import LOCK
+
+    holder = read_json(Path(checkpoint_dir) / LOCK)
+    if holder is not None and holder.get("elastic_run") == run_id:
+        (Path(checkpoint_dir) / LOCK).unlink(missing_ok=True)
+        log(f"removed the checkpoint lock of an earlier round of this run (pid {holder.get('pid')} on "
+            f"{holder.get('host')})")
 
 
 def layout(plan) -> str:
@@ -176,7 +190,7 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
                         f"devices each.")
     last = last_logged_step(metrics)
     step = out["resume_step"]
-    startup = state.get("startup_s")
+    startup = state.get("ranks_startup_s")
     detect = KEEP_ALIVE_INTERVAL_S * KEEP_ALIVE_MAX_ATTEMPT
     wait = rendezvous_timeout_s if len(nodes) < max_nodes else 0.0
     predicted = {"rendezvous_s": detect + wait, "replan_s": budget_s, "restart_s": startup}
@@ -223,10 +237,11 @@ def describe(switch: dict) -> list[str]:
     ]
 
 
-def watch_first_step(directory: Path, metrics: Path, after_step: int, launched_at: float, switch: int | None,
-                     log, poll_s: float = 0.05) -> threading.Thread:
+def watch_first_step(directory: Path, metrics: Path, after_step: int, launched_at: float, started_at: float,
+                     switch: int | None, log, poll_s: float = 0.05) -> threading.Thread:
     """A daemon thread that waits for the metrics file's first step record past ``after_step``,
-    then records the launch's start-up and, for a switch, the measured switch time."""
+    then records the launch's start-up (from its launch, and from its ranks' start) and, for a
+    switch, the measured switch time."""
     def watch():
         while True:
             last = last_logged_step(metrics)
@@ -236,6 +251,7 @@ def watch_first_step(directory: Path, metrics: Path, after_step: int, launched_a
         now = time.time()
         state = read_json(directory / STATE) or {}
         state["startup_s"] = now - launched_at
+        state["ranks_startup_s"] = now - started_at
         if switch is not None:
             rec = state["switches"][switch - 1]
             rec["first_step_after_at"] = now

@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> int:
     from autopar.elastic import switches
     from autopar.runtime.rank_errors import report_failure
 
+    started = time.time()
     split = argv.index("--")
     args, run_args = _parser().parse_args(argv[:split]), argv[split + 1:]
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -69,9 +71,14 @@ def main(argv: list[str]) -> int:
     store = _store()
     if local == 0:
         store.set(f"node/{os.environ['GROUP_RANK']}", os.environ.get(NODE_ENV) or socket.gethostname())
+    from autopar.runtime.checkpoint_lock import ELASTIC_RUN_ENV
+
+    run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}@{args.checkpoint_dir.resolve()}"
+    os.environ[ELASTIC_RUN_ENV] = run_id                  # the runtime records it in the checkpoint lock
     watcher = None
     if rank == 0:
         names = [store.get(f"node/{i}").decode() for i in range(nodes)]
+        switches.clear_earlier_round_lock(args.checkpoint_dir, run_id, _log)
         try:
             decision = switches.decide(
                 directory=args.state, given_plan=Path(run_args[0]), checkpoint_dir=args.checkpoint_dir,
@@ -83,7 +90,7 @@ def main(argv: list[str]) -> int:
         store.set("decision", json.dumps(decision))
         if "plan" in decision:
             watcher = switches.watch_first_step(args.state, args.metrics, decision["resume_step"], args.launched_at,
-                                                decision.get("switch"), _log)
+                                                started, decision.get("switch"), _log)
     else:
         decision = json.loads(store.get("decision").decode())
     if "plan" not in decision:

@@ -109,3 +109,19 @@ def test_elastic_bad_input_exits_2_with_one_paragraph(tmp_path):
     out = run_cli(*base)
     assert out.returncode == 2 and "is for another model than the checkpoint" in _flat(out.stderr), out.stderr
     assert not (ck / "elastic").exists()
+
+
+def test_an_earlier_rounds_lock_is_cleared_and_another_runs_is_kept(tmp_path):
+    """A round's rank 0 removes the checkpoint lock its own run's earlier round left (its holder
+    may have died on a node that is gone: another host, whose pids cannot be checked), never the
+    lock of another run."""
+    from autopar.elastic.switches import clear_earlier_round_lock
+
+    lock = tmp_path / "lock.json"
+    said = []
+    lock.write_text(json.dumps({"pid": 7, "host": "node-that-died", "elastic_run": "other@/ck"}))
+    clear_earlier_round_lock(tmp_path, "mine@/ck", said.append)
+    assert lock.exists() and not said
+    lock.write_text(json.dumps({"pid": 7, "host": "node-that-died", "elastic_run": "mine@/ck"}))
+    clear_earlier_round_lock(tmp_path, "mine@/ck", said.append)
+    assert not lock.exists() and "pid 7 on node-that-died" in said[0]
