@@ -24,11 +24,11 @@ from the checkpoints' manifests, then its own) and its final parameters (read ba
 last checkpoint by DCP's own converter) must match it within 1e-5.  The checkpoint must hold
 the tied parameter once, under its canonical name (what lets every layout read it).
 
-* ``autopar replan`` then resume, 4 -> 2 ranks and 2 -> 4, on the zoo's nanoGPT
-  (``tests/zoo/nanogpt.py``, tied ``lm_head``) and on Hugging Face's Llama
-  (``tests/zoo/hf_llama.py``): the first leg runs a hand-made plan, the second the plan
-  ``autopar replan --cluster`` wrote for a cluster of 2 (or 4) devices, resumed from the first
-  leg's checkpoint.
+* ``autopar replan`` then resume, 4 -> 2 ranks and 2 -> 4 on the zoo's nanoGPT
+  (``tests/zoo/nanogpt.py``, tied ``lm_head``), 4 -> 2 on Hugging Face's Llama
+  (``tests/zoo/hf_llama.py``; its re-plan is a pipeline cut from ``torch.export``): the first
+  leg runs a hand-made plan, the second the plan ``autopar replan --cluster`` wrote for a
+  cluster of 2 (or 4) devices, resumed from the first leg's checkpoint.
 
 Three launches: the 4-rank one first (it writes the 4 -> 2 checkpoints), then one 2-rank launch
 for all 2-rank cases, in order (it writes the 2 -> 4 checkpoints, which a second 4-rank launch
@@ -98,6 +98,9 @@ def _has_transformers() -> bool:
 # autopar replan then resume (4 -> 2 and 2 -> 4): first legs by hand, second legs planned by
 # 'autopar replan --cluster' for 2 or 4 local CPU devices (one node of 2, two nodes of 2)
 REPLAN_MODELS = {"nanogpt": ZOO / "nanogpt.py", "hf_llama": ZOO / "hf_llama.py"}
+# the directions each model runs: Llama 4 -> 2 only, for the suite's time (its 2 -> 4 re-plan is a
+# 4-stage pipeline cut from torch.export, the launch's dearest case)
+REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2",)}
 REPLAN_CLUSTER = """\
 name: cpu-nodes
 backend: gloo
@@ -130,17 +133,22 @@ def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
     for name, model in REPLAN_MODELS.items():
         if name.startswith("hf_") and not _has_transformers():
             continue
-        down = _case(tmp, f"{name}.four", FOUR_ZERO3, tmp / f"{name}_4to2.ckpt", LEG, model=model)
-        down_b = dict(down, name=f"{name}.four_to_two", steps=2 * LEG, measured=str(tmp / f"{name}.42.measured.json"),
-                      plan=str(_replanned(Path(down["plan"]), 1, tmp / f"{name}.replan2.json")))
-        up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
-        up_b = dict(up, name=f"{name}.two_to_four", steps=2 * LEG, measured=str(tmp / f"{name}.24.measured.json"),
-                    plan=str(_replanned(Path(up["plan"]), 2, tmp / f"{name}.replan4.json")))
-        first4.append(down)
-        two += [down_b, up]
-        second4.append(up_b)
-        runs[f"replan_{name}_4to2"] = {"cases": [down, down_b], "steps": 2 * LEG, "model": model, "replanned": True}
-        runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": 2 * LEG, "model": model, "replanned": True}
+        if "4to2" in REPLAN_DIRECTIONS[name]:
+            down = _case(tmp, f"{name}.four", FOUR_ZERO3, tmp / f"{name}_4to2.ckpt", LEG, model=model)
+            down_b = dict(down, name=f"{name}.four_to_two", steps=2 * LEG,
+                          measured=str(tmp / f"{name}.42.measured.json"),
+                          plan=str(_replanned(Path(down["plan"]), 1, tmp / f"{name}.replan2.json")))
+            first4.append(down)
+            two.append(down_b)
+            runs[f"replan_{name}_4to2"] = {"cases": [down, down_b], "steps": 2 * LEG, "model": model,
+                                           "replanned": True}
+        if "2to4" in REPLAN_DIRECTIONS[name]:
+            up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
+            up_b = dict(up, name=f"{name}.two_to_four", steps=2 * LEG, measured=str(tmp / f"{name}.24.measured.json"),
+                        plan=str(_replanned(Path(up["plan"]), 2, tmp / f"{name}.replan4.json")))
+            two.append(up)
+            second4.append(up_b)
+            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": 2 * LEG, "model": model, "replanned": True}
     return first4, two, second4, runs
 
 
@@ -243,7 +251,7 @@ def _saved_keys(checkpoint_dir: Path) -> set[str]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3",
                                    "hf_gpt2_tp2_zero3_pp2_tp2",
-                                   *(f"replan_{m}_{d}" for m in REPLAN_MODELS for d in ("4to2", "2to4"))])
+                                   *(f"replan_{m}_{d}" for m, ds in REPLAN_DIRECTIONS.items() for d in ds)])
 def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
     if chain not in runs:
         pytest.skip("transformers is not installed")
