@@ -165,9 +165,10 @@ def main(args: argparse.Namespace) -> int:
     _check_same_model(args.plan, plan, ck)
     endpoint = args.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     check_reachable(endpoint, timeout)
-    check_output_paths(opts)
     state = switches.state_dir(ck)
-    state.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:                               # a dry run writes nothing
+        check_output_paths(opts)
+        state.mkdir(parents=True, exist_ok=True)
     args.measured = opts.measured_file                 # beside the given plan, not a re-plan
     if args.metrics is None:
         args.metrics = state / "metrics.jsonl"         # the steps the switches count

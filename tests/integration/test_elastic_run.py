@@ -85,6 +85,9 @@ def test_elastic_bad_input_exits_2_with_one_paragraph(tmp_path):
     plan = plan_on_cluster(tmp_path)
     ck = tmp_path / "ck"
     base = ("run", plan, "--elastic", "--checkpoint-dir", ck)
+    out = run_cli(*base, "--dry-run")            # the first launch's command, nothing written
+    assert out.returncode == 0 and "-m autopar.elastic.agent --nnodes 2:2 --nproc-per-node 2" in out.stdout, out
+    assert not ck.exists()
     for extra, said in ((("--min-nodes", 3), "--min-nodes 3 is more than the 2 node(s)"),
                         (("--rdzv-endpoint", "rendezvous-host.invalid:29400", "--rendezvous-timeout", "1"),
                          "could not be reached within --rendezvous-timeout 1 s")):
