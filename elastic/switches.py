@@ -102,6 +102,20 @@ def clear_earlier_round_lock(checkpoint_dir: Path, run_id: str, log) -> None:
             f"{holder.get('host')})")
 
 
+def restarted_after() -> dict | None:
+    """Within one launch, torchrun restarts the workers after a failure while ``--max-restarts``
+    last: the failure is then the first failing rank's record in ``$AUTOPAR_ERROR_FILE``
+    (runtime/rank_errors.py, kept by the launch across its restarts), or None."""
+    from autopar.runtime.rank_errors import ERROR_FILE_ENV
+
+    record = read_json(Path(os.environ.get(ERROR_FILE_ENV) or "/nonexistent"))
+    if not record or not isinstance(record.get("time"), (int, float)):
+        return None
+    said = (str(record.get("message") or "").strip().splitlines() or [""])[-1][:200]
+    return {"time": record["time"], "why": f"ranks failed (first: rank {record.get('rank', '?')}: {said}) and "
+                                           f"torchrun restarted the workers"}
+
+
 def layout(plan) -> str:
     """``dp 2 x tp 2``: the plan's axes that split (as ``autopar replan`` prints them)."""
     m = plan.mesh
@@ -159,7 +173,7 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
 
     directory.mkdir(parents=True, exist_ok=True)
     state = read_json(directory / STATE) or {"plan": str(given_plan), "switches": []}
-    failure = read_json(directory / FAILURE)
+    failure = read_json(directory / FAILURE) or restarted_after()
     (directory / FAILURE).unlink(missing_ok=True)
     current_path = Path(state["plan"])
     current = load_plan(current_path)
