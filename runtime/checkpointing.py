@@ -86,6 +86,7 @@ from autopar.runtime.fused_tp import checkpoint_value
 from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical_states
 
 LATEST = "latest.json"
+ELASTIC_DIR = "elastic"     # an elastic run's plans and switches (autopar run --elastic, elastic/switches.py)
 MANIFEST = "manifest.json"
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -327,6 +328,7 @@ def check_directory(directory: Path) -> None:
                               f"(it is created) or one an earlier 'autopar run' wrote.")
     foreign = sorted(p.name for p in directory.iterdir()
                      if not (p.name in (LATEST, LOCK) or _TEMP_FILE.match(p.name) or
+                             (p.name == ELASTIC_DIR and p.is_dir()) or
                              ((_STEP_DIR.match(p.name) or _PARTIAL_DIR.match(p.name)) and p.is_dir())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")

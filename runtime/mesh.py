@@ -105,6 +105,10 @@ def init_distributed(plan_mesh: Mesh) -> RankContext:
     return RankContext.build(plan_mesh, dist.get_rank(), local_rank, device, mesh)
 
 
+#: set by ``autopar.elastic.agent`` for its workers: the rendezvous round they belong to
+ATTEMPT_ENV = "AUTOPAR_ATTEMPT"
+
+
 def _attempt_store() -> dist.Store | None:
     """Under torchrun, the agent's store with a prefix per restart attempt.
 
@@ -116,7 +120,9 @@ def _attempt_store() -> dist.Store | None:
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # an elastic run's agent names the rendezvous round instead (autopar.elastic.agent): a
+    # membership change restarts the workers without counting a restart
+    attempt = os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"autopar/attempt_{attempt}", store)
 
 

@@ -165,7 +165,7 @@ def main(args: argparse.Namespace, log=None) -> int:
     return _call_and_report(cmd, log)
 
 
-def _call_and_report(cmd: list[str], log=None) -> int:
+def _call_and_report(cmd: list[str], log=None, failure: dict | None = None) -> int:
     """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
     failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``).
 
@@ -176,7 +176,8 @@ def _call_and_report(cmd: list[str], log=None) -> int:
     reach it twice (from the terminal and from here); were nothing forwarded, a SIGTERM to
     ``autopar run`` would leave torchrun and the ranks training on.  If ``autopar run`` itself
     is killed outright, the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and likewise
-    each rank when torchrun dies."""
+    each rank when torchrun dies.  ``failure``: a dict that takes the first failing rank's
+    record (``rank_errors``: rank, exit code, message, time) when one was written."""
     import os
     import signal
     import tempfile
@@ -210,6 +211,11 @@ def _call_and_report(cmd: list[str], log=None) -> int:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+        if failure is not None and code != 0:
+            import json
+
+            with contextlib.suppress(OSError, ValueError):
+                failure.update(json.loads(Path(error_file).read_text()))
         return relaunch_exit(code, error_file, log)
 
 
