@@ -75,7 +75,7 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
 
 def convertible_layers(graph) -> list[int]:
     """Layers holding at least one linear the runtime converts (simulator/float8.converts)."""
-    from autopar.simulator.float8 import converts
+    from autopar.simulator.axes.float8 import converts
 
     out = []
     for i in range(len(graph.layers)):

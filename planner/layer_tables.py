@@ -27,11 +27,11 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
-from autopar.simulator import tied_copies
-from autopar.simulator.memory import fsdp_buffer_bytes
-from autopar.simulator.layer_cost import effective_zero
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.term_registry import layer_row, with_term_columns
+from autopar.simulator.axes import pp_tied_copies as tied_copies
+from autopar.simulator.step.memory import fsdp_buffer_bytes
+from autopar.simulator.step.layer_cost import effective_zero
+from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.step.term_registry import layer_row, with_term_columns
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,10 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m
     fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
     choices as the full price will; None where those terms do not apply (a CPU profile's ranks
     take turns: sharded_dp_table.plan_table_costs)."""
-    from autopar.simulator import cpu_node, sharded_dp
-    from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
-    from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
+    from autopar.simulator.step import cpu_node
+    from autopar.simulator.axes import sharded_dp
+    from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
+    from autopar.simulator.step.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
 
     cm = cost_model or evaluator.rank_cost_models(mesh)[0]
     if cm.host_dispatch_bound or cpu_node.serial_communication(evaluator.cluster, mesh):

@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.parallel_dims import DEGREE_NAMES
     from autopar.core.plan import save_plan
     from autopar.planner.search import PlanOptions, search
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     from autopar.core.output_file import check_writable
 

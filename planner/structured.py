@@ -27,8 +27,8 @@ from autopar.planner.candidate import Candidate
 from autopar.planner.ilp import ChoiceNode, group_consecutive, solve_intra_op
 from autopar.planner.layer_tables import LayerTables
 from autopar.planner.stage_dp import partition_stages
-from autopar.simulator import tied_copies
-from autopar.simulator.memory import ddp_bucket_bytes, inflight_microbatches, p2p_buffer_bytes
+from autopar.simulator.axes import pp_tied_copies as tied_copies
+from autopar.simulator.step.memory import ddp_bucket_bytes, inflight_microbatches, p2p_buffer_bytes
 
 
 @dataclass(frozen=True)

@@ -35,21 +35,22 @@ from autopar.core.plan import LayerPlan, Mesh, Plan
 from autopar.core.rules import schedule_microbatches_problem
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import propagate
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator import cpu_node, layer_table, pipeline_p2p, term_registry, tied_copies
-from autopar.simulator.ddp_buckets import DDP_FIRST_BUCKET_BYTES, ddp_bucketed_all_reduces  # noqa: F401
-from autopar.simulator.zero3_fetch_spans import layer_units
-from autopar.simulator.selective_mm_policy import recomputed_matmuls
-from autopar.simulator.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero
-from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
-from autopar.simulator.memory import inflight_microbatches, stage_memory
-from autopar.simulator.pipeline_zero_bubble import stage_grid
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.step import cpu_node, layer_table, term_registry
+from autopar.simulator.axes import pp_p2p as pipeline_p2p, pp_tied_copies as tied_copies
+from autopar.simulator.axes.dp_buckets import DDP_FIRST_BUCKET_BYTES, ddp_bucketed_all_reduces  # noqa: F401
+from autopar.simulator.axes.sharded_dp_zero3_spans import layer_units
+from autopar.simulator.axes.recompute import recomputed_matmuls
+from autopar.simulator.step.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero
+from autopar.simulator.step.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
+from autopar.simulator.step.memory import inflight_microbatches, stage_memory
+from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.result import SimResult, StepWork
-from autopar.simulator.step_model import (OVERLAPPED, StepForm, chunk_masks, last_reduce_scatter,
+from autopar.simulator.step.step_model import (OVERLAPPED, StepForm, chunk_masks, last_reduce_scatter,
                                          layer_effective_times, step_from_chunk_times)
-from autopar.simulator.topology import (MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups,
+from autopar.simulator.device.topology import (MeshLinks, busy_devices_per_node, mesh_links, node_stage_counts, stage_groups,
                                        world_link)
-from autopar.simulator.optimizer_step import grad_norm_allreduce_time
+from autopar.simulator.step.optimizer_step import grad_norm_allreduce_time
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 _MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]

@@ -103,7 +103,7 @@ def test_the_planner_prices_the_toy_axis_as_replicas():
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.planner.search import PlanOptions, Planner
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file("examples/gpt.py", {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024},
                                2)

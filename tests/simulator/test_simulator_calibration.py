@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
-from autopar.simulator.calibration import FITTED, Calibration
+from autopar.simulator.axes import sharded_dp
+from autopar.simulator.device.calibration import FITTED, Calibration
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 

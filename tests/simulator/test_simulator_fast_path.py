@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
+from autopar.simulator.axes import sharded_dp
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
-from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
-from autopar.simulator.step_model import chunk_masks, layer_effective_times
+from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
+from autopar.simulator.step.step_model import chunk_masks, layer_effective_times
 from sim_graphs import gpt_graph
 
 #: the columns layer_effective_times reads of a layer's successor (its forward communication)

@@ -12,10 +12,10 @@ from autopar.core.errors import ClusterFileError
 from autopar.core.graph import OpNode
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.cpu_node import compute_stretch
+from autopar.simulator.step.cpu_node import compute_stretch
 from sim_graphs import gpt_graph
 
 OVERHEADS = {"op_launch_s": 2e-6, "op_backward_launch_s": 5e-6, "tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4,
@@ -353,7 +353,7 @@ def test_serial_communication_by_busy_processes_per_core():
     """Communication overlaps compute only while a core is left free for it: fewer busy
     processes than cores overlap, as many or more (oversubscribed) take turns."""
     from autopar.core.plan import Mesh
-    from autopar.simulator.cpu_node import serial_communication
+    from autopar.simulator.step.cpu_node import serial_communication
     cl = _cluster(gpus=8, slots=4)
     assert not serial_communication(cl, Mesh(dp=2, pp=1, tp=1))       # 2 processes, 4 cores
     assert serial_communication(cl, Mesh(dp=4, pp=1, tp=1))           # one per core
@@ -429,7 +429,7 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
     broadcasts are one broadcast of all the parameters; with tensor parallelism (FSDP2's
     replicate: one all-reduce per unit) the per-layer calls stay."""
     from autopar.simulator.evaluator import DDP_FIRST_BUCKET_BYTES, PlanEvaluator as PE
-    from autopar.simulator.memory import DDP_BUCKET_BYTES
+    from autopar.simulator.step.memory import DDP_BUCKET_BYTES
 
     g = gpt_graph(4, 128, 4, 128, 1000, batch=2)      # ~0.8 MB of fp32 gradients a block: 2 buckets
     cm = CostModel.from_profile(_profile(OVERHEADS))

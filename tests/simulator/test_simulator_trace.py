@@ -29,14 +29,14 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator import pipeline_p2p
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes import pp_p2p as pipeline_p2p
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.step_model import pipeline_time, rank_ends
-from autopar.simulator.step_trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
-from autopar.simulator.timeline import write_chrome_trace
-from autopar.simulator.training_code import AUTOPAR
+from autopar.simulator.step.step_model import pipeline_time, rank_ends
+from autopar.simulator.step.trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
+from autopar.simulator.step.timeline import write_chrome_trace
+from autopar.simulator.device.training_code import AUTOPAR
 from sim_graphs import gpt_graph
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},

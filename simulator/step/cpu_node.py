@@ -15,11 +15,11 @@ import numpy as np
 
 from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
-from autopar.simulator.layer_table import LayerTable
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step_model import (StepForm, after_backward, last_reduce_scatter, pipeline_and_ends,
+from autopar.simulator.step.layer_table import LayerTable
+from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.step.step_model import (StepForm, after_backward, last_reduce_scatter, pipeline_and_ends,
                                           weight_gradient_times)
-from autopar.simulator.topology import busy_devices_per_node
+from autopar.simulator.device.topology import busy_devices_per_node
 
 
 def compute_stretch(cluster: Cluster, mesh: Mesh) -> float:

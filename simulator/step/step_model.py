@@ -36,11 +36,11 @@ from typing import Callable
 import numpy as np
 
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
-from autopar.simulator import pipeline_p2p
-from autopar.simulator.pipeline_zero_bubble import split_backward_time
-from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.pipeline_fsdp import pipelined_tail
+from autopar.simulator.axes import pp_p2p as pipeline_p2p
+from autopar.simulator.axes.pp_zero_bubble import split_backward_time
+from autopar.simulator.step.layer_table import COLUMN_INDEX, LayerTable
+from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.axes.pp_fsdp import pipelined_tail
 
 
 #: columns overlapped_step reads from the first layers' rows

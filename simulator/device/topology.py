@@ -75,7 +75,7 @@ def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
 def _ring_link(cluster: Cluster, devs: list, link: Link) -> Link:
     from collections import Counter
 
-    from autopar.simulator.network import ring_bus_bandwidth_GBps
+    from autopar.simulator.device.network import ring_bus_bandwidth_GBps
 
     per_node = min(Counter(d.node for d in devs).values())
     intra = min(cluster.groups[g].intra_node.bandwidth_GBps for g in {d.group for d in devs})

@@ -55,15 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from autopar.simulator.layer_table import LayerTable
-from autopar.simulator.cpu_node import serial_fsdp_tail
+from autopar.simulator.step.layer_table import LayerTable
+from autopar.simulator.step.cpu_node import serial_fsdp_tail
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
-from autopar.simulator.pipeline_zero_bubble import stage_grid
-from autopar.simulator.torch_pipeline_order import torch_action_order
-from autopar.simulator.step_model import (ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends,
+from autopar.simulator.axes.pp_zero_bubble import stage_grid
+from autopar.simulator.axes.pp_torch_order import torch_action_order
+from autopar.simulator.step.step_model import (ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends,
                                           weight_gradient_times)
-from autopar.simulator.term_registry import pass_events, traffic_terms
-from autopar.simulator.timeline import Timeline
+from autopar.simulator.step.term_registry import pass_events, traffic_terms
+from autopar.simulator.step.timeline import Timeline
 
 
 def schedule_tasks(schedule: str, p: int, r: int, m: int, v: int) -> list[tuple[str, int, int]]:

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Iterator
 
-from autopar.simulator import layer_table
-from autopar.simulator.layer_cost import layer_cost_row
+from autopar.simulator.step import layer_table
+from autopar.simulator.step.layer_cost import layer_cost_row
 
 ENTRIES = ("compute", "traffic", "table", "pipeline", "after_backward")
 

@@ -2,7 +2,7 @@
 
 This is the unit the fast path caches and the planner's ILP reads.  Times come from the cost
 model (measured or roofline), the tensor-parallel split from ``autopar.core.sharding`` and
-the state bytes from ``autopar.simulator.memory``.
+the state bytes from ``autopar.simulator.step.memory``.
 
 Conventions: FLOPs and bytes of the captured graph scale linearly with the micro-batch
 (``micro_batch / graph.batch_size``); activations and parameters captured in fp32 take
@@ -26,14 +26,14 @@ from autopar.core.graph import OpGraph
 from autopar.core.plan import LayerPlan, Mesh, tp_style_parts
 from autopar.core.dtypes import dtype_bytes, precision_bytes
 from autopar.core.sharding import TPLayout, loss_chain
-from autopar.simulator import autocast as _autocast
-from autopar.simulator import cp_cost, ep_cost
-from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
-from autopar.simulator.cost_model import CostModel, op_variant
-from autopar.simulator.memory import STATE_BYTES, backward_gradient_bytes, precision_class, state_bytes
-from autopar.simulator.optimizer_step import grad_clip_pass_time
-from autopar.simulator.selective_mm_policy import collective_output_bytes, recomputed_matmuls, saves_collective
-from autopar.simulator.topology import MeshLinks
+from autopar.simulator.device import autocast as _autocast
+from autopar.simulator.axes import cp as cp_cost, ep as ep_cost
+from autopar.simulator.axes.compile_fusion import compile_saving, fused_regions, graph_consumers
+from autopar.simulator.device.cost_model import CostModel, op_variant
+from autopar.simulator.step.memory import STATE_BYTES, backward_gradient_bytes, precision_class, state_bytes
+from autopar.simulator.step.optimizer_step import grad_clip_pass_time
+from autopar.simulator.axes.recompute import collective_output_bytes, recomputed_matmuls, saves_collective
+from autopar.simulator.device.topology import MeshLinks
 
 MATMUL_KINDS = frozenset({"linear", "matmul", "attention", "conv"})
 #: kinds whose backward needs only their inputs (and weight): autograd saves those before the op's
@@ -430,7 +430,7 @@ def _float8(graph: OpGraph, layer_index: int, w: _OpWork, layout: TPLayout, cm: 
     all-gathers the weights in fp8 over that many ranks (``fp8_all_gather``): the shard's cast
     runs before each all-gather (forward, and backward again under ZeRO-3) and the scales'
     precompute reads the fp32 shard once per step (simulator/float8.py)."""
-    from autopar.simulator.float8 import FP32_BYTES, converts, float8_linear_cost
+    from autopar.simulator.axes.float8 import FP32_BYTES, converts, float8_linear_cost
 
     for op in graph.layer_ops(layer_index):
         if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
@@ -779,7 +779,7 @@ def _data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: _OpWork, cm: Co
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
     if fp8_all_gather(lp, mesh, fp8_recipe):
-        from autopar.simulator.float8 import FP8_BYTES
+        from autopar.simulator.axes.float8 import FP8_BYTES
 
         param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather
         # the shards' cast before each all-gather (forward; backward again under ZeRO-3), the

@@ -10,8 +10,9 @@ term lives where ``source`` says; this module only declares it.
 """
 from __future__ import annotations
 
-from autopar.simulator import cpu_node, ddp_buckets, overlap, sharded_dp_table
-from autopar.simulator.term_registry import Term, register
+from autopar.simulator.step import cpu_node, overlap
+from autopar.simulator.axes import dp_buckets as ddp_buckets, sharded_dp_table
+from autopar.simulator.step.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
 register(Term("recompute", "compute", reads=("recompute_s", "recompute"), bwd="recompute_s", bwd_label="recompute",

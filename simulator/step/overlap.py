@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.pipeline_fsdp import traffic_shares
-from autopar.simulator.term_registry import pass_columns, traffic_terms
+from autopar.simulator.axes.pp_fsdp import traffic_shares
+from autopar.simulator.step.term_registry import pass_columns, traffic_terms
 
 
 def fsdp_traffic(src, zero, offload, pipeline_m: int | None = None):

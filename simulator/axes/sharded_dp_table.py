@@ -6,8 +6,8 @@ describes, does not import the layer table (layer_table -> layer_cost -> cost_mo
 training_code would close a loop: tests/integration/test_import_cycles.py)."""
 from __future__ import annotations
 
-from autopar.simulator import sharded_dp
-from autopar.simulator.layer_table import COLUMN_INDEX, LayerTable
+from autopar.simulator.axes import sharded_dp
+from autopar.simulator.step.layer_table import COLUMN_INDEX, LayerTable
 
 
 def plan_table_costs(rows, ctx, per_gpu_network_GBps: float, fetch_units=None):

@@ -176,9 +176,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.core.dtypes import precision_bytes
-from autopar.simulator.calibration import Calibration
-from autopar.simulator.pipeline_fsdp import traffic_shares
-from autopar.simulator.zero3_fetch_spans import layer_pass_times
+from autopar.simulator.device.calibration import Calibration
+from autopar.simulator.axes.pp_fsdp import traffic_shares
+from autopar.simulator.axes.sharded_dp_zero3_spans import layer_pass_times
 
 #: the two fitted constants (items 2 and 6) are fields of simulator/calibration.py's ``Calibration``,
 #: which the cost model carries (``CostModel.calibration``) and the callers below pass in

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.layer_table import LayerTable
-from autopar.simulator.memory import DDP_BUCKET_BYTES
+from autopar.simulator.step.layer_table import LayerTable
+from autopar.simulator.step.memory import DDP_BUCKET_BYTES
 
 #: DistributedDataParallel's first gradient bucket holds about 1 MiB, the others DDP_BUCKET_BYTES
 #: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``)

@@ -22,7 +22,7 @@ import numpy as np
 
 from autopar.core.dtypes import DTYPE_BYTES, PRECISION_BYTES
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
-from autopar.simulator.pipeline_zero_bubble import inflight_chunks
+from autopar.simulator.axes.pp_zero_bubble import inflight_chunks
 
 #: bytes per parameter (params, grads, optimizer) -- ZeRO Sec. 3.1 (mixed: 16-bit parameters and
 #: gradients, an fp32 master copy and Adam's two moments) and Adam in fp32 (two moments); element

@@ -47,10 +47,10 @@ from autopar.core.dtypes import precision_bytes
 from autopar.core.errors import UserError
 from autopar.profiles import OVERHEAD_KEYS
 from autopar.core.clocks import clock_ratio, peak_flops_at_clock
-from autopar.simulator.cpu_meeting_waits import MeetingWaits
-from autopar.simulator.calibration import FITTED, Calibration
-from autopar.simulator.training_code import AUTOPAR, TrainingCode
-from autopar.simulator.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
+from autopar.simulator.device.cpu_meeting_waits import MeetingWaits
+from autopar.simulator.device.calibration import FITTED, Calibration
+from autopar.simulator.device.training_code import AUTOPAR, TrainingCode
+from autopar.simulator.device.gemm_epilogue import exposed_epilogue_s, gemm_output_elements
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 

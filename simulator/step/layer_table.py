@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.simulator.layer_cost import LAYER_COST_FIELDS
+from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS
 
 RECOMPUTE_CODE = {"none": 0, "selective": 1, "full": 2}
 PLAN_FIELDS = ("zero", "offload", "recompute")

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from autopar.core.graph import OpGraph
 # the busiest expert's tokens over the mean (Switch Transformer's training capacity factor), defined
 # beside TrainingCode.expert_load, whose default it is
-from autopar.simulator.training_code import CAPACITY_FACTOR
+from autopar.simulator.device.training_code import CAPACITY_FACTOR
 
 
 _INDEXED = re.compile(r"^(.*)\.(\d+)(?:\..*)?$")
@@ -316,7 +316,7 @@ def expert_work(graph: OpGraph, experts: tuple[RoutedExperts, ...], layout, ep: 
     each op at (the ops' own shapes, no imbalance); ``layout``: the tensor-parallel layout (a
     stacked-experts module split by expert over tp holds E/tp of them)."""
     from autopar.core.dtypes import dtype_bytes, precision_bytes
-    from autopar.simulator.cost_model import op_variant
+    from autopar.simulator.device.cost_model import op_variant
 
     by_name = graph._ops_by_name()
     factor = capacity_factor if ep > 1 else 1.0

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from autopar.core.dtypes import DTYPE_BYTES
 
-from autopar.simulator.optimizer_step import TORCH_ADAMW, OptimizerRuntime
-from autopar.simulator.pipeline_p2p import TORCH_PIPELINING, P2PRuntime
-from autopar.simulator.sharded_dp import FSDP2, ShardedRuntime
+from autopar.simulator.step.optimizer_step import TORCH_ADAMW, OptimizerRuntime
+from autopar.simulator.axes.pp_p2p import TORCH_PIPELINING, P2PRuntime
+from autopar.simulator.axes.sharded_dp import FSDP2, ShardedRuntime
 
 #: the busiest expert's tokens over the mean: Switch Transformer's training capacity factor
 #: (Fedus et al. 2022, Sec. 2.2, Table 1); simulator/ep_cost.py prices expert parallelism with it
