@@ -29,7 +29,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
 from autopar.simulator.axes import pp_tied_copies as tied_copies
 from autopar.simulator.step.memory import fsdp_buffer_bytes
-from autopar.simulator.step.layer_cost import effective_zero
+from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
 from autopar.simulator.step.term_registry import layer_row, with_term_columns
 
@@ -69,7 +69,7 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int,
     all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
     queues them over the whole backward (evaluator.closed_form_step).
 
-    ``zero``: the stage that runs (layer_cost.effective_zero).  ``pipeline_m``: a pipeline's
+    ``zero``: the stage that runs (axes/sharded_dp.effective_zero).  ``pipeline_m``: a pipeline's
     micro-batches, None without one: its FSDP gathers spread over them and its reduce-scatter is
     exposed once per step, after the last backward (simulator/pipeline_fsdp.py, the step model's
     fsdp_tails, which exposes the first chunk's).
@@ -142,7 +142,8 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m
     take turns: sharded_dp_table.plan_table_costs)."""
     from autopar.simulator.step import cpu_node
     from autopar.simulator.axes import sharded_dp
-    from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
+    from autopar.simulator.axes.sharded_dp import effective_zero
+    from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS, LayerCost
     from autopar.simulator.step.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
 
     cm = cost_model or evaluator.rank_cost_models(mesh)[0]

@@ -41,7 +41,9 @@ from autopar.simulator.axes import pp_p2p as pipeline_p2p, pp_tied_copies as tie
 from autopar.simulator.axes.dp_buckets import DDP_FIRST_BUCKET_BYTES, ddp_bucketed_all_reduces  # noqa: F401
 from autopar.simulator.axes.sharded_dp_zero3_spans import layer_units
 from autopar.simulator.axes.recompute import recomputed_matmuls
-from autopar.simulator.step.layer_cost import MATMUL_KINDS, LayerCost, compute_layer_cost, effective_zero
+from autopar.simulator.axes.sharded_dp import effective_zero
+from autopar.simulator.step.layer_cost import LayerCost, compute_layer_cost
+from autopar.simulator.step.op_work import MATMUL_KINDS
 from autopar.simulator.step.layer_table import COLUMN_INDEX, RECOMPUTE_CODE, LayerTable
 from autopar.simulator.step.memory import inflight_microbatches, stage_memory
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
@@ -208,7 +210,7 @@ class PlanEvaluator:
              for rerun in (recomputed_matmuls(ops, policy),)]) / b0
         self._flops_per_sample = graph.flops_per_sample
         self._cost_cache: dict[tuple, LayerCost] = {}
-        #: the ops' compute of a layer by what it reads (layer_cost._op_work_key): shared between
+        #: the ops' compute of a layer by what it reads (step/op_work.op_work_key): shared between
         #: meshes that differ in dp or pp only
         self._work_cache: dict[tuple, object] = {}
         self._row_cache: dict[tuple, tuple[np.ndarray, int]] = {}   # key -> (row, row id)

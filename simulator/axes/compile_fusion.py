@@ -33,6 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from autopar.core.dtypes import dtype_bytes, precision_bytes
+from autopar.core.graph import OpGraph
+from autopar.core.plan import LayerPlan, Mesh
+from autopar.core.sharding import TPLayout
+from autopar.simulator.device import autocast as _autocast
+from autopar.simulator.device.cost_model import CostModel, op_variant
+from autopar.simulator.axes.sharded_dp import effective_zero
+
 #: op kinds inductor fuses into one generated kernel (pointwise, reductions, views)
 FUSIBLE_KINDS = frozenset({"elementwise", "norm", "softmax", "dropout", "view", "reduction"})
 
@@ -175,3 +183,35 @@ def compile_saving(regions: list[FusedRegion], eager_fwd_s: Mapping[str, float],
         bwd += max(0.0, eager_b - fused_b)
         n_ops += len(r.ops)
     return CompileSaving(fwd_s=fwd, bwd_s=bwd, regions=len(regions), fused_ops=n_ops)
+
+
+def compiled_work(graph: OpGraph, layer_index: int, w: "OpWork", layout: TPLayout, lp: LayerPlan, mesh: Mesh,
+              precision: str, cm: CostModel, scale: float) -> None:
+    """Take off ``w`` what regional compile removes (simulator/compile_fusion.py): each fused
+    region's eager ops cost one kernel moving the region's fused bytes, at the bytes per element
+    the eager ops were priced at (the plan's precision, and fp32 where autocast runs an op in
+    fp32: the region's largest such factor); selective recompute reruns the fused kernels, not
+    the eager ops."""
+    ops = graph.layer_ops(layer_index)
+    by_name = {op.name: op for op in ops}
+    every = graph._ops_by_name()
+    regions = fused_regions(ops, graph_consumers(graph), lambda n: every[n].output_bytes if n in every else None)
+    prec_bytes = precision_bytes(precision)
+    amp = _autocast.autocast_mode(effective_zero(lp.zero, mesh), mesh, precision, cm.code.autocast)
+
+    def fused_time(r, backward: bool) -> float:
+        first = by_name[r.ops[0]]
+        shard = layout.compute_shard.get(first.name, 1)
+        bscale = prec_bytes / dtype_bytes(first.dtype) * max(
+            _autocast.bytes_factor(by_name[n].kind, op_variant(by_name[n].kind, str(by_name[n].target)), amp)
+            for n in r.ops)
+        nbytes = (r.read_bytes + r.write_bytes) * bscale * scale / shard * (2.0 if backward else 1.0)
+        flops = (r.bwd_flops if backward else r.fwd_flops) * scale / shard
+        t, _ = cm.compute_time_ex("elementwise", flops, nbytes, precision)
+        return max(t, cm.overhead("op_backward_launch_s" if backward else "op_launch_s"))
+
+    saving = compile_saving(regions, w.op_fwd_s, w.op_bwd_s, fused_time, cm.overhead("autograd_fwd_op_s"))
+    w.fwd_s -= saving.fwd_s
+    w.bwd_s -= saving.bwd_s
+    w.cheap_fwd_s = max(0.0, w.cheap_fwd_s - saving.fwd_s)
+    w.compile_regions, w.compile_fused_ops = saving.regions, saving.fused_ops

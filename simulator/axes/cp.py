@@ -27,11 +27,15 @@ Sources:
   ``context_parallel`` and torchtitan's CP use the head-tail order (torchtitan's CP write-up,
   "Breaking Barriers: Training Long Context LLMs with 1M Sequence Length in PyTorch Using
   Context Parallel", PyTorch forums 2025).
-* Ring collectives' wire bytes: Patarasuk & Yuan 2009 (``layer_cost.ring_wire_bytes``).
+* Ring collectives' wire bytes: Patarasuk & Yuan 2009 (``device/network.ring_wire_bytes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from autopar.core.sharding import TPLayout
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes.tp import fold_into_tp
 
 
 def head_tail_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -195,3 +199,21 @@ def _numel(shape) -> float:
     for d in shape:
         out *= d
     return out
+
+
+def cp_layer_work(attention_ops: list, w: "OpWork", tpc: "TensorParallelComm", layout: TPLayout, cp: int,
+                  scale: float, elem: float, cm: CostModel, cp_link, node_processes: int | None) -> int:
+    """Context parallelism's in-layer terms, folded into ``w`` and ``tpc`` (step/op_work.py's
+    ``OpWork``, tp.py's ``TensorParallelComm``): the K/V all-gather / reduce-scatter of the
+    attention ops (``cp_layer_terms``) are collectives on the critical path inside the layer, as
+    the tensor-parallel ones (tp.fold_into_tp); a selective recompute reruns the K/V gather under
+    every policy; the gathered K/V add to what attention keeps for backward.  Returns the
+    collectives where the ranks meet."""
+    c = cp_layer_terms(attention_ops, cp, scale, elem, cm, cp_link, node_processes, cm.code.cp_attention,
+                       layout.compute_shard)
+    meetings = fold_into_tp(tpc, c)
+    tpc.selective_fwd_s += c.fwd_s
+    tpc.selective_wire += c.wire_fwd
+    tpc.selective_meetings += c.meetings
+    w.saved_bytes += c.saved_bytes
+    return meetings

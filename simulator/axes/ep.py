@@ -35,7 +35,7 @@ Sources:
   per-expert GEMMs, not one GEMM of all rows).
 * Expert weights: split ep ways along the expert dimension; their gradients and FSDP shards
   span the dp x cp / ep ranks that hold the same experts (torchtitan's ``dp_mod_ep`` mesh; the
-  experts are their own FSDP unit) -- ``layer_cost._data_parallel_parts``.
+  experts are their own FSDP unit) -- ``axes/dp.data_parallel_parts``.
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ import re
 from dataclasses import dataclass
 
 from autopar.core.graph import OpGraph
+from autopar.core.sharding import TPLayout
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.device.topology import MeshLinks
+from autopar.simulator.axes.recompute import collective_output_bytes, saves_collective
+from autopar.simulator.axes.tp import fold_into_tp
 # the busiest expert's tokens over the mean (Switch Transformer's training capacity factor), defined
 # beside TrainingCode.expert_load, whose default it is
 from autopar.simulator.device.training_code import CAPACITY_FACTOR
@@ -355,7 +360,7 @@ def expert_work(graph: OpGraph, experts: tuple[RoutedExperts, ...], layout, ep: 
                                         variant=variant)
             t_b, _ = cm.compute_time_ex(op.kind, flops_b * factor, 2 * (w_bytes + act_bytes), precision,
                                         (m, n_out, batch), variant=variant, backward=True)
-            # replace the kernel the op was priced at (its own shape, no imbalance: layer_cost._op_work);
+            # replace the kernel the op was priced at (its own shape, no imbalance: step/op_work.op_work);
             # the autograd recording cost layer_cost added to its forward stays
             bscale = elem / dtype_bytes(op.dtype)
             osh = layout.output_shard.get(op.name, 1)
@@ -390,3 +395,35 @@ def ep_degrees(graph: OpGraph, world_size: int) -> tuple[int, ...]:
         return (1,)
     out = [d for d in range(2, min(min(counts), world_size) + 1) if all(e % d == 0 for e in counts)]
     return (1, *out)
+
+
+def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm", layout: TPLayout, ep: int,
+                  scale: float, precision: str, elem: float, cm: CostModel, links: MeshLinks,
+                  node_processes: int | None, selective: str | None = None) -> int:
+    """Expert parallelism's in-layer terms, folded into ``w`` and ``tpc`` (step/op_work.py's
+    ``OpWork``, tp.py's ``TensorParallelComm``): the experts' dispatch / combine all-to-alls
+    (``ep_layer_terms``) are collectives on the critical path inside the layer, as the
+    tensor-parallel ones (tp.fold_into_tp); the expert GEMMs are priced at their per-expert
+    shapes and their parameters split ep ways (``expert_work``).  ``selective``: the code's
+    selective policy where the layer is selectively recomputed (tp.tensor_parallel).  Returns
+    the collectives where the ranks meet."""
+    e = ep_layer_terms(experts, ep, scale, elem, cm, links, node_processes)
+    meetings = fold_into_tp(tpc, e)
+    if selective is not None and ep > 1 and saves_collective("all_to_all", selective):
+        # the dispatch's and the combine's output per experts module: the rank's T x k rows of
+        # h elements each (ep_layer_terms's message)
+        tpc.selective_saved_bytes += sum(
+            2 * collective_output_bytes("all_to_all", r.tokens * scale * r.top_k * r.hidden * elem, ep)
+            for r in experts)
+    elif selective is not None:
+        tpc.selective_fwd_s += e.fwd_s
+        tpc.selective_wire += e.wire_fwd
+        tpc.selective_meetings += e.meetings
+    x = expert_work(graph, experts, layout, ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s,
+                    capacity_factor=cm.code.expert_load)
+    w.fwd_s += x.fwd_delta_s
+    w.bwd_s += x.bwd_delta_s
+    w.param_numel -= x.removed_numel
+    w.frozen_numel -= x.removed_frozen_numel
+    w.expert_numel, w.expert_frozen_numel, w.expert_names = x.local_numel, x.local_frozen_numel, x.param_names
+    return meetings

@@ -3,7 +3,7 @@
 ``layer_cost`` prices the linears of a layer with ``precision: fp8`` by these terms -- those
 the runtime converts (runtime/apply_fp8.py: both weight dims divisible by 16,
 ``FP8_DIM_MULTIPLE``) -- at the plan's ``fp8_recipe``; the fp8 all-gather goes into the layer's
-FSDP terms and the fp8 copies into its memory (``layer_cost._float8``).  Tensor parallelism's
+FSDP terms and the fp8 copies into its memory (``float8_work``).  Tensor parallelism's
 collectives stay bf16 (the runtime splits float8 linears with the plain DTensor styles).
 
 Mechanism (torchao.float8, README "float8 training"; Micikevicius et al. 2022, "FP8 Formats
@@ -40,6 +40,12 @@ x and W, e5m2 for dy) scaled into fp8's range by ``amax``:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autopar.core.graph import OpGraph
+from autopar.core.plan import LayerPlan, Mesh
+from autopar.core.sharding import TPLayout
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes.sharded_dp import effective_zero
 
 FP8_BYTES = 1
 FP32_BYTES = 4                 # the FSDP2 master shard (mixed precision keeps fp32 parameters)
@@ -113,3 +119,41 @@ def converts(k: int, n: int, tp: int = 1) -> bool:
     """Whether the runtime converts a linear of ``k`` in and ``n`` out features, split over ``tp``
     tensor-parallel ranks (1: not split): both dims divisible by 16 x tp (runtime/apply_fp8.py)."""
     return k % (FP8_DIM_MULTIPLE * tp) == 0 and n % (FP8_DIM_MULTIPLE * tp) == 0
+
+
+def fp8_all_gather(lp: LayerPlan, mesh: Mesh, recipe: str) -> bool:
+    """Whether FSDP2 all-gathers this layer's float8 weights in fp8 (runtime/apply_fp8.py:
+    tensorwise, sharded by FSDP2, not offloaded, no tensor parallelism)."""
+    return (lp.precision == "fp8" and recipe == "tensorwise" and effective_zero(lp.zero, mesh) >= 2
+            and lp.offload == "none" and mesh.tp == 1)
+
+
+def float8_work(graph: OpGraph, layer_index: int, w: "OpWork", layout: TPLayout, cm: CostModel, scale: float,
+            recipe: str = "tensorwise", gathered_dp: int | None = None) -> None:
+    """A layer with ``precision: fp8``: each linear with a weight that the runtime converts (both
+    dims divisible by 16: float8.converts) costs torchao's float8 GEMMs and casts
+    (simulator/float8.py) at the plan's recipe instead of its bf16 time; on this device's share
+    of the GEMM (the tp split divides its output or input features).  Its weight elements and
+    fp8 copies go to ``w`` for the FSDP all-gather and memory terms.  ``gathered_dp``: FSDP2
+    all-gathers the weights in fp8 over that many ranks (``fp8_all_gather``): the shard's cast
+    runs before each all-gather (forward, and backward again under ZeRO-3) and the scales'
+    precompute reads the fp32 shard once per step (simulator/float8.py)."""
+    for op in graph.layer_ops(layer_index):
+        if op.kind != "linear" or not op.params or op.name not in w.op_fwd_s or not op.input_shapes:
+            continue
+        n, k = op.output_shape[-1], op.input_shapes[0][-1]
+        shard = layout.compute_shard.get(op.name, 1)
+        if not converts(k, n, int(shard)):
+            continue                     # left in bf16 by the runtime (runtime/apply_fp8.py)
+        m = max(1.0, op.fwd_flops / (2.0 * n * k)) * scale
+        n_local = n / shard
+        shard = None if gathered_dp is None else n_local * k / gathered_dp
+        c = float8_linear_cost(int(round(m)), k, n_local, cm, recipe, gathered_shard=shard)
+        if shard is not None:
+            w.fp8_shard_cast_s += c.shard_cast_s
+            w.fp8_precompute_s += shard * FP32_BYTES / cm.achievable_memory_Bps
+        w.fp8_weight_numel += n_local * k
+        w.fp8_transient_bytes = max(w.fp8_transient_bytes, c.transient_bytes)
+        w.fwd_s += c.fwd_s - w.op_fwd_s[op.name]
+        w.bwd_s += (c.total_s - c.fwd_s) - w.op_bwd_s.get(op.name, 0.0)
+        w.op_fwd_s[op.name], w.op_bwd_s[op.name] = c.fwd_s, c.total_s - c.fwd_s

@@ -5,7 +5,7 @@ its weights (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec.
 the previous stage waits for, W can run later, in what would be a bubble.  Per micro-batch and
 chunk: F (forward), B (backward input: the backward less its weight gradients, with recompute and
 the backward's tensor-parallel collectives) and W (``LayerCost.bwd_weight_s``, the GEMMs'
-weight-gradient half: layer_cost.WEIGHT_GRAD_SHARE).  A rank's work is m sum_chunks (F + B + W);
+weight-gradient half: step/op_work.WEIGHT_GRAD_SHARE).  A rank's work is m sum_chunks (F + B + W);
 the step adds a bubble per pipeline boundary, (p - 1) X over the p ranks (for unequal ranks
 sum_r X_r - max_r X_r, as ``step_model.interleaved_time`` spreads the interleaved bubble):
 

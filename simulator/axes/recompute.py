@@ -30,6 +30,11 @@ op), priced in backward by simulator/layer_cost.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from autopar.core.plan import LayerPlan
+from autopar.simulator.device.cost_model import CostModel
+
 #: TrainingCode.selective_mm_policy values: "all" saves every matmul, "every_other" reruns every second mm
 POLICIES = ("all", "every_other")
 #: the forward collectives (core/sharding.py TPCollective kinds, and expert parallelism's
@@ -71,3 +76,61 @@ def collective_output_bytes(kind: str, full_bytes: float, group: int) -> float:
     if kind in ("all_reduce", "all_gather", "all_to_all"):
         return float(full_bytes)
     raise ValueError(f"collective kind {kind!r}")
+
+
+@dataclass
+class Recompute:
+    recompute_s: float                     # the forward rerun inside backward (full: with its tp collectives)
+    recompute_flops: float
+    activation_bytes: float                # kept for backward per micro-batch
+    transient_bytes: float                 # materialised again during this layer's backward
+    tp_s: float = 0.0                      # the tp collectives in recompute_s
+    tp_wire: float = 0.0                   # ... the bytes this device sends for them
+    tp_meetings: int = 0                   # ... where the ranks meet
+
+
+def recompute(lp: LayerPlan, w: "OpWork", tpc: "TensorParallelComm", layer_input_bytes: float,
+               cm: CostModel) -> Recompute:
+    """Recompute (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): "full" keeps the layer's
+    input and reruns its forward with its collectives; "selective" keeps the matmul outputs and
+    the outputs of the collectives the code's policy saves (``selective_saved_bytes``), and reruns
+    the cheap ops between them, context parallelism's K/V all-gather and the collectives the
+    policy does not save (``TensorParallelComm.selective_fwd_s``).  Adjusts ``w``: a
+    checkpointed forward keeps nothing, and the checkpoint wrapper costs per op (profiling/overheads.py: saved-tensor hooks; the
+    selective policy's dispatch mode on every op).
+
+    A full recompute by non-reentrant ``torch.utils.checkpoint`` (``cm.code.recompute_early_stop``)
+    stops once it has rebuilt the last tensor the forward saved for backward: its recomputation
+    hook counts the tensors packed and raises ``_StopRecomputationError`` at the last
+    (torch/utils/checkpoint.py, ``_recomputation_hook``; on by default since PyTorch 2.1,
+    pytorch/pytorch PR #96866, "Make early stop the default for checkpoint").  So the ops after a
+    wrapped module's last saving op never rerun, nor does that op's kernel where it saves only its
+    inputs (SAVES_INPUTS_ONLY): in a transformer block the MLP's output projection and the residual
+    add after it -- a third of the block's matmul FLOPs at an MLP ratio of 4.  A reentrant
+    checkpoint (an ``autograd.Function`` that reruns the forward under ``enable_grad``) has no such
+    stop."""
+    saved = w.saved_bytes
+    if lp.recompute == "full":
+        # (the skipped figures are zero where the recompute does not stop early: compute_layer_cost)
+        tp_s = tpc.fwd_s - tpc.skipped_fwd_s
+        out = Recompute(w.fwd_s - w.early_stop_skipped_s + tp_s, w.fwd_flops - w.early_stop_skipped_flops,
+                         min(saved, layer_input_bytes) if saved > 0 else layer_input_bytes, saved,
+                         tp_s=tp_s, tp_wire=tpc.wire_fwd - tpc.skipped_wire,
+                         tp_meetings=tpc.fwd_meetings - tpc.skipped_meetings)
+        w.fwd_s -= w.autograd_kept_s       # the checkpointed forward keeps nothing: its outputs are freed
+    elif lp.recompute == "selective":
+        # the matmuls the code's policy does not save rerun too (simulator/selective_mm_policy.py)
+        # the kept collectives' outputs on top: the checkpoint's cache holds them whether or not
+        # autograd would keep them without recompute (an all-reduced output feeds a residual add,
+        # which keeps nothing)
+        activation = (min(saved, layer_input_bytes + w.matmul_output_bytes - w.rerun_mm_output_bytes)
+                      + tpc.selective_saved_bytes)
+        out = Recompute(w.cheap_fwd_s + w.rerun_mm_fwd_s + tpc.selective_fwd_s,
+                         w.cheap_fwd_flops + w.rerun_mm_fwd_flops, activation, max(0.0, saved - activation),
+                         tp_s=tpc.selective_fwd_s, tp_wire=tpc.selective_wire, tp_meetings=tpc.selective_meetings)
+    else:
+        out = Recompute(0.0, 0.0, saved, 0.0)
+    if lp.recompute in ("full", "selective"):
+        w.fwd_s += w.priced_ops * cm.overhead(f"recompute_{lp.recompute}_fwd_per_op_s")
+        w.bwd_s += w.priced_ops * cm.overhead(f"recompute_{lp.recompute}_bwd_per_op_s")
+    return out

@@ -175,7 +175,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.core import rules as _rules
 from autopar.core.dtypes import precision_bytes
+from autopar.core.plan import Mesh
 from autopar.simulator.device.calibration import Calibration
 from autopar.simulator.axes.pp_fsdp import traffic_shares
 from autopar.simulator.axes.sharded_dp_zero3_spans import layer_pass_times
@@ -399,3 +401,14 @@ def layer_among_equals(row: np.ndarray, col: dict, zero_col: int, memory_bandwid
     it computes under is its own size.  ``terms``: ``collective_terms`` of the plan's group."""
     return with_sharded_dp_costs(np.tile(row, (3, 1)), col, zero_col, memory_bandwidth_Bps, memory_efficiency,
                                  reduce_factor=reduce_factor, pipeline_m=pipeline_m, **terms)[1]
+
+
+def effective_zero(zero: int, mesh: Mesh) -> int:
+    """The ZeRO stage that will run.
+
+    When another axis splits the model (tensor or pipeline parallelism: ``mesh.splits_model``)
+    the runtime runs ZeRO-1 as FSDP2 without reshard
+    (ZeroRedundancyOptimizer cannot broadcast DTensor parameters; core/rules.py,
+    data_parallel_kind), i.e. ZeRO-2: the simulator prices what will run (core/rules.effective_zero).
+    """
+    return _rules.effective_zero(zero, mesh.splits_model)

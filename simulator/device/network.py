@@ -23,3 +23,16 @@ def ring_bus_bandwidth_GBps(per_gpu_network_GBps: float, intra_node_GBps: float,
     if ranks_per_node <= 1:
         return per_gpu_network_GBps
     return min(intra_node_GBps, ranks_per_node * per_gpu_network_GBps)
+
+
+def ring_wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring collective (Patarasuk & Yuan 2009): all-reduce
+    2(N-1)/N M, all-gather / reduce-scatter / all-to-all (N-1)/N M, broadcast and p2p M."""
+    n = group_size
+    if n <= 1 and kind != "p2p":
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * message_bytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * message_bytes
+    return float(message_bytes)

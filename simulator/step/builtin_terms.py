@@ -14,10 +14,10 @@ from autopar.simulator.step import cpu_node, overlap
 from autopar.simulator.axes import dp_buckets as ddp_buckets, sharded_dp_table
 from autopar.simulator.step.term_registry import Term, register
 
-#: a recomputed forward runs inside backward, with its tp collectives (layer_cost._recompute)
+#: a recomputed forward runs inside backward, with its tp collectives (axes/recompute.recompute)
 register(Term("recompute", "compute", reads=("recompute_s", "recompute"), bwd="recompute_s", bwd_label="recompute",
               source="simulator/layer_cost.py _recompute"))
-#: the layer's own kernels (layer_cost._op_work, cost_model.py)
+#: the layer's own kernels (step/op_work.op_work, cost_model.py)
 register(Term("compute", "compute", reads=("fwd_s", "bwd_s"), fwd="fwd_s", bwd="bwd_s", fwd_label="fwd",
               bwd_label="bwd", source="simulator/layer_cost.py _op_work"))
 #: Megatron's f/g all-reduces, synchronous: on the critical path (Shoeybi et al. 2019, Sec. 3)

@@ -2,7 +2,7 @@
 
 One row per layer, one column per ``LayerCost`` field (layer_cost.py: seconds per micro-batch,
 bytes per device) plus three columns of the layer's plan: ``zero`` (the ZeRO stage that runs,
-layer_cost.effective_zero), ``offload`` (1.0 when offloaded to the host) and ``recompute``
+axes/sharded_dp.effective_zero), ``offload`` (1.0 when offloaded to the host) and ``recompute``
 (RECOMPUTE_CODE).  The columns share one (layers, columns) array so that a plan differing from
 the last one in a few layers updates only those rows, and per-rank sums are one matrix product
 (``LayerTable(onehot @ table.data)`` is the table of per-rank sums); readers address columns

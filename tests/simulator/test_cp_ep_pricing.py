@@ -383,7 +383,7 @@ def test_sequence_parallel_beside_the_router_by_hand(mixtral, h100):
     the experts all-gather their token rows and routing weights forward and reduce-scatter their
     output (runtime/expert_tp.ExpertShard), no all-reduce."""
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator.step.layer_cost import _tensor_parallel
+    from autopar.simulator.axes.tp import tensor_parallel as _tensor_parallel
 
     cluster, cm = h100
     i = _block(mixtral)

@@ -118,7 +118,7 @@ def test_recompute_wrapper_overhead_per_op(mode):
                                            ("selective", ["layer_norm", "gelu", "add"])])
 def test_recompute_probe_subtracts_what_the_simulator_prices_as_rerun(mode, expected):
     """profiling/overheads.py times the wrapper's backward less the rerun the simulator prices
-    (layer_cost._recompute): full, the forward up to the last saved tensor (the projection's
+    (axes/recompute.recompute): full, the forward up to the last saved tensor (the projection's
     operands); selective, the ops between the kept matmul outputs -- by the ops each rerun calls."""
     import torch
     from torch.overrides import TorchFunctionMode
@@ -161,7 +161,7 @@ def test_autograd_recording_per_op_and_per_kept_byte():
     assert full.fwd_s - full_plain.fwd_s == pytest.approx(len(recorded) * a)
     # the recompute stops at the block's last saved tensor, the mask of the dropout after the MLP
     # (so the projection before it runs again): the residual add after it does not run again
-    # (layer_cost._recompute) and records nothing; every other recorded op pays both parts again
+    # (axes/recompute.recompute) and records nothing; every other recorded op pays both parts again
     ops = g.layer_ops(1)
     assert [o.kind for o in ops[-3:]] == ["linear", "dropout", "elementwise"] and ops[-2].saved_bytes > 0
     skipped = {ops[-1].name}

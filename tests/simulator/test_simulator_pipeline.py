@@ -97,7 +97,7 @@ def test_reprice_changes_only_changed_layers():
 
     g = gpt_graph(24, 1024, 16, 1024, 8000)
     # a recompute that reruns the whole forward (a reentrant checkpoint; the runtime's stops early,
-    # layer_cost._recompute), so that the closed form below is one forward
+    # axes/recompute.recompute), so that the closed form below is one forward
     cm = CostModel.from_profile(PROFILE).for_code(TrainingCode(recompute_early_stop=False))
     ev = PlanEvaluator(g, _cluster(), cm)
     plan = config_plan(g, dp=2, tp=4, pp=1, micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,

@@ -141,7 +141,7 @@ def _cases():
                            id="clip-cpu-" + _name(kw))
     # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
     # the formula; interleaved with unequal chunks does not, nor interleaved where the layers'
-    # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, layer_cost.effective_zero;
+    # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, axes/sharded_dp.effective_zero;
     # over the two nodes its gathers take 167 us against an 80 us forward, sharded_dp.py item 6:
     # the trace ends 0.7 us after the formula)
     for kw in [k for k in EXACT + LATE if k["pp"] > 1]:

@@ -159,12 +159,12 @@ def test_inflight_chunks_per_schedule():
 
 
 def test_weight_gradient_share_of_a_block():
-    """layer_cost.WEIGHT_GRAD_SHARE: a GPT block's W is half of its linears' backward (dgrad and
+    """step/op_work.WEIGHT_GRAD_SHARE: a GPT block's W is half of its linears' backward (dgrad and
     wgrad are GEMMs of equal FLOPs); attention's matmuls, the softmax and the norms add none."""
     from autopar.core.plan import LayerPlan, Mesh
     from autopar.core.sharding import propagate
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.step.layer_cost import _op_work
+    from autopar.simulator.step.op_work import op_work as _op_work
     from sim_graphs import gpt_graph
 
     graph = gpt_graph(2, 512, 8, 256, 1000)
