@@ -305,7 +305,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
     (pipeline_fsdp.traffic_shares) and of the copy-out after ZeRO-3's backward gather, and no
     reduce-scatter overlaps a micro-batch's backward (they run after the last one).
 
-    Locality (the evaluator's memo of derived rows relies on it, evaluator._LayerMemo): row k of
+    Locality (the evaluator's memo of derived rows relies on it, step/layer_memo.LayerMemo): row k of
     the result reads rows k-1, k and k+1 only, and its dp_allgather_s, h2d_s, zero and offload
     columns row k alone; beyond that, only whether any layer is sharded changes what is computed.
     """

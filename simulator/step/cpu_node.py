@@ -91,7 +91,7 @@ def with_meeting_waits(rows: LayerTable, ctx, processes: int) -> LayerTable:
     seconds, and each meeting costs ``meeting_wait(W / M)``: the work stretches by
     1 + M * wait / W.  The collectives keep their in-step rows (their own wake-up).  Rows of a
     single process, or of a profile without meeting waits, are returned unchanged.
-    ``ctx``: the evaluator's context of the plan (evaluator._Context)."""
+    ``ctx``: the evaluator's context of the plan (step/context.Context)."""
     mesh = ctx.mesh
     if not waits_at_meetings(mesh, processes, ctx.rank_cm):
         return rows
@@ -162,5 +162,5 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
 
 
 #: a CPU node's whose communication takes turns with compute (``serial_communication``): chosen
-#: for the context when the evaluator builds it (evaluator._new_context)
+#: for the context when the evaluator builds it (step/context.build_context)
 SERIAL = StepForm("serial", serial_step, serial_chunk_times, serial=True, memo_ok=False)

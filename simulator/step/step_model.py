@@ -25,7 +25,7 @@ report`` and the plan's ``predicted`` block all read (evaluator.closed_form_step
   backward (pipeline_fsdp.py, ``fsdp_tails``); then the optimizer step
   (and ZeRO-1's parameter all-gather) (``after_backward``).
 
-``ctx`` is the evaluator's context of the plan (evaluator._Context: mesh, stages, micro-batches,
+``ctx`` is the evaluator's context of the plan (step/context.Context: mesh, stages, micro-batches,
 the pipeline send time); step_trace.py lays the same terms out as the trace's events.
 """
 from __future__ import annotations
@@ -204,10 +204,10 @@ def overlapped_chunk_times(ctx, rows: LayerTable):
 @dataclass(frozen=True)
 class StepForm:
     """How a context's step is composed, chosen once when the evaluator builds the context
-    (evaluator._new_context): ``step(ctx, rows)`` -> (per-rank ends, bubble); ``chunk_times(ctx,
+    (step/context.build_context): ``step(ctx, rows)`` -> (per-rank ends, bubble); ``chunk_times(ctx,
     rows)`` -> overlapped_chunk_times's five terms, which the trace draws; ``serial``: the
     communication takes turns with compute; ``memo_ok``: the per-layer terms of the form are local
-    (evaluator._LayerMemo may serve)."""
+    (step/layer_memo.LayerMemo may serve)."""
     name: str
     step: Callable
     chunk_times: Callable
@@ -254,7 +254,7 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     sync and the optimizer step.  ``fsdp_tail`` (last_reduce_scatter of each rank's first layer),
     ``any_ddp`` (does some layer run ZeRO 0 or 1) and ``any_zero1`` (after_backward): where the
     caller has them.  The evaluator's fast path
-    hands in terms it kept from earlier plans (evaluator._LayerMemo)."""
+    hands in terms it kept from earlier plans (step/layer_memo.LayerMemo)."""
     p = ctx.p
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
     pipe, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, c, weight_gradient_times(ctx, rows))  # chunk 0 ends last

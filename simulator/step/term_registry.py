@@ -27,7 +27,7 @@ How a term enters the step (``Term.enters``):
 * ``"after_backward"``: per pipeline rank after its last backward (step_model.after_backward).
 
 ``local``: a layer's contribution depends only on its own row and its neighbours' (k-1, k+1),
-so the evaluator may memoise each layer's derived row (evaluator._LayerMemo).  A term that is
+so the evaluator may memoise each layer's derived row (step/layer_memo.LayerMemo).  A term that is
 not local declares ``acts(ctx)``: whether it can change anything in that context; where one
 does, the evaluator prices every plan of the context in full.
 
@@ -161,7 +161,7 @@ def table_terms() -> tuple[Term, ...]:
 
 
 def memo_safe(ctx) -> bool:
-    """Whether every term that acts in context ``ctx`` is local (evaluator._LayerMemo may serve)."""
+    """Whether every term that acts in context ``ctx`` is local (step/layer_memo.LayerMemo may serve)."""
     return not any(t.acts(ctx) for t in _view.nonlocal_tables)
 
 

@@ -65,7 +65,7 @@ def test_two_calibrations_price_side_by_side():
 
 
 def test_the_memo_keys_on_the_calibration():
-    """An evaluator's memo of derived rows (evaluator._LayerMemo) holds per calibration: a cost
+    """An evaluator's memo of derived rows (step/layer_memo.LayerMemo) holds per calibration: a cost
     model given another calibration after the evaluator priced with it prices as a fresh one."""
     graph, cluster, plan = _setting()
     cm = CostModel.from_profile("h100-sxm")

@@ -1,4 +1,4 @@
-"""The evaluator's fast path (evaluator._LayerMemo) against the full computation.
+"""The evaluator's fast path (step/layer_memo.LayerMemo) against the full computation.
 
 PlanEvaluator.evaluate keeps each context's last derived table and looks up only the changed
 layers' neighbourhoods in a memo.  That is exact only while a layer's derived terms read no
