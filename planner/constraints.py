@@ -68,7 +68,7 @@ def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], t
     if graph is None:
         return (1,), (1,)
     from autopar.core.cp_support import cp_degrees
-    from autopar.simulator.axes.ep import ep_degrees
+    from autopar.simulator.api import ep_degrees
 
     return cp_degrees(graph, world), ep_degrees(graph, world)
 
@@ -168,7 +168,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
                             f"and tensor parallelism, ZeRO and recompute only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
                             f"runtime/apply_cp.check_cp_plan). Leave those out, or leave --cp out.")
     if getattr(o, "ep", None) is not None:
-        from autopar.simulator.axes.ep import ep_refusal
+        from autopar.simulator.api import ep_refusal
 
         reason = ep_refusal(graph, o.ep)
         if reason:

@@ -42,12 +42,9 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
-from autopar.simulator.axes.sharded_dp import effective_zero
-from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.api import compute_per_pass, effective_zero, fsdp_traffic
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES, stage_rank
-from autopar.simulator.axes.pp_zero_bubble import screen_bubble_share
-from autopar.simulator.step.step_model import interleaved_time
-from autopar.simulator.step.term_registry import with_term_columns
+from autopar.simulator.api import interleaved_time, screen_bubble_share, with_term_columns
 
 #: the ZeRO stage whose compute every strategy of the family shares (module docstring)
 _FAMILY_ZERO = {family: stages[0] for family, stages in ZERO_FAMILIES.items()}

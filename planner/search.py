@@ -44,10 +44,7 @@ from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices
                                    microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
 from autopar.planner.structured import Setting, range_costs, solve_setting
 from autopar.planner.stage_dp import partition_stages
-from autopar.simulator.step.memory import inflight_microbatches
-from autopar.simulator.axes.pp_zero_bubble import screen_bubble_share
-from autopar.simulator.step.step_model import interleaved_time
-from autopar.simulator.device.topology import stage_groups
+from autopar.simulator.api import inflight_microbatches, interleaved_time, screen_bubble_share, stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
 # How the time budget is split, where it binds.  Both shares were set by hand with the first
@@ -171,7 +168,7 @@ class Planner:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
                  evaluator=None, progress: Progress | None = None):
-        from autopar.simulator.evaluator import PlanEvaluator
+        from autopar.simulator.api import PlanEvaluator
 
         from autopar.planner.constraints import candidate_meshes
         from autopar.planner.headroom import with_headroom
