@@ -9,6 +9,7 @@ is defined in the room that owns it (simulator/device, axes, step); this module 
 """
 from autopar.simulator.axes.ep import ep_degrees, ep_refusal
 from autopar.simulator.axes.float8 import converts as float8_converts
+from autopar.simulator.axes.pp import interleaved_time
 from autopar.simulator.axes.pp_tied_copies import held_share as tied_held_share
 from autopar.simulator.axes.pp_tied_copies import range_held_bytes as tied_range_held_bytes
 from autopar.simulator.axes.pp_tied_copies import uses as tied_uses
@@ -23,7 +24,6 @@ from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS, LayerCost
 from autopar.simulator.step.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
 from autopar.simulator.step.memory import ddp_bucket_bytes, fsdp_buffer_bytes, inflight_microbatches, p2p_buffer_bytes
 from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step.step_model import interleaved_time
 from autopar.simulator.step.term_registry import layer_row, with_term_columns
 
 __all__ = [

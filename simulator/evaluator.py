@@ -149,7 +149,7 @@ class PlanEvaluator:
         maxima = np.maximum.reduceat(table[:, MAXIMA:OUT_END + 1], ctx.starts, axis=0)
         any_ddp = n_sharded < self.num_layers             # (ZeRO stages are 0 .. 3)
         # (under a pipeline the reduce-scatters of each rank's first chunk end its step:
-        # step_model.fsdp_tails sums them from the rows)
+        # dp_sync.fsdp_tails sums them from the rows)
         step_r, bubble = step_from_chunk_times(ctx, rows, table[:, BWD], sums[:, 0], sums[:, 1],
                                                maxima[:ctx.p, 3] if ctx.pipeline_m is None else None,
                                                any_ddp, n_zero1 > 0)

@@ -71,6 +71,6 @@ def tail_layers(layer_stage: np.ndarray, p: int) -> np.ndarray:
 
 def pipelined_tail(per_layer_tail: np.ndarray, layer_stage: np.ndarray, layer_rank: np.ndarray, p: int) -> np.ndarray:
     """Per pipeline rank: the reduce-scatters (and copies out) exposed after its last backward,
-    the sum of ``per_layer_tail`` (step_model.last_reduce_scatter of every layer) over its first
+    the sum of ``per_layer_tail`` (dp_sync.last_reduce_scatter of every layer) over its first
     chunk's layers."""
     return np.bincount(layer_rank, weights=per_layer_tail * tail_layers(layer_stage, p), minlength=p)

@@ -6,7 +6,7 @@ Two runtimes are described:
   a stage's output is sent with ``isend`` on NCCL's stream and the receiver waits only before
   the task that needs it, so the send overlaps the sender's next task.  Every tensor-parallel
   rank sends its own (replicated) copy of the boundary activation.  The step model charges the
-  sends where the first micro-batch waits for them (step_model.pipeline_time).
+  sends where the first micro-batch waits for them (pp.pipeline_time).
 * ``MEGATRON_2021`` (Megatron-LM as the runs of Narayanan et al. 2021, Tables 1-2, ran it):
   ``p2p_communication._communicate`` posts the sends and receives with ``batch_isend_irecv``,
   waits on every request and then calls ``torch.cuda.synchronize()``, so the exchange holds the

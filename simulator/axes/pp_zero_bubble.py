@@ -7,7 +7,7 @@ chunk: F (forward), B (backward input: the backward less its weight gradients, w
 the backward's tensor-parallel collectives) and W (``LayerCost.bwd_weight_s``, the GEMMs'
 weight-gradient half: step/op_work.WEIGHT_GRAD_SHARE).  A rank's work is m sum_chunks (F + B + W);
 the step adds a bubble per pipeline boundary, (p - 1) X over the p ranks (for unequal ranks
-sum_r X_r - max_r X_r, as ``step_model.interleaved_time`` spreads the interleaved bubble):
+sum_r X_r - max_r X_r, as ``pp.interleaved_time`` spreads the interleaved bubble):
 
 * interleaved zero bubble (torch's ``ScheduleInterleavedZeroBubble``, ZB1P: ZB-H1 of Qi et al.
   Sec. 2.1 over looped chunks): X = max(F, B, F + B - W).  ZB-H1's bubble is (p - 1)(F + B - W)
@@ -37,7 +37,7 @@ sum_r X_r - max_r X_r, as ``step_model.interleaved_time`` spreads the interleave
   schedule torch builds, played with cheaper pairs).
 
 The activation sends of the fill and drain are charged as for the other schedules
-(``step_model.pipeline_time``: 2 (p v - 1) sends).
+(``pp.pipeline_time``: 2 (p v - 1) sends).
 """
 from __future__ import annotations
 

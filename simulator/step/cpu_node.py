@@ -17,8 +17,9 @@ from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.step.layer_table import LayerTable
 from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.step.step_model import (StepForm, after_backward, last_reduce_scatter, pipeline_and_ends,
-                                          weight_gradient_times)
+from autopar.simulator.axes.dp_sync import after_backward, last_reduce_scatter
+from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
+from autopar.simulator.step.step_model import StepForm
 from autopar.simulator.device.topology import busy_devices_per_node
 
 

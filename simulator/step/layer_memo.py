@@ -14,7 +14,8 @@ from autopar.core.plan import Plan
 from autopar.simulator.step.context import Context, memo_settings
 from autopar.simulator.step.layer_rows import LayerRows
 from autopar.simulator.step.layer_table import COLUMN_INDEX, LayerTable
-from autopar.simulator.step.step_model import last_reduce_scatter, layer_effective_times
+from autopar.simulator.axes.dp_sync import last_reduce_scatter
+from autopar.simulator.step.step_model import layer_effective_times
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]
@@ -22,7 +23,7 @@ _ACTIVATION, _OUTPUT, _ZERO, _OFFLOAD, _RS, _D2H = (
     COLUMN_INDEX[c] for c in ("activation_bytes", "output_bytes", "zero", "offload", "dp_reducescatter_s", "d2h_s"))
 #: the fast path's derived table (derived_table): per layer the effective forward
 #: and backward time, the activation bytes, the three MAX_COLUMNS, the
-#: step_model.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
+#: dp_sync.last_reduce_scatter term on the first layer of each model chunk (zero elsewhere) and
 #: the output bytes on its last layer (zero elsewhere) -- both nonnegative, so a chunk's maximum of
 #: them is the value at its first / last layer -- then the columns (as many as the registered
 #: terms make: PlanEvaluator._table_width)
@@ -66,7 +67,7 @@ def derived_table(plan: Plan, ctx: Context, layer_rows: LayerRows, derive: Calla
     """((layers, table_width) table, (layers that run sharded, are offloaded, run ZeRO-1)): the plan's derived
     rows (``derive``: PlanEvaluator._derive), then per layer its effective forward and backward time
     (layer_effective_times), its activation bytes, its MAX_COLUMNS and its
-    step_model.last_reduce_scatter -- the layers unchanged since the last plan of this context
+    dp_sync.last_reduce_scatter -- the layers unchanged since the last plan of this context
     taken from it and the changed ones' neighbourhoods from the memo (LayerMemo): the same
     numbers as computing them all."""
     layers = plan.layers

@@ -111,6 +111,6 @@ def grad_clip_time(cm, grad_elements: float, grad_bytes_per_element: float, worl
     gradient elements it holds (``grad_clip_pass_time``) plus the norm's all-reduce over every rank
     (``grad_norm_allreduce_time``).  A plan priced with clipping (``TrainingCode.grad_clip``) has
     the passes in each layer's optimizer column (simulator/layer_cost.py) and the all-reduce once
-    per pipeline rank after its last backward (simulator/step_model.py ``after_backward``)."""
+    per pipeline rank after its last backward (simulator/axes/dp_sync.py ``after_backward``)."""
     return (grad_clip_pass_time(cm, grad_elements, grad_bytes_per_element)
             + grad_norm_allreduce_time(cm, world_size, link, level))

@@ -23,8 +23,8 @@ How a term enters the step (``Term.enters``):
   ``scatter_label`` on the term's ``stream``;
 * ``"table"``: a rewrite of the plan's whole layer table before the step is composed
   (``derive(rows, ctx, evaluator)``), e.g. DDP's buckets, sharded data parallelism's copies;
-* ``"pipeline"``: the schedule over the model chunks (step_model.pipeline_time);
-* ``"after_backward"``: per pipeline rank after its last backward (step_model.after_backward).
+* ``"pipeline"``: the schedule over the model chunks (pp.pipeline_time);
+* ``"after_backward"``: per pipeline rank after its last backward (dp_sync.after_backward).
 
 ``local``: a layer's contribution depends only on its own row and its neighbours' (k-1, k+1),
 so the evaluator may memoise each layer's derived row (step/layer_memo.LayerMemo).  A term that is

@@ -23,15 +23,15 @@ representative device per pipeline rank, from the same quantities:
   next stage's backward and its gradient send (the last stage's after its own forward); where
   the exchange blocks its rank (a CPU node; Megatron-LM 2021's, pipeline_p2p.py) the send is
   drawn as the last part of the sender's task;
-* each rank's last backward ends where the step model puts it (``step_model.rank_ends`` of
-  the pipeline formula, ``step_model.pipeline_time``): where the formula charges more than
+* each rank's last backward ends where the step model puts it (``pp.rank_ends`` of
+  the pipeline formula, ``pp.pipeline_time``): where the formula charges more than
   the schedule needs (unequal stages), the rank waits before that last backward; every
   earlier task starts as soon as it can;
 * after backward, on the ``dp`` stream, DDP's all-reduces one after another, each launched
   when the step model says its gradient is ready (never before the drawn backward of that
   layer ends), and FSDP's exposed last reduce-scatter on ``fsdp``; then the optimizer (on
   ``compute``; the offloaded layers' host Adam on ``host``) and ZeRO-1's parameter all-gather
-  (``dp``): step_model.after_backward's terms.
+  (``dp``): dp_sync.after_backward's terms.
 
 So every rank's last event ends at the time the step model gives for that rank, and the
 trace's last event at the step time (tests/simulator/test_simulator_trace.py checks both to 1e-9, with
@@ -60,8 +60,8 @@ from autopar.simulator.step.cpu_node import serial_fsdp_tail
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.axes.pp_torch_order import torch_action_order
-from autopar.simulator.step.step_model import (ddp_all_reduces, fsdp_tails, gradient_ready_offsets, pipeline_and_ends,
-                                          weight_gradient_times)
+from autopar.simulator.axes.dp_sync import ddp_all_reduces, fsdp_tails, gradient_ready_offsets
+from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
 from autopar.simulator.step.term_registry import pass_events, traffic_terms
 from autopar.simulator.step.timeline import Timeline
 
@@ -126,7 +126,7 @@ class _Terms:
     f_g: np.ndarray          # per model chunk: forward task length (serial: with its send)
     b_g: np.ndarray
     pipe: float
-    end_r: np.ndarray        # when each rank's last backward ends (step_model.rank_ends)
+    end_r: np.ndarray        # when each rank's last backward ends (pp.rank_ends)
     send_s: float            # the activation send drawn between stages
     sends_in_task: bool = False   # a blocking exchange (P2PRuntime.blocking) is the last part of its task
     pipeline_m: int | None = None  # a pipeline's micro-batches (its FSDP traffic per step: pipeline_fsdp.py)
@@ -136,7 +136,7 @@ class _Terms:
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
-    cpu_node.SERIAL), from its own ``chunk_times`` and step_model.pipeline_and_ends."""
+    cpu_node.SERIAL), from its own ``chunk_times`` and pp.pipeline_and_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
     w_g = weight_gradient_times(ctx, rows)
     pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe, w_g)

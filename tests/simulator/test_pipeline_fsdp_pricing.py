@@ -61,7 +61,7 @@ def test_step_bytes_are_the_counted_collectives(pp, zero, m):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_pipeline_reduce_scatters_end_the_step(zero):
-    from autopar.simulator.step.step_model import fsdp_tails
+    from autopar.simulator.axes.dp_sync import fsdp_tails
 
     ev = _evaluator()
     ctx, rows = ev.prepare(_plan(zero, 4, 2))

@@ -33,7 +33,7 @@ from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.axes import pp_p2p as pipeline_p2p
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.step.step_model import pipeline_time, rank_ends
+from autopar.simulator.axes.pp import pipeline_time, rank_ends
 from autopar.simulator.step.trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
 from autopar.simulator.step.timeline import write_chrome_trace
 from autopar.simulator.device.training_code import AUTOPAR
@@ -315,7 +315,7 @@ def test_hand_schedules():
     # as stage 1 (f = b = 1).  As soon as it can: stage 0 F0 [0, 2] F1 [2, 4]; stage 1 F0 [2, 3]
     # B0 [3, 4] F1 [4, 5] B1 [5, 6]; stage 0 B0 [4, 6] B1 [6, 8].  The formula charges
     # sum T + (m - 1) max T = 6 + 4 = 10 for rank 0 and, one backward of rank 0 (2) earlier, 8 for
-    # rank 1 (step_model.rank_ends): draw_step waits on each rank before its last backward, so
+    # rank 1 (pp.rank_ends): draw_step waits on each rank before its last backward, so
     # rank 1's B1 runs [7, 8] and rank 0's [8, 10]
     for placed, want in ((False, [8, 6]), (True, [10, 8])):
         pipe, end, starts = _hand(2, 2, [2, 1], [2, 1], 0, "1f1b", placed=placed)
