@@ -35,7 +35,7 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     # Llama 3 8B (Llama Team 2024, Table 3), as torchtitan's run: bf16, sequence 8192

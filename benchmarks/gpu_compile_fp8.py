@@ -123,7 +123,7 @@ def simulated(args: dict, micro_batch: int, cpu: bool, fp8_recipe: str = "tensor
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     graph = capture_model_file(str(LLAMA), args, micro_batch)

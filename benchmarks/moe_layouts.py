@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from autopar.core.cluster import load_cluster
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.plan_price import price_plan
 
     lines = [f"MoE layouts: hand layout vs the planner's free plan, priced alike (simulator, {CLUSTER} profile "

@@ -66,7 +66,7 @@ def reason_holds(reason: dict) -> bool:
         return not any(reason["gpu"] in name for name in available_profiles())
     if reason["check"] == "tier_offloads":
         from autopar.core.plan import OFFLOAD
-        from autopar.simulator import nvme_tier
+        from autopar.simulator.axes import nvme_tier
 
         # the plan's one NVMe tier ("nvme", core/plan.py OFFLOAD) keeps AdamW's two fp32 moments per
         # trainable parameter in files and the parameters in host memory (simulator/nvme_tier.py)

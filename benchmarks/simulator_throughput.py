@@ -19,7 +19,7 @@ from pathlib import Path
 from autopar.core.capture import capture_model_file
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 
 TARGET_EVALS_PER_S = 10000.0

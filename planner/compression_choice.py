@@ -94,8 +94,7 @@ def choose_compression(result: SearchResult, graph, cluster, cost_models, fixed:
     re-priced on the cluster as the search saw it (``memory_headroom``)."""
     from autopar.core.errors import InfeasibleError
     from autopar.planner.headroom import with_headroom
-    from autopar.simulator.evaluator import PlanEvaluator
-    from autopar.simulator.simulate import plan_cost_models
+    from autopar.simulator.api import PlanEvaluator, plan_cost_models
 
     seen = with_headroom(cluster, memory_headroom)
     evaluators: dict[str, PlanEvaluator] = {}
@@ -146,6 +145,6 @@ def choose_compression(result: SearchResult, graph, cluster, cost_models, fixed:
 def wire_fraction(graph, plan) -> float:
     """Bytes of the dp reduce per step under the plan's compression over those without
     (simulator/grad_compression.py ``compressed_fraction``)."""
-    from autopar.simulator.grad_compression import compressed_fraction
+    from autopar.simulator.api import compressed_fraction
 
     return compressed_fraction(graph, plan.grad_compression)

@@ -68,7 +68,7 @@ def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], t
     if graph is None:
         return (1,), (1,)
     from autopar.core.cp_support import cp_degrees
-    from autopar.simulator.ep_cost import ep_degrees
+    from autopar.simulator.api import ep_degrees
 
     return cp_degrees(graph, world), ep_degrees(graph, world)
 
@@ -164,7 +164,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
             raise UserError(f"--cp {cp}: {graph.model_file} cannot take context parallelism: {reason}. "
                             f"Use --cp 1 or leave --cp out.")
     if getattr(o, "ep", None) is not None:
-        from autopar.simulator.ep_cost import ep_refusal
+        from autopar.simulator.api import ep_refusal
 
         reason = ep_refusal(graph, o.ep)
         if reason:

@@ -32,7 +32,7 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
     their devices but not their hosts."""
     from autopar.core.plan import ModelRef
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.api import PlanEvaluator
 
     L = len(graph.layers)
     styles = [megatron_styles(graph, i) for i in range(L)]

@@ -76,7 +76,7 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
 
 def convertible_layers(graph) -> list[int]:
     """Layers holding at least one linear the runtime converts (simulator/float8.converts)."""
-    from autopar.simulator.float8 import converts
+    from autopar.simulator.api import float8_converts as converts
 
     out = []
     for i in range(len(graph.layers)):
@@ -112,7 +112,7 @@ def choose_float8(result: SearchResult, graph, cluster, cost_models, flag: str |
                             f"or on a cluster of Hopper-class GPUs with torchao installed.")
         return result, Float8Choice((), why_not, recipe=recipe)
     from autopar.planner.headroom import with_headroom
-    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.api import PlanEvaluator
 
     ev = PlanEvaluator(graph, with_headroom(cluster, memory_headroom), cost_models)
     candidates = convertible_layers(graph)

@@ -25,7 +25,7 @@ class AxisNote:
 def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
     """A note per axis (cp, ep) saying why the best plan uses it or not."""
     from autopar.core.cp_support import cp_refusal
-    from autopar.simulator.ep_cost import ep_refusal
+    from autopar.simulator.api import ep_refusal
 
     best = result.best
     out = []

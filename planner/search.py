@@ -43,10 +43,7 @@ from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices
                                    microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
 from autopar.planner.structured import Setting, range_costs, solve_setting
 from autopar.planner.stage_dp import partition_stages
-from autopar.simulator.memory import inflight_microbatches
-from autopar.simulator.pipeline_zero_bubble import screen_bubble_share
-from autopar.simulator.step_model import interleaved_time
-from autopar.simulator.topology import stage_groups
+from autopar.simulator.api import inflight_microbatches, interleaved_time, screen_bubble_share, stage_groups
 
 ALGOS = ("auto", "ilp", "mcmc")
 # How the time budget is split, where it binds.  Both shares are set by hand and no measurement
@@ -173,7 +170,7 @@ class Planner:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
                  evaluator=None, progress: ProgressCallback | None = None):
-        from autopar.simulator.evaluator import PlanEvaluator
+        from autopar.simulator.api import PlanEvaluator
 
         from autopar.planner.constraints import candidate_meshes
         from autopar.planner.headroom import with_headroom

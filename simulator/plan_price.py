@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from autopar.core.cluster import Cluster
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.result import SimResult
 
 

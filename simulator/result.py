@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from autopar.simulator.memory import MemoryBreakdown
+from autopar.simulator.step.memory import MemoryBreakdown
 
 
 @dataclass(frozen=True)

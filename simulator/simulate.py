@@ -16,7 +16,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError, PlanFileError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
 from autopar.simulator.result import SimResult
 
@@ -47,7 +47,7 @@ def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel
     step_r, bubble = closed_form_step(ctx, rows)
     events = None
     if timeline:
-        from autopar.simulator.step_trace import draw_step
+        from autopar.simulator.step.trace import draw_step
 
         events = draw_step(ctx, rows, [plan.mesh.rank_at(pp=r) for r in range(plan.mesh.pp)]).events
     return ev.assemble(plan, ctx, rows, step_r, bubble, timeline=events)

@@ -87,9 +87,9 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.errors import InfeasibleError
     from autopar.core.plan import load_plan
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
-    from autopar.simulator.timeline import write_chrome_trace
+    from autopar.simulator.step.timeline import write_chrome_trace
 
     t0 = time.perf_counter()
     if args.trace:
@@ -172,7 +172,7 @@ def _check_cp_ep(graph, plan) -> None:
     """Refuse (exit 2) a cp or ep the model cannot take, with the reason (core/cp_support.py,
     simulator/ep_cost.py), and an ep that does not divide dp x cp."""
     from autopar.core.cp_support import cp_refusal
-    from autopar.simulator.ep_cost import ep_refusal
+    from autopar.simulator.axes.ep import ep_refusal
 
     m = plan.mesh
     if m.cp > 1 and (why := cp_refusal(graph, m.cp)):

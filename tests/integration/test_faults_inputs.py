@@ -106,7 +106,7 @@ def test_host_bytes_per_node_closed_form():
     from autopar.core.cluster import load_cluster
     from autopar.core.modelfile import load_model_file
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
     args = {"size": "llama2-7b"}

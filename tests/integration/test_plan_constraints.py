@@ -84,7 +84,7 @@ def test_memory_headroom_is_kept():
     from autopar.core.errors import NoFeasiblePlanError
     from autopar.planner.headroom import DEFAULT_MEMORY_HEADROOM
     from autopar.planner.search import PlanOptions, search
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 256, "heads": 4, "seq": 256,
                                                               "vocab": 1024}, 8)

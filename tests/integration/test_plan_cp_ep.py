@@ -16,7 +16,7 @@ from autopar.planner.constraints import constrain
 from autopar.planner.parallel_notes import axis_notes
 from autopar.planner.search import PlanOptions, search
 from autopar.planner.space import mesh_candidates
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.plan_price import price_plan
 
 

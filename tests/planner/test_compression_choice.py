@@ -11,7 +11,7 @@ from autopar.core.errors import UserError
 from autopar.planner.compression_choice import MIN_GAIN, choose_compression, constrain_for, options_for
 from autopar.planner.search import Evaluated, PlanOptions, SearchResult
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 

@@ -88,7 +88,7 @@ def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path, search_kw):
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.planner.search import PlanOptions, search
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file(ROOT / "tests" / "zoo" / "hf_llama.py", {}, 8)
     cluster = load_cluster(str(_two_device_cluster(tmp_path)))

@@ -15,7 +15,7 @@ from autopar.core.sharding import megatron_styles
 from autopar.planner.candidate import Candidate
 from autopar.planner.search import PlanOptions, Planner, search
 from autopar.planner.space import LayerChoice, mesh_candidates, microbatch_candidates
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 
 GPT = "examples/gpt.py"

@@ -126,8 +126,8 @@ def test_the_toy_axis_gradient_sync_is_priced_in_closed_form():
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.planner.search import PlanOptions, Planner
-    from autopar.simulator.cost_model import CostModel
-    from autopar.simulator.step_trace import draw_step
+    from autopar.simulator.device.cost_model import CostModel
+    from autopar.simulator.step.trace import draw_step
 
     args = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}
     graph = capture_model_file("examples/gpt.py", args, 2)
@@ -183,6 +183,6 @@ def test_the_toy_axis_gradient_sync_is_priced_in_closed_form():
 
     # no package module names the toy axis
     root = pathlib.Path(__file__).resolve().parents[2]
-    named = [f for d in ("core", "planner", "simulator", "runtime") for f in (root / d).glob("*.py")
+    named = [f for d in ("core", "planner", "simulator", "runtime") for f in (root / d).rglob("*.py")
              if '"xp"' in f.read_text() or ".xp" in f.read_text()]
     assert named == []

@@ -15,7 +15,7 @@ import pytest
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Plan
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.simulate import simulate
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph

@@ -15,7 +15,7 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import plan_cost_models
 from sim_graphs import gpt_graph
@@ -55,7 +55,7 @@ def test_cast_halves_the_fsdp_reduce_scatter(precision, cast):
 
 
 def test_cast_prices_each_ddp_bucket_at_two_bytes():
-    from autopar.simulator.ddp_buckets import buckets
+    from autopar.simulator.axes.dp_buckets import buckets
 
     plain, _ = _rows(8, 0, "fp32", "none")
     rows, _ = _rows(8, 0, "fp32", "bf16")
@@ -69,8 +69,8 @@ def test_cast_prices_each_ddp_bucket_at_two_bytes():
 
 
 def test_powersgd_bucket_by_hand():
-    from autopar.simulator.ddp_buckets import buckets
-    from autopar.simulator.grad_compression import layer_matrices
+    from autopar.simulator.axes.dp_buckets import buckets
+    from autopar.simulator.axes.grad_compression import layer_matrices
 
     rank = 2
     plain, cm = _rows(8, 0, "fp32", "none")
@@ -107,7 +107,7 @@ def test_powersgd_bucket_by_hand():
 
 
 def test_powersgd_sends_a_small_fraction_and_casts_half():
-    from autopar.simulator.grad_compression import compressed_fraction
+    from autopar.simulator.axes.grad_compression import compressed_fraction
 
     assert compressed_fraction(GRAPH, "bf16") == 0.5 and compressed_fraction(GRAPH, "none") == 1.0
     f1, f4 = compressed_fraction(GRAPH, "powersgd:1"), compressed_fraction(GRAPH, "powersgd:4")
@@ -123,7 +123,7 @@ def test_layer_matrices_are_the_weights_shapes():
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from runtime_support import graph
-    from autopar.simulator.grad_compression import layer_matrices
+    from autopar.simulator.axes.grad_compression import layer_matrices
 
     g = graph()
     block = next(i for i, l in enumerate(g.layers) if l.name == "blocks.0")

@@ -46,7 +46,7 @@ def _predicted(recompute: str):
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), ARGS, 1)

@@ -11,8 +11,8 @@ from autopar.core.cluster_file import parse_cluster
 from autopar.core.cluster_types import Nvme
 from autopar.core.errors import ClusterFileError
 from autopar.core.plan import ModelRef, uniform_plan
-from autopar.simulator import nvme_tier
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.axes import nvme_tier
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import PROFILE, dense_graph, toy_cluster
 
@@ -53,8 +53,7 @@ def test_nvme_plan_moves_the_moments_and_stalls_by_what_compute_does_not_hide(m,
     assert nvme.nvme_fits and nvme.fits and nvme.nvme_capacity_bytes == TIER.capacity_bytes
     io = moments * dp / (read_GBps * 1e9) + moments * dp / (read_GBps / 2 * 1e9)
     plan = _plan(graph, "cpu", dp, m)                     # the layer's compute per micro-batch, as priced
-    ctx, key = ev._context(plan)
-    rows = ev._derive(ev._rows(plan, ctx, key), ctx)
+    ctx, rows = ev.prepare(plan)
     windows = [m * float(rows.fwd_s[i] + rows.bwd_s[i] + rows.recompute_s[i]) for i in range(L)]
     stall = sum(max(0.0, io - w) for w in windows)
     assert nvme.step_time_s - cpu.step_time_s == pytest.approx(stall, rel=1e-9, abs=1e-12)

@@ -11,10 +11,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.core.capture import capture_model_file
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.selective_mm_policy import recomputed_matmuls
-from autopar.simulator.training_code import AUTOPAR, TrainingCode
+from autopar.simulator.axes.recompute import recomputed_matmuls
+from autopar.simulator.device.training_code import AUTOPAR, TrainingCode
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"size": "llama-tiny", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 172, "seq": 32,

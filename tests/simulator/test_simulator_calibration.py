@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
-from autopar.simulator.calibration import FITTED, Calibration
+from autopar.simulator.axes import sharded_dp
+from autopar.simulator.device.calibration import FITTED, Calibration
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 
@@ -66,7 +66,7 @@ def test_two_calibrations_price_side_by_side():
 
 
 def test_the_memo_keys_on_the_calibration():
-    """An evaluator's memo of derived rows (evaluator._LayerMemo) holds per calibration: a cost
+    """An evaluator's memo of derived rows (step/layer_memo.LayerMemo) holds per calibration: a cost
     model given another calibration after the evaluator priced with it prices as a fresh one."""
     graph, cluster, plan = _setting()
     cm = CostModel.from_profile("h100-sxm")

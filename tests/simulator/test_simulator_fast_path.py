@@ -1,4 +1,4 @@
-"""The evaluator's fast path (evaluator._LayerMemo) against the full computation.
+"""The evaluator's fast path (step/layer_memo.LayerMemo) against the full computation.
 
 PlanEvaluator.evaluate keeps each context's last derived table and looks up only the changed
 layers' neighbourhoods in a memo.  That is exact only while a layer's derived terms read no
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
+from autopar.simulator.axes import sharded_dp
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
-from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
-from autopar.simulator.step_model import chunk_masks, layer_effective_times
+from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
+from autopar.simulator.step.step_model import chunk_masks, layer_effective_times
 from sim_graphs import gpt_graph
 
 #: the columns layer_effective_times reads of a layer's successor (its forward communication)

@@ -9,7 +9,7 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
 from sim_graphs import gpt_graph
@@ -33,8 +33,8 @@ def dgx_a100(nodes):
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, "1f1b", 137.0),
 ])
 def test_megatron_table1(row):
-    from autopar.simulator import autocast
-    from autopar.simulator.training_code import TrainingCode
+    from autopar.simulator.device import autocast
+    from autopar.simulator.device.training_code import TrainingCode
 
     name, l, h, a, tp, pp, gpus, B, mb, schedule, published = row
     s, V = 2048, 51200

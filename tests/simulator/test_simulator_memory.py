@@ -4,9 +4,9 @@ import pytest
 from autopar.core.plan import ModelRef, uniform_plan
 from autopar.core.sharding import megatron_styles
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.memory import inflight_microbatches
+from autopar.simulator.step.memory import inflight_microbatches
 from sim_graphs import PROFILE, dense_graph, gpt_graph
 from sim_graphs import toy_cluster as _cluster
 

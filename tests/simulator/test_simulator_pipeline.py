@@ -6,7 +6,7 @@ import pytest
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import ModelRef, uniform_plan
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
 from sim_graphs import dense_graph, gpt_graph
@@ -93,11 +93,11 @@ def test_simulate_and_evaluate_agree(kw):
 def test_reprice_changes_only_changed_layers():
     from dataclasses import replace
 
-    from autopar.simulator.training_code import TrainingCode
+    from autopar.simulator.device.training_code import TrainingCode
 
     g = gpt_graph(24, 1024, 16, 1024, 8000)
     # a recompute that reruns the whole forward (a reentrant checkpoint; the runtime's stops early,
-    # layer_cost._recompute), so that the closed form below is one forward
+    # axes/recompute.recompute), so that the closed form below is one forward
     cm = CostModel.from_profile(PROFILE).for_code(TrainingCode(recompute_early_stop=False))
     ev = PlanEvaluator(g, _cluster(), cm)
     plan = config_plan(g, degrees={"dp": 2, "tp": 4, "pp": 1},
