@@ -19,6 +19,7 @@ loss recording and the assembly of the ``OpGraph``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import replace
@@ -70,18 +71,31 @@ def capture_model_file(path: str | Path, model_args: dict[str, Any] | None = Non
     the model file's own error (``ModelFileError``); one that fails only on meta is a note."""
     model_args = dict(model_args or {})
     t0 = time.perf_counter()
-    return capture_loaded(load_model_file(path), model_args, batch_size, t0)
+    mf = load_model_file(path)
+    key = (str(mf.path), hashlib.sha1(Path(mf.path).read_bytes()).hexdigest(), repr(sorted(model_args.items())))
+    return capture_loaded(mf, model_args, batch_size, t0, reuse=key)
+
+
+#: (model file path, its content's SHA-1, model args) -> the model built on meta by the last capture
+#: of that file: a capture at another batch size (the planner prices its plans at their micro-batches,
+#: simulator/plan_price.py) reuses the module and, where it was traced with torch.fx, its trace
+#: (core/trace_fx.trace_symbolic); the graph is that of a fresh build and trace
+_BUILT: dict[tuple, torch.nn.Module] = {}
+_BUILT_ENTRIES = 2
 
 
 def capture_loaded(mf: ModelFile, model_args: dict[str, Any] | None = None, batch_size: int = 8,
-                   t0: float | None = None) -> OpGraph:
+                   t0: float | None = None, reuse: tuple | None = None) -> OpGraph:
     """``capture_model_file`` of a model file already loaded (or of functions made into one:
-    runtime/api.py)."""
+    runtime/api.py).  ``reuse``: a key under which the module built is kept, and taken from
+    when it is there (``_BUILT``)."""
     model_args = dict(model_args or {})
     t0 = time.perf_counter() if t0 is None else t0
     torch.manual_seed(0)
     with torch.device("meta"):
-        module = mf.build(**model_args)
+        module = _BUILT.get(reuse) if reuse is not None else None
+        if module is None:
+            module = mf.build(**model_args)
         inputs, target = mf.make_batch(batch_size, **model_args)
     check_batch_rows(inputs, target, batch_size, mf.path)
     build_s = time.perf_counter() - t0
@@ -114,6 +128,10 @@ def capture_loaded(mf: ModelFile, model_args: dict[str, Any] | None = None, batc
         own = own_failure(mf, model_args, batch_size)
         if own is not None:
             raise own
+    if reuse is not None:
+        if reuse not in _BUILT and len(_BUILT) >= _BUILT_ENTRIES:
+            _BUILT.clear()
+        _BUILT[reuse] = module
     graph.notes.insert(0, f"build_model + make_batch on meta: {build_s:.2f} s")
     graph.capture_s += build_s
     return graph

@@ -9,6 +9,7 @@ meta is run once on CPU on zeros to learn its output shape.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import torch
@@ -180,15 +181,27 @@ def _shape_key(obj: Any) -> Any:
     raise TypeError("not memoisable")
 
 
+#: module -> (leaves, its fx GraphModule) of a trace whose meta run succeeded: the graph does not
+#: depend on the inputs (fx traces with proxies, which carry no shapes), so a module captured again
+#: at another batch size (core/capture.capture_model_file keeps the module built) runs the same
+#: graph on its new inputs without tracing it again
+_TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], fx.GraphModule]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def trace_symbolic(module: torch.nn.Module, inputs: tuple, params: ParamIndex,
               leaves: tuple[str, ...]) -> Walk:
-    tracer = _Tracer(leaves)
-    try:
-        graph = tracer.trace(module)
-    except Exception as e:
-        e._autopar_failed_path = tracer.failed_path      # type: ignore[attr-defined]
-        raise
-    gm = fx.GraphModule(module, graph)
+    hit = _TRACED.get(module)
+    if hit is not None and hit[0] == leaves:
+        gm = hit[1]
+    else:
+        tracer = _Tracer(leaves)
+        try:
+            graph = tracer.trace(module)
+        except Exception as e:
+            e._autopar_failed_path = tracer.failed_path      # type: ignore[attr-defined]
+            raise
+        gm = fx.GraphModule(module, graph)
     walk = Walk(leaves=list(leaves))
     runner = _MetaRunner(gm, set(leaves), walk)
     try:
@@ -199,6 +212,7 @@ def trace_symbolic(module: torch.nn.Module, inputs: tuple, params: ParamIndex,
         e._autopar_failed_path = (n.target if n is not None and n.op == "call_module" else  # type: ignore[attr-defined]
                                   _innermost_module(n) if n is not None else None)
         raise
+    _TRACED[module] = (leaves, gm)
     _walk_symbolic(gm, module, runner.results, params, walk, set(leaves))
     return walk
 

@@ -22,7 +22,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.core.dtypes import dtype_bytes
 from autopar.core.graph import OpGraph
@@ -151,17 +150,16 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
 
         fake_mode = None
         if not real:
-            from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+            fake_mode = _fake_mode_class()(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
         @contextlib.contextmanager
         def fake_tensors():   # one mode for the parameters and the forward that reads them
             if fake_mode is None:
                 yield
                 return
-            with fake_mode, _GroupedMMAnyDtype():
+            with fake_mode:
                 yield
 
         # steps 2-6b exactly as training runs them (runtime/parallelize.build_stage_parts), every stage
@@ -203,22 +201,34 @@ def _run(plan: Plan, graph: OpGraph, model_file, layer_names, module_paths, drop
             loss.backward()
 
 
-class _GroupedMMAnyDtype(TorchDispatchMode):
-    """Under FakeTensorMode, ``aten._grouped_mm`` on float32 / float16 operands answers as the
-    kernels do: an output of the operands' dtype.  Its meta function (torch 2.13,
+_FAKE_MODE_CLASS: type | None = None
+
+
+def _fake_mode_class() -> type:
+    """``FakeTensorMode`` that also answers ``aten._grouped_mm`` on float32 / float16 operands as
+    the kernels do: an output of the operands' dtype.  Its meta function (torch 2.13,
     torch/_meta_registrations.py ``_meta_grouped_mm_common``) still refuses any dtype but
     bfloat16, while the CPU kernel and the CUDA one (aten/src/ATen/native/cuda/GroupedBlas.cpp:
     a CUTLASS path for bf16 on sm90/sm100, ``_grouped_mm_fallback`` -- a loop of mm over the
     groups -- otherwise) run them; transformers 5's grouped experts call it on the weights'
-    dtype.  The shape comes from the meta function on bfloat16 copies."""
+    dtype.  The shape comes from the meta function on bfloat16 copies.  (In the mode itself, not
+    in a mode stacked on it: a second Python mode costs every op of the dry run a dispatch.)"""
+    global _FAKE_MODE_CLASS
+    if _FAKE_MODE_CLASS is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default and args[0].dtype in (torch.float32, torch.float16):
-            a, b, *rest = args
-            kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
-            return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
-        return func(*args, **kwargs)
+        class GroupedMMAnyDtype(FakeTensorMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._grouped_mm.default and args[0].dtype in (torch.float32, torch.float16):
+                    kwargs = kwargs or {}
+                    a, b, *rest = args
+                    kwargs = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+                    with self:
+                        return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        _FAKE_MODE_CLASS = GroupedMMAnyDtype
+    return _FAKE_MODE_CLASS
 
 
 def _check_even_splits(model, plan: Plan) -> None:
