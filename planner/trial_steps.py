@@ -186,13 +186,13 @@ def keep_fastest(trials: list[Trial]) -> Trial:
 
 
 def calibrate_trials(trials: list[Trial], profile: str | None, output: Path):
-    """The profile refitted to every measured trial (report_cli.calibrate_runs), written to
+    """The profile refitted to every measured trial (report_api.calibrate_runs), written to
     ``output``; returns the CalibrationResult."""
     from autopar.core.output_file import write_text_atomic
     from autopar.core.plan import load_plan
     from autopar.profiles import load_profile
     from autopar.report import resimulate
-    from autopar.report.report_cli import calibrate_runs, load_measured
+    from autopar.report.report_api import calibrate_runs, load_measured
 
     runs = []
     for t in trials:

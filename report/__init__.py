@@ -5,8 +5,10 @@
 
 Modules, in the order the verb uses them:
 
-* ``report_cli``      -- the verb: read the plan and measured.json (``autopar.core.measured``),
-  compare, print or draw, optionally calibrate;
+* ``report_cli``      -- the verb: parse the arguments, call ``report_api.report``, print;
+* ``report_api``      -- ``autopar.report(...)``: read the plan and measured.json
+  (``autopar.core.measured``), compare, draw, optionally calibrate;
+* ``html_page``       -- the figures as text and the HTML page;
 * ``resimulate``      -- find the plan's model, cluster and profile and simulate it again, for
   the breakdown, the memory per rank and the timeline;
 * ``compare``         -- simulated against measured, figure by figure, and the errors;
