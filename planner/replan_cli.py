@@ -5,8 +5,8 @@ The old plan records what it was made from: the model file and its arguments (``
 the cluster (``provenance.cluster_ref`` and ``cluster_nodes``), the precision and the global
 batch.  ``--nodes N`` rescales that cluster to N nodes (a single-group cluster,
 ``Cluster.scaled``); ``--cluster`` names another one.  The search is ``autopar plan``'s own
-(``planner/plan_cli.main``, with the same runtime check), so the new plan is what ``autopar
-plan`` writes for that cluster.
+(``autopar.plan``, planner/plan_api.py, with the same runtime check), so the new plan is what
+``autopar plan`` writes for that cluster.
 
 The global batch is kept, so a resumed run takes the same samples per step.  Where no plan of
 the new cluster holds it and the new rank count does not divide it, the search's "no plan fits"
@@ -29,7 +29,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from autopar.core.errors import UserError
+from autopar.core.errors import UserError, paragraph
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,25 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="PATH", help="the new plan file to write")
 
 
-def _model_arg(key: str, value: object) -> str:
-    """``KEY=VALUE`` that ``parse_model_args`` reads back as ``value``."""
-    from autopar.core.modelfile import parse_model_args
-
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    if parse_model_args([f"{key}={text}"])[key] != value:
-        raise UserError(f"the plan's model argument {key}={value!r} cannot be given on the command line as it is; "
-                        f"plan the new cluster with 'autopar plan' directly.")
-    return f"{key}={text}"
-
-
-def _cluster_flags(old, plan_path: str, args: argparse.Namespace) -> list[str]:
+def _cluster(old, plan_path: str, args: argparse.Namespace) -> tuple[str, int | None]:
+    """The cluster to plan for and its node count: --cluster, else the old plan's rescaled to --nodes."""
     if args.cluster is not None:
-        return ["--cluster", args.cluster]
+        return args.cluster, None
     ref = old.provenance.get("cluster_ref")
     if not isinstance(ref, str):
         raise UserError(f"plan file {plan_path} does not record the cluster it was planned for (provenance."
                         f"cluster_ref), so --nodes has nothing to rescale; give the new cluster with --cluster.")
-    return ["--cluster", ref, "--nodes", str(args.nodes)]
+    return ref, args.nodes
 
 
 def _layout(plan) -> str:
@@ -107,29 +97,27 @@ def _checkpoint_note(directory: Path) -> str:
 def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import check_writable
     from autopar.core.plan import load_plan
-    from autopar.planner import plan_cli
+    from autopar.planner import plan_api, plan_report
     from autopar.runtime.plan_check import resolve_model_path
 
     check_writable(args.output, "-o")
     plan_path = Path(args.plan)
     old = load_plan(plan_path)
     batch = args.global_batch or old.global_batch
-    model_file = resolve_model_path(old, plan_path)
-    argv = [str(model_file), *(f for k, v in old.model.args.items() for f in ("--model-arg", _model_arg(k, v))),
-            *_cluster_flags(old, args.plan, args), "--global-batch", str(batch), "--precision", old.precision,
-            "--time-budget", str(args.time_budget), "--seed", str(args.seed), "-o", str(args.output),
-            *(["--grad-clip"] if old.grad_clip else [])]          # priced as the old plan was
-    parser = argparse.ArgumentParser(prog="autopar plan")
-    plan_cli.add_arguments(parser)
-    plan_args = parser.parse_args(argv)
+    cluster, nodes = _cluster(old, args.plan, args)
+    console = plan_report.console()
     try:
-        plan_cli.main(plan_args)
+        with plan_report.progress_bar(console) as progress:
+            out = plan_api.plan(resolve_model_path(old, plan_path), cluster, batch, model_args=dict(old.model.args),
+                                nodes=nodes, precision=old.precision, time_budget=args.time_budget, seed=args.seed,
+                                output=args.output, grad_clip=old.grad_clip,      # priced as the old plan was
+                                progress=progress, warn=lambda text: print(paragraph(text), file=sys.stderr))
     except UserError as e:
         from autopar.core.cluster_file import load_cluster
 
         if e.exit_code != 3 or args.global_batch is not None:
             raise
-        world = load_cluster(plan_args.cluster, nodes=plan_args.nodes).world_size
+        world = load_cluster(cluster, nodes=nodes).world_size
         if batch % world == 0:                        # the batch splits evenly: it is not what is short
             raise
         options = " or ".join(f"--global-batch {b}" for b in _nearest_batches(batch, world))
@@ -137,6 +125,7 @@ def main(args: argparse.Namespace) -> int:
                         f"({e}). A resumed run can take another batch, but then every step from the checkpoint's "
                         f"on trains on that many samples instead of {batch}: give {options} (a multiple of the "
                         f"rank count), or a cluster with more memory.") from None
+    plan_report.print_outcome(console, out)
     new = load_plan(args.output)
     print()
     print(f"autopar replan: {plan_path} ({old.world_size} ranks, {_layout(old)}, on {old.cluster or '?'}) "

@@ -22,3 +22,21 @@ Modules, in the order the verb uses them:
 It reads the plan, measured.json and profiles, and re-prices plans with the simulator; it
 never imports the runtime or the planner.
 """
+from __future__ import annotations
+
+import sys
+import types
+
+
+class _ReportPackage(types.ModuleType):
+    """This package, callable: ``autopar.report(plan, measured, ...)`` is
+    ``autopar.report.report_api.report`` -- the package and the function share the name the
+    ``autopar report`` verb gives both, so calling the package runs the function."""
+
+    def __call__(self, *args, **kwargs):
+        from autopar.report.report_api import report
+
+        return report(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _ReportPackage
