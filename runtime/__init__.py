@@ -30,8 +30,9 @@ Modules, in the order a run uses them:
 * ``api``            -- ``autopar.prepare``: a plan applied inside the user's own loop
   (``PreparedJob.step`` is the trainer's step), docs/runtime.md;
 * ``rank_errors``    -- the first failing rank's message and exit code, from any rank;
-* ``run_cli``        -- the ``autopar run`` verb (starts torchrun through ``launch``, or prints
-  per-node commands);
+* ``run_cli``        -- the ``autopar run`` verb: its flags, then ``run_launch.launch``;
+* ``run_launch``     -- start torchrun for a plan (through ``launch``), or print the per-node
+  commands; ``run_plan`` is the same launch for other verbs (``autopar plan --trial-steps``);
 * ``dry_run``        -- one plan applied by ``parallelize`` and run forward and backward on fake
   ranks in one process, the first error as text (the planner's runtime check calls it).
 
