@@ -153,7 +153,7 @@ def plan(model: str | Path, cluster: str | Path, global_batch: int, *, model_arg
 
         save_plan(the_plan, output)
         # a device (-o /dev/null) keeps nothing to run: no command names it
-        command = None if is_special(output) else torchrun_command(job.cluster, str(output), the_plan.world_size)
+        command = None if is_special(output) else torchrun_line(job.cluster, str(output), the_plan.world_size)
     return PlanOutcome(the_plan, result, job.graph, job.cluster, None if output is None else str(output), command,
                        capture_s, job.options.memory_headroom, compile_choice, float8_choice, validation,
                        job.left_out, whole, trial)
@@ -320,7 +320,7 @@ def _final_plan(job: _Job, result, provenance: dict, graphs: dict, grad_clip: bo
     """The plan as written: its provenance, clipping, the trials, and the layers tp leaves whole
     (planner/whole_layers.py); returns it with those layers."""
     from autopar.planner.whole_layers import whole_layers
-    from autopar.planner.written_figures import plan_graph
+    from autopar.planner.written_figures import captured_for
 
     plan = result.best.plan.with_predicted(result.best.plan.predicted, **provenance)
     if grad_clip:
@@ -329,7 +329,7 @@ def _final_plan(job: _Job, result, provenance: dict, graphs: dict, grad_clip: bo
         from autopar.planner.trial_steps import trial_provenance
 
         plan = plan.with_predicted(plan.predicted, trial_steps=trial_provenance(trial, trial_steps))
-    whole = whole_layers(plan, plan_graph(plan, graphs), job.cluster, job.cost_models, job.executable, job.left_out,
+    whole = whole_layers(plan, captured_for(plan, graphs), job.cluster, job.cost_models, job.executable, job.left_out,
                          fixed=job.options.tp is not None)
     if whole:
         plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
@@ -375,7 +375,7 @@ def _check_trial_args(steps: int | None, plans: int | None, breakdown: bool, top
     return k
 
 
-def torchrun_command(cluster, plan_path: str, world_size: int | None = None) -> str:
+def torchrun_line(cluster, plan_path: str, world_size: int | None = None) -> str:
     """The torchrun line that runs the plan on every node it uses (c10d rendezvous across nodes).
 
     Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first

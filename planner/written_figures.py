@@ -29,17 +29,17 @@ def _priced(ev, cluster, cost_models, graphs: dict):
     plan's headroom (simulator/plan_price.py)."""
     from autopar.simulator.plan_price import price_plan
 
-    res = price_plan(ev.plan, cluster, cost_models, graph=plan_graph(ev.plan, graphs))
+    res = price_plan(ev.plan, cluster, cost_models, graph=captured_for(ev.plan, graphs))
     return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
 
 
-def plan_graph(plan, graphs: dict):
+def captured_for(plan, graphs: dict):
     """The model captured at ``plan``'s micro-batch, once per batch size (``graphs``)."""
-    from autopar.simulator.plan_price import plan_graph as capture_at
+    from autopar.simulator.plan_price import plan_graph
 
     mb = plan.micro_batch
     if mb not in graphs:
-        graphs[mb] = capture_at(plan)
+        graphs[mb] = plan_graph(plan)
     return graphs[mb]
 
 
@@ -48,7 +48,7 @@ def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
     (``_priced``): the chosen one is then the plan's predicted step."""
     from autopar.simulator.plan_price import price_plan
 
-    graph = plan_graph(plan, graphs)
+    graph = captured_for(plan, graphs)
     eager = price_plan(replace(plan, compile=False), cluster, cost_models, graph=graph).step_time_s
     # a split-backward schedule cannot run compiled (compile_choice.choose_compile): its eager step
     refused = plan.mesh.pp > 1 and split_backward_problem(plan.pipeline.schedule, "none", 0, "none", True)
@@ -71,6 +71,6 @@ def _priced_float8(choice, plan, cluster, cost_models, graphs: dict):
     from autopar.planner.float8_choice import with_fp8
     from autopar.simulator.plan_price import price_plan
 
-    graph = plan_graph(plan, graphs)
+    graph = captured_for(plan, graphs)
     bf16, fp8 = (price_plan(p, cluster, cost_models, graph=graph).step_time_s for p in (with_fp8(plan, ()), plan))
     return replace(choice, bf16_step_s=bf16, fp8_step_s=fp8)
