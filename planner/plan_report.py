@@ -148,18 +148,24 @@ def console():
 
 @contextlib.contextmanager
 def progress_bar(console):
-    """A progress callback for the search drawing rich bars on ``console`` (transient: gone once
-    the plan is made); None without a console."""
+    """A progress callback for the search drawing rich bars on ``console``, started at its first
+    report (an error before the search shows no bar) and gone once the context ends; None
+    without a console."""
     if console is None:
         yield None
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+    with contextlib.ExitStack() as stack:
         tasks: dict[str, int] = {}
+        bars: list[Progress] = []
 
         def progress(phase: str, done: int, total: int) -> None:
+            if not bars:
+                bars.append(stack.enter_context(Progress(
+                    TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True)))
+            bar = bars[0]
             if phase not in tasks:
                 tasks[phase] = bar.add_task(phase, total=max(1, total))
             bar.update(tasks[phase], completed=min(done, total), total=max(1, total))
