@@ -109,7 +109,7 @@ def plan(model: str | Path, cluster: str | Path, global_batch: int, *, model_arg
     ``compile``) are fixed, the search chooses the rest; the arguments are ``autopar plan``'s
     flags (docs/planner.md).  ``output``: write plan.json there (checked writable first)."""
     from autopar.core.cluster import load_cluster
-    from autopar.core.output_file import check_writable
+    from autopar.core.output_file import check_not_read, check_writable
     from autopar.core.plan import save_plan
     from autopar.simulator.cost_model import CostModel
 
@@ -117,6 +117,7 @@ def plan(model: str | Path, cluster: str | Path, global_batch: int, *, model_arg
     t0 = time.perf_counter()
     if output is not None:
         check_writable(output, "-o")                  # before the search, not after it
+        check_not_read(output, "-o", {"model file": model, "cluster file": cluster})
     elif trial_steps is not None:
         raise UserError("trial_steps writes each trial's plan beside the plan file; give output= too.")
     trial_plans = _check_trial_args(trial_steps, trial_plans, trial_breakdown, top_k, output)

@@ -57,7 +57,7 @@ def report(plan: str | Path, measured: str | Path, *, cluster: str | None = None
     the profile refitted to this run and the ``with_runs`` ((plan, measured) pairs) there.
     ``html`` or ``png``: write the report page or its figures too.  Every output is checked
     writable before any work."""
-    from autopar.core.output_file import check_writable, write_text_atomic
+    from autopar.core.output_file import check_not_read, check_writable, write_text_atomic
     from autopar.core.plan import load_plan
     from autopar.report import compare, resimulate
 
@@ -69,6 +69,7 @@ def report(plan: str | Path, measured: str | Path, *, cluster: str | None = None
     for flag, path in (("-o", calibrate), ("--html", html), ("--png", png)):
         if path:
             check_writable(path, flag)
+            check_not_read(path, flag, {"plan file": plan_path, "measured file": measured_path})
     curves_path = curves_png_path(png) if png else None
     if curves_path is not None:
         check_writable(curves_path, "--png (its curves figure)")

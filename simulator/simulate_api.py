@@ -71,9 +71,10 @@ def simulate(target: str | Path, *, cluster: str | None = None, nodes: int | Non
 
     t0 = time.perf_counter()
     if trace:
-        from autopar.core.output_file import check_writable
+        from autopar.core.output_file import check_not_read, check_writable
 
         check_writable(trace, "--trace")              # before the work, not after it
+        check_not_read(trace, "--trace", {"model file or plan file": target})
     target = Path(target)
     plan = load_plan(target) if target.suffix == ".json" else None
     the_cluster = _load_cluster(target, cluster, nodes, plan)

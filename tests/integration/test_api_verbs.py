@@ -105,3 +105,19 @@ def test_report_of_a_run_measured_slower(planned, tmp_path):
     cli = run_cli("report", d / "api.json", tmp_path / "measured.json", "--json")
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["figures"] == json.loads(json.dumps(rep.to_dict()["figures"], default=str))
+
+
+def test_no_output_replaces_an_input(tmp_path):
+    import shutil
+
+    import autopar
+    from autopar.core.errors import UserError
+
+    model = tmp_path / "model.py"
+    shutil.copy(MODEL, model)
+    before = model.read_text()
+    with pytest.raises(UserError, match="same file as the model file"):
+        autopar.plan(model, "local-cpu", 8, output=model, **PLAN_ARGS)
+    with pytest.raises(UserError, match="same file as the model file"):
+        autopar.simulate(model, cluster="local-cpu", trace=model)
+    assert model.read_text() == before
