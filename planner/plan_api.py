@@ -79,7 +79,7 @@ class PlanOutcome:
 class _Job:
     """The inputs every step reads: the request as given and what was loaded from it."""
     model_file: str
-    cluster_arg: str
+    cluster_arg: str | None              # the cluster file or name given; None: a Cluster object
     nodes: int | None
     cluster: Any
     cost_models: dict
@@ -92,7 +92,7 @@ class _Job:
     left_out: list = field(default_factory=list)
 
 
-def plan(model: str | Path, cluster: str | Path, global_batch: int, *, model_args: Mapping | None = None,
+def plan(model: str | Path, cluster, global_batch: int, *, model_args: Mapping | None = None,
          batch_size: int = 8, nodes: int | None = None, algo: str = "auto", seed: int = 0,
          time_budget: float = 40.0, precision: str | None = None, fp8_recipe: str = "tensorwise",
          profile: str | None = None, top_k: int = 3, degrees: Mapping[str, int | None] | None = None,
@@ -103,30 +103,35 @@ def plan(model: str | Path, cluster: str | Path, global_batch: int, *, model_arg
          output: str | Path | None = None, progress: Callable[[str, int, int], None] | None = None,
          say: Callable[..., None] | None = None, warn: Callable[[str], None] | None = None) -> PlanOutcome:
     """The fastest plan found for the model file ``model`` (built with ``model_args``, captured
-    at ``batch_size``) on ``cluster`` (a cluster file or a bundled cluster's name, ``nodes``:
-    rescaled) at ``global_batch`` samples per step.  The knobs given (``degrees``: axis name ->
+    at ``batch_size``) on ``cluster`` (a cluster file, a bundled cluster's name or a
+    ``core.cluster.Cluster``; ``nodes``: rescaled) at ``global_batch`` samples per step.  The knobs given (``degrees``: axis name ->
     degree, ``ep``, ``zero``, ``recompute``, ``offload``, ``micro_batch``, ``schedule``,
     ``compile``) are fixed, the search chooses the rest; the arguments are ``autopar plan``'s
     flags (docs/planner.md).  ``output``: write plan.json there (checked writable first)."""
-    from autopar.core.cluster import load_cluster
+    from autopar.core.cluster import Cluster, load_cluster
     from autopar.core.output_file import check_not_read, check_writable
     from autopar.core.plan import save_plan
     from autopar.simulator.cost_model import CostModel
 
     _import_search()                                  # its import is not counted as capture time
     t0 = time.perf_counter()
+    given = isinstance(cluster, Cluster)              # a Cluster object: none to load, none to record
     if output is not None:
         check_writable(output, "-o")                  # before the search, not after it
-        check_not_read(output, "-o", {"model file": model, "cluster file": cluster})
+        check_not_read(output, "-o", {"model file": model, "cluster file": None if given else cluster})
     elif trial_steps is not None:
         raise UserError("trial_steps writes each trial's plan beside the plan file; give output= too.")
     trial_plans = _check_trial_args(trial_steps, trial_plans, trial_breakdown, top_k, output)
-    the_cluster = load_cluster(str(cluster), nodes=nodes)
+    if given:
+        the_cluster = cluster if nodes is None else cluster.scaled(nodes)
+    else:
+        the_cluster = load_cluster(str(cluster), nodes=nodes)
     cost_models = {g.gpu: CostModel.from_profile(profile or g.gpu) for g in the_cluster.groups}
     if grad_clip:                # every plan priced as a clipped run (simulator/optimizer_step.py)
         cost_models = {k: cm.for_code(replace(cm.code, grad_clip=True)) for k, cm in cost_models.items()}
     _note_other_machine(the_cluster, profile, warn or logging.getLogger("autopar").warning)
-    job = _Job(str(model), str(cluster), nodes, the_cluster, cost_models, recipe=fp8_recipe, compile=compile)
+    job = _Job(str(model), None if given else str(cluster), nodes, the_cluster, cost_models, recipe=fp8_recipe,
+               compile=compile)
     _options(job, global_batch=global_batch, algo=algo, seed=seed, time_budget=time_budget, precision=precision,
              top_k=top_k, degrees=degrees or {}, ep=ep, zero=zero, recompute=recompute, offload=offload,
              micro_batch=micro_batch, schedule=schedule, memory_headroom=memory_headroom)
@@ -281,7 +286,9 @@ def _provenance(job: _Job, result, compile_choice, float8_choice) -> dict:
         if best.uses_fp8:
             float8_record = float8_conversion(best, job.graph, load_model_file(job.model_file))
             compile_note += f"; {float8_record.summary()} (torchao's conversion on the meta model)"
-    ref = str(Path(job.cluster_arg).resolve()) if Path(job.cluster_arg).is_file() else job.cluster_arg
+    ref = job.cluster_arg
+    if ref is not None and Path(ref).is_file():
+        ref = str(Path(ref).resolve())
     ex = job.executable
     provenance = dict(cluster_ref=ref, cluster_nodes=job.nodes, memory_headroom=job.options.memory_headroom,
                       runtime_check="skipped (--no-runtime-check)" if ex is None else

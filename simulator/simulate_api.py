@@ -51,17 +51,18 @@ class Simulation:
         return out
 
 
-def simulate(target: str | Path, *, cluster: str | None = None, nodes: int | None = None,
+def simulate(target: str | Path, *, cluster=None, nodes: int | None = None,
              model_args: Mapping | None = None, degrees: Mapping[str, int | None] | None = None, ep: int = 1,
              micro_batch: int = 1, global_batch: int | None = None, schedule: str = "1f1b",
              virtual_stages: int = 2, zero: int = 0, recompute: str = "none", offload: str = "none",
              precision: str | None = None, fp8_recipe: str = "tensorwise", sequence_parallel: bool = False,
              compile: bool = False, grad_clip: bool = False, profile: str | None = None,
              trace: str | Path | None = None) -> Simulation:
-    """Price ``target``, a model file (configured by the other arguments, on ``cluster``) or a
-    plan.json (on ``cluster``, default the one it was made for; the configuration arguments
-    are ignored).  ``nodes`` rescales a single-group cluster; ``profile``: the cost profile
-    (default each group's GPU type); ``trace``: write a Chrome trace there."""
+    """Price ``target``, a model file (configured by the other arguments, on ``cluster``: a
+    cluster file, a bundled cluster's name or a ``core.cluster.Cluster``) or a plan.json (on
+    ``cluster``, default the one it was made for; the configuration arguments are ignored).
+    ``nodes`` rescales a single-group cluster; ``profile``: the cost profile (default each
+    group's GPU type); ``trace``: write a Chrome trace there."""
     from autopar.core.capture import capture_model_file
     from autopar.core.errors import InfeasibleError
     from autopar.core.plan import load_plan
@@ -116,10 +117,14 @@ def simulate(target: str | Path, *, cluster: str | None = None, nodes: int | Non
     return Simulation(graph, plan, the_cluster, result, capture_s, sim_s, None if not trace else str(trace))
 
 
-def _load_cluster(target: Path, cluster: str | None, nodes: int | None, plan=None):
-    """``cluster`` (scaled to ``nodes``), else the cluster the plan was made for."""
+def _load_cluster(target: Path, cluster, nodes: int | None, plan=None):
+    """``cluster`` (a file, a bundled name or a Cluster; scaled to ``nodes``), else the cluster
+    the plan was made for."""
+    from autopar.core.cluster import Cluster
     from autopar.core.cluster_file import load_cluster
 
+    if isinstance(cluster, Cluster):
+        return cluster if nodes is None else cluster.scaled(nodes)
     if plan is not None and not cluster:
         from autopar.core.plan_cluster import load_plan_cluster
 

@@ -79,8 +79,10 @@ def test_simulate_a_configuration_as_the_verb_does(capsys):
     printed = json.loads(cli.stdout)
     assert printed["step_time_s"] == sim.result.step_time_s
     assert printed["plan"] == json.loads(json.dumps(sim.to_dict()["plan"]))
-    # unset, the batch axis takes the devices the others leave: 4 on local-cpu
-    assert autopar.simulate(MODEL, cluster="local-cpu", global_batch=8).plan.mesh.dp == 4
+    # unset, the batch axis takes the devices the others leave: 4 on local-cpu (a Cluster object here)
+    from autopar.core.cluster import load_cluster
+
+    assert autopar.simulate(MODEL, cluster=load_cluster("local-cpu"), global_batch=8).plan.mesh.dp == 4
 
 
 def test_simulate_refuses_an_axis_it_does_not_know():
@@ -121,3 +123,15 @@ def test_no_output_replaces_an_input(tmp_path):
     with pytest.raises(UserError, match="same file as the model file"):
         autopar.simulate(model, cluster="local-cpu", trace=model)
     assert model.read_text() == before
+
+
+def test_plan_on_a_cluster_object(planned):
+    import autopar
+    from autopar.core.cluster import load_cluster
+
+    _, out, _, _ = planned
+    again = autopar.plan(MODEL, load_cluster("local-cpu"), 8, **PLAN_ARGS).plan.to_dict()
+    first = out.plan.to_dict()
+    # the same plan; a Cluster object is not a file or name the plan could load again
+    assert first["provenance"].pop("cluster_ref") == "local-cpu" and again["provenance"].pop("cluster_ref") is None
+    assert _without_timings(again) == _without_timings(first)
