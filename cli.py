@@ -17,7 +17,8 @@ VERBS = {
     "plan": ("autopar.planner.plan_cli", "search for the fastest plan that fits the cluster and write plan.json"),
     "replan": ("autopar.planner.replan_cli", "plan a plan.json's model and global batch again for another cluster; "
                                              "print how the run resumes"),
-    "run": ("autopar.runtime.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters)"),
+    "run": ("autopar.elastic.run_cli", "train a plan.json with torchrun (prints the command for multi-node clusters; "
+                                       "--elastic: re-plan and go on when nodes are lost)"),
     "launch": ("autopar.runtime.launch_cli", "write a batch script that trains a plan.json on a SLURM cluster"),
     "export": ("autopar.runtime.export_cli", "write a checkpoint's weights as safetensors (from_pretrained / load_state_dict)"),
     "profile": ("autopar.profiling.profile_cli", "measure op and collective costs on this machine into a profile file"),
@@ -84,7 +85,7 @@ def _main(argv: list[str] | None) -> int:
 
         forget_inputs()                               # a fresh command (tests call main() repeatedly)
         note_arguments(parser, args)                  # no output may overwrite one of these
-        interrupts.install()                          # a real Ctrl-C, told from a raised KeyboardInterrupt
+        interrupts.install_sigint_flag()                          # a real Ctrl-C, told from a raised KeyboardInterrupt
         bound_user_code(default_time_limit_s(), f"autopar {args.verb}")   # a model file that never returns is an error
         return int(importlib.import_module(args._module).main(args) or 0)
     except UserError as e:

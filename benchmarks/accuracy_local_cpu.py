@@ -233,7 +233,7 @@ def _write_plan(cfg: Config, ctx, profile: str, run_dir: Path):
     from autopar.simulator.configure import config_plan
 
     cluster = ctx.cluster
-    plan = config_plan(ctx.graph, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, micro_batch=MICRO_BATCH,
+    plan = config_plan(ctx.graph, degrees={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, micro_batch=MICRO_BATCH,
                        global_batch=cfg.dp * MICRO_BATCH * cfg.num_microbatches, schedule=cfg.schedule,
                        virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
                        precision="fp32", sequence_parallel=cfg.sequence_parallel, cluster_name=cluster.name)

@@ -35,7 +35,7 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     # Llama 3 8B (Llama Team 2024, Table 3), as torchtitan's run: bf16, sequence 8192
@@ -43,7 +43,8 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), args, micro_batch)
     cluster = load_cluster("h100-16x8", nodes=1)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    eager = config_plan(graph, dp=8, tp=1, pp=1, micro_batch=micro_batch, global_batch=8 * micro_batch,
+    eager = config_plan(graph, degrees={"dp": 8, "tp": 1, "pp": 1},
+                        micro_batch=micro_batch, global_batch=8 * micro_batch,
                         schedule="1f1b", virtual_stages=1, zero=3, recompute="selective", offload="none",
                         precision="bf16", sequence_parallel=False, cluster_name=cluster.name)
     out = {}

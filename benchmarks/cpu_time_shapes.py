@@ -49,7 +49,7 @@ def predicted_step_s(model: dict, micro_batch: int, profile: str) -> float:
     graph = capture_model_file(MODEL_FILE, model, batch_size=micro_batch)
     ctx = PlanContext(graph=graph, cluster=load_cluster("local-cpu"), profile=load_profile_dict(profile),
                       profile_name=profile)
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=micro_batch, global_batch=micro_batch,
+    plan = config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1}, micro_batch=micro_batch, global_batch=micro_batch,
                        schedule="1f1b", virtual_stages=1, zero=0, recompute="none", offload="none",
                        precision="fp32", sequence_parallel=False, cluster_name="local-cpu")
     return float(simulate_figures(ctx, plan, timeline=False)[0]["step_time_s"])

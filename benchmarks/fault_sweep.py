@@ -116,7 +116,7 @@ def make_plan(model: str, args: dict, *, dp=1, tp=1, pp=1, micro_batch=2, num_mi
         from autopar.simulator.configure import config_plan
 
         g = capture_model_file(model, dict(args), micro_batch)
-        plan = config_plan(g, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch,
+        plan = config_plan(g, degrees={"dp": dp, "tp": tp, "pp": pp}, micro_batch=micro_batch,
                            global_batch=dp * micro_batch * num_microbatches, schedule="1f1b", virtual_stages=1,
                            zero=zero, recompute="none", offload="none", precision="fp32",
                            sequence_parallel=False, cluster_name=cluster)

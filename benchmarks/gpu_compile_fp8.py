@@ -123,13 +123,14 @@ def simulated(args: dict, micro_batch: int, cpu: bool, fp8_recipe: str = "tensor
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     graph = capture_model_file(str(LLAMA), args, micro_batch)
     cluster = load_cluster("local-cpu" if cpu else "h100-16x8", nodes=1)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=micro_batch, global_batch=micro_batch, schedule="1f1b",
+    plan = config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1},
+                       micro_batch=micro_batch, global_batch=micro_batch, schedule="1f1b",
                        virtual_stages=1, zero=0, recompute="none", offload="none", precision="bf16",
                        sequence_parallel=False, cluster_name=cluster.name)
     fp8 = replace(plan, compile=True, fp8_recipe=fp8_recipe,

@@ -164,14 +164,14 @@ def _sdpa_fwd_bwd_case(b: int, heads: int, seq: int, hd: int, dt: str):
     import torch
     import torch.nn.functional as F
     from autopar.core.dtypes import PRECISION_BYTES
-    from autopar.profiling.op_sweeps import DTYPES, OpCase
+    from autopar.profiling.op_sweeps import TORCH_DTYPES, OpCase
 
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        q, k, v = (torch.randn(b, heads, seq, hd, device=device, dtype=DTYPES[dt]).requires_grad_(True)
+        q, k, v = (torch.randn(b, heads, seq, hd, device=device, dtype=TORCH_DTYPES[dt]).requires_grad_(True)
                    for _ in range(3))
-        grad = torch.randn(b, heads, seq, hd, device=device, dtype=DTYPES[dt])
+        grad = torch.randn(b, heads, seq, hd, device=device, dtype=TORCH_DTYPES[dt])
 
         def call():
             with torch.enable_grad():
@@ -201,10 +201,10 @@ def _silu_case(n: int, dt: str):
     import torch
     import torch.nn.functional as F
     from autopar.core.dtypes import PRECISION_BYTES
-    from autopar.profiling.op_sweeps import DTYPES, OpCase
+    from autopar.profiling.op_sweeps import TORCH_DTYPES, OpCase
 
     def build(device):
-        x = torch.randn(n, device=device, dtype=DTYPES[dt])
+        x = torch.randn(n, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.silu(x)
     # core/op_costs.py FLOPS_PER_ELEMENT: silu 4; a read and a write per element
     return OpCase("elementwise", "silu", dt, (n,), 4.0 * n, float(2 * n * PRECISION_BYTES[dt]), build)
@@ -215,15 +215,15 @@ def _rope_case(b: int, heads: int, seq: int, hd: int, dt: str):
     (rotate-half form: q * cos + rotate_half(q) * sin, eager, one kernel per op)."""
     import torch
     from autopar.core.dtypes import PRECISION_BYTES
-    from autopar.profiling.op_sweeps import DTYPES, OpCase
+    from autopar.profiling.op_sweeps import TORCH_DTYPES, OpCase
 
     n = b * heads * seq * hd
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        q = torch.randn(b, heads, seq, hd, device=device, dtype=DTYPES[dt])
-        cos = torch.randn(seq, hd, device=device, dtype=DTYPES[dt])
-        sin = torch.randn(seq, hd, device=device, dtype=DTYPES[dt])
+        q = torch.randn(b, heads, seq, hd, device=device, dtype=TORCH_DTYPES[dt])
+        cos = torch.randn(seq, hd, device=device, dtype=TORCH_DTYPES[dt])
+        sin = torch.randn(seq, hd, device=device, dtype=TORCH_DTYPES[dt])
 
         def call():
             q1, q2 = q.chunk(2, dim=-1)
@@ -240,13 +240,13 @@ def _cross_entropy_case(tokens: int, vocab: int, dt: str, fp32: bool):
     import torch
     import torch.nn.functional as F
     from autopar.core.dtypes import PRECISION_BYTES
-    from autopar.profiling.op_sweeps import DTYPES, OpCase
+    from autopar.profiling.op_sweeps import TORCH_DTYPES, OpCase
 
     n = tokens * vocab
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        logits = torch.randn(tokens, vocab, device=device, dtype=DTYPES[dt]).requires_grad_(True)
+        logits = torch.randn(tokens, vocab, device=device, dtype=TORCH_DTYPES[dt]).requires_grad_(True)
         gen = torch.Generator().manual_seed(0)
         target = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
 
@@ -290,7 +290,7 @@ def sustained_gemm(dims: dict, micro_batch: int, dtype: str, device, seconds: fl
     import time
 
     import torch
-    from autopar.profiling.op_sweeps import DTYPES
+    from autopar.profiling.op_sweeps import TORCH_DTYPES
 
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}
@@ -314,8 +314,8 @@ def sustained_gemm(dims: dict, micro_batch: int, dtype: str, device, seconds: fl
         except Exception:
             return None
     t, h, f = micro_batch * dims["seq"], dims["hidden"], dims["ffn"]
-    x = torch.randn(t, h, device=device, dtype=DTYPES[dtype])
-    w = torch.randn(f, h, device=device, dtype=DTYPES[dtype])
+    x = torch.randn(t, h, device=device, dtype=TORCH_DTYPES[dtype])
+    w = torch.randn(f, h, device=device, dtype=TORCH_DTYPES[dtype])
     flops = 2.0 * t * h * f
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.nn.functional.linear(x, w)
@@ -412,7 +412,7 @@ def measure_profile(args, dims: dict, micro_batch: int, dtype: str, device, base
 def _plan(graph, cluster, cfg: Config, micro_batch: int, precision: str):
     from autopar.simulator.configure import config_plan
 
-    return config_plan(graph, dp=1, tp=1, pp=1, micro_batch=micro_batch, global_batch=micro_batch,
+    return config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1}, micro_batch=micro_batch, global_batch=micro_batch,
                        schedule="1f1b", virtual_stages=1, zero=cfg.zero, recompute=cfg.recompute, offload="none",
                        precision=precision, sequence_parallel=False, cluster_name=cluster.name)
 

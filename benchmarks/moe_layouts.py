@@ -111,7 +111,7 @@ def hand_plan(row: Row, schedule: str, cluster):
         # torch's selective checkpoint allows one backward per region and these schedules run two
         # (core/rules.split_backward_problem): full recompute, as the planner's split-backward twins
         recompute = "full"
-    plan = config_plan(graph, dp=h["dp"], tp=h["tp"], pp=h["pp"], micro_batch=h["micro_batch"],
+    plan = config_plan(graph, degrees={"dp": h["dp"], "tp": h["tp"], "pp": h["pp"]}, micro_batch=h["micro_batch"],
                        global_batch=row.global_batch, schedule=sched, virtual_stages=h["virtual_stages"],
                        zero=h["zero"], recompute=recompute, offload="none", precision="bf16",
                        sequence_parallel=h["sp"], cluster_name=cluster.name)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from autopar.core.cluster import load_cluster
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.plan_price import price_plan
 
     lines = [f"MoE layouts: hand layout vs the planner's free plan, priced alike (simulator, {CLUSTER} profile "

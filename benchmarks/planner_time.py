@@ -16,7 +16,7 @@ import time
 from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
 from autopar.planner.search import PlanOptions, search
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 
 GOAL_S = 60.0
 SEARCH_GOAL_S = 10.0

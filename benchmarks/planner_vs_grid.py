@@ -30,7 +30,7 @@ from autopar.core.plan import ModelRef, uniform_plan
 from autopar.core.sharding import megatron_styles
 from autopar.planner.search import PlanOptions, search
 from autopar.planner.space import divisors, mesh_candidates
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 
 GPT = "examples/gpt.py"

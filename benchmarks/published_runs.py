@@ -406,7 +406,8 @@ def row_plan(row: dict, graph, cluster):
     zero = lay.get("zero", 3 if row["family"] in SHARDED_FAMILIES + ("AUTOPAR", "CP", "EP") else 0)
     # sequence parallelism where the row's code ran it (the 405B CP rows: torchtitan's apply_tp has no
     # TP without it; benchmarks/data/published_runs_cp_ep.json "about"); Megatron-LM of 2021 had none
-    plan = config_plan(graph, dp=lay["dp"], tp=lay["tp"], pp=pp, cp=lay.get("cp", 1), micro_batch=lay["micro_batch"],
+    plan = config_plan(graph, degrees={"dp": lay["dp"], "tp": lay["tp"], "pp": pp, "cp": lay.get("cp", 1)},
+                       micro_batch=lay["micro_batch"],
                        global_batch=lay["global_batch"], schedule="interleaved" if pp > 1 and v > 1 else "1f1b",
                        virtual_stages=v, zero=zero,
                        recompute={"full": "full", "partial": "full", "selective": "selective"}.get(rec, "none"),
@@ -446,7 +447,7 @@ def sharded_runtime(row: dict):
     from the 1.13.1 runs (``MPT_TORCH_1_13``) and priced as FSDP1 in torch 1.13, with its pad
     pass (item 5b).  FSDP1's terms priced here (item 5) are the same in 2.1 and 2.2 (the pad of
     item 5b went in November 2022, PR #88769).  PTD-P rows shard nothing (FSDP2, unused)."""
-    from autopar.simulator import sharded_dp
+    from autopar.simulator.axes import sharded_dp
 
     if row["family"] == "ZeRO-3":
         return sharded_dp.DEEPSPEED_ZERO3_2021
@@ -464,7 +465,7 @@ def _torch_1(row: dict) -> bool:
 def pipeline_runtime(family: str):
     """The pipeline exchange a family's runs used (simulator/pipeline_p2p.py): the PTD-P rows ran
     Megatron-LM of 2021 (blocking exchange, scatter/gather on); the others have no pipeline."""
-    from autopar.simulator import pipeline_p2p
+    from autopar.simulator.axes import pp_p2p as pipeline_p2p
 
     return pipeline_p2p.MEGATRON_2021 if family == "PTD-P" else pipeline_p2p.TORCH_PIPELINING
 
@@ -483,7 +484,7 @@ def attention_kernel(row: dict) -> str:
     ``flash_triton``.)  fms-fsdp's runs used PyTorch's SDPA, FlashAttention-2 (the source's
     attention field).  Megatron-LM's 2021 rows run no fused attention (examples/gpt.py
     ``attention="megatron"``)."""
-    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
+    from autopar.simulator.device.training_code import DEFAULT_ATTENTION_KERNEL
 
     return "flash" if row["model"].get("mpt") else DEFAULT_ATTENTION_KERNEL
 
@@ -495,7 +496,7 @@ def optimizer_runtime(row: dict):
     overlapped with the last backward, as the row's script says (``layout.ddp``, SC21_TABLE_1);
     the FSDP rows' optimizers step the sharded fp32 or bf16 parameters themselves.  The ZeRO-3
     rows keep AdamW's price (DeepSpeed's fp16 ZeRO-3 optimizer of 2021 is not modelled here)."""
-    from autopar.simulator import optimizer_step
+    from autopar.simulator.step import optimizer_step
 
     if row["family"] != "PTD-P":
         return optimizer_step.TORCH_ADAMW
@@ -527,7 +528,7 @@ def row_code(row: dict):
     AUTOPAR rows are priced as autopar's own runtime, ``training_code.AUTOPAR``, but for the one
     place torchtitan's code differs from it: its op-level selective checkpointing recomputes every
     second matmul of a block (simulator/selective_mm_policy.py), where the runtime saves them all."""
-    from autopar.simulator.training_code import AUTOPAR, TrainingCode
+    from autopar.simulator.device.training_code import AUTOPAR, TrainingCode
 
     if row["family"] == "AUTOPAR":
         return replace(AUTOPAR, selective_mm_policy=TORCHTITAN_SELECTIVE_MM_POLICY)
@@ -588,7 +589,7 @@ def megatron_core_moe_code(row: dict):
       all-gathered once per step, overlapped with the backward -- priced as DDP's all-reduce, the
       same ring traffic (the row's ``zero`` 0; a plan's ZeRO-1 beside a pipeline would run as
       FSDP2 without reshard, whose reduce-scatters torch's schedules run once a step:
-      core/rules.effective_zero, simulator/pipeline_fsdp.py); AdamW
+      core/rules.zero_stage_that_runs, simulator/pipeline_fsdp.py); AdamW
       (``optimizer_step.TORCH_ADAMW``), on every parameter rather than 1/dp of them;
     * no autocast: bf16 parameters (Megatron's ``--bf16``, fp32 main weights in the optimizer);
     * attention: Transformer Engine's fused attention, priced as FlashAttention-2;
@@ -600,8 +601,9 @@ def megatron_core_moe_code(row: dict):
     * loss: Transformer Engine's fused cross entropy (the GPT provider's ``cross_entropy_loss_fusion
       = True`` and the performance scripts' ``cross_entropy_fusion_impl = "te"``:
       TrainingCode.fused_cross_entropy), no gradient pair at the loss's backward."""
-    from autopar.simulator import optimizer_step, pipeline_p2p
-    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL, TrainingCode
+    from autopar.simulator.step import optimizer_step
+    from autopar.simulator.axes import pp_p2p as pipeline_p2p
+    from autopar.simulator.device.training_code import DEFAULT_ATTENTION_KERNEL, TrainingCode
 
     return TrainingCode(reduce_bytes=row["layout"]["reduce_bytes"], p2p=pipeline_p2p.TORCH_PIPELINING,
                         optimizer=optimizer_step.TORCH_ADAMW, autocast=row["layout"]["autocast"],
@@ -614,8 +616,8 @@ def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
     """The row priced as its own code ran it, with the fitted constants ``calibration``
     (simulator/calibration.py; None: the last fit, ``FITTED``)."""
     from autopar.core.capture import capture_model_file
-    from autopar.simulator.calibration import FITTED
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.calibration import FITTED
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     path, args = model_spec(row)
@@ -653,7 +655,7 @@ def reads_ring_efficiency(row: dict) -> bool:
     (simulator/sharded_dp.py ``network_paced``, items 2 and 6; the sharded rows run dp over all
     their GPUs, so their group spans nodes where the row does).  Every sharded row reads exactly
     one of the two constants, so each is priced once per value of its own constant."""
-    from autopar.simulator import sharded_dp
+    from autopar.simulator.axes import sharded_dp
 
     c = row["cluster"]
     return sharded_dp.network_paced(sharded_runtime(row), "inter" if c["gpus"] > c["gpus_per_node"] else "intra")
@@ -681,7 +683,7 @@ def cross_validate(rows: list[dict], halves: dict, cache: dict) -> tuple[list[st
     calibration (simulator/calibration.py); nothing is reassigned."""
     from dataclasses import replace
 
-    from autopar.simulator.calibration import FITTED
+    from autopar.simulator.device.calibration import FITTED
 
     sharded = [r for r in rows if r["family"] in SHARDED_FAMILIES]
     ring_rows = [r for r in sharded if reads_ring_efficiency(r)]

@@ -54,7 +54,7 @@ def _predict(model: dict, dp: int, micro_batch: int, global_batch: int, profile:
 
     graph = capture_model_file(MODEL_FILE, model, batch_size=micro_batch)
     ctx = PlanContext(graph=graph, cluster=load_cluster("local-cpu"), profile=profile, profile_name="replay")
-    plan = config_plan(graph, dp=dp, tp=1, pp=1, micro_batch=micro_batch, global_batch=global_batch,
+    plan = config_plan(graph, degrees={"dp": dp, "tp": 1, "pp": 1}, micro_batch=micro_batch, global_batch=global_batch,
                        schedule="1f1b", virtual_stages=1, zero=0, recompute="none", offload="none",
                        precision="fp32", sequence_parallel=False, cluster_name="local-cpu")
     return float(simulate_figures(ctx, plan, timeline=False)[0]["step_time_s"])

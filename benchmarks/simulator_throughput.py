@@ -19,7 +19,7 @@ from pathlib import Path
 from autopar.core.capture import capture_model_file
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 
 TARGET_EVALS_PER_S = 10000.0
@@ -45,7 +45,8 @@ def main() -> None:
     capture_s = time.perf_counter() - t0
     cluster = h100_cluster(128)
     evaluator = PlanEvaluator(graph, cluster, CostModel.from_profile("h100-sxm"))
-    plan = config_plan(graph, dp=8, tp=8, pp=16, micro_batch=1, global_batch=512, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 8, "tp": 8, "pp": 16},
+                       micro_batch=1, global_batch=512, schedule="1f1b", virtual_stages=1,
                        zero=2, recompute="selective", offload="none", precision="bf16", sequence_parallel=True)
     first = evaluator.evaluate(plan)
     rng = random.Random(0)

@@ -81,7 +81,7 @@ def parse_args(argv=None):
 def _plan(graph, cluster, cfg: Config, micro_batch: int, precision: str):
     from autopar.simulator.configure import config_plan
 
-    return config_plan(graph, dp=1, tp=1, pp=1, micro_batch=micro_batch, global_batch=micro_batch,
+    return config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1}, micro_batch=micro_batch, global_batch=micro_batch,
                        schedule="1f1b", virtual_stages=1, zero=3 if cfg.offload else 0, recompute=cfg.recompute,
                        offload="cpu" if cfg.offload else "none", precision=precision, sequence_parallel=False,
                        cluster_name=cluster.name)

@@ -133,7 +133,7 @@ def run(memory_bound: dict[str, float] | None = None, profiles: tuple[str, ...] 
     in place of a profile's ``efficiency.memory_bound``."""
     from dataclasses import replace
 
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     points = []
     for (profile, causal, head_dim), measured in MEASURED_TFLOPS.items():

@@ -74,3 +74,13 @@ non_negative = count(0)
 seed = count(0, MAX_SEED, "a seed")
 global_batch = count(1, MAX_GLOBAL_BATCH, "a global batch")
 positive_number = number(0.0)
+
+
+def grad_compression(text: str) -> str:
+    """A gradient compression (core/grad_compression.py): none, bf16, fp16 or powersgd:R."""
+    from autopar.core.grad_compression import GradCompression
+
+    try:
+        return str(GradCompression.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}.") from None

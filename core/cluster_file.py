@@ -16,6 +16,8 @@ Schema (docs/cluster-file.md has the long version)::
         host_memory_GB: 2048      # per node
         host_to_device: {bandwidth_GBps: 32, latency_us: 10} # optional; default: profile pcie_*
         env: {NCCL_SOCKET_IFNAME: ib0}   # optional; exported on this group's nodes (wins over the top level's)
+        nvme: {path: /local/nvme, capacity_GB: 3840, read_GBps: 12, write_GBps: 8}
+                                  # optional; per node, all its drives (autopar profile --disk PATH)
     env: {NCCL_IB_HCA: mlx5}      # optional; exported on every node by the launch scripts
 
 ``GB`` and ``GBps`` are decimal (10^9 bytes, 10^9 bytes/s); bandwidths are per GPU and per
@@ -38,7 +40,7 @@ from typing import NoReturn
 import yaml
 
 from autopar.core import schema
-from autopar.core.cluster_types import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup
+from autopar.core.cluster_types import BACKENDS, MAX_DEVICES, Cluster, Link, NodeGroup, Nvme
 from autopar.core.errors import ClusterFileError
 from autopar.core.jsonfile import read_text_bounded
 from autopar.core.profile_schema import ProfileError, available_profiles, load_profile
@@ -48,7 +50,8 @@ _PACKAGE = "autopar.examples.clusters"
 TOP_REQUIRED = ("inter_node", "groups")
 TOP_OPTIONAL = ("name", "backend", "env")
 GROUP_REQUIRED = ("name", "gpu", "nodes", "gpus_per_node", "host_memory_GB")
-GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slots", "env")
+GROUP_OPTIONAL = ("gpu_memory_GB", "intra_node", "host_to_device", "compute_slots", "env", "nvme")
+NVME_REQUIRED = ("path", "capacity_GB", "read_GBps", "write_GBps")
 LINK_REQUIRED = ("bandwidth_GBps", "latency_us")
 
 _DOCS = "See docs/cluster-file.md for the schema."
@@ -58,7 +61,8 @@ MAX_CLUSTER_FILE_BYTES = 2**20
 #: upper bound of each figure: far above any machine built (the largest GPU memory sold is
 #: 0.3 TB, the largest link 0.9 TB/s per direction), low enough that bytes and seconds computed
 #: from them stay finite and exact in an int.
-LIMITS = {"gpu_memory_GB": 1e5, "host_memory_GB": 1e6, "bandwidth_GBps": 1e6, "latency_us": 1e9}
+LIMITS = {"gpu_memory_GB": 1e5, "host_memory_GB": 1e6, "bandwidth_GBps": 1e6, "latency_us": 1e9,
+          "capacity_GB": 1e8}
 
 
 def available_clusters() -> list[str]:
@@ -187,7 +191,7 @@ def _limited(name: str, *, positive: bool) -> schema.Leaf:
         if not isinstance(value, str):
             return None
         return "a number, not text" + (" (YAML 1.1 reads 1e9 as text: write 1.0e+9)" if "e" in value.lower() else "")
-    return schema.number(positive=positive, upper=LIMITS[name], explain=explain)
+    return schema.number_leaf(positive=positive, upper=LIMITS[name], explain=explain)
 
 
 def _mapping(required: tuple[str, ...], optional: dict, fields: dict, then=None) -> schema.Mapping:
@@ -219,7 +223,7 @@ def _env_value_ok(v: object) -> bool:
 def _env_names(env: dict, path: str, report: schema.Reporter) -> None:
     for key in env:
         if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
-            report.bad_value(schema.join(path, key), key, "an environment variable name: letters, digits and "
+            report.bad_value(schema.join_path(path, key), key, "an environment variable name: letters, digits and "
                                                           "underscores, not starting with a digit")
 
 
@@ -238,9 +242,12 @@ _WHOLE = schema.whole(lower=1, upper=MAX_DEVICES, must=f"a whole number >= 1 and
                                                       f"clusters of at most {MAX_DEVICES} devices)")
 _LINK = _mapping(LINK_REQUIRED, {}, {"bandwidth_GBps": _limited("bandwidth_GBps", positive=True),
                                      "latency_us": _limited("latency_us", positive=False)})
+_NVME = _mapping(NVME_REQUIRED, {}, {"path": schema.text(), "capacity_GB": _limited("capacity_GB", positive=True),
+                                     "read_GBps": _limited("bandwidth_GBps", positive=True),
+                                     "write_GBps": _limited("bandwidth_GBps", positive=True)})
 _GROUP = _mapping(GROUP_REQUIRED,
                   {"gpu_memory_GB": _limited("gpu_memory_GB", positive=True), "intra_node": _LINK,
-                   "host_to_device": _LINK, "compute_slots": _WHOLE, "env": _ENV},
+                   "host_to_device": _LINK, "compute_slots": _WHOLE, "env": _ENV, "nvme": _NVME},
                   {"name": schema.text(), "gpu": schema.text(), "nodes": _WHOLE, "gpus_per_node": _WHOLE,
                    "host_memory_GB": _limited("host_memory_GB", positive=True)},
                   then=_slots_within_node)
@@ -267,7 +274,7 @@ class _Validator:
         self.fail(path, f"the value is {value!r}; it must be {must}.")
 
     def unknown_key(self, path: str, key: object, hint: str, allowed: tuple[str, ...]) -> NoReturn:
-        self.fail(schema.join(path, key), f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
+        self.fail(schema.join_path(path, key), f"unknown key {key!r}.{hint} Allowed keys here: {', '.join(allowed)}.")
 
     def missing_keys(self, path: str, missing: list[str], required: tuple[str, ...]) -> NoReturn:
         self.fail(path, f"the required key {missing[0]!r} is missing"
@@ -319,6 +326,7 @@ class _Validator:
             host_to_device=self.link_or_default(g, "host_to_device", path, prof, gpu, "pcie_GBps", "pcie_latency_us"),
             compute_slots=g.get("compute_slots", 0),     # 0 (absent) = every device of the node
             env=_env_pairs(g.get("env")),
+            nvme=_nvme(g["nvme"]) if "nvme" in g else None,
         )
         return group, prof
 
@@ -350,6 +358,12 @@ class _Validator:
                                 f"nccl), so one cluster cannot mix them. Split it into two cluster files.")
         return Cluster(name=name, groups=tuple(groups), inter_node=_link(data["inter_node"]), backend=backend,
                        source=self.source, env=_env_pairs(data.get("env")))
+
+
+def _nvme(d: dict) -> Nvme:
+    """An Nvme from an nvme mapping the schema has checked."""
+    return Nvme(path=str(d["path"]), capacity_bytes=round(float(d["capacity_GB"]) * 1e9),
+                read_GBps=float(d["read_GBps"]), write_GBps=float(d["write_GBps"]))
 
 
 def _link(d: dict) -> Link:

@@ -36,6 +36,25 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Nvme:
+    """A node's local NVMe tier (cluster file ``nvme:``; runtime/nvme_tier.py keeps optimizer
+    states in files there): its folder, capacity and sequential bandwidths, per node -- all the
+    node's drives together (a RAID 0 or the drives' sum), as ``autopar profile --disk`` measures."""
+    path: str                 # the folder on every node of the group (the runtime's --nvme-path)
+    capacity_bytes: int       # per node
+    read_GBps: float          # per node, sequential
+    write_GBps: float         # per node, sequential
+
+    @property
+    def read_Bps(self) -> float:
+        return self.read_GBps * 1e9
+
+    @property
+    def write_Bps(self) -> float:
+        return self.write_GBps * 1e9
+
+
+@dataclass(frozen=True)
 class NodeGroup:
     name: str
     gpu: str                  # key into profiles/ ("a100-80gb-sxm", "h100-sxm", "h200", "local-cpu")
@@ -52,6 +71,7 @@ class NodeGroup:
     # environment variables the launch scripts export on this group's nodes (network interfaces,
     # NCCL settings): (name, value) pairs, in the file's order; they override the cluster's own
     env: tuple[tuple[str, str], ...] = ()
+    nvme: Nvme | None = None  # the node's NVMe tier, when the cluster file gives one
 
     @property
     def num_devices(self) -> int:
@@ -112,6 +132,16 @@ class Cluster:
         if counts:
             counts[-1] += left                       # left <= 0: the last node is partly used
         return counts
+
+    def nvme_missing(self) -> str | None:
+        """Why the cluster has no NVMe tier to plan on (a node group without an ``nvme`` entry),
+        or None when every group has one."""
+        missing = [g.name for g in self.groups if g.nvme is None]
+        if not missing:
+            return None
+        return (f"cluster {self.name} gives no nvme entry for node group {missing[0]!r}; add "
+                f"'nvme: {{path: ..., capacity_GB: ..., read_GBps: ..., write_GBps: ...}}' to each group "
+                f"(autopar profile --disk PATH measures a disk; docs/cluster-file.md)")
 
     @property
     def min_gpu_memory_bytes(self) -> int:

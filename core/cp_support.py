@@ -49,28 +49,6 @@ def cp_refusal(graph: OpGraph, cp: int) -> str | None:
     return None
 
 
-#: what runtime/apply_cp.check_cp_plan refuses next to cp > 1, which the planner does not propose
-#: (a plan it printed must run): nothing today.  Tensor parallelism (with or without sequence
-#: parallelism), recompute (its rerun in backward enters the attention mode) and pipeline
-#: parallelism (each stage's forward runs in the attention mode) left it when the runtime ran them
-#: with cp 2 like the plain loop (tests/integration/test_runtime_cp.py).  The simulator prices
-#: every combination (a plan file or ``autopar simulate`` may ask for one); an axis the runtime
-#: stops taking with cp comes back here ("tp", "pp" or "recompute").
-CP_RUNTIME_EXCLUDES: tuple[str, ...] = ()
-
-
-def cp_mesh_runs(mesh) -> bool:
-    """Whether the runtime runs context parallelism on ``mesh`` (``CP_RUNTIME_EXCLUDES``)."""
-    if mesh.cp == 1:
-        return True
-    return not (("pp" in CP_RUNTIME_EXCLUDES and mesh.pp > 1) or ("tp" in CP_RUNTIME_EXCLUDES and mesh.tp > 1))
-
-
-def cp_recompute_runs(mesh) -> bool:
-    """Whether a layer of a plan on ``mesh`` may recompute (``CP_RUNTIME_EXCLUDES``)."""
-    return mesh.cp == 1 or "recompute" not in CP_RUNTIME_EXCLUDES
-
-
 def cp_degrees(graph: OpGraph, world_size: int) -> tuple[int, ...]:
     """The context-parallel degrees the planner searches for ``graph``: 1, and each power of two
     up to the world the model takes (``cp_refusal``: a sequence of 2 cp equal chunks, attention

@@ -11,6 +11,9 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64":
                "bool": 1, "uint8": 1, "int8": 1, "complex64": 8}
 #: training precisions and profiled compute dtypes (plan.precision, profile peak_flops keys)
 PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+#: both dims of an fp8 GEMM operand in multiples of 16 (torch._scaled_mm's alignment; the runtime
+#: converts only such linears, runtime/apply_fp8.py, and the simulator prices only those)
+FP8_DIM_MULTIPLE = 16
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -100,7 +100,7 @@ def _same_layout(mods: list[nn.Module]) -> bool:
     return bool(shapes[0]) and all(s == shapes[0] for s in shapes[1:])
 
 
-def routed_experts(model: nn.Module) -> list[ExpertSite]:
+def expert_sites(model: nn.Module) -> list[ExpertSite]:
     """Every layer's routed experts in ``model``, in module order (works on meta)."""
     out: list[ExpertSite] = []
     for path, mod in model.named_modules():
@@ -126,7 +126,7 @@ def routed_experts(model: nn.Module) -> list[ExpertSite]:
     return out
 
 
-def ep_refusal(sites: list[ExpertSite], ep: int) -> str | None:
+def expert_sites_refusal(sites: list[ExpertSite], ep: int) -> str | None:
     """Why a model with these expert sites cannot be split ``ep`` ways (None: it can)."""
     if not sites:
         return ("it has no routed experts that expert parallelism recognises (a transformers-5 stacked experts "

@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def fold_layers(layers: list) -> list[tuple[list, bool]]:
+def fold_repeated_layers(layers: list) -> list[tuple[list, bool]]:
     """Runs of consecutive layers with the same signature: [(layers, folded?)]."""
     runs: list[list] = []
     for layer in layers:
@@ -63,7 +63,7 @@ def _print_table(graph, fold: bool) -> None:
                          ("fwd FLOPs", "right"), ("bwd FLOPs", "right"),
                          ("saved act.", "right"), ("out act.", "right"), ("ops", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
-    groups = fold_layers(graph.layers) if fold else [([layer], False) for layer in graph.layers]
+    groups = fold_repeated_layers(graph.layers) if fold else [([layer], False) for layer in graph.layers]
     for run, folded in groups:
         first = run[0]
         name = first.name

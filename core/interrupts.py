@@ -1,7 +1,7 @@
 """Ctrl-C as the CLI sees it: a real SIGINT, told apart from a ``KeyboardInterrupt`` that code
 raised by itself (a model file's ``raise KeyboardInterrupt``).
 
-``install()`` (``autopar.cli``, main thread) puts a handler on SIGINT that records the signal and
+``install_sigint_flag()`` (``autopar.cli``, main thread) puts a handler on SIGINT that records the signal and
 then raises ``KeyboardInterrupt`` as Python's default handler does; ``sigint_received()`` says
 whether one arrived.  A ``KeyboardInterrupt`` without a SIGINT is the model file's doing
 (``autopar.core.modelfile.user_code`` reports it as the file's error).
@@ -19,7 +19,7 @@ def _handler(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def install() -> None:
+def install_sigint_flag() -> None:
     _state["sigint"] = False
     if threading.current_thread() is threading.main_thread():
         try:

@@ -30,6 +30,11 @@ The file is one JSON object:
   ``recipe``, ``fsdp_float8_all_gather`` (true or false), ``converted`` (the linears' module
   names) and ``left_bf16`` (module name -> why it stayed in bf16).
 
+* ``switches``: an elastic run's (``autopar run --elastic``, elastic/) changes of plan, in
+  order, one object each: why, the nodes before and after, the old and new plan and layout,
+  the predicted step times, the steps lost since the last checkpoint, the predicted and the
+  measured switch time (elastic/switches.py writes them); absent for a run that never switched.
+
 Every field but ``step_time_s`` may be absent (a hand-made file, or a figure the run did not
 measure); ``to_json`` leaves out what is None.  Keys the schema does not define are kept as
 read, in ``extra`` (the accuracy benchmark notes the machine's load beside a run).
@@ -118,6 +123,7 @@ class Measured:
     trace_file: str | None = None
     float8: Mapping[str, Any] | None = None
     val_losses: tuple[tuple[int, float], ...] | None = None
+    switches: tuple[Mapping[str, Any], ...] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = MEASURED_VERSION
 
@@ -141,6 +147,8 @@ class Measured:
                 v = [{g.name: getattr(row, g.name) for g in fields(RankModelState)} for row in v]
             elif f.name == "val_losses":
                 v = [[step, loss] for step, loss in v]
+            elif f.name == "switches":
+                v = [dict(x) for x in v]
             elif isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v
@@ -200,7 +208,7 @@ def read_measured(path: str | os.PathLike) -> Measured:
 # field -> kind of value: "amount" a number >= 0; "count" a whole number >= 0; "positive" a whole
 # number >= 1; "text"; "amounts" a list of numbers >= 0; "numbers" a list of numbers; "step_losses"
 # a list of [step (a whole number >= 1), loss (a number)] pairs;
-# "model_state" a list of RankModelState objects
+# "model_state" a list of RankModelState objects; "objects" a list of JSON objects
 _FIELD_KINDS = {
     "step_time_s": "amount", "samples_per_s": "amount", "tokens_per_s": "amount", "max_memory_bytes": "amount",
     "memory_per_rank_bytes": "amounts", "memory_kind": "text", "losses": "numbers", "step_times_s": "amounts",
@@ -209,7 +217,7 @@ _FIELD_KINDS = {
     "plan_identity": "text",
     "model_state_bytes_per_rank": "model_state", "fwd_s": "amount", "bwd_s": "amount", "comm_s": "amount",
     "optimizer_s": "amount", "profiled_steps": "count", "trace_file": "text", "float8": "float8",
-    "val_losses": "step_losses",
+    "val_losses": "step_losses", "switches": "objects",
 }
 assert set(_FIELD_KINDS) == {f.name for f in fields(Measured)} - {"extra", "version"}
 
@@ -248,6 +256,10 @@ def _checked(source: str, key: str, v: Any, kind: str) -> Any:
                                             and _is_number(p[1]) for p in v)):
             raise fail("a list of [step, loss] pairs (a whole number >= 1 and a number)")
         return tuple((p[0], p[1]) for p in v)
+    if kind == "objects":
+        if not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+            raise fail("a list of objects")
+        return tuple(dict(x) for x in v)
     if kind == "float8":
         if not (isinstance(v, dict) and isinstance(v.get("recipe"), str)
                 and isinstance(v.get("fsdp_float8_all_gather"), bool)

@@ -72,6 +72,13 @@ class ParallelDims:
     the rank layout follows ``axes``.
     """
     axes: ClassVar[tuple[Axis, ...]] = AXES
+    #: named groups of axes, asked for by name (``group_size``, ``get_group``; the runtime's
+    #: ``RankContext.get_mesh``), as torchtitan names its flattened meshes ("dp_cp",
+    #: torchtitan/distributed/parallel_dims.py): ``"batch"`` the axes that split the global batch,
+    #: ``"grad"`` the ranks that hold replicas of the same parameter shard and average its
+    #: gradients (the cp ranks hold the same weights: torchtitan's ``dp_shard_cp``), ``"world"`` all
+    #: axes.  A subclass that declares an axis names the groups it joins here.
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {"batch": ("dp",), "grad": ("dp", "cp"), "world": AXIS_NAMES}
 
     dp: int = 1
     tp: int = 1
@@ -133,6 +140,35 @@ class ParallelDims:
         """Data-parallel replicas: each takes ``global_batch / batch_degree`` samples."""
         return self.degree("batch")
 
+    def group_size(self, name: str) -> int:
+        """The product of the degrees of the axes of group ``name`` (``"grad"`` -> dp x cp)."""
+        return _product(getattr(self, a) for a in self.GROUPS[name])
+
+    @cached_property
+    def grad_degree(self) -> int:
+        """The ranks that hold the same parameter shard's replicas and average its gradients
+        (dp x cp): the size of the gradient all-reduce, of FSDP's shard group and of the group
+        expert parallelism borrows its ranks from."""
+        return self.group_size("grad")
+
+    def group_axes(self, names: str | Iterable[str]) -> tuple[str, ...]:
+        """The axes of ``names``: a group name of ``GROUPS`` or axis names, in layout order."""
+        axes = self.GROUPS[names] if isinstance(names, str) and names in self.GROUPS else (
+            (names,) if isinstance(names, str) else tuple(names))
+        unknown = [a for a in axes if a not in self.axis_names]
+        assert not unknown, f"unknown axes {unknown}; the axes are {self.axis_names}"
+        return tuple(a for a in self.axis_names if a in axes)
+
+    def get_group(self, names: str | Iterable[str], rank: int = 0) -> tuple[int, ...]:
+        """The ranks that share every coordinate of ``rank`` outside the axes ``names`` (a group
+        name of ``GROUPS`` or axis names), in rank order -- the ranks of torchtitan's
+        ``get_mesh(["dp", "cp"])`` through ``rank``; the flattened coordinate of a rank in the
+        group is its index here."""
+        assert 0 <= rank < self.world_size, f"rank {rank} outside a world of {self.world_size}"
+        inside = set(self.group_axes(names))
+        c = self.coords_by_axis(rank)
+        return tuple(self.ranks_where(**{a: v for a, v in c.items() if a not in inside}))
+
     @cached_property
     def splits_model(self) -> bool:
         """Whether an axis other than data parallelism has more than one rank, i.e. each rank holds
@@ -192,8 +228,12 @@ class ParallelDims:
     def ranks_where(self, **fixed: int) -> list[int]:
         """Every rank whose coordinates match ``fixed`` (the others range over their degrees),
         in rank order."""
-        ranges = [[fixed[n]] if n in fixed else range(size) for n, size in zip(self.axis_names, self.shape)]
-        return [self.rank(*point) for point in _grid(ranges)]
+        out = [0]
+        for n, size, stride in zip(self.axis_names, self.shape, self._strides):
+            # outermost first, so the innermost axis varies fastest: rank order
+            values = (fixed[n],) if n in fixed else range(size)
+            out = [o + v * stride for o in out for v in values]
+        return out
 
     def groups(self, axis: str, **fixed: int) -> list[tuple[int, ...]]:
         """Every group along ``axis`` whose other coordinates match ``fixed``, in the order of
@@ -213,22 +253,32 @@ class ParallelDims:
                         "false when mesh.tp is 1 (sequence parallelism splits over the tp axis)"))
         if self.ep < 1:
             out.append(("mesh.ep", self.ep, "a positive integer"))
-        elif self.dp >= 1 and self.cp >= 1 and (self.dp * self.cp) % self.ep:
-            out.append(("mesh.ep", self.ep, f"a divisor of mesh.dp x mesh.cp = {self.dp * self.cp} "
+        elif all(getattr(self, a) >= 1 for a in self.GROUPS["grad"]) and self.grad_degree % self.ep:
+            grad = " x ".join(f"mesh.{a}" for a in self.GROUPS["grad"])
+            out.append(("mesh.ep", self.ep, f"a divisor of {grad} = {self.grad_degree} "
                         "(expert parallelism borrows the data and context ranks)"))
         return out
 
     # ------------------------------------------------ expert parallelism
     def ep_group(self, rank: int) -> tuple[int, ...]:
-        """The ranks that split ``rank``'s experts between them: ``ep`` ranks with its pp and tp
-        coordinates whose flattened dp x cp coordinate (``dp_coord * cp + cp_coord``) lies in the
-        same run of ``ep`` consecutive values."""
-        c = self.coords_by_axis(rank)
-        flat = c["dp"] * self.cp + c["cp"]
+        """The ranks that split ``rank``'s experts between them: ``ep`` ranks of its gradient group
+        (``get_group("grad")``) whose flattened coordinate in it (``dp_coord * cp + cp_coord``)
+        lies in the same run of ``ep`` consecutive values; by stride arithmetic (O(ep))."""
+        axes = self.group_axes("grad")
+        where = [self.axis_names.index(a) for a in axes]
+        sizes, strides = [self.shape[i] for i in where], [self._strides[i] for i in where]
+        coords = [self.coord(rank, a) for a in axes]
+        base = rank - sum(c * st for c, st in zip(coords, strides))   # the group's first rank
+        flat = 0
+        for c, size in zip(coords, sizes):
+            flat = flat * size + c
         first = flat - flat % self.ep
         out = []
         for f in range(first, first + self.ep):
-            out.append(self.rank_at(**{**c, "dp": f // self.cp, "cp": f % self.cp}))
+            r = base
+            for size, st in zip(reversed(sizes), reversed(strides)):
+                r, f = r + f % size * st, f // size
+            out.append(r)
         return tuple(out)
 
     def ep_groups(self) -> list[tuple[int, ...]]:
@@ -301,15 +351,6 @@ def _product(values: Iterable[int]) -> int:
     for v in values:
         out *= v
     return out
-
-
-def _grid(ranges: list) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for rest in _grid(ranges[1:]):
-            yield (head, *rest)
 
 
 check_declaration(ParallelDims)

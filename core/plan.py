@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autopar.core.errors import PlanFileError
+from autopar.core.grad_compression import SPEC_HELP, compression_problem
 from autopar.core.jsonfile import read_json_object
 from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 from autopar.core.parallel_dims import AXES, AXIS_NAMES, ParallelDims
@@ -45,7 +46,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev
 # torch.utils.checkpoint.create_selective_checkpoint_contexts.
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
-OFFLOAD = ("none", "cpu")           # "cpu": parameters, gradients and optimizer state in host memory
+OFFLOAD = ("none", "cpu", "nvme")   # "cpu": parameters, gradients and optimizer state in host memory;
+#                                     "nvme": the same, with AdamW's moments in files (runtime/nvme_tier.py)
 TP_STYLES = ("colwise", "rowwise", "expert")  # Megatron column / row split of a Linear's weight; a
 #                                             mixture of experts' stacked experts split by expert
 # "colwise:<k>": the column split of a fused projection whose output is k equal parts (GPT-2's
@@ -156,6 +158,9 @@ class Plan:
     # passes and all-reduce, simulator/optimizer_step.py); a pricing assumption, not part of what
     # the run does (the run's own --grad-clip decides): written only when true, left out of the identity
     grad_clip: bool = False
+    # how the data-parallel gradient reduce is compressed (core/grad_compression.py: none, bf16,
+    # fp16, powersgd:R); plans written before the key load as "none"
+    grad_compression: str = "none"
     predicted: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -267,6 +272,10 @@ class Plan:
             _bad("precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         if self.fp8_recipe not in FP8_RECIPES:
             _bad("fp8_recipe", self.fp8_recipe, f"one of {', '.join(FP8_RECIPES)}")
+        problem = compression_problem(self.grad_compression, m, self.zero)
+        if problem:
+            _bad("grad_compression", self.grad_compression, SPEC_HELP if "not a gradient" in problem else
+                 f"'none' for this plan: {problem}")
 
     # ------------------------------------------------------------ JSON form
     def to_dict(self) -> dict[str, Any]:
@@ -282,6 +291,7 @@ class Plan:
             "compile": self.compile,
             **({"fp8_recipe": self.fp8_recipe} if self.uses_fp8 else {}),
             **({"grad_clip": True} if self.grad_clip else {}),
+            **({"grad_compression": self.grad_compression} if self.grad_compression != "none" else {}),
             "pipeline": {"schedule": self.pipeline.schedule,
                          "num_microbatches": self.pipeline.num_microbatches,
                          "stages": [{"index": s.index, "layers": [s.start, s.end]} for s in self.pipeline.stages]},
@@ -309,6 +319,8 @@ class Plan:
                 **{k: d[k] for k in ("mesh", "global_batch", "micro_batch", "precision", "pipeline", "layers")}}
         if self.uses_fp8:            # (plans without fp8 layers keep the identity they had)
             core["fp8_recipe"] = d["fp8_recipe"]
+        if self.grad_compression != "none":   # (and plans without compression theirs)
+            core["grad_compression"] = self.grad_compression
         text = json.dumps(core, sort_keys=True, default=_json_default)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -336,6 +348,7 @@ class Plan:
                 compile=_flag(d, "compile", ""),
                 fp8_recipe=str(d.get("fp8_recipe", "tensorwise")),
                 grad_clip=_flag(d, "grad_clip", ""),
+                grad_compression=str(d.get("grad_compression", "none")),
                 pipeline=Pipeline(schedule=_text(pl, "schedule", "pipeline."),
                                   num_microbatches=_int(pl, "num_microbatches", "pipeline."),
                                   stages=tuple(_stage(s, i) for i, s in enumerate(stages))),
@@ -461,7 +474,7 @@ def uniform_plan(*, model: ModelRef, num_layers: int, micro_batch: int = 1, num_
                  offload: str = "none", precision: str = "fp32", cluster: str = "",
                  stage_bounds: list[int] | None = None, compile: bool = False,
                  layer_precision: str = "", fp8_recipe: str = "tensorwise", mesh_class: type = Mesh,
-                 **degrees: int) -> Plan:
+                 grad_compression: str = "none", **degrees: int) -> Plan:
     """A Megatron-style plan: the same choice on every layer, stages of (nearly) equal size.
 
     ``degrees``: a degree per axis name (``dp=8, tp=4``; an axis not named is 1; ``ep`` too), of
@@ -486,4 +499,5 @@ def uniform_plan(*, model: ModelRef, num_layers: int, micro_batch: int = 1, num_
     return Plan(model=model, mesh=mesh, global_batch=mesh.batch_degree * micro_batch * num_microbatches,
                 micro_batch=micro_batch,
                 pipeline=Pipeline(schedule=schedule, num_microbatches=num_microbatches, stages=stages),
-                layers=layers, precision=precision, cluster=cluster, compile=compile, fp8_recipe=fp8_recipe)
+                layers=layers, precision=precision, cluster=cluster, compile=compile, fp8_recipe=fp8_recipe,
+                grad_compression=grad_compression)

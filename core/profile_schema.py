@@ -154,12 +154,12 @@ class _ProfileReport:
                            f"See docs/profiles.md for the schema.")
 
     def unknown_key(self, path: str, key: object, hint: str, allowed: tuple[str, ...]) -> NoReturn:
-        raise ProfileError(f"profile {self.source}: unknown key {schema.join(path, key)}.{hint} "
+        raise ProfileError(f"profile {self.source}: unknown key {schema.join_path(path, key)}.{hint} "
                            f"Allowed keys here: {', '.join(allowed)}.")
 
     def missing_keys(self, path: str, missing: list[str], required: tuple[str, ...]) -> NoReturn:
-        also = f" (also missing: {', '.join(schema.join(path, m) for m in missing[1:])})" if missing[1:] else ""
-        raise ProfileError(f"profile {self.source}: missing key {schema.join(path, missing[0])}{also}. "
+        also = f" (also missing: {', '.join(schema.join_path(path, m) for m in missing[1:])})" if missing[1:] else ""
+        raise ProfileError(f"profile {self.source}: missing key {schema.join_path(path, missing[0])}{also}. "
                            f"Required keys here: {', '.join(required)}; see docs/profiles.md.")
 
 
@@ -191,9 +191,9 @@ def _table(names: tuple[str, ...], value: schema.Leaf, *, extra: bool) -> schema
                           extra=value if extra else None)
 
 
-_POSITIVE = schema.number(positive=True)
-_NON_NEGATIVE = schema.number(positive=False)
-_FRACTION = schema.number(positive=True, upper=1.0, must="a number in (0, 1] (a fraction of the peak)")
+_POSITIVE = schema.number_leaf(positive=True)
+_NON_NEGATIVE = schema.number_leaf(positive=False)
+_FRACTION = schema.number_leaf(positive=True, upper=1.0, must="a number in (0, 1] (a fraction of the peak)")
 _SHAPE = schema.Leaf(_is_shape, "a list of whole numbers >= 0, or a list of such lists")
 # kinds of the measured rows' keys (OP_ROW_KEYS, SYNC_ROW_KEYS, COLLECTIVE_ROW_KEYS)
 _ROW_KINDS = {"text": schema.text(), "level": schema.one_of(LINK_LEVELS),

@@ -16,7 +16,7 @@ import io
 import sys
 
 
-def export(module, args: tuple, **kwargs):
+def quiet_export(module, args: tuple, **kwargs):
     import torch
 
     buffer = io.StringIO()

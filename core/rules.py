@@ -40,21 +40,21 @@ def zero1_shards(dp: int) -> bool:
 
 
 # ------------------------------------------------------------------ data-parallel machinery
-def effective_zero(zero: int, splits_model: bool) -> int:
+def zero_stage_that_runs(zero: int, splits_model: bool) -> int:
     """The ZeRO stage that runs.  When another axis splits the model (tensor or pipeline
     parallelism: ``Mesh.splits_model``) ZeRO-1 runs as FSDP2 without reshard, i.e. ZeRO-2
-    (``ZeroRedundancyOptimizer`` cannot broadcast DTensor parameters; ``data_parallel_kind``)."""
+    (``ZeroRedundancyOptimizer`` cannot broadcast DTensor parameters; ``native_data_parallel``)."""
     return 2 if zero == 1 and splits_model else zero
 
 
-def data_parallel_kind(zero: int, dp: int, splits_model: bool) -> str:
+def native_data_parallel(zero: int, dp: int, splits_model: bool) -> str:
     """Which native part runs a layer's data parallelism.
 
     ``ddp`` (ZeRO-0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp`` (ZeRO-2/3).  When
     another axis splits the model, ZeRO-0 runs as ``replicate`` (DDP semantics on FSDP2's
     machinery: it takes DTensor parameters, which ``DistributedDataParallel`` does not, and the
     pipeline schedules drive its gradient sync per micro-batch, which DDP's reducer does not
-    survive) and ZeRO-1 as FSDP2 without reshard (``effective_zero``) -- the same arithmetic,
+    survive) and ZeRO-1 as FSDP2 without reshard (``zero_stage_that_runs``) -- the same arithmetic,
     with the gradients sharded as well.  ``none``: one dp rank and nothing to shard or offload.
     """
     if zero >= 2:

@@ -63,7 +63,7 @@ class ListOf:
 Node = Union[Leaf, Mapping, ListOf]
 
 
-def join(path: str, key: object) -> str:
+def join_path(path: str, key: object) -> str:
     """The field path of ``key`` inside ``path`` (``"groups[0]"`` + ``"nodes"``)."""
     return f"{path}.{key}" if path else str(key)
 
@@ -96,11 +96,11 @@ def _check_mapping(node: Mapping, value: object, report: Reporter, path: str) ->
         report.missing_keys(path, missing, tuple(node.required))
     for key, sub in (*node.required.items(), *node.optional.items()):
         if key in value:
-            check(sub, value[key], report, join(path, key))
+            check(sub, value[key], report, join_path(path, key))
     if node.extra is not None:
         for key in value:
             if key not in allowed:
-                check(node.extra, value[key], report, join(path, key))
+                check(node.extra, value[key], report, join_path(path, key))
     if node.then is not None:
         node.then(value, path, report)
 
@@ -119,7 +119,7 @@ def is_whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def number(*, positive: bool, upper: float | None = None, must: str | None = None,
+def number_leaf(*, positive: bool, upper: float | None = None, must: str | None = None,
            explain: Callable[[object], Union[str, None]] | None = None) -> Leaf:
     """A finite number > 0 (``positive``) or >= 0, at most ``upper`` when given."""
     def test(v: object) -> bool:

@@ -17,9 +17,9 @@ from autopar.core.trace_walk import (ParamIndex, Val, Walk, aten_rnn_attrs, call
 
 
 def trace_export(module: torch.nn.Module, inputs: tuple, params: ParamIndex) -> Walk:
-    from autopar.core.quiet_export import export
+    from autopar.core.quiet_export import quiet_export
 
-    ep = export(module, inputs, strict=False)
+    ep = quiet_export(module, inputs, strict=False)
     from torch.export.graph_signature import InputKind
 
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}

@@ -9,9 +9,9 @@ cluster's and the model's limits (``MeshLimits``); a degree that does not divide
 skipped, and the axis enumerated last takes exactly the ranks left.
 
 The axes are enumerated in registration order (the first registered varies slowest): the
-built-in rules below are registered tp, pp, cp, dp -- the order of the planner's meshes since
-its first version -- and an axis registered later is enumerated after dp and takes the ranks
-left.  A new axis is its ``Axis`` entry and field (core/parallel_dims.py) and one ``register``
+built-in rules below are registered tp, pp, cp, dp -- the order of the planner's meshes
+-- and an axis registered later is enumerated after dp and takes the ranks
+left.  A new axis is its ``Axis`` entry and field (core/parallel_dims.py) and one ``register_rule``
 call here or in its own module (docs/design.md, "Adding a parallel axis");
 tests/planner/test_planner_toy_axis.py registers a toy one alone.
 
@@ -45,7 +45,7 @@ AxisRule = Callable[[int, MeshLimits], Iterable[int]]
 _RULES: dict[str, AxisRule] = {}
 
 
-def register(name: str, rule: AxisRule) -> AxisRule:
+def register_rule(name: str, rule: AxisRule) -> AxisRule:
     """Register ``rule`` for the axis ``name``, enumerated after the axes registered before it."""
     if name in _RULES:
         raise ValueError(f"a degree rule for the axis {name!r} is registered already")
@@ -53,19 +53,19 @@ def register(name: str, rule: AxisRule) -> AxisRule:
     return rule
 
 
-def unregister(name: str) -> None:
+def unregister_rule(name: str) -> None:
     """Remove the rule of axis ``name`` (a test's toy axis)."""
     del _RULES[name]
 
 
 @contextmanager
-def registered(name: str, rule: AxisRule) -> Iterator[AxisRule]:
+def registered_rule(name: str, rule: AxisRule) -> Iterator[AxisRule]:
     """``rule`` registered for the axis ``name`` for the ``with`` block."""
-    register(name, rule)
+    register_rule(name, rule)
     try:
         yield rule
     finally:
-        unregister(name)
+        unregister_rule(name)
 
 
 def rules_for(axis_names: Iterable[str], limits: MeshLimits) -> dict[str, Callable[[int], Iterable[int]]]:
@@ -76,7 +76,7 @@ def rules_for(axis_names: Iterable[str], limits: MeshLimits) -> dict[str, Callab
     missing = sorted(names - set(_RULES))
     if missing:
         raise ValueError(f"no degree rule is registered for the axes {missing}: register one with "
-                         f"autopar.planner.axis_rules.register(name, rule) (docs/design.md, 'Adding a parallel axis')")
+                         f"autopar.planner.axis_rules.register_rule(name, rule) (docs/design.md, 'Adding a parallel axis')")
     return {n: _bind(rule, limits) for n, rule in _RULES.items() if n in names}
 
 
@@ -97,7 +97,7 @@ def pp_degrees(left: int, lim: MeshLimits) -> list[int]:
     return [p for p in divisors(left) if pp_admitted(p, lim.num_layers)]
 
 
-def cp_degrees(left: int, lim: MeshLimits) -> list[int]:
+def cp_rule(left: int, lim: MeshLimits) -> list[int]:
     """The context-parallel degrees the model takes (core/cp_support.cp_degrees)."""
     return [c for c in lim.cp_choices if left % c == 0]
 
@@ -108,5 +108,5 @@ def dp_degrees(left: int, lim: MeshLimits) -> list[int]:
     return [d for d in divisors(left) if dp_admitted(d, lim.global_batch)]
 
 
-for _name, _rule in (("tp", tp_degrees), ("pp", pp_degrees), ("cp", cp_degrees), ("dp", dp_degrees)):
-    register(_name, _rule)
+for _name, _rule in (("tp", tp_degrees), ("pp", pp_degrees), ("cp", cp_rule), ("dp", dp_degrees)):
+    register_rule(_name, _rule)

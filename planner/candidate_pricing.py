@@ -13,13 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError, UserError
 from autopar.core.plan import Mesh, Plan
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES, split_backward_problem
 from autopar.planner.candidate import Candidate
 from autopar.planner.space import LayerChoice, zero_family_of
-from autopar.simulator.topology import stage_groups
+from autopar.simulator.api import stage_groups
 
 
 @dataclass
@@ -66,8 +65,6 @@ class CandidatePricing:
             hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
             self._choices_admitted[id(c.choices)] = hit
         if not hit[1]:
-            return False
-        if not cp_recompute_runs(c.mesh) and any(ch.recompute != "none" for ch in c.choices):
             return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False

@@ -53,7 +53,7 @@ def choose_compile(result: SearchResult, graph, cluster, cost_models, flag: bool
     re-priced on the cluster as the search saw it (``memory_headroom``); the best plan
     re-picked if compile reorders them."""
     from autopar.planner.headroom import with_headroom
-    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.api import PlanEvaluator
 
     gloo = cluster.backend == "gloo"
     ev = PlanEvaluator(graph, with_headroom(cluster, memory_headroom), cost_models)

@@ -11,8 +11,8 @@ DeepSpeed).  The plans autopar prints run on autopar's runtime, whose price is v
 ``AUTOPAR`` family: published runs of the same stack (FSDP2, eager; torchtitan's Table 1), priced
 with autopar's own training code.  So where that family has rows for the plan's GPU die and the
 plan is one of that stack's kind (sharded: FSDP2), its figures are the plan's; otherwise the
-mechanism family above stands in (issue 34: on H100 the two differ by far, FSDP/h100 reads 2%,
-AUTOPAR on H100 20%).
+mechanism family above stands in (on H100 the two differ by far: FSDP/h100 reads 2%, AUTOPAR
+on H100 20%).
 
 The band: a runner-up whose predicted step is within the winner's family's median |error| of
 the winner's is too close to call -- the simulator's error on such plans is as large as the

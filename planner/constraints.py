@@ -68,7 +68,7 @@ def model_degrees(graph: OpGraph | None, world: int) -> tuple[tuple[int, ...], t
     if graph is None:
         return (1,), (1,)
     from autopar.core.cp_support import cp_degrees
-    from autopar.simulator.ep_cost import ep_degrees
+    from autopar.simulator.api import ep_degrees
 
     return cp_degrees(graph, world), ep_degrees(graph, world)
 
@@ -111,9 +111,13 @@ def mesh_allowed(m: Mesh, o) -> bool:
 
 
 def fixed_degrees(options) -> dict[str, int]:
-    """Axis name -> the degree the user fixed (``--dp 2``): ``PlanOptions`` holds one field per
-    parallel axis, ``None`` where the search chooses."""
-    return {k: v for k in DEGREE_NAMES if (v := getattr(options, k)) is not None}
+    """Axis name -> the degree the user fixed (``--dp 2``), in field order: ``PlanOptions.degrees``,
+    an axis it does not name chosen by the search; a name that is no declared axis is refused."""
+    unknown = sorted(set(options.degrees) - set(DEGREE_NAMES))
+    if unknown:
+        raise UserError(f"PlanOptions.degrees names {unknown}, which are not parallel axes; the axes are "
+                        f"{', '.join(DEGREE_NAMES)} (core/parallel_dims.py).")
+    return {k: options.degrees[k] for k in DEGREE_NAMES if k in options.degrees}
 
 
 def constrain(options, graph: OpGraph, cluster: Cluster):
@@ -121,6 +125,7 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     o, ex = options, options.executable
     world = cluster.world_size
     fixed = fixed_degrees(o)
+    dp, tp, pp, cp = (fixed.get(k) for k in ("dp", "tp", "pp", "cp"))     # None: the search chooses
     for k, v in fixed.items():
         if v < 1 or world % v:
             raise UserError(f"--{k} {v}: the cluster has {world} devices, which {v} does not divide.")
@@ -130,45 +135,36 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
     if world % prod or (len(fixed) == len(DEGREE_NAMES) and prod != world):
         raise UserError(f"{' x '.join(f'{k} {v}' for k, v in fixed.items())} = {prod} does not fit the cluster's "
                         f"{world} devices ({' x '.join(DEGREE_NAMES)} must equal {world}).")
-    if o.tp and o.tp > 1 and (ex is not None and not any(ex.splittable) or
-                              ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
-        raise nothing_to_split(graph, o.tp, ex)
-    if o.tp and o.tp > 1 and ex is None:
+    if tp and tp > 1 and (ex is not None and not any(ex.splittable) or
+                          ex is None and not any(megatron_styles(graph, i) for i in range(len(graph.layers)))):
+        raise nothing_to_split(graph, tp, ex)
+    if tp and tp > 1 and ex is None:
         # without the runtime check, the analysis's own refusals (a head count or width --tp does
         # not divide: core/sharding.tp_refusals), which the check would have left out
-        refused = [why for i in range(len(graph.layers)) for why in tp_refusals(graph, i, megatron_styles(graph, i), o.tp)]
+        refused = [why for i in range(len(graph.layers)) for why in tp_refusals(graph, i, megatron_styles(graph, i), tp)]
         if refused:
-            raise UserError(f"--tp {o.tp}: tensor parallelism cannot split this model over {o.tp} ranks: "
+            raise UserError(f"--tp {tp}: tensor parallelism cannot split this model over {tp} ranks: "
                             f"{refused[0]}. Use a tp degree that divides it, --tp 1, or leave --tp out.")
-    if o.tp and o.tp > 1 and ex is not None and o.tp not in ex.tp_degrees:
+    if tp and tp > 1 and ex is not None and tp not in ex.tp_degrees:
         other = "".join(f"--tp {d}, " for d in ex.tp_degrees)
-        raise UserError(f"--tp {o.tp}: the runtime cannot split this model over {o.tp} ranks: "
-                        f"{_reason(ex, f'tp={o.tp}', 'tensor parallel').rstrip('.')}. Use {other}--tp 1 or leave "
+        raise UserError(f"--tp {tp}: the runtime cannot split this model over {tp} ranks: "
+                        f"{_reason(ex, f'tp={tp}', 'tensor parallel').rstrip('.')}. Use {other}--tp 1 or leave "
                         f"--tp out.")
-    if o.pp and o.pp > 1:
-        if o.pp > len(graph.layers):
-            raise UserError(f"--pp {o.pp}: the model has {len(graph.layers)} layers, fewer than {o.pp} stages.")
+    if pp and pp > 1:
+        if pp > len(graph.layers):
+            raise UserError(f"--pp {pp}: the model has {len(graph.layers)} layers, fewer than {pp} stages.")
         if ex is not None and not ex.pipeline:
-            raise UserError(f"--pp {o.pp}: the runtime cannot cut this model into pipeline stages: "
+            raise UserError(f"--pp {pp}: the runtime cannot cut this model into pipeline stages: "
                             f"{_reason(ex, 'pipeline')}. Use --pp 1 or leave --pp out.")
-    if o.cp and o.cp > 1:
+    if cp and cp > 1:
         from autopar.core.cp_support import cp_refusal
 
-        reason = cp_refusal(graph, o.cp)
+        reason = cp_refusal(graph, cp)
         if reason:
-            raise UserError(f"--cp {o.cp}: {graph.model_file} cannot take context parallelism: {reason}. "
+            raise UserError(f"--cp {cp}: {graph.model_file} cannot take context parallelism: {reason}. "
                             f"Use --cp 1 or leave --cp out.")
-        from autopar.core.cp_support import CP_RUNTIME_EXCLUDES
-
-        clash = [f"--{k} {getattr(o, k)}" for k in ("tp", "pp") if k in CP_RUNTIME_EXCLUDES and (getattr(o, k) or 1) > 1]
-        if "recompute" in CP_RUNTIME_EXCLUDES and tuple(o.recompute) and "none" not in o.recompute:
-            clash.append(f"--recompute {o.recompute[0]}")
-        if clash:
-            raise UserError(f"--cp {o.cp} with {' and '.join(clash)}: the runtime runs context parallelism with data "
-                            f"and tensor parallelism, ZeRO and recompute only (no {', '.join(CP_RUNTIME_EXCLUDES)} yet: "
-                            f"runtime/apply_cp.check_cp_plan). Leave those out, or leave --cp out.")
     if getattr(o, "ep", None) is not None:
-        from autopar.simulator.ep_cost import ep_refusal
+        from autopar.simulator.api import ep_refusal
 
         reason = ep_refusal(graph, o.ep)
         if reason:
@@ -179,16 +175,16 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if o.ep > 1 and ex is not None and not getattr(ex, "ep", True):
             raise UserError(f"--ep {o.ep}: the runtime cannot split this model's experts: "
                             f"{_reason(ex, 'expert parallel', 'ep=2')}. Use --ep 1 or leave --ep out.")
-        if o.ep > 1 and (o.pp or 1) > 1 and ex is not None and ex.ep and ex.pipeline and \
+        if o.ep > 1 and (pp or 1) > 1 and ex is not None and ex.ep and ex.pipeline and \
                 not getattr(ex, "ep_pipeline", True):
-            raise UserError(f"--ep {o.ep} with --pp {o.pp}: the runtime cannot split this model's experts inside "
+            raise UserError(f"--ep {o.ep} with --pp {pp}: the runtime cannot split this model's experts inside "
                             f"pipeline stages: {_reason(ex, 'expert parallel with pipeline')}. "
                             f"Use --pp 1 or --ep 1, or leave one of them out.")
-        flat = (o.dp or 1) * (o.cp or 1) if o.dp is not None else None
-        if flat is not None and flat % o.ep:
-            raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {flat}, which {o.ep} "
-                            f"does not divide; choose an ep that divides dp x cp, or leave --dp out.")
-    if o.fixed_schedule is not None and o.pp == 1:
+        lent = Mesh(dp=dp, cp=cp or 1, ep=o.ep) if dp is not None else None
+        if lent is not None and any(p[0] == "mesh.ep" for p in lent.problems()):     # the ep rule
+            raise UserError(f"--ep {o.ep}: expert parallelism borrows its ranks from dp x cp = {lent.grad_degree}, "
+                            f"which {o.ep} does not divide; choose an ep that divides dp x cp, or leave --dp out.")
+    if o.fixed_schedule is not None and pp == 1:
         raise UserError(f"--schedule {o.fixed_schedule} is a pipeline schedule; it needs --pp > 1.")
     changes: dict = {}
     if o.zero is not None:
@@ -197,18 +193,24 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
         if o.zero >= 2 and ex is not None and not ex.fsdp:
             raise UserError(f"--zero {o.zero}: the runtime cannot shard this model with FSDP: "
                             f"{_reason(ex, 'ZeRO-2/3 (FSDP)')}. Use --zero 0 or 1.")
-        if o.zero == 1 and o.dp is not None and not zero1_shards(o.dp):
+        if o.zero == 1 and dp is not None and not zero1_shards(dp):
             raise UserError("--zero 1 shards the optimizer over data-parallel ranks; it needs --dp > 1.")
         changes["zero_families"] = (zero_family_of(o.zero),)
     if o.offload is not None:
-        if o.offload not in ("none", "cpu"):
-            raise UserError(f"--offload {o.offload}: it is 'none' or 'cpu'.")
-        if o.offload == "cpu":
+        if o.offload not in ("none", "cpu", "nvme"):
+            raise UserError(f"--offload {o.offload}: it is 'none', 'cpu' or 'nvme'.")
+        if o.offload in ("cpu", "nvme"):
             if o.zero is not None and not offload_allowed(o.zero):
-                raise UserError("--offload cpu goes through FSDP; it needs --zero 2 or 3.")
+                raise UserError(f"--offload {o.offload} goes through FSDP; it needs --zero 2 or 3.")
             if ex is not None and not ex.offload:
-                raise UserError(f"--offload cpu: the runtime cannot offload this model: {_reason(ex, 'offload')}.")
+                raise UserError(f"--offload {o.offload}: the runtime cannot offload this model: "
+                                f"{_reason(ex, 'offload')}.")
+            if o.offload == "nvme":
+                missing = cluster.nvme_missing()
+                if missing:
+                    raise UserError(f"--offload nvme: {missing}.")
             changes["zero_families"] = ("fsdp",)
+            changes["offload_tier"] = o.offload
         else:
             changes["allow_offload"] = False
     recompute = tuple(o.recompute)

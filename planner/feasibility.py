@@ -32,7 +32,7 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
     their devices but not their hosts."""
     from autopar.core.plan import ModelRef
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.api import PlanEvaluator
 
     L = len(graph.layers)
     styles = [megatron_styles(graph, i) for i in range(L)]
@@ -41,7 +41,7 @@ def frugal_fit(graph: OpGraph, cluster: Cluster, cost_model, options, *, all_mes
     meshes = cluster_meshes(options, cluster, L)
     least, fits = float("inf"), False
     recompute = "full" if "full" in options.recompute else options.recompute[-1]
-    offloads = ("cpu", "none") if options.allow_offload else ("none",)
+    offloads = (options.offload_tier, "none") if options.allow_offload else ("none",)
     for mesh in meshes:
         mbs = microbatch_candidates(options.global_batch, mesh.batch_degree,
                                     refused=options.refused_micro_batches)

@@ -63,9 +63,10 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
         if "fp8" not in cm.peak_flops:
             return (f"profile {cm.name} has no fp8 peak: fp8 tensor cores need compute capability 8.9 or later "
                     f"(Ada, Hopper)")
-    from autopar.runtime.meta_apply import FP8_INSTALL_HINT as INSTALL_HINT, torchao_available
+    from autopar.runtime import apply_fp8
+    from autopar.runtime.meta_apply import FP8_INSTALL_HINT as INSTALL_HINT
 
-    if not torchao_available():
+    if not apply_fp8.torchao_available():
         return f"torchao is not installed ('{INSTALL_HINT}')"
     if executable is not None and not executable.float8:
         why = next((x.reason for x in executable.left_out if x.kind == "float8"), "refused by the runtime check")
@@ -75,7 +76,7 @@ def fp8_unavailable(cluster, cost_models, precision: str, executable=None) -> st
 
 def convertible_layers(graph) -> list[int]:
     """Layers holding at least one linear the runtime converts (simulator/float8.converts)."""
-    from autopar.simulator.float8 import converts
+    from autopar.simulator.api import float8_converts as converts
 
     out = []
     for i in range(len(graph.layers)):
@@ -111,7 +112,7 @@ def choose_float8(result: SearchResult, graph, cluster, cost_models, flag: str |
                             f"or on a cluster of Hopper-class GPUs with torchao installed.")
         return result, Float8Choice((), why_not, recipe=recipe)
     from autopar.planner.headroom import with_headroom
-    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.api import PlanEvaluator
 
     ev = PlanEvaluator(graph, with_headroom(cluster, memory_headroom), cost_models)
     candidates = convertible_layers(graph)

@@ -27,11 +27,8 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
-from autopar.simulator import tied_copies
-from autopar.simulator.memory import fsdp_buffer_bytes
-from autopar.simulator.layer_cost import effective_zero
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.term_registry import layer_row, with_term_columns
+from autopar.simulator.api import (compute_per_pass, effective_zero, fsdp_buffer_bytes, fsdp_traffic, layer_row,
+                                   tied_uses, with_term_columns)
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,7 @@ def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int,
     all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
     queues them over the whole backward (evaluator.closed_form_step).
 
-    ``zero``: the stage that runs (layer_cost.effective_zero).  ``pipeline_m``: a pipeline's
+    ``zero``: the stage that runs (axes/sharded_dp.effective_zero).  ``pipeline_m``: a pipeline's
     micro-batches, None without one: its FSDP gathers spread over them and its reduce-scatter is
     exposed once per step, after the last backward (simulator/pipeline_fsdp.py, the step model's
     fsdp_tails, which exposes the first chunk's).
@@ -117,7 +114,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 runs = effective_zero(eff.zero, mesh)
                 if sharded is not None and runs >= 2:
                     lc = sharded(lc, lp)
-                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload == "cpu",
+                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload != "none",
                                                num_microbatches, pipeline_m)
                 memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
@@ -129,7 +126,7 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
         memo.clear()
     time_mb, step, static, act, reserve = (cols[k][which] for k in range(5))
     out = cols[5][which, -1] if C else np.zeros(L)
-    uses = tuple(tied_copies.uses(evaluator.graph))
+    uses = tuple(tied_uses(evaluator.graph))
     tied = cols[6][which] if uses else None
     return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which], tied, uses)
 
@@ -140,25 +137,24 @@ def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m
     fp32 reduce-scatter, a ring over nodes at its own efficiency), so the tables rank FSDP
     choices as the full price will; None where those terms do not apply (a CPU profile's ranks
     take turns: sharded_dp_table.plan_table_costs)."""
-    from autopar.simulator import cpu_node, sharded_dp
-    from autopar.simulator.layer_cost import LAYER_COST_FIELDS, LayerCost, effective_zero
-    from autopar.simulator.layer_table import COLUMN_INDEX, RECOMPUTE_CODE
+    from autopar.simulator.api import (COLUMN_INDEX, LAYER_COST_FIELDS, RECOMPUTE_CODE, LayerCost, collective_terms,
+                                       layer_among_equals, reduce_scale, serial_communication)
 
     cm = cost_model or evaluator.rank_cost_models(mesh)[0]
-    if cm.host_dispatch_bound or cpu_node.serial_communication(evaluator.cluster, mesh):
+    if cm.host_dispatch_bound or serial_communication(evaluator.cluster, mesh):
         return None
     n = len(LAYER_COST_FIELDS)
-    factor = sharded_dp.reduce_scale(precision, cm.code.reduce_bytes)
+    factor = reduce_scale(precision, cm.code.reduce_bytes)
     dp = evaluator.links(mesh).dp
-    terms = sharded_dp.collective_terms(cm.code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps, dp.link.latency_s,
-                                        evaluator.cluster.inter_node.bandwidth_GBps,
-                                        cm.collective_efficiency.get("inter", 1.0), cm.calibration)
+    terms = collective_terms(cm.code.sharded, dp.level, dp.size, dp.link.bandwidth_GBps, dp.link.latency_s,
+                             evaluator.cluster.inter_node.bandwidth_GBps,
+                             cm.collective_efficiency.get("inter", 1.0), cm.calibration)
 
     def add(lc, lp: LayerPlan):
-        row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload == "cpu" else 0.0,
+        row = np.array(layer_row(lc, float(effective_zero(lp.zero, mesh)), 1.0 if lp.offload != "none" else 0.0,
                                  float(RECOMPUTE_CODE[lp.recompute]), lp, mesh))
-        out = sharded_dp.layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
-                                            cm.efficiency.get("memory_bound", 1.0), factor, pipeline_m, **terms)
+        out = layer_among_equals(row, COLUMN_INDEX, COLUMN_INDEX["zero"], cm.memory_bandwidth_Bps,
+                                 cm.efficiency.get("memory_bound", 1.0), factor, pipeline_m, **terms)
         return LayerCost(**{f: type(getattr(lc, f))(v) for f, v in zip(LAYER_COST_FIELDS, out[:n])})
 
     return add

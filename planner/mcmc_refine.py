@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.planner.candidate_pricing import Evaluated
@@ -37,7 +36,7 @@ class McmcRefine:
             if not mbs:
                 continue
             corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
-                       ("fsdp", "full", "cpu" if o.allow_offload else "none")]
+                       ("fsdp", "full", o.offload_tier if o.allow_offload else "none")]
             for family, rc, off in corners:
                 if family not in o.zero_families or (family == "zero1" and "ddp" in o.zero_families):
                     continue
@@ -45,8 +44,6 @@ class McmcRefine:
                     off = o.offload
                 mb, m = mbs[-1] if family != "fsdp" else mbs[0]
                 zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
-                if not cp_recompute_runs(mesh):
-                    rc = "none"
                 choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
                                             recompute=rc if rc in o.recompute else o.recompute[-1],
                                             offload=off) for i in range(self.num_layers))

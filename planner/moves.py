@@ -19,7 +19,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.plan import Mesh, equal_bounds
 from autopar.planner.candidate import Candidate
 from autopar.core.rules import ZERO_FAMILIES, offload_allowed, zero1_shards, zero_family_of
@@ -37,6 +36,7 @@ class MoveSpace:
     refused_micro_batches: frozenset[int] = frozenset()   # sizes the model cannot take
     max_virtual_stages: int = 4
     allow_offload: bool = True
+    offload_tier: str = "cpu"             # what an offloaded layer uses: "cpu" or "nvme" (PlanOptions)
     recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
 
@@ -87,7 +87,7 @@ def _choice_options(c: Candidate, layer: int, space: MoveSpace) -> list[LayerCho
     for split in splits:
         for zero in ZERO_FAMILIES[family]:
             for rc in space.recompute_choices:
-                for off in ("none", "cpu") if (space.allow_offload and offload_allowed(zero)) else ("none",):
+                for off in ("none", space.offload_tier) if (space.allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(_interned(split, zero, rc, off))
     return out
 
@@ -114,7 +114,7 @@ def _stage_knob_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     elif knob == "offload":
         if family != "fsdp" or not space.allow_offload:
             return None
-        value = ["none", "cpu"][int(rng.integers(2))]
+        value = ["none", space.offload_tier][int(rng.integers(2))]
     elif knob == "zero":
         if family != "fsdp":
             return None
@@ -205,12 +205,12 @@ def _sequence_parallel_move(c: Candidate, rng, space: MoveSpace) -> Candidate | 
 
 
 #: the chance that a mesh move goes to a neighbouring mesh (one axis doubled, another halved)
-#: rather than to any admitted mesh.  Set by hand with the first planner (commit 3f9d03e), not
-#: fitted: mostly local proposals keep the chain's acceptance rate up near a good plan (a
-#: neighbour shares most of the plan's costs), and one proposal in five jumps anywhere so that a
-#: chain is not confined to the meshes next to its start (FlexFlow's search, Jia et al. 2019,
-#: likewise proposes one random change at a time).  It changes which plans MCMC
-#: visits, so the recorded plans depend on it (planner_vs_grid.py re-measures a change).
+#: rather than to any admitted mesh.  Set by hand, not fitted: mostly local proposals keep the
+#: chain's acceptance rate up near a good plan (a neighbour shares most of the plan's costs), and
+#: one proposal in five jumps anywhere so that a chain is not confined to the meshes next to its
+#: start (FlexFlow's search, Jia et al. 2019, likewise proposes one random change at a time).  It
+#: changes which plans MCMC visits, so the recorded plans depend on it (planner_vs_grid.py
+#: re-measures a change).
 NEAR_MESH_PROBABILITY = 0.8
 
 
@@ -266,8 +266,5 @@ def rebase(c: Candidate, mesh: Mesh, space: MoveSpace, rng=None) -> Candidate | 
         choices = tuple(_to_family(ch, "ddp") for ch in choices)
     if mesh.tp > 1 and c.mesh.tp == 1:
         choices = tuple(_with(ch, tp=space.can_split[i]) for i, ch in enumerate(choices))
-    if not cp_recompute_runs(mesh) and any(ch.recompute != "none" for ch in choices):
-        # the runtime runs context parallelism without recompute (core/cp_support.CP_RUNTIME_EXCLUDES)
-        choices = tuple(_with(ch, recompute="none") for ch in choices)
     return Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule, bounds=bounds,
                      choices=choices)

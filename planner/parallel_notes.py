@@ -1,7 +1,6 @@
 """Why a plan does or does not use context parallelism (cp) and expert parallelism (ep): one
 line each for the plan summary's ``left out`` (``autopar plan``), from the model's eligibility
-(core/cp_support.cp_refusal, simulator/ep_cost.ep_refusal), the options and the runtime's limits
-(core/cp_support.CP_RUNTIME_EXCLUDES), and the fastest plan the search priced with the degree
+(core/cp_support.cp_refusal, simulator/ep_cost.ep_refusal), the options, and the fastest plan the search priced with the degree
 above 1 (``SearchResult.axis_alternatives``).
 """
 from __future__ import annotations
@@ -25,15 +24,15 @@ class AxisNote:
 
 def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
     """A note per axis (cp, ep) saying why the best plan uses it or not."""
-    from autopar.core.cp_support import CP_RUNTIME_EXCLUDES, cp_refusal
-    from autopar.simulator.ep_cost import ep_refusal
+    from autopar.core.cp_support import cp_refusal
+    from autopar.simulator.api import ep_refusal
 
     best = result.best
     out = []
     for axis in ("cp", "ep"):
         degree = getattr(best.plan.mesh, axis)
         admitted, alt = result.axis_alternatives.get(axis, (0, None))
-        fixed = getattr(options, axis, None)
+        fixed = options.ep if axis == "ep" else options.degrees.get(axis)
         kind = NAMES[axis]
         if degree > 1:
             why = (f"{axis} {degree} fixed by --{axis}" if fixed else
@@ -46,12 +45,8 @@ def axis_notes(graph: OpGraph, result, options) -> list[AxisNote]:
         elif fixed == 1:
             out.append(AxisNote(kind, f"--{axis} 1 fixed it off"))
         elif not admitted:
-            need = " = ".join(a for a in ("tp", "pp") if a in CP_RUNTIME_EXCLUDES)
             if axis == "ep":
                 extra = "; ep must divide dp x cp and the experts count"
-            elif need:
-                extra = (f"; the runtime runs cp without {', '.join(CP_RUNTIME_EXCLUDES)} (runtime/apply_cp.py), "
-                         f"so cp meshes need {need} = 1")
             else:
                 extra = "; cp must divide the devices left by the other axes"
             out.append(AxisNote(kind, f"no mesh with {axis} > 1 fits the cluster, the batch and the fixed knobs{extra}"))

@@ -11,8 +11,8 @@ The steps, each a function below:
 1. ``_options``   -- the search's options from the arguments (precision, fixed knobs, schedules);
 2. ``_capture``   -- the model on the meta device, less the micro-batch sizes it cannot take;
 3. ``_kinds``     -- what the runtime runs for this model, applied on fake ranks (planner/runtime_check.py);
-4. ``_choose``    -- the search, then compile and float8 on its plans, the validation order, and the
-   first plan the runtime runs whole;
+4. ``_choose``    -- the search, then compile, float8 and the gradient compression on its plans,
+   the validation order, and the first plan the runtime runs whole;
 5. ``_provenance`` -- what plan.json records of how it was made;
 6. ``written_figures.price_written`` -- every kept plan priced as ``autopar simulate plan.json``
    prices it;
@@ -50,6 +50,7 @@ class PlanOutcome:
     headroom: float
     compile_choice: Any                  # planner.compile_choice.CompileChoice
     float8_choice: Any                   # planner.float8_choice.Float8Choice
+    compression_choice: Any              # planner.compression_choice's choice of the gradient compression
     validation: tuple                    # (family errors, too close to call, why the order) per plan
     left_out: list = field(default_factory=list)
     whole: list = field(default_factory=list)     # planner.whole_layers.WholeLayer
@@ -68,6 +69,7 @@ class PlanOutcome:
                               for ev in self.result.runner_ups]}
         out["compile"] = self.compile_choice.summary()
         out["float8"] = self.float8_choice.summary()
+        out["grad_compression"] = self.compression_choice.summary()
         out["validation"] = {"why": why, "plans": [  # best first, then the runner-ups
             {"family_error": e.__dict__ if e else None, "too_close_to_call": c} for e, c in zip(errors, close)]}
         if self.trial is not None:
@@ -87,6 +89,8 @@ class _Job:
     fp8_flag: str | None = None          # "bf16" / "fp8" when the precision was given as one of them
     recipe: str = "tensorwise"
     compile: bool | None = None
+    grad_compression: Any = None         # the fixed gradient compression (core.cli_types.grad_compression), or None
+    allow_lossy: bool = False            # the planner may choose PowerSGD
     graph: Any = None
     executable: Any = None               # planner.runtime_check.Executable; None: not checked
     left_out: list = field(default_factory=list)
@@ -98,7 +102,8 @@ def plan(model: str | Path, cluster, global_batch: int, *, model_args: Mapping |
          profile: str | None = None, top_k: int = 3, degrees: Mapping[str, int | None] | None = None,
          ep: int | None = None, zero: int | None = None, recompute: str | None = None, offload: str | None = None,
          micro_batch: int | None = None, schedule: str | None = None, compile: bool | None = None,
-         memory_headroom: float = DEFAULT_MEMORY_HEADROOM, grad_clip: bool = False, runtime_check: bool = True,
+         memory_headroom: float = DEFAULT_MEMORY_HEADROOM, grad_clip: bool = False, grad_compression=None,
+         allow_lossy_compression: bool = False, runtime_check: bool = True,
          trial_steps: int | None = None, trial_plans: int | None = None, trial_breakdown: bool = False,
          output: str | Path | None = None, progress: Callable[[str, int, int], None] | None = None,
          say: Callable[..., None] | None = None, warn: Callable[[str], None] | None = None) -> PlanOutcome:
@@ -111,7 +116,7 @@ def plan(model: str | Path, cluster, global_batch: int, *, model_args: Mapping |
     from autopar.core.cluster import Cluster, load_cluster
     from autopar.core.output_file import check_not_read, check_writable
     from autopar.core.plan import save_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.api import CostModel
 
     _import_search()                                  # its import is not counted as capture time
     t0 = time.perf_counter()
@@ -131,15 +136,15 @@ def plan(model: str | Path, cluster, global_batch: int, *, model_args: Mapping |
         cost_models = {k: cm.for_code(replace(cm.code, grad_clip=True)) for k, cm in cost_models.items()}
     _note_other_machine(the_cluster, profile, warn or logging.getLogger("autopar").warning)
     job = _Job(str(model), None if given else str(cluster), nodes, the_cluster, cost_models, recipe=fp8_recipe,
-               compile=compile)
+               compile=compile, grad_compression=grad_compression, allow_lossy=allow_lossy_compression)
     _options(job, global_batch=global_batch, algo=algo, seed=seed, time_budget=time_budget, precision=precision,
              top_k=top_k, degrees=degrees or {}, ep=ep, zero=zero, recompute=recompute, offload=offload,
              micro_batch=micro_batch, schedule=schedule, memory_headroom=memory_headroom)
     _capture(job, dict(model_args or {}), batch_size)
     capture_s = time.perf_counter() - t0
     _kinds(job, runtime_check)
-    result, compile_choice, float8_choice, validation = _choose(job, progress)
-    provenance = _provenance(job, result, compile_choice, float8_choice)
+    result, compile_choice, float8_choice, compression_choice, validation = _choose(job, progress)
+    provenance = _provenance(job, result, compile_choice, float8_choice, compression_choice)
     from autopar.planner.written_figures import price_written
 
     result, compile_choice, float8_choice, graphs = price_written(result, compile_choice, float8_choice, job.graph,
@@ -159,10 +164,10 @@ def plan(model: str | Path, cluster, global_batch: int, *, model_args: Mapping |
 
         save_plan(the_plan, output)
         # a device (-o /dev/null) keeps nothing to run: no command names it
-        command = None if is_special(output) else torchrun_line(job.cluster, str(output), the_plan.world_size)
+        command = None if is_special(output) else torchrun_hint(job.cluster, str(output), the_plan.world_size)
     return PlanOutcome(the_plan, result, job.graph, job.cluster, None if output is None else str(output), command,
-                       capture_s, job.options.memory_headroom, compile_choice, float8_choice, validation,
-                       job.left_out, whole, trial)
+                       capture_s, job.options.memory_headroom, compile_choice, float8_choice, compression_choice,
+                       validation, job.left_out, whole, trial)
 
 
 def _import_search() -> None:
@@ -190,7 +195,7 @@ def _options(job: _Job, *, global_batch, algo, seed, time_budget, precision, top
                         f"{', '.join(DEGREE_NAMES)}.")
     options = PlanOptions(global_batch=global_batch, algo=algo, seed=seed, time_budget_s=time_budget,
                           precision=precision, top_k=top_k,
-                          **{name: degrees.get(name) for name in DEGREE_NAMES},   # --dp, --tp, --pp
+                          degrees={n: v for n in DEGREE_NAMES if (v := degrees.get(n)) is not None},   # --dp, --tp
                           ep=ep, zero=zero, offload=offload, micro_batch=micro_batch, fixed_schedule=schedule,
                           memory_headroom=memory_headroom)
     if recompute is not None:
@@ -203,7 +208,9 @@ def _options(job: _Job, *, global_batch, algo, seed, time_budget, precision, top
     elif job.compile:       # torch's split-backward classes refuse compiled stages (core/rules.py)
         options = replace(options, schedules=tuple(s for s in options.schedules if s not in SPLIT_BACKWARD_SCHEDULES))
     options.check()
-    job.options = options
+    from autopar.planner.compression_choice import constrain_for
+
+    job.options = constrain_for(job.grad_compression, options)
 
 
 def _capture(job: _Job, model_args: dict, batch_size: int) -> None:
@@ -239,11 +246,12 @@ def _kinds(job: _Job, runtime_check: bool) -> None:
 
 
 def _choose(job: _Job, progress):
-    """The search, then compile and float8 decided on its plans, the validation order
-    (planner/confidence.py) and the first plan the runtime runs whole; returns the result, the
-    two choices and (family errors, too close to call, why the order)."""
+    """The search, then compile, float8 and the gradient compression decided on its plans, the
+    validation order (planner/confidence.py) and the first plan the runtime runs whole; returns
+    the result, the three choices and (family errors, too close to call, why the order)."""
     from autopar.planner import confidence
     from autopar.planner.compile_choice import choose_compile
+    from autopar.planner.compression_choice import choose_compression
     from autopar.planner.float8_choice import choose_float8
     from autopar.planner.parallel_notes import axis_notes
     from autopar.planner.search import search
@@ -253,6 +261,8 @@ def _choose(job: _Job, progress):
     result, compile_choice = choose_compile(result, graph, cluster, cms, job.compile, options.memory_headroom)
     result, float8_choice = choose_float8(result, graph, cluster, cms, job.fp8_flag, options.precision,
                                           job.executable, options.memory_headroom, recipe=job.recipe)
+    result, compression_choice = choose_compression(result, graph, cluster, cms, job.grad_compression,
+                                                    job.allow_lossy, options.memory_headroom)
     # each plan's family validation error; a better-validated plan within the band goes first
     # (planner/confidence.py), and the runtime check then takes the first plan it can run
     result, _, _, why = confidence.apply(result, cluster)
@@ -266,10 +276,10 @@ def _choose(job: _Job, progress):
     _, errors, close, _ = confidence.apply(result, cluster, reorder=False)
     if result.best is not preferred:
         why = "the better-validated plan was refused by the runtime check (see left out)"
-    return result, compile_choice, float8_choice, (errors, close, why)
+    return result, compile_choice, float8_choice, compression_choice, (errors, close, why)
 
 
-def _provenance(job: _Job, result, compile_choice, float8_choice) -> dict:
+def _provenance(job: _Job, result, compile_choice, float8_choice, compression_choice) -> dict:
     """What plan.json records of how it was made: the cluster to load again (autopar report /
     simulate re-price the plan with it), the headroom, the runtime check and what it applied on
     the meta model, what was left out, the compile and float8 choices."""
@@ -294,7 +304,7 @@ def _provenance(job: _Job, result, compile_choice, float8_choice) -> dict:
                       runtime_check="skipped (--no-runtime-check)" if ex is None else
                       f"kinds applied on fake ranks in {ex.check_s:.1f} s; the plan itself too" + compile_note,
                       left_out=[x.to_dict() for x in job.left_out], compile_choice=compile_choice.to_dict(),
-                      float8_choice=float8_choice.to_dict())
+                      float8_choice=float8_choice.to_dict(), grad_compression_choice=compression_choice.to_dict())
     if float8_record is not None:
         provenance["float8_conversion"] = float8_record.to_dict()
     # the best plan carries it before it is priced as written (written_figures.price_written)
@@ -338,7 +348,7 @@ def _final_plan(job: _Job, result, provenance: dict, graphs: dict, grad_clip: bo
 
         plan = plan.with_predicted(plan.predicted, trial_steps=trial_provenance(trial, trial_steps))
     whole = whole_layers(plan, captured_for(plan, graphs), job.cluster, job.cost_models, job.executable, job.left_out,
-                         fixed=job.options.tp is not None)
+                         fixed="tp" in job.options.degrees)
     if whole:
         plan = plan.with_predicted(plan.predicted, whole_layers=[w.to_dict() for w in whole])
     return plan, whole
@@ -383,7 +393,7 @@ def _check_trial_args(steps: int | None, plans: int | None, breakdown: bool, top
     return k
 
 
-def torchrun_line(cluster, plan_path: str, world_size: int | None = None) -> str:
+def torchrun_hint(cluster, plan_path: str, world_size: int | None = None) -> str:
     """The torchrun line that runs the plan on every node it uses (c10d rendezvous across nodes).
 
     Ranks fill the cluster's devices in order, so a plan of ``world_size`` ranks uses the first

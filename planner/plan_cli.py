@@ -56,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                      help="activation recompute on every layer")
-    fix.add_argument("--offload", choices=("none", "cpu"), default=None,
-                     help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3)")
+    fix.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None,
+                     help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3); "
+                          "nvme: the same with AdamW's moments on the cluster file's nvme tier")
     fix.add_argument("--micro-batch", type=T.positive, default=None, metavar="N", help="samples per micro-batch")
     fix.add_argument("--schedule", choices=SCHEDULES, default=None,
                      help="pipeline schedule (needs pp > 1): gpipe, 1f1b, interleaved (1F1B), or the split-backward "
@@ -84,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", action="store_true",
                         help="price the plans as runs that clip gradients by their global norm (autopar run "
                              "--grad-clip C; the threshold does not change the cost); recorded in the plan")
+    fix.add_argument("--grad-compression", type=T.grad_compression, default=None, metavar="none|bf16|fp16|powersgd:R",
+                     help="how the data-parallel gradient reduce is compressed (default: the plan's own 16-bit type "
+                          "on the wire where that shortens the step by more than 5%%, else none; "
+                          "planner/compression_choice.py). powersgd:R: rank-R PowerSGD with error feedback (changes "
+                          "the training; DDP plans only)")
+    parser.add_argument("--allow-lossy-compression", action="store_true",
+                        help="let the planner choose PowerSGD (ranks 1, 2, 4) where it is fastest; it changes the "
+                             "training (Vogels et al. 2019)")
     parser.add_argument("--no-runtime-check", action="store_true",
                         help="skip applying the runtime's transformations on fake ranks: the plan may then use "
                              "kinds the runtime cannot run for this model")
@@ -125,6 +134,7 @@ def _plan(args: argparse.Namespace, model_args: dict, progress):
                     ep=args.ep, zero=args.zero, recompute=args.recompute, offload=args.offload,
                     micro_batch=args.micro_batch, schedule=args.schedule, compile=args.compile,
                     memory_headroom=args.memory_headroom, grad_clip=args.grad_clip,
+                    grad_compression=args.grad_compression, allow_lossy_compression=args.allow_lossy_compression,
                     runtime_check=not args.no_runtime_check, trial_steps=args.trial_steps,
                     trial_plans=args.trial_plans, trial_breakdown=args.trial_breakdown, output=args.output,
                     progress=progress, say=say_to(stream),

@@ -89,6 +89,12 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str | N
     if "host_bytes_per_node" in pred:
         console.print(f"[bold]host memory[/bold] {_gib(pred['host_bytes_per_node'])} offloaded on the fullest "
                       f"node, of {_gib(pred['host_capacity_bytes'])}")
+    if pred.get("nvme_bytes_per_node"):
+        paths = sorted({g.nvme.path for g in cluster.groups if g.nvme is not None})
+        note = f" -- {result.tier_note}" if getattr(result, "tier_note", "") else ""
+        console.print("[bold]NVMe tier[/bold]   " + escape(
+            f"{_gib(pred['nvme_bytes_per_node'])} of AdamW moments on the fullest node, of "
+            f"{_gib(pred['nvme_capacity_bytes'])}{note}; run with --nvme-path {paths[0] if paths else 'DIR'}"))
     if result.runner_ups:
         rt = Table(title="runner-ups", show_edge=False)
         rt.add_column("#")
@@ -130,6 +136,7 @@ def print_outcome(console, out) -> None:
         console.print(out.float8_choice.summary(), markup=False)
     else:
         print(out.float8_choice.summary())
+    (console.print if console is not None else print)(out.compression_choice.summary())
     if out.trial is not None:
         from autopar.planner.trial_steps import summary_lines
 

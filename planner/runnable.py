@@ -13,7 +13,7 @@ def check_kinds(graph, model_file: str, cluster, options, float8: bool = False):
     from autopar.planner.runtime_check import find_executable
 
     meshes = cluster_meshes(options, cluster, len(graph.layers))
-    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.tp} if options.tp and options.tp > 1 else set())))
+    degrees = tuple(sorted({m.tp for m in meshes if m.tp > 1} | ({options.degrees["tp"]} if options.degrees.get("tp", 1) > 1 else set())))
     return find_executable(graph, load_model_file(model_file), tp_degrees=degrees, precision=options.precision,
                            float8=float8)
 

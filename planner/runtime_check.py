@@ -207,7 +207,7 @@ class _Probe:
             layers.append(LayerPlan(layer=j, tp=tp, zero=zero, recompute=recompute, offload=offload))
         g = self.graph
         return Plan(model=ModelRef(g.model_file, dict(g.model_args), g.model_name, g.fingerprint), mesh=mesh,
-                    global_batch=mesh.dp * self.micro_batch, micro_batch=self.micro_batch,
+                    global_batch=mesh.batch_degree * self.micro_batch, micro_batch=self.micro_batch,
                     pipeline=Pipeline(schedule="gpipe", num_microbatches=1, stages=stages), layers=tuple(layers),
                     precision=self.precision)
 
@@ -298,9 +298,9 @@ def _expert_parallel(probe: _Probe, left: list[LeftOut]) -> tuple[bool, tuple[in
     """(ep = 2 runs, the expert count of each routed-experts site).  A model without routed
     experts (core/experts.py) is not probed and nothing is left out for it: there is nothing to
     split."""
-    from autopar.core.experts import routed_experts
+    from autopar.core.experts import expert_sites
 
-    sites = routed_experts(meta_template(probe.model_file, dict(probe.graph.model_args), probe.view.drop))
+    sites = expert_sites(meta_template(probe.model_file, dict(probe.graph.model_args), probe.view.drop))
     if not sites:
         return False, ()
     experts = tuple(s.num_experts for s in sites)
@@ -481,11 +481,12 @@ def reduced_plan(plan: Plan) -> Plan:
     ranks shard as the many do), and a fake world of thousands of ranks costs seconds to build.
     Expert parallelism, borrowed from the dp x cp ranks, keeps the largest degree those ranks
     still hold (gcd(ep, 2 cp)): every ep group splits and exchanges alike, and that its degree
-    divides each site's experts is checked apart (core/experts.ep_refusal, the planner's space)."""
+    divides each site's experts is checked apart (core/experts.expert_sites_refusal, the planner's space)."""
     import math
 
     m = plan.mesh
     if m.world_size <= MAX_CHECK_WORLD or m.dp <= 2:
         return plan
-    mesh = replace(m, dp=2, ep=math.gcd(m.ep, 2 * m.cp))
+    mesh = replace(m, dp=2, ep=1)
+    mesh = replace(mesh, ep=math.gcd(m.ep, mesh.grad_degree))
     return replace(plan, mesh=mesh, global_batch=2 * plan.micro_batch * plan.pipeline.num_microbatches)

@@ -16,14 +16,14 @@ Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies 
 * it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
   and the columns of any other registered "compute" term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
   selective recompute only adds (it reruns the cheap ops and adds the checkpoint wrapper's per-op
-  overheads), while a full one that stops early (simulator/layer_cost._recompute) reruns the
+  overheads), while a full one that stops early (simulator/axes/recompute.recompute) reruns the
   forward up to its last saved tensor and no longer records the outputs of the forward it
   checkpoints -- on a CPU profile, whose autograd recording costs per byte, that can come to a
   little less than no recompute, so the floor is the lesser of the two;
 * the ZeRO stage and offload within one family leave the compute as it is: the autocast mode
   and FSDP's per-unit overhead depend on whether the stage that runs is 2 or more, which one
   family's strategies share (ddp: 0; zero1: 1, run as ZeRO-2 under tp or pp for every layer
-  alike -- layer_cost.effective_zero; fsdp: 2 and 3), and offload moves state, not compute;
+  alike -- axes/sharded_dp.effective_zero; fsdp: 2 and 3), and offload moves state, not compute;
 * the sharded-DP terms the tables add (layer_tables._sharded_terms: copy-out, the overlap
   slowdown, the fp32 reduce-scatter) only add;
 * under FSDP without a pipeline it is also at least the traffic before forward plus the traffic
@@ -42,12 +42,9 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
-from autopar.simulator.layer_cost import effective_zero
-from autopar.simulator.overlap import compute_per_pass, fsdp_traffic
+from autopar.simulator.api import compute_per_pass, effective_zero, fsdp_traffic
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES, stage_rank
-from autopar.simulator.pipeline_zero_bubble import screen_bubble_share
-from autopar.simulator.step_model import interleaved_time
-from autopar.simulator.term_registry import with_term_columns
+from autopar.simulator.api import interleaved_time, screen_bubble_share, with_term_columns
 
 #: the ZeRO stage whose compute every strategy of the family shares (module docstring)
 _FAMILY_ZERO = {family: stages[0] for family, stages in ZERO_FAMILIES.items()}
@@ -97,7 +94,7 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
 def floor_key(mesh: Mesh, micro_batch: int, zero_family: str) -> tuple:
     """What ``layer_time_floor`` depends on besides the model and the cost model: the settings
     of one key share their floors.  Under a pipeline the floor counts no FSDP traffic and ZeRO-1
-    runs as ZeRO-2 (layer_cost.effective_zero), so the zero1 and fsdp families price the same
+    runs as ZeRO-2 (axes/sharded_dp.effective_zero), so the zero1 and fsdp families price the same
     layer costs there."""
     runs = effective_zero(_FAMILY_ZERO[zero_family], mesh)
     traffic = zero_family == "fsdp" and mesh.pp == 1

@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 from itertools import groupby
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from autopar.core.cluster import Cluster
-from autopar.core.errors import UserError
+from autopar.core.errors import NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
@@ -43,16 +43,16 @@ ALGOS = ("auto", "ilp", "mcmc")
 # How the time budget is split, where it binds: under --algo auto the structured phase (screen,
 # ILP + stage DP) may run until this fraction of the budget, MCMC refinement gets the rest --
 # more than half to the phase that finds the plans MCMC starts from, enough left for MCMC to
-# refine them.  Set by hand with the first planner (commit 3f9d03e) and no measurement fixed it
-# (nor structured_phase.SCREEN_SHARE); it matters only when a search runs out of time: the
-# benchmarks' searches (planner_vs_grid.py, --time-budget 3000 and the default 40 s) finish the
-# structured phase in 1-4 s, far inside it, so no recorded plan depends on it.
+# refine them.  Set by hand and no measurement fixed it (nor structured_phase.SCREEN_SHARE); it
+# matters only when a search runs out of time: the benchmarks' searches (planner_vs_grid.py,
+# --time-budget 3000 and the default 40 s) finish the structured phase in 1-4 s, far inside it,
+# so no recorded plan depends on it.
 STRUCTURED_SHARE = 0.6
 # A plan with uniform layer choices is preferred to the best one when it is at most this much
 # slower (0.2%: below what the simulator can tell apart; see Planner.tidy).
 TIDY_TOLERANCE = 0.002
 
-Progress = Callable[[str, int, int], None]     # (phase, done, total)
+ProgressCallback = Callable[[str, int, int], None]     # (phase, done, total)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ class PlanOptions:
     max_virtual_stages: int = 4
     sequence_parallel: bool = True
     allow_offload: bool = True
+    # where an offloaded layer's state goes: "cpu" (host memory), or "nvme" (AdamW's moments on the
+    # cluster's NVMe tier) -- searched only where no plan fits host memory (planner/nvme_choice.py)
+    offload_tier: str = "cpu"
     recompute: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -82,16 +85,15 @@ class PlanOptions:
     mcmc_beta: float = 200.0             # on costs relative to the start plan: +1% accepted w.p. e^-2
     mcmc_starts: int = 2                 # structured plans refined by MCMC in "auto"
     # knobs the user fixed (None: the search chooses); see planner/constraints.py
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
+    #: the degrees the user fixed, by declared axis name (``{"dp": 2, "tp": 4}``: core/parallel_dims.py);
+    #: an axis not named is chosen by the search
+    degrees: Mapping[str, int] = field(default_factory=dict)
     ep: int | None = None                # expert parallelism (a degree borrowed from dp x cp, not an axis)
     micro_batch: int | None = None
     # micro-batch sizes the model cannot take (core/micro_batch_probe.py): never searched
     refused_micro_batches: frozenset[int] = frozenset()
     zero: int | None = None              # one ZeRO stage on every layer
-    offload: str | None = None           # "none" | "cpu" on every layer
+    offload: str | None = None           # "none" | "cpu" | "nvme" on every layer
     fixed_schedule: str | None = None
     # fraction of each device's memory kept free for the allocator's fragmentation and
     # workspaces (see planner/headroom.py); plans must fit in the rest
@@ -131,6 +133,8 @@ class SearchResult:
     # per "cp" / "ep", the fastest fitting plan priced with that degree > 1 (None: none fitted), and
     # how many meshes with it > 1 the search admitted
     axis_alternatives: dict = field(default_factory=dict)
+    # why the plan offloads to the NVMe tier (planner/nvme_choice.py); "" where it does not
+    tier_note: str = ""
 
     @property
     def plan(self) -> Plan:
@@ -146,8 +150,8 @@ class Planner(CandidatePricing, StructuredPhase, McmcRefine):
     (``tidy``, ``_finish``)."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
-                 evaluator=None, progress: Progress | None = None):
-        from autopar.simulator.evaluator import PlanEvaluator
+                 evaluator=None, progress: ProgressCallback | None = None):
+        from autopar.simulator.api import PlanEvaluator
 
         from autopar.planner.constraints import candidate_meshes
         from autopar.planner.headroom import with_headroom
@@ -171,15 +175,16 @@ class Planner(CandidatePricing, StructuredPhase, McmcRefine):
         if not any(self.styles):
             # a tp > 1 mesh with no layer split runs the whole model on every tp rank
             from autopar.planner.constraints import nothing_to_split
-            if options.tp is not None and options.tp > 1:
-                raise nothing_to_split(graph, options.tp, ex)
+            if options.degrees.get("tp", 1) > 1:
+                raise nothing_to_split(graph, options.degrees["tp"], ex)
             self.meshes = [m for m in self.meshes if m.tp == 1]
         self.moves = MoveSpace(meshes=tuple(self.meshes), can_split=tuple(bool(s) for s in self.styles),
                                num_layers=self.num_layers, global_batch=options.global_batch,
                                max_micro_batch=options.max_micro_batch,
                                refused_micro_batches=options.refused_micro_batches,
                                max_virtual_stages=options.max_virtual_stages,
-                               allow_offload=options.allow_offload, recompute_choices=tuple(options.recompute),
+                               allow_offload=options.allow_offload, offload_tier=options.offload_tier,
+                               recompute_choices=tuple(options.recompute),
                                zero_families=tuple(options.zero_families))
         self.seen: dict[Candidate, Evaluated | None] = {}
         self.num_unscreened = 0
@@ -329,9 +334,22 @@ def _whole_backward_runner_up(ranked: list[Evaluated], fitting: list[Evaluated])
 
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,
-           progress: Progress | None = None, evaluator=None) -> SearchResult:
-    """The best plan, its runner-ups and the search's statistics."""
-    return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
+           progress: ProgressCallback | None = None, evaluator=None) -> SearchResult:
+    """The best plan, its runner-ups and the search's statistics.  Where no plan fits host memory
+    and the cluster has an NVMe tier, the search again with the tier (planner/nvme_choice.py)."""
+    try:
+        return Planner(graph, cluster, cost_model, options, evaluator=evaluator, progress=progress).run()
+    except NoFeasiblePlanError as first:
+        from autopar.planner.nvme_choice import nvme_retry
+
+        retry = nvme_retry(graph, cluster, cost_model, options)
+        if retry is None:
+            raise
+        try:
+            result = Planner(graph, cluster, cost_model, retry[0], evaluator=evaluator, progress=progress).run()
+        except NoFeasiblePlanError:
+            raise first from None
+        return replace(result, tier_note=retry[1])
 
 
 def plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.core.cp_support import cp_mesh_runs
 from autopar.core.parallel_dims import factorisations
 from autopar.core.plan import LayerPlan, Mesh
 # the ZeRO families and the rules below live in core/rules.py (ZERO_FAMILIES, zero_family_of are
@@ -72,10 +71,10 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     divides the global batch, and so do the axes that split the batch together
     (``batch_degree``: every replica takes as many samples).  With tp > 1 each mesh comes with
     and without sequence parallelism.  ``cp_choices``: the context-parallel degrees the model
-    takes (core/cp_support.cp_degrees), each on a mesh the runtime runs it on
-    (``cp_mesh_runs``); ``ep_choices``: the expert-parallel degrees it takes
-    (simulator/ep_cost.ep_degrees), each on every mesh whose dp x cp it divides (ep borrows
-    those ranks: core/parallel_dims.py).
+    takes (core/cp_support.cp_degrees), each on every mesh (the runtime runs cp
+    with every other axis); ``ep_choices``: the expert-parallel degrees it takes
+    (simulator/ep_cost.ep_degrees), each on every mesh whose gradient group it divides (ep borrows
+    those ranks: core/parallel_dims.ParallelDims.problems).
     """
     limits = MeshLimits(gpus_per_node=gpus_per_node, num_layers=num_layers, global_batch=global_batch,
                         max_tp=max_tp, tp_inside_node=tp_inside_node, cp_choices=tuple(cp_choices))
@@ -83,10 +82,10 @@ def mesh_candidates(world_size: int, *, gpus_per_node: int, num_layers: int, glo
     out: list[Mesh] = []
     for degrees in factorisations(world_size, rules_for(names, limits), names):
         mesh = mesh_class(**degrees)
-        if global_batch % mesh.batch_degree or not cp_mesh_runs(mesh):
+        if global_batch % mesh.batch_degree:
             continue
         for ep in ep_choices:
-            if (mesh.dp * mesh.cp) % ep:
+            if mesh_class(**degrees, ep=ep).problems():        # the ep rule: ParallelDims.problems
                 continue
             out.append(mesh_class(**degrees, ep=ep))
             if mesh.tp > 1 and sequence_parallel:
@@ -137,11 +136,12 @@ def schedule_candidates(pp: int, num_layers: int, num_microbatches: int,
 
 
 def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
-                  allow_offload: bool = True) -> list[LayerChoice]:
+                  allow_offload: bool = True, offload_tier: str = "cpu") -> list[LayerChoice]:
     """Every strategy of one layer on a mesh for a ZeRO family.
 
     ``can_split``: the layer has a Megatron split (core.sharding.megatron_styles is not empty).
-    Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()).
+    Offload goes through FSDP, so it needs ZeRO 2 or 3 (Plan.validate()); ``offload_tier`` is
+    where it goes: "cpu", or "nvme" when host memory does not hold the state (planner/nvme_choice.py).
     """
     zeros = ZERO_FAMILIES[zero_family]
     if not zero1_shards(dp) and zero_family != "fsdp":
@@ -151,7 +151,7 @@ def layer_choices(*, tp: int, dp: int, zero_family: str, can_split: bool,
     for split in splits:
         for zero in zeros:
             for recompute in RECOMPUTE_CHOICES:
-                for offload in ("none", "cpu") if (allow_offload and offload_allowed(zero)) else ("none",):
+                for offload in ("none", offload_tier) if (allow_offload and offload_allowed(zero)) else ("none",):
                     out.append(LayerChoice(tp=split, zero=zero, recompute=recompute, offload=offload))
     return out
 

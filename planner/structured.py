@@ -27,8 +27,8 @@ from autopar.planner.candidate import Candidate
 from autopar.planner.ilp import ChoiceNode, group_consecutive, solve_intra_op
 from autopar.planner.layer_tables import LayerTables
 from autopar.planner.stage_dp import partition_stages
-from autopar.simulator import tied_copies
-from autopar.simulator.memory import ddp_bucket_bytes, inflight_microbatches, p2p_buffer_bytes
+from autopar.simulator.api import (ddp_bucket_bytes, inflight_microbatches, p2p_buffer_bytes, tied_held_share,
+                                   tied_range_held_bytes, tied_uses)
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _range_sums(tables: LayerTables, setting: Setting, m: int, allowed: np.ndarr
     if setting.zero_family in ("ddp", "zero1"):
         ddp = ddp_bucket_bytes(ST)
     if tables.tied_uses:
-        ST = ST + tied_copies.range_held_bytes(list(tables.tied_uses), tables.tied_bytes, starts, ends)
+        ST = ST + tied_range_held_bytes(list(tables.tied_uses), tables.tied_bytes, starts, ends)
     base = np.where(bad, np.inf, ST + reserve + p2p + ddp)
     return T, base, AC
 
@@ -164,7 +164,7 @@ def stage_ilp(tables: LayerTables, signatures: list[str], chunks: list[range], i
     mem = tables.static_bytes + inflight * tables.activation_bytes
     run_keys = list(signatures)
     if tables.tied_uses:                   # the copies of tied weights these chunks hold
-        share = tied_copies.held_share(list(tables.tied_uses), [c.start for c in chunks], tables.num_layers)
+        share = tied_held_share(list(tables.tied_uses), [c.start for c in chunks], tables.num_layers)
         mem = mem + share[:, None] * tables.tied_bytes
         # a layer holding a copy is not one of a run of identical layers that hold none
         run_keys = [f"{sig}+copy{share[i]:g}" if share[i] else sig for i, sig in enumerate(signatures)]

@@ -19,7 +19,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from autopar.core.cp_support import cp_recompute_runs
 from autopar.core.errors import InfeasibleError
 from autopar.core.plan import equal_bounds
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, split_backward_problem, stage_rank
@@ -30,14 +29,12 @@ from autopar.planner.screen_bound import floor_key, layer_time_floor, screen_bou
 from autopar.planner.space import LayerChoice, layer_choices, microbatch_candidates, schedule_candidates, zero_families
 from autopar.planner.stage_dp import partition_stages
 from autopar.planner.structured import Setting, range_costs, solve_setting
-from autopar.simulator.memory import inflight_microbatches
-from autopar.simulator.pipeline_zero_bubble import screen_bubble_share
-from autopar.simulator.step_model import interleaved_time
+from autopar.simulator.api import inflight_microbatches, interleaved_time, screen_bubble_share
 
 # Within the structured phase, screening settings may use this fraction of its time, so that the
 # ILP + stage DP of the best screened settings, which yield the candidates, always get the
-# remaining 30% instead of none.  Set by hand with the first planner (commit 3f9d03e); no recorded
-# plan depends on it (search.py, STRUCTURED_SHARE).
+# remaining 30% instead of none.  Set by hand, no measurement fixed it; no recorded plan depends
+# on it (search.py, STRUCTURED_SHARE).
 SCREEN_SHARE = 0.7
 # relative rounding between a setting's bound and its screen score, which sum the same per-layer
 # floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
@@ -99,9 +96,8 @@ class StructuredPhase:
         if hit is not None:
             return hit
         choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
-                                allow_offload=o.allow_offload)
+                                allow_offload=o.allow_offload, offload_tier=o.offload_tier)
         choices = [c for c in choices if c.recompute in o.recompute
-                   and (c.recompute == "none" or cp_recompute_runs(s.mesh))
                    and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
                    and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
         if not choices:

@@ -40,7 +40,7 @@ def whole_layers(plan, graph: OpGraph, cluster, cost_models, executable=None, le
     """The layers of ``plan`` (tp > 1) that tensor parallelism leaves whole, each with its reason;
     [] for a plan without tp or one that splits every layer."""
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator.plan_price import price_plan
+    from autopar.simulator.api import price_plan
 
     if plan.mesh.tp == 1:
         return []

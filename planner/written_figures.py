@@ -27,7 +27,7 @@ def _priced(ev, cluster, cost_models, graphs: dict):
     """``ev`` with the figures ``autopar simulate`` gives its plan: the model captured at the
     plan's micro-batch (``graphs``: by batch size, shared between plans) on the cluster less the
     plan's headroom (simulator/plan_price.py)."""
-    from autopar.simulator.plan_price import price_plan
+    from autopar.simulator.api import price_plan
 
     res = price_plan(ev.plan, cluster, cost_models, graph=captured_for(ev.plan, graphs))
     return replace(ev, plan=ev.plan.with_predicted(res.predicted_dict()), result=res)
@@ -35,7 +35,7 @@ def _priced(ev, cluster, cost_models, graphs: dict):
 
 def captured_for(plan, graphs: dict):
     """The model captured at ``plan``'s micro-batch, once per batch size (``graphs``)."""
-    from autopar.simulator.plan_price import plan_graph
+    from autopar.simulator.api import plan_graph
 
     mb = plan.micro_batch
     if mb not in graphs:
@@ -46,7 +46,7 @@ def captured_for(plan, graphs: dict):
 def _priced_choice(choice, plan, cluster, cost_models, graphs: dict):
     """The compile choice with both of its step times priced as plan.json's figures are
     (``_priced``): the chosen one is then the plan's predicted step."""
-    from autopar.simulator.plan_price import price_plan
+    from autopar.simulator.api import price_plan
 
     graph = captured_for(plan, graphs)
     eager = price_plan(replace(plan, compile=False), cluster, cost_models, graph=graph).step_time_s
@@ -69,7 +69,7 @@ def _priced_float8(choice, plan, cluster, cost_models, graphs: dict):
     if not choice.on:
         return choice
     from autopar.planner.float8_choice import with_fp8
-    from autopar.simulator.plan_price import price_plan
+    from autopar.simulator.api import price_plan
 
     graph = captured_for(plan, graphs)
     bf16, fp8 = (price_plan(p, cluster, cost_models, graph=graph).step_time_s for p in (with_fp8(plan, ()), plan))

@@ -139,7 +139,7 @@ def row_processes(row: dict) -> int:
     return int(row.get("processes", row["group_size"]))
 
 
-def make_monotone(rows: list[dict]) -> list[dict]:
+def monotone_collective_rows(rows: list[dict]) -> list[dict]:
     """Sorted by bytes within (op, group_size, level); ``seconds`` non-decreasing (isotonic fit)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -22,7 +22,7 @@ import statistics
 import numpy as np
 
 MEMORY_BOUND_KINDS = ("norm", "softmax", "elementwise", "embedding", "optimizer")
-EFFICIENCY_KINDS = ("linear", "matmul", "attention", "conv")
+PEAK_BOUND_KINDS = ("linear", "matmul", "attention", "conv")
 PREFERRED_DTYPES = ("bf16", "fp16", "tf32", "fp32")   # the one training usually runs in first
 
 
@@ -58,11 +58,11 @@ def memory_bandwidth(op_rows: list[dict]) -> tuple[float, str] | None:
 
 def efficiency(op_rows: list[dict], peaks: dict[str, float], bandwidth_Bps: float | None) -> dict[str, tuple[float, str]]:
     """kind -> (fraction of peak, where from), for the kinds the rows inform."""
-    dtypes = {r["dtype"] for r in op_rows if r["kind"] in EFFICIENCY_KINDS}
+    dtypes = {r["dtype"] for r in op_rows if r["kind"] in PEAK_BOUND_KINDS}
     dtype = next((d for d in PREFERRED_DTYPES if d in dtypes and d in peaks), None)
     out: dict[str, tuple[float, str]] = {}
     if dtype is not None:
-        for kind in EFFICIENCY_KINDS:
+        for kind in PEAK_BOUND_KINDS:
             rows = [r for r in op_rows if r["kind"] == kind and r["dtype"] == dtype and r["flops"] > 0]
             if rows:
                 achieved = statistics.median(r["flops"] / r["measured_seconds"] for r in rows)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from autopar.core.dtypes import PRECISION_BYTES
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: kinds whose time follows their FLOPs (the rest follow their bytes)
 COMPUTE_KINDS = ("linear", "matmul", "attention", "attention_math", "conv")
 
@@ -128,8 +128,8 @@ def _linear(shape, dt):
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        x_MK = torch.randn(m, k, device=device, dtype=DTYPES[dt])
-        w_NK = torch.randn(n, k, device=device, dtype=DTYPES[dt])
+        x_MK = torch.randn(m, k, device=device, dtype=TORCH_DTYPES[dt])
+        w_NK = torch.randn(n, k, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.linear(x_MK, w_NK)
     return [OpCase("linear", "linear", dt, shape, 2.0 * m * n * k, float((m * k + n * k + m * n) * es), build)]
 
@@ -139,8 +139,8 @@ def _matmul(shape, dt):
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        a_BMK = torch.randn(b, m, k, device=device, dtype=DTYPES[dt])
-        b_BKN = torch.randn(b, k, n, device=device, dtype=DTYPES[dt])
+        a_BMK = torch.randn(b, m, k, device=device, dtype=TORCH_DTYPES[dt])
+        b_BKN = torch.randn(b, k, n, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: torch.bmm(a_BMK, b_BKN)
     return [OpCase("matmul", "bmm", dt, shape, 2.0 * b * m * n * k, float(b * (m * k + k * n + m * n) * es), build)]
 
@@ -157,7 +157,7 @@ def _attention(shape, dt):
         def build(device, variant=variant):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            q_BHSD, k_BHSD, v_BHSD = (torch.randn(b, h, s, d, device=device, dtype=DTYPES[dt]) for _ in range(3))
+            q_BHSD, k_BHSD, v_BHSD = (torch.randn(b, h, s, d, device=device, dtype=TORCH_DTYPES[dt]) for _ in range(3))
             if variant == "math":
                 def call():
                     with sdpa_kernel(SDPBackend.MATH):
@@ -175,8 +175,8 @@ def _conv(shape, dt):
     flops = 2.0 * b * o * hgt * wid * c * 9      # 3x3 kernel, stride 1, padding 1: output is b x o x H x W
 
     def build(device):
-        x = torch.randn(b, c, hgt, wid, device=device, dtype=DTYPES[dt])
-        w = torch.randn(o, c, 3, 3, device=device, dtype=DTYPES[dt])
+        x = torch.randn(b, c, hgt, wid, device=device, dtype=TORCH_DTYPES[dt])
+        w = torch.randn(o, c, 3, 3, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.conv2d(x, w, padding=1)
     traffic = (b * c * hgt * wid + o * c * 9 + b * o * hgt * wid) * es
     return [OpCase("conv", "conv2d_3x3", dt, shape, flops, float(traffic), build)]
@@ -188,10 +188,10 @@ def _norm(shape, dt):
     out = []
     for variant, per_element in (("layer_norm", 7), ("rms_norm", 4)):   # op_costs.FLOPS_PER_ELEMENT
         def build(device, variant=variant):
-            x = torch.randn(t, h, device=device, dtype=DTYPES[dt])
-            w = torch.ones(h, device=device, dtype=DTYPES[dt])
+            x = torch.randn(t, h, device=device, dtype=TORCH_DTYPES[dt])
+            w = torch.ones(h, device=device, dtype=TORCH_DTYPES[dt])
             if variant == "layer_norm":
-                bias = torch.zeros(h, device=device, dtype=DTYPES[dt])
+                bias = torch.zeros(h, device=device, dtype=TORCH_DTYPES[dt])
                 return lambda: F.layer_norm(x, (h,), w, bias)
             return lambda: F.rms_norm(x, (h,), w)
         out.append(OpCase("norm", variant, dt, shape, float(per_element * t * h), float((2 * t * h + 2 * h) * es), build))
@@ -203,7 +203,7 @@ def _softmax(shape, dt):
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        x = torch.randn(r, c, device=device, dtype=DTYPES[dt])
+        x = torch.randn(r, c, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.softmax(x, dim=-1)
     return [OpCase("softmax", "softmax", dt, shape, 5.0 * r * c, float(2 * r * c * es), build)]   # op_costs: 5 per element
 
@@ -217,12 +217,12 @@ def _elementwise(shape, dt):
     es = PRECISION_BYTES[dt]
 
     def build_gelu(device):
-        x = torch.randn(n, device=device, dtype=DTYPES[dt])
+        x = torch.randn(n, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.gelu(x)
 
     def build_add(device):
-        x = torch.randn(n, device=device, dtype=DTYPES[dt])
-        y = torch.randn(n, device=device, dtype=DTYPES[dt])
+        x = torch.randn(n, device=device, dtype=TORCH_DTYPES[dt])
+        y = torch.randn(n, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: torch.add(x, y)
     # the in-place fill of a causal mask, the mask broadcast over the leading dimension as a
     # (seq, seq) mask is over batch and heads; out-of-place masked_fill is a clone (priced as a
@@ -230,7 +230,7 @@ def _elementwise(shape, dt):
     m = min(n, MASK_ELEMENTS)
 
     def build_masked_fill(device):
-        x = torch.randn(n // m, m, device=device, dtype=DTYPES[dt])
+        x = torch.randn(n // m, m, device=device, dtype=TORCH_DTYPES[dt])
         side = int(MASK_ELEMENTS ** 0.5)
         mask = torch.ones(side, side, device=device).triu(1).bool().flatten()[:m]
         return lambda: x.masked_fill_(mask, -1e4)
@@ -246,7 +246,7 @@ def _embedding(shape, dt):
     def build(device):
         gen = torch.Generator().manual_seed(0)
         idx = torch.randint(0, v, (t,), generator=gen).to(device)
-        table = torch.randn(v, h, device=device, dtype=DTYPES[dt])
+        table = torch.randn(v, h, device=device, dtype=TORCH_DTYPES[dt])
         return lambda: F.embedding(idx, table)
     return [OpCase("embedding", "embedding", dt, shape, 0.0, float(2 * t * h * es + 8 * t), build)]
 
@@ -256,7 +256,7 @@ def _copy(shape, dt):
     es = PRECISION_BYTES[dt]
 
     def build(device):
-        src = torch.randn(n, device=device, dtype=DTYPES[dt])
+        src = torch.randn(n, device=device, dtype=TORCH_DTYPES[dt])
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
     return [OpCase("copy", "copy", dt, shape, 0.0, float(2 * n * es), build)]

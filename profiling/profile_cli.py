@@ -1,6 +1,7 @@
 """``autopar profile``: measure op and collective costs on this machine into a profile file.
 
     autopar profile -o profiles/my-machine.json [--quick] [--dtypes fp32,bf16]
+    autopar profile --disk /raid/nvme -o nvme.yaml     # a disk's bandwidth for the cluster file's nvme entry
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m autopar.cli profile -o profiles/local-cpu.json
 
 Alone it times the op sweep on this machine's device (the first CUDA GPU, else the CPU).
@@ -26,8 +27,15 @@ DTYPE_CHOICES = ("fp32", "tf32", "bf16", "fp16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", required=True, help="profile file to write (merged into it if it exists)")
+    p.add_argument("-o", "--output", required=True, help="profile file to write (merged into it if it exists); "
+                                                           "with --disk, the nvme entry's YAML file")
     from autopar.core import cli_types as T
+
+    p.add_argument("--disk", type=Path, default=None, metavar="PATH",
+                   help="only time the sequential write and read of the disk under PATH and write the cluster "
+                        "file's nvme entry to -o (profiling/disk_speed.py)")
+    p.add_argument("--disk-size-mb", type=T.positive, default=None, metavar="MB",
+                   help="size of --disk's scratch file (default 1024; larger than the disk's write cache)")
 
     p.add_argument("--quick", action="store_true", help="a few small shapes and short repeats (seconds, for tests)")
     p.add_argument("--dtypes", default=None,
@@ -51,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.disk is not None:
+        return _disk(args)
     from autopar.profiling.profile_run import ProfileOptions, run_profile
 
     dtypes = _parse_dtypes(args.dtypes)
@@ -152,3 +162,20 @@ def _pick_device(choice: str) -> torch.device:
             raise UserError("--device cuda, but torch sees no CUDA GPU here; use --device cpu or run on a GPU machine.")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _disk(args: argparse.Namespace) -> int:
+    """``--disk``: time the disk and write its nvme entry (YAML) to -o."""
+    from autopar.core.output_file import check_writable, write_text_atomic
+    from autopar.profiling.disk_speed import DEFAULT_SIZE, measure_disk, nvme_entry
+
+    out = Path(args.output)
+    check_writable(out, "-o")
+    size = args.disk_size_mb * 10**6 if args.disk_size_mb else DEFAULT_SIZE
+    figures = measure_disk(args.disk, size)
+    line = nvme_entry(figures)
+    write_text_atomic(out, f"# autopar profile --disk {args.disk}: {size / 1e6:.0f} MB written (fsync) and read "
+                           f"back; put this line in the node group of the cluster file\n{line}\n")
+    print(line)
+    print(f"wrote {out}")
+    return 0

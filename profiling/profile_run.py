@@ -99,7 +99,7 @@ def _run(opts: ProfileOptions, world: int, rank: int) -> dict | None:
             if world > 1:
                 overhead_s = _mean_dict_over_ranks(overhead_s, world)
         if num_coll:
-            coll_rows = collectives.make_monotone(
+            coll_rows = collectives.monotone_collective_rows(
                 collectives.measure_collectives(opts.device, policy, opts.quick, on_case=step))
         if do_sync:
             from autopar.profiling.cpu_sync_wait import measure_sync_wait

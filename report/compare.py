@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from autopar.core.errors import UserError
 from autopar.core.measured import Measured
+from autopar.core.schema import is_number
 
 #: (key, label, unit) of the scalar figures, in the order the report shows them: the figures
 #: a run measures (``Measured.figures``)
@@ -116,5 +117,3 @@ def error_summary(figures: list[Figure]) -> dict[str, float]:
     return {"median_abs_error": median, "worst_abs_error": errs[-1]}
 
 
-def is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))

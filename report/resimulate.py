@@ -53,7 +53,7 @@ def load_profile_dict(name_or_path: str) -> dict:
 def simulate_figures(ctx: PlanContext, plan: Plan, profile: Mapping | None = None, *,
                      timeline: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The simulated figures (predicted block + breakdown + memory per rank) and the events."""
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.plan_price import price_plan
 
     from autopar.core.errors import InfeasibleError

@@ -183,7 +183,7 @@ class PreparedJob:
         calls it: one all-reduce)."""
         from autopar.runtime.train import global_losses
 
-        return global_losses([loss], self.pm, self.ctx, self.plan.mesh.dp * self.plan.mesh.cp)[0]
+        return global_losses([loss], self.pm, self.ctx, self.plan.mesh.grad_degree)[0]
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path) -> Path:

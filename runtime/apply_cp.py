@@ -43,7 +43,7 @@ and its ``arange`` calls are left alone.
 
 Gradients: each rank's loss is the mean over its tokens; every rank holds the same number of
 tokens, so the mean of the cp ranks' losses is the loss over the whole sequence, and averaging
-the gradients over dp x cp (``gradient_mesh``: DDP, ``replicate`` or FSDP2 over the flattened
+the gradients over dp x cp (``RankContext.get_mesh("grad")``: DDP, ``replicate`` or FSDP2 over the flattened
 dp x cp mesh, as torchtitan shards) gives the gradient of the global mean.
 
 Pipelines (pp > 1): the batch is sliced before the schedule cuts it into micro-batches (along
@@ -68,7 +68,6 @@ import inspect
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from autopar.core.cp_support import cp_refusal
@@ -112,13 +111,6 @@ def slice_sequence(t: torch.Tensor, positions: torch.Tensor, seq: int, dim: int 
     if t.dim() <= dim or t.shape[dim] != seq:
         return t
     return t.index_select(dim, positions.to(t.device))
-
-
-def gradient_mesh(ctx: RankContext, cp: int) -> DeviceMesh:
-    """The 1-D mesh gradients are averaged over: dp, or dp x cp flattened when cp > 1."""
-    if cp == 1:
-        return ctx.submesh("dp")
-    return ctx.mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def forward_parameters(model: nn.Module) -> tuple[str, ...]:
@@ -232,7 +224,7 @@ class ContextParallel:
     def __init__(self, ctx: RankContext, cp: int, seq: int, model: nn.Module):
         self.cp, self.seq = cp, seq
         self.rank = ctx.coords["cp"]
-        self.group = ctx.submesh("cp").get_group()
+        self.group = ctx.get_mesh("cp").get_group()
         self.positions = head_tail_positions(seq, cp, self.rank)
         self.pass_position_ids = takes_argument(model, "position_ids")
         self.pass_attention_mask = takes_argument(model, "attention_mask")

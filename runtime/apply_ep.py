@@ -4,7 +4,7 @@ and every token goes to the rank holding its expert and back.
 The ranks.  ``ep`` is borrowed from the data and context ranks (core/parallel_dims.py): the
 group of a rank is ``ep`` consecutive values of its flattened dp x cp coordinate with its pp and
 tp coordinates (``ParallelDims.ep_group``).  On the DeviceMesh that is the flattened dp x cp
-mesh (``apply_cp.gradient_mesh``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
+mesh (``RankContext.get_mesh("grad")``) unflattened into ``(dp x cp / ep, ep)``: ``ep`` is the
 inner dim, the outer one (``ep_rep``) joins the ranks that hold the same experts -- torchtitan's
 ``dp_shard_mod_ep`` x ``ep`` (its ParallelDims, 2025) with the ep ranks innermost.  Under a
 pipeline the ranks of a group share their pp coordinate, so they hold the same stages and run
@@ -71,7 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autopar.core.errors import PlanFileError
-from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, ep_refusal, routed_experts
+from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, expert_sites_refusal, expert_sites
 
 
 @dataclass
@@ -421,8 +421,8 @@ def refuse_combinations(plan, sites: list[ExpertSite], where: str) -> None:
 
 
 def expert_sites_or_refuse(model: nn.Module, ep: int, where: str) -> list[ExpertSite]:
-    sites = routed_experts(model)
-    reason = ep_refusal(sites, ep)
+    sites = expert_sites(model)
+    reason = expert_sites_refusal(sites, ep)
     if reason:
         raise PlanFileError(f"{where} has ep = {ep}, but the model cannot take expert parallelism: {reason}. "
                             f"Plan with ep = 1 for this model.")
@@ -434,8 +434,8 @@ def stages_hold_experts(meta: nn.Module, stages: list[nn.Module], ep: int, cut_b
     model is not among the stage modules' (runtime/expert_calls.py: a stage cut from the
     ``torch.export`` graph keeps stacked and grouped experts as module calls, not an
     ``nn.ModuleList`` of experts that its block's code calls one by one)."""
-    held = {s.path for stage in stages for s in routed_experts(stage)}
-    lost = [s for s in routed_experts(meta) if s.path not in held]
+    held = {s.path for stage in stages for s in expert_sites(stage)}
+    lost = [s for s in expert_sites(meta) if s.path not in held]
     if lost:
         s = lost[0]
         how = ("torch.fx cannot trace the model's forward, so its stages are cut from the torch.export graph, which "
@@ -451,7 +451,7 @@ def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> Expert
     """Split every routed-experts site of ``part`` ``state.ep`` ways (on meta, before FSDP2).
     Under a pipeline ``part`` is a stage, which may hold no experts (the embeddings' stage): the
     whole model was checked (``check_ep_plan``, ``stages_hold_experts``)."""
-    sites = routed_experts(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
+    sites = expert_sites(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
     refuse_combinations(plan, sites, where)
     for site in sites:
         if site.form == STACKED:

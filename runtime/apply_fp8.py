@@ -52,8 +52,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-#: both dims of an fp8 GEMM operand in multiples of 16 (torch._scaled_mm's alignment)
-FP8_DIM_MULTIPLE = 16
+from autopar.core.dtypes import FP8_DIM_MULTIPLE
+
 INSTALL_HINT = "pip install autopar[fp8]"
 
 

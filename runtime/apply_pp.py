@@ -375,13 +375,19 @@ def _restore_names(stage: fx.GraphModule, model: nn.Module, fresh: bool = False)
             node.target = name
             attrs[name] = obj
     out = fx.GraphModule(attrs, graph, class_name="Stage")
+    # a buffer the model registered with persistent=False (a rotary embedding's inv_freq) stays
+    # out of the stage's state dict, as it is out of the whole model's: a checkpoint saved by
+    # any other layout holds no entry for it
+    transient = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
     for name, obj in attrs.items():       # a plain tensor attribute is a buffer (moved and filled)
         if isinstance(obj, torch.Tensor) and not isinstance(obj, nn.Parameter):
             parent, _, leaf = name.rpartition(".")
             holder = out.get_submodule(parent) if parent else out
             if leaf not in holder._buffers:
                 holder.__dict__.pop(leaf, None)
-                holder.register_buffer(leaf, obj)
+                holder.register_buffer(leaf, obj, persistent=name not in transient)
+            elif name in transient:
+                holder._non_persistent_buffers_set.add(leaf)
     return out
 
 

@@ -41,7 +41,7 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"batch:{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
-def global_batch(checked, seed: int, step: int):
+def synthetic_global_batch(checked, seed: int, step: int):
     """Step ``step``'s synthetic global batch: ``make_batch(global_batch)`` under ``step_seed``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step_seed(seed, step))
@@ -69,7 +69,7 @@ class SyntheticBatches:
         self._drawn: tuple[int, tuple] | None = None
 
     def prepare(self, step: int) -> None:
-        self._drawn = (step, global_batch(self.checked, self.seed, step))
+        self._drawn = (step, synthetic_global_batch(self.checked, self.seed, step))
 
     def get(self, step: int):
         if self._drawn is None or self._drawn[0] != step:

@@ -39,6 +39,7 @@ class CheckpointLockError(UserError):
 
 SLURM_JOB_ENV = "SLURM_JOB_ID"     # set by SLURM in every process of a job; kept by a requeue
 SLURM_RESTART_ENV = "SLURM_RESTART_COUNT"   # set by SLURM once a job is requeued: 1, 2, ...
+ELASTIC_RUN_ENV = "AUTOPAR_ELASTIC_RUN"     # an elastic run's id (autopar run --elastic), recorded in the lock
 
 
 def _slurm_restart() -> int:
@@ -54,6 +55,8 @@ def _holder_record(plan_path: Path | str) -> dict:
     if os.environ.get(SLURM_JOB_ENV):
         record["slurm_job"] = os.environ[SLURM_JOB_ENV]
         record["slurm_restart"] = _slurm_restart()
+    if os.environ.get(ELASTIC_RUN_ENV):            # set by autopar.elastic.worker: it clears its own earlier rounds' locks
+        record["elastic_run"] = os.environ[ELASTIC_RUN_ENV]
     return record
 
 

@@ -8,7 +8,7 @@ Layout under ``--checkpoint-dir``::
     step_00000010/        one checkpoint
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
-        zero1_rank<R>.pt  ZeRO-1 only, written by autopar before issue 32: a rank's optimizer partition
+        zero1_rank<R>.pt  ZeRO-1 only, in checkpoints of older autopar versions: a rank's optimizer partition
         manifest.json     autopar's record of the checkpoint, written last (with the model file and its
                           arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
@@ -83,9 +83,10 @@ from autopar.core.errors import UserError
 from autopar.core.plan import write_text_atomic
 from autopar.runtime.checkpoint_lock import LOCK
 from autopar.runtime.fused_tp import checkpoint_value
-from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
+from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical_states
 
 LATEST = "latest.json"
+ELASTIC_DIR = "elastic"     # an elastic run's plans and switches (autopar run --elastic, elastic/switches.py)
 MANIFEST = "manifest.json"
 FORMAT = "autopar-checkpoint"
 VERSION = 1
@@ -169,8 +170,8 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], name
     optim_states = [{} if legacy_zero1 and _is_zero1(opt) else
                     get_optimizer_state_dict(part, _local_optimizer(opt), options=_FLAT)
                     for part, opt in zip(parts, optimizers)]
-    model_sd, model_keys = canonical(names, MODEL, model_states, for_save=for_save)
-    optim_sd, optim_keys = canonical(names, OPTIM, optim_states, for_save=for_save)
+    model_sd, model_keys = canonical_states(names, MODEL, model_states, for_save=for_save)
+    optim_sd, optim_keys = canonical_states(names, OPTIM, optim_states, for_save=for_save)
     # a fused projection split per part over tp is written and read whole (runtime/fused_tp.py)
     model_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in model_sd.items()}
     optim_sd = {k: checkpoint_value(v, for_save=for_save) for k, v in optim_sd.items()}
@@ -327,6 +328,7 @@ def check_directory(directory: Path) -> None:
                               f"(it is created) or one an earlier 'autopar run' wrote.")
     foreign = sorted(p.name for p in directory.iterdir()
                      if not (p.name in (LATEST, LOCK) or _TEMP_FILE.match(p.name) or
+                             (p.name == ELASTIC_DIR and p.is_dir()) or
                              ((_STEP_DIR.match(p.name) or _PARTIAL_DIR.match(p.name)) and p.is_dir())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.core.experts import GROUPED, STACKED, routed_experts
+from autopar.core.experts import GROUPED, STACKED, expert_sites
 
 _OP = "autopar::experts_call"
 
@@ -60,7 +60,7 @@ def _leading_tensors(params: list[str], path: str, args: tuple, kwargs: dict) ->
 def opaque_experts(model: nn.Module):
     """Inside: each stacked / grouped experts module of ``model`` calls ``autopar::experts_call``
     instead of its own code (module docstring).  Yields the paths it replaced."""
-    sites = [s for s in routed_experts(model) if s.form in (STACKED, GROUPED)]
+    sites = [s for s in expert_sites(model) if s.form in (STACKED, GROUPED)]
     patched = []
     for site in sites:
         module = model.get_submodule(site.path)
@@ -90,15 +90,15 @@ def export_with_expert_calls(model: nn.Module, example_inputs: tuple):
     as a checkpointed region), which cannot call a module of the stage, the export is taken again
     with the experts' code inlined, as without this module (expert parallelism then refuses the
     pipeline: ``apply_ep.stages_hold_experts``)."""
-    from autopar.core.quiet_export import export
+    from autopar.core.quiet_export import quiet_export
 
     with opaque_experts(model):
-        exported = export(model, tuple(example_inputs), strict=False)
+        exported = quiet_export(model, tuple(example_inputs), strict=False)
     gm = exported.module()
     op = torch.ops.autopar.experts_call.default
     if any(sub is not gm and isinstance(sub, fx.GraphModule) and
            any(n.op == "call_function" and n.target is op for n in sub.graph.nodes) for sub in gm.modules()):
-        exported = export(model, tuple(example_inputs), strict=False)
+        exported = quiet_export(model, tuple(example_inputs), strict=False)
         return exported, exported.module()
     _calls_into_modules(gm, model)
     return exported, gm

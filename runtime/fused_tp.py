@@ -28,7 +28,7 @@ Three places need more than the placement:
   the post-accumulate hook of ``apply_tp.keep_embedding_grads_sharded`` does).  A strided
   bias would clash with FSDP2, which must shard a 1-D tensor on the same dim.  It costs each
   rank ``k*n*(1 - 1/tp)`` extra values per projection (the simulator counts it:
-  simulator/layer_cost._local_param_numel).
+  simulator/step/op_work.local_param_numel).
 * FSDP2 (ZeRO-2/3) shards the rank's local weight on dim 0 by default; on the dim the parts
   are strided on, its chunk of the rank's rows would cut across the parts and no placement
   pair describes it.  ``fsdp_shard_placement`` has FSDP2 shard such a weight on its other dim

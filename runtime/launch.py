@@ -96,7 +96,7 @@ def _quick_close(close):
     return wrapped
 
 
-def install() -> None:
+def patch_torchelastic() -> None:
     """Put the differences of the module docstring into torch's elastic agent (this process only)."""
     from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    install()
+    patch_torchelastic()
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except SignalException as e:                   # the ranks were sent the same signal and have stopped

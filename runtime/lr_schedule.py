@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from autopar.core.errors import UserError
 
-SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 #: the checkpoint manifest's key for the schedule's settings (runtime/checkpointing.py ``extra``)
 MANIFEST_KEY = "lr_schedule"
 
@@ -32,8 +32,8 @@ MANIFEST_KEY = "lr_schedule"
 def lr_at(step: int, *, lr: float, schedule: str = "constant", warmup: int = 0, min_lr: float = 0.0,
           steps: int = 1) -> float:
     """The learning rate of step ``step`` (0-based) of a ``steps``-step run (module docstring)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"learning-rate schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"learning-rate schedule {schedule!r}: one of {', '.join(LR_SCHEDULES)}")
     if step < warmup:
         return lr * (step + 1) / warmup
     if schedule == "constant":
@@ -54,8 +54,8 @@ class LrSchedule:
     steps: int = 1
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise UserError(f"--lr-schedule {self.schedule!r} is not a schedule; use one of {', '.join(SCHEDULES)}.")
+        if self.schedule not in LR_SCHEDULES:
+            raise UserError(f"--lr-schedule {self.schedule!r} is not a schedule; use one of {', '.join(LR_SCHEDULES)}.")
         if self.warmup < 0:
             raise UserError(f"--lr-warmup is {self.warmup}; it must not be negative.")
         if not 0.0 <= self.min_lr <= self.lr:

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.runtime.lr_schedule import SCHEDULES, LrSchedule
+from autopar.runtime.lr_schedule import LR_SCHEDULES, LrSchedule
 
 # AdamW defaults.  beta2 = 0.95 and weight decay 0.1 are the GPT-3 training settings
 # (Brown et al. 2020, Appendix B); the learning rate is a small-model value and is a flag.
@@ -61,6 +61,7 @@ class RunOptions:
     grad_clip: float | None = None            # None: no clipping (the norm is still computed and logged)
     weight_decay: float = WEIGHT_DECAY
     betas: tuple[float, float] = ADAM_BETAS
+    nvme_path: Path | None = None             # --nvme-path: the folder of offload "nvme" layers' states (runtime/nvme_tier.py)
 
     @property
     def measured_file(self) -> Path:
@@ -130,7 +131,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                    help="global batches of --val-data per evaluation, read in order from its start "
                         "(default: %(default)s)")
     g = parser.add_argument_group("optimizer (AdamW)")
-    g.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="learning rate after the warm-up: constant, or decaying linearly / by a cosine from --lr "
                         "to --min-lr at the last step (default: constant)")
     g.add_argument("--lr-warmup", type=T.non_negative, default=0, metavar="W",
@@ -144,6 +145,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                    help="AdamW's decoupled weight decay (default: %(default)s)")
     g.add_argument("--betas", type=_betas, default=ADAM_BETAS, metavar="B1,B2",
                    help=f"AdamW's betas (default: {ADAM_BETAS[0]},{ADAM_BETAS[1]})")
+    parser.add_argument("--nvme-path", type=Path, default=None, metavar="DIR",
+                        help="a folder on a local disk for the optimizer states of the plan's offload 'nvme' "
+                             "layers (files removed at exit; docs/runtime.md, NVMe tier)")
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -192,6 +196,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       data_path=args.data, data_dtype=args.data_dtype, shuffle_seed=args.shuffle,
                       val_data_path=args.val_data, eval_every=args.eval_every, eval_batches=args.eval_batches,
                       lr_schedule=args.lr_schedule, lr_warmup=args.lr_warmup, min_lr=args.min_lr,
-                      grad_clip=args.grad_clip, weight_decay=args.weight_decay, betas=tuple(args.betas))
+                      grad_clip=args.grad_clip, weight_decay=args.weight_decay, betas=tuple(args.betas),
+                      nvme_path=args.nvme_path)
     opts.schedule()                                   # a --min-lr above --lr: refused before any start
     return opts

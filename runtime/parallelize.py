@@ -28,7 +28,8 @@ The order (one place, the same for every plan; torchtitan's order):
 6b. tensor parallelism without FSDP2: the post-accumulate hooks that keep a row-wise
    embedding's gradient sharded -- ``apply_tp.keep_embedding_grads_sharded`` (on the
    materialised parameters, whose hooks ``to_empty`` would drop);
-7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters);
+7. DDP for ZeRO-0/1 over the dp axis -- ``apply_dp.apply_ddp`` (needs real parameters), with the
+   plan's gradient compression as a communication hook (FSDP2 takes it as ``reduce_dtype``, step 5);
 8. AdamW per part (ZeroRedundancyOptimizer for ZeRO-1) and the pipeline schedule.
 
 Mixed precision without FSDP (DDP, ZeRO-1, TP alone) runs the forward under ``torch.autocast``
@@ -47,7 +48,7 @@ import torch.nn as nn
 from autopar.core.errors import PlanFileError
 from autopar.core.plan import Plan
 from autopar.runtime.apply_compile import apply_compile
-from autopar.runtime.apply_cp import ContextParallel, gradient_mesh
+from autopar.runtime.apply_cp import ContextParallel
 from autopar.runtime.apply_dp import (LOW_PRECISION, apply_ddp, apply_fsdp, apply_replicate, build_optimizer,
                                       data_parallel_kind)
 from autopar.runtime.apply_ep import apply_ep, build_expert_parallel, shard_expert_weights, stages_hold_experts
@@ -57,6 +58,7 @@ from autopar.runtime.apply_tp import apply_tp, keep_embedding_grads_sharded, res
 from autopar.runtime.materialize import build_meta_model, choose_source, materialize
 from autopar.runtime.mesh import RankContext
 from autopar.runtime.options import ADAM_EPS, RunOptions
+from autopar.runtime.nvme_tier import NvmeStates, attach_nvme_tier
 from autopar.runtime.plan_check import CheckedPlan, LayerSpec
 from autopar.runtime.recompute import apply_recompute, wrap_for_recompute
 from autopar.runtime.state_names import StateNames
@@ -89,6 +91,8 @@ class ParallelModel:
     float8: Float8Record | None = None
     # called after every optimizer step (the FSDP2 float8 all-gather's scales); None when not needed
     after_optimizer_step: Callable[[], None] | None = None
+    # the optimizer states on the NVMe tier (runtime.nvme_tier), one per part that has any
+    nvme: list[NvmeStates] = field(default_factory=list)
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -108,7 +112,7 @@ def _with_params(part: nn.Module, paths: list[str]) -> list[str]:
     return [p for p in paths if any(True for _ in part.get_submodule(p).parameters())]
 
 
-def layer_units(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
+def layer_module_paths(part: nn.Module, held: list[LayerSpec]) -> list[list[str]]:
     """Each held layer's modules inside ``part`` that are units of their own: a module that
     contains another listed module (a parent such as ``model`` or ``encoder`` that capture
     lists with the embeddings) is left out -- wrapping it would wrap its blocks twice (FSDP2
@@ -147,7 +151,7 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
     parallelism, whose mode a recomputed layer's rerun enters (made from ``part`` if not given)."""
     plan = checked.plan
     ties = list(ties)
-    unit_paths = layer_units(part, held)
+    unit_paths = layer_module_paths(part, held)
     styles = []
     if plan.mesh.tp > 1:
         for layer in held:
@@ -168,12 +172,12 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
             float8.append(record)
     # 3. tensor / sequence parallelism
     if plan.mesh.tp > 1:
-        apply_tp(part, ctx.submesh("tp"), styles, plan.mesh.sequence_parallel)
+        apply_tp(part, ctx.get_mesh("tp"), styles, plan.mesh.sequence_parallel)
         retie(part, ties)             # parallelize_module gives each module its own parameter
     # 3b. expert parallelism
     experts = None
     if plan.mesh.ep > 1:
-        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+        experts = apply_ep(part, build_expert_parallel(ctx.get_mesh("grad"), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
                            plan, f"plan file {checked.plan_path}")
     # 4. recompute (under context parallelism the rerun in backward enters its attention mode too)
@@ -200,10 +204,11 @@ def parallelize_part(part: nn.Module, held: list[LayerSpec], checked: CheckedPla
         shard_expert_weights(part, experts, dp_kind, layer_of, plan.precision, ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), units, root_zero=root.zero, root_offload=root.offload,
-                   precision=plan.precision, device=ctx.device)
+        apply_fsdp(part, ctx.get_mesh("grad"), units, root_zero=root.zero, root_offload=root.offload,
+                   precision=plan.precision, device=ctx.device, grad_compression=plan.grad_compression)
     elif dp_kind == "replicate":
-        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [u[0] for u in units], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [u[0] for u in units], plan.precision,
+                        plan.grad_compression)
     return part
 
 
@@ -241,7 +246,7 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
     # expert parallelism: the stage calls its experts modules (runtime/expert_calls.py)
     experts = None
     if plan.mesh.ep > 1:
-        experts = apply_ep(part, build_expert_parallel(gradient_mesh(ctx, plan.mesh.cp), plan.mesh.ep,
+        experts = apply_ep(part, build_expert_parallel(ctx.get_mesh("grad"), plan.mesh.ep,
                                                        plan.mesh.ep_group(ctx.rank)),
                            plan, f"plan file {checked.plan_path}")
     modes = {layer.plan.recompute for layer in held} - {"none"}
@@ -257,10 +262,10 @@ def parallelize_export_stage(part: nn.Module, held: list[LayerSpec], checked: Ch
                              ctx.device)
     if dp_kind == "fsdp":
         root = held[0].plan
-        apply_fsdp(part, gradient_mesh(ctx, plan.mesh.cp), [], root_zero=root.zero, root_offload=root.offload,
-                   precision=plan.precision, device=ctx.device)
+        apply_fsdp(part, ctx.get_mesh("grad"), [], root_zero=root.zero, root_offload=root.offload,
+                   precision=plan.precision, device=ctx.device, grad_compression=plan.grad_compression)
     elif dp_kind == "replicate":
-        apply_replicate(part, gradient_mesh(ctx, plan.mesh.cp), [], plan.precision)
+        apply_replicate(part, ctx.get_mesh("grad"), [], plan.precision, plan.grad_compression)
     return part
 
 
@@ -353,26 +358,35 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                             f"were read whole ({', '.join(source.full_reads[:3])})")
     del source
     local, dp_kind = built.parts, built.dp_kind
-    parts, dp_mesh = [], gradient_mesh(ctx, plan.mesh.cp)
+    parts, dp_mesh = [], ctx.get_mesh("grad")
     use_ddp = dp_kind in ("ddp", "zero1")
     for index, part in sorted(local.items()):
         if use_ddp:
-            part = apply_ddp(part, dp_mesh, ctx.device)                             # 7
+            part = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
+    # the NVMe tier: AdamW's moments of offload "nvme" units in files (runtime/nvme_tier.py)
+    nvme = attach_nvme_tier(parts, optimizers, opts.nvme_path, f"plan file {checked.plan_path}")
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
         tied_grad_sum = TiedGradSum.build(built.cross_stage_ties, lambda s: plan.pipeline.stage_rank(s, plan.mesh.pp),
                                           TiedGradSum.pp_rows(ctx.mesh.mesh, tuple(ctx.mesh.mesh_dim_names)),
-                                          ctx.rank, ctx.submesh("pp").get_group())
+                                          ctx.rank, ctx.get_mesh("pp").get_group())
     if plan.mesh.pp > 1:
         if built.cp is not None:
             built.cp.stage_forward_ran = False      # until the schedule's first stage forward
-        schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.submesh("pp"), ctx.device,
+        schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.get_mesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = source_notes
+    if nvme:
+        notes.append(f"NVMe tier: {sum(t.state_bytes for t in nvme) / 1e6:.2f} MB of AdamW moments on this rank in "
+                     f"files under {opts.nvme_path} (removed at exit)")
+    if plan.grad_compression != "none":
+        from autopar.runtime.apply_dp import compression_note
+
+        notes.append(compression_note(plan.grad_compression, dp_kind))
     if built.cut_by == "export":
         notes.append("torch.fx cannot trace this model's forward: its pipeline stages are cut from the torch.export "
                      "graph, so recompute and ZeRO-2/3 units apply per stage, not per layer"
@@ -398,4 +412,4 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local,
-                         float8=built.float8, after_optimizer_step=after_step)
+                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme)

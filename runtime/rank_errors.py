@@ -49,8 +49,11 @@ _cache: dict = {}
 
 
 def _key() -> str:
-    # one claim per attempt: the agent's store outlives the workers across --max-restarts
-    return f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # one claim per attempt: the agent's store outlives the workers across --max-restarts (and,
+    # in an elastic run, across rendezvous rounds: runtime/mesh.ATTEMPT_ENV)
+    from autopar.runtime.mesh import ATTEMPT_ENV
+
+    return f"{_KEY}/{os.environ.get(ATTEMPT_ENV) or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _store():

@@ -9,7 +9,7 @@
   softmax, dropout, elementwise) is recomputed -- the op-level policy of torchtitan, close to
   Korthikanti et al. 2022 Sec. 5 (keep the expensive, recompute the cheap).
 
-  The layer's communication is saved too (``SAVED_COLLECTIVES``), so the rerun in backward
+  The layer's communication is saved too (``SAVED_COLLECTIVE_OPS``), so the rerun in backward
   issues no collective the forward issued: tensor parallelism's functional all-reduce,
   reduce-scatter and all-gather (what DTensor's redistribution dispatches), expert
   parallelism's row all-to-alls (``_c10d_functional.all_to_all_single``) and its in-place
@@ -69,7 +69,7 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
 
 _funcol = torch.ops._c10d_functional
 #: functional collectives whose outputs a selective recompute saves (module docstring)
-SAVED_COLLECTIVES = {
+SAVED_COLLECTIVE_OPS = {
     _funcol.all_reduce.default, _funcol.reduce_scatter_tensor.default, _funcol.all_gather_into_tensor.default,
     _funcol.all_to_all_single.default,
 }
@@ -135,7 +135,7 @@ class _RecomputeWithReplay(TorchDispatchMode):
 def _selective_policy(rerun_groups: frozenset, replay: _InPlaceReplay, ctx, op, *args, **kwargs):
     if op in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
-    if op in SAVED_COLLECTIVES:
+    if op in SAVED_COLLECTIVE_OPS:
         if _group_name(op, args, kwargs) in rerun_groups:
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE

@@ -30,7 +30,7 @@ from autopar.runtime.ports import free_port
 _FORWARDED = ("steps", "lr", "seed", "timing_warmup_steps", "checkpoint_dir", "checkpoint_every", "measured", "init",
               "log_every", "keep_checkpoints", "metrics", "tensorboard", "progress",
               "init_from", "data", "data_dtype", "shuffle", "val_data", "eval_every", "eval_batches",
-              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas")
+              "lr_schedule", "lr_warmup", "min_lr", "grad_clip", "weight_decay", "betas", "nvme_path")
 # flags whose name is not the argument's with '-' for '_'
 _FLAG_OF = {"timing_warmup_steps": "--timing-warmup"}
 
@@ -123,11 +123,15 @@ def launch(args: argparse.Namespace, log=None) -> int:
         if here:
             check_output_paths(opts)                  # again: the plan's model file is now known as an input
             data_check.check_for_plan(opts, checked)  # the token files' length and ids < vocabulary
+            if any(lp.offload == "nvme" for lp in checked.plan.layers):   # a missing or read-only folder
+                from autopar.runtime.nvme_tier import check_nvme_path
+
+                check_nvme_path(opts.nvme_path, f"plan file {args.plan}")
         if weights is not None:                       # names, shapes, dtypes, before any rank starts
             from autopar.runtime.materialize import build_meta_model
-            from autopar.runtime.weights_in import check
+            from autopar.runtime.weights_in import check_weights
 
-            check(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
+            check_weights(weights, build_meta_model(checked.model_file, dict(checked.plan.model.args)))
     except UserError:
         if fresh_dir:                                 # the empty folder check_output_paths made
             with contextlib.suppress(OSError):
@@ -167,7 +171,7 @@ def launch(args: argparse.Namespace, log=None) -> int:
     return _call_and_report(cmd, log)
 
 
-def _call_and_report(cmd: list[str], log=None) -> int:
+def _call_and_report(cmd: list[str], log=None, failure: dict | None = None) -> int:
     """Run torchrun (through ``autopar.runtime.launch``, which drops its failure traceback); on
     failure, exit with the first failing rank's code and message (``autopar.runtime.rank_errors``).
 
@@ -178,7 +182,8 @@ def _call_and_report(cmd: list[str], log=None) -> int:
     reach it twice (from the terminal and from here); were nothing forwarded, a SIGTERM to
     ``autopar run`` would leave torchrun and the ranks training on.  If ``autopar run`` itself
     is killed outright, the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and likewise
-    each rank when torchrun dies."""
+    each rank when torchrun dies.  ``failure``: a dict that takes the first failing rank's
+    record (``rank_errors``: rank, exit code, message, time) when one was written."""
     import os
     import signal
     import tempfile
@@ -212,6 +217,11 @@ def _call_and_report(cmd: list[str], log=None) -> int:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+        if failure is not None and code != 0:
+            import json
+
+            with contextlib.suppress(OSError, ValueError):
+                failure.update(json.loads(Path(error_file).read_text()))
         return relaunch_exit(code, error_file, log)
 
 

@@ -78,7 +78,7 @@ def _split(kind: str, key: str) -> tuple[str, str, str]:
     return "", key, ""
 
 
-def canonical(names: StateNames, kind: str, part_states: list[dict], *, for_save: bool) -> tuple[dict, list[dict]]:
+def canonical_states(names: StateNames, kind: str, part_states: list[dict], *, for_save: bool) -> tuple[dict, list[dict]]:
     """Merge this rank's parts' state dicts (one per part, keyed by the parts' own names) into
     one keyed by canonical names.
 

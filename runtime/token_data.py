@@ -35,7 +35,7 @@ import torch
 
 from autopar.core.errors import UserError
 
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 DEFAULT_DTYPE = "uint16"
 # tokens scanned per chunk when checking the largest id (64 Mi tokens: 128-256 MiB of pages at a time)
 SCAN_CHUNK = 1 << 26
@@ -88,7 +88,7 @@ class TokenFile:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return DTYPES[self.dtype]
+        return TOKEN_DTYPES[self.dtype]
 
     def identity(self) -> dict:
         """What a checkpoint records of the file: where it is, its size and its dtype."""
@@ -117,7 +117,7 @@ class TokenFile:
         size = p.stat().st_size
         item = self.np_dtype.itemsize
         if size % item:
-            other = [k for k, d in DTYPES.items() if k != self.dtype and size % d.itemsize == 0]
+            other = [k for k, d in TOKEN_DTYPES.items() if k != self.dtype and size % d.itemsize == 0]
             hint = (f" If it holds {other[0]} ids, pass --data-dtype {other[0]}." if other else "")
             raise DataFileError(f"{what} has {size} bytes, which is not a whole number of {self.dtype} token ids "
                                 f"({item} bytes each): it is truncated or not a token file of that dtype.{hint} "

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from autopar.core.measured import Measured
 from autopar.core.plan import write_text_atomic
 from autopar.runtime import checkpoint_lock, checkpointing, data_check, loss_guard, stop_signals
-from autopar.runtime.batches import (ModelFileBatches, SyntheticBatches, TokenBatches, global_batch,  # noqa: F401
+from autopar.runtime.batches import (ModelFileBatches, SyntheticBatches, TokenBatches, synthetic_global_batch,  # noqa: F401
                                      local_slice, step_seed)
 from autopar.runtime.evaluate import Evaluator, eval_mode, local_eval_loss
 from autopar.runtime.measure import MemoryProbe, StepClock, gather_per_rank, measured_report
@@ -326,7 +326,7 @@ class Trainer:
         if train is not None:
             return self._token_rows(train, opts.shuffle_seed, prefetch=True)
         if self.checked.model_file.has_batches:
-            return ModelFileBatches(self.checked, opts.seed, ctx.dp_rank, self.plan.mesh.dp, self.rows,
+            return ModelFileBatches(self.checked, opts.seed, ctx.dp_rank, self.plan.mesh.batch_degree, self.rows,
                                     self.first_step, ctx.device)
         return SyntheticBatches(self.checked, opts.seed, ctx.dp_rank, self.rows, ctx.device)
 
@@ -368,7 +368,7 @@ class Trainer:
 
         with eval_mode(pm.parts):
             local = self.evaluator.local_losses(loss_of_rows)
-        values = global_losses(local, pm, ctx, self.plan.mesh.dp * self.plan.mesh.cp)
+        values = global_losses(local, pm, ctx, self.plan.mesh.grad_degree)
         value = sum(values) / len(values)
         self.val_losses.append((done, value))
         self.log(f"eval step {done}: val_loss {value:.6f}")
@@ -386,8 +386,7 @@ class Trainer:
     def flush_losses(self) -> None:
         """Reduce the pending losses (and, without clipping, the last step's gradient squares, in
         the same all-reduce: ``last_grad_norm``) over the ranks."""
-        dp = self.plan.mesh.dp * self.plan.mesh.cp
-        new, squares = losses_and_sums(self.pending, self.pm, self.ctx, dp, self.pending_squares[-1:])
+        new, squares = losses_and_sums(self.pending, self.pm, self.ctx, self.plan.mesh.grad_degree, self.pending_squares[-1:])
         loss_guard.check_losses(new, len(self.losses), self.opts.checkpoint_dir)   # same values on every rank
         if squares:
             self.last_grad_norm = torch.tensor(squares[0], device=self.ctx.device).sqrt()

@@ -267,7 +267,7 @@ class Match:
     notes: list[str]
 
 
-def check(weights: WeightsFile, meta_model: nn.Module) -> Match:
+def check_weights(weights: WeightsFile, meta_model: nn.Module) -> Match:
     """Names, shapes and dtypes of ``meta_model.state_dict()`` against the file's headers (module
     docstring); a ``WeightsError`` naming the first keys that differ, else the key map."""
     expected = meta_model.state_dict(keep_vars=True)
@@ -421,4 +421,4 @@ def local_block(t: DTensor) -> tuple[int, list[tuple[slice, ...]]] | None:
 
 def weights_source(path: str | Path, meta_model: nn.Module, fallback) -> WeightsSource:
     weights = WeightsFile.open(path)
-    return WeightsSource(weights, check(weights, meta_model), fallback)
+    return WeightsSource(weights, check_weights(weights, meta_model), fallback)

@@ -1,7 +1,7 @@
 """The price of a written plan: what ``plan.json``'s ``predicted`` block holds and what
 ``autopar simulate plan.json`` prints, computed one way.
 
-Two things made the two differ before they shared this function (issue 33):
+Two things would make the two differ if each priced the plan its own way:
 
 * the graph.  The search prices every candidate on the graph captured at ``--batch-size``,
   scaling each op's work by micro-batch / captured batch (simulator/layer_cost.py); ``simulate``,
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from autopar.core.cluster import Cluster
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.result import SimResult
 
 

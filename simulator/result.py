@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from autopar.simulator.memory import MemoryBreakdown
+from autopar.simulator.step.memory import MemoryBreakdown
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class SimResult:
     host_fits: bool = True               # every node's offloaded state within its host memory
     host_bytes_per_node: float = 0.0     # offloaded bytes on the node closest to (or past) its limit
     host_capacity_bytes: float = 0.0     # that node's host memory
+    nvme_fits: bool = True               # every node's NVMe-tier moments within its drives (simulator/nvme_tier.py)
+    nvme_bytes_per_node: float = 0.0     # the moments on the fullest node's NVMe tier (0: no layer offloads there)
+    nvme_capacity_bytes: float = 0.0     # the tier's capacity per node
 
     @property
     def work(self) -> StepWork:
@@ -80,6 +83,8 @@ class SimResult:
             "host_bytes_per_node": self.host_bytes_per_node,
             "host_capacity_bytes": self.host_capacity_bytes,
             "host_fits": self.host_fits,
+            **({"nvme_bytes_per_node": self.nvme_bytes_per_node, "nvme_capacity_bytes": self.nvme_capacity_bytes,
+                "nvme_fits": self.nvme_fits} if self.nvme_bytes_per_node else {}),
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes": dict(self.comm_bytes),
             "sources": dict(self.sources),

@@ -16,18 +16,23 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import InfeasibleError, PlanFileError
 from autopar.core.graph import OpGraph
 from autopar.core.plan import Plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
 from autopar.simulator.result import SimResult
 
 
 def plan_cost_models(plan: Plan, cost_model: CostModel | Mapping[str, CostModel]):
     """``cost_model`` (one, or by GPU name) pricing the training code the plan assumes: with
-    ``TrainingCode.grad_clip`` when the plan is priced as a clipped run (``Plan.grad_clip``)."""
-    if not plan.grad_clip:
+    ``TrainingCode.grad_clip`` when the plan is priced as a clipped run (``Plan.grad_clip``), and
+    the plan's gradient compression (``Plan.grad_compression``, simulator/grad_compression.py)."""
+    if not plan.grad_clip and plan.grad_compression == "none":
         return cost_model
-    clip = (lambda cm: cm if cm.code.grad_clip else cm.for_code(replace(cm.code, grad_clip=True)))
-    return clip(cost_model) if isinstance(cost_model, CostModel) else {k: clip(cm) for k, cm in cost_model.items()}
+
+    def code(cm: CostModel) -> CostModel:
+        want = replace(cm.code, grad_clip=cm.code.grad_clip or plan.grad_clip, grad_compression=plan.grad_compression)
+        return cm if want == cm.code else cm.for_code(want)
+
+    return code(cost_model) if isinstance(cost_model, CostModel) else {k: code(cm) for k, cm in cost_model.items()}
 
 
 def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel | Mapping[str, CostModel], *,
@@ -42,7 +47,7 @@ def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel
     step_r, bubble = closed_form_step(ctx, rows)
     events = None
     if timeline:
-        from autopar.simulator.step_trace import draw_step
+        from autopar.simulator.step.trace import draw_step
 
         events = draw_step(ctx, rows, [plan.mesh.rank_at(pp=r) for r in range(plan.mesh.pp)]).events
     return ev.assemble(plan, ctx, rows, step_r, bubble, timeline=events)

@@ -66,9 +66,9 @@ def simulate(target: str | Path, *, cluster=None, nodes: int | None = None,
     from autopar.core.capture import capture_model_file
     from autopar.core.errors import InfeasibleError
     from autopar.core.plan import load_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate as simulate_plan
-    from autopar.simulator.timeline import write_chrome_trace
+    from autopar.simulator.step.timeline import write_chrome_trace
 
     t0 = time.perf_counter()
     if trace:
@@ -144,7 +144,7 @@ def _configure(graph, cluster, degrees: Mapping[str, int | None], *, ep: int, pr
 
     precision = precision or ("fp32" if cluster.backend == "gloo" else "bf16")
     fp8 = precision == "fp8"               # float8 linears on a bf16 plan
-    plan = config_plan(graph, **axis_degrees(degrees, cluster.world_size), precision="bf16" if fp8 else precision,
+    plan = config_plan(graph, degrees=axis_degrees(degrees, cluster.world_size), precision="bf16" if fp8 else precision,
                        cluster_name=cluster.name, **knobs)
     if compile:
         plan = replace(plan, compile=True)
@@ -175,15 +175,15 @@ def _check_cp_ep(graph, plan) -> None:
     """Refuse (exit 2) a cp or ep the model cannot take, with the reason (core/cp_support.py,
     simulator/ep_cost.py), and an ep that does not divide dp x cp."""
     from autopar.core.cp_support import cp_refusal
-    from autopar.simulator.ep_cost import ep_refusal
+    from autopar.simulator.axes.ep import ep_refusal
 
     m = plan.mesh
     if m.cp > 1 and (why := cp_refusal(graph, m.cp)):
         raise UserError(f"cp {m.cp}: {graph.model_file} cannot take context parallelism: {why}. Use --cp 1.")
     if m.ep > 1 and (why := ep_refusal(graph, m.ep)):
         raise UserError(f"ep {m.ep}: {graph.model_file} cannot take expert parallelism: {why}. Use --ep 1.")
-    if m.ep > 1 and (m.dp * m.cp) % m.ep:
-        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.dp * m.cp}, which "
+    if m.ep > 1 and any(p[0] == "mesh.ep" for p in m.problems()):      # the ep rule
+        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.grad_degree}, which "
                         f"{m.ep} does not divide; choose an ep that divides dp x cp.")
 
 

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="model chunks per pipeline rank (interleaved and interleaved-zb; zbv and dualpipev run 2)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    g.add_argument("--offload", choices=("none", "cpu"), default="none")
+    g.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
                    help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters; fp8: bf16 with every layer's "
                         "linears in float8 (simulator/float8.py; those whose dims divide by 16)")
@@ -136,9 +136,14 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     host = (f"host memory: {_gb(r.host_bytes_per_node)} offloaded on the fullest node, of "
             f"{_gb(r.host_capacity_bytes)}")
     con.print(host if r.host_fits else f"[red]{host}: does NOT fit[/]")
+    if r.nvme_bytes_per_node:
+        nvme = (f"NVMe tier: {_gb(r.nvme_bytes_per_node)} of optimizer moments on the fullest node, of "
+                f"{_gb(r.nvme_capacity_bytes)}")
+        con.print(nvme if r.nvme_fits else f"[red]{nvme}: does NOT fit[/]")
     con.print("[green]fits in memory[/]" if r.fits else
               "[red]does NOT fit in memory on every device[/]" if not r.device_fits else
-              "[red]does NOT fit in host memory on every node (offloaded state)[/]")
+              "[red]does NOT fit in host memory on every node (offloaded state)[/]" if not r.host_fits else
+              "[red]does NOT fit on the NVMe tier of every node (the cluster file's nvme capacity)[/]")
     if trace:
         con.print(f"Chrome trace written to {trace} (open in https://ui.perfetto.dev)")
         end = trace_end_s(r.timeline)

@@ -88,7 +88,8 @@ def _loss(module, output, target):
 def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: int, *, seed: int = SEED,
                 lr: float = LR, chunks: int = 1, initial: dict[str, torch.Tensor] | None = None,
                 batches=None, lr_at=None, grad_clip: float | None = None, betas=BETAS,
-                weight_decay: float = WEIGHT_DECAY, first_step: int = 0) -> PlainRun:
+                weight_decay: float = WEIGHT_DECAY, first_step: int = 0, ranks: int = 1,
+                reduce=None) -> PlainRun:
     """``initial``: starting values by parameter name, copied over the model file's own init
     (the caller's choice of another init; ties are kept: the model's parameters are written
     in place).
@@ -98,7 +99,14 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
     ``step -> learning rate`` set on the optimizer before each step (a closed-form schedule
     written in the test).  ``grad_clip``: ``torch.nn.utils.clip_grad_norm_`` over the whole
     model's parameters (each tied one once) before each step.  ``first_step``: the step number
-    of the first step run (the batches and learning rates of a run that starts later)."""
+    of the first step run (the batches and learning rates of a run that starts later).
+
+    ``reduce``: ``(step, grads) -> grads``, a test's own gradient reduce over ``ranks`` data-
+    parallel ranks written out: ``grads[r][i]`` is rank r's gradient of the i-th parameter of
+    ``model.parameters()`` from the r-th of ``ranks`` equal row blocks of the global batch (the
+    mean loss over its rows); the result, one gradient per parameter, is what the optimizer
+    steps on (a rounding before the average, a compression).  The step's loss is the mean of the
+    ranks' losses."""
     module = load(model_file)
     torch.manual_seed(seed)
     model = module.build_model(**args)
@@ -120,7 +128,9 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
         total = 0.0
-        for i in range(chunks):
+        if reduce is not None:
+            total = _reduced_backward(module, model, inputs, target, ranks, lambda g: reduce(step, g))
+        for i in range(chunks if reduce is None else 0):
             part = [x.chunk(chunks)[i] for x in inputs]
             loss = _loss(module, model(*part), target.chunk(chunks)[i]) / chunks
             loss.backward()
@@ -140,3 +150,19 @@ def train_plain(model_file: str | Path, args: dict, global_batch: int, steps: in
     return PlainRun(losses=losses, params={n: p.detach().clone() for n, p in named},
                     grad_abs_max={n: grad_abs_max[id(p)] for n, p in named}, model=model,
                     grad_abs_min={n: grad_abs_min[id(p)] for n, p in named}, grad_norms=grad_norms)
+
+
+def _reduced_backward(module, model: nn.Module, inputs, target, ranks: int, reduce) -> float:
+    """``train_plain``'s ``reduce``: each rank's gradient from its row block, then ``reduce``'s
+    result as every parameter's gradient; returns the mean of the ranks' losses."""
+    params = list(model.parameters())
+    grads, total = [], 0.0
+    for r in range(ranks):
+        part = [x.chunk(ranks)[r] for x in inputs]
+        loss = _loss(module, model(*part), target.chunk(ranks)[r])
+        got = torch.autograd.grad(loss, params, allow_unused=True)
+        grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, got)])
+        total += float(loss.detach()) / ranks
+    for p, g in zip(params, reduce(grads)):
+        p.grad = g
+    return total

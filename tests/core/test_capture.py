@@ -489,7 +489,7 @@ def _scores_graph(use_einsum: bool, b: int = 2, h: int = 4, s: int = 64, d: int 
 
 
 def test_allocation_and_beta_zero_move_no_bytes_and_shape_only_ops_have_no_backward():
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     g, (b, h, s, d) = _scores_graph(use_einsum=False)
     empty = [o for o in g.ops if "empty" in o.target]
@@ -510,7 +510,7 @@ def test_allocation_and_beta_zero_move_no_bytes_and_shape_only_ops_have_no_backw
 
 def test_an_einsum_product_is_priced_as_the_matmul_it_spells():
     """The einsum's output comes in the equation's order ([b, t, h, d]); the GEMM is the same."""
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     cm = CostModel.from_profile("a100-80gb-sxm")
     times = {}

@@ -20,6 +20,8 @@ EXPECTED = {
     "h100-16x8": (16, 8, "h100-sxm", 450, 50),
     "h100-128x8": (128, 8, "h100-sxm", 450, 50),
     "local-cpu": (1, 4, "local-cpu", None, None),
+    # one 100 GbE port per node: 100 / 8 bits / 8 GPUs (a network-bound data-parallel reduce)
+    "ethernet-8x8": (8, 8, "a100-80gb-sxm", 300, 1.5625),
 }
 
 GOOD = """\
@@ -45,7 +47,7 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_bundled_list_is_complete():
-    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100", "h100-96gb-500w-1x8"}
+    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100", "h100-96gb-500w-1x8", "dgx-a100-1x8-nvme"}
 
 
 def test_grand_teton_cluster_takes_the_variant_from_its_profile():

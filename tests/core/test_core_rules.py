@@ -44,8 +44,8 @@ def test_offload_and_zero1():
     (0, 4, True, "replicate", 0), (1, 4, True, "fsdp", 2), (0, 1, True, "none", 0), (1, 1, False, "none", 1),
     (3, 1, False, "fsdp", 3)])
 def test_data_parallel_machinery(zero, dp, splits, kind, eff):
-    assert rules.data_parallel_kind(zero, dp, splits) == kind
-    assert rules.effective_zero(zero, splits) == eff
+    assert rules.native_data_parallel(zero, dp, splits) == kind
+    assert rules.zero_stage_that_runs(zero, splits) == eff
 
 
 def test_interleaved_microbatches():

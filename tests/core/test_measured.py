@@ -129,3 +129,20 @@ def test_validation_losses_round_trip():
     assert d["val_losses"] == [[1, 2.25], [2, 1.75]]
     assert Measured.from_json(d) == m and Measured.from_json(d).val_losses == ((1, 2.25), (2, 1.75))
     assert Measured.from_json(PRE_SCHEMA).val_losses is None
+
+
+def test_an_elastic_runs_switches_round_trip_and_a_file_without_them_reads_as_before(tmp_path):
+    """``switches`` (autopar run --elastic): a list of objects, kept as written; absent in older
+    files, which read as before; anything but a list of objects is refused, naming the key."""
+    switch = {"index": 1, "why": "ranks failed", "nodes_before": ["a:1", "b:2"], "nodes_after": ["a:1"],
+              "old_layout": "4 ranks, dp 2 x tp 2", "new_layout": "2 ranks, pp 2", "steps_lost": 1,
+              "predicted_switch_s": {"total": 9.5}, "measured_switch_s": 12.25}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({**PRE_SCHEMA, "switches": [switch]}))
+    m = read_measured(path)
+    assert m.switches == (switch,) and m.to_json()["switches"] == [switch]
+    path.write_text(json.dumps(PRE_SCHEMA))
+    assert read_measured(path).switches is None and "switches" not in read_measured(path).to_json()
+    path.write_text(json.dumps({**PRE_SCHEMA, "switches": ["not an object"]}))
+    with pytest.raises(MeasuredFileError, match="field switches: .*not a list of objects"):
+        read_measured(path)

@@ -138,6 +138,41 @@ def test_plan_file_mesh_keeps_the_version_1_form():
     assert Plan.from_dict(old) == plan
 
 
+@pytest.mark.parametrize("dims", LAYOUTS, ids=lambda d: "x".join(map(str, d.shape)))
+def test_named_groups_are_the_layout_with_the_other_coordinates_fixed(dims):
+    """``get_group(name, r)``: the ranks of the layout tensor that share r's coordinates on every
+    axis outside the group, in rank order (the flattened sub-mesh torch builds, below);
+    ``group_size`` and ``grad_degree`` their products, worked from the shape."""
+    ranks = _torch_layout(dims)
+    names = dims.axis_names
+    assert dims.GROUPS["grad"] == ("dp", "cp") and dims.GROUPS["batch"] == ("dp",)
+    assert dims.grad_degree == dims.dp * dims.cp == dims.group_size("grad")
+    assert dims.group_size("world") == dims.world_size and dims.group_size("batch") == dims.batch_degree
+    for group, axes in (("grad", ("dp", "cp")), ("world", names), (["pp", "tp"], ("pp", "tp")), ("tp", ("tp",))):
+        for r in range(dims.world_size):
+            where = (ranks == r).nonzero()[0].tolist()
+            index = tuple(slice(None) if n in axes else where[i] for i, n in enumerate(names))
+            assert list(dims.get_group(group, r)) == sorted(ranks[index].flatten().tolist())
+    assert dims.get_group("tp", 1) == dims.group("tp", 1)
+
+
+def test_the_gradient_group_is_torchs_flattened_dp_cp_mesh():
+    """DeviceMesh's ``mesh["dp", "cp"]._flatten("dp_cp")`` (torchtitan's named mesh) holds the ranks
+    ``get_group("grad", r)`` gives, in the same order, on a fake world of dp 2 x pp 2 x cp 2 x tp 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims = ParallelDims(dp=2, pp=2, cp=2, tp=2)
+    for r in (0, 5, 15):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=dims.world_size)
+        try:
+            mesh = init_device_mesh("cpu", dims.shape, mesh_dim_names=dims.axis_names)
+            assert mesh["dp", "cp"]._flatten("dp_cp").mesh.tolist() == list(dims.get_group("grad", r))
+        finally:
+            dist.destroy_process_group()
+
+
 def test_expert_parallel_groups_borrow_the_data_and_context_ranks():
     """ep groups: ep ranks with the same pp and tp coordinates, consecutive in the flattened
     dp x cp coordinate; worked by hand for dp 4 x cp 2 x tp 2 (ranks = arange(16).view(4, 1, 2, 2))."""

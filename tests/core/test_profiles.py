@@ -132,7 +132,7 @@ def test_gpu_variant_derives_its_rates_from_its_clock_and_cites_it():
     the same die, scaled by sustained / boost clock (core/clocks.py): 1545 / 1830 of 989.4 is the
     H100 NVL datasheet's dense bf16 figure, 1,671 / 2 TFLOP/s; 2.4 TB/s; 500 W; each figure cited."""
     from autopar.core.clocks import clock_ratio
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     prof = load_profile("h100-sxm-96gb-500w")
     flops, _ = DATASHEET["h100-sxm"]

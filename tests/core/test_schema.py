@@ -26,7 +26,7 @@ ROW = schema.Mapping({"n": schema.whole(lower=1, must="a whole number >= 1")}, "
 DOC = schema.Mapping(
     {"name": schema.text(), "rows": schema.ListOf(ROW, "a list of rows", nonempty=True)},
     "a document",
-    optional={"rate": schema.number(positive=True, upper=10.0)},
+    optional={"rate": schema.number_leaf(positive=True, upper=10.0)},
     then=lambda d, path, report: d.get("rate", 1) <= len(d["rows"]) or report.bad_value("rate", d["rate"],
                                                                                          "at most one per row"))
 

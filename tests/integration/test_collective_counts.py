@@ -213,7 +213,7 @@ def _rank0_units(name: str) -> int:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(FSDP_PLANS))
 def test_fsdp_collectives_per_step_are_the_priced_counts(counted_4, name):
-    from autopar.simulator.pipeline_fsdp import collectives_per_step
+    from autopar.simulator.axes.pp_fsdp import collectives_per_step
 
     kw = FSDP_PLANS[name]
     counts = counted_4[name][0]
@@ -253,7 +253,7 @@ def test_saved_activations_are_the_priced_ones_with_and_without_sequence_paralle
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import Cluster, Link, NodeGroup
     from autopar.core.plan import load_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
     g = capture_model_file(str(GPT), dict(GPT_ARGS), 4)

@@ -58,7 +58,8 @@ def mlp_plan(tmp_path_factory) -> Path:
     from autopar.simulator.configure import config_plan
 
     g = capture_model_file(MLP, {}, 2)
-    plan = config_plan(g, dp=4, tp=1, pp=1, micro_batch=2, global_batch=8, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 4, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False,
                        cluster_name="local-cpu")
     path = tmp_path_factory.mktemp("plan") / "mlp.json"
@@ -105,7 +106,7 @@ def test_host_bytes_per_node_closed_form():
     from autopar.core.cluster import load_cluster
     from autopar.core.modelfile import load_model_file
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
     args = {"size": "llama2-7b"}
@@ -113,7 +114,8 @@ def test_host_bytes_per_node_closed_form():
         n_params = sum(p.numel() for p in load_model_file(LLAMA).build(**args).parameters())
     g = capture_model_file(LLAMA, args, 1)
     cluster = load_cluster("local-cpu")
-    plan = config_plan(g, dp=4, tp=1, pp=1, micro_batch=1, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 4, "tp": 1, "pp": 1},
+                       micro_batch=1, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="full", offload="cpu", precision="fp32", sequence_parallel=False)
     res = PlanEvaluator(g, cluster, CostModel.from_profile("local-cpu")).evaluate(plan)
     assert res.host_bytes_per_node == pytest.approx(16 * n_params, rel=1e-9)
@@ -154,7 +156,8 @@ def test_sys_exit_in_model_file(capsys, tmp_path, monkeypatch):
     from autopar.simulator.configure import config_plan
 
     g = capture_model_file(in_build, {}, 2)
-    plan = config_plan(g, dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
     save_plan(plan, tmp_path / "run.json")
     monkeypatch.setenv("AUTOPAR_TEST_EXIT_AT_IMPORT", "1")
@@ -372,7 +375,8 @@ def test_a_file_read_as_input_is_never_replaced(tmp_path):
     from autopar.simulator.configure import config_plan
 
     g = capture_model_file(str(model), {}, 2)
-    save_plan(config_plan(g, dp=1, tp=1, pp=1, micro_batch=2, global_batch=2, schedule="1f1b", virtual_stages=1,
+    save_plan(config_plan(g, degrees={"dp": 1, "tp": 1, "pp": 1},
+                          micro_batch=2, global_batch=2, schedule="1f1b", virtual_stages=1,
                           zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False,
                           cluster_name="local-cpu"), plan)
     output_file.forget_inputs()

@@ -204,17 +204,17 @@ def test_a_model_export_cannot_trace_prints_no_graph_dumps(capsys, tmp_path):
     import torch
 
     from autopar.core.modelfile import load_model_file
-    from autopar.core.quiet_export import export
+    from autopar.core.quiet_export import quiet_export
 
     path = write(tmp_path / "m.py", DATA_DEPENDENT_GATE)
     mf = load_model_file(path)
     model = mf.build()
     inputs, _ = mf.make_batch(2)
     with pytest.raises(Exception) as e:        # torch's own export fails, carrying the partial graph
-        export(model, inputs, strict=False)
+        quiet_export(model, inputs, strict=False)
     assert getattr(e.value, "partial_fx_graph", None)
     assert "def forward" not in capsys.readouterr().err
-    assert isinstance(export(torch.nn.Linear(2, 2), (torch.randn(1, 2),)), torch.export.ExportedProgram)
+    assert isinstance(quiet_export(torch.nn.Linear(2, 2), (torch.randn(1, 2),)), torch.export.ExportedProgram)
     assert cli_main(["inspect", path]) == 0
     out, err = capsys.readouterr()
     assert "def forward" not in err and "leaf" in out, err[-2000:]

@@ -30,7 +30,7 @@ def test_gpu_truth_tiny_mode_measures_ops_runs_plans_and_prices_them(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
     from autopar.profiles import load_profile
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     # (a) the profile: valid, its command recorded, the Llama block's shapes at their closed forms
     prof = load_profile(out / "measured-profile.json")

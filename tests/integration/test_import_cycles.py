@@ -24,10 +24,20 @@ def _package_folders(root: Path) -> dict[str, Path]:
 
 
 def _modules(packages: dict[str, Path]) -> dict[str, Path]:
+    """Module name -> file, for each package's folder and its sub-packages (folders with an
+    ``__init__.py`` that no other package maps)."""
     mods: dict[str, Path] = {}
-    for pkg, folder in packages.items():
+    mapped = {folder.resolve() for folder in packages.values()}
+
+    def walk(pkg: str, folder: Path) -> None:
         for file in sorted(folder.glob("*.py")):
             mods[pkg if file.name == "__init__.py" else f"{pkg}.{file.stem}"] = file
+        for sub in sorted(folder.iterdir()):
+            if sub.is_dir() and (sub / "__init__.py").exists() and sub.resolve() not in mapped:
+                walk(f"{pkg}.{sub.name}", sub)
+
+    for pkg, folder in packages.items():
+        walk(pkg, folder)
     return mods
 
 

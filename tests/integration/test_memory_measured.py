@@ -73,7 +73,7 @@ def measured(tmp_path_factory):
 def _predicted(name: str) -> list[dict]:
     """The simulator's per-pipeline-rank (params, grads, optimizer) bytes, by global rank (mesh
     order dp, pp, tp: with one of dp and pp at 2 the global rank r is dp rank r or pp rank r)."""
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
     from sim_graphs import PROFILE, toy_cluster as _cluster
 
@@ -147,7 +147,7 @@ def test_capture_names_the_tied_weight_in_the_later_layer():
 def test_tied_copy_follows_the_stage_cut(bounds):
     """Wherever the stages are cut, the rank without the embedding holds the head's copy of it;
     one stage (pp 1) holds the weight once."""
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
     from sim_graphs import PROFILE, toy_cluster as _cluster
 
@@ -172,7 +172,7 @@ def test_planner_range_costs_count_the_tied_copy():
     from autopar.planner.layer_tables import build_layer_tables
     from autopar.planner.space import LayerChoice
     from autopar.planner.structured import Setting, _range_sums
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
     from sim_graphs import PROFILE, toy_cluster as _cluster
 
@@ -197,7 +197,7 @@ def test_frozen_parameters_send_no_gradient(zero):
     """DDP all-reduces, and FSDP reduce-scatters, only the gradients that exist: a layer of
     frozen weights (the LoRA model's embedding, "pre") sends none; a block only its adapters'.
     FSDP still gathers the frozen weights (they are sharded like the others)."""
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
     from sim_graphs import PROFILE, toy_cluster as _cluster
 

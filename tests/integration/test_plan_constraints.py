@@ -84,14 +84,14 @@ def test_memory_headroom_is_kept():
     from autopar.core.errors import NoFeasiblePlanError
     from autopar.planner.headroom import DEFAULT_MEMORY_HEADROOM
     from autopar.planner.search import PlanOptions, search
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 256, "heads": 4, "seq": 256,
                                                               "vocab": 1024}, 8)
     base = load_cluster("dgx-a100-1x8")
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in base.groups}
     opts = PlanOptions(global_batch=64, algo="mcmc", time_budget_s=5, mcmc_iterations=300, precision="bf16", allow_offload=False,
-                       zero_families=("ddp",), recompute=("none",), dp=8, micro_batch=8, zero=0)
+                       zero_families=("ddp",), recompute=("none",), degrees={"dp": 8}, micro_batch=8, zero=0)
     need = float(search(graph, base, cms, opts).best.result.max_memory_bytes)
     cap = need / 0.90
     tight = replace(base, groups=tuple(replace(g, gpu_memory_bytes=int(cap)) for g in base.groups))

@@ -16,15 +16,15 @@ from autopar.planner.constraints import constrain
 from autopar.planner.parallel_notes import axis_notes
 from autopar.planner.search import PlanOptions, search
 from autopar.planner.space import mesh_candidates
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.plan_price import price_plan
 
 
 def test_space_admits_cp_on_runnable_meshes_and_ep_dividing_dp_x_cp():
     meshes = mesh_candidates(8, gpus_per_node=8, num_layers=4, global_batch=8, cp_choices=(1, 2, 4), ep_choices=(1, 2))
     cps = [m for m in meshes if m.cp > 1]
-    # the runtime runs cp with dp, pp, tp (+ sp), ZeRO and recompute (cp_support.CP_RUNTIME_EXCLUDES is
-    # empty): 8 = dp x pp x cp x tp with tp a power of two, pp at most the 4 layers, dp dividing the batch
+    # the runtime runs cp with dp, pp, tp (+ sp), ZeRO and recompute (every mesh
+    # of the space): 8 = dp x pp x cp x tp with tp a power of two, pp at most the 4 layers, dp dividing the batch
     assert {(m.dp, m.pp, m.cp, m.tp) for m in cps} == {
         (4, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 4, 2, 1), (1, 2, 2, 2), (1, 1, 2, 4),   # cp 2: dp pp tp = 4
         (2, 1, 4, 1), (1, 2, 4, 1), (1, 1, 4, 2)}                                            # cp 4: dp pp tp = 2
@@ -47,8 +47,8 @@ def tiny():
 @pytest.mark.parametrize("which,knobs,says", [
     (0, dict(ep=2), "has no routed experts"),
     (1, dict(ep=3), "do not split into 3"),
-    (1, dict(ep=4, dp=2), "borrows its ranks from dp x cp = 2"),
-    (0, dict(cp=64), "2 x cp = 128 equal chunks"),
+    (1, dict(ep=4, degrees={"dp": 2}), "borrows its ranks from dp x cp = 2"),
+    (0, dict(degrees={"cp": 64}), "2 x cp = 128 equal chunks"),
 ])
 def test_fixed_cp_ep_refused_with_the_reason(tiny, which, knobs, says):
     cluster = load_cluster("h100-16x8", nodes=8)
@@ -59,13 +59,13 @@ def test_fixed_cp_ep_refused_with_the_reason(tiny, which, knobs, says):
 
 def test_fixed_cp_ep_accepted(tiny):
     cluster = load_cluster("h100-16x8", nodes=1)
-    o = constrain(PlanOptions(global_batch=8, cp=2), tiny[0], cluster)
+    o = constrain(PlanOptions(global_batch=8, degrees={"cp": 2}), tiny[0], cluster)
     from autopar.planner.constraints import candidate_meshes
     assert {m.cp for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {2}
-    o = constrain(PlanOptions(global_batch=8, cp=2, tp=2, recompute=("full",)), tiny[0], cluster)
+    o = constrain(PlanOptions(global_batch=8, degrees={"cp": 2, "tp": 2}, recompute=("full",)), tiny[0], cluster)
     assert {(m.cp, m.tp) for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {(2, 2)}
     # cp x pp: the runtime runs each pipeline stage's forward in cp's attention (runtime/apply_cp.py)
-    o = constrain(PlanOptions(global_batch=8, cp=2, pp=2), tiny[0], cluster)
+    o = constrain(PlanOptions(global_batch=8, degrees={"cp": 2, "pp": 2}), tiny[0], cluster)
     assert {(m.cp, m.pp) for m in candidate_meshes(o, cluster, len(tiny[0].layers), tiny[0])} == {(2, 2)}
     o = constrain(PlanOptions(global_batch=8, ep=4), tiny[1], cluster)
     assert {m.ep for m in candidate_meshes(o, cluster, len(tiny[1].layers), tiny[1])} == {4}
@@ -95,7 +95,7 @@ def test_long_sequence_llama_picks_cp_where_nothing_else_fits():
     cluster = load_cluster("h100-16x8", nodes=1)
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
     g = capture_model_file("examples/llama.py", {"size": "llama2-7b", "seq": 32768}, 1)
-    o = PlanOptions(global_batch=8, time_budget_s=10, tp=1, pp=1, recompute=("none",))
+    o = PlanOptions(global_batch=8, time_budget_s=10, degrees={"tp": 1, "pp": 1}, recompute=("none",))
     r = search(g, cluster, cms, o)
     best = r.best.plan
     assert best.mesh.cp > 1
@@ -125,14 +125,14 @@ def test_moe_with_costly_expert_gathers_picks_ep():
     g = capture_model_file("tests/zoo/hf_mixtral.py", {"layers": 2, "hidden": 4096, "heads": 32, "kv_heads": 8,
                                                        "ffn": 8192, "experts": 64, "top_k": 6, "seq": 4096,
                                                        "vocab": 32000}, 1)
-    o = PlanOptions(global_batch=64, time_budget_s=10, tp=1, pp=1)
+    o = PlanOptions(global_batch=64, time_budget_s=10, degrees={"tp": 1, "pp": 1})
     r = search(g, cluster, cms, o)
     best = r.best.plan
     assert best.mesh.ep > 1
     notes = {n.kind: n.reason for n in axis_notes(g, r, o)}
     assert notes["expert parallel (used)"].startswith(f"ep {best.mesh.ep} chosen")
     # forcing ep 1 costs more (or does not fit)
-    r1 = search(g, cluster, cms, PlanOptions(global_batch=64, time_budget_s=10, tp=1, pp=1, ep=1))
+    r1 = search(g, cluster, cms, PlanOptions(global_batch=64, time_budget_s=10, degrees={"tp": 1, "pp": 1}, ep=1))
     assert r1.best.step_time_s > r.best.step_time_s
 
 

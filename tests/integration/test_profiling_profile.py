@@ -108,7 +108,7 @@ def test_peaks_recomputed_from_rows(quick_profile):
 @pytest.mark.slow                      # the quick profile it reads takes ~15 s to measure
 def test_profile_validates_and_prices_ops_as_measured(quick_profile, tmp_path):
     from autopar.profiles import load_profile
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps(quick_profile))

@@ -55,7 +55,7 @@ def test_two_gloo_ranks_measure_a_wait_into_the_profile(tmp_path):
     timed (non-decreasing, about the lengths asked for) and a non-negative fitted line; the
     profile loads and the cost model prices a 2-rank meeting from its points."""
     from autopar.profiles import load_profile
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     out = tmp_path / "p.json"
     out.write_text((REPO / "profiles" / "local-cpu.json").read_text())

@@ -388,7 +388,7 @@ def test_export_cut_stages_call_the_experts_modules():
     of the stage -- so expert parallelism can replace its forward (runtime/expert_calls.py)."""
     pytest.importorskip("transformers")
     from autopar.core.capture import capture_model_file
-    from autopar.core.experts import routed_experts
+    from autopar.core.experts import expert_sites
     from autopar.core.modelfile import load_model_file
     from autopar.runtime.apply_pp import split_into_stages
     from autopar.runtime.materialize import build_meta_model
@@ -406,7 +406,7 @@ def test_export_cut_stages_call_the_experts_modules():
         want = f"model.layers.{i}.mlp.experts"
         assert [n.target for n in stage.graph.nodes if n.op == "call_module"] == [want]
         assert stage.get_submodule(want) is meta.get_submodule(want)
-        assert [s.path for s in routed_experts(stage)] == [want]
+        assert [s.path for s in expert_sites(stage)] == [want]
         read = {str(n.target) for n in stage.graph.nodes if n.op == "get_attr"}
         assert not any(r.startswith(want + ".") for r in read), read
 
@@ -426,12 +426,12 @@ def test_refusal_exits_2_from_the_cli(tmp_path):
 
 # ------------------------------------------------------------------ recognition (meta)
 def test_recognises_each_form_of_routed_experts():
-    from autopar.core.experts import GROUPED, LIST, STACKED, routed_experts
+    from autopar.core.experts import GROUPED, LIST, STACKED, expert_sites
 
     def sites(name):
         with torch.device("meta"):
             model = plain_loop.load(ZOO / f"{name}.py").build_model()
-        return [(s.path, s.form, s.num_experts, s.router) for s in routed_experts(model)]
+        return [(s.path, s.form, s.num_experts, s.router) for s in expert_sites(model)]
 
     assert sites("moe") == [(f"blocks.{i}.moe.experts", STACKED, 4, f"blocks.{i}.moe.router") for i in range(2)]
     assert sites("moe_aux") == [("moe.experts", STACKED, 4, "moe.router")]
@@ -452,7 +452,7 @@ def test_recognises_transformers_qwen2_moe_and_deepseek_v3_experts():
     pytest.importorskip("transformers")
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from autopar.core.experts import STACKED, routed_experts
+    from autopar.core.experts import STACKED, expert_sites
 
     with torch.device("meta"):
         qwen = Qwen2MoeForCausalLM(Qwen2MoeConfig(
@@ -464,9 +464,9 @@ def test_recognises_transformers_qwen2_moe_and_deepseek_v3_experts():
             first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
-    assert [(s.path, s.form, s.num_experts, s.router) for s in routed_experts(qwen)] == [
+    assert [(s.path, s.form, s.num_experts, s.router) for s in expert_sites(qwen)] == [
         (f"model.layers.{i}.mlp.experts", STACKED, 4, f"model.layers.{i}.mlp.gate") for i in range(2)]
-    assert [(s.path, s.form, s.num_experts, s.router) for s in routed_experts(deepseek)] == [
+    assert [(s.path, s.form, s.num_experts, s.router) for s in expert_sites(deepseek)] == [
         ("model.layers.1.mlp.experts", STACKED, 8, "model.layers.1.mlp.gate")]
 
 

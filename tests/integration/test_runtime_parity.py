@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_support import ROOT, TP_STYLES, assert_matches_reference, make_plan, reference, run_cases
+from runtime_support import (PARAM_ATOL, ROOT, TP_STYLES, assert_matches_reference, make_plan, reference,
+                             run_cases)
 
 # name -> uniform_plan arguments (dp * micro_batch * num_microbatches = 4)
 TWO_RANK_CASES = {
@@ -65,6 +66,15 @@ def linear_lr(t: int, steps: int = 5) -> float:
     """SCHEDULE's learning rate of step t, written out: warm-up, then linear to min_lr over the run."""
     lr, w, floor = 1e-3, SCHEDULE["lr_warmup"], SCHEDULE["min_lr"]
     return lr * (t + 1) / w if t < w else lr - (lr - floor) * (t - w) / (steps - w)
+# gradient compression (the plan's grad_compression) on the DDP hooks and FSDP2's reduce_dtype,
+# each against its own plain reduce (tests/grad_compression_reference.py)
+COMPRESSION_CASES = {
+    "ddp_bf16_wire": dict(dp=2, micro_batch=2, grad_compression="bf16"),
+    "zero2_fp16_wire": dict(dp=2, micro_batch=2, zero=2, grad_compression="fp16"),
+    "ddp_powersgd2": dict(dp=2, micro_batch=2, grad_compression="powersgd:2"),
+}
+
+
 # ZeRO-3 of a model whose every parameter has an odd dim 0 (uneven FSDP2 shards); checked for
 # its model-state bytes only
 MLP = ROOT / "examples" / "mlp.py"
@@ -86,6 +96,9 @@ def two_rank_runs(tmp_path_factory):
                       "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt"),
                       "grad_norms": str(tmp / f"{name}.norms.json")})
     cases[0]["grad_norms"] = str(tmp / "ddp.norms.json")    # without clipping: the norm reduced with the losses
+    for name, kw in COMPRESSION_CASES.items():
+        cases.append({"name": name, "plan": str(make_plan(tmp / f"{name}.json", **kw)),
+                      "measured": str(tmp / f"{name}.measured.json"), "checkpoint_dir": str(tmp / f"{name}.ckpt")})
     cases.append({"name": "zero3_uneven_mlp", "plan": str(_mlp_plan(tmp / "zero3_uneven_mlp.json")),
                   "measured": str(tmp / "zero3_uneven_mlp.measured.json"), "steps": 2})
     run_cases(2, cases, tmp, timeout_s=240)
@@ -292,3 +305,24 @@ def _assert_breakdown_fits_step(m: dict) -> float:
     mean_step_s = sum(profiled) / len(profiled)
     assert m["fwd_s"] + m["bwd_s"] + m["optimizer_s"] <= mean_step_s * 1.05, (m, mean_step_s)
     return mean_step_s
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(COMPRESSION_CASES))
+def test_compressed_reduce_matches_plain_reduce(two_rank_runs, name):
+    """bf16 / fp16 on the wire: the plain loop whose gradients are rounded the same way before
+    the average; PowerSGD (rank 2): Algorithm 1 of Vogels et al. 2019 as torch's hook runs it,
+    step by step (plain averages for 2 steps, then 3 compressed ones with error feedback and warm
+    start) -- both written in tests/grad_compression_reference.py.  Tolerance 1e-5 (LOSS_ATOL,
+    PARAM_ATOL)."""
+    from pathlib import Path
+
+    from grad_compression_reference import compression_reference
+    from runtime_support import GLOBAL_BATCH, GPT, MODEL_ARGS
+
+    case = two_rank_runs[name]
+    ref = compression_reference(GPT, dict(MODEL_ARGS), GLOBAL_BATCH, 5, COMPRESSION_CASES[name]["grad_compression"])
+    # the compressed reduce trains measurably differently from the fp32 one (so parity tells them apart)
+    plain = reference()
+    assert max((ref.params[n] - plain.params[n]).abs().max().item() for n in plain.params) > 100 * PARAM_ATOL
+    assert_matches_reference(Path(case["measured"]), Path(case["checkpoint_dir"]), ref, name)

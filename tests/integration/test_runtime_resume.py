@@ -15,6 +15,9 @@ one plan, saves, and the next plan resumes the same folder:
   then ZeRO-3 on 2;
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
   ``torch.export`` graph): pp2 -> ZeRO-3;
+* the NVMe tier (AdamW's moments in files under ``--nvme-path``, runtime/nvme_tier.py):
+  ZeRO-3 offload nvme -> DDP -> ZeRO-2 offload nvme (the checkpoint holds the moments' values,
+  and a load puts them back into the files);
 * ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
   (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
 
@@ -24,8 +27,14 @@ from the checkpoints' manifests, then its own) and its final parameters (read ba
 last checkpoint by DCP's own converter) must match it within 1e-5.  The checkpoint must hold
 the tied parameter once, under its canonical name (what lets every layout read it).
 
-Two launches: the 4-rank one first (it writes the 4 -> 2 checkpoint), then one 2-rank launch
-for all 2-rank cases, in order (it writes the 2 -> 4 checkpoint, which a second 4-rank launch
+* ``autopar replan`` then resume, 4 -> 2 ranks and 2 -> 4 on the zoo's nanoGPT
+  (``tests/zoo/nanogpt.py``, tied ``lm_head``), 4 -> 2 on Hugging Face's Llama
+  (``tests/zoo/hf_llama.py``; its re-plan is a pipeline cut from ``torch.export``): the first
+  leg runs a hand-made plan, the second the plan ``autopar replan --cluster`` wrote for a
+  cluster of 2 (or 4) devices, resumed from the first leg's checkpoint.
+
+Three launches: the 4-rank one first (it writes the 4 -> 2 checkpoints), then one 2-rank launch
+for all 2-rank cases, in order (it writes the 2 -> 4 checkpoints, which a second 4-rank launch
 resumes).
 """
 from __future__ import annotations
@@ -68,6 +77,8 @@ CHAIN_OPTIONS = {"pp2_zero3_tp2": {"grad_clip": 5.0}}
 CHAINS = {
     "pp2_zero3_tp2": [("pp2", PP2), ("zero3", ZERO3), ("tp2_vocab", TP2_VOCAB)],
     "zero3_ppi_zero1_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("zero1", ZERO1), ("ddp", DDP)],
+    "nvme_ddp_nvme": [("zero3_nvme", dict(ZERO3, offload="nvme")), ("ddp", DDP),
+                      ("zero2_nvme", dict(ZERO3, zero=2, offload="nvme"))],
 }
 # a Hugging Face model with tie_word_embeddings: its pipeline stages are cut from the
 # torch.export graph (each stage holds the tied tensor under one of its names)
@@ -87,6 +98,63 @@ def _has_transformers() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformers") is not None
+
+
+# autopar replan then resume (4 -> 2 and 2 -> 4): first legs by hand, second legs planned by
+# 'autopar replan --cluster' for 2 or 4 local CPU devices (one node of 2, two nodes of 2)
+REPLAN_MODELS = {"nanogpt": ZOO / "nanogpt.py", "hf_llama": ZOO / "hf_llama.py"}
+# the directions each model runs: Llama 4 -> 2 only, for the suite's time (its 2 -> 4 re-plan is a
+# 4-stage pipeline cut from torch.export, the launch's dearest case)
+REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2",)}
+REPLAN_CLUSTER = """\
+name: cpu-nodes
+backend: gloo
+inter_node: {bandwidth_GBps: 1.4, latency_us: 750}
+groups:
+  - name: cpu
+    gpu: local-cpu
+    nodes: NODES
+    gpus_per_node: 2
+    host_memory_GB: 8
+"""
+FOUR_ZERO3 = dict(dp=4, micro_batch=1, zero=3)
+
+
+def _replanned(plan: Path, nodes: int, out: Path) -> Path:
+    """``autopar replan PLAN --cluster`` (a cluster of ``nodes`` nodes of 2 CPU devices)."""
+    from cli_inprocess import run_cli
+
+    cluster = out.with_suffix(".cluster.yaml")
+    cluster.write_text(REPLAN_CLUSTER.replace("NODES", str(nodes)))
+    got = run_cli("replan", plan, "--cluster", cluster, "--time-budget", 1, "-o", out)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr
+    assert "global batch: 4 samples per step, kept" in got.stdout, got.stdout
+    return out
+
+
+def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """(4-rank first legs, 2-rank cases, 4-rank second legs, runs by name) of the replan chains."""
+    first4, two, second4, runs = [], [], [], {}
+    for name, model in REPLAN_MODELS.items():
+        if name.startswith("hf_") and not _has_transformers():
+            continue
+        if "4to2" in REPLAN_DIRECTIONS[name]:
+            down = _case(tmp, f"{name}.four", FOUR_ZERO3, tmp / f"{name}_4to2.ckpt", LEG, model=model)
+            down_b = dict(down, name=f"{name}.four_to_two", steps=2 * LEG,
+                          measured=str(tmp / f"{name}.42.measured.json"),
+                          plan=str(_replanned(Path(down["plan"]), 1, tmp / f"{name}.replan2.json")))
+            first4.append(down)
+            two.append(down_b)
+            runs[f"replan_{name}_4to2"] = {"cases": [down, down_b], "steps": 2 * LEG, "model": model,
+                                           "replanned": True}
+        if "2to4" in REPLAN_DIRECTIONS[name]:
+            up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
+            up_b = dict(up, name=f"{name}.two_to_four", steps=2 * LEG, measured=str(tmp / f"{name}.24.measured.json"),
+                        plan=str(_replanned(Path(up["plan"]), 2, tmp / f"{name}.replan4.json")))
+            two.append(up)
+            second4.append(up_b)
+            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": 2 * LEG, "model": model, "replanned": True}
+    return first4, two, second4, runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,12 +204,15 @@ def runs(tmp_path_factory):
     out: dict[str, dict] = {}
     # 4 ranks first: dp2 x pp2 writes the checkpoint that 2 ranks resume
     four = _case(tmp, "four_dp2pp2", DP2_PP2, tmp / "four_to_two.ckpt", LEG)
-    _launch(4, [four], tmp, "four")
+    replan_first4, replan_two, replan_second4, replan_runs = _replan_cases(tmp)
+    out.update(replan_runs)
+    _launch(4, [four, *replan_first4], tmp, "four")
     cases = []
     for chain, legs in CHAINS.items():
         for i, (kind, kw) in enumerate(legs):
+            nvme = {"nvme_path": str(tmp)} if kw.get("offload") == "nvme" else None
             cases.append(_case(tmp, f"{chain}.{i}.{kind}", kw, tmp / f"{chain}.ckpt", LEG * (i + 1),
-                               options=CHAIN_OPTIONS.get(chain)))
+                               options=CHAIN_OPTIONS.get(chain) or nvme))
         out[chain] = {"cases": cases[-len(legs):], "steps": LEG * len(legs)}
     if _has_transformers():
         for i, (kind, kw) in enumerate(HF_CHAIN):
@@ -154,9 +225,9 @@ def runs(tmp_path_factory):
     cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
     cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
-    _launch(2, cases, tmp, "two")
+    _launch(2, cases + replan_two, tmp, "two")
     back = _case(tmp, "two_to_four.dp2pp2", DP2_PP2, tmp / "two_to_four.ckpt", 2 * LEG)
-    _launch(4, [back], tmp, "four_again")
+    _launch(4, [back, *replan_second4], tmp, "four_again")
     out["two_to_four"] = {"cases": [cases[-1], back], "steps": 2 * LEG}
     return out
 
@@ -185,7 +256,8 @@ def _saved_keys(checkpoint_dir: Path) -> set[str]:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("chain", [*CHAINS, "four_to_two", "two_to_four", "hf_qwen2_pp2_zero3",
-                                   "hf_gpt2_tp2_zero3_pp2_tp2"])
+                                   "hf_gpt2_tp2_zero3_pp2_tp2",
+                                   *(f"replan_{m}_{d}" for m, ds in REPLAN_DIRECTIONS.items() for d in ds)])
 def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
     if chain not in runs:
         pytest.skip("transformers is not installed")
@@ -197,6 +269,12 @@ def test_resume_under_another_layout_matches_an_uninterrupted_run(runs, chain):
         m = json.loads(Path(case["measured"]).read_text())
         assert m["first_step"] == got["cases"][i - 1]["steps"], (case["name"], m["first_step"])
     keys, aliases = _saved_keys(ckpt), tie_aliases(ref.model)
+    if got.get("replanned"):                   # autopar replan's plan, on the other rank count, resumed
+        m = json.loads(Path(last["measured"]).read_text())
+        assert m["world_size"] == {4: 2, 2: 4}[json.loads(Path(got["cases"][0]["measured"]).read_text())
+                                               ["world_size"]], (chain, m["world_size"])
+        assert_matches_reference(Path(last["measured"]), ckpt, ref, chain, steps=got["steps"], aliases=aliases)
+        return
     tied = {name for name, first in aliases.items() if name != first}
     assert tied, "the model has no tie"
     for name in tied:           # the tie is saved once, under its first name, weights and optimizer state
@@ -239,11 +317,11 @@ def _stage_parts(model):
 
 
 def test_state_names_key_a_tie_once_under_its_canonical_name():
-    from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical
+    from autopar.runtime.state_names import MODEL, OPTIM, StateNames, canonical_states
 
     ties = [("embed.weight", "head.weight")]
     whole = StateNames.build(ties, [], [0])
-    merged, keys = canonical(whole, MODEL, [{"embed.weight": 1, "head.weight": 1, "norm.bias": 2}], for_save=True)
+    merged, keys = canonical_states(whole, MODEL, [{"embed.weight": 1, "head.weight": 1, "norm.bias": 2}], for_save=True)
     assert merged == {"embed.weight": 1, "norm.bias": 2} and keys[0]["head.weight"] == "embed.weight"
     assert whole.canonical_key(OPTIM, "state.head.weight.exp_avg") == ("state.embed.weight.exp_avg", "embed.weight")
     assert whole.canonical_key(OPTIM, "param_groups.head.weight.lr") == ("param_groups.embed.weight.lr",
@@ -251,8 +329,8 @@ def test_state_names_key_a_tie_once_under_its_canonical_name():
     # pipeline: the last stage's copy is saved by the first stage only, and loaded by both
     staged = StateNames.build(ties, [(ties[0], [0, 3])], [3])
     states = [{"head.weight": "copy", "norm.weight": 5}]
-    assert canonical(staged, MODEL, states, for_save=True)[0] == {"norm.weight": 5}
-    assert canonical(staged, MODEL, states, for_save=False)[0] == {"embed.weight": "copy", "norm.weight": 5}
+    assert canonical_states(staged, MODEL, states, for_save=True)[0] == {"norm.weight": 5}
+    assert canonical_states(staged, MODEL, states, for_save=False)[0] == {"embed.weight": "copy", "norm.weight": 5}
 
 
 def test_whole_model_checkpoint_loads_into_stages_holding_tied_copies(one_rank, tmp_path):

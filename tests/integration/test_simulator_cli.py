@@ -36,7 +36,8 @@ def test_simulate_json_and_plan_file(capsys, tmp_path):
     from autopar.simulator.configure import config_plan
 
     g = capture_model_file(GPT, parse_model_args(MODEL[1::2]), 2)
-    plan = config_plan(g, dp=2, tp=2, pp=2, micro_batch=2, global_batch=16, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 2, "pp": 2},
+                       micro_batch=2, global_batch=16, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="selective", offload="none", precision="bf16", sequence_parallel=False)
     save_plan(plan, tmp_path / "plan.json")
     again = _run(capsys, ["simulate", str(tmp_path / "plan.json"), "--cluster", "dgx-a100-1x8", "--json"])

@@ -408,7 +408,7 @@ def test_hf_gpt2_tp_parameters_predicted_as_held(tmp_path):
     against the measured bytes): c_attn's replicated bias included."""
     pytest.importorskip("transformers")
     from autopar.core.plan import load_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
     from sim_graphs import PROFILE, toy_cluster as _cluster
 

@@ -88,13 +88,13 @@ def test_every_tp_plan_of_the_search_splits_a_layer(tmp_path, search_kw):
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.planner.search import PlanOptions, search
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file(ROOT / "tests" / "zoo" / "hf_llama.py", {}, 8)
     cluster = load_cluster(str(_two_device_cluster(tmp_path)))
     cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    result = search(graph, cluster, cms, PlanOptions(global_batch=8, precision="fp32", tp=2, time_budget_s=4,
-                                                     mcmc_iterations=300, **search_kw))
+    result = search(graph, cluster, cms, PlanOptions(global_batch=8, precision="fp32", degrees={"tp": 2},
+                                                     time_budget_s=4, mcmc_iterations=300, **search_kw))
     plans = [result.best.plan] + [ev.plan for ev in result.runner_ups]
     for plan in plans:
         assert plan.mesh.tp == 2
@@ -138,8 +138,8 @@ def test_forced_tp_without_the_runtime_check_refused_by_the_head_count():
     graph = capture_model_file(ROOT / "examples" / "llama.py", {}, 2)
     cluster = load_cluster("local-cpu")
     with pytest.raises(UserError, match=r"--tp 4: .*layers\.0\.attn\.wk has 2 heads .*not divisible by tp=4"):
-        constrain(PlanOptions(global_batch=8, tp=4), graph, cluster)
-    assert constrain(PlanOptions(global_batch=8, tp=2), graph, cluster).tp == 2
+        constrain(PlanOptions(global_batch=8, degrees={"tp": 4}), graph, cluster)
+    assert constrain(PlanOptions(global_batch=8, degrees={"tp": 2}), graph, cluster).degrees == {"tp": 2}
 
 
 def test_search_without_the_runtime_check_offers_no_degree_a_head_count_refuses():

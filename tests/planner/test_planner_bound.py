@@ -11,7 +11,7 @@ from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
 from autopar.core.errors import InfeasibleError
 from autopar.planner.search import PlanOptions, Planner
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 
 GPT = "examples/gpt.py"
 # (cluster, its profile) over the GPU profiles and the CPU one (whose tables add no sharded terms)

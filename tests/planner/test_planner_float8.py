@@ -36,7 +36,7 @@ def _plan(capsys, tmp_path, model, cluster, *extra, rc_want=0):
 
 def _cluster_and_models(cluster_arg: str, nodes: int | None = None):
     from autopar.core.cluster import load_cluster
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     cluster = load_cluster(cluster_arg, nodes=nodes)
     return cluster, {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}

@@ -15,7 +15,7 @@ from autopar.core.sharding import megatron_styles
 from autopar.planner.candidate import Candidate
 from autopar.planner.search import PlanOptions, Planner, search
 from autopar.planner.space import LayerChoice, mesh_candidates, microbatch_candidates
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 
 GPT = "examples/gpt.py"
@@ -201,12 +201,12 @@ def test_heterogeneous_cluster_priced_by_the_slowest_device_of_each_stage(tiny_g
                            offload="none", precision="bf16", sequence_parallel=False, cluster_name=cluster.name, **kw)
         return PlanEvaluator(tiny_gpt, cluster, cms).evaluate(plan).step_time_s
 
-    dp = dict(dp=4, tp=1, pp=1, global_batch=8)
+    dp = dict(degrees={"dp": 4}, global_batch=8)
     t_mixed, t_a100, t_h100 = step(mixed, **dp), step(all_a100, **dp), step(all_h100, **dp)
     assert t_mixed == pytest.approx(t_a100, rel=1e-9)
     assert t_h100 < t_a100
     # ranks = arange(4).view(dp=1, pp=2, tp=2): pipeline rank 0 on the A100 node, 1 on the H100 node
-    pp = dict(dp=1, tp=2, pp=2, global_batch=8)
+    pp = dict(degrees={"tp": 2, "pp": 2}, global_batch=8)
     p_mixed, p_a100, p_h100 = step(mixed, **pp), step(all_a100, **pp), step(all_h100, **pp)
     assert p_h100 < p_mixed < p_a100
 

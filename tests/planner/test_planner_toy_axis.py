@@ -3,10 +3,11 @@ mesh move, its settings, folded layer tables and screening bound.
 
 The toy axis ``xp`` splits the batch.  It is declared in a ``ParallelDims`` subclass (an ``Axis``
 entry and an int field: core/parallel_dims.py) and its degree rule ("1 or 2") is registered by
-name (planner/axis_rules.register); nothing in the planner is edited.  The independent
+name (planner/axis_rules.register_rule); nothing in the planner is edited.  The independent
 references are built by hand here: the factorisations of the world over (dp, xp, tp, pp) that
 the written-out rules admit, the neighbours of a mesh (one axis doubled, another halved), and
-the plain mesh's tables and bound (xp replicas each do the work of one).
+and, where xp joins the gradient group (``SyncedDims``), the ring all-reduce of its gradient sync
+in closed form.
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class ToyDims(ParallelDims):
     xp: int = 1
 
 
+@dataclass(frozen=True)
+class SyncedDims(ToyDims):
+    """The toy axis with a cost: it splits the batch and its ranks average their gradients
+    with the dp and cp ranks' (it joins the "batch" and "grad" groups)."""
+    GROUPS: ClassVar = {"batch": ("dp", "xp"), "grad": ("dp", "xp", "cp"), "world": tuple(a.name for a in ToyDims.axes)}
+
+
 def toy_rule(left: int, limits: axis_rules.MeshLimits) -> tuple[int, ...]:
     return (1, 2)
 
@@ -44,7 +52,7 @@ def _meshes(mesh_class=Mesh):
 
 
 def test_the_space_enumerates_the_toy_axis():
-    with axis_rules.registered("xp", toy_rule):
+    with axis_rules.registered_rule("xp", toy_rule):
         toy = _meshes(ToyDims)
         plain = _meshes()
     # by hand: tp a power of two dividing the node's 8 GPUs, pp at most L, xp 1 or 2, and the
@@ -59,12 +67,12 @@ def test_the_space_enumerates_the_toy_axis():
     # a registered rule of an axis the mesh class does not declare changes nothing
     assert plain == _meshes()
     # without its rule the toy axis is refused, saying where to register one
-    with pytest.raises(ValueError, match="axis_rules.register"):
+    with pytest.raises(ValueError, match="axis_rules.register_rule"):
         _meshes(ToyDims)
 
 
 def test_the_mesh_move_reaches_the_toy_axis():
-    with axis_rules.registered("xp", toy_rule):
+    with axis_rules.registered_rule("xp", toy_rule):
         meshes = tuple(_meshes(ToyDims))
     space = MoveSpace(meshes=meshes, can_split=(True,) * L, num_layers=L, global_batch=GB)
     cur = ToyDims(dp=16)
@@ -94,37 +102,87 @@ def test_the_mesh_move_reaches_the_toy_axis():
     assert seen == {1, 2}
 
 
-def test_the_planner_prices_the_toy_axis_as_replicas():
-    """The whole search handed the toy mesh class (``PlanOptions.mesh_class``) screens settings with
-    xp = 2, and its folded layer tables and screening bound on dp 2 x xp 2 x tp 2 are those of the
-    plain dp 2 x tp 2 mesh with half the global batch: xp adds replicas that each do the same work
-    and no cost term reads it (the reference the simulator's toy-axis test uses,
-    tests/simulator/test_simulator_terms.py)."""
+def test_the_toy_axis_gradient_sync_is_priced_in_closed_form():
+    """xp joins the gradient group (``GROUPS["grad"]``), so its ranks all-reduce their gradients
+    with the dp ranks'.  On dp 4 x xp 2 (8 ranks of one 8-GPU A100 node, ZeRO-0: DDP), the
+    gradient sync is a ring all-reduce over n = 8 ranks of the model's gradients, G bytes
+    (G: the parameters of the torch model, counted here, in fp32): each call costs
+    2 (n - 1) alpha + 2 (n - 1) / n M beta (Patarasuk & Yuan 2009; alpha, beta: the node link's
+    latency and 1 / (bandwidth x the profile's intra-node efficiency) from the cluster file and
+    the profile), so the k calls of DDP's buckets cost 2 (n - 1) k alpha + 2 (n - 1) / n G beta
+    in all, and every rank sends 2 (n - 1) / n G bytes.  Checked in the step's price (the
+    layer table the step is composed from), the plan's prediction (its ``comm_bytes``) and the
+    trace (its all-reduce events).  The planner's tables on the toy mesh equal those of the
+    plain dp 8 mesh of the same global batch: xp syncs as dp does.
+
+    The files the axis needed: the ParallelDims declaration (an ``Axis`` entry, a field and the
+    groups it joins: core/parallel_dims.py for a real axis) and its degree rule
+    (``axis_rules.register_rule``): 2, and no package module names ``xp``."""
+    import importlib.util
+    import pathlib
+
+    import torch
+
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.planner.search import PlanOptions, Planner
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
+    from autopar.simulator.step.trace import draw_step
 
-    graph = capture_model_file("examples/gpt.py", {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024},
-                               2)
+    args = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}
+    graph = capture_model_file("examples/gpt.py", args, 2)
     cluster = load_cluster("dgx-a100-1x8")
-    cms = {g.gpu: CostModel.from_profile(g.gpu) for g in cluster.groups}
-    with axis_rules.registered("xp", toy_rule):
-        toy = Planner(graph, cluster, cms, PlanOptions(global_batch=64, mesh_class=ToyDims))
+    cm = CostModel.from_profile("a100-80gb-sxm")
+    cms = {g.gpu: cm for g in cluster.groups}
+    with axis_rules.registered_rule("xp", toy_rule):
+        toy = Planner(graph, cluster, cms, PlanOptions(global_batch=64, precision="fp32", mesh_class=SyncedDims))
         settings = toy.settings()
-    plain = Planner(graph, cluster, cms, PlanOptions(global_batch=32))
-    assert {s.mesh.xp for s in settings} == {1, 2} and all(type(s.mesh) is ToyDims for s in settings)
-    assert any(m.xp == 2 for m in toy.moves.meshes)
-    # each setting splits the global batch over dp x xp replicas
-    assert all(s.mesh.dp * s.mesh.xp * s.micro_batch * s.num_microbatches == 64 for s in settings)
-    # the same setting on the plain mesh (4 of the 8 ranks: the evaluator prices a mesh smaller
-    # than the cluster, as the simulator's toy-axis test does)
-    pairs = [(s, replace(s, mesh=Mesh(dp=2, tp=2, sequence_parallel=s.mesh.sequence_parallel)))
-             for s in settings if (s.mesh.dp, s.mesh.xp, s.mesh.tp, s.mesh.pp) == (2, 2, 2, 1)]
-    assert {s.zero_family for s, _ in pairs} == {"ddp", "zero1", "fsdp"}
-    for s, p in pairs:
-        assert toy.bound(s) == plain.bound(p), s
-        (t,), _ = toy.tables(s)
-        (u,), _ = plain.tables(p)
-        assert t.valid.any() and np.array_equal(t.valid, u.valid), s
-        assert np.array_equal(t.time_mb_s[t.valid], u.time_mb_s[u.valid]), s
+        assert any(s.mesh.xp == 2 for s in settings) and all(type(s.mesh) is SyncedDims for s in settings)
+        mesh = SyncedDims(dp=4, xp=2)
+        assert mesh.grad_degree == 8 and mesh.batch_degree == 8
+        c = Candidate(mesh, 2, 4, "1f1b", equal_bounds(len(graph.layers), 1),
+                      tuple(LayerChoice() for _ in graph.layers))
+        priced = toy.price(c)
+    assert priced is not None and priced.plan.mesh == mesh and priced.plan.global_batch == 64
+
+    # the closed form
+    spec = importlib.util.spec_from_file_location("toy_axis_gpt", "examples/gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    with torch.device("meta"):
+        model = gpt.build_model(**args)
+    grad_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n = 8
+    link = cluster.groups[0].intra_node
+    alpha, beta = link.latency_s, 1.0 / (link.bandwidth_Bps * cm.collective_efficiency["intra"])
+
+    # the step's price: the layer table the step is composed from
+    ctx, rows = toy.evaluator.prepare(priced.plan)
+    assert rows.dp_grad_bytes.sum() == pytest.approx(grad_bytes, rel=1e-12)
+    calls = int((rows.dp_allreduce_s > 0).sum())
+    want = 2 * (n - 1) * calls * alpha + 2 * (n - 1) / n * grad_bytes * beta
+    assert calls >= 1 and rows.dp_allreduce_s.sum() == pytest.approx(want, rel=1e-9)
+    # the plan's prediction (the block search._finish writes into plan.json's "predicted"): every
+    # rank sends 2 (n - 1) / n G bytes per step
+    predicted = priced.result.predicted_dict()["comm_bytes"]
+    assert predicted["intra"] == pytest.approx(n * 2 * (n - 1) / n * grad_bytes, rel=1e-12) and predicted["inter"] == 0
+    # the trace: one all-reduce event per call, on the data-parallel stream, summing to the closed form
+    events = [e for e in draw_step(ctx, rows, [0]).events if e["name"].startswith("all_reduce")]
+    assert len(events) == calls and {e["stream"] for e in events} == {"dp"}
+    assert sum(e["dur_s"] for e in events) == pytest.approx(want, rel=1e-9)
+
+    # xp syncs as dp: the toy mesh's tables are the plain dp 8 mesh's
+    plain = Planner(graph, cluster, cms, PlanOptions(global_batch=64, precision="fp32"))
+    s = next(s for s in settings if s.mesh == mesh)
+    p = replace(s, mesh=Mesh(dp=8))
+    assert toy.bound(s) == plain.bound(p)
+    (t,), _ = toy.tables(s)
+    (u,), _ = plain.tables(p)
+    assert t.valid.any() and np.array_equal(t.valid, u.valid)
+    assert np.array_equal(t.time_mb_s[t.valid], u.time_mb_s[u.valid])
+
+    # no package module names the toy axis
+    root = pathlib.Path(__file__).resolve().parents[2]
+    named = [f for d in ("core", "planner", "simulator", "runtime") for f in (root / d).rglob("*.py")
+             if '"xp"' in f.read_text() or ".xp" in f.read_text()]
+    assert named == []

@@ -78,7 +78,7 @@ def test_a_plan_that_splits_every_layer_says_nothing(tmp_path):
     from autopar.core.plan import ModelRef, uniform_plan
     from autopar.core.sharding import megatron_styles
     from autopar.planner.whole_layers import lines, whole_layers
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
 
     graph = capture_model_file(MISTRAL, {}, 4)
     cluster = load_cluster(str(_two_device_cluster(tmp_path)))

@@ -44,7 +44,8 @@ def pair(ctx, tmp_path, monkeypatch):
     from autopar.simulator.configure import config_plan
 
     monkeypatch.setattr(resimulate, "load_context", lambda plan, path, **kw: ctx)
-    plan = config_plan(ctx.graph, dp=2, tp=1, pp=1, micro_batch=2, global_batch=None, schedule="1f1b",
+    plan = config_plan(ctx.graph, degrees={"dp": 2, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=None, schedule="1f1b",
                        virtual_stages=1, zero=0, recompute="none", offload="none", precision="fp32",
                        sequence_parallel=False, cluster_name="test-2cpu")
     plan = plan.with_predicted({"step_time_s": 0.010, "samples_per_s": 400.0, "max_memory_bytes": 4 * 2**20})
@@ -260,7 +261,8 @@ def test_cluster_is_found_from_the_plan_or_the_flag(ctx, tmp_path):
     from autopar.core.plan_cluster import load_plan_cluster
     from autopar.simulator.configure import config_plan
 
-    plan = config_plan(ctx.graph, dp=2, tp=1, pp=1, micro_batch=2, global_batch=None, schedule="1f1b",
+    plan = config_plan(ctx.graph, degrees={"dp": 2, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=None, schedule="1f1b",
                        virtual_stages=1, zero=0, recompute="none", offload="none", precision="fp32",
                        sequence_parallel=False, cluster_name="local-cpu")
     assert load_plan_cluster(plan, tmp_path / "plan.json", None).name == "local-cpu"

@@ -13,7 +13,7 @@ import pytest
 from autopar.core.cluster import Link
 from autopar.report.calibrate import Observation, calibrate, scale_profile
 from autopar.report.calibration_fit import fit_scales
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 
 INTRA = Link(bandwidth_GBps=10.0, latency_us=20.0)
 

@@ -6,7 +6,7 @@
   ``autopar run`` sometimes printed: the agent logs "Received ... death signal" and "Sending
   process ... closing signal" as it stops, and a second signal landing in those lines hit it).
   The real race is a matter of microseconds; here the stream the handler writes to sends the
-  signal itself, so it lands inside ``emit`` every time.  With ``launch.install()`` the signal
+  signal itself, so it lands inside ``emit`` every time.  With ``launch.patch_torchelastic()`` the signal
   waits for the call to return and is raised there, and a further one is not raised again.
 * After a worker failed, the agent closes the others with ``PContext.close()`` and no timeout
   (torch's 30 s); launch makes that default ``FAILED_RUN_GRACE_S``, and an explicit timeout (the
@@ -43,7 +43,7 @@ class SignallingStream(io.StringIO):
 
 @pytest.fixture
 def agent(monkeypatch):
-    """torch's classes and handlers as they were, restored after the test (install() patches them)."""
+    """torch's classes and handlers as they were, restored after the test (patch_torchelastic() patches them)."""
     from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
@@ -79,7 +79,7 @@ def test_torchs_handler_inside_a_logging_call_prints_a_logging_error(agent, capf
 def test_the_signal_waits_for_the_logging_call_and_is_raised_once(agent, capfd):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    launch.install()
+    launch.patch_torchelastic()
     signal.signal(signal.SIGINT, agent._terminate_process_handler)   # what PContext.start installs
     assert agent._terminate_process_handler is launch.stop_handler
     stream = SignallingStream()
@@ -94,7 +94,7 @@ def test_the_signal_waits_for_the_logging_call_and_is_raised_once(agent, capfd):
 
 
 def test_after_a_failure_the_others_get_the_short_grace(agent):
-    launch.install()
+    launch.patch_torchelastic()
     calls = []
     fake = types.SimpleNamespace(_close=lambda death_sig, timeout: calls.append((death_sig, timeout)),
                                  _tail_logs=[], filtered_stdout=None, filtered_stderr=None)
@@ -106,7 +106,7 @@ def test_after_a_failure_the_others_get_the_short_grace(agent):
 
 
 def test_torchruns_stop_lines_are_dropped(agent):
-    launch.install()
+    launch.patch_torchelastic()
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     agent.logger.addHandler(handler)

@@ -69,7 +69,7 @@ def test_layer_units_leave_out_parent_modules():
     pytest.importorskip("transformers")
     from autopar.core.capture import capture_model_file
     from autopar.core.plan import LayerPlan
-    from autopar.runtime.parallelize import layer_units
+    from autopar.runtime.parallelize import layer_module_paths
     from autopar.runtime.plan_check import LayerSpec
 
     g = capture_model_file(str(ZOO / "hf_llama.py"), {}, 1)
@@ -78,6 +78,6 @@ def test_layer_units_leave_out_parent_modules():
     # older capture listing the HF base model "model" with the embeddings) must still build
     paths = [tuple(l.module_paths) + (("model",) if i == 0 else ()) for i, l in enumerate(g.layers)]
     held = [LayerSpec(i, l.name, paths[i], LayerPlan(layer=i)) for i, l in enumerate(g.layers)]
-    units = layer_units(model, held)
+    units = layer_module_paths(model, held)
     assert "model" in held[0].module_paths and "model" not in units[0]
     assert units[1] == ["model.layers.0"] and "lm_head" in units[-1]

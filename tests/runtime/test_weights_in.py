@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.runtime.weights_in import Match, WeightsError, WeightsFile, WeightsSource, check, local_block
+from autopar.runtime.weights_in import Match, WeightsError, WeightsFile, WeightsSource, check_weights, local_block
 
 # (placements on a (dp 2, tp 2) mesh, rows): uneven ZeRO-3 rows, FSDP2 over TP on one dim, a
 # fused projection split per part (alone, and with FSDP2 on its other dim), 2-D splits
@@ -59,7 +59,7 @@ class Tied(nn.Module):
 def test_check_resolves_ties_keeps_missing_buffers_and_casts_floats(tmp_path):
     model = Tied()
     save_file({"embed.weight": torch.randn(8, 4).to(torch.bfloat16)}, tmp_path / "a.safetensors")
-    match = check(WeightsFile.open(tmp_path / "a.safetensors"), model)
+    match = check_weights(WeightsFile.open(tmp_path / "a.safetensors"), model)
     assert match.key_of == {"embed.weight": "embed.weight", "head.weight": "embed.weight"}
     assert "bfloat16 values cast to the model's float32" in match.notes[0]
 
@@ -73,14 +73,14 @@ def test_check_resolves_ties_keeps_missing_buffers_and_casts_floats(tmp_path):
 def test_check_refuses_what_does_not_fit(tmp_path, state, fragment):
     save_file(state, tmp_path / "b.safetensors")
     with pytest.raises(WeightsError) as e:
-        check(WeightsFile.open(tmp_path / "b.safetensors"), Tied())
+        check_weights(WeightsFile.open(tmp_path / "b.safetensors"), Tied())
     assert fragment in str(e.value)
 
 
 def test_torch_state_dict_and_folders(tmp_path):
     model = Tied()
     torch.save(model.state_dict(), tmp_path / "sd.pt")
-    assert set(check(WeightsFile.open(tmp_path / "sd.pt"), model).key_of) == {"embed.weight", "head.weight",
+    assert set(check_weights(WeightsFile.open(tmp_path / "sd.pt"), model).key_of) == {"embed.weight", "head.weight",
                                                                                "scale", "steps"}
     (tmp_path / "empty").mkdir()
     with pytest.raises(WeightsError, match="holds neither"):

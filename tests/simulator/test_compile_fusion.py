@@ -20,7 +20,7 @@ import pytest
 
 from autopar.core.graph import Layer, OpGraph, OpNode
 from autopar.core.plan import Mesh
-from autopar.simulator.compile_fusion import compile_saving, fused_regions, graph_consumers
+from autopar.simulator.axes.compile_fusion import compile_saving, fused_regions, graph_consumers
 
 E = 64          # bytes of one [4, 8] bf16 tensor
 
@@ -93,7 +93,7 @@ def _big(op, n):
 def _layer_costs(ops):
     from autopar.core.cluster import Cluster, Link, NodeGroup
     from autopar.core.plan import LayerPlan, Mesh
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
     prof = dict(name="t", memory_bandwidth_Bps=1e12, peak_flops={"fp32": 1e13, "bf16": 1e14},
@@ -136,9 +136,9 @@ def test_layer_cost_bandwidth_bound_saves_the_fused_away_traffic():
     cm, eager, compiled = _layer_costs(ops)
     node = cm.overhead("autograd_fwd_op_s")
     bw = 1e12 * 0.5
-    from autopar.simulator import autocast
+    from autopar.simulator.device import autocast
 
-    from autopar.simulator.cost_model import op_variant
+    from autopar.simulator.device.cost_model import op_variant
 
     fp32 = autocast.bytes_factor("elementwise", op_variant("elementwise", "elementwise"), autocast.autocast_mode(0, Mesh(dp=1, pp=1, tp=1), "bf16",
                                                                              cm.code.autocast))

@@ -11,10 +11,10 @@ from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.sharding import propagate
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator.ep_cost import all_to_all_s, ep_refusal, routed_experts
-from autopar.simulator.layer_cost import compute_layer_cost
-from autopar.simulator.topology import mesh_links
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes.ep import all_to_all_s, ep_refusal, routed_experts
+from autopar.simulator.step.layer_cost import compute_layer_cost
+from autopar.simulator.device.topology import mesh_links
 
 # examples/llama.py: 2 blocks, hidden 64, 4 heads (K/V repeated to 4 heads before SDPA), head dim 16
 LLAMA = {"size": "llama-tiny", "seq": 64}
@@ -81,7 +81,7 @@ def test_cp_exchange_compute_and_activations_by_hand(llama, h100):
 
 def test_cp_shards_state_over_dp_x_cp(llama, h100):
     cluster, cm = h100
-    # FSDP over dp x cp (runtime/apply_cp.gradient_mesh): dp 1 x cp 4 shards as dp 4 does
+    # FSDP over dp x cp (ParallelDims.GROUPS["grad"], the runtime's get_mesh("grad")): dp 1 x cp 4 shards as dp 4 does
     a = _cost(llama, Mesh(dp=1, cp=4), cluster, cm, zero=3)
     b = _cost(llama, Mesh(dp=4), cluster, cm, zero=3)
     assert a.param_bytes == pytest.approx(b.param_bytes)
@@ -92,7 +92,7 @@ def test_cp_shards_state_over_dp_x_cp(llama, h100):
 def test_cp_attention_runs_the_full_square_under_the_explicit_mask(llama, h100):
     """The runtime hands SDPA an explicit head-tail mask: a kernel computes every pair of the
     S/cp x S block, so a cp rank's attention is not the causal half of it."""
-    from autopar.simulator.cp_cost import cp_attention_op
+    from autopar.simulator.axes.cp import cp_attention_op
 
     att = next(o for o in llama.ops if o.kind == "attention")
     assert att.causal and not cp_attention_op(att).causal
@@ -230,7 +230,7 @@ def test_ep_all_to_all_across_nodes_by_hand(h100):
 def test_ep_capacity_factor_on_the_expert_gemms(mixtral, h100):
     """With ep > 1 the busiest rank's expert GEMMs run CAPACITY_FACTOR x the mean rows; with ep 1
     the rank computes every expert on its own tokens, no imbalance."""
-    from autopar.simulator import ep_cost
+    from autopar.simulator.axes import ep as ep_cost
 
     cluster, cm = h100
     i = _block(mixtral)
@@ -301,7 +301,7 @@ def test_cp_exchange_of_tensor_parallel_heads(llama, h100):
     """Under tensor parallelism a rank holds heads / tp of K and V: its cp all-gather moves 1/tp
     of the bytes (the attention op's head split, core/sharding.propagate)."""
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator import cp_cost
+    from autopar.simulator.axes import cp as cp_cost
 
     cluster, cm = h100
     i = _block(llama)
@@ -350,7 +350,7 @@ def test_cp_gather_reruns_in_recompute(llama, h100, monkeypatch):
     collective time is the forward gather's, and the bytes it sends count again."""
     import dataclasses
 
-    from autopar.simulator import cp_cost
+    from autopar.simulator.axes import cp as cp_cost
 
     cluster, cm = h100
     i = _block(llama)
@@ -383,7 +383,7 @@ def test_sequence_parallel_beside_the_router_by_hand(mixtral, h100):
     the experts all-gather their token rows and routing weights forward and reduce-scatter their
     output (runtime/expert_tp.ExpertShard), no all-reduce."""
     from autopar.core.sharding import megatron_styles
-    from autopar.simulator.layer_cost import _tensor_parallel
+    from autopar.simulator.axes.tp import tensor_parallel as _tensor_parallel
 
     cluster, cm = h100
     i = _block(mixtral)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar.simulator.cpu_meeting_waits import tail_exponent, wait_after
+from autopar.simulator.device.cpu_meeting_waits import tail_exponent, wait_after
 
 GAPS = np.array([1e-3, 1e-2, 1e-1])
 

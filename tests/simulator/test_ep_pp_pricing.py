@@ -10,9 +10,9 @@ from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.sharding import propagate
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator.layer_cost import compute_layer_cost
-from autopar.simulator.topology import mesh_links
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.step.layer_cost import compute_layer_cost
+from autopar.simulator.device.topology import mesh_links
 
 # tests/zoo/hf_mixtral.py: hidden 32, ffn 64, 4 experts, top 2, seq 8
 HIDDEN, FFN, EXPERTS, TOP_K, SEQ = 32, 64, 4, 2, 8

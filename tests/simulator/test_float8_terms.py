@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator.float8 import float8_linear_cost
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes.float8 import float8_linear_cost
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=1e12, peak_flops={"fp32": 1e13, "bf16": 1e14},
                efficiency={"linear": 0.5, "memory_bound": 0.5}, collective_efficiency={"intra": 1.0, "inter": 1.0})
@@ -120,7 +120,7 @@ def test_layer_memory_and_fsdp_all_gather_of_an_fp8_layer():
     micro-batch -- forward and backward), in bf16 under rowwise; the gradient reduce-scatter
     stays bf16 (32 MiB, half on the wire); the fp8 copies add to the layer's transient bytes."""
     from autopar.core.plan import LayerPlan, Mesh
-    from autopar.simulator.float8 import float8_linear_cost
+    from autopar.simulator.axes.float8 import float8_linear_cost
 
     m = n = k = 4096
     ev = _evaluator(_one_linear_graph(m, k, n))
@@ -163,7 +163,7 @@ def test_linear_with_a_dim_not_divisible_by_16_stays_bf16():
 def test_what_the_runtime_converts():
     """Both dims divisible by 16, by 16 x tp when tensor parallelism splits the linear
     (runtime/apply_fp8.py: the shard's GEMM needs 16-aligned dims whichever dim is split)."""
-    from autopar.simulator.float8 import converts
+    from autopar.simulator.axes.float8 import converts
 
     assert converts(4096, 14336) and not converts(4096, 50257)
     assert converts(32, 96, tp=2) and not converts(48, 64, tp=2) and converts(48, 64)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.training_code import AUTOPAR
+from autopar.simulator.device.training_code import AUTOPAR
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, VOCAB, HIDDEN = 16, 256, 64

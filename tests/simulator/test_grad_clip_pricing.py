@@ -15,7 +15,7 @@ import pytest
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Plan
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.simulate import simulate
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
@@ -34,7 +34,8 @@ def _cluster():
 
 
 def _plan(dp, tp, zero, precision, m=2):
-    return config_plan(GRAPH, dp=dp, tp=tp, pp=1, micro_batch=1, global_batch=dp * m, schedule="1f1b",
+    return config_plan(GRAPH, degrees={"dp": dp, "tp": tp, "pp": 1},
+                       micro_batch=1, global_batch=dp * m, schedule="1f1b",
                        virtual_stages=1, zero=zero, recompute="none", offload="none", precision=precision,
                        sequence_parallel=False)
 
@@ -92,7 +93,8 @@ def test_the_trace_ends_at_the_clipped_step(pp, zero):
     (test_simulator_trace.py, LATE) -- by as much clipped as unclipped: the clip moves each rank's
     drawn end as it moves the step model's."""
     cm = CostModel.from_profile(PROFILE)
-    plan = config_plan(GRAPH, dp=8 // (2 * pp), tp=2, pp=pp, micro_batch=1, global_batch=4 * 8 // (2 * pp),
+    plan = config_plan(GRAPH, degrees={"dp": 8 // (2 * pp), "tp": 2, "pp": pp},
+                       micro_batch=1, global_batch=4 * 8 // (2 * pp),
                        schedule="gpipe", virtual_stages=1, zero=zero, recompute="none", offload="none",
                        precision="fp32", sequence_parallel=False)
     plain = simulate(GRAPH, plan, _cluster(), cm, timeline=True)

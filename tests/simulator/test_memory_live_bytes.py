@@ -46,12 +46,13 @@ def _predicted(recompute: str):
     from autopar.core.capture import capture_model_file
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), ARGS, 1)
     cluster = load_cluster("local-cpu")
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=1, global_batch=1, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1},
+                       micro_batch=1, global_batch=1, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute=recompute, offload="none", precision="fp32", sequence_parallel=False,
                        cluster_name=cluster.name)
     return simulate(graph, plan, cluster, CostModel.from_profile("local-cpu")).memory[0]

@@ -36,7 +36,7 @@ def test_old_run_of_a_pair_from_the_readme(bench, pairs):
     """300cc5c58's row "30b | 2048 | 8 | a100_80gb | 47.57 | 63.43 | 3 | 21 | 504 | 3 | 6305 | 788 | ...
     | bf16 | PURE | FULL_SHARD | True" against 061f2c7c's "... | 55.3 | 73.74 | ... | 916 | ... |
     amp_bf16 | DEFAULT | ...": the step of each and the measured speed-up, by hand."""
-    from autopar.simulator import sharded_dp
+    from autopar.simulator.axes import sharded_dp
 
     old, new = pairs["mpt_a100_80gb_30b_seq2048_8gpu_mbs3"]
     pr = bench.pr

@@ -17,7 +17,7 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 
@@ -29,7 +29,8 @@ DP = 4
 
 
 def _plan(zero: int, m: int, pp: int):
-    return config_plan(GRAPH, dp=DP, tp=1, pp=pp, micro_batch=1, global_batch=DP * m, schedule="1f1b",
+    return config_plan(GRAPH, degrees={"dp": DP, "tp": 1, "pp": pp},
+                       micro_batch=1, global_batch=DP * m, schedule="1f1b",
                        zero=zero, recompute="none", offload="none", precision="bf16", virtual_stages=1,
                        sequence_parallel=False)
 
@@ -61,7 +62,7 @@ def test_step_bytes_are_the_counted_collectives(pp, zero, m):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_pipeline_reduce_scatters_end_the_step(zero):
-    from autopar.simulator.step_model import fsdp_tails
+    from autopar.simulator.axes.dp_sync import fsdp_tails
 
     ev = _evaluator()
     ctx, rows = ev.prepare(_plan(zero, 4, 2))

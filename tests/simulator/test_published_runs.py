@@ -130,8 +130,8 @@ def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp1(bench, rows):
     kept from the table's first revision on the 1.13.1 image; fms-fsdp's Llama-2 rows on the
     nightlies after 2.2.  The planner's plans are priced as FSDP2, what autopar's runtime runs
     (sharded_dp.py items 4, 5)."""
-    from autopar.simulator import sharded_dp
-    from autopar.simulator.training_code import AUTOPAR
+    from autopar.simulator.axes import sharded_dp
+    from autopar.simulator.device.training_code import AUTOPAR
 
     assert bench.sharded_runtime(rows["megatron21_t2_ZeRO-3_174.6B_384gpu"]) is sharded_dp.DEEPSPEED_ZERO3_2021
     fsdp = [r for r in rows.values() if r["family"] == "FSDP"]
@@ -155,7 +155,8 @@ def test_zero3_rows_run_deepspeed_and_fsdp_rows_fsdp1(bench, rows):
 def test_megatron_rows_run_its_fp16_optimizer(bench, rows):
     """The PTD-P rows price Megatron-LM 2021's fp16 optimizer step and pipeline exchange, the others
     AdamW alone; each row's code is its own (the planner's plans are priced as AUTOPAR)."""
-    from autopar.simulator import optimizer_step, pipeline_p2p, sharded_dp
+    from autopar.simulator.step import optimizer_step
+    from autopar.simulator.axes import pp_p2p as pipeline_p2p, sharded_dp
 
     assert bench.optimizer_runtime(rows["megatron21_t1_1008.0B"]) is optimizer_step.MEGATRON_FP16_2021
     assert bench.optimizer_runtime(rows["megatron21_t2_PTD-P_174.6B_384gpu"]) is optimizer_step.MEGATRON_FP16_2021
@@ -174,7 +175,7 @@ def test_rows_run_their_attention_kernel(bench, rows):
     """llm-foundry's MPT runs used its copy of flash-attention's Triton kernel, priced at FlashAttention
     (v1)'s published rates (its author: "slightly slower" than that kernel); fms-fsdp's PyTorch SDPA
     (FlashAttention-2, also what autopar's runtime runs)."""
-    from autopar.simulator.training_code import DEFAULT_ATTENTION_KERNEL
+    from autopar.simulator.device.training_code import DEFAULT_ATTENTION_KERNEL
 
     assert bench.attention_kernel(rows["mpt_a100_80gb_125m_seq2048_8gpu_mbs32"]) == "flash"
     assert bench.attention_kernel(rows["ibm_fsdp_llama2_7B_a100_128gpu"]) == DEFAULT_ATTENTION_KERNEL == "flash2"
@@ -206,7 +207,7 @@ def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
     """The fit prices each sharded row once per value of the constant it reads
     (``reads_ring_efficiency``): a row on a ring over nodes does not move with the overlap slowdown,
     a row within one node (or on DeepSpeed's per-GPU gathers) not with the ring efficiency."""
-    from autopar.simulator.calibration import Calibration
+    from autopar.simulator.device.calibration import Calibration
 
     ring, node, zero3 = (rows[i] for i in ("ibm_fsdp_llama2_7B_a100_128gpu", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
                                           "megatron21_t2_ZeRO-3_174.6B_384gpu"))
@@ -230,7 +231,7 @@ def test_autopar_family_is_torchtitans_eager_row_priced_as_autopars_code(bench, 
     the same table are listed as not yet priced."""
     from dataclasses import replace
 
-    from autopar.simulator.training_code import AUTOPAR
+    from autopar.simulator.device.training_code import AUTOPAR
 
     row = rows["torchtitan24_8b_8gpu_FSDP"]
     assert (row["family"], row["gpu"]) == ("AUTOPAR", "h100-96gb-500w")

@@ -10,9 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.core.capture import capture_model_file
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.training_code import TrainingCode
+from autopar.simulator.device.training_code import TrainingCode
 
 ROOT = Path(__file__).resolve().parents[2]
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

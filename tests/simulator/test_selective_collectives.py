@@ -13,10 +13,10 @@ from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.core.sharding import propagate
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator.layer_cost import compute_layer_cost
-from autopar.simulator.training_code import AUTOPAR
-from autopar.simulator.topology import mesh_links
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.step.layer_cost import compute_layer_cost
+from autopar.simulator.device.training_code import AUTOPAR
+from autopar.simulator.device.topology import mesh_links
 
 # examples/gpt.py, one block: hidden 32, seq 16, micro-batch 2; its linears have biases (addmm)
 GPT = {"layers": 1, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64, "dropout": 0.0, "attention": "sdpa"}

@@ -11,10 +11,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.core.capture import capture_model_file
 from autopar.core.plan import LayerPlan, Mesh
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.selective_mm_policy import recomputed_matmuls
-from autopar.simulator.training_code import AUTOPAR, TrainingCode
+from autopar.simulator.axes.recompute import recomputed_matmuls
+from autopar.simulator.device.training_code import AUTOPAR, TrainingCode
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"size": "llama-tiny", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 172, "seq": 32,
@@ -102,7 +102,8 @@ def test_the_steps_hardware_flops_count_the_rerun_matmuls():
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), LLAMA, 2)
     cluster = load_cluster("h100-16x8", nodes=1)
-    plan = config_plan(graph, dp=1, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 1, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="selective", offload="none", precision="bf16", sequence_parallel=False,
                        cluster_name=cluster.name)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
-from autopar.simulator.calibration import FITTED, Calibration
+from autopar.simulator.axes import sharded_dp
+from autopar.simulator.device.calibration import FITTED, Calibration
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 
@@ -45,7 +45,8 @@ def _setting():
     graph = gpt_graph(8, 512, 8, 256, 1000)
     group = NodeGroup("n", "h100-sxm", 1, 8, 80 * 2**30, Link(20.0, 1.0), 2**40, Link(50.0, 10.0))
     cluster = Cluster("c", (group,), Link(50.0, 5.0))
-    plan = config_plan(graph, dp=8, tp=1, pp=1, micro_batch=1, global_batch=16, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(graph, degrees={"dp": 8, "tp": 1, "pp": 1},
+                       micro_batch=1, global_batch=16, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     return graph, cluster, plan
 
@@ -65,7 +66,7 @@ def test_two_calibrations_price_side_by_side():
 
 
 def test_the_memo_keys_on_the_calibration():
-    """An evaluator's memo of derived rows (evaluator._LayerMemo) holds per calibration: a cost
+    """An evaluator's memo of derived rows (step/layer_memo.LayerMemo) holds per calibration: a cost
     model given another calibration after the evaluator priced with it prices as a fresh one."""
     graph, cluster, plan = _setting()
     cm = CostModel.from_profile("h100-sxm")

@@ -5,9 +5,9 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Mesh
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator.topology import mesh_links
-from autopar.simulator.training_code import TrainingCode
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.device.topology import mesh_links
+from autopar.simulator.device.training_code import TrainingCode
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=1e12, peak_flops={"fp32": 1e13, "bf16": 1e14},
                efficiency={"linear": 0.5, "memory_bound": 0.5}, collective_efficiency={"intra": 1.0, "inter": 1.0})
@@ -140,7 +140,7 @@ def _a100_exposed():
     ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison
     table', the figure behind the profile's 0.859)."""
     from autopar.profiles import load_profile
-    from autopar.simulator.gemm_epilogue import main_loop_efficiency
+    from autopar.simulator.device.gemm_epilogue import main_loop_efficiency
 
     prof = load_profile("a100-80gb-sxm")
     base = CostModel.from_profile(prof)
@@ -170,7 +170,7 @@ def test_main_loop_efficiency_from_a_published_gemm():
     assert _gemm_tflops(cm, 1024, 10240, 5120) == pytest.approx(283.2, rel=0.005)
     assert _gemm_tflops(CostModel.from_profile("a100-80gb-sxm"), 1024, 10240, 5120) == pytest.approx(271.2, rel=0.03)
     with pytest.raises(ValueError, match="less time than storing its output"):
-        from autopar.simulator.gemm_epilogue import main_loop_efficiency
+        from autopar.simulator.device.gemm_epilogue import main_loop_efficiency
         main_loop_efficiency(1e15, 6912, 16384, 1, 2.0, 312e12, 1.0, 2.039e12, 0.8)
 
 
@@ -306,7 +306,7 @@ def test_multihead_attention_module_keeps_the_roofline():
 def test_optimizer_step_bytes_by_training_code():
     """AdamW alone: 28 bytes a parameter at the achievable HBM bandwidth; Megatron-LM 2021's fp16
     optimizer adds its grad copy (2 + 4), unscale (4 + 4), norm (4) and weight copy (4 + 2) passes."""
-    from autopar.simulator import optimizer_step
+    from autopar.simulator.step import optimizer_step
 
     cm = CostModel.from_profile(PROFILE)
     n, hbm = 1e9, 1e12 * 0.5
@@ -323,7 +323,7 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
     layer's all-reduce leaves the overlapped column for the serial tail, whole, and the step grows
     by the part of it that DDP's overlap with backward had hidden."""
     from autopar.core.cluster import load_cluster
-    from autopar.simulator import optimizer_step
+    from autopar.simulator.step import optimizer_step
     from autopar.simulator.configure import config_plan
     from autopar.simulator.simulate import simulate
     from sim_graphs import gpt_graph
@@ -335,7 +335,8 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
 
     # tensor parallel 2: the rows keep one all-reduce per layer (DDP's buckets are priced only for
     # plain data-parallel plans, and not at all for a code that syncs after the flush)
-    plan = config_plan(g, dp=16, tp=2, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 16, "tp": 2, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
 
     _, plain = PlanEvaluator(g, cluster, cm).prepare(plan)
@@ -349,7 +350,8 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
     assert meg.column("optimizer_s") == pytest.approx(plain.column("optimizer_s") + ar + extra)
     assert meg_step > plain_step + extra.sum()
     # a plain data-parallel plan: no buckets either, the whole sync in the tail
-    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 32, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
     assert not meg.column("dp_allreduce_s").any()
@@ -361,7 +363,7 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     only the 36 bytes a parameter of element-wise passes, and the step is shorter than with
     Megatron's own DDP after the flush."""
     from autopar.core.cluster import load_cluster
-    from autopar.simulator import optimizer_step
+    from autopar.simulator.step import optimizer_step
     from autopar.simulator.configure import config_plan
     from autopar.simulator.evaluator import PlanEvaluator
     from autopar.simulator.simulate import simulate
@@ -370,7 +372,8 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     g = gpt_graph(4, 1024, 16, 1024, 50304)
     cluster = load_cluster("dgx-a100-4x8")
     base = CostModel.from_profile("a100-80gb-sxm")
-    plan = config_plan(g, dp=16, tp=2, pp=1, micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 16, "tp": 2, "pp": 1},
+                       micro_batch=2, global_batch=64, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     torch_ddp = base.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_TORCH_DDP_2021))
     local_ddp = base.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_2021))
@@ -386,7 +389,7 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
 def test_grad_clip_time_closed_form(n):
     """The clip's three memory-bound passes over the rank's gradients plus the ring all-reduce of
     one fp32 scalar: 2 (n - 1) latencies and 2 (n - 1) / n x 4 bytes (simulator/optimizer_step.py)."""
-    from autopar.simulator.optimizer_step import grad_clip_time
+    from autopar.simulator.step.optimizer_step import grad_clip_time
 
     cm = CostModel.from_profile(PROFILE)
     elements, a, b = 125e6, INTRA.latency_s, 1 / INTRA.bandwidth_Bps

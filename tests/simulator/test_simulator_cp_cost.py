@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.simulator.cp_cost import (activation_bytes_per_rank, causal_pairs, cp_attention_cost, kv_bytes,
+from autopar.simulator.axes.cp import (activation_bytes_per_rank, causal_pairs, cp_attention_cost, kv_bytes,
                                        load_imbalance)
 
 

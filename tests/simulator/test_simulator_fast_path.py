@@ -1,4 +1,4 @@
-"""The evaluator's fast path (evaluator._LayerMemo) against the full computation.
+"""The evaluator's fast path (step/layer_memo.LayerMemo) against the full computation.
 
 PlanEvaluator.evaluate keeps each context's last derived table and looks up only the changed
 layers' neighbourhoods in a memo.  That is exact only while a layer's derived terms read no
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
-from autopar.simulator import sharded_dp
+from autopar.simulator.axes import sharded_dp
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
-from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
-from autopar.simulator.step_model import chunk_masks, layer_effective_times
+from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
+from autopar.simulator.step.step_model import chunk_masks, layer_effective_times
 from sim_graphs import gpt_graph
 
 #: the columns layer_effective_times reads of a layer's successor (its forward communication)
@@ -90,7 +90,7 @@ def test_a_walk_of_plans_matches_pricing_each_from_scratch(dp, tp, pp, schedule,
     group = NodeGroup("n", "h100-sxm", 4, 4, 80 * 2**30, Link(20.0, 1.0), 2**40, Link(network_GBps, 10.0))
     cluster = Cluster("c", (group,), Link(network_GBps, 5.0))
     cm = CostModel.from_profile("h100-sxm")
-    plan = config_plan(graph, dp=dp, tp=tp, pp=pp, micro_batch=1, global_batch=32, schedule=schedule,
+    plan = config_plan(graph, degrees={"dp": dp, "tp": tp, "pp": pp}, micro_batch=1, global_batch=32, schedule=schedule,
                        virtual_stages=v, zero=3, recompute="selective", offload="none", precision="bf16",
                        sequence_parallel=tp > 1)
     rng = random.Random(dp * 100 + pp)

@@ -9,7 +9,7 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
 from sim_graphs import gpt_graph
@@ -33,8 +33,8 @@ def dgx_a100(nodes):
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, "1f1b", 137.0),
 ])
 def test_megatron_table1(row):
-    from autopar.simulator import autocast
-    from autopar.simulator.training_code import TrainingCode
+    from autopar.simulator.device import autocast
+    from autopar.simulator.device.training_code import TrainingCode
 
     name, l, h, a, tp, pp, gpus, B, mb, schedule, published = row
     s, V = 2048, 51200
@@ -43,7 +43,8 @@ def test_megatron_table1(row):
     cm = CostModel.from_profile("a100-80gb-sxm").for_code(TrainingCode(autocast=autocast.OFF))
     cl = dgx_a100(gpus // 8)
     dp = gpus // (tp * pp)
-    plan = config_plan(g, dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=B, schedule=schedule, virtual_stages=2,
+    plan = config_plan(g, degrees={"dp": dp, "tp": tp, "pp": pp},
+                       micro_batch=mb, global_batch=B, schedule=schedule, virtual_stages=2,
                        zero=0, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
     fast = PlanEvaluator(g, cl, cm).evaluate(plan)
     full = simulate(g, plan, cl, cm)
@@ -63,7 +64,8 @@ def test_megatron_145b_from_captured_model_file():
     l, h, a, s, V, B = 80, 12288, 96, 2048, 51200, 2304
     g = capture.capture_model_file(str(Path(__file__).resolve().parents[2] / "examples" / "gpt.py"),
                                    dict(layers=l, hidden=h, heads=a, seq=s, vocab=V, dropout=0.1), 1)
-    plan = config_plan(g, dp=24, tp=8, pp=8, micro_batch=1, global_batch=B, schedule="interleaved", virtual_stages=2,
+    plan = config_plan(g, degrees={"dp": 24, "tp": 8, "pp": 8},
+                       micro_batch=1, global_batch=B, schedule="interleaved", virtual_stages=2,
                        zero=0, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
     r = PlanEvaluator(g, dgx_a100(192), CostModel.from_profile("a100-80gb-sxm")).evaluate(plan)
     assert megatron_flops(B, s, l, h, V) / r.step_time_s / 1536 / 1e12 == pytest.approx(148.0, rel=0.10)

@@ -4,9 +4,9 @@ import pytest
 from autopar.core.plan import ModelRef, uniform_plan
 from autopar.core.sharding import megatron_styles
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.memory import inflight_microbatches
+from autopar.simulator.step.memory import inflight_microbatches
 from sim_graphs import PROFILE, dense_graph, gpt_graph
 from sim_graphs import toy_cluster as _cluster
 
@@ -89,7 +89,8 @@ def test_first_stage_activations_1f1b_p_gpipe_m():
     per_layer = g.layers[0].saved_bytes            # bf16 graph, micro-batch 1: bytes kept per layer
     p, m = 4, 12
     for sched, held in (("1f1b", p), ("gpipe", m)):
-        plan = config_plan(g, dp=1, tp=1, pp=p, micro_batch=1, global_batch=m, schedule=sched, virtual_stages=1,
+        plan = config_plan(g, degrees={"dp": 1, "tp": 1, "pp": p},
+                           micro_batch=1, global_batch=m, schedule=sched, virtual_stages=1,
                            zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
         r = ev.evaluate(plan)
         # 2 layers per stage, and the backward's gradient pair at the attention mask (see above)

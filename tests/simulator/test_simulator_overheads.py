@@ -12,10 +12,10 @@ from autopar.core.errors import ClusterFileError
 from autopar.core.graph import OpNode
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.cpu_node import compute_stretch
+from autopar.simulator.step.cpu_node import compute_stretch
 from sim_graphs import gpt_graph
 
 OVERHEADS = {"op_launch_s": 2e-6, "op_backward_launch_s": 5e-6, "tp_module_fwd_s": 1e-4, "tp_module_bwd_s": 3e-4,
@@ -118,7 +118,7 @@ def test_recompute_wrapper_overhead_per_op(mode):
                                            ("selective", ["layer_norm", "gelu", "add"])])
 def test_recompute_probe_subtracts_what_the_simulator_prices_as_rerun(mode, expected):
     """profiling/overheads.py times the wrapper's backward less the rerun the simulator prices
-    (layer_cost._recompute): full, the forward up to the last saved tensor (the projection's
+    (axes/recompute.recompute): full, the forward up to the last saved tensor (the projection's
     operands); selective, the ops between the kept matmul outputs -- by the ops each rerun calls."""
     import torch
     from torch.overrides import TorchFunctionMode
@@ -161,7 +161,7 @@ def test_autograd_recording_per_op_and_per_kept_byte():
     assert full.fwd_s - full_plain.fwd_s == pytest.approx(len(recorded) * a)
     # the recompute stops at the block's last saved tensor, the mask of the dropout after the MLP
     # (so the projection before it runs again): the residual add after it does not run again
-    # (layer_cost._recompute) and records nothing; every other recorded op pays both parts again
+    # (axes/recompute.recompute) and records nothing; every other recorded op pays both parts again
     ops = g.layer_ops(1)
     assert [o.kind for o in ops[-3:]] == ["linear", "dropout", "elementwise"] and ops[-2].saved_bytes > 0
     skipped = {ops[-1].name}
@@ -336,7 +336,8 @@ def test_serial_communication_adds_ddp_allreduce():
     """One process per core: the gradient all-reduces add to compute instead of hiding under it."""
     g = gpt_graph(4, 256, 4, 128, 1000, batch=2)
     cm = CostModel.from_profile(_profile(OVERHEADS))
-    plan = config_plan(g, dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=4, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
     serial_cl, overlap_cl = _cluster(gpus=4, slots=2), _cluster(gpus=4, slots=0)
     ev = PlanEvaluator(g, serial_cl, cm)
@@ -353,7 +354,7 @@ def test_serial_communication_by_busy_processes_per_core():
     """Communication overlaps compute only while a core is left free for it: fewer busy
     processes than cores overlap, as many or more (oversubscribed) take turns."""
     from autopar.core.plan import Mesh
-    from autopar.simulator.cpu_node import serial_communication
+    from autopar.simulator.step.cpu_node import serial_communication
     cl = _cluster(gpus=8, slots=4)
     assert not serial_communication(cl, Mesh(dp=2, pp=1, tp=1))       # 2 processes, 4 cores
     assert serial_communication(cl, Mesh(dp=4, pp=1, tp=1))           # one per core
@@ -419,7 +420,8 @@ def test_meeting_waits_stretch_each_ranks_work_by_how_often_it_meets(dp, tp, zer
 
 
 def _ddp_plan(g, dp=2, tp=1, zero=0):
-    return config_plan(g, dp=dp, tp=tp, pp=1, micro_batch=2, global_batch=2 * dp, schedule="1f1b", virtual_stages=1,
+    return config_plan(g, degrees={"dp": dp, "tp": tp, "pp": 1},
+                       micro_batch=2, global_batch=2 * dp, schedule="1f1b", virtual_stages=1,
                        zero=zero, recompute="none", offload="none", precision="fp32", sequence_parallel=False)
 
 
@@ -429,7 +431,7 @@ def test_ddp_all_reduces_its_gradients_in_buckets():
     broadcasts are one broadcast of all the parameters; with tensor parallelism (FSDP2's
     replicate: one all-reduce per unit) the per-layer calls stay."""
     from autopar.simulator.evaluator import DDP_FIRST_BUCKET_BYTES, PlanEvaluator as PE
-    from autopar.simulator.memory import DDP_BUCKET_BYTES
+    from autopar.simulator.step.memory import DDP_BUCKET_BYTES
 
     g = gpt_graph(4, 128, 4, 128, 1000, batch=2)      # ~0.8 MB of fp32 gradients a block: 2 buckets
     cm = CostModel.from_profile(_profile(OVERHEADS))

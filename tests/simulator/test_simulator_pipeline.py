@@ -6,7 +6,7 @@ import pytest
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import ModelRef, uniform_plan
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
 from sim_graphs import dense_graph, gpt_graph
@@ -73,11 +73,11 @@ def test_ddp_overlap(params, expect):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(dp=2, tp=4, pp=1, schedule="1f1b", zero=0, recompute="none", global_batch=8),
-    dict(dp=2, tp=2, pp=2, schedule="1f1b", zero=1, recompute="full", global_batch=16),
-    dict(dp=4, tp=1, pp=2, schedule="gpipe", zero=2, recompute="selective", global_batch=32),
-    dict(dp=8, tp=1, pp=1, schedule="1f1b", zero=3, recompute="none", global_batch=16),
-    dict(dp=1, tp=2, pp=4, schedule="interleaved", zero=0, recompute="full", global_batch=16),
+    dict(degrees={"dp": 2, "tp": 4, "pp": 1}, schedule="1f1b", zero=0, recompute="none", global_batch=8),
+    dict(degrees={"dp": 2, "tp": 2, "pp": 2}, schedule="1f1b", zero=1, recompute="full", global_batch=16),
+    dict(degrees={"dp": 4, "tp": 1, "pp": 2}, schedule="gpipe", zero=2, recompute="selective", global_batch=32),
+    dict(degrees={"dp": 8, "tp": 1, "pp": 1}, schedule="1f1b", zero=3, recompute="none", global_batch=16),
+    dict(degrees={"dp": 1, "tp": 2, "pp": 4}, schedule="interleaved", zero=0, recompute="full", global_batch=16),
 ])
 def test_simulate_and_evaluate_agree(kw):
     g = gpt_graph(16, 1024, 16, 1024, 8000)
@@ -93,14 +93,15 @@ def test_simulate_and_evaluate_agree(kw):
 def test_reprice_changes_only_changed_layers():
     from dataclasses import replace
 
-    from autopar.simulator.training_code import TrainingCode
+    from autopar.simulator.device.training_code import TrainingCode
 
     g = gpt_graph(24, 1024, 16, 1024, 8000)
     # a recompute that reruns the whole forward (a reentrant checkpoint; the runtime's stops early,
-    # layer_cost._recompute), so that the closed form below is one forward
+    # axes/recompute.recompute), so that the closed form below is one forward
     cm = CostModel.from_profile(PROFILE).for_code(TrainingCode(recompute_early_stop=False))
     ev = PlanEvaluator(g, _cluster(), cm)
-    plan = config_plan(g, dp=2, tp=4, pp=1, micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 4, "pp": 1},
+                       micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     base = ev.evaluate(plan)
     computed = ev.num_layer_costs_computed
@@ -132,7 +133,7 @@ def test_one_step_model_for_evaluate_and_simulate():
         schedule = rng.choice(["gpipe", "1f1b", "interleaved"] if pp > 1 else ["1f1b"])
         m, mb = rng.choice([1, 2, 4]) * pp, rng.choice([1, 2])
         zero = rng.choice([0, 1, 2, 3]) if dp > 1 else 0
-        plan = config_plan(g, dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=dp * mb * m,
+        plan = config_plan(g, degrees={"dp": dp, "tp": tp, "pp": pp}, micro_batch=mb, global_batch=dp * mb * m,
                            schedule=schedule, virtual_stages=2, zero=zero,
                            recompute=rng.choice(["none", "selective", "full"]),
                            offload=rng.choice(["none", "cpu"]) if zero >= 2 else "none",

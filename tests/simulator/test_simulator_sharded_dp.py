@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from autopar.core.plan import Mesh
-from autopar.simulator.layer_cost import LAYER_COST_FIELDS
-from autopar.simulator.network import ring_bus_bandwidth_GBps
-from autopar.simulator.sharded_dp import copy_out_s, overlap_slowdown_s, reduce_scale, with_sharded_dp_costs
+from autopar.simulator.step.layer_cost import LAYER_COST_FIELDS
+from autopar.simulator.device.network import ring_bus_bandwidth_GBps
+from autopar.simulator.axes.sharded_dp import copy_out_s, overlap_slowdown_s, reduce_scale, with_sharded_dp_costs
 
 
 def test_ring_bandwidth_over_nodes():
@@ -57,7 +57,7 @@ def test_fsdp1_prices_no_copy_out_and_its_gradient_concat_on_compute():
     each unit's gradient on the compute stream, and its post-backward pre-divides (and, in torch
     1.13, pads) the gradient on the reduce-scatter's stream (sharded_dp.py item 5): against the
     closed form of a copy, 2 x bytes / HBM bandwidth, for a 1 GB unit at 1 TB/s (2 ms)."""
-    from autopar.simulator.sharded_dp import FSDP1_TORCH_1_13, FSDP1_TORCH_2_2, FSDP2
+    from autopar.simulator.axes.sharded_dp import FSDP1_TORCH_1_13, FSDP1_TORCH_2_2, FSDP2
 
     col, zero_col, rows = _sharded_pair()
     cp = 2 * 1e9 / 1e12
@@ -95,7 +95,7 @@ def test_reduce_in_fp32_doubles_a_mixed_precision_reduce_scatter():
 
 
 def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
-    from autopar.simulator import autocast as A
+    from autopar.simulator.device import autocast as A
 
     # DDP / ZeRO-1 alone, or one dp rank: autocast with fp32 parameters; FSDP2 paths: none; fp32: none
     assert A.autocast_mode(0, Mesh(dp=8), "bf16") == A.FP32_PARAMS
@@ -114,8 +114,8 @@ def test_autocast_modes_follow_the_runtime_and_fp32_ops_double():
 
 
 def test_deepspeed_2021_gathers_again_for_recompute_at_one_adapter_share():
-    from autopar.simulator.sharded_dp import DEEPSPEED_ZERO3_2021, FSDP2, gather_bandwidth_scale
-    from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE
+    from autopar.simulator.axes.sharded_dp import DEEPSPEED_ZERO3_2021, FSDP2, gather_bandwidth_scale
+    from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, RECOMPUTE_CODE
 
     # one GPU's 25 GB/s share of a node whose ring reaches 200 GB/s: 8 times the wire time
     assert gather_bandwidth_scale(DEEPSPEED_ZERO3_2021, "inter", 200.0, 25.0, 0.85, 0.39) == 8.0
@@ -153,15 +153,16 @@ def test_planner_tables_carry_the_sharded_terms_of_the_full_price():
     from autopar.planner.layer_tables import build_layer_tables
     from autopar.planner.space import LayerChoice
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from autopar.simulator.step_model import layer_effective_times
+    from autopar.simulator.step.step_model import layer_effective_times
     from sim_graphs import gpt_graph
 
     g = gpt_graph(8, 1024, 16, 1024, 50304)
     cluster = load_cluster("dgx-a100-4x8")
     ev = PlanEvaluator(g, cluster, CostModel.from_profile("a100-80gb-sxm"))
-    plan = config_plan(g, dp=32, tp=1, pp=1, micro_batch=2, global_batch=128, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 32, "tp": 1, "pp": 1},
+                       micro_batch=2, global_batch=128, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
     ctx, rows = ev.prepare(plan)
     fwd, bwd = layer_effective_times(rows, ctx.head, ctx.tail, ctx.not_tail)
@@ -182,9 +183,9 @@ def test_ring_over_nodes_at_its_own_efficiency_and_without_overlap_slowdown():
     the calibration's sharded_ring_efficiency of it where the rows priced the profile's all-reduce efficiency, and the
     compute under it is not slowed; within a node (NVLink) the slowdown applies and the bandwidth
     stays; DeepSpeed's per-GPU gathers keep the slowdown and their own share (item 4b)."""
-    from autopar.simulator import sharded_dp as S
-    from autopar.simulator.calibration import Calibration
-    from autopar.simulator.layer_table import COLUMN_INDEX, COLUMNS
+    from autopar.simulator.axes import sharded_dp as S
+    from autopar.simulator.device.calibration import Calibration
+    from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS
 
     cal = Calibration(nccl_overlap_slowdown=0.45, sharded_ring_efficiency=0.4)
     # 0.85 priced, 0.5 reached: 1.7 times the wire time (NVIDIA/nccl issue #1218's two figures)

@@ -25,14 +25,14 @@ import pytest
 
 from autopar.core.capture import capture_model_file
 from autopar.core.cluster import load_cluster
-from autopar.simulator import layer_table
+from autopar.simulator.step import layer_table
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
+from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.step_trace import draw_step
-from autopar.simulator.timeline import to_chrome_trace
-from autopar.simulator.term_registry import ENTRIES, Column, Term, registered, terms
+from autopar.simulator.step.trace import draw_step
+from autopar.simulator.step.timeline import to_chrome_trace
+from autopar.simulator.step.term_registry import ENTRIES, Column, Term, registered, terms
 
 GPT = "examples/gpt.py"
 TOY_S = 1e-3
@@ -53,7 +53,8 @@ def _cms(cluster):
 
 
 def _plan(graph, dp, tp, m, zero=0, recompute="none"):
-    return config_plan(graph, dp=dp, tp=tp, pp=1, micro_batch=2, global_batch=2 * dp * m, schedule="1f1b",
+    return config_plan(graph, degrees={"dp": dp, "tp": tp, "pp": 1},
+                       micro_batch=2, global_batch=2 * dp * m, schedule="1f1b",
                        virtual_stages=1, zero=zero, recompute=recompute, offload="none", precision="bf16",
                        sequence_parallel=False)
 

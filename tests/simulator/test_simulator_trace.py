@@ -29,14 +29,14 @@ import pytest
 
 from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
-from autopar.simulator.cost_model import CostModel
-from autopar.simulator import pipeline_p2p
+from autopar.simulator.device.cost_model import CostModel
+from autopar.simulator.axes import pp_p2p as pipeline_p2p
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import simulate
-from autopar.simulator.step_model import pipeline_time, rank_ends
-from autopar.simulator.step_trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
-from autopar.simulator.timeline import write_chrome_trace
-from autopar.simulator.training_code import AUTOPAR
+from autopar.simulator.axes.pp import pipeline_time, rank_ends
+from autopar.simulator.step.trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
+from autopar.simulator.step.timeline import write_chrome_trace
+from autopar.simulator.device.training_code import AUTOPAR
 from sim_graphs import gpt_graph
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
@@ -108,7 +108,7 @@ CPU_LATE = [
 
 
 def _plan(graph, kw, precision="bf16"):
-    return config_plan(graph, dp=kw["dp"], tp=kw["tp"], pp=kw["pp"], micro_batch=1,
+    return config_plan(graph, degrees={"dp": kw["dp"], "tp": kw["tp"], "pp": kw["pp"]}, micro_batch=1,
                        global_batch=kw["dp"] * kw["m"], schedule=kw["schedule"], virtual_stages=kw.get("v", 2),
                        zero=kw["zero"], recompute=kw["recompute"], offload=kw["offload"], precision=precision,
                        sequence_parallel=kw.get("sp", False))
@@ -141,7 +141,7 @@ def _cases():
                            id="clip-cpu-" + _name(kw))
     # Megatron-LM 2021's blocking exchange: each send is the last part of its task, so 1F1B meets
     # the formula; interleaved with unequal chunks does not, nor interleaved where the layers'
-    # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, layer_cost.effective_zero;
+    # FSDP gathers outlast their compute (ZeRO-1 with tp runs as ZeRO-2, axes/sharded_dp.effective_zero;
     # over the two nodes its gathers take 167 us against an 80 us forward, sharded_dp.py item 6:
     # the trace ends 0.7 us after the formula)
     for kw in [k for k in EXACT + LATE if k["pp"] > 1]:
@@ -253,7 +253,8 @@ def test_trace_is_a_possible_schedule(graph, plan, cluster, cm, exact):
 def test_chrome_trace(tmp_path):
     g = GRAPH
     cl = _gpu_cluster()
-    plan = config_plan(g, dp=2, tp=2, pp=2, micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
+    plan = config_plan(g, degrees={"dp": 2, "tp": 2, "pp": 2},
+                       micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
     r = simulate(g, plan, cl, CostModel.from_profile(PROFILE), timeline=True)
     path = tmp_path / "trace.json"
@@ -315,7 +316,7 @@ def test_hand_schedules():
     # as stage 1 (f = b = 1).  As soon as it can: stage 0 F0 [0, 2] F1 [2, 4]; stage 1 F0 [2, 3]
     # B0 [3, 4] F1 [4, 5] B1 [5, 6]; stage 0 B0 [4, 6] B1 [6, 8].  The formula charges
     # sum T + (m - 1) max T = 6 + 4 = 10 for rank 0 and, one backward of rank 0 (2) earlier, 8 for
-    # rank 1 (step_model.rank_ends): draw_step waits on each rank before its last backward, so
+    # rank 1 (pp.rank_ends): draw_step waits on each rank before its last backward, so
     # rank 1's B1 runs [7, 8] and rank 0's [8, 10]
     for placed, want in ((False, [8, 6]), (True, [10, 8])):
         pipe, end, starts = _hand(2, 2, [2, 1], [2, 1], 0, "1f1b", placed=placed)

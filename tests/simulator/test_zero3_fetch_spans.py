@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autopar.simulator.zero3_fetch_spans import (LayerUnits, drained_spans_s, kept_for_backward, layer_pass_times,
+from autopar.simulator.axes.sharded_dp_zero3_spans import (LayerUnits, drained_spans_s, kept_for_backward, layer_pass_times,
                                                  layer_units)
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"

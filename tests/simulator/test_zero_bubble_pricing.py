@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from autopar.core.rules import stage_rank
-from autopar.simulator.pipeline_zero_bubble import (dualpipev_time, inflight_chunks, split_backward_time,
+from autopar.simulator.axes.pp_zero_bubble import (dualpipev_time, inflight_chunks, split_backward_time,
                                                     stage_grid)
-from autopar.simulator.torch_pipeline_order import torch_action_order
+from autopar.simulator.axes.pp_torch_order import torch_action_order
 
 # pp 2, m 4, two chunks per rank: stages 0..3
 HAND = {
@@ -159,12 +159,12 @@ def test_inflight_chunks_per_schedule():
 
 
 def test_weight_gradient_share_of_a_block():
-    """layer_cost.WEIGHT_GRAD_SHARE: a GPT block's W is half of its linears' backward (dgrad and
+    """step/op_work.WEIGHT_GRAD_SHARE: a GPT block's W is half of its linears' backward (dgrad and
     wgrad are GEMMs of equal FLOPs); attention's matmuls, the softmax and the norms add none."""
     from autopar.core.plan import LayerPlan, Mesh
     from autopar.core.sharding import propagate
-    from autopar.simulator.cost_model import CostModel
-    from autopar.simulator.layer_cost import _op_work
+    from autopar.simulator.device.cost_model import CostModel
+    from autopar.simulator.step.op_work import op_work as _op_work
     from sim_graphs import gpt_graph
 
     graph = gpt_graph(2, 512, 8, 256, 1000)
@@ -186,13 +186,13 @@ def test_split_backward_plans_price_below_interleaved_1f1b(schedule):
     unfused attention backward.)"""
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.cost_model import CostModel
+    from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.simulate import simulate
     from sim_graphs import gpt_graph
 
     graph = gpt_graph(8, 512, 8, 256, 1000)       # 8 blocks: 2 chunks on each of 4 ranks
     cluster, cm = load_cluster("h100-16x8"), CostModel.from_profile("h100-sxm")
-    kw = dict(dp=1, tp=1, pp=4, micro_batch=1, global_batch=8, virtual_stages=2, zero=0, recompute="none",
+    kw = dict(degrees={"pp": 4}, micro_batch=1, global_batch=8, virtual_stages=2, zero=0, recompute="none",
               offload="none", precision="bf16", sequence_parallel=False)
     base = simulate(graph, config_plan(graph, schedule="interleaved", **kw), cluster, cm)
     split = simulate(graph, config_plan(graph, schedule=schedule, **kw), cluster, cm)

@@ -1,0 +1,1 @@
+"""The step: the layer table, the step model, overlap and the trace."""

@@ -1,0 +1,83 @@
+"""What a layer's FSDP traffic and compute are per micro-batch, before they overlap.
+
+One place for the rule both the step model (evaluator.layer_effective_times) and the planner's
+per-layer tables (planner/layer_tables.fold_layer_cost) apply: the layer's compute per pass
+(forward, and recompute + backward, each with its tensor-parallel collectives, which sit on the
+critical path: Shoeybi et al. 2019, Sec. 3) runs beside the data-parallel stream's traffic --
+FSDP's parameter all-gather and the offloaded parameters' copy in before forward, ZeRO-3's second
+all-gather before backward, the gradient reduce-scatter and the copy out after it (Zhao et al.
+2023, "PyTorch FSDP", Sec. 3.3) -- and the longer of the two sets the pace.
+
+The functions take numpy arrays (one entry per layer) or plain numbers alike.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.simulator.axes.pp_fsdp import traffic_shares
+from autopar.simulator.step.term_registry import pass_columns, traffic_terms
+
+
+def fsdp_traffic(src, zero, offload, pipeline_m: int | None = None):
+    """(forward communication, backward gather, backward communication) of a layer per micro-batch:
+    the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
+    ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
+    LayerCost, term_registry.with_term_columns).
+
+    ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
+    the host.  The backward gather (ZeRO-3 re-gathers the parameters it freed after forward) is
+    part of the backward communication and also returned alone: nothing precedes it at the start
+    of a model chunk's backward.  (``zero >= k`` and ``offload`` are 0 or 1, so each part's
+    product by them is exact: the sums are the same bits as one product of the sums.)
+    ``pipeline_m``: the micro-batches of a pipeline schedule, None without one (pipeline_fsdp.py:
+    a pipeline gathers and reduce-scatters per step, not per micro-batch).
+    """
+    fwd = None
+    for term in traffic_terms():
+        parts = term.traffic(src, zero, offload, pipeline_m)
+        if parts is None:
+            continue
+        if fwd is None:
+            fwd, gather, after = parts
+        else:
+            fwd, gather, after = fwd + parts[0], gather + parts[1], after + parts[2]
+    return fwd, gather, gather + after
+
+
+def fsdp_parts(src, zero, offload, pipeline_m: int | None = None):
+    """FSDP's part of a layer's traffic per micro-batch: (the parameter all-gather before forward,
+    ZeRO-3's second one before backward, the gradient reduce-scatter after backward); under a
+    pipeline the step's gathers spread over its micro-batches and no reduce-scatter
+    (pipeline_fsdp.traffic_shares)."""
+    ag = src.dp_allgather_s
+    if pipeline_m is None:
+        zero2 = zero >= 2
+        return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
+    fwd, bwd, rs = traffic_shares(zero, pipeline_m)
+    return ag * fwd, ag * bwd, src.dp_reducescatter_s * rs
+
+
+def offload_parts(src, zero, offload, pipeline_m: int | None = None):
+    """The offloaded state's copies on the same stream: (sharded parameters host -> device before
+    forward, again before backward under ZeRO-3, sharded gradients device -> host after
+    backward); None where nothing is offloaded (no copies: fewer operations)."""
+    if not np.count_nonzero(offload):
+        return None
+    h2d = src.h2d_s * offload
+    return h2d, h2d * (zero >= 3), src.d2h_s * offload * (zero >= 2)
+
+
+def compute_per_pass(src):
+    """(forward, backward) compute of a layer per micro-batch: the sum of the columns the
+    registered "compute" terms add to each pass (term_registry.py), read from ``src`` by name (a
+    LayerTable, a LayerCost, term_registry.with_term_columns).  The built-in ones: forward plus
+    its tensor-parallel collectives; recompute (a recomputed forward runs inside backward),
+    backward and its collectives -- summed in that order."""
+    fwd_cols, bwd_cols = pass_columns()
+    fwd = getattr(src, fwd_cols[0])
+    for c in fwd_cols[1:]:
+        fwd = fwd + getattr(src, c)
+    bwd = getattr(src, bwd_cols[0])
+    for c in bwd_cols[1:]:
+        bwd = bwd + getattr(src, c)
+    return fwd, bwd

@@ -1,0 +1,47 @@
+"""benchmarks/nvme_runs.py: the published NVMe-offload runs load with their sources, their own
+figures agree with hand derivations, and each reason a row is not priced is checked against the
+project as it is (a reason that stops holding fails here, so the row gets priced)."""
+from pathlib import Path
+
+import pytest
+from plain_loop import load          # a file loaded as a module once, cached in sys.modules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load(ROOT / "benchmarks" / "nvme_runs.py")
+
+
+def test_rows_load_with_sources_and_reasons(bench):
+    runs = bench.load_runs()
+    assert {r["id"] for r in runs["rows"]} == {"ds1776_50b_dgx2_nvme", "dse192_10b_2x_a100pcie40_nvme"}
+    for r in runs["rows"]:
+        assert r["source"]["url"].startswith("https://github.com/") and r["source"]["location"]
+        assert r["why_not_priced"] and all(x["what"] and x["detail"] for x in r["why_not_priced"])
+    for x in runs["read_but_not_runs"]:
+        assert x["source"]["repo"] and x["source"]["path"] and x["source"]["commit"] and x["why_not_a_row"]
+
+
+def test_issue_1776_figures_fix_the_inferred_shape(bench):
+    """By hand: 62 layers of hidden 8192 (12 h^2 + 13 h each), Megatron's padded GPT-2 vocabulary
+    50304 and 1024 positions, final layernorm -> the log's 50.356 B; DeepSpeedExamples' formula
+    P x b x s x 8 / (t x 1000) at b = 26, s = 1024, t = 298.9101 s -> the log's 35.88."""
+    row = {r["id"]: r for r in bench.load_runs()["rows"]}["ds1776_50b_dgx2_nvme"]
+    h, l = 8192, 62
+    params = l * (12 * h * h + 13 * h) + (50304 + 1024) * h + 2 * h
+    assert params == 50_356_092_928
+    assert round(params / 1e9, 3) == row["stated"]["total_parameters_B"]
+    assert round(50.356 * 26 * 1024 * 8 / 298.9101 / 1000, 2) == row["stated"]["tflops_per_gpu"]
+    got = {what.split(" ")[0]: (stated, derived) for what, stated, derived in bench.checks(row)}
+    assert got["parameters"] == (50.356, 50.356) and got["TFLOP/s"] == (35.88, 35.88)
+    stated, derived = got["iteration"]
+    assert derived == pytest.approx(stated, rel=1e-4)        # the log's parts sum to its iteration
+
+
+def test_every_reason_holds_and_the_check_can_fail(bench):
+    for r in bench.load_runs()["rows"]:
+        for reason in r["why_not_priced"]:
+            assert bench.reason_holds(reason), (r["id"], reason["what"])
+    assert not bench.reason_holds({"check": "profile", "gpu": "a100"})     # a bundled profile: reason gone
