@@ -105,9 +105,22 @@ def check_not_input(path: str | os.PathLike, flag: str) -> None:
     """A UserError when the output ``flag PATH`` would overwrite an input of this command."""
     what = input_conflict(path, flag)
     if what is not None:
-        raise OutputFileError(f"{flag} {path} is the same file as {what}, which this command reads; writing there "
-                              f"would destroy it. "
-                              f"Give another path for {flag}.")
+        raise _overwrite_error(path, flag, what)
+
+
+def check_not_read(path: str | os.PathLike, flag: str, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """A UserError when the output ``flag PATH`` is one of ``inputs`` (what -> path: the files a
+    Python call such as ``autopar.plan`` reads, which no command line noted)."""
+    key = _key(path)
+    for what, p in inputs.items():
+        if key is not None and p is not None and _key(p) == key:
+            raise _overwrite_error(path, flag, f"the {what} {p}")
+
+
+def _overwrite_error(path, flag: str, what: str) -> OutputFileError:
+    return OutputFileError(f"{flag} {path} is the same file as {what}, which this command reads; writing there "
+                           f"would destroy it. "
+                           f"Give another path for {flag}.")
 
 
 def is_special(path: str | os.PathLike) -> bool:

@@ -96,7 +96,7 @@ def check_reachable(endpoint: str, timeout_s: float) -> None:
 
 def _plan_shape(args: argparse.Namespace, plan) -> tuple[int, int]:
     """(ranks per node, nodes) of the plan's cluster."""
-    from autopar.runtime.run_cli import plan_nodes
+    from autopar.runtime.run_launch import plan_nodes
 
     shape = plan_nodes(plan)
     if shape is None:
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.runtime.output_paths import check_output_paths
     from autopar.core.plan import load_plan
     from autopar.runtime.ports import free_port
-    from autopar.runtime.run_cli import _call_and_report, runtime_arguments
+    from autopar.runtime.run_launch import _call_and_report, runtime_arguments
 
     opts = options_from_args(args)
     if opts.checkpoint_dir is None:

@@ -149,14 +149,22 @@ def checkpoint_step(checkpoint_dir: Path) -> int:
 def replan(plan_path: Path, nodes: int, output: Path, checkpoint_dir: Path, budget_s: float) -> None:
     """``autopar replan PLAN --nodes N -o OUTPUT``: the planner's search for N nodes of the plan's
     cluster, the global batch kept (a ``UserError`` saying what to do where it cannot be)."""
-    import argparse
+    import sys
 
-    from autopar.planner import replan_cli
+    from autopar.core.errors import paragraph
+    from autopar.core.output_file import check_writable
+    from autopar.planner import plan_report, replan_api
 
-    parser = argparse.ArgumentParser(prog="autopar replan")
-    replan_cli.add_arguments(parser)
-    replan_cli.main(parser.parse_args([str(plan_path), "--nodes", str(nodes), "--checkpoint-dir", str(checkpoint_dir),
-                                       "--time-budget", str(budget_s), "-o", str(output)]))
+    check_writable(output, "-o")
+    console = plan_report.console()
+    with plan_report.progress_bar(console) as progress:
+        old, out, batch = replan_api.replan(plan_path, output=output, nodes=nodes, time_budget=budget_s,
+                                            progress=progress,
+                                            warn=lambda text: print(paragraph(text), file=sys.stderr))
+    plan_report.print_outcome(console, out)
+    for line in replan_api.switch_lines(Path(plan_path), old, output, batch, checkpoint_dir):
+        print(line)
+    sys.stdout.flush()
 
 
 def _step_ms(plan) -> float | None:

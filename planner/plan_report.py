@@ -1,6 +1,8 @@
 """Print a search result for a person: the plan, its prediction, the runner-ups, how to run it."""
 from __future__ import annotations
 
+import contextlib
+
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES
 from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in, fmt_seconds
 from autopar.planner.candidate import describe_difference
@@ -119,3 +121,60 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str | N
                              f"To run this plan, write it to a file with -o PLAN.json, then 'autopar run PLAN.json'."))
     else:
         console.print(f"\nwrote [bold]{output}[/bold]; run it with:\n  {command}")
+
+
+def print_outcome(console, out) -> None:
+    """``autopar plan``'s summary of ``out`` (plan_api.PlanOutcome): ``print_plan``, the compile
+    and float8 choices, the trials."""
+    from autopar.planner.whole_layers import lines as whole_lines
+
+    print_plan(console, out.graph, out.cluster, out.result, output=out.output, command=out.command,
+               capture_s=out.capture_s, confidence=out.validation, left_out=out.left_out, headroom=out.headroom,
+               whole=whole_lines(out.whole, out.plan))
+    (console.print if console is not None else print)(out.compile_choice.summary())
+    if console is not None:          # (no markup: the install hint's [fp8] is text)
+        console.print(out.float8_choice.summary(), markup=False)
+    else:
+        print(out.float8_choice.summary())
+    (console.print if console is not None else print)(out.compression_choice.summary())
+    if out.trial is not None:
+        from autopar.planner.trial_steps import summary_lines
+
+        for line in summary_lines(out.trial):
+            console.print(line, markup=False, highlight=False)
+
+
+def console():
+    """A rich console on stdout, or None where rich is not installed."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(stderr=False)
+
+
+@contextlib.contextmanager
+def progress_bar(console):
+    """A progress callback for the search drawing rich bars on ``console``, started at its first
+    report (an error before the search shows no bar) and gone once the context ends; None
+    without a console."""
+    if console is None:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with contextlib.ExitStack() as stack:
+        tasks: dict[str, int] = {}
+        bars: list[Progress] = []
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if not bars:
+                bars.append(stack.enter_context(Progress(
+                    TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True)))
+            bar = bars[0]
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=max(1, total))
+            bar.update(tasks[phase], completed=min(done, total), total=max(1, total))
+
+        yield progress

@@ -5,8 +5,8 @@ The old plan records what it was made from: the model file and its arguments (``
 the cluster (``provenance.cluster_ref`` and ``cluster_nodes``), the precision and the global
 batch.  ``--nodes N`` rescales that cluster to N nodes (a single-group cluster,
 ``Cluster.scaled``); ``--cluster`` names another one.  The search is ``autopar plan``'s own
-(``planner/plan_cli.main``, with the same runtime check), so the new plan is what ``autopar
-plan`` writes for that cluster.
+(``autopar.plan``, planner/plan_api.py, with the same runtime check; the work is
+planner/replan_api.py's), so the new plan is what ``autopar plan`` writes for that cluster.
 
 The global batch is kept, so a resumed run takes the same samples per step.  Where no plan of
 the new cluster holds it and the new rank count does not divide it, the search's "no plan fits"
@@ -24,12 +24,8 @@ checkpoint's step under the new plan.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
-
-from autopar.core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,108 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="PATH", help="the new plan file to write")
 
 
-def _model_arg(key: str, value: object) -> str:
-    """``KEY=VALUE`` that ``parse_model_args`` reads back as ``value``."""
-    from autopar.core.modelfile import parse_model_args
-
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    if parse_model_args([f"{key}={text}"])[key] != value:
-        raise UserError(f"the plan's model argument {key}={value!r} cannot be given on the command line as it is; "
-                        f"plan the new cluster with 'autopar plan' directly.")
-    return f"{key}={text}"
-
-
-def _cluster_flags(old, plan_path: str, args: argparse.Namespace) -> list[str]:
-    if args.cluster is not None:
-        return ["--cluster", args.cluster]
-    ref = old.provenance.get("cluster_ref")
-    if not isinstance(ref, str):
-        raise UserError(f"plan file {plan_path} does not record the cluster it was planned for (provenance."
-                        f"cluster_ref), so --nodes has nothing to rescale; give the new cluster with --cluster.")
-    return ["--cluster", ref, "--nodes", str(args.nodes)]
-
-
-def _layout(plan) -> str:
-    """``dp 2 x tp 2``: the plan's axes that split (degree > 1)."""
-    m = plan.mesh
-    return " x ".join(f"{n} {getattr(m, n)}" for n in m.degree_names() if getattr(m, n) > 1) or "one rank"
-
-
-def _step_ms(plan) -> str:
-    s = plan.predicted.get("step_time_s")
-    return f"{1e3 * s:.2f} ms" if isinstance(s, (int, float)) else "not predicted"
-
-
-def _nearest_batches(batch: int, world: int) -> list[int]:
-    """The multiples of ``world`` nearest ``batch`` (one per data-parallel rank at least)."""
-    below = (batch // world) * world
-    return sorted({b for b in (below, below + world) if b > 0})
-
-
-def _checkpoint_note(directory: Path) -> str:
-    """What the newest checkpoint under ``directory`` holds (latest.json and its manifest)."""
-    try:
-        latest = json.loads((directory / "latest.json").read_text())
-        manifest = json.loads((directory / latest["path"] / "manifest.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"no complete checkpoint found under {directory} yet: the run resumed there starts from step 0."
-    mesh = manifest.get("mesh") or {}
-    layout = " x ".join(f"{k}{v}" for k, v in mesh.items() if isinstance(v, int) and v > 1) or "one rank"
-    return (f"the newest checkpoint, {directory / latest['path']}, is step {manifest.get('step', latest.get('step'))} "
-            f"saved by {manifest.get('world_size', '?')} ranks ({layout}, ZeRO-{manifest.get('zero', '?')}): "
-            f"torch.distributed.checkpoint stores full tensors by name, so each rank of the new layout reads "
-            f"its own slices, and the run goes on from that step.")
-
-
 def main(args: argparse.Namespace) -> int:
+    from autopar.core.errors import paragraph
     from autopar.core.output_file import check_writable
-    from autopar.core.plan import load_plan
-    from autopar.planner import plan_cli
-    from autopar.runtime.plan_check import resolve_model_path
+    from autopar.planner import plan_report, replan_api
 
     check_writable(args.output, "-o")
-    plan_path = Path(args.plan)
-    old = load_plan(plan_path)
-    batch = args.global_batch or old.global_batch
-    model_file = resolve_model_path(old, plan_path)
-    argv = [str(model_file), *(f for k, v in old.model.args.items() for f in ("--model-arg", _model_arg(k, v))),
-            *_cluster_flags(old, args.plan, args), "--global-batch", str(batch), "--precision", old.precision,
-            "--time-budget", str(args.time_budget), "--seed", str(args.seed), "-o", str(args.output),
-            *(["--grad-clip"] if old.grad_clip else [])]          # priced as the old plan was
-    parser = argparse.ArgumentParser(prog="autopar plan")
-    plan_cli.add_arguments(parser)
-    plan_args = parser.parse_args(argv)
-    try:
-        plan_cli.main(plan_args)
-    except UserError as e:
-        from autopar.core.cluster_file import load_cluster
-
-        if e.exit_code != 3 or args.global_batch is not None:
-            raise
-        world = load_cluster(plan_args.cluster, nodes=plan_args.nodes).world_size
-        if batch % world == 0:                        # the batch splits evenly: it is not what is short
-            raise
-        options = " or ".join(f"--global-batch {b}" for b in _nearest_batches(batch, world))
-        raise UserError(f"no plan of the new cluster ({world} ranks) keeps the global batch of {batch} samples "
-                        f"({e}). A resumed run can take another batch, but then every step from the checkpoint's "
-                        f"on trains on that many samples instead of {batch}: give {options} (a multiple of the "
-                        f"rank count), or a cluster with more memory.") from None
-    new = load_plan(args.output)
-    print()
-    print(f"autopar replan: {plan_path} ({old.world_size} ranks, {_layout(old)}, on {old.cluster or '?'}) "
-          f"-> {args.output} ({new.world_size} ranks, {_layout(new)}, on {new.cluster or '?'})")
-    print(f"  predicted step time: {_step_ms(old)} before, {_step_ms(new)} after")
-    if batch != old.global_batch:
-        print(f"  global batch: {old.global_batch} -> {batch} samples per step (changed by --global-batch)")
-    else:
-        print(f"  global batch: {batch} samples per step, kept")
-    ck = args.checkpoint_dir
-    if ck is not None:
-        print(f"  checkpoint: {_checkpoint_note(ck)}")
-    resume = ["autopar", "run", str(args.output), "--checkpoint-dir", str(ck) if ck is not None else "CHECKPOINT_DIR"]
-    print("  resume with the run's other options as before:")
-    print(f"    {shlex.join(resume)}")
-    print(f"    (on SLURM: autopar launch {shlex.quote(str(args.output))} --slurm --checkpoint-dir "
-          f"{shlex.quote(str(ck) if ck is not None else 'CHECKPOINT_DIR')} -o job.sbatch ...)")
+    console = plan_report.console()
+    with plan_report.progress_bar(console) as progress:
+        old, out, batch = replan_api.replan(args.plan, output=args.output, nodes=args.nodes, cluster=args.cluster,
+                                            global_batch=args.global_batch, time_budget=args.time_budget,
+                                            seed=args.seed, progress=progress,
+                                            warn=lambda text: print(paragraph(text), file=sys.stderr))
+    plan_report.print_outcome(console, out)
+    for line in replan_api.switch_lines(Path(args.plan), old, args.output, batch, args.checkpoint_dir):
+        print(line)
     sys.stdout.flush()
     return 0

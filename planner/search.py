@@ -19,8 +19,6 @@ NoFeasiblePlanError says what would make one fit (feasibility.py).
 """
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from itertools import groupby
 from dataclasses import dataclass, field, replace
@@ -29,41 +27,30 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from autopar.core.cluster import Cluster
-from autopar.core.errors import InfeasibleError, NoFeasiblePlanError, UserError
+from autopar.core.errors import NoFeasiblePlanError, UserError
 from autopar.core.graph import OpGraph
-from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan, equal_bounds
-from autopar.core.rules import MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, split_backward_problem, stage_rank
+from autopar.core.plan import PRECISIONS, SCHEDULES, Mesh, ModelRef, Plan
+from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.core.sharding import megatron_styles
 from autopar.planner.candidate import Candidate
-from autopar.planner.layer_tables import LayerTables, build_layer_tables
-from autopar.planner.mcmc import metropolis_hastings
-from autopar.planner.moves import MoveSpace, propose
-from autopar.planner.screen_bound import floor_key, layer_time_floor, screen_bound
-from autopar.planner.space import (RECOMPUTE_CHOICES, LayerChoice, layer_choices, mesh_candidates,
-                                   microbatch_candidates, schedule_candidates, zero_families, zero_family_of)
-from autopar.planner.structured import Setting, range_costs, solve_setting
-from autopar.planner.stage_dp import partition_stages
-from autopar.simulator.api import inflight_microbatches, interleaved_time, screen_bubble_share, stage_groups
+from autopar.planner.candidate_pricing import CandidatePricing, Evaluated
+from autopar.planner.mcmc_refine import McmcRefine
+from autopar.planner.moves import MoveSpace
+from autopar.planner.space import RECOMPUTE_CHOICES, zero_family_of
+from autopar.planner.structured_phase import StructuredPhase
 
 ALGOS = ("auto", "ilp", "mcmc")
-# How the time budget is split, where it binds.  Both shares are set by hand and no measurement
-# fixed them; they matter only when a search runs out of time: the benchmarks' searches
-# (planner_vs_grid.py, --time-budget 3000 and the default 40 s) finish the structured phase in
-# 1-4 s, far inside either share, so no recorded plan depends on them.  What each trades:
-# * STRUCTURED_SHARE: under --algo auto the structured phase (screen, ILP + stage DP) may run
-#   until this fraction of the budget, MCMC refinement gets the rest -- more than half to the
-#   phase that finds the plans MCMC starts from, enough left for MCMC to refine them.
-# * SCREEN_SHARE: within the structured phase, screening settings may use this fraction of its
-#   time, so that the ILP + stage DP of the best screened settings, which yield the candidates,
-#   always get the remaining 30% instead of none.
+# How the time budget is split, where it binds: under --algo auto the structured phase (screen,
+# ILP + stage DP) may run until this fraction of the budget, MCMC refinement gets the rest --
+# more than half to the phase that finds the plans MCMC starts from, enough left for MCMC to
+# refine them.  Set by hand and no measurement fixed it (nor structured_phase.SCREEN_SHARE); it
+# matters only when a search runs out of time: the benchmarks' searches (planner_vs_grid.py,
+# --time-budget 3000 and the default 40 s) finish the structured phase in 1-4 s, far inside it,
+# so no recorded plan depends on it.
 STRUCTURED_SHARE = 0.6
-SCREEN_SHARE = 0.7
 # A plan with uniform layer choices is preferred to the best one when it is at most this much
 # slower (0.2%: below what the simulator can tell apart; see Planner.tidy).
 TIDY_TOLERANCE = 0.002
-# relative rounding between a setting's bound and its screen score, which sum the same per-layer
-# floats in different orders (~L machine epsilons; 1e-9 covers any model's layer count)
-_ROUNDING = 1e-9
 
 ProgressCallback = Callable[[str, int, int], None]     # (phase, done, total)
 
@@ -133,17 +120,6 @@ class PlanOptions:
 
 
 @dataclass
-class Evaluated:
-    candidate: Candidate
-    plan: Plan
-    result: Any                          # SimResult
-
-    @property
-    def step_time_s(self) -> float:
-        return float(self.result.step_time_s)
-
-
-@dataclass
 class SearchResult:
     best: Evaluated
     runner_ups: list[Evaluated]
@@ -165,8 +141,13 @@ class SearchResult:
         return self.best.plan
 
 
-class Planner:
-    """One search: the graph, the cluster and the simulator's evaluator, with caches."""
+class Planner(CandidatePricing, StructuredPhase, McmcRefine):
+    """One search: the graph, the cluster and the simulator's evaluator, with caches.
+
+    Its jobs live in one module each: pricing candidates (candidate_pricing.py), the structured
+    phase (structured_phase.py) and MCMC refinement (mcmc_refine.py); this class sets up the
+    state they share (``__init__``), drives them (``run``) and ranks and finishes what they found
+    (``tidy``, ``_finish``)."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions,
                  evaluator=None, progress: ProgressCallback | None = None):
@@ -218,300 +199,6 @@ class Planner:
         self.plan_parts: dict = {}       # Candidate.to_plan's memo: shared pipelines and layer plans
         self._choices_admitted: dict[int, tuple] = {}   # id(choices) -> (choices, admitted)
 
-    # ------------------------------------------------------------------ pricing
-    def to_plan(self, c: Candidate) -> Plan:
-        return c.to_plan(model=self.model, styles=self.styles, precision=self.options.precision,
-                         cluster=self.cluster_label, memo=self.plan_parts)
-
-    @property
-    def cuttable(self) -> frozenset[int] | None:
-        """Layer boundaries where stages may start, when the runtime cannot cut at all of them."""
-        ex = self.options.executable
-        if ex is None or not ex.pipeline or ex.cuttable == frozenset(range(1, self.num_layers)):
-            return None
-        return ex.cuttable
-
-    def admits(self, c: Candidate) -> bool:
-        """The candidate keeps the fixed knobs and uses only what the runtime runs."""
-        o, ex = self.options, self.options.executable
-        if c.mesh not in self.meshes:
-            return False
-        if (o.micro_batch is not None and c.micro_batch != o.micro_batch) or c.micro_batch in o.refused_micro_batches:
-            return False
-        if c.mesh.pp > 1 and c.schedule not in o.schedules:
-            return False
-        if c.mesh.pp > 1 and c.schedule in SPLIT_BACKWARD_SCHEDULES and any(
-                split_backward_problem(c.schedule, ch.recompute, ch.zero, ch.offload, False)
-                for ch in {id(ch): ch for ch in c.choices}.values()):
-            return False
-        hit = self._choices_admitted.get(id(c.choices))   # moves that keep the choices keep their tuple
-        if hit is None or hit[0] is not c.choices:
-            hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
-            self._choices_admitted[id(c.choices)] = hit
-        if not hit[1]:
-            return False
-        if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
-            return False
-        return self.splits_something(c)
-
-    def splits_something(self, c: Candidate) -> bool:
-        """A tp > 1 mesh splits at least one layer: without one, every tp rank computes the
-        whole model (tp - 1 ranks of each group wasted), which is never the plan meant."""
-        return c.mesh.tp == 1 or any(ch.tp and self.styles[i] for i, ch in enumerate(c.choices))
-
-    def _admits_choices(self, choices: tuple[LayerChoice, ...]) -> bool:
-        o = self.options
-        for ch in {id(ch): ch for ch in choices}.values():      # each distinct choice object once
-            if o.zero is not None and ch.zero != o.zero or zero_family_of(ch.zero) not in o.zero_families:
-                return False
-            if ch.recompute not in o.recompute or (ch.offload != "none" and not o.allow_offload):
-                return False
-            if o.offload is not None and ch.offload != o.offload:
-                return False
-        return True
-
-    def price(self, c: Candidate) -> Evaluated | None:
-        """Simulate a candidate (cached); None when it does not fit or cannot run."""
-        if c in self.seen:
-            return self.seen[c]
-        out = None
-        if not self.admits(c):
-            self.num_infeasible += 1
-            self.seen[c] = None
-            return None
-        try:
-            plan = self.to_plan(c)
-            plan.validate(self.num_layers)
-            res = self.evaluator.evaluate(plan)
-            if res.fits and math.isfinite(res.step_time_s):
-                out = Evaluated(c, plan, res)
-        except (InfeasibleError, UserError):
-            out = None
-        if out is None:
-            self.num_infeasible += 1
-        self.seen[c] = out
-        return out
-
-    def capacity(self, mesh: Mesh) -> list[float]:
-        """Usable bytes per device for each pipeline rank (the smallest GPU among its ranks)."""
-        out = []
-        for r in range(mesh.pp):
-            groups = stage_groups(self.cluster, mesh, r)
-            out.append(float(min(self.cluster.groups[g].gpu_memory_bytes for g in groups)))
-        return out
-
-    # ------------------------------------------------------------------ settings
-    def settings(self) -> list[Setting]:
-        """The settings the structured phase screens, ordered round-robin over meshes.
-
-        Two cuts keep the count down (MCMC still reaches what they leave out): micro-batch
-        sizes are powers of two (per-sample costs change slowly between them), and with
-        tp > 1 only sequence-parallel meshes are screened -- sequence parallelism moves the same
-        bytes as the all-reduces it replaces and divides activations and element-wise work by
-        tp (Korthikanti et al. 2022, Sec. 4.2.2), so it does not lose under this cost model.
-        The split-backward schedules are screened only where no other pipeline schedule is
-        searched (``--schedule`` fixed one): the screen knows whole backward passes only, so it
-        cannot tell their bubble, and they are priced instead as twins of the structured plans
-        (``split_backward_twins``) and reached by MCMC's schedule moves.
-        """
-        o = self.options
-        per_mesh = []
-        whole = [s for s in o.schedules if s not in SPLIT_BACKWARD_SCHEDULES]
-        for mesh in self.meshes:
-            if mesh.tp > 1 and o.sequence_parallel and not mesh.sequence_parallel:
-                continue
-            rows = []
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
-                                        refused=o.refused_micro_batches)
-            if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
-                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
-            pow2 = [x for x in mbs if x[0] & (x[0] - 1) == 0]
-            for family in zero_families(mesh.dp):
-                if family not in o.zero_families:
-                    continue
-                for mb, m in pow2 or mbs:
-                    for schedule, v in schedule_candidates(mesh.pp, self.num_layers, m,
-                                                           max_virtual_stages=o.max_virtual_stages):
-                        if mesh.pp > 1 and (schedule not in o.schedules or
-                                            (whole and schedule in SPLIT_BACKWARD_SCHEDULES)):
-                            continue
-                        rows.append(Setting(mesh, mb, m, schedule, v, family))
-            per_mesh.append(rows)
-        out = []
-        for k in range(max((len(r) for r in per_mesh), default=0)):
-            out += [r[k] for r in per_mesh if k < len(r)]
-        return out
-
-    def tables(self, s: Setting) -> tuple[list[LayerTables], np.ndarray | None]:
-        """Per pipeline rank, the layer tables of the setting (shared between ranks of one GPU type)."""
-        o = self.options
-        # a split-backward schedule runs a subset of the choices (core/rules.split_backward_problem)
-        split = s.mesh.pp > 1 and s.schedule in SPLIT_BACKWARD_SCHEDULES
-        key = (s.mesh, s.micro_batch, s.zero_family, split)
-        hit = self.table_cache.get(key)
-        if hit is not None:
-            return hit
-        choices = layer_choices(tp=s.mesh.tp, dp=s.mesh.dp, zero_family=s.zero_family, can_split=True,
-                                allow_offload=o.allow_offload, offload_tier=o.offload_tier)
-        choices = [c for c in choices if c.recompute in o.recompute
-                   and (o.zero is None or c.zero == o.zero) and (o.offload is None or c.offload == o.offload)
-                   and not (split and split_backward_problem(s.schedule, c.recompute, c.zero, c.offload, False))]
-        if not choices:
-            raise InfeasibleError(f"no layer choice runs under the {s.schedule} schedule with the fixed knobs")
-        by_cm: dict[str, LayerTables] = {}
-        per_rank = []
-        for cm in self.evaluator.rank_cost_models(s.mesh):
-            if cm.name not in by_cm:
-                by_cm[cm.name] = build_layer_tables(
-                    self.evaluator, styles=self.styles, signatures=self.signatures, choices=choices, mesh=s.mesh,
-                    micro_batch=s.micro_batch, num_microbatches=s.num_microbatches, precision=o.precision,
-                    cost_model=cm)
-            per_rank.append(by_cm[cm.name])
-        allowed = None
-        if s.mesh.sequence_parallel:
-            # under sequence parallelism the layer boundary is split on the sequence: a layer
-            # that can be split runs split (a replicated one would need the whole sequence)
-            split = np.array([bool(st) for st in self.styles])
-            allowed = np.array([[ch.tp or not split[i] for ch in choices] for i in range(self.num_layers)])
-        self.table_cache[key] = (per_rank, allowed)
-        return per_rank, allowed
-
-    def solve(self, s: Setting, tables: list[LayerTables], allowed) -> Candidate:
-        """The structured phase's candidate for a setting (stage DP and per-stage ILP); where the
-        ILP left every layer whole on a tp mesh, solved again with every layer that can be split
-        split (the plan the tp degree was chosen for).  Raises ``InfeasibleError``."""
-        c = solve_setting(tables, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
-                          cuttable=self.cuttable, allowed=allowed, ilp_cache=self.ilp_cache)
-        if not self.splits_something(c):
-            c = solve_setting(tables, self.signatures, s, self.capacity(s.mesh), seed=self.options.seed,
-                              cuttable=self.cuttable, allowed=self._split_all(tables[0].choices, allowed),
-                              ilp_cache=self.ilp_cache_split)     # its key does not hold allowed
-        return c
-
-    def _split_all(self, choices, allowed: np.ndarray | None) -> np.ndarray:
-        """``allowed`` with the unsplit choices of every splittable layer ruled out."""
-        forced = np.array([[ch.tp or not self.styles[i] for ch in choices] for i in range(self.num_layers)])
-        return forced if allowed is None else forced & allowed
-
-    def screen(self, s: Setting, tables: list[LayerTables], allowed, cap: float = math.inf) -> float:
-        """Predicted step latency of the setting's DP partition, before any simulation; ``inf``
-        where it is not below ``cap`` and the stage DP could tell without finishing."""
-        capacity = self.capacity(s.mesh)
-        m, p, v = s.num_microbatches, s.mesh.pp, s.virtual_stages
-        if p == 1 or s.schedule in MULTI_CHUNK_SCHEDULES:
-            # equal chunks; each of a rank's v chunks gets 1/v of its memory and in-flight count,
-            # bubble divided by v (Narayanan et al. 2021, Sec. 2.2.2), of which a split-backward
-            # schedule keeps its share (pipeline_zero_bubble.screen_bubble_share)
-            bounds = equal_bounds(self.num_layers, p * v)
-            inflight = [inflight_microbatches(s.schedule, p, r, m, v) / v for r in range(p)]
-            cost = range_costs(tables, s, [c / v for c in capacity], allowed, inflight, cuttable=self.cuttable,
-                               ranges=list(zip(bounds[:-1], bounds[1:])))
-            lat = [sum(cost[r, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1)
-                       if stage_rank(s.schedule, k, p) == r) for r in range(p)]
-            if not all(map(math.isfinite, lat)):
-                return math.inf
-            return float(interleaved_time(sum(lat), max(lat), m, v, screen_bubble_share(s.schedule)))
-        try:
-            part = partition_stages(range_costs(tables, s, capacity, allowed, cuttable=self.cuttable), p, m,
-                                    upper_bound=cap)
-        except InfeasibleError:
-            return math.inf
-        return math.inf if part is None else part.step_latency_s
-
-    def bound(self, s: Setting) -> float:
-        """A lower bound on ``screen(s)`` that prices one strategy per distinct layer (screen_bound.py)."""
-        rows = []
-        for cm in self.evaluator.rank_cost_models(s.mesh):
-            key = floor_key(s.mesh, s.micro_batch, s.zero_family) + (cm.name,)
-            if key not in self._floors:
-                self._floors[key] = layer_time_floor(self.evaluator, styles=self.styles, signatures=self.signatures,
-                                                     mesh=s.mesh, micro_batch=s.micro_batch,
-                                                     zero_family=s.zero_family, precision=self.options.precision,
-                                                     cost_model=cm)
-            rows.append(self._floors[key])
-        return screen_bound(np.array(rows), s.num_microbatches, s.schedule, s.virtual_stages)
-
-    def structured(self, deadline: float) -> list[Evaluated]:
-        """Screen the settings, best bound first, skipping those whose bound exceeds the
-        ``num_screened``-th best score found (they cannot be among the best ``num_screened``,
-        screen_bound.py); assemble and price the best ``num_screened``."""
-        settings = self.settings()
-        t0 = time.perf_counter()
-        screen_deadline = t0 + SCREEN_SHARE * (deadline - t0)
-        self.num_settings = len(settings)
-        keep = self.options.num_screened
-        bounds = [self.bound(s) for s in settings]
-        order = sorted(range(len(settings)), key=lambda k: (bounds[k], k))
-        scored: list[tuple[float, int, Setting]] = []
-        best_scores: list[float] = []                  # ascending, the finite scores so far
-        for n, k in enumerate(order):
-            s = settings[k]
-            self.progress("screening settings", n, len(settings))
-            # the bound and the score add the same floats in other orders (prefix sums): a
-            # setting is skipped only when its bound exceeds the incumbent beyond rounding
-            cap = best_scores[keep - 1] * (1.0 + _ROUNDING) if 0 < keep <= len(best_scores) else math.inf
-            if bounds[k] > cap:
-                self.num_pruned = len(settings) - n    # the rest: bounds ascend
-                break
-            if time.perf_counter() > screen_deadline:
-                self.num_unscreened = len(settings) - n
-                break
-            try:
-                t, allowed = self.tables(s)
-                score = self.screen(s, t, allowed, cap)    # inf: not below the incumbent, left out
-            except InfeasibleError:
-                score = math.inf
-            if math.isfinite(score):
-                scored.append((score, k, s))
-                bisect.insort(best_scores, score)
-        self.progress("screening settings", len(settings), len(settings))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        out: list[Evaluated] = []
-        top = scored[: self.options.num_screened]
-        for n, (_, _, s) in enumerate(top):
-            self.progress("ILP + stage DP", n, len(top))
-            if time.perf_counter() > deadline and out:
-                break
-            t, allowed = self.tables(s)
-            try:
-                c = self.solve(s, t, allowed)
-            except InfeasibleError:
-                self.num_infeasible += 1
-                continue
-            ev = self.price(c)
-            if ev is not None:
-                out.append(ev)
-        self.progress("ILP + stage DP", len(top), len(top))
-        return out
-
-    def split_backward_twins(self, pool: list[Evaluated]) -> list[Evaluated]:
-        """Each pipelined plan of ``pool`` under the split-backward schedules it admits (equal
-        chunks, space.schedule_candidates), its layers' choices kept where the split backward runs
-        them, else the nearest that runs (selective recompute -> full, ZeRO-3 -> 2, no offload:
-        core/rules.split_backward_problem), priced by the simulator.  Only where whole-backward
-        schedules are searched too (otherwise ``settings`` screened them)."""
-        o = self.options
-        split = [s for s in o.schedules if s in SPLIT_BACKWARD_SCHEDULES]
-        if not split or all(s in SPLIT_BACKWARD_SCHEDULES for s in o.schedules):
-            return []
-        out = []
-        for ev in pool:
-            c = ev.candidate
-            if c.mesh.pp == 1:
-                continue
-            choices = tuple(_runs_split(ch) for ch in c.choices)
-            for schedule, v in schedule_candidates(c.mesh.pp, self.num_layers, c.num_microbatches,
-                                                   max_virtual_stages=o.max_virtual_stages):
-                if schedule in split and (schedule, v) != (c.schedule, c.virtual_stages):
-                    twin = replace(c, schedule=schedule, bounds=equal_bounds(self.num_layers, c.mesh.pp * v),
-                                   choices=choices)
-                    priced = self.price(twin)
-                    if priced is not None:
-                        out.append(priced)
-        return out
-
-    # ------------------------------------------------------------------ MCMC
     def _axis_alternatives(self, fitting: list[Evaluated]) -> dict:
         """Per "cp" / "ep": (meshes admitted with it > 1, the fastest fitting plan with it > 1 or None)."""
         out = {}
@@ -521,82 +208,6 @@ class Planner:
             out[axis] = (admitted, min(with_axis, key=lambda ev: ev.step_time_s) if with_axis else None)
         return out
 
-    def start_candidates(self) -> list[Candidate]:
-        """Plain starts for MCMC alone: every mesh, fewest micro-batches, its smallest-memory corner too."""
-        o = self.options
-        out = []
-        for mesh in self.meshes:
-            mbs = microbatch_candidates(o.global_batch, mesh.batch_degree, max_micro_batch=o.max_micro_batch,
-                                        refused=o.refused_micro_batches)
-            if o.micro_batch is not None:
-                mbs = [x for x in microbatch_candidates(o.global_batch, mesh.batch_degree,
-                                                        refused=o.refused_micro_batches) if x[0] == o.micro_batch]
-            if not mbs:
-                continue
-            corners = [("ddp", "none", "none"), ("zero1", "none", "none"),
-                       ("fsdp", "full", o.offload_tier if o.allow_offload else "none")]
-            for family, rc, off in corners:
-                if family not in o.zero_families or (family == "zero1" and "ddp" in o.zero_families):
-                    continue
-                if o.offload is not None:
-                    off = o.offload
-                mb, m = mbs[-1] if family != "fsdp" else mbs[0]
-                zero = o.zero if o.zero is not None else {"ddp": 0, "zero1": 1, "fsdp": 3}[family]
-                choices = tuple(LayerChoice(tp=mesh.tp > 1 and bool(self.styles[i]), zero=zero,
-                                            recompute=rc if rc in o.recompute else o.recompute[-1],
-                                            offload=off) for i in range(self.num_layers))
-                schedule = o.fixed_schedule if mesh.pp > 1 and o.fixed_schedule in ("1f1b", "gpipe") else "1f1b"
-                out.append(Candidate(mesh=mesh, micro_batch=mb, num_microbatches=m, schedule=schedule,
-                                     bounds=self._cuttable_bounds(mesh.pp), choices=choices))
-        return out
-
-    def _cuttable_bounds(self, num_stages: int) -> tuple[int, ...]:
-        """Equal stages, each boundary moved to the nearest layer where a stage may start."""
-        bounds = list(equal_bounds(self.num_layers, num_stages))
-        ex = self.options.executable
-        if ex is None or num_stages == 1 or not ex.cuttable:
-            return tuple(bounds)
-        cuts = sorted(ex.cuttable)
-        for k in range(1, num_stages):
-            bounds[k] = min((c for c in cuts if bounds[k - 1] < c < self.num_layers),
-                            key=lambda c: abs(c - bounds[k]), default=bounds[k])
-        return tuple(bounds)
-
-    def refine(self, starts: list[Evaluated], deadline: float) -> list[Evaluated]:
-        o = self.options
-        found: list[Evaluated] = []
-        for n, start in enumerate(starts):
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            budget_s = remaining / (len(starts) - n)
-            ref = start.step_time_s
-
-            def cost(c: Candidate) -> float:
-                ev = self.price(c)
-                return ev.step_time_s / ref if ev is not None else math.inf
-
-            def step(c: Candidate, rng) -> Candidate:
-                return propose(c, rng, self.moves)
-
-            done = [0]
-
-            def tick(c: Candidate, rng) -> Candidate:
-                done[0] += 1
-                if done[0] % 50 == 0:
-                    self.progress(f"MCMC refine {n + 1}/{len(starts)}", done[0], o.mcmc_iterations)
-                return step(c, rng)
-
-            patience = o.mcmc_patience if o.mcmc_patience is not None else max(1, o.mcmc_iterations // 2)
-            res = metropolis_hastings(start.candidate, tick, cost, beta=o.mcmc_beta, seed=o.seed + n,
-                                      max_iterations=o.mcmc_iterations, time_budget_s=budget_s, patience=patience,
-                                      keep_trace=False)
-            best = self.seen.get(res.best_state)
-            if best is not None:
-                found.append(best)
-        return found
-
-    # ------------------------------------------------------------------ driver
     def run(self) -> SearchResult:
         o = self.options
         t0 = time.perf_counter()
@@ -720,14 +331,6 @@ def _whole_backward_runner_up(ranked: list[Evaluated], fitting: list[Evaluated])
         return []
     whole = [ev for ev in fitting if not split(ev)]
     return [min(whole, key=lambda ev: ev.result.step_time_s)] if whole else []
-
-
-def _runs_split(ch: LayerChoice) -> LayerChoice:
-    """The nearest choice a split-backward schedule runs (core/rules.split_backward_problem)."""
-    if ch.recompute != "selective" and ch.zero < 3 and ch.offload == "none":
-        return ch
-    return replace(ch, recompute="full" if ch.recompute == "selective" else ch.recompute, zero=min(ch.zero, 2),
-                   offload="none")
 
 
 def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *,

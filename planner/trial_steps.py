@@ -8,7 +8,7 @@ close to call on paper.  With ``--trial-steps N`` the planner settles it by runn
    filled up to ``--trial-plans`` plans (default 3) with the next fastest runner-ups, so the
    calibration below sees more than one layout;
 2. each is written to ``<plan>.trials/<k>/plan.json`` and started with ``autopar run``'s own
-   launch path (``autopar.runtime.run_cli.run_plan``, the one function of the runtime the planner
+   launch path (``autopar.runtime.run_launch.run_plan``, the one function of the runtime the planner
    calls: the planner starts plans as a user would, and the runtime never imports the planner).
    On one node torchrun runs it here for N steps and the runtime writes measured.json beside
    it; a plan for several nodes gets its per-node commands printed and is not measured;
@@ -129,7 +129,7 @@ def run_trials(evaluated: list, in_band: list[bool], *, steps: int, output: str 
     from autopar.core.errors import UserError
 
     if launch is None:
-        from autopar.runtime.run_cli import run_plan as launch
+        from autopar.runtime.run_launch import run_plan as launch
     folder, _ = trial_paths(output)
     trials = []
     warmup = min(WARMUP_STEPS, steps - 1)
@@ -186,13 +186,13 @@ def keep_fastest(trials: list[Trial]) -> Trial:
 
 
 def calibrate_trials(trials: list[Trial], profile: str | None, output: Path):
-    """The profile refitted to every measured trial (report_cli.calibrate_runs), written to
+    """The profile refitted to every measured trial (report_api.calibrate_runs), written to
     ``output``; returns the CalibrationResult."""
     from autopar.core.output_file import write_text_atomic
     from autopar.core.plan import load_plan
     from autopar.profiles import load_profile
     from autopar.report import resimulate
-    from autopar.report.report_cli import calibrate_runs, load_measured
+    from autopar.report.report_api import calibrate_runs, load_measured
 
     runs = []
     for t in trials:

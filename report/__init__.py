@@ -5,8 +5,10 @@
 
 Modules, in the order the verb uses them:
 
-* ``report_cli``      -- the verb: read the plan and measured.json (``autopar.core.measured``),
-  compare, print or draw, optionally calibrate;
+* ``report_cli``      -- the verb: parse the arguments, call ``report_api.report``, print;
+* ``report_api``      -- ``autopar.report(...)``: read the plan and measured.json
+  (``autopar.core.measured``), compare, draw, optionally calibrate;
+* ``html_page``       -- the figures as text and the HTML page;
 * ``resimulate``      -- find the plan's model, cluster and profile and simulate it again, for
   the breakdown, the memory per rank and the timeline;
 * ``compare``         -- simulated against measured, figure by figure, and the errors;
@@ -20,3 +22,21 @@ Modules, in the order the verb uses them:
 It reads the plan, measured.json and profiles, and re-prices plans with the simulator; it
 never imports the runtime or the planner.
 """
+from __future__ import annotations
+
+import sys
+import types
+
+
+class _ReportPackage(types.ModuleType):
+    """This package, callable: ``autopar.report(plan, measured, ...)`` is
+    ``autopar.report.report_api.report`` -- the package and the function share the name the
+    ``autopar report`` verb gives both, so calling the package runs the function."""
+
+    def __call__(self, *args, **kwargs):
+        from autopar.report.report_api import report
+
+        return report(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _ReportPackage

@@ -5,7 +5,7 @@ block, completed by re-simulating the plan for the breakdown) and the run's ``Me
 (autopar.core.measured, whose figure names are the ``predicted`` block's) both hold it.
 The error of a figure is relative to the measurement, signed: ``(simulated - measured) /
 measured`` -- positive when the simulator over-predicts.  Nothing here simulates or reads
-files; ``autopar.report.resimulate`` and ``report_cli`` do.
+files; ``autopar.report.resimulate`` and ``report_api`` do.
 """
 from __future__ import annotations
 

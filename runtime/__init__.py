@@ -5,8 +5,9 @@
 
 Modules, in the order a run uses them:
 
-* ``run_cli`` / ``launch`` / ``launch_cli`` -- the ``autopar run`` verb (torchrun through
-  ``launch``, which reports a failure once, or the per-node commands) and ``autopar launch
+* ``run_cli`` / ``run_launch`` / ``launch`` / ``launch_cli`` -- the ``autopar run`` verb (its
+  flags; ``run_launch``: torchrun through ``launch``, which reports a failure once, or the
+  per-node commands; ``run_plan``, the same launch for other verbs) and ``autopar launch
   --slurm`` (``slurm_script``); ``__main__`` is one training process (``stop_signals``: SIGTERM /
   Ctrl-C stop at a step boundary);
 * ``options``        -- the command-line flags and the ``RunOptions`` the trainer receives;

@@ -6,7 +6,7 @@ the layout), then the cluster it was planned for (``core/plan_cluster.load_plan_
 ``--cluster``) gives the nodes, the ranks and GPUs per node, and the environment its nodes need
 (the cluster file's ``env``: network interfaces, NCCL settings).  The run's own options are
 ``autopar run``'s (``runtime/options.add_run_arguments``) and reach the script as
-``autopar run`` forwards them to torchrun (``run_cli.runtime_arguments``), with every path made
+``autopar run`` forwards them to torchrun (``run_launch.runtime_arguments``), with every path made
 absolute, since the job starts in whatever folder SLURM gives it.  The script itself is
 ``runtime/slurm_script.sbatch_script``.
 
@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.core.output_file import check_writable, write_text_atomic
     from autopar.core.profile_schema import load_profile
     from autopar.runtime.plan_check import check_plan
-    from autopar.runtime.run_cli import runtime_arguments
+    from autopar.runtime.run_launch import runtime_arguments
     from autopar.runtime.slurm_script import SlurmJob, sbatch_script
 
     options_from_args(args)                           # the run options' own checks

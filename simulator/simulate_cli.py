@@ -2,16 +2,17 @@
 
     autopar simulate examples/gpt.py --model-arg size=gpt3-1.3b --cluster CLUSTER --dp 8 --tp 1
     autopar simulate plan.json --trace trace.json --json      # the cluster the plan was made for
+
+The work is ``autopar.simulate(...)`` (simulator/simulate_api.py); this module parses the
+arguments, calls it, and prints what it returns.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-from autopar.core.errors import UserError
 from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in, fmt_seconds
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -67,139 +68,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _load_cluster(args, plan=None):
-    """--cluster (scaled by --nodes), else the cluster the plan was made for."""
-    from autopar.core.cluster_file import load_cluster
-
-    if plan is not None and not args.cluster:
-        from autopar.core.plan_cluster import load_plan_cluster
-
-        cluster = load_plan_cluster(plan, args.target)
-        return cluster if args.nodes is None else cluster.scaled(args.nodes)
-    if not args.cluster:
-        raise UserError("simulate needs --cluster NAME_OR_FILE for a model file (see examples/clusters/); "
-                        "a plan.json names its own cluster.")
-    return load_cluster(args.cluster, nodes=args.nodes)
-
-
 def main(args: argparse.Namespace) -> int:
-    from autopar.core.capture import capture_model_file
-    from autopar.core.errors import InfeasibleError
-    from autopar.core.plan import load_plan
-    from autopar.simulator.configure import config_plan
-    from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
-    from autopar.simulator.step.timeline import write_chrome_trace
+    from autopar.core.modelfile import parse_model_args
+    from autopar.core.parallel_dims import DEGREE_NAMES
+    from autopar.simulator.simulate_api import simulate
 
-    t0 = time.perf_counter()
-    if args.trace:
-        from autopar.core.output_file import check_writable
-
-        check_writable(args.trace, "--trace")         # before the work, not after it
-    target = Path(args.target)
-    plan = load_plan(target) if target.suffix == ".json" else None
-    cluster = _load_cluster(args, plan)
-    cms = {g.gpu: CostModel.from_profile(args.profile or g.gpu) for g in cluster.groups}
-    if plan is not None:
-        model_file = plan.model.file
-        graph = capture_model_file(model_file, dict(plan.model.args), plan.micro_batch)
-        if graph.fingerprint != plan.model.fingerprint:
-            raise UserError(f"plan file {target} was made for a different model (fingerprint "
-                            f"{plan.model.fingerprint}, {model_file} now gives {graph.fingerprint}); re-plan it.")
-    else:
-        from autopar.core.modelfile import parse_model_args
-
-        model_args = parse_model_args(args.model_args)
-        graph = capture_model_file(str(target), model_args, args.micro_batch)
-        precision = args.precision or ("fp32" if cluster.backend == "gloo" else "bf16")
-        fp8 = precision == "fp8"               # float8 linears on a bf16 plan
-        precision = "bf16" if fp8 else precision
-        plan = config_plan(graph, degrees=_degrees(args, cluster.world_size), micro_batch=args.micro_batch,
-                           global_batch=args.global_batch, schedule=args.schedule,
-                           virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
-                           offload=args.offload, precision=precision, sequence_parallel=args.sequence_parallel,
-                           cluster_name=cluster.name)
-        from dataclasses import replace
-
-        if args.compile:
-            plan = replace(plan, compile=True)
-        if args.ep > 1:
-            plan = replace(plan, mesh=replace(plan.mesh, ep=args.ep))
-        if fp8:
-            plan = replace(plan, fp8_recipe=args.fp8_recipe,
-                           layers=tuple(replace(lp, precision="fp8") for lp in plan.layers))
-    if args.grad_clip:
-        from dataclasses import replace
-
-        plan = replace(plan, grad_clip=True)
-    _check_cp_ep(graph, plan)
-    capture_s = time.perf_counter() - t0
-    if plan.world_size > cluster.world_size:
-        raise UserError(f"the configuration needs {' x '.join(plan.mesh.degrees)} = {plan.world_size} devices; "
-                        f"cluster {cluster.name} has {cluster.world_size}. Lower a degree or add nodes with --nodes.")
-    try:
-        plan.validate(len(graph.layers))
-        if target.suffix == ".json":    # the figures the plan file holds (simulator/plan_price.py)
-            from autopar.simulator.plan_price import price_plan
-
-            result = price_plan(plan, cluster, cms, graph=graph, timeline=bool(args.trace))
-        else:
-            result = simulate(graph, plan, cluster, cms, timeline=bool(args.trace))
-    except InfeasibleError as e:
-        raise UserError(f"cannot simulate this configuration: {e}") from None
-    sim_s = time.perf_counter() - t0 - capture_s
-    if args.trace:
-        names = {d: f"rank {d} (pipeline rank {plan.mesh.coord(d, 'pp')})" for d in {e['device'] for e in result.timeline}}
-        write_chrome_trace(args.trace, result.timeline, names)
+    sim = simulate(args.target, cluster=args.cluster, nodes=args.nodes,
+                   model_args=parse_model_args(args.model_args) if Path(args.target).suffix != ".json" else None,
+                   degrees={name: getattr(args, name) for name in DEGREE_NAMES}, ep=args.ep,
+                   micro_batch=args.micro_batch, global_batch=args.global_batch, schedule=args.schedule,
+                   virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
+                   offload=args.offload, precision=args.precision, fp8_recipe=args.fp8_recipe,
+                   sequence_parallel=args.sequence_parallel, compile=args.compile, grad_clip=args.grad_clip,
+                   profile=args.profile, trace=args.trace)
     if args.json:
-        out = result.to_dict()
-        out.update(cluster=cluster.name, world_size=plan.world_size, capture_s=capture_s, simulate_s=sim_s,
-                   plan={**plan.mesh.degrees,
-                         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
-                         "num_microbatches": plan.pipeline.num_microbatches, "schedule": plan.pipeline.schedule,
-                         "precision": plan.precision, "compile": plan.compile})
-        if args.trace:
-            out["trace"] = str(args.trace)
-            out["trace_end_s"] = _trace_end_s(result.timeline)
-        json.dump(out, sys.stdout, indent=2, default=float)
+        json.dump(sim.to_dict(), sys.stdout, indent=2, default=float)
         print()
         return 0
-    _print_rich(graph, plan, cluster, result, capture_s, sim_s, args.trace)
+    _print_rich(sim.graph, sim.plan, sim.cluster, sim.result, sim.capture_s, sim.simulate_s, args.trace)
     return 0
-
-
-def _check_cp_ep(graph, plan) -> None:
-    """Refuse (exit 2) a cp or ep the model cannot take, with the reason (core/cp_support.py,
-    simulator/ep_cost.py), and an ep that does not divide dp x cp."""
-    from autopar.core.cp_support import cp_refusal
-    from autopar.simulator.axes.ep import ep_refusal
-
-    m = plan.mesh
-    if m.cp > 1 and (why := cp_refusal(graph, m.cp)):
-        raise UserError(f"cp {m.cp}: {graph.model_file} cannot take context parallelism: {why}. Use --cp 1.")
-    if m.ep > 1 and (why := ep_refusal(graph, m.ep)):
-        raise UserError(f"ep {m.ep}: {graph.model_file} cannot take expert parallelism: {why}. Use --ep 1.")
-    if m.ep > 1 and any(p[0] == "mesh.ep" for p in m.problems()):      # the ep rule
-        raise UserError(f"ep {m.ep}: expert parallelism borrows its ranks from dp x cp = {m.grad_degree}, which "
-                        f"{m.ep} does not divide; choose an ep that divides dp x cp.")
-
-
-def _trace_end_s(events) -> float:
-    """When the trace's last event ends (the step time, or later where the schedule cannot meet
-    the pipeline formula: simulator/step_trace.py)."""
-    return max((e["start_s"] + e["dur_s"] for e in events or ()), default=0.0)
-
-
-def _degrees(args: argparse.Namespace, world_size: int) -> dict[str, int]:
-    """The degree of each axis from its flag; an axis left unset (the batch axis) takes the
-    devices the others leave."""
-    from autopar.core.parallel_dims import DEGREE_NAMES
-
-    degrees = {name: getattr(args, name) for name in DEGREE_NAMES}
-    given = 1
-    for v in degrees.values():
-        given *= v or 1
-    return {name: max(1, world_size // given) if v is None else v for name, v in degrees.items()}
 
 
 def _gb(x: float) -> str:
@@ -209,6 +96,8 @@ def _gb(x: float) -> str:
 
 def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
     from rich.console import Console
+
+    from autopar.simulator.simulate_api import trace_end_s
     from rich.table import Table
 
     con = Console()
@@ -257,7 +146,7 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
               "[red]does NOT fit on the NVMe tier of every node (the cluster file's nvme capacity)[/]")
     if trace:
         con.print(f"Chrome trace written to {trace} (open in https://ui.perfetto.dev)")
-        end = _trace_end_s(r.timeline)
+        end = trace_end_s(r.timeline)
         if end > r.step_time_s * (1 + 1e-9):
             con.print(f"[yellow]the trace ends at {end:.4g} s, after the predicted step: the pipeline formula "
                       f"charges the sends between stages only in the fill and drain (docs/design.md)[/]")

@@ -52,7 +52,7 @@ def test_simulate_prints_a_small_model_in_kib(capsys):
 
 
 def test_report_figures_in_their_unit():
-    from autopar.report.report_cli import _fmt
+    from autopar.report.html_page import fmt_value as _fmt
 
     assert _fmt(200 * 1024, "B") == "200 KiB"
     assert _fmt(3 * 2**30, "B") == "3.00 GiB"

@@ -109,3 +109,35 @@ def test_the_check_sees_a_lazy_cycle_and_a_package_cycle(tmp_path):
     graph = import_graph(packages)
     assert _cycles(graph) in (["pkg.a.x -> pkg.a.y -> pkg.a.x"], ["pkg.a.y -> pkg.a.x -> pkg.a.y"])
     assert sorted(package_graph(graph, packages).edges) == [("pkg.a", "pkg.b"), ("pkg.b", "pkg.a")]
+
+
+def verb_importers(graph: nx.DiGraph, packages: dict[str, Path]) -> list[str]:
+    """``importer -> verb`` for every import of a ``*_cli`` module (a verb: flags in, printing
+    out) by a package module other than the command line's ``autopar.cli``, which registers
+    them; a module of the library (``autopar.plan``, ``simulate``, ``report``, ``run_launch``...)
+    is what a verb and any other module share.  Calls of ``importlib.import_module`` with a
+    verb's name count too."""
+    mods = _modules(packages)
+    verbs = {m for m in mods if m.rsplit(".", 1)[-1].endswith("_cli")}
+    out = [f"{a} -> {b}" for a, b in graph.edges if b in verbs and a != "autopar.cli"]
+    for mod, file in mods.items():
+        if mod == "autopar.cli":
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in verbs:
+                out.append(f"{mod} -> {node.value} (by name)")
+    return sorted(out)
+
+
+def test_only_the_command_line_imports_a_verb():
+    packages = _package_folders(ROOT)
+    graph = import_graph(packages)
+    assert verb_importers(graph, packages) == []
+    # the rule reads the edges it is meant to see: cli.py names every verb module it registers
+    # (by string, through importlib), and a planner module importing a verb would be caught
+    from autopar.cli import VERBS
+
+    mods = _modules(packages)
+    assert {module for module, _ in VERBS.values()} <= {m for m in mods if m.endswith("_cli")}
+    graph.add_edge("autopar.planner.trial_steps", "autopar.runtime.run_cli")
+    assert verb_importers(graph, packages) == ["autopar.planner.trial_steps -> autopar.runtime.run_cli"]

@@ -10,7 +10,7 @@ The plans are made in the test process (tests/cli_inprocess.run_cli, with the pl
 check on fake ranks); ONE torchrun launch then trains the five in turn (tests/zoo_worker.py:
 ``runtime.train.run`` per plan, one process group, as tests/integration/test_zoo_plan_run.py
 does), instead of five launches each importing transformers.  ``autopar run``'s own launch
-function (``runtime.run_cli.run_plan``) is tested by tests/integration/test_runtime_ep.py's
+function (``runtime.run_launch.run_plan``) is tested by tests/integration/test_runtime_ep.py's
 edited-plan case and test_runtime_launch.py; the two 4-rank cases below (ep x pp, cp x pp)
 share a second launch the same way.  A global batch of 2: the cp plans
 hold it on one dp rank, the ep plans one sample per rank.

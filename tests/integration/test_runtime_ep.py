@@ -495,12 +495,12 @@ def test_runtime_check_applies_ep_on_fake_ranks():
 def test_autopar_run_of_an_edited_printed_plan_with_ep_trains(tmp_path):
     """``autopar plan`` (dp 2 fixed) prints a plan; setting its ``mesh.ep`` to 2 by hand (the
     JSON a user edits) and ``autopar run`` of it trains the zoo's MoE like the plain loop.  Both
-    verbs run in this process (tests/cli_inprocess.run_cli; ``runtime.run_cli.run_plan``, what
+    verbs run in this process (tests/cli_inprocess.run_cli; ``runtime.run_launch.run_plan``, what
     ``autopar run`` calls), the ranks under torchrun."""
     from cli_inprocess import run_cli
     from test_zoo_plan_run import CLUSTER
 
-    from autopar.runtime.run_cli import run_plan
+    from autopar.runtime.run_launch import run_plan
 
     cluster = tmp_path / "two-cpu.yaml"
     cluster.write_text(CLUSTER)

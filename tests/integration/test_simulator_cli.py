@@ -140,16 +140,17 @@ def test_grad_clip_flag_is_recorded_and_priced(capsys, tmp_path, monkeypatch):
     again = _run(capsys, ["simulate", str(old), "--grad-clip", "--json"])
     assert again["step_time_s"] == pytest.approx(clipped["step_time_s"], rel=1e-12)
     # 'autopar replan' plans again with the flag the old plan was priced with
-    from autopar.planner import plan_cli
+    from autopar.planner import plan_api, plan_report
 
     seen = []
 
-    def planned(a):                # the planner's part: the flag it is given, and a plan file
-        seen.append(a.grad_clip)
-        Path(a.output).write_text(out.read_text())
-        return 0
+    def planned(*args, **kw):      # the planner's part: the flag it is given, and a plan file
+        seen.append(kw["grad_clip"])
+        Path(kw["output"]).write_text(out.read_text())
+        return None
 
-    monkeypatch.setattr(plan_cli, "main", planned)
+    monkeypatch.setattr(plan_api, "plan", planned)
+    monkeypatch.setattr(plan_report, "print_outcome", lambda console, outcome: None)
     for path, want in ((out, True), (old, False)):
         assert cli_main(["replan", str(path), "--nodes", "1", "-o", str(tmp_path / "re.json")]) == 0
         assert seen.pop() is want

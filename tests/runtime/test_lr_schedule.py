@@ -118,14 +118,15 @@ def test_min_lr_above_lr_is_a_user_error():
 
 
 def test_run_forwards_the_optimizer_flags():
-    from autopar.runtime import run_cli
+    from autopar.runtime import run_cli, run_launch
+    from autopar.runtime.options import options_from_args
 
     parser = argparse.ArgumentParser()
     run_cli.add_arguments(parser)
     args = parser.parse_args(["plan.json", "--lr-schedule", "linear", "--grad-clip", "2", "--betas", "0.8,0.9",
                               "--warmup-steps", "1"])
-    run_cli.options_from_args(args)
-    argv = run_cli.runtime_arguments(args)
+    options_from_args(args)
+    argv = run_launch.runtime_arguments(args)
     assert argv[argv.index("--betas") + 1] == "0.8,0.9" and argv[argv.index("--grad-clip") + 1] == "2.0"
     assert argv[argv.index("--timing-warmup") + 1] == "1" and "--warmup-steps" not in argv
     from autopar.runtime.options import add_run_arguments, options_from_args
