@@ -36,7 +36,7 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
     # Llama 3 8B (Llama Team 2024, Table 3), as torchtitan's run: bf16, sequence 8192
     args = {"size": "llama3-8b", "layers": layers, "seq": seq, "dtype": "bfloat16"}
@@ -52,7 +52,7 @@ def price(micro_batch: int = 2, seq: int = 8192, layers: int = 32) -> dict:
                        for lp in eager.layers)
     for name, plan in (("eager", eager), ("compile", replace(eager, compile=True)),
                        ("compile_float8", replace(eager, compile=True, layers=fp8_layers))):
-        r = simulate(graph, plan, cluster, cms)
+        r = simulate_plan(graph, plan, cluster, cms)
         out[name] = {"step_s": r.step_time_s, "tokens_per_s_per_gpu": 8 * micro_batch * seq / r.step_time_s / 8}
     return out
 

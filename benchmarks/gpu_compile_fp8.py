@@ -124,7 +124,7 @@ def simulated(args: dict, micro_batch: int, cpu: bool, fp8_recipe: str = "tensor
     from autopar.core.cluster_file import load_cluster
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
     graph = capture_model_file(str(LLAMA), args, micro_batch)
     cluster = load_cluster("local-cpu" if cpu else "h100-16x8", nodes=1)
@@ -136,9 +136,9 @@ def simulated(args: dict, micro_batch: int, cpu: bool, fp8_recipe: str = "tensor
     fp8 = replace(plan, compile=True, fp8_recipe=fp8_recipe,
                   layers=tuple(replace(lp, precision="fp8" if graph.layers[lp.layer].kind not in ("pre", "post") else "")
                                for lp in plan.layers))
-    return {"eager_bf16": simulate(graph, plan, cluster, cms).step_time_s,
-            "compiled_bf16": simulate(graph, replace(plan, compile=True), cluster, cms).step_time_s,
-            "compiled_fp8": simulate(graph, fp8, cluster, cms).step_time_s}
+    return {"eager_bf16": simulate_plan(graph, plan, cluster, cms).step_time_s,
+            "compiled_bf16": simulate_plan(graph, replace(plan, compile=True), cluster, cms).step_time_s,
+            "compiled_fp8": simulate_plan(graph, fp8, cluster, cms).step_time_s}
 
 
 def fp8_unavailable(device: torch.device, on_cpu: bool = False) -> str | None:

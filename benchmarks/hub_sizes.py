@@ -17,7 +17,7 @@ from pathlib import Path
 def package_files(root: Path) -> list[Path]:
     config = tomllib.loads((root / "pyproject.toml").read_text())
     folders = {root / f for f in config["tool"]["setuptools"]["package-dir"].values()}
-    return sorted(f for d in folders for f in d.glob("*.py"))
+    return sorted(f for d in folders for f in d.rglob("*.py"))
 
 
 def sizes(root: Path) -> tuple[list, list, list]:

@@ -6,7 +6,7 @@ parallel layout and measured throughput, with its source) is priced as ``autopar
 prices a configuration: the model built from ``examples/gpt.py`` or ``examples/llama.py`` with
 the row's dimensions and captured on meta, the cluster from a bundled file with the row's node
 count and network, the plan from the row's layout (``simulator.configure.config_plan``), and
-``simulator.simulate.simulate`` (the step model).  Per family (PTD-P, ZeRO-3, FSDP) and GPU
+``simulator.simulate.simulate_plan`` (the step model).  Per family (PTD-P, ZeRO-3, FSDP) and GPU
 type it prints the median |error|, the mean signed error and the worst row.
 
 Error = predicted throughput / measured throughput - 1 (= measured step / predicted step - 1):
@@ -618,7 +618,7 @@ def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
     from autopar.core.capture import capture_model_file
     from autopar.simulator.device.calibration import FITTED
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
     path, args = model_spec(row)
     mb = row["layout"]["micro_batch"]
@@ -631,7 +631,7 @@ def price_row(row: dict, graph_cache: dict, calibration=None) -> dict:
     calibration = FITTED if calibration is None else calibration
     cms = {g.gpu: CostModel.from_profile(g.gpu).for_code(code).for_calibration(calibration) for g in cluster.groups}
     plan = row_plan(row, graph, cluster)
-    res = simulate(graph, plan, cluster, cms)
+    res = simulate_plan(graph, plan, cluster, cms)
     meas = measured_step_s(row)
     out = {"id": row["id"], "family": row["family"], "gpu": row["gpu"], "predicted_step_s": res.step_time_s,
            "measured_step_s": meas, "error": throughput_error(res.step_time_s, meas), "fits": res.fits,

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 from autopar.core import rules
 
-KINDS = ("none", "bf16", "fp16", "powersgd")
+COMPRESSION_KINDS = ("none", "bf16", "fp16", "powersgd")
 #: the lossless-enough kinds the planner may choose by itself (the 16-bit casts)
 CASTS = ("bf16", "fp16")
 #: bytes of one gradient element on the wire under a cast
-CAST_BYTES = {"bf16": 2, "fp16": 2}
+WIRE_BYTES = {"bf16": 2, "fp16": 2}
 #: PowerSGD compresses from this step on; the steps before it all-reduce plainly.  Torch's minimum
 #: with error feedback or warm start (``PowerSGDState``: DDP rebuilds its buckets after step 1,
 #: which would invalidate the memorised error and P/Q buffers).
@@ -82,7 +82,7 @@ def compression_problem(spec: str, mesh, zero: int) -> str | None:
         return str(e)
     if c.kind == "none":
         return None
-    grad_ranks = mesh.dp * mesh.cp
+    grad_ranks = mesh.grad_degree
     if grad_ranks <= 1:
         return (f"{c} compresses the data-parallel gradient reduce, and this plan has none (dp x cp = 1: every "
                 f"rank holds its own gradients)")

@@ -125,7 +125,7 @@ def choose_compression(result: SearchResult, graph, cluster, cost_models, fixed:
         if best_c == "none":
             why = (f"--grad-compression {fixed} cannot run on this plan" if fixed not in (None, "none") else
                    "--grad-compression none" if fixed == "none" else
-                   "no data-parallel reduce to compress" if item.plan.mesh.dp * item.plan.mesh.cp <= 1 else
+                   "no data-parallel reduce to compress" if item.plan.mesh.grad_degree <= 1 else
                    f"fp32 plan: gradients stay fp32 unless --grad-compression asks" if item.plan.precision == "fp32"
                    and not allow_lossy else f"saves less than {MIN_GAIN:.0%} of the step")
             chosen = Evaluated(item.candidate, base, none)

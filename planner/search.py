@@ -1,4 +1,4 @@
-"""``plan(graph, cluster, cost_model, options) -> Plan``: the planner's two searches.
+"""``best_plan(graph, cluster, cost_model, options) -> Plan``: the planner's two searches.
 
 1. **Structured** (Alpa style, Zheng et al. 2022): for every setting -- mesh (dp x tp x pp,
    sequence parallelism), ZeRO family, micro-batch size and count, schedule -- the per-layer
@@ -352,7 +352,7 @@ def search(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions, *
         return replace(result, tier_note=retry[1])
 
 
-def plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:
+def best_plan(graph: OpGraph, cluster: Cluster, cost_model, options: PlanOptions) -> Plan:
     """The fastest plan found that fits memory on every device (NoFeasiblePlanError if none)."""
     return search(graph, cluster, cost_model, options).best.plan
 

@@ -45,6 +45,6 @@ def price_plan(plan: Plan, cluster: Cluster, cost_models: CostModel | Mapping[st
                graph: OpGraph | None = None, timeline: bool = False) -> SimResult:
     """``simulate`` of ``plan`` on its model captured at its micro-batch (``plan_graph``; ``graph``
     serves where it was captured so) and on ``cluster`` less its headroom (``plan_cluster``)."""
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
-    return simulate(plan_graph(plan, graph), plan, plan_cluster(plan, cluster), cost_models, timeline=timeline)
+    return simulate_plan(plan_graph(plan, graph), plan, plan_cluster(plan, cluster), cost_models, timeline=timeline)

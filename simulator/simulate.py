@@ -1,4 +1,4 @@
-"""simulate(graph, plan, cluster, cost_model) -> SimResult: the priced step, and its timeline.
+"""simulate_plan(graph, plan, cluster, cost_model) -> SimResult: the priced step, and its timeline.
 
 One step model serves the planner, ``autopar simulate``, ``autopar report`` and the plan's
 ``predicted`` block: ``PlanEvaluator.evaluate`` (per-layer rows, then the step in closed form,
@@ -35,7 +35,7 @@ def plan_cost_models(plan: Plan, cost_model: CostModel | Mapping[str, CostModel]
     return code(cost_model) if isinstance(cost_model, CostModel) else {k: code(cm) for k, cm in cost_model.items()}
 
 
-def simulate(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel | Mapping[str, CostModel], *,
+def simulate_plan(graph: OpGraph, plan: Plan, cluster: Cluster, cost_model: CostModel | Mapping[str, CostModel], *,
              timeline: bool = False, evaluator: PlanEvaluator | None = None) -> SimResult:
     """Price one training step of ``plan``; ``timeline=True`` also keeps every event of the trace."""
     try:

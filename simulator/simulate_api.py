@@ -67,7 +67,7 @@ def simulate(target: str | Path, *, cluster=None, nodes: int | None = None,
     from autopar.core.errors import InfeasibleError
     from autopar.core.plan import load_plan
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate as simulate_plan
+    from autopar.simulator.simulate import simulate_plan
     from autopar.simulator.step.timeline import write_chrome_trace
 
     t0 = time.perf_counter()

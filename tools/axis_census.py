@@ -55,7 +55,7 @@ def census(path: Path) -> tuple[bool, bool, list[int]]:
 
 
 def main(root: Path) -> None:
-    files = sorted(p for d in DIRS for p in (root / d).glob("*.py"))
+    files = sorted(p for d in DIRS for p in (root / d).rglob("*.py"))
     naming, mesh_reads, products = [], [], []
     for p in files:
         a, b, c = census(p)

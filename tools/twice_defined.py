@@ -18,7 +18,7 @@ IGNORED = {"main", "add_arguments"}          # every CLI module's entry and its 
 
 
 def package_modules(root: Path) -> list[Path]:
-    files = sorted(p for pkg in PACKAGES for p in (root / pkg).glob("*.py"))
+    files = sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py"))
     return files + sorted(p for p in root.glob("*.py"))
 
 

@@ -50,7 +50,7 @@ def buckets(grad_bytes) -> list[tuple[int, int, float]]:
     return out
 
 
-def acts(ctx) -> bool:
+def ddp_buckets_act(ctx) -> bool:
     """Whether ``ddp_bucketed_all_reduces`` may rewrite the rows of context ``ctx``: a plain
     data-parallel mesh (it reads the whole table: which layers close a bucket)."""
     return ctx.mesh.grad_degree > 1 and not ctx.mesh.splits_model

@@ -6,7 +6,7 @@ runtime/apply_dp.py), priced as ``TrainingCode.grad_compression`` (simulator/sim
 ``plan_cost_models``).  The rows reaching this term price the reduce uncompressed; it rewrites:
 
 * **bf16 / fp16 on the wire** -- every gradient element crosses the wire in 2 bytes
-  (``CAST_BYTES``).  The reduce-scatter of sharded layers (FSDP2, ZeRO-2/3) was priced at the
+  (``WIRE_BYTES``).  The reduce-scatter of sharded layers (FSDP2, ZeRO-2/3) was priced at the
   reduce dtype's bytes (sharded_dp.py item 3: ``max(priced, TrainingCode.reduce_bytes)`` where
   the sharded term acts, the training precision's where it does not) and scales by 2 over those
   bytes -- wire, copy-in and the ring latency with them, as sharded_dp.py item 3 scales them.  The
@@ -43,7 +43,7 @@ import weakref
 import numpy as np
 
 from autopar.core.dtypes import precision_bytes
-from autopar.core.grad_compression import CAST_BYTES, GradCompression, powersgd_compresses
+from autopar.core.grad_compression import WIRE_BYTES, GradCompression, powersgd_compresses
 from autopar.simulator.axes.dp_buckets import buckets
 from autopar.simulator.device.network import ring_wire_bytes
 
@@ -123,7 +123,7 @@ def powersgd_layer(mats, vec: int, rank: int) -> tuple[float, float, float, floa
     return whole, p, q, flops, kernels
 
 
-def acts(ctx) -> bool:
+def compression_acts(ctx) -> bool:
     return ctx.rank_cm[0].code.grad_compression != "none"
 
 
@@ -141,8 +141,8 @@ def with_compression(rows, ctx, graph, gloo: bool = False):
     priced = float(precision_bytes(ctx.precision))          # the rows' bytes per gradient element
     ddp = rows.zero <= 1
     plain_ddp = not mesh.splits_model and mesh.ep <= 1 and bool(ddp.all())
-    if c.kind in CAST_BYTES:
-        wire = float(CAST_BYTES[c.kind])
+    if c.kind in WIRE_BYTES:
+        wire = float(WIRE_BYTES[c.kind])
         sharded_acted = not (cm.host_dispatch_bound or ctx.serial_comm)
         rs_bytes = max(priced, cm.code.reduce_bytes) if sharded_acted else priced
         rs = np.where(ddp, rows.dp_reducescatter_s, rows.dp_reducescatter_s * (wire / rs_bytes))
@@ -197,8 +197,8 @@ def compressed_fraction(graph, spec: str) -> float:
     c = GradCompression.parse(spec)
     if c.kind == "none":
         return 1.0
-    if c.kind in CAST_BYTES:
-        return CAST_BYTES[c.kind] / 4.0
+    if c.kind in WIRE_BYTES:
+        return WIRE_BYTES[c.kind] / 4.0
     total = sent = 0.0
     for mats, vec in _graph_matrices(graph):
         whole, p, q, _, _ = powersgd_layer(mats, vec, c.rank)

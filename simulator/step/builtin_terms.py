@@ -27,7 +27,7 @@ register(Term("tp", "compute", reads=("tp_comm_fwd_s", "tp_comm_bwd_s"), fwd="tp
 #: table (which layer closes a bucket), so not local
 register(Term("ddp_buckets", "table", local=False, reads=("dp_grad_bytes", "dp_allreduce_s", "zero"),
               derive=lambda rows, ctx, ev: ddp_buckets.ddp_bucketed_all_reduces(rows, ctx, ctx.processes),
-              acts=ddp_buckets.acts, source="simulator/axes/dp_buckets.py"))
+              acts=ddp_buckets.ddp_buckets_act, source="simulator/axes/dp_buckets.py"))
 #: FSDP2's copies, the overlap slowdown, the fp32 reduce-scatter: reads layers k-1, k, k+1 (local)
 register(Term("sharded_dp", "table", reads=("dp_allgather_s", "dp_reducescatter_s", "zero", "fwd_s", "bwd_s"),
               derive=lambda rows, ctx, ev: sharded_dp_table.plan_table_costs(
@@ -44,7 +44,7 @@ register(Term("grad_compression", "table", local=False, reads=("dp_grad_bytes", 
                                                                 "grad_bytes", "zero"),
               derive=lambda rows, ctx, ev: grad_compression.with_compression(rows, ctx, ev.graph,
                                                                            ev.cluster.backend == "gloo"),
-              acts=grad_compression.acts, source="simulator/axes/grad_compression.py"))
+              acts=grad_compression.compression_acts, source="simulator/axes/grad_compression.py"))
 #: CPU ranks that meet wait for each other: a per-rank stretch from the whole rank's work (not local)
 register(Term("cpu_waits", "table", local=False, reads=("fwd_s", "bwd_s", "recompute_s", "optimizer_s", "meetings"),
               derive=lambda rows, ctx, ev: (cpu_node.with_meeting_waits(rows, ctx, ctx.processes)

@@ -16,7 +16,7 @@ from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Plan
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from autopar.simulator.evaluator import PlanEvaluator
 from sim_graphs import gpt_graph
 
@@ -53,8 +53,8 @@ def _by_hand(n_ranks, elements, grad_bytes):
 def test_clip_adds_its_passes_and_the_norm_all_reduce(dp, zero, precision, grad_bytes):
     cm = CostModel.from_profile(PROFILE)
     plan = _plan(dp, 1, zero, precision)
-    plain = simulate(GRAPH, plan, _cluster(), cm)
-    clipped = simulate(GRAPH, replace(plan, grad_clip=True), _cluster(), cm)
+    plain = simulate_plan(GRAPH, plan, _cluster(), cm)
+    clipped = simulate_plan(GRAPH, replace(plan, grad_clip=True), _cluster(), cm)
     held = GRAPH.params_total / (dp if zero >= 2 else 1)      # gradient elements a rank holds once reduced
     want = _by_hand(dp, held, grad_bytes)
     assert clipped.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-9)
@@ -74,8 +74,8 @@ def test_clip_under_tensor_parallelism_counts_the_local_shards():
     held elements are at least half of the model's and less than all of it."""
     cm = CostModel.from_profile(PROFILE)
     plan = _plan(4, 2, 0, "fp32")
-    extra = simulate(GRAPH, replace(plan, grad_clip=True), _cluster(), cm).step_time_s - \
-        simulate(GRAPH, plan, _cluster(), cm).step_time_s
+    extra = simulate_plan(GRAPH, replace(plan, grad_clip=True), _cluster(), cm).step_time_s - \
+        simulate_plan(GRAPH, plan, _cluster(), cm).step_time_s
     ring = _by_hand(8, 0, 4)
     assert _by_hand(8, GRAPH.params_total / 2, 4) <= extra < _by_hand(8, GRAPH.params_total, 4)
     assert extra > ring
@@ -97,9 +97,9 @@ def test_the_trace_ends_at_the_clipped_step(pp, zero):
                        micro_batch=1, global_batch=4 * 8 // (2 * pp),
                        schedule="gpipe", virtual_stages=1, zero=zero, recompute="none", offload="none",
                        precision="fp32", sequence_parallel=False)
-    plain = simulate(GRAPH, plan, _cluster(), cm, timeline=True)
+    plain = simulate_plan(GRAPH, plan, _cluster(), cm, timeline=True)
     plan = replace(plan, grad_clip=True)
-    res = simulate(GRAPH, plan, _cluster(), cm, timeline=True)
+    res = simulate_plan(GRAPH, plan, _cluster(), cm, timeline=True)
     if pp == 1:
         assert max(e["start_s"] + e["dur_s"] for e in res.timeline) == pytest.approx(res.step_time_s, rel=1e-12)
     moved = [a - b for a, b in zip(_rank_ends(res, plan), _rank_ends(plain, plan))]
@@ -119,7 +119,7 @@ def test_old_plan_json_loads_and_prices_as_before():
     assert "grad_clip" not in d               # written only when true
     again = Plan.from_dict(d)
     assert again.grad_clip is False and again.identity == plan.identity
-    assert simulate(GRAPH, again, _cluster(), cm).step_time_s == simulate(GRAPH, plan, _cluster(), cm).step_time_s
+    assert simulate_plan(GRAPH, again, _cluster(), cm).step_time_s == simulate_plan(GRAPH, plan, _cluster(), cm).step_time_s
     clipped = replace(plan, grad_clip=True)
     d2 = json.loads(clipped.to_json())
     assert d2["grad_clip"] is True

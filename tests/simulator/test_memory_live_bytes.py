@@ -47,7 +47,7 @@ def _predicted(recompute: str):
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), ARGS, 1)
     cluster = load_cluster("local-cpu")
@@ -55,7 +55,7 @@ def _predicted(recompute: str):
                        micro_batch=1, global_batch=1, schedule="1f1b", virtual_stages=1,
                        zero=0, recompute=recompute, offload="none", precision="fp32", sequence_parallel=False,
                        cluster_name=cluster.name)
-    return simulate(graph, plan, cluster, CostModel.from_profile("local-cpu")).memory[0]
+    return simulate_plan(graph, plan, cluster, CostModel.from_profile("local-cpu")).memory[0]
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

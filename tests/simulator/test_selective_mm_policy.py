@@ -98,7 +98,7 @@ def test_the_steps_hardware_flops_count_the_rerun_matmuls():
     FLOPs of every block, per sample of the global batch."""
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
 
     graph = capture_model_file(str(ROOT / "examples" / "llama.py"), LLAMA, 2)
     cluster = load_cluster("h100-16x8", nodes=1)
@@ -109,7 +109,7 @@ def test_the_steps_hardware_flops_count_the_rerun_matmuls():
 
     def hw_flops(policy):
         cm = CostModel.from_profile("h100-sxm").for_code(TrainingCode(selective_mm_policy=policy))
-        res = simulate(graph, plan, cluster, cm)
+        res = simulate_plan(graph, plan, cluster, cm)
         return res.hw_tflops_per_gpu * res.step_time_s * 1e12
     rerun = sum(o.fwd_flops for lp in plan.layers if lp.recompute == "selective"
                 for ops in [graph.layer_ops(lp.layer)] for o in ops if o.name in recomputed_matmuls(ops, "every_other"))

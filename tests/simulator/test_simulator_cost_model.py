@@ -325,7 +325,7 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
     from autopar.core.cluster import load_cluster
     from autopar.simulator.step import optimizer_step
     from autopar.simulator.configure import config_plan
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
     from sim_graphs import gpt_graph
 
     g = gpt_graph(4, 1024, 16, 1024, 50304)
@@ -340,10 +340,10 @@ def test_gradient_sync_after_the_flush_is_the_steps_serial_tail():
                        zero=0, recompute="none", offload="none", precision="bf16", sequence_parallel=False)
 
     _, plain = PlanEvaluator(g, cluster, cm).prepare(plan)
-    plain_step = simulate(g, plan, cluster, cm).step_time_s
+    plain_step = simulate_plan(g, plan, cluster, cm).step_time_s
     cm = cm.for_code(TrainingCode(optimizer=optimizer_step.MEGATRON_FP16_2021))
     _, meg = PlanEvaluator(g, cluster, cm).prepare(plan)
-    meg_step = simulate(g, plan, cluster, cm).step_time_s
+    meg_step = simulate_plan(g, plan, cluster, cm).step_time_s
     ar = plain.column("dp_allreduce_s")
     assert ar.sum() > 0 and not meg.column("dp_allreduce_s").any()
     extra = 36 * plain.column("param_numel") / (cm.memory_bandwidth_Bps * cm.efficiency["memory_bound"])
@@ -366,7 +366,7 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     from autopar.simulator.step import optimizer_step
     from autopar.simulator.configure import config_plan
     from autopar.simulator.evaluator import PlanEvaluator
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
     from sim_graphs import gpt_graph
 
     g = gpt_graph(4, 1024, 16, 1024, 50304)
@@ -382,7 +382,7 @@ def test_megatron_with_torch_ddp_overlaps_the_sync():
     assert rows.column("dp_allreduce_s") == pytest.approx(plain.column("dp_allreduce_s"))
     extra = 36 * plain.column("param_numel") / (base.memory_bandwidth_Bps * base.efficiency["memory_bound"])
     assert rows.column("optimizer_s") == pytest.approx(plain.column("optimizer_s") + extra)
-    assert simulate(g, plan, cluster, torch_ddp).step_time_s < simulate(g, plan, cluster, local_ddp).step_time_s
+    assert simulate_plan(g, plan, cluster, torch_ddp).step_time_s < simulate_plan(g, plan, cluster, local_ddp).step_time_s
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

@@ -11,7 +11,7 @@ from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from sim_graphs import gpt_graph
 
 
@@ -47,7 +47,7 @@ def test_megatron_table1(row):
                        micro_batch=mb, global_batch=B, schedule=schedule, virtual_stages=2,
                        zero=0, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
     fast = PlanEvaluator(g, cl, cm).evaluate(plan)
-    full = simulate(g, plan, cl, cm)
+    full = simulate_plan(g, plan, cl, cm)
     for r in (fast, full):
         tflops = megatron_flops(B, s, l, h, V) / r.step_time_s / gpus / 1e12
         assert tflops == pytest.approx(published, rel=0.10), f"{name}: {tflops:.1f} vs {published}"

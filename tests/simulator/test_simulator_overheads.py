@@ -14,7 +14,7 @@ from autopar.core.plan import LayerPlan, Mesh
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from autopar.simulator.step.cpu_node import compute_stretch
 from sim_graphs import gpt_graph
 
@@ -344,7 +344,7 @@ def test_serial_communication_adds_ddp_allreduce():
     ctx, rows = ev.prepare(plan)
     assert ctx.serial_comm
     total = sum(float(rows.column(k).sum()) for k in ("fwd_s", "bwd_s", "dp_allreduce_s", "optimizer_s"))
-    for res in (ev.evaluate(plan), simulate(g, plan, serial_cl, cm)):
+    for res in (ev.evaluate(plan), simulate_plan(g, plan, serial_cl, cm)):
         assert res.step_time_s == pytest.approx(total, rel=1e-9)
     assert not PlanEvaluator(g, overlap_cl, cm).prepare(plan)[0].serial_comm
     assert PlanEvaluator(g, overlap_cl, cm).evaluate(plan).step_time_s < total

@@ -8,7 +8,7 @@ from autopar.core.plan import ModelRef, uniform_plan
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from sim_graphs import dense_graph, gpt_graph
 
 PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
@@ -29,7 +29,7 @@ def test_bubble_fraction_uniform_stages(schedule, p, m):
     cm = CostModel.from_profile(PROFILE)
     plan = uniform_plan(model=REF, num_layers=2 * p, pp=p, num_microbatches=m, schedule=schedule, precision="bf16")
     expected = (p - 1) / (m + p - 1)          # Huang et al. 2019; Narayanan et al. 2021 Sec. 2.2.1
-    for r in (simulate(g, plan, _cluster(), cm), PlanEvaluator(g, _cluster(), cm).evaluate(plan)):
+    for r in (simulate_plan(g, plan, _cluster(), cm), PlanEvaluator(g, _cluster(), cm).evaluate(plan)):
         assert r.bubble_fraction == pytest.approx(expected, abs=0.005)
         per_mb = 2 * 3 * 1e12 / 250e12       # two layers, fwd + bwd = 3x forward
         assert r.step_time_s == pytest.approx((m + p - 1) * per_mb, rel=0.01)
@@ -43,7 +43,7 @@ def test_interleaved_bubble_divided_by_v():
                         virtual_stages=v, precision="bf16")
     t = 4 * 3 * 1e12 / 250e12                  # one micro-batch through one rank's 4 layers
     expected = m * t + (p - 1) * t / v         # Narayanan et al. 2021, Sec. 2.2.2
-    for r in (simulate(g, plan, _cluster(), cm), PlanEvaluator(g, _cluster(), cm).evaluate(plan)):
+    for r in (simulate_plan(g, plan, _cluster(), cm), PlanEvaluator(g, _cluster(), cm).evaluate(plan)):
         assert r.step_time_s == pytest.approx(expected, rel=0.02)
 
 
@@ -62,7 +62,7 @@ def test_ddp_overlap(params, expect):
     # ring all-reduce per layer: 2(N-1) latencies + 2(N-1)/N of its bf16 gradients
     assert allreduce == pytest.approx(layers * 2 * (dp - 1) * 1e-6 + 2 * (dp - 1) / dp * 2 * params / 100e9, rel=1e-6)
     opt = layers * lc.optimizer_s
-    for r in (simulate(g, plan, cl, cm), ev.evaluate(plan)):
+    for r in (simulate_plan(g, plan, cl, cm), ev.evaluate(plan)):
         exposed = r.step_time_s - fwd - opt
         if expect == "backward":
             assert allreduce < bwd
@@ -85,7 +85,7 @@ def test_simulate_and_evaluate_agree(kw):
     cl = _cluster(nodes=2, gpus=4)
     plan = config_plan(g, micro_batch=1, virtual_stages=2, offload="none", precision="bf16",
                        sequence_parallel=False, **kw)
-    a = simulate(g, plan, cl, cm)
+    a = simulate_plan(g, plan, cl, cm)
     b = PlanEvaluator(g, cl, cm).evaluate(plan)
     assert a.to_dict() == b.to_dict()
 
@@ -118,7 +118,7 @@ def test_reprice_changes_only_changed_layers():
 
 
 def test_one_step_model_for_evaluate_and_simulate():
-    """simulate() and the search's evaluate() give the same figures (to 1e-9) over many plans; the
+    """simulate_plan() and the search's evaluate() give the same figures (to 1e-9) over many plans; the
     trace is held to the step model by tests/simulator/test_simulator_trace.py."""
     import random
 
@@ -139,7 +139,7 @@ def test_one_step_model_for_evaluate_and_simulate():
                            offload=rng.choice(["none", "cpu"]) if zero >= 2 else "none",
                            precision="bf16", sequence_parallel=tp > 1 and rng.random() < 0.5)
         fast = ev.evaluate(plan)
-        sim = simulate(g, plan, cl, cm, timeline=True)
+        sim = simulate_plan(g, plan, cl, cm, timeline=True)
         assert sim.step_time_s == pytest.approx(fast.step_time_s, rel=1e-9, abs=0)
         assert sim.stage_step_s == pytest.approx(fast.stage_step_s, rel=1e-9, abs=0)
         assert sim.bubble_fraction == pytest.approx(fast.bubble_fraction, rel=1e-9, abs=1e-12)

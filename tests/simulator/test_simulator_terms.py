@@ -29,7 +29,7 @@ from autopar.simulator.step import layer_table
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from autopar.simulator.step.trace import draw_step
 from autopar.simulator.step.timeline import to_chrome_trace
 from autopar.simulator.step.term_registry import ENTRIES, Column, Term, registered, terms
@@ -83,7 +83,7 @@ def test_toy_term_moves_the_step_by_its_layers_and_appears_in_the_trace(gpt4, cl
         assert layer_table.COLUMNS[-1] == "toy_s"
         ev = PlanEvaluator(gpt4, cluster, _cms(cluster))
         fast = [ev.evaluate(p).step_time_s for p in (plan, changed)]     # the second from the memo
-        full = simulate(gpt4, changed, cluster, _cms(cluster))
+        full = simulate_plan(gpt4, changed, cluster, _cms(cluster))
         ctx, rows = ev.prepare(changed)
         assert ctx.memo_ok == (cluster_name != "local-cpu")
         assert np.all(rows.toy_s == TOY_S)
@@ -176,7 +176,7 @@ def test_toy_axis_is_seen_by_the_plan_builder_the_links_and_the_step_model(gpt4)
     assert a.step_time_s == b.step_time_s
     assert a.samples_per_s == pytest.approx(2 * b.samples_per_s, rel=1e-12)
     assert sum(a.work.comm_bytes.values()) == pytest.approx(2 * sum(b.work.comm_bytes.values()), rel=1e-12)
-    assert simulate(gpt4, toy, cluster, _cms(cluster)).step_time_s == a.step_time_s
+    assert simulate_plan(gpt4, toy, cluster, _cms(cluster)).step_time_s == a.step_time_s
 
 
 # ------------------------------------------------------------------ a toy traffic term

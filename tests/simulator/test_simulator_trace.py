@@ -32,7 +32,7 @@ from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.axes import pp_p2p as pipeline_p2p
 from autopar.simulator.evaluator import PlanEvaluator
-from autopar.simulator.simulate import simulate
+from autopar.simulator.simulate import simulate_plan
 from autopar.simulator.axes.pp import pipeline_time, rank_ends
 from autopar.simulator.step.trace import _pipeline_starts, _Terms, draw_step, schedule_tasks
 from autopar.simulator.step.timeline import write_chrome_trace
@@ -166,7 +166,7 @@ def _end(e):
 
 @pytest.mark.parametrize("graph,plan,cluster,cm,exact", list(_cases()))
 def test_trace_ends_at_the_step_model(graph, plan, cluster, cm, exact):
-    res = simulate(graph, plan, cluster, cm, timeline=True)
+    res = simulate_plan(graph, plan, cluster, cm, timeline=True)
     ctx, rows, trace, devices = _draw(graph, plan, cluster, cm)
     assert ctx.serial_comm == (cluster.groups[0].compute_slots > 0)
     ends = [max(_end(e) for e in trace.events if e["device"] == d) for d in devices]
@@ -256,7 +256,7 @@ def test_chrome_trace(tmp_path):
     plan = config_plan(g, degrees={"dp": 2, "tp": 2, "pp": 2},
                        micro_batch=1, global_batch=8, schedule="1f1b", virtual_stages=1,
                        zero=3, recompute="full", offload="none", precision="bf16", sequence_parallel=False)
-    r = simulate(g, plan, cl, CostModel.from_profile(PROFILE), timeline=True)
+    r = simulate_plan(g, plan, cl, CostModel.from_profile(PROFILE), timeline=True)
     path = tmp_path / "trace.json"
     write_chrome_trace(path, r.timeline)
     trace = json.loads(path.read_text())

@@ -187,13 +187,13 @@ def test_split_backward_plans_price_below_interleaved_1f1b(schedule):
     from autopar.core.cluster import load_cluster
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.cost_model import CostModel
-    from autopar.simulator.simulate import simulate
+    from autopar.simulator.simulate import simulate_plan
     from sim_graphs import gpt_graph
 
     graph = gpt_graph(8, 512, 8, 256, 1000)       # 8 blocks: 2 chunks on each of 4 ranks
     cluster, cm = load_cluster("h100-16x8"), CostModel.from_profile("h100-sxm")
     kw = dict(degrees={"pp": 4}, micro_batch=1, global_batch=8, virtual_stages=2, zero=0, recompute="none",
               offload="none", precision="bf16", sequence_parallel=False)
-    base = simulate(graph, config_plan(graph, schedule="interleaved", **kw), cluster, cm)
-    split = simulate(graph, config_plan(graph, schedule=schedule, **kw), cluster, cm)
+    base = simulate_plan(graph, config_plan(graph, schedule="interleaved", **kw), cluster, cm)
+    split = simulate_plan(graph, config_plan(graph, schedule=schedule, **kw), cluster, cm)
     assert split.bubble_fraction < base.bubble_fraction
