@@ -17,7 +17,9 @@ from pathlib import Path
 def package_files(root: Path) -> list[Path]:
     config = tomllib.loads((root / "pyproject.toml").read_text())
     folders = {root / f for f in config["tool"]["setuptools"]["package-dir"].values()}
-    return sorted(f for d in folders for f in d.rglob("*.py"))
+    # the root package's folder holds only its own modules (cli.py, __init__.py); the others, their
+    # sub-packages too (simulator/device, axes, step)
+    return sorted({f for d in folders for f in (d.glob("*.py") if d == root else d.rglob("*.py"))})
 
 
 def sizes(root: Path) -> tuple[list, list, list]:

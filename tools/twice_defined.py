@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGES = ("core", "planner", "simulator", "runtime", "report", "profiling")
+PACKAGES = ("core", "planner", "simulator", "runtime", "report", "profiling", "elastic")
 IGNORED = {"main", "add_arguments"}          # every CLI module's entry and its flags: one meaning each
 
 
