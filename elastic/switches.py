@@ -146,7 +146,7 @@ def checkpoint_step(checkpoint_dir: Path) -> int:
     return found[0] if found else 0
 
 
-def replan(plan_path: Path, nodes: int, output: Path, checkpoint_dir: Path, budget_s: float) -> None:
+def replan_for_nodes(plan_path: Path, nodes: int, output: Path, checkpoint_dir: Path, budget_s: float) -> None:
     """``autopar replan PLAN --nodes N -o OUTPUT``: the planner's search for N nodes of the plan's
     cluster, the global batch kept (a ``UserError`` saying what to do where it cannot be)."""
     import sys
@@ -202,7 +202,7 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
     new_path = directory / f"plan_{index}.json"
     per_node = world // len(nodes)
     t0 = time.time()
-    replan(current_path, len(nodes), new_path, checkpoint_dir, budget_s)
+    replan_for_nodes(current_path, len(nodes), new_path, checkpoint_dir, budget_s)
     replan_s = time.time() - t0
     new = load_plan(new_path)
     if new.world_size != world:
@@ -233,7 +233,7 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
     state["plan"] = str(new_path)
     write_json(directory / STATE, state)
     out.update(plan=str(new_path), switch=index)
-    for line in describe(switch):
+    for line in switch_log_lines(switch):
         log(line)
     return out
 
@@ -242,7 +242,7 @@ def _s(v) -> str:
     return f"{v:.2f} s" if isinstance(v, (int, float)) else "n/a"
 
 
-def describe(switch: dict) -> list[str]:
+def switch_log_lines(switch: dict) -> list[str]:
     """The switch's log lines."""
     p, t = switch["predicted_switch_s"], switch["predicted_step_time_s"]
     ms = lambda v: f"{1e3 * v:.2f} ms" if isinstance(v, (int, float)) else "not predicted"  # noqa: E731
