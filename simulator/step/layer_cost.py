@@ -183,9 +183,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
         host_bytes=dp.host_bytes, nvme_bytes=dp.nvme_bytes, activation_bytes=rec.activation_bytes,
-        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes + backward_gradient_bytes(
-            unfused_ops(graph, layer_index, cm),
-            lambda o: o.output_bytes * scale * act_scale / layout.output_shard.get(o.name, 1)),
+        transient_bytes=rec.transient_bytes + work.fp8_transient_bytes + _gradient_transient(
+            graph, layer_index, layout, lp, mesh, cm, scale, act_scale, work_cache),
         fsdp_param_buffer_bytes=dp.fsdp_param_buffer_bytes, fsdp_grad_buffer_bytes=dp.fsdp_grad_buffer_bytes,
         output_bytes=layer.output_bytes * scale * act_scale / sp_div, dp_grad_bytes=dp.grad_sync_bytes,
         fwd_flops=work.fwd_flops, hw_flops=work.fwd_flops + work.bwd_flops + rec.recompute_flops,
@@ -193,6 +192,25 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
         num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
+
+
+def _gradient_transient(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
+                        cm: CostModel, scale: float, act_scale: float, work_cache: dict | None) -> float:
+    """The largest pair of gradients one op's backward holds (memory.backward_gradient_bytes),
+    kept in ``work_cache`` by what it reads: the layer, its layout (fixed by the layer plan's
+    split, the mesh's tp and sequence parallelism and the code's loss parallelism), the cost
+    model (whose code says whether the loss is fused) and the scales -- the same for every ZeRO,
+    recompute, offload, dp, pp and ep choice."""
+    key = ("backward_gradient_bytes", layer_index, lp.tp, mesh.tp, mesh.sequence_parallel, cm.code.loss_parallel,
+           cm.code.fused_cross_entropy, cm.name, scale, act_scale)
+    kept = work_cache.get(key) if work_cache is not None else None
+    if kept is None:
+        kept = backward_gradient_bytes(
+            unfused_ops(graph, layer_index, cm),
+            lambda o: o.output_bytes * scale * act_scale / layout.output_shard.get(o.name, 1))
+        if work_cache is not None:
+            work_cache[key] = kept
+    return kept
 
 
 def _tied_copy(w: "OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[str, float]:
