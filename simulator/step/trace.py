@@ -56,12 +56,12 @@ from typing import Any
 import numpy as np
 
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.cpu_node import serial_fsdp_tail
+from autopar.simulator.step.compose import rank_ends, serial_fsdp_tail
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.axes.pp_torch_order import torch_action_order
 from autopar.simulator.axes.dp_sync import ddp_all_reduces, fsdp_tails, gradient_ready_offsets
-from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
+from autopar.simulator.axes.pp import weight_gradient_times
 from autopar.simulator.step.term_registry import pass_events, traffic_terms
 from autopar.simulator.step.timeline import Timeline
 
@@ -136,10 +136,10 @@ class _Terms:
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
-    cpu_node.SERIAL), from its own ``chunk_times`` and pp.pipeline_and_ends."""
+    cpu_node.SERIAL), from its own ``chunk_times`` and compose.rank_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
+    pipe, _, end_r = rank_ends(ctx, rows, f_g, b_g, c_pipe)
     w_g = weight_gradient_times(ctx, rows)
-    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe, w_g)
     serial = ctx.step_form.serial
     w = None
     if w_g is not None:

@@ -109,3 +109,13 @@ def test_the_check_sees_a_lazy_cycle_and_a_package_cycle(tmp_path):
     graph = import_graph(packages)
     assert _cycles(graph) in (["pkg.a.x -> pkg.a.y -> pkg.a.x"], ["pkg.a.y -> pkg.a.x -> pkg.a.y"])
     assert sorted(package_graph(graph, packages).edges) == [("pkg.a", "pkg.b"), ("pkg.b", "pkg.a")]
+
+
+def test_the_planner_reaches_the_simulator_through_api_only():
+    """The planner imports one module of the simulator, simulator/api.py (docs/design.md, "Its
+    rooms"), lazy imports inside functions included."""
+    graph = import_graph(_package_folders(ROOT))
+    reached = {b for a, b in graph.edges
+               if (a == "autopar.planner" or a.startswith("autopar.planner."))
+               and (b == "autopar.simulator" or b.startswith("autopar.simulator."))}
+    assert reached == {"autopar.simulator.api"}

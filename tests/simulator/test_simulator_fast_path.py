@@ -20,7 +20,8 @@ from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
 from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
-from autopar.simulator.step.step_model import chunk_masks, layer_effective_times
+from autopar.simulator.step.compose import layer_effective_times
+from autopar.simulator.step.step_model import chunk_masks
 from sim_graphs import gpt_graph
 
 #: the columns layer_effective_times reads of a layer's successor (its forward communication)
