@@ -1,12 +1,12 @@
 """The Chrome trace of a step, laid out from the step model's own terms.
 
-The step model (step_model.py, or cpu_node.serial_step where communication takes turns with
+The step model (compose.py: its overlapped step, or serial_step where communication takes turns with
 compute) prices a step in closed form; this module draws that same step as events, one
 representative device per pipeline rank, from the same quantities:
 
 * each task (forward or backward of one micro-batch on one model chunk) is a run of layer
   slots, each as long as the layer's effective time (the context's step form's chunk_times:
-  step_model.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
+  compose.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
   the registered "compute" terms (term_registry.py) run one after another, each on its stream:
   the layer's forward, or recompute then backward, on the compute stream, with its
   tensor-parallel collectives after it on the ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
@@ -297,7 +297,7 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
             if send is not None:
                 tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", send, terms.send_s,
                        micro_batch=mb, stage=g, to_stage=g + 1 if kind == "F" else g - 1)
-    # ---- after the last backward (step_model.overlapped_step / cpu_node.serial_step, after_backward)
+    # ---- after the last backward (compose.step_from_chunk_times / compose.serial_step, after_backward)
     late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
     base = drawn_end
     ar = ddp_all_reduces(rows)
