@@ -17,7 +17,8 @@ the solvers read:
   ``tied_bytes`` a copy of a tied weight, counted by stage (simulator/tied_copies.py).
 
 These are the ILP's node costs and memory (ilp.py eq. 1, 1b); the simulator prices the
-assembled plan exactly afterwards, so the folding only has to rank strategies well.
+assembled plan exactly afterwards, so the folding only has to rank strategies well.  The fold of
+the first two is the simulator's (step/compose.folded_layer_time, through simulator/api.py).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh
 from autopar.planner.space import LayerChoice
-from autopar.simulator.api import (compute_per_pass, effective_zero, fsdp_buffer_bytes, fsdp_traffic, layer_row,
-                                   tied_uses, with_term_columns)
+from autopar.simulator.api import (effective_zero, folded_layer_time, fsdp_buffer_bytes, layer_row, tied_uses,
+                                   with_term_columns)
 
 
 @dataclass(frozen=True)
@@ -53,35 +54,6 @@ class LayerTables:
     def step_time(self, num_microbatches: int) -> np.ndarray:
         """(L, C) seconds per step of each layer's strategies when it runs alone."""
         return num_microbatches * self.time_mb_s + self.step_s
-
-
-def fold_layer_cost(lc, zero: int, offload: bool, num_microbatches: int,
-                    pipeline_m: int | None = None) -> tuple[float, float]:
-    """(time per micro-batch, exposed time per step) of one LayerCost (module docstring); ``lc``
-    may carry the registered terms' columns too (term_registry.with_term_columns), whose
-    "compute" terms then enter its passes (overlap.compute_per_pass).
-
-    Per micro-batch the FSDP traffic of a layer hides behind its compute and shows only where
-    longer (simulator/overlap.py, the rule the step model applies too).  The data-parallel
-    all-reduce (DDP, ZeRO-1) is taken as hidden behind this layer's own backward; the step model
-    queues them over the whole backward (evaluator.closed_form_step).
-
-    ``zero``: the stage that runs (axes/sharded_dp.effective_zero).  ``pipeline_m``: a pipeline's
-    micro-batches, None without one: its FSDP gathers spread over them and its reduce-scatter is
-    exposed once per step, after the last backward (simulator/pipeline_fsdp.py, the step model's
-    fsdp_tails, which exposes the first chunk's).
-    """
-    fwd_comm, _, bwd_comm = fsdp_traffic(lc, zero, offload, pipeline_m)
-    fwd_c, bwd_c = compute_per_pass(lc)
-    fwd = max(fwd_c, fwd_comm)
-    bwd = max(bwd_c, bwd_comm)
-    exposed = 0.0
-    if zero <= 1:
-        # once per step, behind the last micro-batch's backward; ZeRO-1 gathers parameters after
-        exposed = max(0.0, lc.dp_allreduce_s - bwd) + (lc.dp_allgather_s if zero == 1 else 0.0)
-    elif pipeline_m is not None:
-        exposed = lc.dp_reducescatter_s
-    return fwd + bwd, exposed + lc.optimizer_s
 
 
 def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: list[str],
@@ -114,8 +86,10 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
                 runs = effective_zero(eff.zero, mesh)
                 if sharded is not None and runs >= 2:
                     lc = sharded(lc, lp)
-                t_mb, t_step = fold_layer_cost(with_term_columns(lc, lp, mesh), runs, eff.offload != "none",
-                                               num_microbatches, pipeline_m)
+                # (the layer's own traffic beside its compute, the exposed sync per step:
+                # step/compose.folded_layer_time, with the registered terms' columns)
+                t_mb, t_step = folded_layer_time(with_term_columns(lc, lp, mesh), runs, eff.offload != "none",
+                                                 pipeline_m)
                 memo[eff] = (t_mb, t_step, lc.param_bytes + lc.grad_bytes + lc.optimizer_bytes,
                              lc.activation_bytes,
                              lc.transient_bytes + fsdp_buffer_bytes(lc.fsdp_param_buffer_bytes,

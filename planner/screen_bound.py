@@ -11,7 +11,7 @@ bound meet good incumbents early.  The pruned settings cannot enter the best ``n
 so the settings assembled are the same as without the bound.
 
 Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies (each entry is
-``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, layer_tables.fold_layer_cost):
+``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, step/compose.folded_layer_time):
 
 * it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
   and the columns of any other registered "compute" term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
@@ -42,7 +42,7 @@ import numpy as np
 
 from autopar.core.plan import LayerPlan, Mesh, equal_bounds
 from autopar.core.rules import ZERO_FAMILIES
-from autopar.simulator.api import compute_per_pass, effective_zero, fsdp_traffic
+from autopar.simulator.api import effective_zero, layer_floor
 from autopar.core.rules import MULTI_CHUNK_SCHEDULES, stage_rank
 from autopar.simulator.api import interleaved_time, screen_bubble_share, with_term_columns
 
@@ -73,18 +73,11 @@ def layer_time_floor(evaluator, *, styles: list[dict[str, str]], signatures: lis
                     lp = LayerPlan(layer=i, tp=tuple(sorted(st.items())) if split else (), zero=zero,
                                    recompute=recompute, offload="none")
                     lc = evaluator.layer_cost(i, lp, mesh, micro_batch, precision, cost_model)
-                    src = with_term_columns(lc, lp, mesh)
-                    fwd, bwd = compute_per_pass(src)
-                    compute = fwd + bwd
-                    if traffic:
-                        # (under a pipeline the gathers are per step, spread over however many
-                        # micro-batches the setting runs: simulator/pipeline_fsdp.py; the floor
-                        # leaves them out)
-                        # the traffic of ZeRO-2 without offload (overlap.fsdp_traffic), whose parts
-                        # ZeRO-3 and offload only add to
-                        fwd_comm, _, bwd_comm = fsdp_traffic(src, zero, False)
-                        compute = max(compute, fwd_comm + bwd_comm)
-                    floor = min(floor, compute)
+                    # (under a pipeline the gathers are per step, spread over however many
+                    # micro-batches the setting runs: axes/pp_fsdp.py; the floor leaves them out;
+                    # without one the traffic of ZeRO-2 without offload, whose parts ZeRO-3 and
+                    # offload only add to: step/compose.layer_floor)
+                    floor = min(floor, layer_floor(with_term_columns(lc, lp, mesh), zero, traffic))
                 memo[key] = floor
             best = min(best, memo[key])
         out[i] = best

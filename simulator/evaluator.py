@@ -42,7 +42,7 @@ from autopar.simulator.step.layer_memo import (ACT, BWD, FWD, MAXIMA, NUM_DERIVE
                                               derived_table)
 from autopar.simulator.step.layer_rows import LayerRows
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.step_model import step_from_chunk_times
+from autopar.simulator.step.compose import step_from_chunk_times
 
 
 class PlanEvaluator:

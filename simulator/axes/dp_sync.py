@@ -1,6 +1,6 @@
 """Data parallelism's gradient sync at the end of the step: DDP's all-reduces queued behind the
 last backward, FSDP's exposed reduce-scatters, then the optimizer step and ZeRO-1's parameter
-all-gather (``after_backward``).  step/step_model.py composes the step from these.
+all-gather (``after_backward``).  step/compose.py composes the step from these.
 
 DDP all-reduces each layer's gradients as soon as its last backward ends, one after another on the
 communication stream (Li et al. 2020, "PyTorch Distributed", Sec. 3.2: ``ddp_excess``); FSDP's

@@ -7,7 +7,7 @@ chunks: m max_r T_r + (sum_r T_r - max_r T_r) / v (bubble divided by v, Narayana
 Sec. 2.2.2); plus the activation sends of the fill and the drain, 2 (p v - 1) of them
 (``pipeline_time``); the schedules that split the backward into input and weight gradients
 (interleaved-zb, zbv, dualpipev) from each chunk's forward, input-gradient and weight-gradient
-times (pp_zero_bubble.py).  step/step_model.py composes the step from these.
+times (pp_zero_bubble.py).  step/compose.py composes the step from these.
 """
 from __future__ import annotations
 

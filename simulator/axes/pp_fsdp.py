@@ -23,7 +23,7 @@ Without a pipeline, autopar's runtime accumulates over micro-batches with sharde
 each micro-batch gathers and reduce-scatters (runtime/train.py ``_grad_sync``), what the layer
 rows price (layer_cost.py).
 
-The step model keeps its per-micro-batch form (overlap.py, step_model.py): under a pipeline a
+The step model keeps its per-micro-batch form (overlap.py, compose.py): under a pipeline a
 layer's gathers are spread over its m micro-batches as shares of the per-gather time
 (``traffic_shares``), and its reduce-scatter leaves the micro-batches for the step's tail: the
 first model chunk's reduce-scatters of each rank run after its last backward with nothing to hide

@@ -289,7 +289,7 @@ def with_sharded_dp_costs(rows: np.ndarray, col: dict, zero_col: int, memory_ban
 
     ``col``: column index by LayerCost field; ``zero_col``: the effective ZeRO stage column.  In
     forward layer k computes under layer k+1's gather, in backward under layer k-1's gather and
-    its own reduce-scatter (the prefetch order of evaluator.layer_effective_times).  The unit
+    its own reduce-scatter (the prefetch order of compose.layer_effective_times).  The unit
     bytes are the unsharded-parameter and -gradient buffers the rows already hold.
     ``reduce_factor`` (``reduce_scale``) scales the reduce-scatter and its copy-in.
     ``runtime``: the implementation priced (item 4); ``bandwidth_scale``

@@ -16,7 +16,7 @@ simulator/sharded_dp.py item 4):
   compute overlaps the gather of the next gathered sub-module only, and the span from one drain
   to the next takes the longer of the two: ``sum over spans of max(compute, communication)``,
   not the layer's ``max(sum of compute, sum of communication)`` that the step model prices for
-  FSDP (step_model.layer_effective_times).
+  FSDP (compose.layer_effective_times).
 * Each gather (``_allgather_param``) first allocates the whole parameter with ``torch.zeros``
   and calls ``torch.cuda.synchronize()`` before it launches the collective, on a drained device
   and before the sub-module's compute is launched: the zero fill (one write of the parameter's

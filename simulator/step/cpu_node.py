@@ -7,7 +7,8 @@ cluster declares ``compute_slots`` (the cores its processes share; core/cluster.
 profile measured meeting waits (``CostModel.waits_at_meetings``; profiling/cpu_sync_wait.py).  The
 evaluator calls them at one door each: the layer costs' stretch, the plan's serial flag and the
 per-plan meeting waits, and the step of a plan whose communication takes turns with compute
-(the ``SERIAL`` step form in place of step_model.OVERLAPPED, chosen when the context is built).
+(the ``SERIAL`` step form in place of step_model.OVERLAPPED, chosen when the context is built;
+its composition: compose.serial_step).
 """
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ import numpy as np
 from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
-from autopar.simulator.axes.dp_sync import after_backward, last_reduce_scatter
-from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
+from autopar.simulator.step.compose import serial_chunk_times, serial_step
 from autopar.simulator.step.step_model import StepForm
 from autopar.simulator.device.topology import busy_devices_per_node
 
@@ -117,49 +116,6 @@ def with_meeting_waits(rows: LayerTable, ctx, processes: int) -> LayerTable:
     s = scale[ctx.layer_rank]
     return rows.with_columns(fwd_s=rows.fwd_s * s, bwd_s=rows.bwd_s * s, optimizer_s=rows.optimizer_s * s,
                              recompute_s=(rec - tp_in_rec) * s + tp_in_rec)
-
-
-def serial_chunk_times(ctx, rows: LayerTable):
-    """(per-layer forward and backward slots, per-chunk forward and backward task lengths, the
-    send charged in the fill and drain: none) when communication and compute take turns
-    (``serial_communication``): every layer's FSDP traffic and every pipeline send adds to its
-    rank's compute instead of hiding under it (step_model.overlapped_chunk_times's serial twin)."""
-    fwd_comm, _, bwd_comm = fsdp_traffic(rows, rows.zero, rows.offload, ctx.pipeline_m)
-    fwd_c, bwd_c = compute_per_pass(rows)
-    fwd, bwd = fwd_c + fwd_comm, bwd_c + bwd_comm
-    f_g = np.add.reduceat(fwd, ctx.starts)
-    b_g = np.add.reduceat(bwd, ctx.starts)
-    if len(ctx.starts) > 1:
-        # each chunk's send (activation forward, gradient backward) blocks its compute
-        f_g[:-1] += ctx.p2p_s
-        b_g[1:] += ctx.p2p_s
-    return fwd, bwd, f_g, b_g, 0.0
-
-
-def serial_fsdp_tail(ctx, rows: LayerTable) -> np.ndarray:
-    """Per pipeline rank: under a pipeline schedule its sharded layers' reduce-scatters, issued
-    once after their chunk's last backward (simulator/pipeline_fsdp.py), taking turns with
-    compute: all of them add up; zeros without a pipeline (each micro-batch's backward holds
-    them, ``serial_chunk_times``)."""
-    if ctx.pipeline_m is None:
-        return np.zeros(ctx.p)
-    per_layer = last_reduce_scatter(rows.dp_reducescatter_s, rows.d2h_s, rows.offload, rows.zero)
-    return np.bincount(ctx.layer_rank, weights=per_layer, minlength=ctx.p)
-
-
-def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
-    """(time at which each pipeline rank finishes the step, bubble fraction) when communication
-    and compute take turns (``serial_communication``): the chunk times of ``serial_chunk_times``;
-    the pipeline schedule is step_model's with the sends inside the chunk times; every gradient
-    all-reduce adds to its rank's last backward."""
-    p = ctx.p
-    _, _, f_g, b_g, _ = serial_chunk_times(ctx, rows)
-    _, bubble, end_r = pipeline_and_ends(ctx, f_g, b_g, 0.0, weight_gradient_times(ctx, rows))
-    ar = rows.dp_allreduce_s * (rows.zero <= 1)
-    # the all-reduces take turns with the last backward: all of them add up
-    excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)
-    sync = end_r + np.maximum(excess, np.zeros(p)) + serial_fsdp_tail(ctx, rows)
-    return after_backward(sync, rows, ctx.layer_rank, p, grad_norm_s=ctx.grad_norm_s), bubble
 
 
 #: a CPU node's whose communication takes turns with compute (``serial_communication``): chosen

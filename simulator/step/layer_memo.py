@@ -15,7 +15,7 @@ from autopar.simulator.step.context import Context, memo_settings
 from autopar.simulator.step.layer_rows import LayerRows
 from autopar.simulator.step.layer_table import COLUMN_INDEX, LayerTable
 from autopar.simulator.axes.dp_sync import last_reduce_scatter
-from autopar.simulator.step.step_model import layer_effective_times
+from autopar.simulator.step.compose import layer_effective_times
 
 #: columns whose maximum over a model chunk's layers enters memory (transient and FSDP buffers)
 MAX_COLUMNS = [COLUMN_INDEX[c] for c in ("transient_bytes", "fsdp_param_buffer_bytes", "fsdp_grad_buffer_bytes")]

@@ -1,7 +1,7 @@
 """What a layer's FSDP traffic and compute are per micro-batch, before they overlap.
 
-One place for the rule both the step model (evaluator.layer_effective_times) and the planner's
-per-layer tables (planner/layer_tables.fold_layer_cost) apply: the layer's compute per pass
+The parts every composition of the step reads (step/compose.py: the step model's
+layer_effective_times, the planner's folded_layer_time and layer_floor): the layer's compute per pass
 (forward, and recompute + backward, each with its tensor-parallel collectives, which sit on the
 critical path: Shoeybi et al. 2019, Sec. 3) runs beside the data-parallel stream's traffic --
 FSDP's parameter all-gather and the offloaded parameters' copy in before forward, ZeRO-3's second

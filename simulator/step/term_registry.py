@@ -2,9 +2,9 @@
 is local to a layer, and how it enters the critical path.
 
 Every reader of the step iterates over what is registered here instead of naming the terms:
-the step model (step_model.py) and its serial form (cpu_node.py), the evaluator's fast path
-(evaluator._derive and the _LayerMemo invariant), the trace (step_trace.py), the planner's
-folded tables (planner/layer_tables.py) and its screening bound (planner/screen_bound.py).
+the step's composition (compose.py: the step model in both forms, the planner's folded tables'
+and screening bound's per-layer terms), the evaluator's fast path (evaluator._derive and the
+LayerMemo invariant) and the trace (trace.py).
 The built-in terms are declared in builtin_terms.py, which the package's __init__.py imports
 (so they are registered before any simulator module is used, and before any term a caller
 adds); a new term is one

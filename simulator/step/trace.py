@@ -1,12 +1,12 @@
 """The Chrome trace of a step, laid out from the step model's own terms.
 
-The step model (step_model.py, or cpu_node.serial_step where communication takes turns with
+The step model (compose.py: its overlapped step, or serial_step where communication takes turns with
 compute) prices a step in closed form; this module draws that same step as events, one
 representative device per pipeline rank, from the same quantities:
 
 * each task (forward or backward of one micro-batch on one model chunk) is a run of layer
   slots, each as long as the layer's effective time (the context's step form's chunk_times:
-  step_model.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
+  compose.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
   the registered "compute" terms (term_registry.py) run one after another, each on its stream:
   the layer's forward, or recompute then backward, on the compute stream, with its
   tensor-parallel collectives after it on the ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
@@ -56,12 +56,12 @@ from typing import Any
 import numpy as np
 
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.cpu_node import serial_fsdp_tail
+from autopar.simulator.step.compose import rank_ends, serial_fsdp_tail
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.axes.pp_torch_order import torch_action_order
 from autopar.simulator.axes.dp_sync import ddp_all_reduces, fsdp_tails, gradient_ready_offsets
-from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
+from autopar.simulator.axes.pp import weight_gradient_times
 from autopar.simulator.step.term_registry import pass_events, traffic_terms
 from autopar.simulator.step.timeline import Timeline
 
@@ -136,10 +136,10 @@ class _Terms:
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
-    cpu_node.SERIAL), from its own ``chunk_times`` and pp.pipeline_and_ends."""
+    cpu_node.SERIAL), from its own ``chunk_times`` and compose.rank_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
+    pipe, _, end_r = rank_ends(ctx, rows, f_g, b_g, c_pipe)
     w_g = weight_gradient_times(ctx, rows)
-    pipe, _, end_r = pipeline_and_ends(ctx, f_g, b_g, c_pipe, w_g)
     serial = ctx.step_form.serial
     w = None
     if w_g is not None:
@@ -297,7 +297,7 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
             if send is not None:
                 tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", send, terms.send_s,
                        micro_batch=mb, stage=g, to_stage=g + 1 if kind == "F" else g - 1)
-    # ---- after the last backward (step_model.overlapped_step / cpu_node.serial_step, after_backward)
+    # ---- after the last backward (compose.step_from_chunk_times / compose.serial_step, after_backward)
     late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
     base = drawn_end
     ar = ddp_all_reduces(rows)

@@ -141,3 +141,13 @@ def test_only_the_command_line_imports_a_verb():
     assert {module for module, _ in VERBS.values()} <= {m for m in mods if m.endswith("_cli")}
     graph.add_edge("autopar.planner.trial_steps", "autopar.runtime.run_cli")
     assert verb_importers(graph, packages) == ["autopar.planner.trial_steps -> autopar.runtime.run_cli"]
+
+
+def test_the_planner_reaches_the_simulator_through_api_only():
+    """The planner imports one module of the simulator, simulator/api.py (docs/design.md, "Its
+    rooms"), lazy imports inside functions included."""
+    graph = import_graph(_package_folders(ROOT))
+    reached = {b for a, b in graph.edges
+               if (a == "autopar.planner" or a.startswith("autopar.planner."))
+               and (b == "autopar.simulator" or b.startswith("autopar.simulator."))}
+    assert reached == {"autopar.simulator.api"}

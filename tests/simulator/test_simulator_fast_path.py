@@ -3,7 +3,7 @@
 PlanEvaluator.evaluate keeps each context's last derived table and looks up only the changed
 layers' neighbourhoods in a memo.  That is exact only while a layer's derived terms read no
 layer beyond its neighbours: the locality tests below hold sharded_dp.with_sharded_dp_costs and
-step_model.layer_effective_times to what _LayerMemo relies on, on random tables, and the walk
+compose.layer_effective_times to what _LayerMemo relies on, on random tables, and the walk
 test prices plans that change a few layers at a time (as the search does) with one evaluator and
 compares every figure, bit for bit, with the same plan priced from scratch on a fresh evaluator
 by the path that keeps nothing (``simulate``'s: prepare, closed_form_step, assemble).
@@ -20,7 +20,8 @@ from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator, closed_form_step
 from autopar.simulator.step.layer_table import COLUMN_INDEX, COLUMNS, LayerTable
-from autopar.simulator.step.step_model import chunk_masks, layer_effective_times
+from autopar.simulator.step.compose import layer_effective_times
+from autopar.simulator.step.step_model import chunk_masks
 from sim_graphs import gpt_graph
 
 #: the columns layer_effective_times reads of a layer's successor (its forward communication)

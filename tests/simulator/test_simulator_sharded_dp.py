@@ -155,7 +155,7 @@ def test_planner_tables_carry_the_sharded_terms_of_the_full_price():
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
-    from autopar.simulator.step.step_model import layer_effective_times
+    from autopar.simulator.step.compose import layer_effective_times
     from sim_graphs import gpt_graph
 
     g = gpt_graph(8, 1024, 16, 1024, 50304)
