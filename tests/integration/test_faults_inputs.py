@@ -326,7 +326,11 @@ def test_model_prints_do_not_corrupt_json(capsys, tmp_path):
         rc, out, err = run(capsys, *argv)
         assert rc == 0
         json.loads(out)                                       # stdout is the JSON alone
-        assert "building" in err                              # the prints went to stderr
+        assert "model file imported" in err                   # the prints went to stderr
+        # a capture reuses the meta module of an earlier one of the same model file and arguments
+        # in the process (core/capture.py): the first command's build prints
+        if argv[0] == "inspect":
+            assert "building" in err
 
 
 # ------------------------------------------------------------------ issue 32: what new users hit
