@@ -134,10 +134,10 @@ def with_compression(rows, ctx, graph, gloo: bool = False):
     cm = ctx.rank_cm[0]
     c = GradCompression.parse(cm.code.grad_compression)
     mesh = ctx.mesh
-    if c.kind == "none" or mesh.dp * mesh.cp <= 1:
+    if c.kind == "none" or mesh.grad_degree <= 1:
         return rows
     dpl, procs = ctx.links.dp, ctx.processes
-    grad_ranks = mesh.dp * mesh.cp
+    grad_ranks = mesh.grad_degree
     priced = float(precision_bytes(ctx.precision))          # the rows' bytes per gradient element
     ddp = rows.zero <= 1
     plain_ddp = not mesh.splits_model and mesh.ep <= 1 and bool(ddp.all())
