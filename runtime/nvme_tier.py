@@ -66,9 +66,9 @@ def check_nvme_path(path: Path | None, where: str) -> Path:
     if not path.is_dir():
         raise UserError(f"--nvme-path {path}: no such folder. Create it (a folder on a local NVMe disk) or give "
                         f"another.")
-    from autopar.runtime.output_paths import _probe
+    from autopar.runtime.output_paths import probe_writable
 
-    _probe(path, "--nvme-path", path)             # a real file: permissions, a read-only mount
+    probe_writable(path, "--nvme-path", path)             # a real file: permissions, a read-only mount
     return path
 
 

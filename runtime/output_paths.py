@@ -20,7 +20,7 @@ from autopar.core.output_file import check_not_input, is_special
 from autopar.runtime.options import RunOptions
 
 
-def _probe(folder: Path, flag: str, target: Path) -> None:
+def probe_writable(folder: Path, flag: str, target: Path) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".autopar-probe.", dir=folder)
         os.close(fd)
@@ -52,7 +52,7 @@ def check_output_paths(opts: RunOptions) -> None:
         except OSError as e:
             raise UserError(f"--checkpoint-dir {d} cannot be created: {e.strerror or e}. Give a path in a folder "
                             f"you can write to.") from None
-        _probe(d, "--checkpoint-dir", d)
+        probe_writable(d, "--checkpoint-dir", d)
     _check_file(Path(opts.measured_file), "--measured", "measured.json")
     if opts.metrics_path is not None:
         metrics = Path(opts.metrics_path)
@@ -82,7 +82,7 @@ def _check_file(path: Path, flag: str, example: str) -> None:
     if not base.is_dir():
         raise UserError(f"{flag} {path} cannot be written: {base} is a file, not a folder. Give a path "
                         f"in a folder you can write to.")
-    _probe(base, flag, path)
+    probe_writable(base, flag, path)
 
 
 def _check_tensorboard(opts: RunOptions) -> None:
@@ -102,4 +102,4 @@ def _check_tensorboard(opts: RunOptions) -> None:
     if not base.is_dir():
         raise UserError(f"--tensorboard {d} cannot be created: {base} is a file, not a folder. Give a path in a "
                         f"folder you can write to.")
-    _probe(base, "--tensorboard", d)
+    probe_writable(base, "--tensorboard", d)

@@ -134,6 +134,13 @@ PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "
                collective_efficiency={"intra": 1.0, "inter": 1.0})
 
 
+#: the same round figures with collectives below the links' peak (intra 0.7, inter 0.9) and a bf16
+#: peak of 250 TFLOP/s: the data-parallel reduce tests' closed forms (grad clip, compression)
+REDUCE_PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
+                      efficiency={"linear": 0.8, "matmul": 0.8, "memory_bound": 0.8},
+                      collective_efficiency={"intra": 0.7, "inter": 0.9})
+
+
 def toy_cluster(nodes=1, gpus=8, mem=80 * 2**30):
     """``nodes`` nodes of ``gpus`` devices of profile ``PROFILE`` ("t"), round link figures."""
     g = NodeGroup("n", "t", nodes, gpus, mem, Link(300.0, 3.0), 2**40, Link(25.0, 10.0))

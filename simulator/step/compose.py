@@ -23,7 +23,7 @@ registered terms' columns), the pipeline (axes/pp.py, axes/pp_p2p.py) and the gr
   first micro-batch crosses every stage boundary forward and its gradient every one back,
   2 (p - 1) sends, and 2 (p v - 1) when it runs through the p v model chunks of an interleaved
   pipeline (Sec. 2.2.2: v times as many stage boundaries) (axes/pp.pipeline_and_ends,
-  ``rank_ends``); the schedules that split the backward into input and weight gradients
+  ``pipeline_with_ends``); the schedules that split the backward into input and weight gradients
   (interleaved-zb, zbv, dualpipev) from each chunk's forward, input-gradient and weight-gradient
   times (axes/pp_zero_bubble.py);
 * data parallel after the last backward: DDP all-reduces each layer's gradients as soon as
@@ -128,7 +128,7 @@ def layer_floor(src, zero: int, traffic: bool) -> float:
 
 
 # ---------------------------------------------------------------- per model chunk and rank
-def rank_ends(ctx, rows: LayerTable, f_g: np.ndarray, b_g: np.ndarray, c) -> tuple[float, float, np.ndarray]:
+def pipeline_with_ends(ctx, rows: LayerTable, f_g: np.ndarray, b_g: np.ndarray, c) -> tuple[float, float, np.ndarray]:
     """(pipeline time, bubble, when each rank's last backward ends) of the chunks' task lengths
     ``f_g``, ``b_g`` and the send ``c`` charged in the fill and drain (axes/pp.pipeline_and_ends,
     with the split-backward schedules' weight-gradient times)."""
@@ -163,7 +163,7 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     (step/layer_memo.LayerMemo)."""
     p = ctx.p
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
-    pipe, bubble, end_r = rank_ends(ctx, rows, f_g, b_g, c)  # chunk 0 ends last
+    pipe, bubble, end_r = pipeline_with_ends(ctx, rows, f_g, b_g, c)  # chunk 0 ends last
     # ---- DDP: gradients all-reduced as each layer's last backward ends
     excess = ddp_excess(ctx, rows, bwd, b_g, any_ddp)
     # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
@@ -207,7 +207,7 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     the chunk times; every gradient all-reduce adds to its rank's last backward."""
     p = ctx.p
     _, _, f_g, b_g, _ = serial_chunk_times(ctx, rows)
-    _, bubble, end_r = rank_ends(ctx, rows, f_g, b_g, 0.0)
+    _, bubble, end_r = pipeline_with_ends(ctx, rows, f_g, b_g, 0.0)
     ar = rows.dp_allreduce_s * (rows.zero <= 1)
     # the all-reduces take turns with the last backward: all of them add up
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.compose import rank_ends, serial_fsdp_tail
+from autopar.simulator.step.compose import pipeline_with_ends, serial_fsdp_tail
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.axes.pp_torch_order import torch_action_order
@@ -136,9 +136,9 @@ class _Terms:
 
 def _terms(ctx, rows: LayerTable) -> _Terms:
     """The quantities the context's step form composes (ctx.step_form: step_model.OVERLAPPED or
-    cpu_node.SERIAL), from its own ``chunk_times`` and compose.rank_ends."""
+    cpu_node.SERIAL), from its own ``chunk_times`` and compose.pipeline_with_ends."""
     fwd, bwd, f_g, b_g, c_pipe = ctx.step_form.chunk_times(ctx, rows)
-    pipe, _, end_r = rank_ends(ctx, rows, f_g, b_g, c_pipe)
+    pipe, _, end_r = pipeline_with_ends(ctx, rows, f_g, b_g, c_pipe)
     w_g = weight_gradient_times(ctx, rows)
     serial = ctx.step_form.serial
     w = None

@@ -12,25 +12,16 @@ from dataclasses import replace
 
 import pytest
 
-from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.core.plan import Plan
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.simulate import simulate_plan
 from autopar.simulator.evaluator import PlanEvaluator
-from sim_graphs import gpt_graph
+from sim_graphs import REDUCE_PROFILE, gpt_graph, toy_cluster
 
-PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
-               efficiency={"linear": 0.8, "matmul": 0.8, "memory_bound": 0.8},
-               collective_efficiency={"intra": 0.7, "inter": 0.9})
-NODE_LINK = Link(300.0, 3.0)              # GB/s, microseconds
+PROFILE = REDUCE_PROFILE
+NODE_LINK = toy_cluster().groups[0].intra_node       # one node of 8 devices: every group on this link
 GRAPH = gpt_graph(4, 256, 4, 128, 1000)
-
-
-def _cluster():
-    # one node of 8 devices: every group, the world included, on the node's link
-    return Cluster("c", (NodeGroup("n", "t", 1, 8, 80 * 2**30, NODE_LINK, 2**40, Link(25.0, 10.0)),),
-                   Link(25.0, 5.0))
 
 
 def _plan(dp, tp, zero, precision, m=2):
@@ -53,15 +44,15 @@ def _by_hand(n_ranks, elements, grad_bytes):
 def test_clip_adds_its_passes_and_the_norm_all_reduce(dp, zero, precision, grad_bytes):
     cm = CostModel.from_profile(PROFILE)
     plan = _plan(dp, 1, zero, precision)
-    plain = simulate_plan(GRAPH, plan, _cluster(), cm)
-    clipped = simulate_plan(GRAPH, replace(plan, grad_clip=True), _cluster(), cm)
+    plain = simulate_plan(GRAPH, plan, toy_cluster(), cm)
+    clipped = simulate_plan(GRAPH, replace(plan, grad_clip=True), toy_cluster(), cm)
     held = GRAPH.params_total / (dp if zero >= 2 else 1)      # gradient elements a rank holds once reduced
     want = _by_hand(dp, held, grad_bytes)
     assert clipped.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-9)
     assert want > 0
     # the planner's evaluator (its fast path) over cost models that clip prices the same step
     clip_cm = cm.for_code(replace(cm.code, grad_clip=True))
-    ev = PlanEvaluator(GRAPH, _cluster(), clip_cm)
+    ev = PlanEvaluator(GRAPH, toy_cluster(), clip_cm)
     for _ in range(2):                        # priced, then from the evaluator's memos
         assert ev.evaluate(plan).step_time_s == pytest.approx(clipped.step_time_s, rel=1e-12)
     # the flag changes the price, not the memory
@@ -74,8 +65,8 @@ def test_clip_under_tensor_parallelism_counts_the_local_shards():
     held elements are at least half of the model's and less than all of it."""
     cm = CostModel.from_profile(PROFILE)
     plan = _plan(4, 2, 0, "fp32")
-    extra = simulate_plan(GRAPH, replace(plan, grad_clip=True), _cluster(), cm).step_time_s - \
-        simulate_plan(GRAPH, plan, _cluster(), cm).step_time_s
+    extra = simulate_plan(GRAPH, replace(plan, grad_clip=True), toy_cluster(), cm).step_time_s - \
+        simulate_plan(GRAPH, plan, toy_cluster(), cm).step_time_s
     ring = _by_hand(8, 0, 4)
     assert _by_hand(8, GRAPH.params_total / 2, 4) <= extra < _by_hand(8, GRAPH.params_total, 4)
     assert extra > ring
@@ -97,9 +88,9 @@ def test_the_trace_ends_at_the_clipped_step(pp, zero):
                        micro_batch=1, global_batch=4 * 8 // (2 * pp),
                        schedule="gpipe", virtual_stages=1, zero=zero, recompute="none", offload="none",
                        precision="fp32", sequence_parallel=False)
-    plain = simulate_plan(GRAPH, plan, _cluster(), cm, timeline=True)
+    plain = simulate_plan(GRAPH, plan, toy_cluster(), cm, timeline=True)
     plan = replace(plan, grad_clip=True)
-    res = simulate_plan(GRAPH, plan, _cluster(), cm, timeline=True)
+    res = simulate_plan(GRAPH, plan, toy_cluster(), cm, timeline=True)
     if pp == 1:
         assert max(e["start_s"] + e["dur_s"] for e in res.timeline) == pytest.approx(res.step_time_s, rel=1e-12)
     moved = [a - b for a, b in zip(_rank_ends(res, plan), _rank_ends(plain, plan))]
@@ -108,7 +99,7 @@ def test_the_trace_ends_at_the_clipped_step(pp, zero):
     norm = [e for e in res.timeline if e["name"] == "all_reduce grad norm"]
     assert len(norm) == pp and all(e["dur_s"] == pytest.approx(_by_hand(8, 0, 4), rel=1e-9) for e in norm)
     assert not [e for e in plain.timeline if e["name"] == "all_reduce grad norm"]
-    ctx, rows = PlanEvaluator(GRAPH, _cluster(), cm).prepare(plan)
+    ctx, rows = PlanEvaluator(GRAPH, toy_cluster(), cm).prepare(plan)
     assert ctx.grad_norm_s is None           # an evaluator's own cost models decide, not the plan
 
 
@@ -119,7 +110,7 @@ def test_old_plan_json_loads_and_prices_as_before():
     assert "grad_clip" not in d               # written only when true
     again = Plan.from_dict(d)
     assert again.grad_clip is False and again.identity == plan.identity
-    assert simulate_plan(GRAPH, again, _cluster(), cm).step_time_s == simulate_plan(GRAPH, plan, _cluster(), cm).step_time_s
+    assert simulate_plan(GRAPH, again, toy_cluster(), cm).step_time_s == simulate_plan(GRAPH, plan, toy_cluster(), cm).step_time_s
     clipped = replace(plan, grad_clip=True)
     d2 = json.loads(clipped.to_json())
     assert d2["grad_clip"] is True

@@ -13,22 +13,15 @@ from dataclasses import replace
 
 import pytest
 
-from autopar.core.cluster import Cluster, Link, NodeGroup
 from autopar.simulator.configure import config_plan
 from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.evaluator import PlanEvaluator
 from autopar.simulator.simulate import plan_cost_models
-from sim_graphs import gpt_graph
+from sim_graphs import REDUCE_PROFILE, gpt_graph, toy_cluster
 
-PROFILE = dict(name="t", memory_bandwidth_Bps=2e12, peak_flops={"fp32": 20e12, "bf16": 250e12},
-               efficiency={"linear": 0.8, "matmul": 0.8, "memory_bound": 0.8},
-               collective_efficiency={"intra": 0.7, "inter": 0.9})
-NODE_LINK = Link(300.0, 3.0)              # GB/s, microseconds
+PROFILE = REDUCE_PROFILE
+NODE_LINK = toy_cluster().groups[0].intra_node       # one node of 8 devices: every group on this link
 GRAPH = gpt_graph(4, 256, 4, 128, 1000)
-
-
-def _cluster():
-    return Cluster("c", (NodeGroup("n", "t", 1, 8, 80 * 2**30, NODE_LINK, 2**40, Link(25.0, 10.0)),), Link(25.0, 5.0))
 
 
 def _rows(dp, zero, precision, compression):
@@ -36,7 +29,7 @@ def _rows(dp, zero, precision, compression):
                        zero=zero, recompute="none", offload="none", precision=precision, sequence_parallel=False)
     plan = replace(plan, grad_compression=compression)
     cm = CostModel.from_profile(PROFILE)
-    return PlanEvaluator(GRAPH, _cluster(), plan_cost_models(plan, cm)).prepare(plan)[1], cm
+    return PlanEvaluator(GRAPH, toy_cluster(), plan_cost_models(plan, cm)).prepare(plan)[1], cm
 
 
 def _ring_all_reduce(n, nbytes):
