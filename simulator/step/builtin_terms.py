@@ -11,7 +11,7 @@ term lives where ``source`` says; this module only declares it.
 from __future__ import annotations
 
 from autopar.simulator.step import cpu_node, overlap
-from autopar.simulator.axes import dp_buckets as ddp_buckets, grad_compression, nvme_tier, sharded_dp_table
+from autopar.simulator.axes import dp_buckets as ddp_buckets, grad_compression, nvme_tier, offload, sharded_dp_table
 from autopar.simulator.step.term_registry import Term, register
 
 #: a recomputed forward runs inside backward, with its tp collectives (axes/recompute.recompute)
@@ -56,8 +56,8 @@ register(Term("fsdp", "traffic", reads=("dp_allgather_s", "dp_reducescatter_s", 
               stream="fsdp", gather_label="all_gather", scatter_label="reduce_scatter",
               source="simulator/step/overlap.py fsdp_parts"))
 #: the offloaded state's copies in and out, on the same stream
-register(Term("offload", "traffic", reads=("h2d_s", "d2h_s", "offload"), traffic=overlap.offload_parts,
-              stream="fsdp", gather_label="h2d", scatter_label="d2h", source="simulator/step/overlap.py offload_parts"))
+register(Term("offload", "traffic", reads=("h2d_s", "d2h_s", "offload"), traffic=offload.offload_parts,
+              stream="fsdp", gather_label="h2d", scatter_label="d2h", source="simulator/axes/offload.py offload_parts"))
 #: the schedule over the model chunks and the activation sends of its fill and drain
 register(Term("pipeline", "pipeline", reads=("output_bytes",),
               source="simulator/axes/pp.py pipeline_time, interleaved_time"))

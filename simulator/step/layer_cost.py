@@ -4,7 +4,7 @@ This is the unit the fast path caches and the planner's ILP reads.  ``compute_la
 composes it: the ops' compute (op_work.py), then what each axis and technique adds, each from
 its module in simulator/axes/ -- float8 (float8.py), regional compile (compile_fusion.py), tensor
 parallelism (tp.py), context and expert parallelism's in-layer collectives (cp.py, ep.py),
-recompute (recompute.py), and data parallelism with ZeRO and offload (dp.py) -- with the state
+recompute (recompute.py), and data parallelism with ZeRO (dp.py) and host offload (offload.py) -- with the state
 bytes from step/memory.py.
 
 Context parallelism (``mesh.cp``) divides every op's tokens by cp (the micro-batch scale) and adds
@@ -27,6 +27,7 @@ from autopar.simulator.axes.compile_fusion import compiled_work
 from autopar.simulator.axes.cp import cp_layer_work
 from autopar.simulator.axes.dp import data_parallel_parts
 from autopar.simulator.axes.float8 import float8_work, fp8_all_gather
+from autopar.simulator.axes.offload import offloaded
 from autopar.simulator.axes.recompute import recompute
 from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.axes.tp import add_module_overheads, tensor_parallel
@@ -175,7 +176,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     fwd_s = work.fwd_s * compute_stretch
     bwd_s = work.bwd_s * compute_stretch
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
-    optimizer_s = dp.optimizer_s if lp.offload != "none" else dp.optimizer_s * compute_stretch
+    optimizer_s = dp.optimizer_s if offloaded(lp) else dp.optimizer_s * compute_stretch
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
         recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
@@ -221,7 +222,7 @@ def _tied_copy(w: "OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[s
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
     p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.grad_degree, trainable)
     host = 0.0
-    if lp.offload != "none":
+    if offloaded(lp):
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
     return dict(tied_param_bytes=p, tied_grad_bytes=g, tied_optimizer_bytes=o, tied_host_bytes=host,
                 tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])  # (nvme: on the host)

@@ -12,8 +12,6 @@ The functions take numpy arrays (one entry per layer) or plain numbers alike.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from autopar.simulator.axes.pp_fsdp import traffic_shares
 from autopar.simulator.step.term_registry import pass_columns, traffic_terms
 
@@ -21,7 +19,7 @@ from autopar.simulator.step.term_registry import pass_columns, traffic_terms
 def fsdp_traffic(src, zero, offload, pipeline_m: int | None = None):
     """(forward communication, backward gather, backward communication) of a layer per micro-batch:
     the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
-    ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
+    ``fsdp_parts``, then axes/offload.offload_parts), read from ``src`` by column name (a LayerTable, a
     LayerCost, term_registry.with_term_columns).
 
     ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
@@ -55,16 +53,6 @@ def fsdp_parts(src, zero, offload, pipeline_m: int | None = None):
         return ag * zero2, ag * (zero >= 3), src.dp_reducescatter_s * zero2
     fwd, bwd, rs = traffic_shares(zero, pipeline_m)
     return ag * fwd, ag * bwd, src.dp_reducescatter_s * rs
-
-
-def offload_parts(src, zero, offload, pipeline_m: int | None = None):
-    """The offloaded state's copies on the same stream: (sharded parameters host -> device before
-    forward, again before backward under ZeRO-3, sharded gradients device -> host after
-    backward); None where nothing is offloaded (no copies: fewer operations)."""
-    if not np.count_nonzero(offload):
-        return None
-    h2d = src.h2d_s * offload
-    return h2d, h2d * (zero >= 3), src.d2h_s * offload * (zero >= 2)
 
 
 def compute_per_pass(src):
