@@ -42,8 +42,8 @@ register(Term("nvme_tier", "table", reads=("nvme_bytes", "optimizer_s", "fwd_s",
 #: compression's own work; re-buckets DDP's all-reduces, so not local
 register(Term("grad_compression", "table", local=False, reads=("dp_grad_bytes", "dp_allreduce_s", "dp_reducescatter_s",
                                                                 "grad_bytes", "zero"),
-              derive=lambda rows, ctx, ev: grad_compression.with_compression(rows, ctx, ev.graph,
-                                                                           ev.cluster.backend == "gloo"),
+              derive=lambda rows, ctx, ev: grad_compression.with_compression(
+                  rows, ctx, ev.per_graph(grad_compression.graph_matrices), ev.cluster.backend == "gloo"),
               acts=grad_compression.compression_acts, source="simulator/axes/grad_compression.py"))
 #: CPU ranks that meet wait for each other: a per-rank stretch from the whole rank's work (not local)
 register(Term("cpu_waits", "table", local=False, reads=("fwd_s", "bwd_s", "recompute_s", "optimizer_s", "meetings"),
