@@ -1,9 +1,11 @@
 """The step's built-in cost terms, registered in the order the step model composes them
 (term_registry.py says what each field means).
 
-The "compute" terms are registered recompute, compute, tensor-parallel: a layer's forward is
-``fwd_s + tp_comm_fwd_s`` and its backward ``recompute_s + bwd_s + tp_comm_bwd_s``, summed in
-that order (overlap.compute_per_pass).  The "traffic" terms are summed FSDP, then offload
+The "compute" terms are registered recompute, compute, then the in-layer collectives tp, cp,
+ep: a layer's forward is ``fwd_s + (tp_comm_fwd_s + cp_comm_fwd_s + ep_comm_fwd_s)`` and its
+backward ``recompute_s + bwd_s + (tp_comm_bwd_s + cp_comm_bwd_s + ep_comm_bwd_s)``, summed in
+that order, the collectives first among themselves (overlap.compute_per_pass).  The "traffic"
+terms are summed FSDP, then offload
 (overlap.fsdp_traffic).  The "table" terms rewrite the plan's table in the order
 DDP buckets, sharded data parallelism, gradient compression, CPU meeting waits (evaluator._derive).  The math of each
 term lives where ``source`` says; this module only declares it.
@@ -22,7 +24,18 @@ register(Term("compute", "compute", reads=("fwd_s", "bwd_s"), fwd="fwd_s", bwd="
               bwd_label="bwd", source="simulator/step/op_work.py op_work"))
 #: Megatron's f/g all-reduces, synchronous: on the critical path (Shoeybi et al. 2019, Sec. 3)
 register(Term("tp", "compute", reads=("tp_comm_fwd_s", "tp_comm_bwd_s"), fwd="tp_comm_fwd_s", bwd="tp_comm_bwd_s",
-              stream="tp", fwd_label="tp fwd", bwd_label="tp bwd", source="simulator/axes/tp.py tensor_parallel"))
+              stream="tp", collective=True, fwd_label="tp fwd", bwd_label="tp bwd",
+              source="simulator/axes/tp.py tensor_parallel"))
+#: context parallelism's K/V all-gather and its gradient's reduce-scatter, synchronous in the
+#: layer's attention (runtime/apply_cp.py): on the critical path
+register(Term("cp", "compute", reads=("cp_comm_fwd_s", "cp_comm_bwd_s"), fwd="cp_comm_fwd_s", bwd="cp_comm_bwd_s",
+              stream="cp", collective=True, fwd_label="cp fwd", bwd_label="cp bwd",
+              source="simulator/axes/cp.py cp_layer_terms"))
+#: expert parallelism's dispatch and combine all-to-alls, synchronous in the layer (GShard,
+#: Lepikhin et al. 2021, Sec. 2.2 and 3.2): on the critical path
+register(Term("ep", "compute", reads=("ep_comm_fwd_s", "ep_comm_bwd_s"), fwd="ep_comm_fwd_s", bwd="ep_comm_bwd_s",
+              stream="ep", collective=True, fwd_label="ep fwd", bwd_label="ep bwd",
+              source="simulator/axes/ep.py ep_layer_terms"))
 #: DDP's buckets: a plain data-parallel plan's all-reduces as the runtime's calls; reads the whole
 #: table (which layer closes a bucket), so not local
 register(Term("ddp_buckets", "table", local=False, reads=("dp_grad_bytes", "dp_allreduce_s", "zero"),
