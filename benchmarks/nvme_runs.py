@@ -1,11 +1,14 @@
-"""Published runs with state on NVMe (ZeRO-Infinity, DeepSpeed's NVMe offload) and why none is priced yet.
+"""Published runs with state on NVMe (ZeRO-Infinity, DeepSpeed's NVMe offload), priced as their
+software ran, with the error of each; the runs that cannot be priced, with why.
 
 ``benchmarks/data/published_runs_nvme.json`` holds the runs as their sources state them.  For each
-row this prints what its own figures fix, re-derived by hand (``checks``), and the reasons it is
-not priced, each checked live against the project (``reason_holds``): a reason that no longer holds
--- a profile for the row's GPU was added, the NVMe tier learned to hold parameters -- is printed as
-such, and the row is then due to be priced as ``benchmarks/published_runs.py`` prices the others.
-Nothing here is a predicted-vs-measured error: no row is priced.  docs/validation.md "NVMe tier".
+row this prints what its own figures fix, re-derived by hand (``checks``).  A row with
+``priced_as`` (model, cluster file, layout, training code) is priced through the simulator
+(benchmarks/price_layout.py) and printed beside the published iteration time and TFLOP/s per
+GPU, with the error (predicted throughput / published - 1) and the mechanisms of the run the
+price has no term for (``not_modelled``).  A row without one prints the reasons it is not
+priced, each checked live against the project (``reason_holds``): a reason that no longer holds
+-- a profile for the row's GPU was added -- is printed as such.  docs/validation.md "NVMe tier".
 
     python benchmarks/nvme_runs.py [--no-write]
 
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # price_layout.py beside this file
 DATA = ROOT / "benchmarks" / "data" / "published_runs_nvme.json"
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -74,8 +78,28 @@ def reason_holds(reason: dict) -> bool:
     return True                            # "stated": about what the source publishes
 
 
-def report(runs: dict) -> list[str]:
-    lines = []
+def price_row(row: dict, graph_cache: dict) -> dict:
+    """The row priced as ``priced_as`` says its software ran: predicted iteration seconds, the
+    TFLOP/s per GPU the run's own formula gives at that iteration (``megatron_zero3_tflops_per_gpu``),
+    the error against the published iteration, and whether the plan fits each memory tier."""
+    from price_layout import price, row_cluster, throughput_error
+
+    how, st, inf = row["priced_as"], row["stated"], row["inferred"]
+    res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache)
+    return {"id": row["id"], "published_iteration_s": st["iteration_ms"] / 1000.0, "predicted_iteration_s": res.step_time_s,
+            "published_tflops_per_gpu": st["tflops_per_gpu"],
+            "predicted_tflops_per_gpu": megatron_zero3_tflops_per_gpu(st["total_parameters_B"], inf["micro_batch"],
+                                                                      inf["seq_len"], res.step_time_s),
+            "error": throughput_error(1.0 / res.step_time_s, 1000.0 / st["iteration_ms"]),
+            "fits": {"device": bool(res.device_fits), "host": bool(res.host_fits), "nvme": bool(res.nvme_fits)},
+            "device_GiB": res.max_memory_bytes / 2**30, "device_capacity_GiB": res.capacity_bytes / 2**30,
+            "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9}
+
+
+def report(runs: dict, graph_cache: dict | None = None) -> tuple[list[str], list[dict]]:
+    """The printed lines and the priced rows' results."""
+    graph_cache = {} if graph_cache is None else graph_cache
+    lines, priced = [], []
     for r in runs["rows"]:
         src = r["source"]
         lines.append(f"{r['id']}  ({src['url']}, {src['location']})")
@@ -84,22 +108,37 @@ def report(runs: dict) -> list[str]:
                      f"{st['tflops_per_gpu']} TFLOP/s per GPU")
         for what, stated, derived in checks(r):
             lines.append(f"  check: {what}: source {stated}, by hand {derived}")
-        for reason in r["why_not_priced"]:
+        if "priced_as" in r:
+            p = price_row(r, graph_cache)
+            priced.append(p)
+            fits = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in p["fits"].items())
+            lines.append(f"  priced: iteration {p['predicted_iteration_s']:.1f} s predicted, {p['published_iteration_s']:.1f} s "
+                         f"published; TFLOP/s per GPU {p['predicted_tflops_per_gpu']:.2f} predicted, "
+                         f"{p['published_tflops_per_gpu']} published; error {100 * p['error']:+.1f}%")
+            lines.append(f"  fits: {fits} (device {p['device_GiB']:.1f} of {p['device_capacity_GiB']:.1f} GiB; "
+                         f"NVMe {p['nvme_GB_per_node']:.0f} GB per node)")
+            for m in r["not_modelled"]:
+                lines.append(f"  not modelled: {m['what']}")
+        for reason in r.get("why_not_priced", ()):
             lines.append(f"  not priced: {reason['what']} ({'holds' if reason_holds(reason) else 'NO LONGER HOLDS'})")
     lines.append(f"read, not runs to price: {', '.join(x['id'] for x in runs['read_but_not_runs'])}")
-    lines.append(f"{len(runs['rows'])} rows, 0 priced (docs/validation.md 'NVMe tier')")
-    return lines
+    lines.append(f"{len(runs['rows'])} rows, {len(priced)} priced; error = predicted throughput / published - 1 "
+                 f"(docs/validation.md 'NVMe tier')")
+    return lines, priced
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()
-    lines = report(load_runs())
+    lines, priced = report(load_runs())
     print("\n".join(lines))
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "nvme_runs.txt").write_text("$ python benchmarks/nvme_runs.py\n" + "\n".join(lines) + "\n")
+        (RESULTS / "nvme_runs.json").write_text(json.dumps({"command": "python benchmarks/nvme_runs.py",
+                                                            "error": "predicted throughput / published - 1",
+                                                            "rows": priced}, indent=1) + "\n")
     return 0
 
 
