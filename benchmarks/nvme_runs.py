@@ -1,14 +1,12 @@
 """Published runs with state on NVMe (ZeRO-Infinity, DeepSpeed's NVMe offload), priced as their
-software ran, with the error of each; the runs that cannot be priced, with why.
+software ran, with the error of each.
 
 ``benchmarks/data/published_runs_nvme.json`` holds the runs as their sources state them.  For each
 row this prints what its own figures fix, re-derived by hand (``checks``).  A row with
-``priced_as`` (model, cluster file, layout, training code) is priced through the simulator
-(benchmarks/price_layout.py) and printed beside the published iteration time and TFLOP/s per
-GPU, with the error (predicted throughput / published - 1) and the mechanisms of the run the
-price has no term for (``not_modelled``).  A row without one prints the reasons it is not
-priced, each checked live against the project (``reason_holds``): a reason that no longer holds
--- a profile for the row's GPU was added -- is printed as such.  docs/validation.md "NVMe tier".
+``priced_as`` (model, cluster file, layout, training code) -- every row now -- is priced through
+the simulator (benchmarks/price_layout.py) and printed beside the published iteration time and
+TFLOP/s per GPU, with the error (predicted throughput / published - 1) and the mechanisms of the
+run the price has no term for (``not_modelled``).  docs/validation.md "NVMe tier".
 
     python benchmarks/nvme_runs.py [--no-write]
 
@@ -52,7 +50,7 @@ def checks(row: dict) -> list[tuple[str, float, float]]:
     parts = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "batch_generator_ms") if k in st]
     if "iteration_ms" in st and parts:
         out.append(("iteration ms = " + " + ".join(p[:-3] for p in parts), st["iteration_ms"], sum(st[p] for p in parts)))
-    if inf:
+    if inf and "total_parameters_B" in st and "iteration_ms" in st:      # a log that prints both
         p = gpt2_megatron_params(inf["layers"], inf["hidden"], inf["vocab_padded"], inf["seq_len"])
         out.append((f"parameters [B] of {inf['layers']} x {inf['hidden']}, vocab {inf['vocab_padded']}, "
                     f"seq {inf['seq_len']}", st["total_parameters_B"], round(p / 1e9, 3)))
@@ -60,22 +58,6 @@ def checks(row: dict) -> list[tuple[str, float, float]]:
                     round(megatron_zero3_tflops_per_gpu(st["total_parameters_B"], inf["micro_batch"], inf["seq_len"],
                                                         st["iteration_ms"] / 1000.0), 2)))
     return out
-
-
-def reason_holds(reason: dict) -> bool:
-    """Whether a reason a row is not priced still holds in the project as it is now."""
-    if reason["check"] == "profile":
-        from autopar.profiles import available_profiles
-
-        return not any(reason["gpu"] in name for name in available_profiles())
-    if reason["check"] == "tier_offloads":
-        from autopar.core.plan import OFFLOAD
-        from autopar.simulator.axes import nvme_tier
-
-        # the plan's one NVMe tier ("nvme", core/plan.py OFFLOAD) keeps AdamW's two fp32 moments per
-        # trainable parameter in files and the parameters in host memory (simulator/nvme_tier.py)
-        return OFFLOAD == ("none", "cpu", "nvme") and nvme_tier.MOMENT_BYTES == 2 * 4
-    return True                            # "stated": about what the source publishes
 
 
 def price_row(row: dict, graph_cache: dict) -> dict:
@@ -86,11 +68,17 @@ def price_row(row: dict, graph_cache: dict) -> dict:
 
     how, st, inf = row["priced_as"], row["stated"], row["inferred"]
     res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache)
-    return {"id": row["id"], "published_iteration_s": st["iteration_ms"] / 1000.0, "predicted_iteration_s": res.step_time_s,
-            "published_tflops_per_gpu": st["tflops_per_gpu"],
-            "predicted_tflops_per_gpu": megatron_zero3_tflops_per_gpu(st["total_parameters_B"], inf["micro_batch"],
+    params_B = st.get("total_parameters_B") or round(
+        gpt2_megatron_params(inf["layers"], inf["hidden"], inf["vocab_padded"], inf["seq_len"]) / 1e9, 3)
+    # the published iteration: the log's where it prints one, else the one its TFLOP/s stands for
+    # under the code's own formula (megatron_zero3_tflops_per_gpu solved for the iteration)
+    published_s = (st["iteration_ms"] / 1000.0 if "iteration_ms" in st else
+                   params_B * inf["micro_batch"] * inf["seq_len"] * 8.0 / (st["tflops_per_gpu"] * 1000.0))
+    return {"id": row["id"], "published_iteration_s": published_s, "predicted_iteration_s": res.step_time_s,
+            "iteration_from_tflops": "iteration_ms" not in st, "published_tflops_per_gpu": st["tflops_per_gpu"],
+            "predicted_tflops_per_gpu": megatron_zero3_tflops_per_gpu(params_B, inf["micro_batch"],
                                                                       inf["seq_len"], res.step_time_s),
-            "error": throughput_error(1.0 / res.step_time_s, 1000.0 / st["iteration_ms"]),
+            "error": throughput_error(1.0 / res.step_time_s, 1.0 / published_s),
             "fits": {"device": bool(res.device_fits), "host": bool(res.host_fits), "nvme": bool(res.nvme_fits)},
             "device_GiB": res.max_memory_bytes / 2**30, "device_capacity_GiB": res.capacity_bytes / 2**30,
             "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9}
@@ -112,15 +100,14 @@ def report(runs: dict, graph_cache: dict | None = None) -> tuple[list[str], list
             p = price_row(r, graph_cache)
             priced.append(p)
             fits = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in p["fits"].items())
+            derived = " (from its TFLOP/s)" if p["iteration_from_tflops"] else ""
             lines.append(f"  priced: iteration {p['predicted_iteration_s']:.1f} s predicted, {p['published_iteration_s']:.1f} s "
-                         f"published; TFLOP/s per GPU {p['predicted_tflops_per_gpu']:.2f} predicted, "
+                         f"published{derived}; TFLOP/s per GPU {p['predicted_tflops_per_gpu']:.2f} predicted, "
                          f"{p['published_tflops_per_gpu']} published; error {100 * p['error']:+.1f}%")
             lines.append(f"  fits: {fits} (device {p['device_GiB']:.1f} of {p['device_capacity_GiB']:.1f} GiB; "
                          f"NVMe {p['nvme_GB_per_node']:.0f} GB per node)")
             for m in r["not_modelled"]:
                 lines.append(f"  not modelled: {m['what']}")
-        for reason in r.get("why_not_priced", ()):
-            lines.append(f"  not priced: {reason['what']} ({'holds' if reason_holds(reason) else 'NO LONGER HOLDS'})")
     lines.append(f"read, not runs to price: {', '.join(x['id'] for x in runs['read_but_not_runs'])}")
     lines.append(f"{len(runs['rows'])} rows, {len(priced)} priced; error = predicted throughput / published - 1 "
                  f"(docs/validation.md 'NVMe tier')")
