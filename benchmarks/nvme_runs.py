@@ -60,14 +60,19 @@ def checks(row: dict) -> list[tuple[str, float, float]]:
     return out
 
 
+#: a step's phases as DeepSpeedExamples' Megatron log times them (forward, backward, optimizer)
+PHASES = ("forward_s", "backward_s", "optimizer_s")
+
+
 def price_row(row: dict, graph_cache: dict) -> dict:
     """The row priced as ``priced_as`` says its software ran: predicted iteration seconds, the
     TFLOP/s per GPU the run's own formula gives at that iteration (``megatron_zero3_tflops_per_gpu``),
     the error against the published iteration, and whether the plan fits each memory tier."""
-    from price_layout import price, row_cluster, throughput_error
+    from price_layout import price, row_cluster, step_phases, throughput_error
 
     how, st, inf = row["priced_as"], row["stated"], row["inferred"]
-    res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache)
+    res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache,
+                timeline=True)
     params_B = st.get("total_parameters_B") or round(
         gpt2_megatron_params(inf["layers"], inf["hidden"], inf["vocab_padded"], inf["seq_len"]) / 1e9, 3)
     # the published iteration: the log's where it prints one, else the one its TFLOP/s stands for
@@ -81,7 +86,8 @@ def price_row(row: dict, graph_cache: dict) -> dict:
             "error": throughput_error(1.0 / res.step_time_s, 1.0 / published_s),
             "fits": {"device": bool(res.device_fits), "host": bool(res.host_fits), "nvme": bool(res.nvme_fits)},
             "device_GiB": res.max_memory_bytes / 2**30, "device_capacity_GiB": res.capacity_bytes / 2**30,
-            "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9}
+            "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9, "predicted_phases_s": step_phases(res),
+            "published_phases_s": {k: st[k[:-2] + "_ms"] / 1000.0 for k in PHASES if k[:-2] + "_ms" in st}}
 
 
 def report(runs: dict, graph_cache: dict | None = None) -> tuple[list[str], list[dict]]:
@@ -104,6 +110,9 @@ def report(runs: dict, graph_cache: dict | None = None) -> tuple[list[str], list
             lines.append(f"  priced: iteration {p['predicted_iteration_s']:.1f} s predicted, {p['published_iteration_s']:.1f} s "
                          f"published{derived}; TFLOP/s per GPU {p['predicted_tflops_per_gpu']:.2f} predicted, "
                          f"{p['published_tflops_per_gpu']} published; error {100 * p['error']:+.1f}%")
+            lines.append("  phases, predicted (published): " + ", ".join(
+                f"{k[:-2]} {p['predicted_phases_s'][k]:.1f} s"
+                + (f" ({p['published_phases_s'][k]:.1f})" if k in p["published_phases_s"] else "") for k in PHASES))
             lines.append(f"  fits: {fits} (device {p['device_GiB']:.1f} of {p['device_capacity_GiB']:.1f} GiB; "
                          f"NVMe {p['nvme_GB_per_node']:.0f} GB per node)")
             for m in r["not_modelled"]:

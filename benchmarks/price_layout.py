@@ -51,10 +51,11 @@ def training_code(code: dict):
     return TrainingCode(**kw)
 
 
-def price(model: dict, cluster, layout: dict, code: dict, graph_cache: dict):
+def price(model: dict, cluster, layout: dict, code: dict, graph_cache: dict, timeline: bool = False):
     """The simulator's result (``SimResult``) for one run: ``model`` {"file", "args"},
     ``layout`` the config_plan choices (``dp``, ``micro_batch``, ``global_batch``, ``zero``,
-    ``recompute``, ``offload``, ``precision``, optional ``grad_compression``)."""
+    ``recompute``, ``offload``, ``precision``, optional ``grad_compression``); ``timeline``:
+    keep the step's events (``SimResult.timeline``)."""
     from autopar.core.capture import capture_model_file
     from autopar.simulator.configure import config_plan
     from autopar.simulator.device.calibration import FITTED
@@ -74,4 +75,21 @@ def price(model: dict, cluster, layout: dict, code: dict, graph_cache: dict):
                        precision=layout["precision"], sequence_parallel=False, cluster_name=cluster.name)
     if layout.get("grad_compression", "none") != "none":
         plan = replace(plan, grad_compression=layout["grad_compression"])
-    return simulate_plan(graph, plan, cluster, cms)
+    return simulate_plan(graph, plan, cluster, cms, timeline=timeline)
+
+
+def step_phases(result, device: int = 0) -> dict[str, float]:
+    """Seconds of a one-micro-batch step's phases on ``device``, from its timeline (``price``
+    with ``timeline=True``), as a training log splits them: forward (to the last forward op's
+    end), backward (to the last backward, recompute, reduce or copy out of the backward), and the
+    optimizer (the rest of the step)."""
+    fwd_end = bwd_end = 0.0
+    for e in result.timeline:
+        if e["device"] != device:
+            continue
+        end, kind = e["start_s"] + e["dur_s"], e["name"].split(" ")[0]
+        if kind == "fwd":
+            fwd_end = max(fwd_end, end)
+        elif kind in ("bwd", "recompute", "reduce_scatter", "d2h"):
+            bwd_end = max(bwd_end, end)
+    return {"forward_s": fwd_end, "backward_s": bwd_end - fwd_end, "optimizer_s": result.step_time_s - bwd_end}

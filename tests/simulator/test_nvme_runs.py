@@ -53,6 +53,10 @@ def test_priced_row_runs_through_the_simulator(bench):
     assert p["predicted_tflops_per_gpu"] == pytest.approx(50.356 * 26 * 1024 * 8 / (p["predicted_iteration_s"] * 1000))
     assert p["error"] == pytest.approx(298.9101 / p["predicted_iteration_s"] - 1)
     assert p["nvme_GB_per_node"] > 0                        # the optimizer's moments went to the drives
+    phases = p["predicted_phases_s"]                        # the log's split of the step, predicted
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) == pytest.approx(p["predicted_iteration_s"])
+    assert p["published_phases_s"] == pytest.approx({"forward_s": 53.56519, "backward_s": 152.70214,
+                                                     "optimizer_s": 92.63716})
 
 
 def test_issue_192_iteration_from_its_tflops(bench):
