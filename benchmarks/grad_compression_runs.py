@@ -55,13 +55,13 @@ def predicted_speedup(common: dict, gpus: int, micro_batch: int, graph_cache: di
 
 
 def price_row(row: dict, common: dict, graph_cache: dict, micro_batch: int | None = None) -> dict:
-    from price_layout import throughput_error
+    from price_layout import ratio_error
 
     mb = micro_batch or common["assumed"]["micro_batch"]["value"]
     sp, t1, tn = predicted_speedup(common, row["gpus"], mb, graph_cache)
     plain, _, _ = predicted_speedup(common, row["gpus"], mb, graph_cache, grad_compression="none")
     return {"id": row["id"], "gpus": row["gpus"], "micro_batch": mb, "published_speedup": row["published_speedup"],
-            "predicted_speedup": sp, "error": throughput_error(sp, row["published_speedup"]),
+            "predicted_speedup": sp, "error": ratio_error(sp, row["published_speedup"]),
             "one_gpu_step_s": t1, "step_s": tn, "predicted_speedup_uncompressed": plain}
 
 

@@ -68,7 +68,7 @@ def price_row(row: dict, graph_cache: dict) -> dict:
     """The row priced as ``priced_as`` says its software ran: predicted iteration seconds, the
     TFLOP/s per GPU the run's own formula gives at that iteration (``megatron_zero3_tflops_per_gpu``),
     the error against the published iteration, and whether the plan fits each memory tier."""
-    from price_layout import price, row_cluster, step_phases, throughput_error
+    from price_layout import price, row_cluster, step_phases, ratio_error
 
     how, st, inf = row["priced_as"], row["stated"], row["inferred"]
     res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache,
@@ -83,7 +83,7 @@ def price_row(row: dict, graph_cache: dict) -> dict:
             "iteration_from_tflops": "iteration_ms" not in st, "published_tflops_per_gpu": st["tflops_per_gpu"],
             "predicted_tflops_per_gpu": megatron_zero3_tflops_per_gpu(params_B, inf["micro_batch"],
                                                                       inf["seq_len"], res.step_time_s),
-            "error": throughput_error(1.0 / res.step_time_s, 1.0 / published_s),
+            "error": ratio_error(1.0 / res.step_time_s, 1.0 / published_s),
             "fits": {"device": bool(res.device_fits), "host": bool(res.host_fits), "nvme": bool(res.nvme_fits)},
             "device_GiB": res.max_memory_bytes / 2**30, "device_capacity_GiB": res.capacity_bytes / 2**30,
             "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9, "predicted_phases_s": step_phases(res),

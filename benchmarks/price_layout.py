@@ -7,6 +7,9 @@ ZeRO stage, recompute, offload, precision, gradient compression) and the trainin
 (``simulator.device.training_code.TrainingCode``: its sharded data parallelism, reduce bytes),
 priced by ``simulator.simulate.simulate_plan`` with the calibration every benchmark uses
 (``simulator.device.calibration.FITTED``).  Nothing here is fitted to the runs it prices.
+``autopar.simulate`` prices a configuration as autopar's own runtime runs it, with no argument for
+another code (DeepSpeed's ZeRO-3) or a gradient compression; so this calls the entry points under
+it, as benchmarks/published_runs.py does.
 
 Error = predicted throughput / published throughput - 1, as benchmarks/published_runs.py
 reports it: positive means the simulator promises more than the run delivered.
@@ -19,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def throughput_error(predicted: float, published: float) -> float:
+def ratio_error(predicted: float, published: float) -> float:
     """predicted throughput / published throughput - 1 (any throughput: samples/s, a speed-up)."""
     return predicted / published - 1.0
 
