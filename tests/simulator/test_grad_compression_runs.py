@@ -37,3 +37,14 @@ def test_pricing_runs_and_the_speedup_is_its_ratio(bench):
     assert p["predicted_speedup"] == pytest.approx(4 * p["one_gpu_step_s"] / p["step_s"])
     assert p["error"] == pytest.approx(p["predicted_speedup"] / 3.5 - 1)
     assert 0 < p["predicted_speedup_uncompressed"] <= 4 + 1e-9
+
+
+def test_resnet50_has_torchvisions_parameter_count():
+    """benchmarks/models/resnet50.py written out as torchvision's resnet50: 25,557,032 parameters
+    (torchvision's model card), counted on meta."""
+    import torch
+
+    model_file = load(ROOT / "benchmarks" / "models" / "resnet50.py")
+    with torch.device("meta"):
+        model = model_file.build_model()
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
