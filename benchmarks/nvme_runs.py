@@ -1,11 +1,12 @@
-"""Published runs with state on NVMe (ZeRO-Infinity, DeepSpeed's NVMe offload) and why none is priced yet.
+"""Published runs with state on NVMe (ZeRO-Infinity, DeepSpeed's NVMe offload), priced as their
+software ran, with the error of each.
 
 ``benchmarks/data/published_runs_nvme.json`` holds the runs as their sources state them.  For each
-row this prints what its own figures fix, re-derived by hand (``checks``), and the reasons it is
-not priced, each checked live against the project (``reason_holds``): a reason that no longer holds
--- a profile for the row's GPU was added, the NVMe tier learned to hold parameters -- is printed as
-such, and the row is then due to be priced as ``benchmarks/published_runs.py`` prices the others.
-Nothing here is a predicted-vs-measured error: no row is priced.  docs/validation.md "NVMe tier".
+row this prints what its own figures fix, re-derived by hand (``checks``).  A row with
+``priced_as`` (model, cluster file, layout, training code) -- every row now -- is priced through
+the simulator (benchmarks/price_layout.py) and printed beside the published iteration time and
+TFLOP/s per GPU, with the error (predicted throughput / published - 1) and the mechanisms of the
+run the price has no term for (``not_modelled``).  docs/validation.md "NVMe tier".
 
     python benchmarks/nvme_runs.py [--no-write]
 
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # price_layout.py beside this file
 DATA = ROOT / "benchmarks" / "data" / "published_runs_nvme.json"
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -48,7 +50,7 @@ def checks(row: dict) -> list[tuple[str, float, float]]:
     parts = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "batch_generator_ms") if k in st]
     if "iteration_ms" in st and parts:
         out.append(("iteration ms = " + " + ".join(p[:-3] for p in parts), st["iteration_ms"], sum(st[p] for p in parts)))
-    if inf:
+    if inf and "total_parameters_B" in st and "iteration_ms" in st:      # a log that prints both
         p = gpt2_megatron_params(inf["layers"], inf["hidden"], inf["vocab_padded"], inf["seq_len"])
         out.append((f"parameters [B] of {inf['layers']} x {inf['hidden']}, vocab {inf['vocab_padded']}, "
                     f"seq {inf['seq_len']}", st["total_parameters_B"], round(p / 1e9, 3)))
@@ -58,24 +60,40 @@ def checks(row: dict) -> list[tuple[str, float, float]]:
     return out
 
 
-def reason_holds(reason: dict) -> bool:
-    """Whether a reason a row is not priced still holds in the project as it is now."""
-    if reason["check"] == "profile":
-        from autopar.profiles import available_profiles
-
-        return not any(reason["gpu"] in name for name in available_profiles())
-    if reason["check"] == "tier_offloads":
-        from autopar.core.plan import OFFLOAD
-        from autopar.simulator.axes import nvme_tier
-
-        # the plan's one NVMe tier ("nvme", core/plan.py OFFLOAD) keeps AdamW's two fp32 moments per
-        # trainable parameter in files and the parameters in host memory (simulator/nvme_tier.py)
-        return OFFLOAD == ("none", "cpu", "nvme") and nvme_tier.MOMENT_BYTES == 2 * 4
-    return True                            # "stated": about what the source publishes
+#: a step's phases as DeepSpeedExamples' Megatron log times them (forward, backward, optimizer)
+PHASES = ("forward_s", "backward_s", "optimizer_s")
 
 
-def report(runs: dict) -> list[str]:
-    lines = []
+def price_row(row: dict, graph_cache: dict) -> dict:
+    """The row priced as ``priced_as`` says its software ran: predicted iteration seconds, the
+    TFLOP/s per GPU the run's own formula gives at that iteration (``megatron_zero3_tflops_per_gpu``),
+    the error against the published iteration, and whether the plan fits each memory tier."""
+    from price_layout import price, row_cluster, step_phases, ratio_error
+
+    how, st, inf = row["priced_as"], row["stated"], row["inferred"]
+    res = price(how["model"], row_cluster(how["cluster"], st["nodes"]), how["layout"], how["code"], graph_cache,
+                timeline=True)
+    params_B = st.get("total_parameters_B") or round(
+        gpt2_megatron_params(inf["layers"], inf["hidden"], inf["vocab_padded"], inf["seq_len"]) / 1e9, 3)
+    # the published iteration: the log's where it prints one, else the one its TFLOP/s stands for
+    # under the code's own formula (megatron_zero3_tflops_per_gpu solved for the iteration)
+    published_s = (st["iteration_ms"] / 1000.0 if "iteration_ms" in st else
+                   params_B * inf["micro_batch"] * inf["seq_len"] * 8.0 / (st["tflops_per_gpu"] * 1000.0))
+    return {"id": row["id"], "published_iteration_s": published_s, "predicted_iteration_s": res.step_time_s,
+            "iteration_from_tflops": "iteration_ms" not in st, "published_tflops_per_gpu": st["tflops_per_gpu"],
+            "predicted_tflops_per_gpu": megatron_zero3_tflops_per_gpu(params_B, inf["micro_batch"],
+                                                                      inf["seq_len"], res.step_time_s),
+            "error": ratio_error(1.0 / res.step_time_s, 1.0 / published_s),
+            "fits": {"device": bool(res.device_fits), "host": bool(res.host_fits), "nvme": bool(res.nvme_fits)},
+            "device_GiB": res.max_memory_bytes / 2**30, "device_capacity_GiB": res.capacity_bytes / 2**30,
+            "nvme_GB_per_node": res.nvme_bytes_per_node / 1e9, "predicted_phases_s": step_phases(res),
+            "published_phases_s": {k: st[k[:-2] + "_ms"] / 1000.0 for k in PHASES if k[:-2] + "_ms" in st}}
+
+
+def report(runs: dict, graph_cache: dict | None = None) -> tuple[list[str], list[dict]]:
+    """The printed lines and the priced rows' results."""
+    graph_cache = {} if graph_cache is None else graph_cache
+    lines, priced = [], []
     for r in runs["rows"]:
         src = r["source"]
         lines.append(f"{r['id']}  ({src['url']}, {src['location']})")
@@ -84,22 +102,39 @@ def report(runs: dict) -> list[str]:
                      f"{st['tflops_per_gpu']} TFLOP/s per GPU")
         for what, stated, derived in checks(r):
             lines.append(f"  check: {what}: source {stated}, by hand {derived}")
-        for reason in r["why_not_priced"]:
-            lines.append(f"  not priced: {reason['what']} ({'holds' if reason_holds(reason) else 'NO LONGER HOLDS'})")
+        if "priced_as" in r:
+            p = price_row(r, graph_cache)
+            priced.append(p)
+            fits = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in p["fits"].items())
+            derived = " (from its TFLOP/s)" if p["iteration_from_tflops"] else ""
+            lines.append(f"  priced: iteration {p['predicted_iteration_s']:.1f} s predicted, {p['published_iteration_s']:.1f} s "
+                         f"published{derived}; TFLOP/s per GPU {p['predicted_tflops_per_gpu']:.2f} predicted, "
+                         f"{p['published_tflops_per_gpu']} published; error {100 * p['error']:+.1f}%")
+            lines.append("  phases, predicted (published): " + ", ".join(
+                f"{k[:-2]} {p['predicted_phases_s'][k]:.1f} s"
+                + (f" ({p['published_phases_s'][k]:.1f})" if k in p["published_phases_s"] else "") for k in PHASES))
+            lines.append(f"  fits: {fits} (device {p['device_GiB']:.1f} of {p['device_capacity_GiB']:.1f} GiB; "
+                         f"NVMe {p['nvme_GB_per_node']:.0f} GB per node)")
+            for m in r["not_modelled"]:
+                lines.append(f"  not modelled: {m['what']}")
     lines.append(f"read, not runs to price: {', '.join(x['id'] for x in runs['read_but_not_runs'])}")
-    lines.append(f"{len(runs['rows'])} rows, 0 priced (docs/validation.md 'NVMe tier')")
-    return lines
+    lines.append(f"{len(runs['rows'])} rows, {len(priced)} priced; error = predicted throughput / published - 1 "
+                 f"(docs/validation.md 'NVMe tier')")
+    return lines, priced
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     args = ap.parse_args()
-    lines = report(load_runs())
+    lines, priced = report(load_runs())
     print("\n".join(lines))
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "nvme_runs.txt").write_text("$ python benchmarks/nvme_runs.py\n" + "\n".join(lines) + "\n")
+        (RESULTS / "nvme_runs.json").write_text(json.dumps({"command": "python benchmarks/nvme_runs.py",
+                                                            "error": "predicted throughput / published - 1",
+                                                            "rows": priced}, indent=1) + "\n")
     return 0
 
 

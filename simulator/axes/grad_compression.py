@@ -34,7 +34,10 @@ runtime/apply_dp.py), priced as ``TrainingCode.grad_compression`` (simulator/sim
 The matrices of each layer are read from its captured ops (``layer_matrices``): an op with
 weights holds one matrix whose one side is the op's output width, plus a bias vector when one of
 its parameters is named ``*.bias``; an op whose parameters are at most two vectors of its output
-width (a norm's weight and bias) holds vectors only.
+width (a norm's weight and bias) holds vectors only.  The output width is the features of a
+channels-last op (a Linear's last dimension) and the channels of a channels-first one (a
+convolution's or a batch / group / instance norm's dimension 1): torch's hook views a weight as
+``(shape[0], -1)``, and a convolution's weight's first dimension is its output channels.
 """
 from __future__ import annotations
 
@@ -74,6 +77,22 @@ def powersgd_kernels(r: int) -> int:
     return 3 + 2 * orthogonalise_kernels(r)
 
 
+#: ops whose features run along dimension 1 of their output (N, C, ...): torch.nn's convolutions
+#: and the norms over channels
+CHANNELS_FIRST_NORMS = ("BatchNorm", "GroupNorm", "InstanceNorm")
+
+
+def output_width(op) -> int:
+    """The features of ``op``'s output: dimension 1 of a convolution's or a channel norm's
+    (N, C, ...) output, the last dimension otherwise (module docstring)."""
+    shape = op.output_shape
+    if not shape:
+        return 1
+    if len(shape) >= 3 and (op.kind == "conv" or any(n in op.target for n in CHANNELS_FIRST_NORMS)):
+        return int(shape[1])
+    return int(shape[-1])
+
+
 def layer_matrices(graph, layer: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """(the weight matrices as (n, m), elements held in vectors) of ``layer``'s trainable
     parameters, from its ops (module docstring)."""
@@ -82,7 +101,7 @@ def layer_matrices(graph, layer: int) -> tuple[tuple[tuple[int, int], ...], int]
         numel = op.param_numel - op.frozen_numel
         if numel <= 0:
             continue
-        width = int(op.output_shape[-1]) if op.output_shape else 1
+        width = output_width(op)
         if width <= 0 or numel <= 2 * width:
             vec += numel
             continue

@@ -47,7 +47,8 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_bundled_list_is_complete():
-    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100", "h100-96gb-500w-1x8", "dgx-a100-1x8-nvme"}
+    assert set(available_clusters()) == set(EXPECTED) | {"mixed-a100-h100", "h100-96gb-500w-1x8", "dgx-a100-1x8-nvme",
+                                                         "dgx2-1x16-nvme"}
 
 
 def test_grand_teton_cluster_takes_the_variant_from_its_profile():

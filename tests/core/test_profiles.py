@@ -16,17 +16,24 @@ DATASHEET = {
     "a100-80gb-sxm": ({"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12),
     "h100-sxm": ({"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}, 3.35e12),
     "h200": ({"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}, 4.8e12),
+    # Tesla V100 SXM2: 15.7 TFLOPS fp32, 125 tensor (fp16); no tf32 or bf16 units (the fp32 rate)
+    "a100-pcie-40gb": ({"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}, 1.555e12),
+    "v100-32gb-sxm": ({"fp32": 15.7e12, "tf32": 15.7e12, "bf16": 15.7e12, "fp16": 125e12}, 0.9e12),
 }
 LINKS_GBps = {  # per direction: NVLink3 600/2, NVLink4 900/2; PCIe Gen4 64/2, Gen5 128/2; NIC / 8 bits
-    "a100-80gb-sxm": (300, 32, 25), "h100-sxm": (450, 64, 50), "h200": (450, 64, 50)}
+    "a100-80gb-sxm": (300, 32, 25), "h100-sxm": (450, 64, 50), "h200": (450, 64, 50),
+    "a100-pcie-40gb": (300, 32, 1.25),  # NVLink bridge 600/2, PCIe Gen4 64/2, 10 GbE (an assumption)
+    "v100-32gb-sxm": (150, 16, 6.25)}   # NVLink2 300/2, PCIe Gen3 32/2, DGX-2: 8 x 100 Gb/s / 8 / 16 GPUs
 LINK_KEYS = ("nvlink_GBps", "nvlink_latency_us", "pcie_GBps", "pcie_latency_us", "network_GBps_per_gpu")
 
 
 def test_bundled_names():
-    assert available_profiles() == ["a100-80gb-sxm", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu"]
+    assert available_profiles() == ["a100-80gb-sxm", "a100-pcie-40gb", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu",
+                                    "v100-32gb-sxm"]
 
 
-@pytest.mark.parametrize("name", ["a100-80gb-sxm", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu"])
+@pytest.mark.parametrize("name", ["a100-80gb-sxm", "a100-pcie-40gb", "h100-sxm", "h100-sxm-96gb-500w", "h200", "local-cpu",
+                                  "v100-32gb-sxm"])
 def test_profile_loads_and_cites_every_figure(name):
     prof = load_profile(name)
     assert prof["name"] == name and profile_path(name).name == f"{name}.json"
@@ -56,6 +63,8 @@ def test_memory_sizes():
     assert load_profile("a100-80gb-sxm")["memory_bytes"] == pytest.approx(80e9, rel=0.08)   # 80 GB (80 GiB)
     assert load_profile("h100-sxm")["memory_bytes"] == pytest.approx(80e9, rel=0.08)
     assert load_profile("h200")["memory_bytes"] == pytest.approx(141e9, rel=0.01)
+    assert load_profile("v100-32gb-sxm")["memory_bytes"] == 32 * 2**30                    # 32 GB HBM2
+    assert load_profile("a100-pcie-40gb")["memory_bytes"] == 40 * 2**30                   # 40 GB HBM2
 
 
 def test_local_cpu_peak_is_a_plausible_measurement():
@@ -118,7 +127,7 @@ def test_measured_rows_with_extra_keys_are_accepted(good):
 
 
 def test_unknown_name_and_missing_file_list_the_profiles(tmp_path):
-    with pytest.raises(ProfileError, match="a100-80gb-sxm, h100-sxm, h100-sxm-96gb-500w, h200, local-cpu"):
+    with pytest.raises(ProfileError, match="a100-80gb-sxm, a100-pcie-40gb, h100-sxm, h100-sxm-96gb-500w, h200, local-cpu, v100-32gb-sxm"):
         load_profile("b200")
     with pytest.raises(ProfileError, match="does not exist"):
         load_profile(str(tmp_path / "none.json"))

@@ -123,3 +123,16 @@ def test_layer_matrices_are_the_weights_shapes():
     mats, vec = layer_matrices(g, block)
     assert sorted(tuple(sorted(m)) for m in mats) == sorted([(32, 96), (32, 32), (32, 128), (32, 128)])
     assert vec == 4 * 32 + 96 + 32 + 128 + 32        # ln1, ln2 (weight + bias); the four biases
+
+
+def test_layer_matrices_of_a_cnn_are_out_channels_by_the_rest():
+    """examples/cnn.py at 8 channels: each block's 3x3 convolution (no bias) is the matrix torch's
+    hook compresses, weight.view(out_channels, -1) = 8 x 72, and its BatchNorm's weight and bias
+    are two vectors of 8 -- not matrices cut along the image's width (its last dimension, 16)."""
+    from autopar.core.capture import capture_model_file
+    from autopar.simulator.axes.grad_compression import layer_matrices
+
+    g = capture_model_file(str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "cnn.py"),
+                           {"blocks": 2, "channels": 8}, 2)
+    block = next(i for i, l in enumerate(g.layers) if l.name == "blocks.0")
+    assert layer_matrices(g, block) == (((8, 72),), 2 * 8)

@@ -1,6 +1,7 @@
 """benchmarks/nvme_runs.py: the published NVMe-offload runs load with their sources, their own
-figures agree with hand derivations, and each reason a row is not priced is checked against the
-project as it is (a reason that stops holding fails here, so the row gets priced)."""
+figures agree with hand derivations, and a priced row's pricing runs through the simulator.  Not a
+test of the error's size."""
+import copy
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ def test_rows_load_with_sources_and_reasons(bench):
     assert {r["id"] for r in runs["rows"]} == {"ds1776_50b_dgx2_nvme", "dse192_10b_2x_a100pcie40_nvme"}
     for r in runs["rows"]:
         assert r["source"]["url"].startswith("https://github.com/") and r["source"]["location"]
-        assert r["why_not_priced"] and all(x["what"] and x["detail"] for x in r["why_not_priced"])
+        assert r["priced_as"]["layout"]["offload"] == "nvme"
+        assert r["not_modelled"] and all(x["what"] and x["detail"] for x in r["not_modelled"])
     for x in runs["read_but_not_runs"]:
         assert x["source"]["repo"] and x["source"]["path"] and x["source"]["commit"] and x["why_not_a_row"]
 
@@ -40,8 +42,29 @@ def test_issue_1776_figures_fix_the_inferred_shape(bench):
     assert derived == pytest.approx(stated, rel=1e-4)        # the log's parts sum to its iteration
 
 
-def test_every_reason_holds_and_the_check_can_fail(bench):
-    for r in bench.load_runs()["rows"]:
-        for reason in r["why_not_priced"]:
-            assert bench.reason_holds(reason), (r["id"], reason["what"])
-    assert not bench.reason_holds({"check": "profile", "gpu": "a100"})     # a bundled profile: reason gone
+def test_priced_row_runs_through_the_simulator(bench):
+    """The 50B row's pricing path (cluster file, V100 profile, DeepSpeed's ZeRO-3, the NVMe tier)
+    on a 2-block copy of its model of hidden 1024, so that the capture stays fast: a positive iteration, the
+    run's own TFLOP/s formula applied to it, the error against the published iteration."""
+    row = copy.deepcopy({r["id"]: r for r in bench.load_runs()["rows"]}["ds1776_50b_dgx2_nvme"])
+    row["priced_as"]["model"]["args"].update(layers=2, hidden=1024, heads=8)
+    p = bench.price_row(row, {})
+    assert p["predicted_iteration_s"] > 0 and p["published_iteration_s"] == pytest.approx(298.9101)
+    assert p["predicted_tflops_per_gpu"] == pytest.approx(50.356 * 26 * 1024 * 8 / (p["predicted_iteration_s"] * 1000))
+    assert p["error"] == pytest.approx(298.9101 / p["predicted_iteration_s"] - 1)
+    assert p["nvme_GB_per_node"] > 0                        # the optimizer's moments went to the drives
+    phases = p["predicted_phases_s"]                        # the log's split of the step, predicted
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) == pytest.approx(p["predicted_iteration_s"])
+    assert p["published_phases_s"] == pytest.approx({"forward_s": 53.56519, "backward_s": 152.70214,
+                                                     "optimizer_s": 92.63716})
+
+
+def test_issue_192_iteration_from_its_tflops(bench):
+    """No iteration in the text: the one its 1.5 TFLOP/s stands for under the code's formula, by
+    hand: 50 layers of hidden 4096 -> 10.279 B parameters; 10.279 x 8 x 1024 x 8 / (1.5 x 1000)."""
+    row = copy.deepcopy({r["id"]: r for r in bench.load_runs()["rows"]}["dse192_10b_2x_a100pcie40_nvme"])
+    h, l = 4096, 50
+    assert round((l * (12 * h * h + 13 * h) + (50304 + 1024) * h + 2 * h) / 1e9, 3) == 10.279
+    row["priced_as"]["model"]["args"].update(layers=2, hidden=1024, heads=8)
+    p = bench.price_row(row, {})
+    assert p["iteration_from_tflops"] and p["published_iteration_s"] == pytest.approx(10.279 * 8 * 1024 * 8 / 1500)
