@@ -76,7 +76,8 @@ def install_store_info_every_round() -> None:
         info = original(self)
         server = getattr(self, "_shared_tcp_store_server", None)
         if not self.use_agent_store or (info.rank == 0 and server is None):
-            return info                       # torch's opt-out: the workers' rank 0 hosts a store each round
+            # torch's opt-out (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) publishes a new address every round itself
+            return info
         fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._this_node.addr,
                                           server_port=server.port if info.rank == 0 else None)
         self._bootstrap_store_info = fresh

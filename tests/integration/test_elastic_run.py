@@ -102,6 +102,10 @@ def test_elastic_run_loses_a_node_takes_it_back_and_matches_the_plain_loop(tmp_p
     assert re.search(rf"switch 2: measured switch time \d+\.\d+ s, from the joining node's launch to step "
                      rf"{back_step + 1} \(predicted \d+\.\d+ s\)", said), said
     assert "predicted step time:" in said and "steps lost since it: " in said
+    # each re-plan describes the checkpoint it resumes from (autopar replan's switch lines)
+    flat = " ".join(said.split())
+    assert "is step 2 saved by 4 ranks (dp2 x tp2, ZeRO-3)" in flat, said
+    assert f"is step {back_step} saved by 2 ranks" in flat, said
     assert not list(ck.glob("*.partial")) and not (ck / "lock.json").exists()
 
 
