@@ -42,7 +42,7 @@ def one(tmp: Path, timeout_s: int, budget_s: float) -> list[dict]:
     ck = tmp / "ck"
     run = run_losing_a_node(tmp, plan, ck, STEPS, KILL_AFTER,
                             ("--checkpoint-every", "2", "--rendezvous-timeout", str(timeout_s),
-                             "--replan-budget", str(budget_s)), return_after=RETURN_AFTER)
+                             "--replan-budget", str(budget_s)), return_after=RETURN_AFTER, timeout_s=600)
     if run.code != 0 or run.back_code != 0:
         raise SystemExit(f"the run failed (exit {run.code}, the returning node's {run.back_code}):\n"
                          f"{run.node0[-4000:]}\n{run.node1_back[-2000:]}")

@@ -15,6 +15,7 @@ after does not depend on how fast the machine is.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,7 +184,8 @@ def run_losing_a_node(tmp: Path, plan: Path, checkpoint_dir: Path, steps: int, k
         back = nodes[2].wait(timeout=max(1.0, deadline - time.monotonic())) if len(nodes) > 2 else None
     finally:
         for p in paused:
-            os.kill(p, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
         for p in nodes:
             if p.poll() is None:
                 kill_tree(p.pid)

@@ -53,7 +53,7 @@ def test_elastic_run_loses_a_node_takes_it_back_and_matches_the_plain_loop(tmp_p
     ck = tmp_path / "ck"
     run = run_losing_a_node(tmp_path, plan, ck, STEPS, KILL_AFTER,
                             ("--checkpoint-every", "2", "--rendezvous-timeout", "2", "--replan-budget", "1",
-                             "--timing-warmup", "0"), return_after=RETURN_AFTER)
+                             "--timing-warmup", "0"), return_after=RETURN_AFTER, timeout_s=600)
     out, back = run.node0, run.node1_back
     assert run.code == 0 and run.back_code == 0, out[-6000:] + back[-4000:]
     m = json.loads((tmp_path / "measured.json").read_text())
