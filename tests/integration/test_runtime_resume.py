@@ -28,10 +28,12 @@ last checkpoint by DCP's own converter) must match it within 1e-5.  The checkpoi
 the tied parameter once, under its canonical name (what lets every layout read it).
 
 * ``autopar replan`` then resume, 4 -> 2 ranks and 2 -> 4 on the zoo's nanoGPT
-  (``tests/zoo/nanogpt.py``, tied ``lm_head``), 4 -> 2 on Hugging Face's Llama
-  (``tests/zoo/hf_llama.py``; its re-plan is a pipeline cut from ``torch.export``): the first
-  leg runs a hand-made plan, the second the plan ``autopar replan --cluster`` wrote for a
-  cluster of 2 (or 4) devices, resumed from the first leg's checkpoint.
+  (``tests/zoo/nanogpt.py``, tied ``lm_head``) and on Hugging Face's Llama
+  (``tests/zoo/hf_llama.py``): the first leg runs a hand-made plan, the second the plan
+  ``autopar replan --cluster`` wrote for a cluster of 2 (or 4) devices, resumed from the first
+  leg's checkpoint.  Llama's 4 -> 2 re-plan is a pipeline cut from ``torch.export``; its 2 -> 4
+  goes on from there (a copy of that 2-rank checkpoint, 4 -> 2 -> 4), re-planned for one node
+  of 4 devices (dp 4).
 
 Three launches: the 4-rank one first (it writes the 4 -> 2 checkpoints), then one 2-rank launch
 for all 2-rank cases, in order (it writes the 2 -> 4 checkpoints, which a second 4-rank launch
@@ -103,9 +105,14 @@ def _has_transformers() -> bool:
 # autopar replan then resume (4 -> 2 and 2 -> 4): first legs by hand, second legs planned by
 # 'autopar replan --cluster' for 2 or 4 local CPU devices (one node of 2, two nodes of 2)
 REPLAN_MODELS = {"nanogpt": ZOO / "nanogpt.py", "hf_llama": ZOO / "hf_llama.py"}
-# the directions each model runs: Llama 4 -> 2 only, for the suite's time (its 2 -> 4 re-plan is a
-# 4-stage pipeline cut from torch.export, the launch's dearest case)
-REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2",)}
+REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2", "2to4")}
+# the cluster of each model's 2 -> 4 re-plan: (nodes, devices per node).  Llama's is one node of
+# 4: there the planner picks dp 4, where on two nodes of 2 it picks a 4-stage pipeline cut from
+# torch.export, which would make the 4-rank launch half a minute longer
+REPLAN_UP_CLUSTER = {"nanogpt": (2, 2), "hf_llama": (1, 4)}
+# models whose 2 -> 4 chain goes on from their 4 -> 2 chain's 2-rank checkpoint (a copy, made once
+# the 2-rank launch wrote it) instead of a 2-rank first leg of its own: 4 -> 2 -> 4
+REPLAN_UP_FROM_DOWN = {"hf_llama"}
 REPLAN_CLUSTER = """\
 name: cpu-nodes
 backend: gloo
@@ -114,27 +121,28 @@ groups:
   - name: cpu
     gpu: local-cpu
     nodes: NODES
-    gpus_per_node: 2
+    gpus_per_node: DEVICES
     host_memory_GB: 8
 """
 FOUR_ZERO3 = dict(dp=4, micro_batch=1, zero=3)
 
 
-def _replanned(plan: Path, nodes: int, out: Path) -> Path:
-    """``autopar replan PLAN --cluster`` (a cluster of ``nodes`` nodes of 2 CPU devices)."""
+def _replanned(plan: Path, nodes: int, out: Path, devices: int = 2) -> Path:
+    """``autopar replan PLAN --cluster`` (a cluster of ``nodes`` nodes of ``devices`` CPU devices)."""
     from cli_inprocess import run_cli
 
     cluster = out.with_suffix(".cluster.yaml")
-    cluster.write_text(REPLAN_CLUSTER.replace("NODES", str(nodes)))
+    cluster.write_text(REPLAN_CLUSTER.replace("NODES", str(nodes)).replace("DEVICES", str(devices)))
     got = run_cli("replan", plan, "--cluster", cluster, "--time-budget", 1, "-o", out)
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr
     assert "global batch: 4 samples per step, kept" in got.stdout, got.stdout
     return out
 
 
-def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
-    """(4-rank first legs, 2-rank cases, 4-rank second legs, runs by name) of the replan chains."""
-    first4, two, second4, runs = [], [], [], {}
+def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict, list[tuple[Path, Path]]]:
+    """(4-rank first legs, 2-rank cases, 4-rank second legs, runs by name, checkpoint folders to
+    copy once the 2-rank launch ran) of the replan chains."""
+    first4, two, second4, runs, copies = [], [], [], {}, []
     for name, model in REPLAN_MODELS.items():
         if name.startswith("hf_") and not _has_transformers():
             continue
@@ -148,13 +156,20 @@ def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
             runs[f"replan_{name}_4to2"] = {"cases": [down, down_b], "steps": 2 * LEG, "model": model,
                                            "replanned": True}
         if "2to4" in REPLAN_DIRECTIONS[name]:
-            up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
-            up_b = dict(up, name=f"{name}.two_to_four", steps=2 * LEG, measured=str(tmp / f"{name}.24.measured.json"),
-                        plan=str(_replanned(Path(up["plan"]), 2, tmp / f"{name}.replan4.json")))
-            two.append(up)
+            if name in REPLAN_UP_FROM_DOWN:                  # 4 -> 2 -> 4: the 2-rank leg is down_b
+                up = down_b
+                copies.append((Path(down_b["checkpoint_dir"]), tmp / f"{name}_2to4.ckpt"))
+            else:
+                up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
+                two.append(up)
+            nodes, devices = REPLAN_UP_CLUSTER[name]
+            up_b = dict(up, name=f"{name}.two_to_four", steps=up["steps"] + LEG, checkpoint_dir=str(tmp / f"{name}_2to4.ckpt"),
+                        measured=str(tmp / f"{name}.24.measured.json"),
+                        plan=str(_replanned(Path(up["plan"]), nodes, tmp / f"{name}.replan4.json", devices)))
             second4.append(up_b)
-            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": 2 * LEG, "model": model, "replanned": True}
-    return first4, two, second4, runs
+            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": up_b["steps"], "model": model,
+                                           "replanned": True}
+    return first4, two, second4, runs, copies
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +219,7 @@ def runs(tmp_path_factory):
     out: dict[str, dict] = {}
     # 4 ranks first: dp2 x pp2 writes the checkpoint that 2 ranks resume
     four = _case(tmp, "four_dp2pp2", DP2_PP2, tmp / "four_to_two.ckpt", LEG)
-    replan_first4, replan_two, replan_second4, replan_runs = _replan_cases(tmp)
+    replan_first4, replan_two, replan_second4, replan_runs, replan_copies = _replan_cases(tmp)
     out.update(replan_runs)
     _launch(4, [four, *replan_first4], tmp, "four")
     cases = []
@@ -226,6 +241,8 @@ def runs(tmp_path_factory):
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
     cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
     _launch(2, cases + replan_two, tmp, "two")
+    for src, dst in replan_copies:
+        shutil.copytree(src, dst)
     back = _case(tmp, "two_to_four.dp2pp2", DP2_PP2, tmp / "two_to_four.ckpt", 2 * LEG)
     _launch(4, [back, *replan_second4], tmp, "four_again")
     out["two_to_four"] = {"cases": [cases[-1], back], "steps": 2 * LEG}
