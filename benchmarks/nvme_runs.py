@@ -65,12 +65,11 @@ def reason_holds(reason: dict) -> bool:
 
         return not any(reason["gpu"] in name for name in available_profiles())
     if reason["check"] == "tier_offloads":
-        from autopar.core.plan import OFFLOAD
         from autopar.simulator.axes import nvme_tier
 
-        # the plan's one NVMe tier ("nvme", core/plan.py OFFLOAD) keeps AdamW's two fp32 moments per
-        # trainable parameter in files and the parameters in host memory (simulator/nvme_tier.py)
-        return OFFLOAD == ("none", "cpu", "nvme") and nvme_tier.MOMENT_BYTES == 2 * 4
+        # the tier's swap is priced overlapped only (the runtime's read-ahead and background
+        # write-back, simulator/axes/nvme_tier.py SWAP): DeepSpeed's serial swap has no term
+        return nvme_tier.SWAP == "overlapped"
     return True                            # "stated": about what the source publishes
 
 

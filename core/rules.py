@@ -48,6 +48,14 @@ def nvme_states(offload: str) -> tuple[str, ...]:
     return ("moments", *offload.split("+")[1:])
 
 
+def nvme_contents(offloads) -> str:
+    """What the layers' ``offloads`` keep on the NVMe tier, in words ("AdamW moments",
+    "AdamW moments and gradients", "AdamW moments, parameters and gradients")."""
+    held = {s for o in offloads for s in nvme_states(o)}
+    words = ["AdamW moments"] + [w for s, w in (("params", "parameters"), ("grads", "gradients")) if s in held]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def zero1_shards(dp: int) -> bool:
     """ZeRO-1 shards optimizer state over the data-parallel ranks: with one it shards nothing."""
     return dp > 1

@@ -11,7 +11,7 @@ from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.device.network import ring_wire_bytes
 from autopar.simulator.device.topology import MeshLinks
 from autopar.simulator.axes.float8 import FP8_BYTES, fp8_all_gather
-from autopar.simulator.axes.nvme_tier import nvme_moment_bytes
+from autopar.simulator.axes.nvme_tier import nvme_state_bytes
 from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.step.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.step.optimizer_step import grad_clip_pass_time
@@ -23,7 +23,7 @@ class DataParallel:
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     host_bytes: float = 0.0                # offloaded state
-    nvme_bytes: float = 0.0                # offload "nvme": the moments in files (of host_bytes' share)
+    nvme_bytes: float = 0.0                # offload "nvme...": the states in files (of host_bytes' share)
     grad_sync_bytes: float = 0.0           # gradients synchronised across data parallel
     fsdp_param_buffer_bytes: float = 0.0
     fsdp_grad_buffer_bytes: float = 0.0
@@ -106,9 +106,10 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
     if offload:
         d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
-        if lp.offload == "nvme":           # the moments move from host memory to the NVMe files
-            d.nvme_bytes = nvme_moment_bytes(trainable / (dp if zero >= 1 else 1))
-            d.host_bytes -= d.nvme_bytes
+        # offload "nvme...": the states it names move from host memory to the NVMe files (FSDP2
+        # shards the parameters over dp at ZeRO-2 too)
+        d.nvme_bytes = nvme_state_bytes(lp.offload, param_numel / dp, trainable / dp)
+        d.host_bytes = max(0.0, d.host_bytes - d.nvme_bytes)
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
     if fp8_all_gather(lp, mesh, fp8_recipe):
