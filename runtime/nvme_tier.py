@@ -80,7 +80,7 @@ class NvmeOffloadPolicy(CPUOffloadPolicy):
 
 
 class NvmeSpaceError(UserError):
-    """The NVMe path has no room for the optimizer states (exit 2)."""
+    """The NVMe path has no room for the states of the NVMe tier (exit 2)."""
 
 
 def check_nvme_path(path: Path | None, where: str) -> Path:
@@ -106,8 +106,9 @@ def free_bytes(path: Path) -> int:
 
 def _no_room(path: Path, need: int, why: str) -> NvmeSpaceError:
     return NvmeSpaceError(
-        f"--nvme-path {path}: no room for the optimizer states ({need / 1e6:.1f} MB on this rank; {why}). Free "
-        f"space there, give another --nvme-path, or plan with fewer NVMe-offloaded layers (offload cpu).")
+        f"--nvme-path {path}: no room for the NVMe tier's states ({need / 1e6:.1f} MB on this rank; {why}). Free "
+        f"space there, give another --nvme-path, or plan with fewer states on the tier (offload nvme: the "
+        f"moments only) or fewer NVMe-offloaded layers (offload cpu).")
 
 
 def nvme_units(part: nn.Module) -> tuple[list[nn.Parameter], list, list[nn.Parameter]]:

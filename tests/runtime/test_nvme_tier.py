@@ -17,12 +17,13 @@ from autopar.core.errors import UserError
 from autopar.runtime.nvme_tier import NvmeSpaceError, NvmeStates, check_nvme_path
 
 
-def _rss() -> int:
+def _rss(field: str = "VmRSS") -> int:
+    """Bytes of this process's resident memory (``RssAnon``: its anonymous part), /proc/self/status."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _model(seed: int) -> nn.Module:
@@ -138,17 +139,12 @@ def test_run_refuses_a_missing_nvme_path_before_launch(tmp_path):
     assert f"--nvme-path {tmp_path / 'nope'}: no such folder" in text, text
     out = run_cli("run", plan, "--steps", 1)
     assert out.returncode == 2 and "no --nvme-path was given" in " ".join(out.stderr.split()), out.stderr
+    plan = make_plan(tmp_path / "plan2.json", dp=2, micro_batch=2, zero=3, offload="nvme+params+grads")
+    out = run_cli("run", plan, "--steps", 1)
+    assert out.returncode == 2 and "no --nvme-path was given" in " ".join(out.stderr.split()), out.stderr
 
 
 # ------------------------------------------------------------- parameters and gradients in the file
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon")
-
 
 def _sharded(seed: int, offload: str):
     """``_model(seed)`` under FSDP2 on this process's one rank, each Linear a unit, ``offload``'s
@@ -199,12 +195,12 @@ def test_parameters_and_gradients_live_in_the_file(tmp_path, one_rank):
     _sharded(0, "cpu")                                # FSDP2's one-time allocations, outside the measure
     grow = {}
     for offload in ("cpu", "nvme+params+grads"):
-        anon0, rss0 = _rss_anon(), _rss()
+        anon0, rss0 = _rss("RssAnon"), _rss()
         model, opt = _sharded(0, offload)
         tiers = attach_nvme_tier([model], [opt], tmp_path, "test") if offload != "cpu" else []
         for x in batches:
             model(x).square().mean().backward()
-            after_backward = _rss_anon() - anon0
+            after_backward = _rss("RssAnon") - anon0
             if tiers:
                 t = tiers[0]
                 fps = [fp for m in model for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
