@@ -44,10 +44,14 @@ def mixed_precision_policy(precision: str, grad_compression: str = "none") -> Mi
 def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
     if offload == "cpu":
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")   # pinning needs an accelerator
-    if offload == "nvme":                 # host offload, AdamW's moments in files (runtime/nvme_tier.py)
+    states = rules.nvme_states(offload)
+    if states:          # host offload, AdamW's moments (and the named states) in files (runtime/nvme_tier.py)
         from autopar.runtime.nvme_tier import NvmeOffloadPolicy
 
-        return NvmeOffloadPolicy(pin_memory=device.type == "cuda")
+        # parameters in a file are not pinned: FSDP2 would copy a file-backed shard into pinned
+        # memory (FSDPParam.reset_sharded_param), and pinning a mapping locks its pages in RAM
+        return NvmeOffloadPolicy(pin_memory=device.type == "cuda" and "params" not in states,
+                                 params="params" in states, grads="grads" in states)
     return OffloadPolicy()
 
 

@@ -366,7 +366,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
-    # the NVMe tier: AdamW's moments of offload "nvme" units in files (runtime/nvme_tier.py)
+    # the NVMe tier: AdamW's moments (and the parameters and gradients an offload "nvme+..." names)
+    # of NVMe-offloaded units in files (runtime/nvme_tier.py)
     nvme = attach_nvme_tier(parts, optimizers, opts.nvme_path, f"plan file {checked.plan_path}")
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
@@ -381,8 +382,10 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                                      built.restore_output, built.cp.stage_forward if built.cp is not None else None)
     notes = source_notes
     if nvme:
-        notes.append(f"NVMe tier: {sum(t.state_bytes for t in nvme) / 1e6:.2f} MB of AdamW moments on this rank in "
-                     f"files under {opts.nvme_path} (removed at exit)")
+        held = [(sum(getattr(t, f) for t in nvme), what) for f, what in
+                (("state_bytes", "AdamW moments"), ("param_bytes", "parameters"), ("grad_bytes", "gradients"))]
+        notes.append("NVMe tier: " + ", ".join(f"{b / 1e6:.2f} MB of {what}" for b, what in held if b)
+                     + f" on this rank in files under {opts.nvme_path} (removed at exit)")
     if plan.grad_compression != "none":
         from autopar.runtime.apply_dp import compression_note
 

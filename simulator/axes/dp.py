@@ -24,7 +24,7 @@ class DataParallel:
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     host_bytes: float = 0.0                # offloaded state
-    nvme_bytes: float = 0.0                # offload "nvme": the moments in files (of host_bytes' share)
+    nvme_bytes: float = 0.0                # offload "nvme...": the states in files (of host_bytes' share)
     grad_sync_bytes: float = 0.0           # gradients synchronised across data parallel
     fsdp_param_buffer_bytes: float = 0.0
     fsdp_grad_buffer_bytes: float = 0.0
@@ -106,7 +106,7 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
     offload = offloaded(lp)
     if offload:                            # the state on the host (offload.py)
         d.host_bytes, d.nvme_bytes = host_state(d.param_bytes, d.grad_bytes, d.optimizer_bytes, lp,
-                                                trainable / (dp if zero >= 1 else 1))
+                                                param_numel / dp, trainable / dp)
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b

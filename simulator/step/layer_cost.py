@@ -83,8 +83,9 @@ class LayerCost:
     # of bwd_s, the weight gradients (WEIGHT_GRAD_SHARE): what a split-backward schedule runs as its
     # W pass (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2); the rest is B
     bwd_weight_s: float = 0.0
-    # offload "nvme": AdamW's moments of this device's shard in files on the node's NVMe tier (not
-    # in host_bytes; simulator/axes/nvme_tier.py prices their read and write each step)
+    # offload "nvme...": AdamW's moments (and the parameters and gradients it names) of this
+    # device's shard in files on the node's NVMe tier (not in host_bytes; simulator/axes/nvme_tier.py
+    # prices their read and write each step)
     nvme_bytes: float = 0.0
     # context parallelism's K/V all-gather (forward) and reduce-scatter (backward) of the layer's
     # attention, on the critical path (axes/cp.py cp_layer_terms)

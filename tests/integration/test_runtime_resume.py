@@ -15,9 +15,10 @@ one plan, saves, and the next plan resumes the same folder:
   then ZeRO-3 on 2;
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
   ``torch.export`` graph): pp2 -> ZeRO-3;
-* the NVMe tier (AdamW's moments in files under ``--nvme-path``, runtime/nvme_tier.py):
-  ZeRO-3 offload nvme -> DDP -> ZeRO-2 offload nvme (the checkpoint holds the moments' values,
-  and a load puts them back into the files);
+* the NVMe tier (AdamW's moments, and the sharded parameters and gradients, in files under
+  ``--nvme-path``, runtime/nvme_tier.py): ZeRO-3 offload nvme+params+grads -> DDP -> ZeRO-2
+  offload nvme+params (the checkpoint holds the states' values, and a load puts them back into
+  the files);
 * ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
   (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
 
@@ -79,8 +80,8 @@ CHAIN_OPTIONS = {"pp2_zero3_tp2": {"grad_clip": 5.0}}
 CHAINS = {
     "pp2_zero3_tp2": [("pp2", PP2), ("zero3", ZERO3), ("tp2_vocab", TP2_VOCAB)],
     "zero3_ppi_zero1_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("zero1", ZERO1), ("ddp", DDP)],
-    "nvme_ddp_nvme": [("zero3_nvme", dict(ZERO3, offload="nvme")), ("ddp", DDP),
-                      ("zero2_nvme", dict(ZERO3, zero=2, offload="nvme"))],
+    "nvme_ddp_nvme": [("zero3_nvme", dict(ZERO3, offload="nvme+params+grads")), ("ddp", DDP),
+                      ("zero2_nvme", dict(ZERO3, zero=2, offload="nvme+params"))],
 }
 # a Hugging Face model with tie_word_embeddings: its pipeline stages are cut from the
 # torch.export graph (each stage holds the tied tensor under one of its names)
@@ -225,7 +226,7 @@ def runs(tmp_path_factory):
     cases = []
     for chain, legs in CHAINS.items():
         for i, (kind, kw) in enumerate(legs):
-            nvme = {"nvme_path": str(tmp)} if kw.get("offload") == "nvme" else None
+            nvme = {"nvme_path": str(tmp)} if kw.get("offload", "").startswith("nvme") else None
             cases.append(_case(tmp, f"{chain}.{i}.{kind}", kw, tmp / f"{chain}.ckpt", LEG * (i + 1),
                                options=CHAIN_OPTIONS.get(chain) or nvme))
         out[chain] = {"cases": cases[-len(legs):], "steps": LEG * len(legs)}
