@@ -421,3 +421,30 @@ def test_checkpoint_lacking_an_entry_is_refused_with_one_message(one_rank, tmp_p
                                                             r"layout.*blocks\.0.*new --checkpoint-dir") as e:
         checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
     assert e.value.exit_code == 2
+
+
+def test_powersgd_state_is_saved_hashed_and_read_back(one_rank, tmp_path):
+    """A rank's PowerSGD state goes into the checkpoint as powersgd_rank<R>.pt, listed in the
+    manifest with its checksum (verified on resume like every file), and comes back with
+    ``torch.load(weights_only=True)``; the resume returns the layout and the powersgd:R it was
+    saved under, which decide whether it continues (runtime/powersgd_state.restart_reason)."""
+    import torch
+
+    from autopar.runtime import checkpointing
+    from autopar.runtime.powersgd_state import restart_reason
+
+    model, opt = _tied_model_and_optimizer(seed=3)
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=1, mesh={"dp": 1}, zero=0)
+    state = {"format": "autopar-powersgd", "iter": 7, "error": {"embed.weight": torch.arange(3.0)}}
+    path = checkpointing.save_checkpoint(tmp_path / "ckpt", 1, [model], [opt], identity, [0.0],
+                                         records={"powersgd": "powersgd:2"}, powersgd=state)
+    assert "powersgd_rank0.pt" in json.loads((path / "manifest.json").read_text())["files"]
+    resumed = checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
+    layout = {"world_size": 1, "mesh": {"dp": 1}, "zero": 0}
+    assert resumed.records["powersgd"] == "powersgd:2" and resumed.layout == layout
+    back = torch.load(path / checkpointing.powersgd_file(0), weights_only=True)
+    assert back["iter"] == 7 and torch.equal(back["error"]["embed.weight"], torch.arange(3.0))
+    assert restart_reason(layout, layout, "powersgd:2", "powersgd:2", True) is None
+    assert "zero 1" in restart_reason(layout, dict(layout, zero=1), "powersgd:2", "powersgd:2", True)
+    assert "powersgd:4" in restart_reason(layout, layout, "powersgd:2", "powersgd:4", True)
+    assert "no PowerSGD state" in restart_reason(layout, layout, None, "powersgd:2", False)
