@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-FORMAT = "autopar-powersgd"
+STATE_FORMAT = "autopar-powersgd"
 #: PowerSGDState's counters carried as they are
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
 _KINDS = ("error", "p", "q")
@@ -129,7 +129,7 @@ class PowerSGDHook:
             for kind, values in self._per_parameter(index, entries).items():
                 per[kind].update(values)
         _, keys, pos, has_gauss, cached = s.rng.get_state()
-        return {"format": FORMAT, "spec": self.spec, **{k: int(getattr(s, k)) for k in _COUNTERS},
+        return {"format": STATE_FORMAT, "spec": self.spec, **{k: int(getattr(s, k)) for k in _COUNTERS},
                 "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
                         "cached_gaussian": float(cached)},
                 **{k: {name: t.detach().cpu() for name, t in v.items()} for k, v in per.items()}}
