@@ -93,6 +93,8 @@ class ParallelModel:
     after_optimizer_step: Callable[[], None] | None = None
     # the optimizer states on the NVMe tier (runtime.nvme_tier), one per part that has any
     nvme: list[NvmeStates] = field(default_factory=list)
+    # PowerSGD's hook and state (runtime.powersgd_state), which checkpoints keep; None without it
+    powersgd: object | None = None
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -360,9 +362,11 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     local, dp_kind = built.parts, built.dp_kind
     parts, dp_mesh = [], ctx.get_mesh("grad")
     use_ddp = dp_kind in ("ddp", "zero1")
+    powersgd = None
     for index, part in sorted(local.items()):
         if use_ddp:
-            part = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
+            part, hook = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
+            powersgd = hook or powersgd
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
@@ -415,4 +419,4 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local,
-                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme)
+                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme, powersgd=powersgd)

@@ -21,6 +21,12 @@ one plan, saves, and the next plan resumes the same folder:
   the files);
 * ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
   (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
+* PowerSGD (``powersgd:2``, torch's hook on DDP, compressing from the third step on): its hook
+  state -- error feedback, warm-start Q, step count, generator -- is saved per rank with the
+  checkpoint (runtime/powersgd_state.py), so a run interrupted after 3 steps and resumed for 2
+  more equals the same run made in one go (within 1e-5, losses and parameters; the resumed
+  run's first step sees DDP's first bucket order, not the rebuilt one that saved).  A third leg
+  under ZeRO-1 (another layout) restarts the state and says so in one line.
 
 The reference is ``plain_loop.train_plain`` -- one process, never entering autopar's
 runtime -- trained for the same total number of steps: every chain's losses (the resumed ones
@@ -126,6 +132,12 @@ groups:
     host_memory_GB: 8
 """
 FOUR_ZERO3 = dict(dp=4, micro_batch=1, zero=3)
+# PowerSGD: (kind, plan, steps) -- 5 steps in one go into their own folder, then 3 + 2 on another
+# folder (the hook compresses from the third step on, so the checkpoint of step 3 holds its error
+# feedback and Q), then 1 more under ZeRO-1 (another layout: the state restarts)
+POWERSGD = dict(DDP, grad_compression="powersgd:2")
+POWERSGD_LEGS = [("whole", POWERSGD, 5), ("ddp", POWERSGD, 3), ("ddp", POWERSGD, 5),
+                 ("zero1", dict(ZERO1, grad_compression="powersgd:2"), 6)]
 
 
 def _replanned(plan: Path, nodes: int, out: Path, devices: int = 2) -> Path:
@@ -207,11 +219,13 @@ def _case(tmp: Path, label: str, kw: dict, ckpt: Path, steps: int, model: Path =
     return out
 
 
-def _launch(nproc: int, cases: list[dict], tmp: Path, name: str) -> None:
+def _launch(nproc: int, cases: list[dict], tmp: Path, name: str) -> str:
+    """Run ``cases`` in one launch; returns its output."""
     spec = tmp / f"{name}.cases.json"
     spec.write_text(json.dumps(cases))
     out = torchrun(nproc, str(WORKER), str(spec), timeout_s=TIMEOUT_S)
     assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+    return out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -241,13 +255,46 @@ def runs(tmp_path_factory):
     cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
     cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
-    _launch(2, cases + replan_two, tmp, "two")
+    powersgd = [_case(tmp, f"powersgd.{i}.{kind}", kw, tmp / f"powersgd{'_whole' if kind == 'whole' else ''}.ckpt",
+                      steps) for i, (kind, kw, steps) in enumerate(POWERSGD_LEGS)]
+    out["powersgd"] = {"cases": powersgd, "log": _launch(2, cases + powersgd + replan_two, tmp, "two")}
     for src, dst in replan_copies:
         shutil.copytree(src, dst)
     back = _case(tmp, "two_to_four.dp2pp2", DP2_PP2, tmp / "two_to_four.ckpt", 2 * LEG)
     _launch(4, [back, *replan_second4], tmp, "four_again")
     out["two_to_four"] = {"cases": [cases[-1], back], "steps": 2 * LEG}
     return out
+
+
+@pytest.mark.multiproc
+def test_powersgd_resumed_equals_an_uninterrupted_powersgd_run(runs):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import torch
+
+    whole, first, second, zero1 = runs["powersgd"]["cases"]
+    log = runs["powersgd"]["log"]
+    m_whole, m_second = (json.loads(Path(c["measured"]).read_text()) for c in (whole, second))
+    assert m_second["first_step"] == first["steps"] and len(m_second["losses"]) == len(m_whole["losses"]) == 5
+    assert m_second["losses"] == pytest.approx(m_whole["losses"], abs=1e-5), (m_second["losses"], m_whole["losses"])
+
+    def params(folder: Path) -> dict:
+        dcp_to_torch_save(folder, folder.with_suffix(".pt"))
+        return torch.load(folder.with_suffix(".pt"), weights_only=False)["model"]
+
+    last = f"step_{second['steps']:08d}"        # (the ZeRO-1 leg saved a later one into the same folder)
+    want, got = params(Path(whole["checkpoint_dir"]) / last), params(Path(second["checkpoint_dir"]) / last)
+    assert set(got) == set(want)
+    for k in want:
+        assert (got[k].float() - want[k].float()).abs().max().item() <= 1e-5, k
+    # the state is each rank's, beside DCP's files, listed in the manifest with its checksum
+    manifest = json.loads((Path(second["checkpoint_dir"]) / last / "manifest.json").read_text())
+    assert {"powersgd_rank0.pt", "powersgd_rank1.pt"} <= set(manifest["files"]) and manifest["powersgd"] == "powersgd:2"
+    assert log.count("powersgd:2: error feedback, warm-start Q and step count restored") == 1, log[-3000:]
+    # under ZeRO-1 the layout differs: one line says the state restarts, and the run resumed
+    assert json.loads(Path(zero1["measured"]).read_text())["first_step"] == second["steps"]
+    restarts = [line for line in log.splitlines() if "its state restarts" in line]
+    assert len(restarts) == 1 and "zero 0" in restarts[0] and "zero 1" in restarts[0], restarts
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,3 +439,30 @@ def test_checkpoint_lacking_an_entry_is_refused_with_one_message(one_rank, tmp_p
                                                             r"layout.*blocks\.0.*new --checkpoint-dir") as e:
         checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
     assert e.value.exit_code == 2
+
+
+def test_powersgd_state_is_saved_hashed_and_read_back(one_rank, tmp_path):
+    """A rank's PowerSGD state goes into the checkpoint as powersgd_rank<R>.pt, listed in the
+    manifest with its checksum (verified on resume like every file), and comes back with
+    ``torch.load(weights_only=True)``; the resume returns the layout and the powersgd:R it was
+    saved under, which decide whether it continues (runtime/powersgd_state.restart_reason)."""
+    import torch
+
+    from autopar.runtime import checkpointing
+    from autopar.runtime.powersgd_state import restart_reason
+
+    model, opt = _tied_model_and_optimizer(seed=3)
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=1, mesh={"dp": 1}, zero=0)
+    state = {"format": "autopar-powersgd", "iter": 7, "error": {"embed.weight": torch.arange(3.0)}}
+    path = checkpointing.save_checkpoint(tmp_path / "ckpt", 1, [model], [opt], identity, [0.0],
+                                         records={"powersgd": "powersgd:2"}, powersgd=state)
+    assert "powersgd_rank0.pt" in json.loads((path / "manifest.json").read_text())["files"]
+    resumed = checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
+    layout = {"world_size": 1, "mesh": {"dp": 1}, "zero": 0}
+    assert resumed.records["powersgd"] == "powersgd:2" and resumed.layout == layout
+    back = torch.load(path / checkpointing.powersgd_file(0), weights_only=True)
+    assert back["iter"] == 7 and torch.equal(back["error"]["embed.weight"], torch.arange(3.0))
+    assert restart_reason(layout, layout, "powersgd:2", "powersgd:2", True) is None
+    assert "zero 1" in restart_reason(layout, dict(layout, zero=1), "powersgd:2", "powersgd:2", True)
+    assert "powersgd:4" in restart_reason(layout, layout, "powersgd:2", "powersgd:4", True)
+    assert "no PowerSGD state" in restart_reason(layout, layout, None, "powersgd:2", False)
