@@ -409,6 +409,8 @@ def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm
     the collectives where the ranks meet."""
     e = ep_layer_terms(experts, ep, scale, elem, cm, links, node_processes)
     meetings = fold_into_tp(tpc, e)
+    tpc.ep_fwd_s += e.fwd_s
+    tpc.ep_bwd_s += e.bwd_s
     if selective is not None and ep > 1 and saves_collective("all_to_all", selective):
         # the dispatch's and the combine's output per experts module: the rank's T x k rows of
         # h elements each (ep_layer_terms's message)

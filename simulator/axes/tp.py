@@ -54,6 +54,10 @@ class TensorParallelComm:
     selective_saved_bytes: float = 0.0
     measured: int = 0
     estimated: int = 0
+    # of fwd_s / bwd_s: expert parallelism's all-to-alls (axes/ep.py), which DualPipeV's
+    # forward-backward pairs hide behind compute (axes/pp_zero_bubble.overlapped_pair)
+    ep_fwd_s: float = 0.0
+    ep_bwd_s: float = 0.0
 
 
 def tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, scale: float, act_scale: float,
