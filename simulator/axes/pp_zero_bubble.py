@@ -40,10 +40,11 @@ sum_r X_r - max_r X_r, as ``pp.interleaved_time`` spreads the interleaved bubble
   each of the two kinds is priced with its own chunks' terms.  Max(compute, all-to-all) is the
   pair's length when each all-to-all is no longer than the other pass's compute it runs beside
   (or the other way round throughout): the report's Fig. 4 balance.  For equal chunks with
-  F = B = W, and with F&B down to 2F, the schedule torch builds, played action by action with
-  such pairs, has exactly the published length
+  F = B = W and F&B from 3F (no overlap) down to 2F, the schedule torch builds for pp 2 and 4
+  micro-batches, played action by action with such pairs, has exactly the published length
   (tests/simulator/test_zero_bubble_pricing.py draws it); for unequal F, B, W it differs from it
-  by up to a pass either way (drawn there as well).
+  by up to a pass either way (F 1, B 2, W 1: drawn 35, priced 36; F 2, B 1, W 1: drawn 36,
+  priced 35).
 
 The activation sends of the fill and drain are charged as for the other schedules
 (``pp.pipeline_time``: 2 (p v - 1) sends).

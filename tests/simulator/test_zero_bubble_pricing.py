@@ -147,6 +147,9 @@ def test_dualpipev_pairs_and_overlap():
     overlapped = dualpipev_time(1.0, 2.0, 1.0, m=4, p=2, a2a_f=0.5, a2a_b=0.5, overlap_a2a=True)
     assert overlapped == pytest.approx(32 - 3 * 1 + (3 + 2 - 2))
     assert _play(HAND["dualpipev"], 4, 1.0, 2.0, 1.0, pair=3.0) <= overlapped + 1e-12
+    # the published bubble is not a bound either way for unequal passes: F 2, B 1, W 1 draws 36,
+    # one more than its 35 (pp_zero_bubble's docstring)
+    assert _play(HAND["dualpipev"], 4, 2.0, 1.0, 1.0) == 36.0 and dualpipev_time(2.0, 1.0, 1.0, m=4, p=2) == 35.0
 
 
 def test_inflight_chunks_per_schedule():
