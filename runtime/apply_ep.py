@@ -75,7 +75,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autopar.core.errors import PlanFileError
 from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, expert_sites_refusal, expert_sites
-from autopar.runtime.turns import hand_over, in_pair
+from autopar.runtime.turns import hand_over, in_pair, rng_state, set_rng_state
 
 
 @dataclass
@@ -376,16 +376,6 @@ class ExpertList(nn.ModuleList):
         return torch.cat(outs) if outs else rows
 
 
-def _rng_state():
-    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def _set_rng_state(state) -> None:
-    torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
 def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
     experts = getattr(block, name)
     total = len(experts)
@@ -397,7 +387,7 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
     own_forward = block.forward
 
     def forward(*args, **kwargs):
-        rng = _rng_state()
+        rng = rng_state()
         lst._recorded = recorded = []
         try:
             own_forward(*args, **kwargs)                     # run 1: which rows go to which expert
@@ -421,7 +411,7 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
             for x in by_expert[i]:
                 replay[i].append(out.narrow(0, start, x.shape[0]))
                 start += x.shape[0]
-        _set_rng_state(rng)
+        set_rng_state(rng)
         lst._replay = replay
         try:
             result = own_forward(*args, **kwargs)            # run 2: the block's output

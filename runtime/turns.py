@@ -13,7 +13,11 @@ Exactly one pass runs at a time, and they hand over only at ``hand_over`` calls 
 ends, so each rank runs one fixed interleaving of the two passes, the same on every rank of a
 group that runs the same pair: the collectives are launched in the same order on every rank
 (a launch is matched by its order in the group), nothing the two passes share is touched by
-both at once, and the result is the one of running them one after the other.  The forward keeps
+both at once, and the result is the one of running them one after the other.  Each pass keeps its own random
+state: a pass that hands over leaves the global generators' state with it and finds its own
+again when it resumes (a recomputed forward in the backward sets the state its forward had,
+torch.utils.checkpoint, and the forward's dropout must not draw from it); after the pair the
+state is the forward's, as when the backward draws nothing outside such a recompute.  The forward keeps
 the calling thread's thread-local state (autocast, grad mode, dispatch modes, context
 parallelism's attention mode); the backward needs none of it (a recomputed forward restores
 what it needs itself, torch.utils.checkpoint).  Outside ``Turns.run`` ``hand_over`` does
@@ -24,7 +28,20 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import torch
+
 _current: "Turns | None" = None
+
+
+def rng_state():
+    """The global random generators' state: the CPU's and every CUDA device's."""
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(state) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def hand_over() -> None:
@@ -48,6 +65,7 @@ class Turns:
         self._turn = "forward"
         self._done: set[str] = set()
         self._forward_thread = threading.get_ident()
+        self._rng: dict[str, object] = {}        # each pass's random state while the other runs
         self.handovers = 0
 
     def _role(self) -> str:
@@ -64,13 +82,16 @@ class Turns:
         with self._cond:
             if other in self._done:
                 return
+            self._rng[me] = rng_state()
             self._turn = other
             self.handovers += 1
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == me or other in self._done)
+            set_rng_state(self._rng[me])
 
     def _finish(self, role: str) -> None:
         with self._cond:
+            self._rng[role] = rng_state()
             self._done.add(role)
             self._turn = self._other(role)
             self._cond.notify_all()
@@ -78,6 +99,8 @@ class Turns:
     def _wait_turn(self, role: str) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._turn == role or self._other(role) in self._done)
+            if role in self._rng:
+                set_rng_state(self._rng[role])
 
     def run(self, forward: Callable[[], None], backward: Callable[[], None],
             backward_setup: Callable[[], None] = lambda: None) -> None:
@@ -110,6 +133,7 @@ class Turns:
             finally:
                 self._finish("forward")
             thread.join()
+            set_rng_state(self._rng["forward"])
         except BaseException:
             thread.join(timeout=60.0)
             raise

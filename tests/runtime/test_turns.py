@@ -126,3 +126,32 @@ def test_an_error_in_either_pass_is_raised_after_both_stop():
     with pytest.raises(ValueError, match="forward failed"):
         Turns().run(failing_forward, _passes(0, 3, log)[1])
     assert log[-1] == "B end" and not in_pair()
+
+
+def test_each_pass_draws_from_its_own_random_state():
+    """A backward that recomputes a forward sets the random state its forward had (as
+    torch.utils.checkpoint does) and hands over inside it: the forward's draws around its own
+    hand-overs continue its own stream, the recompute's its own -- what each draws when the two
+    run one after the other -- and after the pair the state is the forward's."""
+    def forward(out):
+        out.append(torch.rand(3))
+        hand_over()
+        out.append(torch.rand(3))
+
+    def backward(out):
+        with torch.random.fork_rng():
+            torch.manual_seed(5)                   # the recomputed forward's state
+            out.append(torch.rand(3))
+            hand_over()
+            out.append(torch.rand(3))
+
+    torch.manual_seed(0)
+    want_f, want_b = [], []
+    forward(want_f)
+    after = torch.rand(1)
+    backward(want_b)
+    torch.manual_seed(0)
+    got_f, got_b = [], []
+    Turns().run(lambda: forward(got_f), lambda: backward(got_b))
+    assert all(torch.equal(a, b) for a, b in zip(got_f + got_b, want_f + want_b)) and len(got_b) == 2
+    assert torch.equal(torch.rand(1), after)
