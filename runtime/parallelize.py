@@ -383,7 +383,8 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
             built.cp.stage_forward_ran = False      # until the schedule's first stage forward
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.get_mesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
-                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None)
+                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None,
+                                     overlap_experts=plan.mesh.ep > 1)
     notes = source_notes
     if nvme:
         held = [(sum(getattr(t, f) for t in nvme), what) for f, what in

@@ -518,6 +518,10 @@ class Trainer:
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
             model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity,
             float8=self.float8_all_ranks(), val_losses=self.val_losses)
+        pairs = getattr(self.pm.schedule, "overlapped_pairs", None)
+        if pairs is not None:                    # DualPipeV's pairs (runtime/dualpipe_overlap.py)
+            self.log(f"dualpipev: {pairs.pairs} forward-backward pairs ran in turns, handing over "
+                     f"{pairs.handovers} times at expert all-to-alls in flight")
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "
