@@ -5,16 +5,22 @@ one that is priced or returned becomes a ``core.plan.Plan``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from operator import attrgetter
+from dataclasses import dataclass, replace
 
 from autopar.core.plan import LayerPlan, Mesh, ModelRef, Pipeline, Plan, Stage
 from autopar.planner.space import LayerChoice
 
 
-#: id(choices tuple) -> (the tuple, its hash): Candidate.__hash__'s memo
-_CHOICES_HASH: dict[int, tuple[tuple, int]] = {}
-_CHOICE_FIELDS = attrgetter(*(f.name for f in fields(LayerChoice)))
+class Choices(tuple):
+    """One ``LayerChoice`` per layer: a tuple that keeps its hash once worked out (tuple's own
+    hash, so equal to that of an equal plain tuple).  Moves that keep a candidate's choices keep
+    this object, so hashing a candidate, or a memo keyed by its choices, reads the hash kept."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
 
 
 @dataclass(frozen=True)
@@ -24,22 +30,18 @@ class Candidate:
     num_microbatches: int
     schedule: str                         # one of core.plan.SCHEDULES
     bounds: tuple[int, ...]               # stage boundaries [0, b1, ..., L]; pp * virtual stages
-    choices: tuple[LayerChoice, ...]      # one per layer
+    choices: tuple[LayerChoice, ...]      # one per layer, held as ``Choices``
+
+    def __post_init__(self):
+        if type(self.choices) is not Choices:
+            object.__setattr__(self, "choices", Choices(self.choices))
 
     def __hash__(self) -> int:
         # a hash of the fields, kept once computed: a search hashes a candidate several times
-        # (its memo of priced plans), ~100 choices each time; the hash of the choices is kept
-        # too, by the tuple's identity (moves that keep the choices keep the tuple)
+        # (its memo of priced plans); the choices keep their own (``Choices``)
         h = self.__dict__.get("_hash")
         if h is None:
-            hit = _CHOICES_HASH.get(id(self.choices))
-            if hit is None or hit[0] is not self.choices:
-                if len(_CHOICES_HASH) >= 4096:      # each entry keeps a tuple alive
-                    _CHOICES_HASH.clear()
-                # by the choices' field values (what equality compares), read in C
-                values = tuple(map(_CHOICE_FIELDS, self.choices))
-                hit = _CHOICES_HASH[id(self.choices)] = (self.choices, hash(values))  # holds the id
-            h = hash((self.mesh, self.micro_batch, self.num_microbatches, self.schedule, self.bounds, hit[1]))
+            h = hash((self.mesh, self.micro_batch, self.num_microbatches, self.schedule, self.bounds, self.choices))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -70,30 +72,20 @@ class Candidate:
                                              stages=stages)
         mesh = self.mesh
         no_tp = mesh.tp == 1                         # a choice's split means nothing then
-        hit = memo.get(("layers", id(self.choices), no_tp))    # moves that keep the choices keep their tuple
-        if hit is not None and hit[0] is self.choices:
-            layers = hit[1]
-        else:
-            layers = self._layer_plans(styles, no_tp, memo)
-            memo[("layers", id(self.choices), no_tp)] = (self.choices, layers)   # holding them keeps the id
+        key = ("layers", self.choices, no_tp)        # moves that keep the choices keep their hash
+        layers = memo.get(key)
+        if layers is None:
+            layers = memo[key] = self._layer_plans(styles, no_tp, memo)
         return Plan(model=model, mesh=mesh, global_batch=self.global_batch, micro_batch=self.micro_batch,
                     pipeline=pipeline, layers=layers, precision=precision, cluster=cluster)
 
     def _layer_plans(self, styles: list[dict[str, str]], no_tp: bool, memo: dict) -> tuple[LayerPlan, ...]:
-        by_id = memo.get(("by id", no_tp))       # per layer: id(choice) -> (choice, its LayerPlan)
-        if by_id is None or len(by_id) != len(self.choices):
-            by_id = memo[("by id", no_tp)] = [{} for _ in self.choices]
         layers = []
         for i, c in enumerate(self.choices):
-            hit = by_id[i].get(id(c))             # by identity first: no hashing of the choice
-            if hit is not None and hit[0] is c:
-                layers.append(hit[1])
-                continue
             eff = replace(c, tp=False) if no_tp and c.tp else c
             lp = memo.get(("layer", i, eff))
             if lp is None:
                 lp = memo[("layer", i, eff)] = eff.to_layer_plan(i, styles[i])
-            by_id[i][id(c)] = (c, lp)             # holding c keeps its id from reuse
             layers.append(lp)
         return tuple(layers)
 

@@ -58,13 +58,12 @@ class CandidatePricing:
             return False
         if c.mesh.pp > 1 and c.schedule in SPLIT_BACKWARD_SCHEDULES and any(
                 split_backward_problem(c.schedule, ch.recompute, ch.zero, ch.offload, False)
-                for ch in {id(ch): ch for ch in c.choices}.values()):
+                for ch in set(c.choices)):
             return False
-        hit = self._choices_admitted.get(id(c.choices))   # moves that keep the choices keep their tuple
-        if hit is None or hit[0] is not c.choices:
-            hit = (c.choices, self._admits_choices(c.choices))   # holding the tuple keeps its id
-            self._choices_admitted[id(c.choices)] = hit
-        if not hit[1]:
+        admitted = self._choices_admitted.get(c.choices)   # moves that keep the choices keep their hash
+        if admitted is None:
+            admitted = self._choices_admitted[c.choices] = self._admits_choices(c.choices)
+        if not admitted:
             return False
         if self.cuttable is not None and not set(c.bounds[1:-1]) <= self.cuttable:
             return False
@@ -77,7 +76,7 @@ class CandidatePricing:
 
     def _admits_choices(self, choices: tuple[LayerChoice, ...]) -> bool:
         o = self.options
-        for ch in {id(ch): ch for ch in choices}.values():      # each distinct choice object once
+        for ch in set(choices):                                 # each distinct choice once
             if o.zero is not None and ch.zero != o.zero or zero_family_of(ch.zero) not in o.zero_families:
                 return False
             if ch.recompute not in o.recompute or (ch.offload != "none" and not o.allow_offload):

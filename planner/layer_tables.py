@@ -46,6 +46,9 @@ class LayerTables:
     #: hold an earlier user (simulator/tied_copies.py; ``tied_uses`` says which)
     tied_bytes: np.ndarray | None = None
     tied_uses: tuple = ()
+    #: what the tables were built for, as values (``build_layer_tables``): the solvers' memos
+    #: (structured.py) key the tables by it
+    key: tuple = ()
 
     @property
     def num_layers(self) -> int:
@@ -58,8 +61,10 @@ class LayerTables:
 
 def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: list[str],
                        choices: list[LayerChoice], mesh: Mesh, micro_batch: int, num_microbatches: int,
-                       precision: str, cost_model=None) -> LayerTables:
-    """Price every (layer, choice) of a setting through ``evaluator.layer_cost``."""
+                       precision: str, cost_model=None, key: tuple | None = None) -> LayerTables:
+    """Price every (layer, choice) of a setting through ``evaluator.layer_cost``.  ``key``: the
+    tables' ``key`` (default: the mesh, micro-batch, micro-batches, precision, cost model and
+    choices they are built for; the planner's structured phase gives its own table cache's key)."""
     L, C = len(styles), len(choices)
     # identical layers (one signature, a split or none) have identical rows: priced once, on the
     # first of them, and spread to the others by index
@@ -102,7 +107,11 @@ def build_layer_tables(evaluator, *, styles: list[dict[str, str]], signatures: l
     out = cols[5][which, -1] if C else np.zeros(L)
     uses = tuple(tied_uses(evaluator.graph))
     tied = cols[6][which] if uses else None
-    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which], tied, uses)
+    if key is None:
+        key = (mesh, micro_batch, num_microbatches, precision, cost_model.name if cost_model else None,
+               tuple(choices))
+    return LayerTables(tuple(choices), time_mb, step, static, act, reserve, out, valid_rows[which], tied, uses,
+                       key)
 
 
 def _sharded_terms(evaluator, mesh: Mesh, precision: str, cost_model, pipeline_m: int | None = None):

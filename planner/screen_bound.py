@@ -13,8 +13,9 @@ so the settings assembled are the same as without the bound.
 Per layer, the floor of the tables' ``time_mb_s`` over the setting's strategies (each entry is
 ``max(fwd compute, fwd comm) + max(bwd compute, bwd comm)``, step/compose.folded_layer_time):
 
-* it is at least the compute, ``fwd_s + tp_comm_fwd_s + recompute_s + bwd_s + tp_comm_bwd_s``
-  and the columns of any other registered "compute" term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
+* it is at least the compute, ``fwd_s + recompute_s + bwd_s`` and the in-layer collectives
+  (``tp_comm_*``, ``cp_comm_*``, ``ep_comm_*``) and the columns of any other registered "compute"
+  term (overlap.compute_per_pass), and that compute is least without recompute or with a full one: a
   selective recompute only adds (it reruns the cheap ops and adds the checkpoint wrapper's per-op
   overheads), while a full one that stops early (simulator/axes/recompute.recompute) reruns the
   forward up to its last saved tensor and no longer records the outputs of the forward it

@@ -197,7 +197,7 @@ class Planner(CandidatePricing, StructuredPhase, McmcRefine):
         self.ilp_cache_split: dict = {}              # ILP solutions with every splittable layer split
         self.table_cache: dict = {}
         self.plan_parts: dict = {}       # Candidate.to_plan's memo: shared pipelines and layer plans
-        self._choices_admitted: dict[int, tuple] = {}   # id(choices) -> (choices, admitted)
+        self._choices_admitted: dict[tuple, bool] = {}  # CandidatePricing.admits: choices -> admitted
 
     def _axis_alternatives(self, fitting: list[Evaluated]) -> dict:
         """Per "cp" / "ep": (meshes admitted with it > 1, the fastest fitting plan with it > 1 or None)."""

@@ -99,14 +99,14 @@ def range_costs(tables_by_rank: list[LayerTables], setting: Setting, capacity_by
         ends = np.array([j for _, j in ranges], dtype=np.int64)
     out = np.full((S, L, L + 1), np.inf)
     memo: dict[tuple, np.ndarray] = {}
-    prepared: dict[int, tuple] = {}
+    prepared: dict[tuple, tuple] = {}
     for s in range(S):
         tables = tables_by_rank[s]
-        key = (id(tables), inflight_by_rank[s], capacity_bytes[s])
+        key = (tables.key, inflight_by_rank[s], capacity_bytes[s])
         if key not in memo:
-            if id(tables) not in prepared:
-                prepared[id(tables)] = _range_sums(tables, setting, m, allowed, starts, ends)
-            T, base, AC = prepared[id(tables)]
+            if tables.key not in prepared:
+                prepared[tables.key] = _range_sums(tables, setting, m, allowed, starts, ends)
+            T, base, AC = prepared[tables.key]
             mem = base + inflight_by_rank[s] * AC
             memo[key] = np.where(mem <= capacity_bytes[s], T, np.inf).min(axis=1)
         out[s, starts, ends] = memo[key]
@@ -214,7 +214,7 @@ def solve_setting(tables_by_rank: list[LayerTables], signatures: list[str], sett
                   if stage_rank(setting.schedule, s, mesh.pp) == r]
         inflight = _inflight(setting, r) / max(1, setting.virtual_stages)
         key = (tuple(tuple(signatures[c.start:c.stop]) for c in chunks), chunks[0].start == 0,
-               chunks[-1].stop == L, inflight, capacity_bytes[r], setting, id(tables))
+               chunks[-1].stop == L, inflight, capacity_bytes[r], setting, tables.key)
         if key not in cache:
             cache[key] = stage_ilp(tables, signatures, chunks, inflight, capacity_bytes[r],
                                    setting.num_microbatches, setting.zero_family, seed, allowed)[0]

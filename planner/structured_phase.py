@@ -109,7 +109,7 @@ class StructuredPhase:
                 by_cm[cm.name] = build_layer_tables(
                     self.evaluator, styles=self.styles, signatures=self.signatures, choices=choices, mesh=s.mesh,
                     micro_batch=s.micro_batch, num_microbatches=s.num_microbatches, precision=o.precision,
-                    cost_model=cm)
+                    cost_model=cm, key=(key, cm.name))
             per_rank.append(by_cm[cm.name])
         allowed = None
         if s.mesh.sequence_parallel:

@@ -69,6 +69,7 @@ class PlanEvaluator:
         self._ctx_cache: dict[tuple, Context] = {}
         self._links_cache: dict[Mesh, MeshLinks] = {}
         self._units: list | None = None                 # _fetch_units
+        self._per_graph: dict = {}                      # per_graph: fn -> fn(graph)
 
     @property
     def num_layer_costs_computed(self) -> int:
@@ -89,6 +90,13 @@ class PlanEvaluator:
             self._units = [layer_units(self.graph.layer_ops(i)) for i in range(self.num_layers)]
         return self._units
 
+    def per_graph(self, fn):
+        """``fn(graph)``, worked out once (the evaluator's graph does not change): a fact of the
+        model a cost term reads, e.g. axes/grad_compression.graph_matrices; kept by ``fn``."""
+        kept = self._per_graph.get(fn)
+        if kept is None:
+            kept = self._per_graph[fn] = fn(self.graph)
+        return kept
 
     def links(self, mesh: Mesh) -> MeshLinks:
         links = self._links_cache.get(mesh)

@@ -4,8 +4,8 @@ load balance of the sequence split, and the activations it divides.
 ``layer_cost.compute_layer_cost`` prices a layer on a cp rank with ``cp_layer_terms``: every op
 on 1/cp of the tokens (its micro-batch scale divided by cp), each attention op run as the
 runtime runs it (``cp_attention_op``), the K/V all-gather and the dK/dV reduce-scatter of
-each attention op folded into the layer's in-layer communication (on the critical path, as
-the tensor-parallel collectives), and what the gather adds to the activations kept for
+each attention op in the layer's ``cp_comm_*`` columns (on the critical path, as the
+tensor-parallel collectives), and what the gather adds to the activations kept for
 backward.  ``cp_attention_cost`` is the same exchange in closed form (alpha-beta, for the
 tests and the ring variant).
 
@@ -202,18 +202,19 @@ def _numel(shape) -> float:
 
 
 def cp_layer_work(attention_ops: list, w: "OpWork", tpc: "TensorParallelComm", layout: TPLayout, cp: int,
-                  scale: float, elem: float, cm: CostModel, cp_link, node_processes: int | None) -> int:
-    """Context parallelism's in-layer terms, folded into ``w`` and ``tpc`` (step/op_work.py's
+                  scale: float, elem: float, cm: CostModel, cp_link, node_processes: int | None) -> CPLayerTerms:
+    """Context parallelism's in-layer terms (``cp_layer_terms``), returned (the layer's
+    ``cp_comm_*`` columns: step/layer_cost.py) and folded into ``w`` and ``tpc`` (step/op_work.py's
     ``OpWork``, tp.py's ``TensorParallelComm``): the K/V all-gather / reduce-scatter of the
-    attention ops (``cp_layer_terms``) are collectives on the critical path inside the layer, as
-    the tensor-parallel ones (tp.fold_into_tp); a selective recompute reruns the K/V gather under
-    every policy; the gathered K/V add to what attention keeps for backward.  Returns the
-    collectives where the ranks meet."""
+    attention ops are collectives on the critical path inside the layer, which a full recompute
+    reruns as it does the tensor-parallel ones (tp.fold_into_tp); a selective recompute reruns the
+    K/V gather under every policy; the gathered K/V add to what attention keeps for backward.
+    Its ``meetings``: the collectives where the ranks meet."""
     c = cp_layer_terms(attention_ops, cp, scale, elem, cm, cp_link, node_processes, cm.code.cp_attention,
                        layout.compute_shard)
-    meetings = fold_into_tp(tpc, c)
+    fold_into_tp(tpc, c)
     tpc.selective_fwd_s += c.fwd_s
     tpc.selective_wire += c.wire_fwd
     tpc.selective_meetings += c.meetings
     w.saved_bytes += c.saved_bytes
-    return meetings
+    return c

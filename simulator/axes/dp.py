@@ -1,7 +1,8 @@
 """Data parallelism's costs in a layer: DDP's gradient all-reduce, ZeRO-1's broadcasts, FSDP's
-all-gather and reduce-scatter, the state bytes each keeps, CPU offload's host copies and the
-optimizer step on the rank's share (runtime/apply_dp.py's twin).  The ranks that share the
-weights are dp x cp; the routed experts' are dp x cp / ep (ep.py)."""
+all-gather and reduce-scatter, the state bytes each keeps and the optimizer step on the rank's
+share, with CPU offload's state, copies and host optimizer from offload.py (runtime/apply_dp.py's
+twin).  The ranks that share the weights are dp x cp; the routed experts' are dp x cp / ep
+(ep.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -11,7 +12,7 @@ from autopar.simulator.device.cost_model import CostModel
 from autopar.simulator.device.network import ring_wire_bytes
 from autopar.simulator.device.topology import MeshLinks
 from autopar.simulator.axes.float8 import FP8_BYTES, fp8_all_gather
-from autopar.simulator.axes.nvme_tier import nvme_moment_bytes
+from autopar.simulator.axes.offload import host_copies, host_optimizer_s, host_state, offloaded
 from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.step.memory import STATE_BYTES, precision_class, state_bytes
 from autopar.simulator.step.optimizer_step import grad_clip_pass_time
@@ -102,13 +103,11 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
     dist_opt = zero == 0 and cm.code.distributed_optimizer and dp > 1
     if dist_opt:
         d.optimizer_bytes = state_bytes(param_numel, precision, 1, dp, trainable)[2]
-    offload = lp.offload != "none"
-    if offload:
-        d.host_bytes = d.param_bytes + d.grad_bytes + d.optimizer_bytes
+    offload = offloaded(lp)
+    if offload:                            # the state on the host (offload.py)
+        d.host_bytes, d.nvme_bytes = host_state(d.param_bytes, d.grad_bytes, d.optimizer_bytes, lp,
+                                                trainable / (dp if zero >= 1 else 1))
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
-        if lp.offload == "nvme":           # the moments move from host memory to the NVMe files
-            d.nvme_bytes = nvme_moment_bytes(trainable / (dp if zero >= 1 else 1))
-            d.host_bytes -= d.nvme_bytes
     d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
     param_full_bytes = param_numel * p_b
     if fp8_all_gather(lp, mesh, fp8_recipe):
@@ -174,10 +173,9 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
         d.wire_bytes_per_mb = gathers * ring_wire_bytes("all_gather", param_full_bytes, dp) + \
             ring_wire_bytes("reduce_scatter", grad_sync_bytes, dp)
     shard_params = trainable / (dp if zero >= 1 or dist_opt else 1)   # the optimizer steps trainable ones only
-    if offload:
-        d.h2d_s = cm.h2d_time(param_full_bytes / dp, links.host)
-        d.d2h_s = cm.h2d_time(grad_sync_bytes / dp, links.host)
-        d.optimizer_s = cm.host_optimizer_time(shard_params)
+    if offload:                            # the copies and the host's Adam (offload.py)
+        d.h2d_s, d.d2h_s = host_copies(cm, links.host, param_full_bytes, grad_sync_bytes, dp)
+        d.optimizer_s = host_optimizer_s(cm, shard_params)
     else:
         # FSDP2 holds every parameter as a DTensor; tensor parallelism those of its modules;
         # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank

@@ -5,9 +5,9 @@ stated routing imbalance, and the expert weights split ep ways.
 ``Mesh.ep`` borrows ep ranks from the dp x cp ranks (core/parallel_dims.py): an ep group holds
 E/ep experts per rank, and the tokens a rank routes reach their experts by an all-to-all inside
 the group (GShard, Lepikhin et al. 2021, Sec. 2.2 and 3.2: dispatch and combine; DeepSpeed-MoE,
-Rajbhandari et al. 2022, Sec. 4.1).  ``layer_cost.compute_layer_cost`` folds the all-to-alls into
-the layer's in-layer communication (on the critical path, as the tensor-parallel collectives)
-and calls ``expert_work`` for the compute and the parameters.
+Rajbhandari et al. 2022, Sec. 4.1).  ``layer_cost.compute_layer_cost`` puts the all-to-alls in
+the layer's ``ep_comm_*`` columns (on the critical path, as the tensor-parallel collectives) and
+calls ``expert_work`` for the compute and the parameters.
 
 Sources:
 
@@ -399,16 +399,17 @@ def ep_degrees(graph: OpGraph, world_size: int) -> tuple[int, ...]:
 
 def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm", layout: TPLayout, ep: int,
                   scale: float, precision: str, elem: float, cm: CostModel, links: MeshLinks,
-                  node_processes: int | None, selective: str | None = None) -> int:
-    """Expert parallelism's in-layer terms, folded into ``w`` and ``tpc`` (step/op_work.py's
-    ``OpWork``, tp.py's ``TensorParallelComm``): the experts' dispatch / combine all-to-alls
-    (``ep_layer_terms``) are collectives on the critical path inside the layer, as the
+                  node_processes: int | None, selective: str | None = None) -> EPLayerTerms:
+    """Expert parallelism's in-layer terms (``ep_layer_terms``), returned (the layer's
+    ``ep_comm_*`` columns: step/layer_cost.py) and folded into ``w`` and ``tpc`` (step/op_work.py's
+    ``OpWork``, tp.py's ``TensorParallelComm``): the experts' dispatch / combine all-to-alls are
+    collectives on the critical path inside the layer, which a recompute reruns as it does the
     tensor-parallel ones (tp.fold_into_tp); the expert GEMMs are priced at their per-expert
     shapes and their parameters split ep ways (``expert_work``).  ``selective``: the code's
-    selective policy where the layer is selectively recomputed (tp.tensor_parallel).  Returns
-    the collectives where the ranks meet."""
+    selective policy where the layer is selectively recomputed (tp.tensor_parallel).  Its
+    ``meetings``: the collectives where the ranks meet."""
     e = ep_layer_terms(experts, ep, scale, elem, cm, links, node_processes)
-    meetings = fold_into_tp(tpc, e)
+    fold_into_tp(tpc, e)
     if selective is not None and ep > 1 and saves_collective("all_to_all", selective):
         # the dispatch's and the combine's output per experts module: the rank's T x k rows of
         # h elements each (ep_layer_terms's message)
@@ -426,4 +427,4 @@ def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm
     w.param_numel -= x.removed_numel
     w.frozen_numel -= x.removed_frozen_numel
     w.expert_numel, w.expert_frozen_numel, w.expert_names = x.local_numel, x.local_frozen_numel, x.param_names
-    return meetings
+    return e

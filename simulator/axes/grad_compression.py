@@ -41,8 +41,6 @@ convolution's or a batch / group / instance norm's dimension 1): torch's hook vi
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from autopar.core.dtypes import precision_bytes
@@ -114,16 +112,10 @@ def layer_matrices(graph, layer: int) -> tuple[tuple[tuple[int, int], ...], int]
     return tuple(mats), vec
 
 
-_MATRICES: dict[int, tuple] = {}     # id(graph) -> (a weak reference to it, its layer_matrices)
-
-
-def _graph_matrices(graph) -> tuple:
-    """``layer_matrices`` of every layer of ``graph``, worked out once per graph."""
-    held = _MATRICES.get(id(graph))
-    if held is None or held[0]() is not graph:
-        held = _MATRICES[id(graph)] = (weakref.ref(graph),
-                                       tuple(layer_matrices(graph, i) for i in range(len(graph.layers))))
-    return held[1]
+def graph_matrices(graph) -> tuple:
+    """``layer_matrices`` of every layer of ``graph`` (the evaluator keeps them per graph:
+    PlanEvaluator.per_graph)."""
+    return tuple(layer_matrices(graph, i) for i in range(len(graph.layers)))
 
 
 def powersgd_layer(mats, vec: int, rank: int) -> tuple[float, float, float, float, int]:
@@ -146,8 +138,9 @@ def compression_acts(ctx) -> bool:
     return ctx.rank_cm[0].code.grad_compression != "none"
 
 
-def with_compression(rows, ctx, graph, gloo: bool = False):
+def with_compression(rows, ctx, matrices, gloo: bool = False):
     """``rows`` with the dp reduce priced compressed (module docstring); unchanged for "none".
+    ``matrices``: the model's ``graph_matrices``.
     ``gloo``: the cluster runs gloo, where the runtime keeps PowerSGD's gradients in one DDP bucket
     (runtime/apply_dp.py ``one_bucket_on_gloo``)."""
     cm = ctx.rank_cm[0]
@@ -184,7 +177,7 @@ def with_compression(rows, ctx, graph, gloo: bool = False):
             dp_wire_bytes_per_step=rows.dp_wire_bytes_per_step - np.where(ddp, 2 * less, less if sharded_step else 0.0),
             dp_wire_bytes_per_mb=rows.dp_wire_bytes_per_mb - np.where(ddp | sharded_step, 0.0, less))
     # PowerSGD: plain DDP only (core/grad_compression.py compression_problem)
-    per_layer = _graph_matrices(graph)
+    per_layer = matrices
     ar = np.zeros(len(rows))
     sent = np.array([sum(powersgd_layer(*per_layer[k], c.rank)[:3]) * priced for k in range(len(rows))])
     launch = cm.overhead("op_launch_s")
@@ -219,7 +212,7 @@ def compressed_fraction(graph, spec: str) -> float:
     if c.kind in WIRE_BYTES:
         return WIRE_BYTES[c.kind] / 4.0
     total = sent = 0.0
-    for mats, vec in _graph_matrices(graph):
+    for mats, vec in graph_matrices(graph):
         whole, p, q, _, _ = powersgd_layer(mats, vec, c.rank)
         total += vec + sum(n * m for n, m in mats)
         sent += whole + p + q

@@ -1,7 +1,8 @@
 """Tensor parallelism's costs in a layer: the collectives the layout puts after the split
 modules, and the framework overheads of the modules the runtime wraps (runtime/apply_tp.py's
-twin).  Context and expert parallelism's in-layer collectives join these (cp.py, ep.py:
-``fold_into_tp``)."""
+twin).  Context and expert parallelism's in-layer collectives join these for a recompute's
+rerun and the bytes on the wire (cp.py, ep.py: ``fold_into_tp``); their seconds have their own
+columns (step/layer_cost.py ``cp_comm_*``, ``ep_comm_*``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -100,9 +101,10 @@ def tensor_parallel(layout: TPLayout, tp: int, cm: CostModel, links: MeshLinks, 
 
 
 def fold_into_tp(tpc, terms) -> int:
-    """Add an in-layer collective's terms (cp_cost.cp_layer_terms, ep_cost.ep_layer_terms) to the
-    layer's tensor-parallel communication -- the same mechanism: collectives on the critical path
-    inside the layer; returns the ranks' meetings it adds."""
+    """Add an in-layer collective's terms (cp.cp_layer_terms, ep.ep_layer_terms) to the layer's
+    tensor-parallel communication -- the same mechanism: collectives on the critical path inside
+    the layer, which a full recompute reruns (recompute.recompute reads ``tpc``), their bytes in
+    ``tp_wire_bytes``; returns the ranks' meetings it adds."""
     tpc.fwd_s += terms.fwd_s
     tpc.bwd_s += terms.bwd_s
     tpc.wire_fwd += terms.wire_fwd

@@ -33,6 +33,7 @@ registered terms' columns), the pipeline (axes/pp.py, axes/pp_p2p.py) and the gr
   reduce-scatter of the rank's first chunk, which torch's schedules issue once, after the last
   backward (axes/pp_fsdp.py, dp_sync.fsdp_tails); then the optimizer step (and ZeRO-1's
   parameter all-gather) (dp_sync.after_backward) (``step_from_chunk_times``, ``serial_step``);
+  the same, event by event, for the trace (``after_backward_spans``);
 * the planner's views of one layer alone (no neighbours, no pipeline order): its own traffic
   beside its compute (``folded_layer_time``) and a floor under every strategy of a ZeRO family
   (``layer_floor``).
@@ -45,7 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.simulator.axes import pp_p2p as pipeline_p2p
-from autopar.simulator.axes.dp_sync import after_backward, ddp_excess, fsdp_tails, last_reduce_scatter
+from autopar.simulator.axes.dp_sync import (after_backward, ddp_all_reduces, ddp_excess, fsdp_tails,
+                                             gradient_ready_offsets, last_reduce_scatter)
 from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
 from autopar.simulator.step.layer_table import LayerTable
 from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
@@ -164,14 +166,21 @@ def step_from_chunk_times(ctx, rows: LayerTable, bwd: np.ndarray, f_g: np.ndarra
     p = ctx.p
     f_g, b_g, c = pipeline_p2p.task_lengths(f_g, b_g, ctx.p2p_s, ctx.p2p_blocking)   # a blocking exchange ends its task
     pipe, bubble, end_r = pipeline_with_ends(ctx, rows, f_g, b_g, c)  # chunk 0 ends last
-    # ---- DDP: gradients all-reduced as each layer's last backward ends
+    sync = overlapped_sync(ctx, rows, end_r, bwd, b_g, fsdp_tail, any_ddp)
+    return after_backward(sync, rows, ctx.layer_rank, p, any_zero1, ctx.grad_norm_s), bubble
+
+
+def overlapped_sync(ctx, rows: LayerTable, end_r: np.ndarray, bwd: np.ndarray, b_g: np.ndarray,
+                    fsdp_tail: np.ndarray | None = None, any_ddp: bool | None = None) -> np.ndarray:
+    """Per pipeline rank, when its gradient sync ends, its last backward ending at ``end_r``
+    (``step_from_chunk_times`` says what the other arguments are): DDP's all-reduces queued as
+    each layer's gradient is ready (dp_sync.ddp_excess) beside FSDP's exposed reduce-scatter of
+    the last layer to finish (dp_sync.fsdp_tails)."""
     excess = ddp_excess(ctx, rows, bwd, b_g, any_ddp)
-    # ---- FSDP: the reduce-scatter of the last layer to finish (first layer of chunk 0)
     if fsdp_tail is None:
         fsdp_tail = fsdp_tails(ctx, rows)
     # (times are never negative: without DDP the larger of nothing and the tail is the tail)
-    sync = end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
-    return after_backward(sync, rows, ctx.layer_rank, p, any_zero1, ctx.grad_norm_s), bubble
+    return end_r + (fsdp_tail if excess is None else np.maximum(excess, fsdp_tail))
 
 
 def serial_chunk_times(ctx, rows: LayerTable):
@@ -208,8 +217,73 @@ def serial_step(ctx, rows: LayerTable) -> tuple[np.ndarray, float]:
     p = ctx.p
     _, _, f_g, b_g, _ = serial_chunk_times(ctx, rows)
     _, bubble, end_r = pipeline_with_ends(ctx, rows, f_g, b_g, 0.0)
-    ar = rows.dp_allreduce_s * (rows.zero <= 1)
-    # the all-reduces take turns with the last backward: all of them add up
+    return after_backward(serial_sync(ctx, rows, end_r), rows, ctx.layer_rank, p, grad_norm_s=ctx.grad_norm_s), bubble
+
+
+def serial_sync(ctx, rows: LayerTable, end_r: np.ndarray) -> np.ndarray:
+    """Per pipeline rank, when its gradient sync ends in the serial form, its last backward
+    ending at ``end_r``: the all-reduces take turns with the last backward, all of them add up,
+    and so do the pipeline's reduce-scatters (``serial_fsdp_tail``)."""
+    p = ctx.p
+    ar = ddp_all_reduces(rows)
     excess = np.bincount(ctx.layer_rank, weights=ar, minlength=p) if ar.any() else np.zeros(p)
-    sync = end_r + np.maximum(excess, np.zeros(p)) + serial_fsdp_tail(ctx, rows)
-    return after_backward(sync, rows, ctx.layer_rank, p, grad_norm_s=ctx.grad_norm_s), bubble
+    return end_r + np.maximum(excess, np.zeros(p)) + serial_fsdp_tail(ctx, rows)
+
+
+def after_backward_spans(ctx, rows: LayerTable, base: np.ndarray, bwd: np.ndarray, b_g: np.ndarray,
+                         serial: bool) -> tuple[list[list[tuple[str, str, float, float]]], np.ndarray]:
+    """The step after each pipeline rank's last backward, event by event: per rank its events as
+    (stream, name, start, length), and when each rank ends the step.  ``base``: when each rank's
+    last backward ends (``pipeline_with_ends``, or a drawn pipeline's later end); ``bwd``,
+    ``b_g``: the layers' backward slots and the chunks' backward task lengths of the step form;
+    ``serial``: the serial form (``serial_step``), else the overlapped one
+    (``step_from_chunk_times``).
+
+    The figures are the step model's own: the sync ends where ``serial_sync`` or
+    ``overlapped_sync`` puts it and the step where dp_sync.after_backward does.  The events lay
+    them out: DDP's all-reduces on ``dp``, each launched when its gradient is ready
+    (dp_sync.gradient_ready_offsets) and never before the previous one ends (serial: one after
+    another from the last backward), FSDP's exposed reduce-scatter on ``fsdp``; from the sync on,
+    the gradient norm's all-reduce of a clipped step (``dp``), the optimizer (``compute``; the
+    offloaded layers' host Adam on ``host``) and ZeRO-1's parameter all-gather (``dp``).  The
+    trace draws them (trace.py)."""
+    p = ctx.p
+    starts = ctx.starts.tolist()
+    ar = ddp_all_reduces(rows)
+    if serial:
+        sync, fsdp_tail = serial_sync(ctx, rows, base), serial_fsdp_tail(ctx, rows)
+    else:
+        fsdp_tail = fsdp_tails(ctx, rows)
+        sync, rel = overlapped_sync(ctx, rows, base, bwd, b_g, fsdp_tail), gradient_ready_offsets(ctx, bwd, b_g)
+    finish = after_backward(sync, rows, ctx.layer_rank, p, grad_norm_s=ctx.grad_norm_s)
+    spans: list[list[tuple[str, str, float, float]]] = []
+    for r in range(p):
+        out = []
+        layers = np.flatnonzero(ctx.layer_rank == r)
+        mine = layers[ar[layers] > 0]
+        t_ar = float(base[r])
+        if serial:                           # the all-reduces take turns with compute: one after another
+            for k in mine[::-1]:
+                out.append(("dp", f"all_reduce L{k}", t_ar, ar[k]))
+                t_ar += ar[k]
+            out.append(("fsdp", "reduce_scatter (pipeline, once a step)", t_ar, fsdp_tail[r]))
+        else:
+            queue = -np.inf
+            for k in mine[np.argsort(rel[mine], kind="stable")]:
+                s0 = max(queue, base[r] + rel[k])
+                out.append(("dp", f"all_reduce L{k}", s0, ar[k]))
+                queue = s0 + ar[k]
+            out.append(("fsdp", f"reduce_scatter L{starts[r]} (exposed)" if ctx.pipeline_m is None
+                        else "reduce_scatter (pipeline, once a step)", base[r], fsdp_tail[r]))
+        t = float(sync[r])
+        if ctx.grad_norm_s is not None:      # a clipped step: the norm's all-reduce before the step
+            out.append(("dp", "all_reduce grad norm", t, float(ctx.grad_norm_s[r])))
+            t += float(ctx.grad_norm_s[r])
+        opt, offl = rows.optimizer_s[layers], rows.offload[layers] > 0
+        dev_opt, host_opt = float(opt[~offl].sum()), float(opt[offl].sum())
+        out.append(("compute", "optimizer", t, dev_opt))
+        out.append(("host", "optimizer (host)", t + dev_opt, host_opt))
+        ag1 = float((rows.dp_allgather_s[layers] * (rows.zero[layers] == 1)).sum())
+        out.append(("dp", "all_gather params (ZeRO-1)", t + dev_opt + host_opt, ag1))
+        spans.append(out)
+    return spans, finish

@@ -18,6 +18,7 @@ from autopar.core.cluster import Cluster
 from autopar.core.plan import Mesh
 from autopar.simulator.step.layer_table import LayerTable
 from autopar.simulator.step.compose import serial_chunk_times, serial_step
+from autopar.simulator.step.overlap import collectives_per_pass
 from autopar.simulator.step.step_model import StepForm
 from autopar.simulator.device.topology import busy_devices_per_node
 
@@ -97,7 +98,8 @@ def with_meeting_waits(rows: LayerTable, ctx, processes: int) -> LayerTable:
         return rows
     m = ctx.num_microbatches
     rec = rows.recompute_s
-    tp_in_rec = np.where(rows.recompute == 2, rows.tp_comm_fwd_s, 0.0)   # full recompute repeats them
+    # a full recompute repeats the forward's in-layer collectives (tp, cp, ep)
+    tp_in_rec = np.where(rows.recompute == 2, collectives_per_pass(rows)[0], 0.0)
     per_mb = rows.fwd_s + rows.bwd_s + rec - tp_in_rec
     work = ctx.rank_onehot @ (per_mb * m + rows.optimizer_s)
     meetings = ctx.rank_onehot @ rows.meetings * m

@@ -4,15 +4,18 @@ This is the unit the fast path caches and the planner's ILP reads.  ``compute_la
 composes it: the ops' compute (op_work.py), then what each axis and technique adds, each from
 its module in simulator/axes/ -- float8 (float8.py), regional compile (compile_fusion.py), tensor
 parallelism (tp.py), context and expert parallelism's in-layer collectives (cp.py, ep.py),
-recompute (recompute.py), and data parallelism with ZeRO and offload (dp.py) -- with the state
+recompute (recompute.py), and data parallelism with ZeRO (dp.py) and host offload (offload.py) -- with the state
 bytes from step/memory.py.
 
 Context parallelism (``mesh.cp``) divides every op's tokens by cp (the micro-batch scale) and adds
 the attention ops' K/V exchange (axes/cp.py); expert parallelism (``mesh.ep``) adds the routed
 experts' dispatch and combine all-to-alls, prices the expert GEMMs at their per-expert shapes and
 splits the expert weights ep ways (axes/ep.py).  Both exchanges are in-layer collectives on the
-critical path, folded into the tensor-parallel communication columns (``tp_comm_*``,
-``tp_wire_bytes``); data parallelism spans dp x cp (the experts: dp x cp / ep).
+critical path, each in its own columns (``cp_comm_*``, ``ep_comm_*``, beside tensor
+parallelism's ``tp_comm_*``; the step sums the three per pass: overlap.compute_per_pass); their
+bytes on the wire and their rerun in a recompute count with tensor parallelism's
+(``tp_wire_bytes``, ``recompute_s``: tp.fold_into_tp); data parallelism spans dp x cp (the
+experts: dp x cp / ep).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from autopar.simulator.axes.compile_fusion import compiled_work
 from autopar.simulator.axes.cp import cp_layer_work
 from autopar.simulator.axes.dp import data_parallel_parts
 from autopar.simulator.axes.float8 import float8_work, fp8_all_gather
+from autopar.simulator.axes.offload import offloaded
 from autopar.simulator.axes.recompute import recompute
 from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.axes.tp import add_module_overheads, tensor_parallel
@@ -43,7 +47,7 @@ class LayerCost:
     bwd_s: float                 # backward compute (input + weight gradients)
     recompute_s: float           # extra forward inside backward, with its tp collectives
     tp_comm_fwd_s: float         # tensor-parallel collectives in forward (on the critical path)
-    tp_comm_bwd_s: float         # ... in backward
+    tp_comm_bwd_s: float         # ... in backward (cp_comm_*, ep_comm_*: context and expert parallelism's)
     dp_allreduce_s: float        # DDP / ZeRO-1 gradient all-reduce (once per step)
     dp_allgather_s: float        # FSDP parameter all-gather (per micro-batch, per use)
     dp_reducescatter_s: float    # FSDP gradient reduce-scatter (per micro-batch)
@@ -63,7 +67,7 @@ class LayerCost:
     dp_grad_bytes: float         # gradient bytes synchronised across data parallel
     fwd_flops: float             # per micro-batch on this device
     hw_flops: float              # fwd + bwd + recompute per micro-batch on this device
-    tp_wire_bytes: float         # sent per micro-batch by this device for tp collectives (incl. recompute)
+    tp_wire_bytes: float         # sent per micro-batch by this device for tp, cp and ep collectives (incl. recompute)
     dp_wire_bytes_per_mb: float  # sent per micro-batch for FSDP all-gather / reduce-scatter
     dp_wire_bytes_per_step: float    # sent once per step for DDP / ZeRO-1
     meetings: float = 0.0        # blocking collectives per micro-batch where the ranks meet (tp, FSDP)
@@ -82,6 +86,13 @@ class LayerCost:
     # offload "nvme": AdamW's moments of this device's shard in files on the node's NVMe tier (not
     # in host_bytes; simulator/axes/nvme_tier.py prices their read and write each step)
     nvme_bytes: float = 0.0
+    # context parallelism's K/V all-gather (forward) and reduce-scatter (backward) of the layer's
+    # attention, on the critical path (axes/cp.py cp_layer_terms)
+    cp_comm_fwd_s: float = 0.0
+    cp_comm_bwd_s: float = 0.0
+    # expert parallelism's dispatch and combine all-to-alls, each pass (axes/ep.py ep_layer_terms)
+    ep_comm_fwd_s: float = 0.0
+    ep_comm_bwd_s: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -153,16 +164,20 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     ep_ops = frozenset(n for r in experts for n in r.ops) if mesh.ep > 1 else frozenset()
     tpc = tensor_parallel(layout, tp, cm, links, scale, act_scale, node_processes, work.early_stop_skipped_ops,
                            selective, ep_ops, mesh.ep)
-    # context and expert parallelism's in-layer collectives, with the tensor-parallel ones (axes/cp.py, axes/ep.py)
+    tp_fwd_s, tp_bwd_s = tpc.fwd_s, tpc.bwd_s
+    # context and expert parallelism's in-layer collectives, in their own columns; tpc takes them
+    # too, for the recompute's rerun and the wire bytes (axes/cp.py, axes/ep.py)
     elem = float(precision_bytes(precision))
     extra_meetings = 0
+    cp_c = ep_c = None
     if mesh.cp > 1:
         attention = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
-        extra_meetings += cp_layer_work(attention, work, tpc, layout, mesh.cp, scale, elem, cm, links.cp,
-                                        node_processes)
+        cp_c = cp_layer_work(attention, work, tpc, layout, mesh.cp, scale, elem, cm, links.cp, node_processes)
+        extra_meetings += cp_c.meetings
     if experts:
-        extra_meetings += ep_cost.ep_layer_work(graph, experts, work, tpc, layout, mesh.ep, scale, precision, elem,
-                                                cm, links, node_processes, selective)
+        ep_c = ep_cost.ep_layer_work(graph, experts, work, tpc, layout, mesh.ep, scale, precision, elem,
+                                     cm, links, node_processes, selective)
+        extra_meetings += ep_c.meetings
     rec = recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
 
@@ -175,10 +190,12 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     fwd_s = work.fwd_s * compute_stretch
     bwd_s = work.bwd_s * compute_stretch
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
-    optimizer_s = dp.optimizer_s if lp.offload != "none" else dp.optimizer_s * compute_stretch
+    optimizer_s = dp.optimizer_s if offloaded(lp) else dp.optimizer_s * compute_stretch
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
-        recompute_s=recompute_s, tp_comm_fwd_s=tpc.fwd_s, tp_comm_bwd_s=tpc.bwd_s,
+        recompute_s=recompute_s, tp_comm_fwd_s=tp_fwd_s, tp_comm_bwd_s=tp_bwd_s,
+        cp_comm_fwd_s=cp_c.fwd_s if cp_c else 0.0, cp_comm_bwd_s=cp_c.bwd_s if cp_c else 0.0,
+        ep_comm_fwd_s=ep_c.fwd_s if ep_c else 0.0, ep_comm_bwd_s=ep_c.bwd_s if ep_c else 0.0,
         dp_allreduce_s=dp.allreduce_s, dp_allgather_s=dp.allgather_s, dp_reducescatter_s=dp.reducescatter_s,
         h2d_s=dp.h2d_s, d2h_s=dp.d2h_s, optimizer_s=optimizer_s, param_numel=work.param_numel,
         param_bytes=dp.param_bytes, grad_bytes=dp.grad_bytes, optimizer_bytes=dp.optimizer_bytes,
@@ -221,7 +238,7 @@ def _tied_copy(w: "OpWork", lp: LayerPlan, mesh: Mesh, precision: str) -> dict[s
     trainable = max(0.0, w.tied_numel - w.tied_frozen_numel)
     p, g, o = state_bytes(w.tied_numel, precision, effective_zero(lp.zero, mesh), mesh.grad_degree, trainable)
     host = 0.0
-    if lp.offload != "none":
+    if offloaded(lp):
         p, g, o, host = 0.0, 0.0, 0.0, p + g + o
     return dict(tied_param_bytes=p, tied_grad_bytes=g, tied_optimizer_bytes=o, tied_host_bytes=host,
                 tied_dp_grad_bytes=trainable * STATE_BYTES[precision_class(precision)][1])  # (nvme: on the host)

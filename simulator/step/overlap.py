@@ -12,8 +12,6 @@ The functions take numpy arrays (one entry per layer) or plain numbers alike.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from autopar.simulator.axes.pp_fsdp import traffic_shares
 from autopar.simulator.step.term_registry import pass_columns, traffic_terms
 
@@ -21,7 +19,7 @@ from autopar.simulator.step.term_registry import pass_columns, traffic_terms
 def fsdp_traffic(src, zero, offload, pipeline_m: int | None = None):
     """(forward communication, backward gather, backward communication) of a layer per micro-batch:
     the sums of the registered "traffic" terms' parts (term_registry.traffic_terms; built in:
-    ``fsdp_parts``, then ``offload_parts``), read from ``src`` by column name (a LayerTable, a
+    ``fsdp_parts``, then axes/offload.offload_parts), read from ``src`` by column name (a LayerTable, a
     LayerCost, term_registry.with_term_columns).
 
     ``zero``: the ZeRO stage that runs; ``offload``: 1 (or True) when the layer's state lives on
@@ -57,27 +55,34 @@ def fsdp_parts(src, zero, offload, pipeline_m: int | None = None):
     return ag * fwd, ag * bwd, src.dp_reducescatter_s * rs
 
 
-def offload_parts(src, zero, offload, pipeline_m: int | None = None):
-    """The offloaded state's copies on the same stream: (sharded parameters host -> device before
-    forward, again before backward under ZeRO-3, sharded gradients device -> host after
-    backward); None where nothing is offloaded (no copies: fewer operations)."""
-    if not np.count_nonzero(offload):
-        return None
-    h2d = src.h2d_s * offload
-    return h2d, h2d * (zero >= 3), src.d2h_s * offload * (zero >= 2)
+def _column_sum(src, cols):
+    out = getattr(src, cols[0])
+    for c in cols[1:]:
+        out = out + getattr(src, c)
+    return out
+
+
+def collectives_per_pass(src):
+    """(forward, backward) in-layer collectives of a layer per micro-batch: the sum of the columns
+    the registered ``collective`` "compute" terms add to each pass (built in: tp, cp, ep --
+    Megatron's f/g, the K/V exchange, the experts' all-to-alls), read from ``src`` by name;
+    0.0 where no such term is registered."""
+    (_, fwd_cols), (_, bwd_cols) = pass_columns()
+    return (_column_sum(src, fwd_cols) if fwd_cols else 0.0, _column_sum(src, bwd_cols) if bwd_cols else 0.0)
 
 
 def compute_per_pass(src):
     """(forward, backward) compute of a layer per micro-batch: the sum of the columns the
     registered "compute" terms add to each pass (term_registry.py), read from ``src`` by name (a
-    LayerTable, a LayerCost, term_registry.with_term_columns).  The built-in ones: forward plus
-    its tensor-parallel collectives; recompute (a recomputed forward runs inside backward),
-    backward and its collectives -- summed in that order."""
-    fwd_cols, bwd_cols = pass_columns()
-    fwd = getattr(src, fwd_cols[0])
-    for c in fwd_cols[1:]:
-        fwd = fwd + getattr(src, c)
-    bwd = getattr(src, bwd_cols[0])
-    for c in bwd_cols[1:]:
-        bwd = bwd + getattr(src, c)
+    LayerTable, a LayerCost, term_registry.with_term_columns): those on the compute stream, plus
+    the in-layer collectives (``collectives_per_pass``).  The built-in ones: forward plus its
+    tensor-parallel, context-parallel and expert-parallel collectives; recompute (a recomputed
+    forward runs inside backward), backward, plus its collectives -- summed in that order."""
+    (fwd_own, fwd_coll), (bwd_own, bwd_coll) = pass_columns()
+    fwd = _column_sum(src, fwd_own)
+    if fwd_coll:
+        fwd = fwd + _column_sum(src, fwd_coll)
+    bwd = _column_sum(src, bwd_own)
+    if bwd_coll:
+        bwd = bwd + _column_sum(src, bwd_coll)
     return fwd, bwd

@@ -14,8 +14,12 @@ How a term enters the step (``Term.enters``):
 
 * ``"compute"``: seconds on the layer's critical path in each pass -- ``fwd`` names the column
   added to the layer's forward, ``bwd`` the one added to its backward.  overlap.compute_per_pass
-  sums them in registration order (so the built-in terms' sums are the same floating-point
-  operations as ever), the trace draws each as an event on the term's ``stream``;
+  sums the layer's own work in registration order, then adds the sum of the terms marked
+  ``collective`` (the in-layer collectives: tp, cp, ep), also in registration order (so the
+  built-in terms' sums are the same floating-point operations as when cp and ep were part of the
+  tp columns); a full recompute reruns the forward's collectives (cpu_node.with_meeting_waits
+  reads them apart: overlap.collectives_per_pass); the trace draws each term as an event on its
+  ``stream``;
 * ``"traffic"``: per-layer transfers on the data-parallel stream, overlapped with compute --
   ``traffic(src, zero, offload, pipeline_m)`` gives (before forward, before backward, after
   backward) per micro-batch or None (``pipeline_m``: a pipeline's micro-batches, None without one); overlap.fsdp_traffic sums them in registration order (built in: the FSDP all-gather and
@@ -70,6 +74,7 @@ class Term:
     fwd: str | None = None              # "compute": the column added to the layer's forward
     bwd: str | None = None              # ... to its backward
     stream: str = "compute"             # the trace stream of its "compute" events
+    collective: bool = False            # "compute": an in-layer collective (summed with the others)
     fwd_label: str = ""                 # the trace's event names ("<label> L<layer>")
     bwd_label: str = ""
     traffic: Callable | None = None     # "traffic": (src, zero, offload, pipeline_m) -> (fwd, bwd gather, after bwd) or None
@@ -97,8 +102,10 @@ _view = SimpleNamespace(fwd=(), bwd=(), events=((), ()), traffic=(), tables=(), 
 
 def _rebuild() -> None:
     compute = [t for t in _TERMS if t.enters == "compute"]
-    _view.fwd = tuple(t.fwd for t in compute if t.fwd)
-    _view.bwd = tuple(t.bwd for t in compute if t.bwd)
+    own = [t for t in compute if not t.collective]
+    collectives = [t for t in compute if t.collective]
+    _view.fwd = (tuple(t.fwd for t in own if t.fwd), tuple(t.fwd for t in collectives if t.fwd))
+    _view.bwd = (tuple(t.bwd for t in own if t.bwd), tuple(t.bwd for t in collectives if t.bwd))
     _view.events = (tuple((t.fwd, t.fwd_label, t.stream) for t in compute if t.fwd),
                     tuple((t.bwd, t.bwd_label, t.stream) for t in compute if t.bwd))
     _view.traffic = tuple(t for t in _TERMS if t.enters == "traffic")
@@ -140,8 +147,9 @@ def terms() -> tuple[Term, ...]:
     return tuple(_TERMS)
 
 
-def pass_columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(forward, backward): the columns the "compute" terms add to a layer's passes, in order."""
+def pass_columns() -> tuple[tuple[tuple[str, ...], tuple[str, ...]], tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(forward, backward), each (the columns the "compute" terms add to the pass, those the
+    ``collective`` ones add -- the in-layer collectives), in registration order."""
     return _view.fwd, _view.bwd
 
 

@@ -27,7 +27,8 @@ representative device per pipeline rank, from the same quantities:
   the pipeline formula, ``pp.pipeline_time``): where the formula charges more than
   the schedule needs (unequal stages), the rank waits before that last backward; every
   earlier task starts as soon as it can;
-* after backward, on the ``dp`` stream, DDP's all-reduces one after another, each launched
+* after backward, the events compose.after_backward_spans lays out from where the drawn
+  pipeline ends: on the ``dp`` stream, DDP's all-reduces one after another, each launched
   when the step model says its gradient is ready (never before the drawn backward of that
   layer ends), and FSDP's exposed last reduce-scatter on ``fsdp``; then the optimizer (on
   ``compute``; the offloaded layers' host Adam on ``host``) and ZeRO-1's parameter all-gather
@@ -56,11 +57,10 @@ from typing import Any
 import numpy as np
 
 from autopar.simulator.step.layer_table import LayerTable
-from autopar.simulator.step.compose import pipeline_with_ends, serial_fsdp_tail
+from autopar.simulator.step.compose import after_backward_spans, pipeline_with_ends
 from autopar.core.rules import SPLIT_BACKWARD_SCHEDULES
 from autopar.simulator.axes.pp_zero_bubble import stage_grid
 from autopar.simulator.axes.pp_torch_order import torch_action_order
-from autopar.simulator.axes.dp_sync import ddp_all_reduces, fsdp_tails, gradient_ready_offsets
 from autopar.simulator.axes.pp import weight_gradient_times
 from autopar.simulator.step.term_registry import pass_events, traffic_terms
 from autopar.simulator.step.timeline import Timeline
@@ -297,44 +297,11 @@ def draw_step(ctx, rows: LayerTable, device_of_rank: list[int]) -> StepTrace:
             if send is not None:
                 tl.add(dev, "pp", f"send {'act' if kind == 'F' else 'grad'} mb{mb}", send, terms.send_s,
                        micro_batch=mb, stage=g, to_stage=g + 1 if kind == "F" else g - 1)
-    # ---- after the last backward (compose.step_from_chunk_times / compose.serial_step, after_backward)
+    # ---- after the last backward: compose.after_backward_spans lays it out, from where the
+    # drawn pipeline ends
     late = drawn_end - terms.end_r               # 0.0 where the pipeline formula is met
-    base = drawn_end
-    ar = ddp_all_reduces(rows)
-    rel = gradient_ready_offsets(ctx, terms.bwd, terms.b_g) if not terms.serial else None
-    fsdp_tail = serial_fsdp_tail(ctx, rows) if terms.serial else fsdp_tails(ctx, rows)
-    finish = np.zeros(p)
+    spans, finish = after_backward_spans(ctx, rows, drawn_end, terms.bwd, terms.b_g, terms.serial)
     for r in range(p):
-        dev = device_of_rank[r]
-        layers = np.flatnonzero(ctx.layer_rank == r)
-        mine = layers[ar[layers] > 0]
-        t_ar = float(base[r])
-        if terms.serial:                     # the all-reduces take turns with compute: one after another
-            for k in mine[::-1]:
-                tl.add(dev, "dp", f"all_reduce L{k}", t_ar, ar[k])
-                t_ar += ar[k]
-            tl.add(dev, "fsdp", "reduce_scatter (pipeline, once a step)", t_ar, fsdp_tail[r])
-            sync = t_ar + fsdp_tail[r]
-        else:
-            # DDP: each all-reduce launched when its gradient is ready, one after another
-            queue = -np.inf
-            for k in mine[np.argsort(rel[mine], kind="stable")]:
-                s0 = max(queue, base[r] + rel[k])
-                tl.add(dev, "dp", f"all_reduce L{k}", s0, ar[k])
-                queue = s0 + ar[k]
-            excess = max(queue - base[r], 0.0)
-            tl.add(dev, "fsdp", f"reduce_scatter L{starts[r]} (exposed)" if ctx.pipeline_m is None
-                   else "reduce_scatter (pipeline, once a step)", base[r], fsdp_tail[r])
-            sync = base[r] + max(excess, fsdp_tail[r])
-        if ctx.grad_norm_s is not None:      # a clipped step: the norm's all-reduce before the step
-            tl.add(dev, "dp", "all_reduce grad norm", sync, float(ctx.grad_norm_s[r]))
-            sync = sync + ctx.grad_norm_s[r]
-        opt, offl = rows.optimizer_s[layers], rows.offload[layers] > 0
-        dev_opt, host_opt = float(opt[~offl].sum()), float(opt[offl].sum())
-        tl.add(dev, "compute", "optimizer", sync, dev_opt)
-        tl.add(dev, "host", "optimizer (host)", sync + dev_opt, host_opt)
-        t = sync + dev_opt + host_opt
-        ag1 = float((rows.dp_allgather_s[layers] * (rows.zero[layers] == 1)).sum())
-        tl.add(dev, "dp", "all_gather params (ZeRO-1)", t, ag1)
-        finish[r] = t + ag1
+        for stream, name, s0, d in spans[r]:
+            tl.add(device_of_rank[r], stream, name, s0, d)
     return StepTrace(events=tl.events, rank_end_s=finish, late_s=late)

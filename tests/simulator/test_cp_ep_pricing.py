@@ -66,8 +66,9 @@ def test_cp_exchange_compute_and_activations_by_hand(llama, h100):
     link = cluster.groups[0].intra_node
     eff = cm.collective_efficiency["intra"]
     t = _ring(1.0, 2 * local_kv, 2, link, eff)
-    assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(t, rel=1e-9)
-    assert two.tp_comm_bwd_s - one.tp_comm_bwd_s == pytest.approx(t, rel=1e-9)
+    assert two.cp_comm_fwd_s - one.cp_comm_fwd_s == pytest.approx(t, rel=1e-9)     # cp's own columns
+    assert two.cp_comm_bwd_s - one.cp_comm_bwd_s == pytest.approx(t, rel=1e-9)
+    assert (two.tp_comm_fwd_s, two.tp_comm_bwd_s) == (one.tp_comm_fwd_s, one.tp_comm_bwd_s) == (0.0, 0.0)
     assert two.tp_wire_bytes == pytest.approx(2 * local_kv)          # (cp-1)/cp of the message, each way
     # every op on half the tokens
     assert two.fwd_flops == pytest.approx(one.fwd_flops / 2)
@@ -191,8 +192,9 @@ def test_ep_all_to_alls_and_expert_split_by_hand(mixtral, h100):
     # T x k x h bf16 elements (8 tokens, top 2, hidden 32) over 2 ranks of one node
     message = MSEQ * TOP_K * HIDDEN * BF16
     t = _ring(1.0, message, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
-    assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
-    assert two.tp_comm_bwd_s - one.tp_comm_bwd_s == pytest.approx(2 * t, rel=1e-9)
+    assert two.ep_comm_fwd_s - one.ep_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)     # ep's own columns
+    assert two.ep_comm_bwd_s - one.ep_comm_bwd_s == pytest.approx(2 * t, rel=1e-9)
+    assert (two.tp_comm_fwd_s, two.tp_comm_bwd_s) == (one.tp_comm_fwd_s, one.tp_comm_bwd_s)
     assert two.tp_wire_bytes - one.tp_wire_bytes == pytest.approx(4 * message / 2)
     # the experts split 2 ways
     experts = EXPERTS * (HIDDEN * 2 * FFN + FFN * HIDDEN)
@@ -339,7 +341,7 @@ def test_experts_inside_an_opaque_module_recognised_and_split(h100):
     assert one.param_numel - two.param_numel == pytest.approx(experts_numel / 2)
     message = 8 * 2 * 32 * BF16                     # T x k x h of one micro-batch, bf16
     t = _ring(1.0, message, 2, cluster.groups[0].intra_node, cm.collective_efficiency["intra"])
-    assert two.tp_comm_fwd_s - one.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
+    assert two.ep_comm_fwd_s - one.ep_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
     # the dense first block has no experts
     assert routed_experts(g, next(j for j, layer in enumerate(g.layers) if layer.name == "blocks.0")) == ()
 

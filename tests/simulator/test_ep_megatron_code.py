@@ -94,9 +94,9 @@ def test_layer_prices_deepep_dispatch_when_the_code_says(mixtral, h100):
 
     plain, deep, dense = cost(TrainingCode()), cost(TrainingCode(ep_dispatch="deepep")), cost(TrainingCode(), Mesh(dp=4))
     t, _ = deepep_dispatch_s(MSEQ, _experts(EXPERTS, 2, HIDDEN, MSEQ), 2, BF16, base, mesh_links(cluster, mesh))
-    assert deep.tp_comm_fwd_s - dense.tp_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)   # dispatch + combine
-    assert deep.tp_comm_bwd_s - dense.tp_comm_bwd_s == pytest.approx(2 * t, rel=1e-9)
-    assert deep.tp_comm_fwd_s < plain.tp_comm_fwd_s
+    assert deep.ep_comm_fwd_s - dense.ep_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)   # dispatch + combine
+    assert deep.ep_comm_bwd_s - dense.ep_comm_bwd_s == pytest.approx(2 * t, rel=1e-9)
+    assert deep.ep_comm_fwd_s < plain.ep_comm_fwd_s
 
 
 def test_distributed_optimizer_shards_state_not_traffic(mixtral, h100):
