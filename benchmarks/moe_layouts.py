@@ -15,12 +15,12 @@ The rows:
   (15360 sequences of 4096 tokens once ramped up); Sec. 3.2 the layout on 2048 GPUs: 16-way
   pipeline parallelism (DualPipe), 64-way expert parallelism over 8 nodes, ZeRO-1 data
   parallelism, no tensor parallelism, and the recomputation of RMSNorm and the MLA
-  up-projections (priced here as the selective recompute).  DualPipe is not priced on this
-  branch: the hand layout runs the best schedule the simulator has for it, named in the table:
+  up-projections (priced here as the selective recompute).  By default the hand layout runs
   interleaved 1F1B with two model chunks per rank (DualPipe's two chunks) where the micro-batch
   count allows (a multiple of pp), else 1F1B -- DeepSeek-V3's 120 micro-batches per dp rank over
-  pp 16 run 1F1B; ``--schedule`` fixes another for the hand layouts (``dualpipev`` where the
-  simulator prices it).
+  pp 16 run 1F1B; ``--schedule dualpipev`` runs it as DualPipe: torch's ScheduleDualPipeV, whose
+  forward-backward pairs the runtime runs with the expert all-to-alls hidden behind the other
+  pass's compute (runtime/dualpipe_overlap.py), priced so (simulator/axes/pp_zero_bubble.py).
 - Mixtral 8x22B (mistralai/Mixtral-8x22B-v0.1 config.json: 56 layers, hidden 6144, 48 heads, 8
   K/V heads, 8 experts of ffn 16384, top 2, vocabulary 32768): no training layout is published
   by Mistral; the hand layout is an expert's choice (this benchmark's author, after Megatron-Core
@@ -167,8 +167,8 @@ def describe(plan) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="interleaved",
-                    help="pipeline schedule of the hand layouts with pp > 1 (default interleaved: DualPipe "
-                         "is not priced on this branch)")
+                    help="pipeline schedule of the hand layouts with pp > 1 (default interleaved; dualpipev: "
+                         "DualPipe with its all-to-alls overlapped)")
     ap.add_argument("--time-budget", type=float, default=40.0, help="wall-clock budget of each free search")
     ap.add_argument("--only", default="", help="rows whose name contains this")
     args = ap.parse_args(argv)

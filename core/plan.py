@@ -31,8 +31,8 @@ from autopar.core.grad_compression import SPEC_HELP, compression_problem
 from autopar.core.jsonfile import read_json_object
 from autopar.core.output_file import write_text_atomic  # noqa: F401 (also imported from here)
 from autopar.core.parallel_dims import AXES, AXIS_NAMES, ParallelDims
-from autopar.core.rules import (MULTI_CHUNK_SCHEDULES, V_SCHEDULES, offload_allowed, schedule_microbatches_problem,
-                                split_backward_problem, stage_rank, zeros_mix)
+from autopar.core.rules import (MULTI_CHUNK_SCHEDULES, NVME_OFFLOADS, V_SCHEDULES, offload_allowed,
+                                schedule_microbatches_problem, split_backward_problem, stage_rank, zeros_mix)
 
 PLAN_VERSION = 1
 # gpipe, 1f1b and interleaved (1F1B) run each backward whole; interleaved-zb, zbv and dualpipev
@@ -46,8 +46,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev
 # torch.utils.checkpoint.create_selective_checkpoint_contexts.
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)          # 0 = DDP, 1 = ZeRO-1 (optimizer), 2 = + gradients, 3 = + parameters (FSDP)
-OFFLOAD = ("none", "cpu", "nvme")   # "cpu": parameters, gradients and optimizer state in host memory;
-#                                     "nvme": the same, with AdamW's moments in files (runtime/nvme_tier.py)
+# "cpu": parameters, gradients and optimizer state in host memory; "nvme": the same, with AdamW's
+# moments in files (runtime/nvme_tier.py); "nvme+params", "nvme+grads", "nvme+params+grads": the
+# sharded parameters and/or gradients in the files too (core/rules.py nvme_states)
+OFFLOAD = ("none", "cpu", *NVME_OFFLOADS)
 TP_STYLES = ("colwise", "rowwise", "expert")  # Megatron column / row split of a Linear's weight; a
 #                                             mixture of experts' stacked experts split by expert
 # "colwise:<k>": the column split of a fused projection whose output is k equal parts (GPT-2's

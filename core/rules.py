@@ -34,6 +34,28 @@ def offload_allowed(zero: int) -> bool:
     return zero >= 2
 
 
+#: what an offload value keeps in files on the NVMe tier (runtime/nvme_tier.py): "nvme" AdamW's
+#: moments; "nvme+params" also the sharded parameters, "nvme+grads" the sharded gradients,
+#: "nvme+params+grads" both (the rest of the layer's state in host memory, as "cpu")
+NVME_OFFLOADS = ("nvme", "nvme+params", "nvme+grads", "nvme+params+grads")
+
+
+def nvme_states(offload: str) -> tuple[str, ...]:
+    """The states ``offload`` puts on the NVMe tier: ("moments", ["params"], ["grads"]); () for
+    "none" and "cpu"."""
+    if offload not in NVME_OFFLOADS:
+        return ()
+    return ("moments", *offload.split("+")[1:])
+
+
+def nvme_contents(offloads) -> str:
+    """What the layers' ``offloads`` keep on the NVMe tier, in words ("AdamW moments",
+    "AdamW moments and gradients", "AdamW moments, parameters and gradients")."""
+    held = {s for o in offloads for s in nvme_states(o)}
+    words = ["AdamW moments"] + [w for s, w in (("params", "parameters"), ("grads", "gradients")) if s in held]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def zero1_shards(dp: int) -> bool:
     """ZeRO-1 shards optimizer state over the data-parallel ranks: with one it shards nothing."""
     return dp > 1

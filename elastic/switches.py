@@ -10,8 +10,9 @@
 * ``plan_K.json``: the K-th re-plan (``autopar replan PLAN --nodes N``, the planner's own
   search).
 
-A switch is recorded when a round's world size differs from its plan's: the nodes before and
-after, why, the old and new plan and layout, the planner's predicted step times, the steps lost
+A switch is recorded when a round's world size differs from its plan's: the reason ("node
+lost": fewer ranks than the plan's; "node joined": more), the nodes before and after, why, the
+old and new plan and layout, the planner's predicted step times, the steps lost
 (the last step the metrics file holds minus the newest checkpoint's step: those steps run
 again), the predicted switch time and, once the first step after it is logged, the measured
 one.  The predicted switch time is the sum of
@@ -19,7 +20,10 @@ one.  The predicted switch time is the sum of
 * the rendezvous wait: a round with fewer nodes than the plan's completes ``last_call_timeout``
   (``--rendezvous-timeout``) after its minimum is reached (torch's c10d rendezvous,
   ``DynamicRendezvousHandler``), plus torch's dead-node detection, ``keep_alive_interval`` x
-  ``keep_alive_max_attempt`` (the values ``autopar run --elastic`` gives it);
+  ``keep_alive_max_attempt`` (the values ``autopar run --elastic`` gives it).  Where a node
+  joined, the training nodes' agents see it waiting at their next check of the workers
+  (torchrun's ``--monitor-interval``) and restart the round; the round is then full and
+  completes at once;
 * the re-plan: the search's wall-clock budget (``--replan-budget``; the planner stops there);
 * the restart: the start-up of the previous launch's ranks (from their start, once its
   rendezvous completed, to the first logged step: imports, plan check, model build, and where
@@ -27,8 +31,12 @@ one.  The predicted switch time is the sum of
   of that read; a first launch read no checkpoint, so the first switch's prediction leaves it
   out, and so it does the agents' own start (a Python process importing torch).
 
-The measured switch time runs from the failure (the first failing rank's record; where no rank
-failed, the launch's start) to the first step after logged in the metrics file.
+The measured switch time runs from the failure (the first failing rank's record; where a node
+joined, the time its ``autopar run`` launched; else the launch's start) to the first step after
+logged in the metrics file.  Where a node joined, the training ranks were stopped by torch's
+agent with SIGTERM: they finish the step and save a checkpoint (``runtime/stop_signals``), so
+the round resumes from it and no step is lost; the step and the save are part of the measured
+time, not of the prediction, and neither is the joining node's own start.
 """
 from __future__ import annotations
 
@@ -47,6 +55,9 @@ FAILURE = "failure.json"
 # (torch defaults: 5 s x 3; autopar's choice: 1 s x 3, so a lost node is noticed in seconds)
 KEEP_ALIVE_INTERVAL_S = 1
 KEEP_ALIVE_MAX_ATTEMPT = 3
+# torchrun's agent checks its workers, and whether a node waits to join, this often: its
+# --monitor-interval default (torch/distributed/run.py), which autopar run --elastic keeps
+MONITOR_INTERVAL_S = 0.1
 
 
 def state_dir(checkpoint_dir: Path) -> Path:
@@ -109,8 +120,8 @@ def restarted_after() -> dict | None:
     from autopar.runtime.rank_errors import ERROR_FILE_ENV
 
     record = read_json(Path(os.environ.get(ERROR_FILE_ENV) or "/nonexistent"))
-    if not record or not isinstance(record.get("time"), (int, float)):
-        return None
+    if not record or not isinstance(record.get("time"), (int, float)) or record.get("stopped"):
+        return None               # a stop (rank_errors.report_stop) the agent asked for when a node joined
     said = (str(record.get("message") or "").strip().splitlines() or [""])[-1][:200]
     return {"time": record["time"], "why": f"ranks failed (first: rank {record.get('rank', '?')}: {said}) and "
                                            f"torchrun restarted the workers"}
@@ -173,10 +184,13 @@ def _step_ms(plan) -> float | None:
 
 
 def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: Path, world: int, nodes: list[str],
-           max_nodes: int, rendezvous_timeout_s: float, budget_s: float, launched_at: float, log) -> dict:
+           max_nodes: int, rendezvous_timeout_s: float, budget_s: float, launched_at: float, log,
+           arrived: dict[str, float] | None = None) -> dict:
     """Rank 0 of a rendezvous round: the plan this round trains (``{"plan": path}``), re-planned
     through the planner where the round's world size differs from the current plan's; the
-    switch is logged with ``log`` and recorded in ``state.json``."""
+    switch is logged with ``log`` and recorded in ``state.json``.  ``arrived``: each node's
+    name -> the time its ``autopar run`` made the launch that brought it to this round (where
+    a node joined, the switch starts there)."""
     from autopar.core.plan import load_plan
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -195,9 +209,19 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
         return out
     lost = [n for n in (before or []) if n not in nodes]
     joined = [n for n in nodes if before is not None and n not in before]
-    why = (failure or {}).get("why") or "the run started"
+    reason = "node lost" if world < current.world_size else "node joined"
+    if failure is not None:
+        why = failure.get("why")
+    elif joined:
+        why = f"node(s) {', '.join(joined)} joined the rendezvous and torch restarted the round"
+    else:
+        why = "the run started"
+    why = f"{reason}: {why}"
     why += (f"; the rendezvous gathered {len(nodes)} node(s) within --rendezvous-timeout {rendezvous_timeout_s:g} s"
             f" where {current_path.name} runs on {current.world_size} ranks")
+    # when the switch began: the failure; where a node joined (no failure), its launch; else this launch
+    came = [arrived[n] for n in joined if isinstance((arrived or {}).get(n), (int, float))]
+    began = (failure or {}).get("time") or (min(came) if came else launched_at)
     index = len(state["switches"]) + 1
     new_path = directory / f"plan_{index}.json"
     per_node = world // len(nodes)
@@ -213,12 +237,17 @@ def decide(*, directory: Path, given_plan: Path, checkpoint_dir: Path, metrics: 
     last = last_logged_step(metrics)
     step = out["resume_step"]
     startup = state.get("ranks_startup_s")
-    detect = KEEP_ALIVE_INTERVAL_S * KEEP_ALIVE_MAX_ATTEMPT
-    wait = rendezvous_timeout_s if len(nodes) < max_nodes else 0.0
-    predicted = {"rendezvous_s": detect + wait, "replan_s": budget_s, "restart_s": startup}
+    if failure is None and joined:
+        # the joining node waits in the rendezvous until a training node's agent sees it, at its
+        # next check of the workers (torchrun's --monitor-interval)
+        rendezvous = MONITOR_INTERVAL_S
+    else:
+        detect = KEEP_ALIVE_INTERVAL_S * KEEP_ALIVE_MAX_ATTEMPT
+        rendezvous = detect + (rendezvous_timeout_s if len(nodes) < max_nodes else 0.0)
+    predicted = {"rendezvous_s": rendezvous, "replan_s": budget_s, "restart_s": startup}
     switch = {
-        "index": index, "why": why, "at": time.time(),
-        "failure_time": (failure or {}).get("time", launched_at),
+        "index": index, "reason": reason, "why": why, "at": time.time(),
+        "failure_time": began,
         "nodes_before": before, "nodes_after": nodes, "nodes_lost": lost, "nodes_joined": joined,
         "old_plan": str(current_path), "new_plan": str(new_path),
         "old_layout": f"{current.world_size} ranks, {layout(current)}",
@@ -278,7 +307,9 @@ def watch_first_step(directory: Path, metrics: Path, after_step: int, launched_a
             rec = state["switches"][switch - 1]
             rec["first_step_after_at"] = now
             rec["measured_switch_s"] = now - rec["failure_time"]
-            log(f"switch {switch}: measured switch time {rec['measured_switch_s']:.2f} s, from the failure to "
+            since = "the joining node's launch" if rec.get("reason") == "node joined" and rec["nodes_joined"] \
+                else "the failure"
+            log(f"switch {switch}: measured switch time {rec['measured_switch_s']:.2f} s, from {since} to "
                 f"step {after_step + 1} (predicted {_s(rec['predicted_switch_s']['total'])})")
         write_json(directory / STATE, state)
 

@@ -3,7 +3,8 @@
 torchrun starts it on every rank of a rendezvous round (``autopar.elastic.agent``).  Before
 training, the round agrees on its plan through the agent's store (the rendezvous store, which
 every rank reaches before any process group exists): each node's local rank 0 names its node
-(host and agent pid), and the round's rank 0 decides (``switches.decide``: the current plan,
+(host and the pid of its ``autopar run``) and the time its ``autopar run`` made this launch,
+and the round's rank 0 decides (``switches.decide``: the current plan,
 or a re-plan through the planner when the round's world size differs from it) and publishes
 the plan file's path; the others wait for it.  Then every rank runs ``python -m
 autopar.runtime`` with that plan and the run's own options, which resumes from the newest
@@ -69,22 +70,24 @@ def main(argv: list[str]) -> int:
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world, nodes = int(os.environ["WORLD_SIZE"]), int(os.environ["GROUP_WORLD_SIZE"])
     store = _store()
-    if local == 0:
-        store.set(f"node/{os.environ['GROUP_RANK']}", os.environ.get(NODE_ENV) or socket.gethostname())
+    if local == 0:            # this node's name, and when its autopar run made the launch (a joining node's arrival)
+        store.set(f"node/{os.environ['GROUP_RANK']}", json.dumps(
+            {"name": os.environ.get(NODE_ENV) or socket.gethostname(), "launched_at": args.launched_at}))
     from autopar.runtime.checkpoint_lock import ELASTIC_RUN_ENV
 
     run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}@{args.checkpoint_dir.resolve()}"
     os.environ[ELASTIC_RUN_ENV] = run_id                  # the runtime records it in the checkpoint lock
     watcher = None
     if rank == 0:
-        names = [store.get(f"node/{i}").decode() for i in range(nodes)]
+        named = [json.loads(store.get(f"node/{i}").decode()) for i in range(nodes)]
+        names = [n["name"] for n in named]
         switches.clear_earlier_round_lock(args.checkpoint_dir, run_id, _log)
         try:
             decision = switches.decide(
                 directory=args.state, given_plan=Path(run_args[0]), checkpoint_dir=args.checkpoint_dir,
                 metrics=args.metrics, world=world, nodes=names, max_nodes=args.max_nodes,
                 rendezvous_timeout_s=args.rendezvous_timeout, budget_s=args.replan_budget,
-                launched_at=args.launched_at, log=_log)
+                launched_at=args.launched_at, arrived={n["name"]: n["launched_at"] for n in named}, log=_log)
         except UserError as e:
             decision = {"error": True, "code": report_failure(e)}
         store.set("decision", json.dumps(decision))

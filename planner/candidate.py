@@ -22,6 +22,9 @@ class Choices(tuple):
             h = self.__dict__["hash"] = tuple.__hash__(self)
         return h
 
+    def __reduce__(self):
+        return Choices, (tuple(self),)          # a copy works its hash out again (str hashes are per process)
+
 
 @dataclass(frozen=True)
 class Candidate:

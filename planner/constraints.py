@@ -14,8 +14,8 @@ from autopar.core.cluster import Cluster
 from autopar.core.errors import UserError
 from autopar.core.graph import OpGraph
 from autopar.core.parallel_dims import DEGREE_NAMES
-from autopar.core.plan import Mesh
-from autopar.core.rules import offload_allowed, tp_cap, zero1_shards, zero_family_of
+from autopar.core.plan import OFFLOAD, Mesh
+from autopar.core.rules import nvme_states, offload_allowed, tp_cap, zero1_shards, zero_family_of
 from autopar.core.sharding import megatron_styles, tp_refusals
 from autopar.planner.space import mesh_candidates
 
@@ -197,18 +197,18 @@ def constrain(options, graph: OpGraph, cluster: Cluster):
             raise UserError("--zero 1 shards the optimizer over data-parallel ranks; it needs --dp > 1.")
         changes["zero_families"] = (zero_family_of(o.zero),)
     if o.offload is not None:
-        if o.offload not in ("none", "cpu", "nvme"):
-            raise UserError(f"--offload {o.offload}: it is 'none', 'cpu' or 'nvme'.")
-        if o.offload in ("cpu", "nvme"):
+        if o.offload not in OFFLOAD:
+            raise UserError(f"--offload {o.offload}: it is one of {', '.join(OFFLOAD)}.")
+        if o.offload != "none":
             if o.zero is not None and not offload_allowed(o.zero):
                 raise UserError(f"--offload {o.offload} goes through FSDP; it needs --zero 2 or 3.")
             if ex is not None and not ex.offload:
                 raise UserError(f"--offload {o.offload}: the runtime cannot offload this model: "
                                 f"{_reason(ex, 'offload')}.")
-            if o.offload == "nvme":
+            if nvme_states(o.offload):
                 missing = cluster.nvme_missing()
                 if missing:
-                    raise UserError(f"--offload nvme: {missing}.")
+                    raise UserError(f"--offload {o.offload}: {missing}.")
             changes["zero_families"] = ("fsdp",)
             changes["offload_tier"] = o.offload
         else:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from autopar.core.plan import SCHEDULES
+from autopar.core.plan import OFFLOAD, SCHEDULES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="ZeRO stage on every layer (0 DDP, 1 optimizer, 2 + gradients, 3 + parameters/FSDP)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                      help="activation recompute on every layer")
-    fix.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None,
+    fix.add_argument("--offload", choices=OFFLOAD, default=None,
                      help="CPU offload of parameters, gradients and optimizer state on every layer (cpu needs ZeRO-2/3); "
-                          "nvme: the same with AdamW's moments on the cluster file's nvme tier")
+                          "nvme: the same with AdamW's moments on the cluster file's nvme tier; nvme+grads, "
+                          "nvme+params, nvme+params+grads: the sharded gradients and/or parameters there too")
     fix.add_argument("--micro-batch", type=T.positive, default=None, metavar="N", help="samples per micro-batch")
     fix.add_argument("--schedule", choices=SCHEDULES, default=None,
                      help="pipeline schedule (needs pp > 1): gpipe, 1f1b, interleaved (1F1B), or the split-backward "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
-from autopar.core.rules import MULTI_CHUNK_SCHEDULES
+from autopar.core.rules import MULTI_CHUNK_SCHEDULES, nvme_contents
 from autopar.core.units import byte_unit, fmt_bytes, fmt_flop_rate, fmt_in, fmt_seconds
 from autopar.planner.candidate import describe_difference
 
@@ -93,7 +93,8 @@ def print_plan(console, graph, cluster, result, *, output: str, command: str | N
         paths = sorted({g.nvme.path for g in cluster.groups if g.nvme is not None})
         note = f" -- {result.tier_note}" if getattr(result, "tier_note", "") else ""
         console.print("[bold]NVMe tier[/bold]   " + escape(
-            f"{_gib(pred['nvme_bytes_per_node'])} of AdamW moments on the fullest node, of "
+            f"{_gib(pred['nvme_bytes_per_node'])} of {nvme_contents(lp.offload for lp in plan.layers)} on the "
+            f"fullest node, of "
             f"{_gib(pred['nvme_capacity_bytes'])}{note}; run with --nvme-path {paths[0] if paths else 'DIR'}"))
     if result.runner_ups:
         rt = Table(title="runner-ups", show_edge=False)

@@ -14,7 +14,8 @@ built the same way from rank 0's events, so the two are comparable:
 * backward: the same with backward and recompute tasks; the last micro-batch's window also
   covers the data-parallel gradient collectives issued during it, since DDP and FSDP wait
   for them before ``backward()`` returns (Li et al. 2020, Sec. 3.2.3; Zhao et al. 2023, Sec. 3.3);
-* communication: the union of the tp, dp, fsdp and pp stream events;
+* communication: the union of the tp, cp, ep, dp, fsdp and pp stream events (cp and ep: the
+  in-layer collectives of context and expert parallelism, on streams of their own);
 * optimizer: the union of the optimizer events (device and host).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from autopar.core.measured import FORWARD_PATTERN as _M_FWD
 from autopar.core.measured import OPTIMIZER_PATTERN as _M_OPT
 from autopar.report.figures import Lanes, Span
 
-COMM_STREAMS = ("tp", "dp", "fsdp", "pp")
+COMM_STREAMS = ("tp", "cp", "ep", "dp", "fsdp", "pp")
 
 
 def _category(name: str, stream: str) -> str:
@@ -59,7 +60,7 @@ def simulated_lanes(events: list[dict[str, Any]]) -> Lanes:
     return lanes
 
 
-_STREAM_ORDER = {"compute": 0, "tp": 1, "dp": 2, "fsdp": 3, "pp": 4, "host": 5}
+_STREAM_ORDER = {"compute": 0, "tp": 1, "cp": 2, "ep": 3, "dp": 4, "fsdp": 5, "pp": 6, "host": 7}
 
 
 def simulated_breakdown(events: list[dict[str, Any]], device: int = 0) -> dict[str, float]:

@@ -44,10 +44,14 @@ def mixed_precision_policy(precision: str, grad_compression: str = "none") -> Mi
 def offload_policy(offload: str, device: torch.device) -> OffloadPolicy:
     if offload == "cpu":
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")   # pinning needs an accelerator
-    if offload == "nvme":                 # host offload, AdamW's moments in files (runtime/nvme_tier.py)
+    states = rules.nvme_states(offload)
+    if states:          # host offload, AdamW's moments (and the named states) in files (runtime/nvme_tier.py)
         from autopar.runtime.nvme_tier import NvmeOffloadPolicy
 
-        return NvmeOffloadPolicy(pin_memory=device.type == "cuda")
+        # parameters in a file are not pinned: FSDP2 would copy a file-backed shard into pinned
+        # memory (FSDPParam.reset_sharded_param), and pinning a mapping locks its pages in RAM
+        return NvmeOffloadPolicy(pin_memory=device.type == "cuda" and "params" not in states,
+                                 params="params" in states, grads="grads" in states)
     return OffloadPolicy()
 
 
@@ -86,15 +90,15 @@ def apply_replicate(module: nn.Module, dp_mesh: DeviceMesh, units: list[list[str
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device,
-              grad_compression: str = "none") -> nn.Module:
+              grad_compression: str = "none"):
     """Wrap in ``DistributedDataParallel`` over the dp axis (after materialisation), its
-    gradient all-reduce compressed as ``grad_compression`` says (``register_compression_hook``)."""
+    gradient all-reduce compressed as ``grad_compression`` says (``register_compression_hook``).
+    Returns (the DDP module, the PowerSGD hook whose state a checkpoint keeps, or None)."""
     ddp = DistributedDataParallel(module, process_group=dp_mesh.get_group(),
                                   device_ids=[device.index] if device.type == "cuda" else None,
                                   **one_bucket_on_gloo(module, grad_compression,
                                                        torch.distributed.get_backend(dp_mesh.get_group())))
-    register_compression_hook(ddp, grad_compression, dp_mesh.get_group())
-    return ddp
+    return ddp, register_compression_hook(ddp, grad_compression, dp_mesh.get_group())
 
 
 def one_bucket_on_gloo(module: nn.Module, grad_compression: str, backend: str) -> dict:
@@ -121,16 +125,18 @@ def _bf16_wire_hook(process_group, bucket):
 
 
 def register_compression_hook(ddp: DistributedDataParallel, grad_compression: str, group) -> object | None:
-    """Register torch's communication hook for ``grad_compression`` on ``ddp``; returns the
-    hook's state (PowerSGD's ``PowerSGDState``), None otherwise.
+    """Register torch's communication hook for ``grad_compression`` on ``ddp``; returns PowerSGD's
+    hook (runtime/powersgd_state.py ``PowerSGDHook``: torch's ``powerSGD_hook`` and its
+    ``PowerSGDState``), None otherwise.
 
     * bf16 / fp16: ``default_hooks.bf16_compress_hook`` / ``fp16_compress_hook`` (bf16 under
       another name off NCCL: ``_bf16_wire_hook``);
     * powersgd:R: ``powerSGD_hook.PowerSGDState(matrix_approximation_rank=R,
       start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)`` and ``powerSGD_hook``
       (Vogels et al. 2019, Algorithm 1).  Its state -- the error feedback, the warm-started P
-      and Q -- lives in the hook and is not checkpointed: a resumed run starts it afresh (two
-      plain all-reduce steps, zero error, new random Q; docs/runtime.md)."""
+      and Q, the step count and the generator of the first Q -- is saved per rank with each
+      checkpoint and restored on a resume under the same layout (runtime/powersgd_state.py;
+      docs/runtime.md)."""
     from autopar.core.grad_compression import (POWERSGD_MIN_COMPRESSION_RATE, POWERSGD_START_ITER,
                                                GradCompression)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -149,8 +155,11 @@ def register_compression_hook(ddp: DistributedDataParallel, grad_compression: st
                                         start_powerSGD_iter=POWERSGD_START_ITER,
                                         min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE,
                                         use_error_feedback=True, warm_start=True)
-    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    return state
+    from autopar.runtime.powersgd_state import PowerSGDHook
+
+    hook = PowerSGDHook(state, {id(p): name for name, p in ddp.module.named_parameters()}, str(c))
+    ddp.register_comm_hook(state, hook.hook)
+    return hook
 
 
 def data_parallel_kind(zero: int, mesh: Mesh) -> str:
@@ -181,7 +190,7 @@ def compression_note(grad_compression: str, dp_kind: str) -> str:
         from autopar.core.grad_compression import POWERSGD_START_ITER
 
         return (f"gradient compression {grad_compression}: torch's powerSGD_hook on DDP (error feedback, warm "
-                f"start; plain all-reduce for the first {POWERSGD_START_ITER} steps of this process, which a resume "
-                f"restarts with the error feedback at zero)")
+                f"start; plain all-reduce for the first {POWERSGD_START_ITER} steps; its state is saved with each "
+                f"checkpoint and continues on a resume under the same layout)")
     how = "FSDP2's reduce_dtype" if dp_kind in ("fsdp", "replicate") else "torch's DDP compress hook"
     return f"gradient compression {grad_compression}: gradients reduced in {grad_compression} ({how})"

@@ -25,7 +25,10 @@ expert, sorted by expert, first their counts per expert by ``all_to_all_single``
 then the rows themselves by ``all_to_all_single`` with those variable splits; the rank runs
 its experts on the rows it received and sends the results back by the reverse all-to-all.  The
 row exchanges are ``_functional_collectives.all_to_all_single_autograd``, whose backward is the
-reverse all-to-all (checked on gloo, torch 2.13).
+reverse all-to-all (checked on gloo, torch 2.13).  Under DualPipeV each exchange -- the counts,
+the rows both ways, forward and backward -- is launched, handed over to the other pass of the
+schedule's forward-backward pair while in flight, and then waited for (runtime/turns.py,
+runtime/dualpipe_overlap.py): DeepSeek-V3's overlap of the all-to-alls with compute.
 
 Where the tokens are taken and handed back, by form (core/experts.py):
 
@@ -72,6 +75,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autopar.core.errors import PlanFileError
 from autopar.core.experts import GROUPED, LIST, STACKED, ExpertSite, expert_sites_refusal, expert_sites
+from autopar.runtime.turns import hand_over, in_pair, rng_state, set_rng_state
 
 
 @dataclass
@@ -82,6 +86,9 @@ class ExpertParallel:
     ep_mesh: DeviceMesh             # the ep ranks of this rank's group
     replica_mesh: DeviceMesh        # the ranks holding the same experts (dp x cp / ep of them)
     holders: list[nn.Module] = field(default_factory=list)   # what to shard over replica_mesh
+    # the exchanges hand over to the other pass of a DualPipeV pair while in flight
+    # (runtime/dualpipe_overlap.py; ``_AllToAllInTurns``)
+    in_turns: bool = False
 
     @property
     def group(self):
@@ -124,8 +131,43 @@ def _exchange_counts(counts: torch.Tensor, state: ExpertParallel) -> torch.Tenso
     # process group (the dry run, runtime/dry_run.py) leaves in it is then
     # consistent; a real all-to-all overwrites all of it
     recv = counts.view(ep, local)[state.rank_in_group].repeat(ep).contiguous()
-    dist.all_to_all_single(recv, counts.contiguous(), group=state.group)
+    if in_pair():             # in flight while the pair's other pass runs (runtime/turns.py)
+        work = dist.all_to_all_single(recv, counts.contiguous(), group=state.group, async_op=True)
+        hand_over()
+        work.wait()
+    else:
+        dist.all_to_all_single(recv, counts.contiguous(), group=state.group)
     return recv.view(ep, local)
+
+
+class _AllToAllInTurns(torch.autograd.Function):
+    """The rows' all-to-all (forward) and its reverse (backward), each launched, then handed over
+    to the other pass of a DualPipeV pair (runtime/turns.py ``hand_over``: nothing outside a pair)
+    while in flight, then waited for -- the functional collective ``all_to_all_single`` and
+    ``wait_tensor`` that ``all_to_all_single_autograd`` runs, with the hand-over between them in
+    both directions."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group_name):
+        ctx.exchange = (out_splits, in_splits, group_name)
+        return _exchange_in_turns(rows, out_splits, in_splits, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group_name = ctx.exchange
+        return _exchange_in_turns(grad, in_splits, out_splits, group_name), None, None, None
+
+
+def _exchange_in_turns(x: torch.Tensor, out_splits, in_splits, group_name: str) -> torch.Tensor:
+    y = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group_name)
+    hand_over()
+    return torch.ops._c10d_functional.wait_tensor(y)
+
+
+def _exchange_rows(rows: torch.Tensor, out_splits, in_splits, state: ExpertParallel) -> torch.Tensor:
+    if state.in_turns:
+        return _AllToAllInTurns.apply(rows, out_splits, in_splits, state.group.group_name)
+    return all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, state.group)
 
 
 def _balanced_splits(rows: int, experts: int, state: ExpertParallel):
@@ -163,7 +205,7 @@ def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertP
     else:
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-    received = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, state.group)
+    received = _exchange_rows(rows, recv_splits, send_splits, state)
     # received rows: by source rank, then by local expert -> by local expert, then by source
     # (not torch.arange: under context parallelism apply_cp.CPAttention answers an arange of the
     # local sequence length with the rank's token positions)
@@ -175,7 +217,7 @@ def route_rows(rows: torch.Tensor, counts: torch.Tensor, compute, state: ExpertP
     rows_in = _ScaleGrad.apply(received[order], float(ep))
     out = _ScaleGrad.apply(compute(rows_in, index[order], recv_counts.sum(0)), 1.0 / ep)
     back = out[torch.argsort(order)]
-    return all_to_all_single_autograd(back.contiguous(), send_splits, recv_splits, state.group)
+    return _exchange_rows(back, send_splits, recv_splits, state)
 
 
 # ----------------------------------------------------------------------------- stacked form
@@ -334,16 +376,6 @@ class ExpertList(nn.ModuleList):
         return torch.cat(outs) if outs else rows
 
 
-def _rng_state():
-    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def _set_rng_state(state) -> None:
-    torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
 def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
     experts = getattr(block, name)
     total = len(experts)
@@ -355,7 +387,7 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
     own_forward = block.forward
 
     def forward(*args, **kwargs):
-        rng = _rng_state()
+        rng = rng_state()
         lst._recorded = recorded = []
         try:
             own_forward(*args, **kwargs)                     # run 1: which rows go to which expert
@@ -379,7 +411,7 @@ def shard_list(block: nn.Module, name: str, state: ExpertParallel) -> None:
             for x in by_expert[i]:
                 replay[i].append(out.narrow(0, start, x.shape[0]))
                 start += x.shape[0]
-        _set_rng_state(rng)
+        set_rng_state(rng)
         lst._replay = replay
         try:
             result = own_forward(*args, **kwargs)            # run 2: the block's output
@@ -453,6 +485,8 @@ def apply_ep(part: nn.Module, state: ExpertParallel, plan, where: str) -> Expert
     whole model was checked (``check_ep_plan``, ``stages_hold_experts``)."""
     sites = expert_sites(part) if plan.mesh.pp > 1 else expert_sites_or_refuse(part, state.ep, where)
     refuse_combinations(plan, sites, where)
+    # DualPipeV runs forward-backward pairs in turns (apply_pp.build_schedule)
+    state.in_turns = plan.mesh.pp > 1 and plan.pipeline.schedule == "dualpipev"
     for site in sites:
         if site.form == STACKED:
             shard_stacked(part.get_submodule(site.path), state)

@@ -460,10 +460,12 @@ def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh
                    device: torch.device, schedule: str, num_microbatches: int,
                    loss_fn: Callable, restore_output: Callable = lambda out: out,
                    forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                   ) -> tuple[object, list[PipelineStage]]:
+                   overlap_experts: bool = False) -> tuple[object, list[PipelineStage]]:
     """``PipelineStage`` per local stage and the plan's schedule over them; the last stage's
     output goes through ``restore_output`` (``split_into_stages``) before ``loss_fn``;
-    ``forward_context``: see ``forward_with``."""
+    ``forward_context``: see ``forward_with``.  ``overlap_experts`` (expert parallelism under
+    dualpipev): the schedule's forward-backward pairs run with their all-to-alls overlapped
+    (runtime/dualpipe_overlap.py; the counts as ``schedule.overlapped_pairs``)."""
     group = pp_mesh.get_group()
     stages = [LabelledStage(mod, index, num_stages, device, group=group)
               for index, mod in sorted(stage_modules.items())]
@@ -473,7 +475,12 @@ def build_schedule(stage_modules: dict[int, nn.Module], num_stages: int, pp_mesh
     user_loss = loss_fn
     loss_fn = labelled_loss(lambda output, target: user_loss(restore_output(output), target))
     if schedule in MULTI_STAGE:
-        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True), stages
+        built = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        if overlap_experts and schedule == "dualpipev":
+            from autopar.runtime.dualpipe_overlap import overlap_pairs
+
+            built.overlapped_pairs = overlap_pairs(built)
+        return built, stages
     if len(stages) != 1:
         raise PlanFileError(f"pipeline schedule {schedule!r} runs one stage per pp rank; use one of "
                             f"{', '.join(MULTI_STAGE)}.")

@@ -9,6 +9,8 @@ Layout under ``--checkpoint-dir``::
         .metadata         DCP's index of the shards (a pickle, see "trust" below)
         __<rank>_<n>.distcp  DCP's tensor shards, written by each rank
         zero1_rank<R>.pt  ZeRO-1 only, in checkpoints of older autopar versions: a rank's optimizer partition
+        powersgd_rank<R>.pt  --grad-compression powersgd:R only: a rank's PowerSGD hook state
+                          (runtime/powersgd_state.py), restored under the same layout
         manifest.json     autopar's record of the checkpoint, written last (with the model file and its
                           arguments, which ``autopar export`` builds the model from: runtime/export.py)
     latest.json           {"step": 10, "path": "step_00000010", "losses": [...]} for people and tools
@@ -95,12 +97,13 @@ _STEP_DIR = re.compile(r"step_(\d{8,})$")
 _PARTIAL_SUFFIX = ".partial"
 _PARTIAL_DIR = re.compile(r"step_(\d{8,})\.partial$")
 # what a checkpoint folder may hold besides the manifest: DCP's index and shards, ZeRO-1 partitions
-_CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt)$")
+_CHECKPOINT_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|zero1_rank\d+\.pt|powersgd_rank\d+\.pt)$")
 # write_text_atomic's temporary files (".latest.json.XXXX") left by a crash mid-write
 _TEMP_FILE = re.compile(r"\.(latest|manifest)\.json\..+$")
 _HASH_CHUNK = 1 << 20
 # the manifest keys ``save_checkpoint``'s ``records`` may write (read back by ``resume``)
-RECORD_KEYS = ("data", "val_losses", "lr_schedule")   # "lr_schedule": runtime/lr_schedule.py
+RECORD_KEYS = ("data", "val_losses", "lr_schedule", "powersgd")   # "lr_schedule": runtime/lr_schedule.py;
+# "powersgd": the powersgd:R whose hook state the checkpoint's powersgd_rank<R>.pt files hold
 # flat optimizer keys ("state.blocks.0.attn.qkv.weight.exp_avg") so several stage modules' and
 # optimizers' states merge into one checkpoint without clashing
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -143,6 +146,8 @@ class Resumed:
     losses: list[float]
     #: the manifest's further records (``save_checkpoint``'s ``records``: "data", "val_losses")
     records: dict | None = None
+    #: the layout it was saved under: {"world_size", "mesh", "zero"} (CheckpointIdentity's)
+    layout: dict | None = None
 
 
 def _is_zero1(opt: torch.optim.Optimizer) -> bool:
@@ -193,10 +198,16 @@ def step_dir(directory: Path, step: int) -> Path:
 def _own_files(path: Path, rank: int) -> list[Path]:
     """The files this rank wrote into a checkpoint folder (DCP names shards ``__<rank>_<n>``;
     its coordinator, rank 0, writes ``.metadata``)."""
-    own = sorted(path.glob(f"__{rank}_*.distcp")) + sorted(path.glob(f"zero1_rank{rank}.pt"))
+    own = (sorted(path.glob(f"__{rank}_*.distcp")) + sorted(path.glob(f"zero1_rank{rank}.pt"))
+           + sorted(path.glob(powersgd_file(rank))))
     if rank == 0 and (path / ".metadata").is_file():
         own.append(path / ".metadata")
     return own
+
+
+def powersgd_file(rank: int) -> str:
+    """The name of rank ``rank``'s PowerSGD hook state in a checkpoint folder."""
+    return f"powersgd_rank{rank}.pt"
 
 
 def partial_dir(directory: Path, step: int) -> Path:
@@ -206,10 +217,13 @@ def partial_dir(directory: Path, step: int) -> Path:
 
 def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     identity: CheckpointIdentity, losses: list[float], keep: int = DEFAULT_KEEP,
-                    names: StateNames | None = None, records: dict | None = None) -> Path:
+                    names: StateNames | None = None, records: dict | None = None,
+                    powersgd: dict | None = None) -> Path:
     """Save step ``step``, its manifest and latest.json, then drop checkpoints beyond ``keep``.
     ``records``: further JSON values written under their own keys into both (the data position:
     ``"data"``, ``"val_losses"``; runtime/train.py), read back as ``Resumed.records``.
+    ``powersgd``: this rank's PowerSGD hook state (runtime/powersgd_state.py ``state_dict``),
+    written as ``powersgd_rank<R>.pt`` beside DCP's files, hashed into the manifest like them.
 
     Every file is written into ``step_N.partial``; rank 0 writes the manifest there last and
     renames the folder to ``step_N`` (one atomic rename), so a ``step_N`` folder is always
@@ -227,11 +241,16 @@ def save_checkpoint(directory: Path, step: int, parts: list[nn.Module], optimize
     except CheckpointException as e:             # raised on every rank (DCP gathers the failures)
         _abandon(directory, step, partial, _first_failure(e))
     error, digests = None, {}
+    if powersgd is not None:
+        try:
+            torch.save(powersgd, partial / powersgd_file(rank))
+        except (OSError, RuntimeError) as e:     # (torch's writer raises RuntimeError on a full disk)
+            error = f"rank {rank}: {_os_reason(e)}"
     try:
         dist.barrier()                           # every file is written (.metadata included)
         digests = {p.name: file_digest(p) for p in _own_files(partial, rank)}
     except OSError as e:
-        error = f"rank {rank}: {_os_reason(e)}"
+        error = error or f"rank {rank}: {_os_reason(e)}"
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (error, digests))
     errors = [e for e, _ in gathered if e]
@@ -470,7 +489,7 @@ def resume(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim
     verify_files(path, manifest)                 # before DCP unpickles .metadata
     load_checkpoint(path, parts, optimizers, names)
     return Resumed(step=step, path=path, losses=[float(x) for x in manifest["losses"]],
-                   records=records)
+                   records=records, layout={k: manifest.get(k) for k in ("world_size", "mesh", "zero")})
 
 
 def load_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

@@ -146,8 +146,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--betas", type=_betas, default=ADAM_BETAS, metavar="B1,B2",
                    help=f"AdamW's betas (default: {ADAM_BETAS[0]},{ADAM_BETAS[1]})")
     parser.add_argument("--nvme-path", type=Path, default=None, metavar="DIR",
-                        help="a folder on a local disk for the optimizer states of the plan's offload 'nvme' "
-                             "layers (files removed at exit; docs/runtime.md, NVMe tier)")
+                        help="a folder on a local disk for the states of the plan's offload 'nvme...' layers: AdamW's "
+                             "moments, and parameters and gradients where named (files removed at exit; "
+                             "docs/runtime.md, NVMe tier)")
 
 
 def _betas(text: str) -> tuple[float, float]:

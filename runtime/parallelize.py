@@ -93,6 +93,8 @@ class ParallelModel:
     after_optimizer_step: Callable[[], None] | None = None
     # the optimizer states on the NVMe tier (runtime.nvme_tier), one per part that has any
     nvme: list[NvmeStates] = field(default_factory=list)
+    # PowerSGD's hook and state (runtime.powersgd_state), which checkpoints keep; None without it
+    powersgd: object | None = None
 
 
 def stage_of_layers(plan: Plan) -> list[int]:
@@ -360,13 +362,16 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
     local, dp_kind = built.parts, built.dp_kind
     parts, dp_mesh = [], ctx.get_mesh("grad")
     use_ddp = dp_kind in ("ddp", "zero1")
+    powersgd = None
     for index, part in sorted(local.items()):
         if use_ddp:
-            part = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
+            part, hook = apply_ddp(part, dp_mesh, ctx.device, plan.grad_compression)      # 7
+            powersgd = hook or powersgd
         parts.append(part)
     optimizers = [build_optimizer(list(p.parameters()), 1 if dp_kind == "zero1" else 0, dp_mesh, opts.lr,
                                   tuple(opts.betas), ADAM_EPS, opts.weight_decay) for p in parts]  # 8
-    # the NVMe tier: AdamW's moments of offload "nvme" units in files (runtime/nvme_tier.py)
+    # the NVMe tier: AdamW's moments (and the parameters and gradients an offload "nvme+..." names)
+    # of NVMe-offloaded units in files (runtime/nvme_tier.py)
     nvme = attach_nvme_tier(parts, optimizers, opts.nvme_path, f"plan file {checked.plan_path}")
     schedule, tied_grad_sum = None, None
     if built.cross_stage_ties:
@@ -378,11 +383,14 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
             built.cp.stage_forward_ran = False      # until the schedule's first stage forward
         schedule, _ = build_schedule(dict(zip(sorted(local), parts)), num_stages, ctx.get_mesh("pp"), ctx.device,
                                      plan.pipeline.schedule, plan.pipeline.num_microbatches, loss_fn,
-                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None)
+                                     built.restore_output, built.cp.stage_forward if built.cp is not None else None,
+                                     overlap_experts=plan.mesh.ep > 1)
     notes = source_notes
     if nvme:
-        notes.append(f"NVMe tier: {sum(t.state_bytes for t in nvme) / 1e6:.2f} MB of AdamW moments on this rank in "
-                     f"files under {opts.nvme_path} (removed at exit)")
+        held = [(sum(getattr(t, f) for t in nvme), what) for f, what in
+                (("state_bytes", "AdamW moments"), ("param_bytes", "parameters"), ("grad_bytes", "gradients"))]
+        notes.append("NVMe tier: " + ", ".join(f"{b / 1e6:.2f} MB of {what}" for b, what in held if b)
+                     + f" on this rank in files under {opts.nvme_path} (removed at exit)")
     if plan.grad_compression != "none":
         from autopar.runtime.apply_dp import compression_note
 
@@ -412,4 +420,4 @@ def build_parallel_model(checked: CheckedPlan, ctx: RankContext, opts: RunOption
                          num_stages=num_stages, tied_grad_sum=tied_grad_sum,
                          state_names=StateNames.build(built.ties, built.cross_stage_ties, sorted(local)),
                          has_first_stage=0 in local, has_last_stage=(num_stages - 1) in local,
-                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme)
+                         float8=built.float8, after_optimizer_step=after_step, nvme=nvme, powersgd=powersgd)

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from autopar.core.errors import UserError
+from autopar.core.rules import nvme_states
 from autopar.runtime.options import add_run_arguments, options_from_args
 from autopar.runtime.ports import free_port
 
@@ -123,7 +124,7 @@ def launch(args: argparse.Namespace, log=None) -> int:
         if here:
             check_output_paths(opts)                  # again: the plan's model file is now known as an input
             data_check.check_for_plan(opts, checked)  # the token files' length and ids < vocabulary
-            if any(lp.offload == "nvme" for lp in checked.plan.layers):   # a missing or read-only folder
+            if any(nvme_states(lp.offload) for lp in checked.plan.layers):   # a missing or read-only folder
                 from autopar.runtime.nvme_tier import check_nvme_path
 
                 check_nvme_path(opts.nvme_path, f"plan file {args.plan}")

@@ -300,6 +300,8 @@ class Trainer:
                 records = resumed.records or {}
                 self.val_losses = [(int(a), float(b)) for a, b in records.get("val_losses", [])]
                 self.log(f"resumed from {resumed.path} (step {self.first_step}, checksums verified)")
+                if pm.powersgd is not None:
+                    self._resume_powersgd(resumed)
         self.rows = plan.micro_batch * plan.pipeline.num_microbatches
         self.batches = self._batch_source()
         if opts.val_data_path is not None and opts.eval_every > 0:
@@ -345,6 +347,23 @@ class Trainer:
         for source in (self.batches, self.evaluator):
             if source is not None:
                 source.close()
+
+    def _resume_powersgd(self, resumed) -> None:
+        """PowerSGD's hook state from the checkpoint's ``powersgd_rank<R>.pt`` where it was saved under
+        this run's layout and compression (runtime/powersgd_state.py), else one line saying it restarts."""
+        from autopar.runtime.powersgd_state import restart_reason
+
+        hook, ident = self.pm.powersgd, self.identity
+        f = resumed.path / checkpointing.powersgd_file(self.ctx.rank)
+        reason = restart_reason(resumed.layout or {}, {"world_size": ident.world_size, "mesh": ident.mesh,
+                                                       "zero": ident.zero},
+                                (resumed.records or {}).get("powersgd"), hook.spec, f.is_file())
+        if reason is None:
+            hook.load_state_dict(torch.load(f, weights_only=True))
+            self.log(f"{hook.spec}: error feedback, warm-start Q and step count restored from {resumed.path}")
+        else:
+            self.log(f"{hook.spec}: its state restarts ({reason}): zero error feedback, a new random Q, and plain "
+                     f"all-reduce for the first steps, as a fresh run")
 
     def _check_records(self, path, step: int, records: dict) -> None:
         """Before a checkpoint is read: its data position (runtime/data_check.py) and its
@@ -436,7 +455,11 @@ class Trainer:
                                              names=self.pm.state_names,
                                              records={"data": self.data_record(done),
                                                       "val_losses": [list(x) for x in self.val_losses],
-                                                      **self.control.record()})
+                                                      **self.control.record(),
+                                                      **({"powersgd": self.pm.powersgd.spec}
+                                                         if self.pm.powersgd is not None else {})},
+                                             powersgd=(self.pm.powersgd.state_dict()
+                                                       if self.pm.powersgd is not None else None))
         self.saved[done] = path
         return path
 
@@ -495,6 +518,10 @@ class Trainer:
             first_step=self.first_step, breakdown=breakdown, trace_file=trace, init_mode=self.pm.init_mode,
             model_state_bytes_per_rank=state_per_rank, plan_identity=plan.identity,
             float8=self.float8_all_ranks(), val_losses=self.val_losses)
+        pairs = getattr(self.pm.schedule, "overlapped_pairs", None)
+        if pairs is not None:                    # DualPipeV's pairs (runtime/dualpipe_overlap.py)
+            self.log(f"dualpipev: {pairs.pairs} forward-backward pairs ran in turns, handing over "
+                     f"{pairs.handovers} times at expert all-to-alls in flight")
         if ctx.is_logging_rank:
             write_text_atomic(opts.measured_file, report.to_json_text())
             self.log(f"wrote {opts.measured_file}: step_time_s {report.step_time_s:.4f}, "

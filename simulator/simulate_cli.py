@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from autopar.core.plan import OFFLOAD
 from autopar.core.units import byte_unit, fmt_bytes, fmt_count, fmt_flop_rate, fmt_in, fmt_seconds
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="model chunks per pipeline rank (interleaved and interleaved-zb; zbv and dualpipev run 2)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="0 DDP, 1-3 ZeRO stage")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    g.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none")
+    g.add_argument("--offload", choices=OFFLOAD, default="none")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
                    help="default bf16 on GPU clusters, fp32 on gloo (CPU) clusters; fp8: bf16 with every layer's "
                         "linears in float8 (simulator/float8.py; those whose dims divide by 16)")
@@ -137,7 +138,10 @@ def _print_rich(graph, plan, cluster, r, capture_s, sim_s, trace) -> None:
             f"{_gb(r.host_capacity_bytes)}")
     con.print(host if r.host_fits else f"[red]{host}: does NOT fit[/]")
     if r.nvme_bytes_per_node:
-        nvme = (f"NVMe tier: {_gb(r.nvme_bytes_per_node)} of optimizer moments on the fullest node, of "
+        from autopar.core.rules import nvme_contents
+
+        nvme = (f"NVMe tier: {_gb(r.nvme_bytes_per_node)} of {nvme_contents(lp.offload for lp in plan.layers)} on "
+                f"the fullest node, of "
                 f"{_gb(r.nvme_capacity_bytes)}")
         con.print(nvme if r.nvme_fits else f"[red]{nvme}: does NOT fit[/]")
     con.print("[green]fits in memory[/]" if r.fits else

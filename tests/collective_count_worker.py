@@ -1,5 +1,6 @@
 """torchrun worker: runs plans one after another (one process group) and counts, per plan, the
-collectives each training step issues, split into forward and backward.
+collectives each training step issues, split into forward and backward, and the bytes of the
+tensors each passes (``bytes``).
 
 The count is taken by a ``TorchDispatchMode`` entered around every step (outside any mode the
 runtime enters, so it sees exactly the ops that run: an op a selective checkpoint replays from
@@ -33,13 +34,23 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = {"fwd": Counter(), "bwd": Counter()}
+        self.bytes = {"fwd": Counter(), "bwd": Counter()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if func.namespace in NAMESPACES and name not in NOT_COLLECTIVES:
             phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
             self.counts[phase][f"{func.namespace}.{name}"] += 1
+            self.bytes[phase][f"{func.namespace}.{name}"] += _tensor_bytes(args)
         return func(*args, **(kwargs or {}))
+
+
+def _tensor_bytes(args) -> int:
+    """Bytes of the tensors a collective's arguments hold (its first argument's, for the in-place
+    ``c10d`` ops: the list of tensors it reduces), in their own dtype."""
+    first = args[0] if args else ()
+    tensors = first if isinstance(first, (list, tuple)) else [first]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 class SavedBytes:
@@ -108,6 +119,7 @@ def main() -> None:
         trainer.finish()
         if dist.get_rank() == 0:
             out = {k: dict(v) for k, v in counter.counts.items()}
+            out["bytes"] = {k: dict(v) for k, v in counter.bytes.items()}
             out["saved_bytes"] = saved.total()
             Path(case["counts"]).write_text(json.dumps(out))
     shutdown()

@@ -145,3 +145,17 @@ def toy_cluster(nodes=1, gpus=8, mem=80 * 2**30):
     """``nodes`` nodes of ``gpus`` devices of profile ``PROFILE`` ("t"), round link figures."""
     g = NodeGroup("n", "t", nodes, gpus, mem, Link(300.0, 3.0), 2**40, Link(25.0, 10.0))
     return Cluster("c", (g,), Link(25.0, 5.0))
+
+
+def priced_dp_wire_bytes(graph, plan, cluster=None) -> float:
+    """The bytes one rank sends per step in ``plan``'s data-parallel gradient reduce, as the
+    simulator prices it (its layer table's ``dp_wire_bytes_per_step``, after the table terms:
+    DDP's buckets, gradient compression), on ``toy_cluster(gpus=plan.world_size)`` by default,
+    priced as autopar's runtime with the plan's own compression (simulate.plan_cost_models)."""
+    from autopar.simulator.device.cost_model import CostModel
+    from autopar.simulator.evaluator import PlanEvaluator
+    from autopar.simulator.simulate import plan_cost_models
+
+    cluster = cluster or toy_cluster(gpus=plan.world_size)
+    cms = plan_cost_models(plan, CostModel.from_profile(REDUCE_PROFILE))
+    return float(PlanEvaluator(graph, cluster, cms).prepare(plan)[1].dp_wire_bytes_per_step.sum())

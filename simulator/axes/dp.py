@@ -24,7 +24,7 @@ class DataParallel:
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     host_bytes: float = 0.0                # offloaded state
-    nvme_bytes: float = 0.0                # offload "nvme": the moments in files (of host_bytes' share)
+    nvme_bytes: float = 0.0                # offload "nvme...": the states in files (of host_bytes' share)
     grad_sync_bytes: float = 0.0           # gradients synchronised across data parallel
     fsdp_param_buffer_bytes: float = 0.0
     fsdp_grad_buffer_bytes: float = 0.0
@@ -63,6 +63,24 @@ def data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", 
     w.fwd_s += (dense.fwd_s - w.fwd_s) + (expert.fwd_s - w.fwd_s)
     w.bwd_s += (dense.bwd_s - w.bwd_s) + (expert.bwd_s - w.bwd_s)
     return DataParallel(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(DataParallel)})
+
+
+def ddp_reduce_bytes(precision: str, code) -> float:
+    """Bytes of one gradient element in the all-reduce of a ZeRO-0/1 layer (DDP, or FSDP2's
+    ``replicate`` beside tp / pp), uncompressed, under training code ``code``
+    (simulator/device/training_code.py): the larger of the training precision's gradient bytes
+    (memory.STATE_BYTES) and the code's reduce dtype (``TrainingCode.reduce_bytes``).
+
+    autopar's runtime reduces fp32 (``reduce_bytes`` 4) under every precision: DDP and ZeRO-1 run
+    mixed precision as ``torch.autocast`` over fp32 parameters (runtime/parallelize.py), so
+    autograd accumulates fp32 gradients and DDP's buckets take the parameters' dtype
+    (``torch.nn.parallel.DistributedDataParallel``: each bucket is allocated like its
+    gradients); ``replicate`` reduces in its ``MixedPrecisionPolicy.reduce_dtype``, fp32
+    (runtime/apply_dp.py ``mixed_precision_policy``).  A ``--grad-compression`` cast or PowerSGD
+    is priced over these bytes by grad_compression.py.  Published runs reduce as their code did
+    (``reduce_bytes`` 2: Megatron-LM 2021's fp16 gradients, Megatron Bridge's
+    ``grad_reduce_in_fp32 = False``; benchmarks/published_runs.py)."""
+    return max(STATE_BYTES[precision_class(precision)][1], float(code.reduce_bytes))
 
 
 def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: CostModel, links: MeshLinks,
@@ -106,9 +124,12 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
     offload = offloaded(lp)
     if offload:                            # the state on the host (offload.py)
         d.host_bytes, d.nvme_bytes = host_state(d.param_bytes, d.grad_bytes, d.optimizer_bytes, lp,
-                                                trainable / (dp if zero >= 1 else 1))
+                                                param_numel / dp, trainable / dp)
         d.param_bytes = d.grad_bytes = d.optimizer_bytes = 0.0
-    d.grad_sync_bytes = grad_sync_bytes = trainable * g_b
+    # the bytes a layer's gradients put into the data-parallel reduce: DDP's all-reduce (ZeRO-0/1)
+    # sends them as the code reduces them (``ddp_reduce_bytes``); FSDP's reduce-scatter is priced
+    # at the training precision's here and scaled to the reduce dtype by sharded_dp.py
+    d.grad_sync_bytes = grad_sync_bytes = trainable * (ddp_reduce_bytes(precision, cm.code) if zero <= 1 else g_b)
     param_full_bytes = param_numel * p_b
     if fp8_all_gather(lp, mesh, fp8_recipe):
         param_full_bytes -= w.fp8_weight_numel * max(0.0, p_b - FP8_BYTES)   # the fp8 all-gather

@@ -10,8 +10,9 @@ runtime/apply_dp.py), priced as ``TrainingCode.grad_compression`` (simulator/sim
   reduce dtype's bytes (sharded_dp.py item 3: ``max(priced, TrainingCode.reduce_bytes)`` where
   the sharded term acts, the training precision's where it does not) and scales by 2 over those
   bytes -- wire, copy-in and the ring latency with them, as sharded_dp.py item 3 scales them.  The
-  all-reduce of ZeRO-0/1 layers was priced at the training precision's gradient bytes
-  (simulator/memory.py STATE_BYTES) and is priced again at 2 bytes an element: per DDP bucket on a
+  all-reduce of ZeRO-0/1 layers was priced at the bytes the uncompressed all-reduce sends (dp.py
+  ``ddp_reduce_bytes``: fp32 in autopar's runtime, whose DDP reduces the fp32 gradients of
+  autocast's fp32 parameters) and is priced again at 2 bytes an element: per DDP bucket on a
   plain data-parallel plan (ddp_buckets.py), per layer otherwise (``replicate``).
 * **PowerSGD, rank R** (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression
   for Distributed Optimization", NeurIPS, Algorithm 1; torch's ``powerSGD_hook``, whose docstring
@@ -45,6 +46,7 @@ import numpy as np
 
 from autopar.core.dtypes import precision_bytes
 from autopar.core.grad_compression import WIRE_BYTES, GradCompression, powersgd_compresses
+from autopar.simulator.axes.dp import ddp_reduce_bytes
 from autopar.simulator.axes.dp_buckets import buckets
 from autopar.simulator.device.network import ring_wire_bytes
 
@@ -150,7 +152,8 @@ def with_compression(rows, ctx, matrices, gloo: bool = False):
         return rows
     dpl, procs = ctx.links.dp, ctx.processes
     grad_ranks = mesh.grad_degree
-    priced = float(precision_bytes(ctx.precision))          # the rows' bytes per gradient element
+    priced = float(precision_bytes(ctx.precision))          # a sharded row's bytes per gradient element
+    ddp_priced = ddp_reduce_bytes(ctx.precision, cm.code)   # ... a DDP row's: its all-reduce's (dp.py)
     ddp = rows.zero <= 1
     plain_ddp = not mesh.splits_model and mesh.ep <= 1 and bool(ddp.all())
     if c.kind in WIRE_BYTES:
@@ -161,16 +164,17 @@ def with_compression(rows, ctx, matrices, gloo: bool = False):
         ar = np.zeros(len(rows))
         if plain_ddp:
             for closing, _top, filled in buckets(rows.dp_grad_bytes):
-                ar[closing] = cm.collective_time("all_reduce", filled * wire / priced, grad_ranks, dpl.link, dpl.level,
-                                              processes=procs)
+                ar[closing] = cm.collective_time("all_reduce", filled * wire / ddp_priced, grad_ranks, dpl.link,
+                                                 dpl.level, processes=procs)
         else:
             for k in np.flatnonzero(ddp & (rows.dp_grad_bytes > 0)):
-                ar[k] = cm.collective_time("all_reduce", rows.dp_grad_bytes[k] * wire / priced, grad_ranks, dpl.link,
-                                           dpl.level, processes=procs)
+                ar[k] = cm.collective_time("all_reduce", rows.dp_grad_bytes[k] * wire / ddp_priced, grad_ranks,
+                                           dpl.link, dpl.level, processes=procs)
             ar = np.where(ddp, ar, rows.dp_allreduce_s)
-        # the bytes each rank sends (the rows counted them at the training precision's bytes)
+        # the bytes each rank sends (the rows counted a DDP row's at its all-reduce's bytes, a
+        # sharded row's at the training precision's)
         less = ring_wire_bytes("reduce_scatter", rows.dp_grad_bytes, grad_ranks) * (
-            1.0 - wire / priced)
+            1.0 - wire / np.where(ddp, ddp_priced, priced))
         sharded_step = mesh.pp > 1                  # a pipeline reduce-scatters once a step
         return rows.with_columns(
             dp_reducescatter_s=rs, dp_allreduce_s=ar,
@@ -179,7 +183,8 @@ def with_compression(rows, ctx, matrices, gloo: bool = False):
     # PowerSGD: plain DDP only (core/grad_compression.py compression_problem)
     per_layer = matrices
     ar = np.zeros(len(rows))
-    sent = np.array([sum(powersgd_layer(*per_layer[k], c.rank)[:3]) * priced for k in range(len(rows))])
+    # the hook compresses DDP's bucket in its dtype: P, Q and the whole tensors at the all-reduce's bytes
+    sent = np.array([sum(powersgd_layer(*per_layer[k], c.rank)[:3]) * ddp_priced for k in range(len(rows))])
     launch = cm.overhead("op_launch_s")
     groups = [(0, len(rows) - 1, float(rows.dp_grad_bytes.sum()))] if gloo else buckets(rows.dp_grad_bytes)
     for closing, top, filled in groups:
@@ -190,9 +195,12 @@ def with_compression(rows, ctx, matrices, gloo: bool = False):
             whole, p, q, flops, kernels = whole + w, p + pk, q + qk, flops + fk, kernels + nk
         compute = max(cm.compute_time_ex("matmul", flops, 0.0, "fp32")[0],
                       POWERSGD_MEMORY_PASSES * filled / cm.achievable_memory_Bps)
-        ar[closing] = (cm.collective_time("all_reduce", whole * priced, grad_ranks, dpl.link, dpl.level, processes=procs)
-                       + cm.collective_time("all_reduce", p * priced, grad_ranks, dpl.link, dpl.level, processes=procs)
-                       + cm.collective_time("all_reduce", q * priced, grad_ranks, dpl.link, dpl.level, processes=procs)
+        ar[closing] = (cm.collective_time("all_reduce", whole * ddp_priced, grad_ranks, dpl.link, dpl.level,
+                                          processes=procs)
+                       + cm.collective_time("all_reduce", p * ddp_priced, grad_ranks, dpl.link, dpl.level,
+                                            processes=procs)
+                       + cm.collective_time("all_reduce", q * ddp_priced, grad_ranks, dpl.link, dpl.level,
+                                            processes=procs)
                        + max(compute, kernels * launch))
     # error feedback: one more buffer of the bucket's gradients, held for the whole run
     wire = rows.dp_wire_bytes_per_step + (ring_wire_bytes("all_reduce", sent, grad_ranks)

@@ -1,38 +1,68 @@
 """The NVMe tier's price: a layer with ``offload: "nvme"`` keeps AdamW's two fp32 moments of its
 shard in files on the node's NVMe drives (runtime/nvme_tier.py), the rest of its state in host
-memory as ``offload: "cpu"`` does.
+memory as ``offload: "cpu"`` does; "nvme+params", "nvme+grads" and "nvme+params+grads" put
+FSDP2's sharded parameters and/or gradients in the files too (core/rules.py ``nvme_states``).
 
 ZeRO-Infinity (Rajbhandari et al. 2021, SC'21) names the parts priced here:
 
-* **bandwidth-centric partitioning**: every device moves only its own shard of the state, all the
-  devices at once, so the tier's bandwidth is the aggregate of the node's drives, shared by the
-  node's devices: a device's bytes take ``bytes x devices on the node / node bandwidth``
-  (``Nvme.read_GBps`` / ``write_GBps`` are per node, all drives together);
-* **overlap**: the step reads every moment and writes it back once (``moment_io_s``: read at the
-  read bandwidth plus write at the write bandwidth -- the drives serve one stream after the
-  other).  The runtime starts the read at the end of each forward and writes back after the step
-  while the next step's forward and backward run, so the disk's work hides behind the layer's
-  compute of the step (its micro-batches' forward, backward and recompute) and only what exceeds
-  it stalls the optimizer step, which cannot start on a moment before it is read
-  (``exposed_io_s``);
-* **capacity**: the node's moments must fit the drives (``node_need``), as the offloaded state
-  must fit host memory.
+* **bandwidth-centric partitioning** (its Sec. 6.1): every device moves only its own shard of the
+  state, all the devices at once, so the tier's bandwidth is the aggregate of the node's drives,
+  shared by the node's devices: a device's bytes take ``bytes x devices on the node / node
+  bandwidth`` (``Nvme.read_GBps`` / ``write_GBps`` are per node, all drives together);
+* **overlap** (its Sec. 6.2, overlap-centric design): each step reads every byte on the tier and
+  writes it back once (``moment_io_s``: read at the read bandwidth plus write at the write
+  bandwidth -- the drives serve one stream after the other): the moments read for the optimizer
+  step and written back after it; the parameters read for the step's first forward (the
+  runtime's pages stay mapped through the step, so the backward's re-gather and the step's
+  update find them in memory) and written back after the step; the gradients written by the
+  backward, read by the step and zeroed again at the next step's first forward (a read of
+  their pages).  The runtime starts the parameters' and gradients' read at the start of the
+  forward, the moments' at its end, and writes back after the step while the next step's
+  forward and backward run, so the disk's work hides behind the layer's compute of the step
+  (its micro-batches' forward, backward and recompute) and only what exceeds it stalls
+  (``exposed_io_s``, added to the layer's optimizer step, once per step);
+* **capacity**: the node's states on the tier must fit the drives (``node_need``), and they
+  leave host memory (``nvme_state_bytes``, subtracted from the offloaded host bytes).
 
-The moments' read and write are per step, not per micro-batch: accumulation does not touch them.
+The tier's reads and writes are per step, not per micro-batch: accumulation adds into the
+gradients' mapped pages and re-gathers parameters from mapped pages.  Not priced: the parameters
+on the tier are not pinned (runtime/apply_dp.py), so on an accelerator their host-to-device copies
+are pageable, priced as the pinned copies of offload "cpu" are.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from autopar.core.cluster_types import Cluster, Nvme
+from autopar.core.rules import nvme_states
 
+#: how the tier's reads and writes meet the compute: "overlapped" (the runtime's read-ahead and
+#: background write-back, module docstring) is the one priced; a serial swap (DeepSpeed's
+#: ``pipeline_read`` / ``pipeline_write`` false: each read and write waits) has no term
+SWAP = "overlapped"
 #: bytes on the tier per trainable parameter of the shard: AdamW's exp_avg and exp_avg_sq in fp32
 #: (torch.optim.AdamW's state; runtime/nvme_tier.py MOMENTS), whatever the training precision
 MOMENT_BYTES = 2 * 4
+#: bytes on the tier per parameter of the shard (trainable for the gradient) for "params" and
+#: "grads": FSDP2 keeps the sharded parameter in its own dtype, fp32, under a MixedPrecisionPolicy
+#: (which casts only the all-gather) and casts the reduce-scatter's output back to it (torch 2.13
+#: _fsdp_collectives.foreach_reduce, ``_to_dtype_if_needed(reduce_output, orig_dtype)``)
+SHARD_BYTES = 4
 
 
 def nvme_moment_bytes(shard_trainable_params: float) -> float:
     return shard_trainable_params * MOMENT_BYTES
+
+
+def nvme_state_bytes(offload: str, shard_params: float, shard_trainable_params: float) -> float:
+    """Bytes of one device's shard that ``offload`` keeps on the tier: the moments, and the
+    parameters and gradients where it names them (0 off the tier)."""
+    states = nvme_states(offload)
+    if not states:
+        return 0.0
+    return (nvme_moment_bytes(shard_trainable_params)
+            + (shard_params * SHARD_BYTES if "params" in states else 0.0)
+            + (shard_trainable_params * SHARD_BYTES if "grads" in states else 0.0))
 
 
 def slowest_tier(cluster: Cluster) -> Nvme | None:
@@ -45,7 +75,8 @@ def slowest_tier(cluster: Cluster) -> Nvme | None:
 
 
 def moment_io_s(device_bytes, devices_per_node: int, tier: Nvme):
-    """Seconds of the node's drives to read and then write ``device_bytes`` of every one of its
+    """Seconds of the node's drives to read and then write ``device_bytes`` (a device's states on
+    the tier: moments, and parameters and gradients where the plan puts them there) of every one of its
     ``devices_per_node`` devices (bandwidth-centric partitioning: all shards move at once, at the
     node's aggregate bandwidth)."""
     node_bytes = np.asarray(device_bytes, dtype=float) * devices_per_node
@@ -58,7 +89,8 @@ def exposed_io_s(io_s, window_s):
 
 
 def with_tier_stalls(rows, ctx, cluster: Cluster):
-    """The layer table with each NVMe layer's exposed read and write added to its optimizer step
+    """The layer table with each NVMe layer's exposed read and write (of every state it keeps on
+    the tier) added to its optimizer step
     (the "nvme_tier" table term).  A cluster without an NVMe tier on every group adds nothing here:
     ``node_need`` finds such a plan does not fit."""
     b = rows.nvme_bytes

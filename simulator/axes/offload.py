@@ -7,8 +7,8 @@ gradient shard back after each reduce-scatter, and the optimizer steps on the ho
 Ren et al. 2021, USENIX ATC, Sec. 4: the Adam update on the CPU).  Priced here:
 
 * **state** (``host_state``): the device keeps none of the layer's state; what ZeRO left on the
-  device (step/memory.state_bytes) is in host memory instead -- less AdamW's moments where the
-  NVMe tier holds them (``offload: "nvme"``, nvme_tier.py);
+  device (step/memory.state_bytes) is in host memory instead -- less what the NVMe tier holds
+  (``offload: "nvme"``, ``"nvme+params"``, ``"nvme+grads"``, ``"nvme+params+grads"``, nvme_tier.py);
 * **copies** (``host_copies``): the parameter shard host -> device before each use and the
   gradient shard device -> host after each backward, each a copy over the host link
   (``CostModel.h2d_time``, PCIe: topology.MeshLinks.host), on the data-parallel stream beside
@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.core.plan import LayerPlan
-from autopar.simulator.axes.nvme_tier import nvme_moment_bytes
+from autopar.simulator.axes.nvme_tier import nvme_state_bytes
 from autopar.simulator.device.cost_model import CostModel
 
 
@@ -44,17 +44,14 @@ def offloaded(lp: LayerPlan) -> bool:
 
 
 def host_state(param_bytes: float, grad_bytes: float, optimizer_bytes: float, lp: LayerPlan,
-               shard_trainable: float) -> tuple[float, float]:
+               shard_params: float, shard_trainable: float) -> tuple[float, float]:
     """(host bytes, NVMe bytes) of an offloaded layer whose device state after ZeRO would be
-    ``param_bytes``, ``grad_bytes`` and ``optimizer_bytes``: all of it on the host, but for
-    AdamW's moments of the ``shard_trainable`` parameters the rank steps where ``lp`` puts them on
-    the NVMe tier (nvme_tier.nvme_moment_bytes)."""
-    host = param_bytes + grad_bytes + optimizer_bytes
-    nvme = 0.0
-    if lp.offload == "nvme":               # the moments move from host memory to the NVMe files
-        nvme = nvme_moment_bytes(shard_trainable)
-        host -= nvme
-    return host, nvme
+    ``param_bytes``, ``grad_bytes`` and ``optimizer_bytes``: all of it on the host, less what ``lp``
+    puts on the NVMe tier (nvme_tier.nvme_state_bytes: AdamW's moments of the ``shard_trainable``
+    parameters, and the fp32 shards of the ``shard_params`` parameters and of their gradients where
+    the offload names them; FSDP2 shards the parameters over dp at ZeRO-2 too)."""
+    nvme = nvme_state_bytes(lp.offload, shard_params, shard_trainable)
+    return max(0.0, param_bytes + grad_bytes + optimizer_bytes - nvme), nvme
 
 
 def host_copies(cm: CostModel, host_link, param_full_bytes: float, grad_sync_bytes: float,

@@ -51,16 +51,21 @@ def interleaved_time(total: float, t_max: float, m: int, v: int, bubble_share: f
 
 
 def pipeline_and_ends(ctx, f_g: np.ndarray, b_g: np.ndarray, send_s: float,
-                      w_g: np.ndarray | None = None) -> tuple[float, float, np.ndarray]:
+                      w_g: np.ndarray | None = None,
+                      a2a_g: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float, np.ndarray]:
     """(pipeline length, bubble fraction, when each rank's last backward ends) from the model
     chunks' task lengths ``f_g``, ``b_g`` and the send ``send_s`` charged in the fill and drain;
     ``w_g``: of ``b_g``, the weight gradients (``weight_gradient_times``), which a split-backward
-    schedule runs apart (none: nothing to defer)."""
+    schedule runs apart (none: nothing to defer); ``a2a_g``: of ``f_g`` and of ``b_g``, the expert
+    all-to-alls that DualPipeV's pairs hide behind compute (``expert_all_to_all_times``; none:
+    the pairs run their two passes one after the other)."""
     p, v = ctx.p, ctx.v
     if ctx.schedule in SPLIT_BACKWARD_SCHEDULES and p > 1:
         w = np.zeros_like(b_g) if w_g is None else np.minimum(w_g, b_g)
         grid, m = ctx.grid, ctx.num_microbatches
-        pipe = split_backward_time(ctx.schedule, f_g[grid], (b_g - w)[grid], w[grid], m) + 2 * (p * v - 1) * send_s
+        a2a_f, a2a_b = (None, None) if a2a_g is None else (a2a_g[0][grid], a2a_g[1][grid])
+        pipe = split_backward_time(ctx.schedule, f_g[grid], (b_g - w)[grid], w[grid], m, overlap_a2a=a2a_g is not None,
+                                   a2a_f_vp=a2a_f, a2a_b_vp=a2a_b) + 2 * (p * v - 1) * send_s
         t_max = float((f_g + b_g)[grid].sum(axis=0).max())
         return pipe, (1.0 - m * t_max / pipe if pipe > 0 else 0.0), rank_ends(pipe, b_g[:p], send_s)
     t_r = f_g + b_g if v == 1 else (f_g + b_g)[ctx.grid].sum(axis=0)   # per rank, over its chunks
@@ -74,6 +79,21 @@ def weight_gradient_times(ctx, rows: LayerTable) -> np.ndarray | None:
     if ctx.schedule not in SPLIT_BACKWARD_SCHEDULES:
         return None
     return np.add.reduceat(rows.bwd_weight_s, ctx.starts)
+
+
+def expert_all_to_all_times(ctx, rows: LayerTable) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per model chunk and micro-batch: the expert all-to-alls inside its forward and inside its
+    backward (``ep_comm_fwd_s``, ``ep_a2a_bwd_s``), where DualPipeV's pairs hide them behind the
+    other pass's compute -- the runtime runs each pair's passes in turns, handing over while an
+    exchange is in flight (runtime/dualpipe_overlap.py) -- and communication overlaps compute
+    (not where they take turns: cpu_node.serial_communication); None elsewhere and without ep."""
+    if ctx.schedule != "dualpipev" or ctx.step_form.serial:
+        return None
+    f = np.add.reduceat(rows.ep_comm_fwd_s, ctx.starts)
+    b = np.add.reduceat(rows.ep_a2a_bwd_s, ctx.starts)
+    if not (f.any() or b.any()):
+        return None
+    return f, b
 
 
 def rank_ends(pipe: float, b_first_chunk: np.ndarray, send_s: float) -> np.ndarray:

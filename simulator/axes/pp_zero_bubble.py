@@ -30,11 +30,21 @@ sum_r X_r - max_r X_r, as ``pp.interleaved_time`` spreads the interleaved bubble
   pairs, then p - 1 pairs: the rank with the fewest pairs), each costing F&B instead of
   F + B + W.  F&B (``overlapped_pair``): DeepSeek overlaps the forward chunk's compute with the
   backward chunk's communication (the MoE all-to-all dispatch and combine) and the other way
-  round, so F&B = max(compute of both, all-to-all of both); torch 2.13 runs the pair's two
-  actions one after the other unless a custom OVERLAP_F_B function is registered, which autopar
-  does not, so its runs are priced with F&B = F + B + W (``overlap_a2a=False``).  Exact for equal
-  chunks without overlap; with overlap the published bubble is kept (it is an upper bound of the
-  schedule torch builds, played with cheaper pairs).
+  round (the report's Fig. 4), so F&B = max(compute of both, all-to-all of both).  torch 2.13
+  runs the pair's two actions one after the other unless a function is registered for
+  OVERLAP_F_B; autopar's runtime registers one where ep > 1 (runtime/dualpipe_overlap.py: the two
+  passes in turns, each all-to-all in flight while the other pass computes, in Fig. 4's order),
+  and the step prices those pairs with F&B = max(compute, all-to-all)
+  (``overlap_a2a``, axes/pp.expert_all_to_all_times); without ep a pair costs F + B + W.  A pair
+  joins the forward of one of the rank's chunks and the backward of the other, so with overlap
+  each of the two kinds is priced with its own chunks' terms.  Max(compute, all-to-all) is the
+  pair's length when each all-to-all is no longer than the other pass's compute it runs beside
+  (or the other way round throughout): the report's Fig. 4 balance.  For equal chunks with
+  F = B = W and F&B from 3F (no overlap) down to 2F, the schedule torch builds for pp 2 and 4
+  micro-batches, played action by action with such pairs, has exactly the published length
+  (tests/simulator/test_zero_bubble_pricing.py draws it); for unequal F, B, W it differs from it
+  by up to a pass either way (F 1, B 2, W 1: drawn 35, priced 36; F 2, B 1, W 1: drawn 36,
+  priced 35).
 
 The activation sends of the fill and drain are charged as for the other schedules
 (``pp.pipeline_time``: 2 (p v - 1) sends).
@@ -82,8 +92,8 @@ def overlapped_pair(f: float, b: float, w: float, a2a_f: float = 0.0, a2a_b: flo
                     overlap_a2a: bool = False) -> float:
     """F&B: one chunk's forward ``f`` paired with another's full backward ``b + w``; ``a2a_f``,
     ``a2a_b``: the expert-parallel all-to-all time inside ``f`` and ``b``.  With ``overlap_a2a``
-    (DeepSeek-V3 report Sec. 3.2.1: each chunk's all-to-all hidden behind the other's compute)
-    max(compute of both, all-to-all of both), else the two one after the other."""
+    (DeepSeek-V3 report Sec. 3.2.1 and Fig. 4: each chunk's all-to-all hidden behind the other's
+    compute) max(compute of both, all-to-all of both), else the two one after the other."""
     if not overlap_a2a:
         return f + b + w
     return max(f + b + w - a2a_f - a2a_b, a2a_f + a2a_b)
@@ -116,11 +126,16 @@ def split_backward_time(schedule: str, f_vp: np.ndarray, b_vp: np.ndarray, w_vp:
     if schedule == "dualpipev":
         a_f = np.zeros_like(f_vp) if a2a_f_vp is None else a2a_f_vp
         a_b = np.zeros_like(b_vp) if a2a_b_vp is None else a2a_b_vp
+        # a pair joins the forward of one chunk c and the backward of the rank's other chunk
+        # (V: v = 2), the two kinds in turn: each saves F + B + W - F&B of its own terms
+        o = [(c + 1) % v for c in range(v)]
+        pair = np.array([[overlapped_pair(f_vp[c, r], b_vp[o[c], r], w_vp[o[c], r], a_f[c, r], a_b[o[c], r],
+                                          overlap_a2a) for r in range(p)] for c in range(v)])
+        saving = (f_vp + b_vp[o] + w_vp[o] - pair).mean(axis=0)
+        work = m * t_r - dualpipev_pairs(m, p) * saving
+        # the published bubble per chunk, F&B of the chunk's own terms (equal chunks: the same)
         fb = np.array([[overlapped_pair(f_vp[c, r], b_vp[c, r], w_vp[c, r], a_f[c, r], a_b[c, r], overlap_a2a)
                         for r in range(p)] for c in range(v)])
-        # a pair joins a forward of one chunk and the backward of the other: the rank's mean
-        saving = (f_vp + b_vp + w_vp - fb).mean(axis=0)
-        work = m * t_r - dualpipev_pairs(m, p) * saving
         x_r = np.maximum(0.0, fb + b_vp - 2 * w_vp).max(axis=0)
         return float(work.max() + x_r.sum() - x_r.max())
     if schedule == "zbv" and m < 2 * p:

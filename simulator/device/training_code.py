@@ -10,8 +10,9 @@ module state: two evaluators of the same graph can price two codes side by side.
 names the module that owns its mechanism:
 
 * ``sharded``: how sharded data parallelism gathers parameters (simulator/sharded_dp.py, item 4);
-* ``reduce_bytes``: bytes of one gradient element as it is reduce-scattered (sharded_dp.py,
-  item 3; the runtime reduces in fp32, runtime/apply_dp.py);
+* ``reduce_bytes``: bytes of one gradient element as it is reduced across data parallelism --
+  FSDP's reduce-scatter (sharded_dp.py, item 3) and DDP's all-reduce (axes/dp.py
+  ``ddp_reduce_bytes``); the runtime reduces in fp32, runtime/apply_dp.py;
 * ``p2p``: the pipeline's exchange between stages (simulator/pipeline_p2p.py);
 * ``optimizer``: the end of the step around AdamW (simulator/optimizer_step.py);
 * ``autocast``: None to run each layer as the runtime does (simulator/autocast.py), or one of
@@ -62,7 +63,8 @@ DEFAULT_ATTENTION_KERNEL = "flash2"
 class TrainingCode:
     """What the training code does that a price depends on (module docstring)."""
     sharded: ShardedRuntime = FSDP2
-    #: fp32: runtime/apply_dp.py ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``
+    #: fp32: runtime/apply_dp.py ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, and DDP's
+    #: buckets of autocast's fp32 gradients
     reduce_bytes: float = float(DTYPE_BYTES["float32"])
     p2p: P2PRuntime = TORCH_PIPELINING
     optimizer: OptimizerRuntime = TORCH_ADAMW

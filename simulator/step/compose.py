@@ -48,7 +48,7 @@ import numpy as np
 from autopar.simulator.axes import pp_p2p as pipeline_p2p
 from autopar.simulator.axes.dp_sync import (after_backward, ddp_all_reduces, ddp_excess, fsdp_tails,
                                              gradient_ready_offsets, last_reduce_scatter)
-from autopar.simulator.axes.pp import pipeline_and_ends, weight_gradient_times
+from autopar.simulator.axes.pp import expert_all_to_all_times, pipeline_and_ends, weight_gradient_times
 from autopar.simulator.step.layer_table import LayerTable
 from autopar.simulator.step.overlap import compute_per_pass, fsdp_traffic
 
@@ -133,8 +133,8 @@ def layer_floor(src, zero: int, traffic: bool) -> float:
 def pipeline_with_ends(ctx, rows: LayerTable, f_g: np.ndarray, b_g: np.ndarray, c) -> tuple[float, float, np.ndarray]:
     """(pipeline time, bubble, when each rank's last backward ends) of the chunks' task lengths
     ``f_g``, ``b_g`` and the send ``c`` charged in the fill and drain (axes/pp.pipeline_and_ends,
-    with the split-backward schedules' weight-gradient times)."""
-    return pipeline_and_ends(ctx, f_g, b_g, c, weight_gradient_times(ctx, rows))
+    with the split-backward schedules' weight-gradient times and DualPipeV's hidden all-to-alls)."""
+    return pipeline_and_ends(ctx, f_g, b_g, c, weight_gradient_times(ctx, rows), expert_all_to_all_times(ctx, rows))
 
 
 def overlapped_chunk_times(ctx, rows: LayerTable):

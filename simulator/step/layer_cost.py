@@ -31,7 +31,7 @@ from autopar.simulator.axes.cp import cp_layer_work
 from autopar.simulator.axes.dp import data_parallel_parts
 from autopar.simulator.axes.float8 import float8_work, fp8_all_gather
 from autopar.simulator.axes.offload import offloaded
-from autopar.simulator.axes.recompute import recompute
+from autopar.simulator.axes.recompute import recompute, saves_collective
 from autopar.simulator.axes.sharded_dp import effective_zero
 from autopar.simulator.axes.tp import add_module_overheads, tensor_parallel
 from autopar.simulator.device.cost_model import CostModel
@@ -83,8 +83,9 @@ class LayerCost:
     # of bwd_s, the weight gradients (WEIGHT_GRAD_SHARE): what a split-backward schedule runs as its
     # W pass (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2); the rest is B
     bwd_weight_s: float = 0.0
-    # offload "nvme": AdamW's moments of this device's shard in files on the node's NVMe tier (not
-    # in host_bytes; simulator/axes/nvme_tier.py prices their read and write each step)
+    # offload "nvme...": AdamW's moments (and the parameters and gradients it names) of this
+    # device's shard in files on the node's NVMe tier (not in host_bytes; simulator/axes/nvme_tier.py
+    # prices their read and write each step)
     nvme_bytes: float = 0.0
     # context parallelism's K/V all-gather (forward) and reduce-scatter (backward) of the layer's
     # attention, on the critical path (axes/cp.py cp_layer_terms)
@@ -93,6 +94,10 @@ class LayerCost:
     # expert parallelism's dispatch and combine all-to-alls, each pass (axes/ep.py ep_layer_terms)
     ep_comm_fwd_s: float = 0.0
     ep_comm_bwd_s: float = 0.0
+    # the expert-parallel all-to-alls of the backward: ep_comm_bwd_s, and the forward's again where a
+    # recompute reruns them -- with ep_comm_fwd_s what DualPipeV's pairs hide behind compute
+    # (axes/pp_zero_bubble.overlapped_pair)
+    ep_a2a_bwd_s: float = 0.0
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -191,6 +196,9 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     bwd_s = work.bwd_s * compute_stretch
     recompute_s = (rec.recompute_s - rec.tp_s) * compute_stretch + rec.tp_s
     optimizer_s = dp.optimizer_s if offloaded(lp) else dp.optimizer_s * compute_stretch
+    # a full recompute reruns the forward's all-to-alls in backward; a selective one those its
+    # policy does not save (ep.ep_layer_work)
+    rerun = lp.recompute == "full" or (selective is not None and not saves_collective("all_to_all", selective))
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=min(work.bwd_weight_s * compute_stretch, bwd_s),
         recompute_s=recompute_s, tp_comm_fwd_s=tp_fwd_s, tp_comm_bwd_s=tp_bwd_s,
@@ -208,6 +216,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         tp_wire_bytes=tpc.wire_fwd + tpc.wire_bwd + rec.tp_wire,
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
+        ep_a2a_bwd_s=(ep_c.bwd_s + (ep_c.fwd_s if rerun else 0.0)) if ep_c else 0.0,
         num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
 
 

@@ -8,8 +8,8 @@ representative device per pipeline rank, from the same quantities:
   slots, each as long as the layer's effective time (the context's step form's chunk_times:
   compose.layer_effective_times; in the serial form compute plus traffic).  Inside a slot
   the registered "compute" terms (term_registry.py) run one after another, each on its stream:
-  the layer's forward, or recompute then backward, on the compute stream, with its
-  tensor-parallel collectives after it on the ``tp`` stream (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
+  the layer's forward, or recompute then backward, on the compute stream, with its in-layer
+  collectives after it on the ``tp``, ``cp`` and ``ep`` streams (they sit on the critical path).  The ``fsdp`` stream carries the traffic the
   step model prices beside the layer: in forward, the next layer's prefetched all-gather (and
   host-to-device copy), the chunk's first layer having waited for its own; in backward, a
   gather and a reduce-scatter (and device-to-host copy) of the layer's own size, marked

@@ -92,6 +92,24 @@ def test_plan_validate_reads_the_rules():
     _plan(pp=2, num_microbatches=3, schedule="1f1b").validate(8)    # 1F1B takes any count
 
 
+def test_nvme_offloads_name_what_goes_to_the_tier():
+    """An offload value says which states the NVMe tier holds; a plan of any of them round-trips
+    through its JSON, a plan written before parameters and gradients could go there ("nvme")
+    still loads as the moments only, and a value outside the list is refused naming them."""
+    from autopar.core.plan import Plan
+
+    assert [rules.nvme_states(o) for o in ("none", "cpu", "nvme", "nvme+params", "nvme+grads",
+                                             "nvme+params+grads")] == [
+        (), (), ("moments",), ("moments", "params"), ("moments", "grads"), ("moments", "params", "grads")]
+    for offload in rules.NVME_OFFLOADS:
+        plan = _plan(dp=2, zero=3, offload=offload)
+        again = Plan.from_dict(plan.to_dict())
+        again.validate(8)
+        assert {lp.offload for lp in again.layers} == {offload}
+    with pytest.raises(PlanFileError, match=r"offload.*nvme\+params\+grads"):
+        _plan(dp=2, zero=3, offload="nvme+optimizer").validate(8)
+
+
 def test_no_copy_of_the_rules_left():
     """The rules' literal forms appear in core/rules.py only, element sizes in core/dtypes.py only
     (the copies issue 33 counted)."""

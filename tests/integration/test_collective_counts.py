@@ -69,6 +69,11 @@ FSDP_PLANS = {
     "accumulate_zero3_m2": dict(dp=4, zero=3, num_microbatches=2),
 }
 GATHER, SCATTER = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
+# DDP under bf16 autocast, plain and with --grad-compression bf16: name -> (uniform_plan arguments,
+# bytes of a gradient element the all-reduce sends); 2 ranks, GPT of GPT_ARGS, no recompute twin
+BYTE_PLANS = {"ddp_bf16_autocast": (dict(dp=2, micro_batch=2, precision="bf16"), 4),
+              "ddp_bf16_autocast_bf16_wire": (dict(dp=2, micro_batch=2, precision="bf16", grad_compression="bf16"), 2)}
+ALL_REDUCE = "c10d.allreduce_"
 ATTENTION_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                 "self_attn.o_proj": "rowwise"}
 STYLES = {"gpt": TP_STYLES, "hf_mixtral": ATTENTION_TP,
@@ -94,8 +99,12 @@ def _plan(path: Path, file: Path, args: dict, kw: dict, ep: int) -> Path:
     return path
 
 
-def _launch(tmp: Path, nproc: int, plans: dict, fsdp_plans: dict | None = None) -> dict:
+def _launch(tmp: Path, nproc: int, plans: dict, fsdp_plans: dict | None = None,
+            byte_plans: dict | None = None) -> dict:
     cases = _fsdp_count_cases(tmp, fsdp_plans or {})
+    for name, (kw, _) in (byte_plans or {}).items():
+        cases.append({"name": name, "steps": STEPS, "plan": str(_plan(tmp / f"{name}.json", GPT, GPT_ARGS, kw, 1)),
+                      "measured": str(tmp / f"{name}.measured.json"), "counts": str(tmp / f"{name}.counts.json")})
     for name, (file, args, kw, ep) in plans.items():
         for mode in ("none", "selective"):
             case = f"{name}_{mode}"
@@ -113,7 +122,7 @@ def _launch(tmp: Path, nproc: int, plans: dict, fsdp_plans: dict | None = None) 
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("recompute_collectives"), 2, PLANS)
+    return _launch(tmp_path_factory.mktemp("recompute_collectives"), 2, PLANS, byte_plans=BYTE_PLANS)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +281,27 @@ def test_saved_activations_are_the_priced_ones_with_and_without_sequence_paralle
     saving = measured["tp2_none"] - measured["tp2_sp_none"]
     assert saving > 0
     assert priced["tp2_none"] - priced["tp2_sp_none"] == pytest.approx(saving, rel=0.02)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(BYTE_PLANS))
+def test_ddp_all_reduce_sends_the_priced_bytes(counted, tmp_path, name):
+    """What DDP's gradient all-reduce hands gloo each step under bf16 autocast -- counted on rank 0
+    from the tensors of every ``c10d.allreduce_`` in backward (DDP's buckets, or the compress
+    hook's bf16 copies) -- is G x 4 bytes, the fp32 gradients of autocast's fp32 parameters, or
+    G x 2 under --grad-compression bf16, G the model's elements counted from torch; and the
+    simulator's wire bytes for the plan are the ring's 2 (n - 1) / n of it (n = 2)."""
+    from plain_loop import load
+    from sim_graphs import priced_dp_wire_bytes
+
+    from autopar.core.capture import capture_model_file
+    from autopar.core.plan import load_plan
+
+    kw, element_bytes = BYTE_PLANS[name]
+    counts, _, _ = counted[name]
+    sent = counts["bytes"]["bwd"][ALL_REDUCE] / STEPS
+    G = sum(p.numel() for p in load(GPT).build_model(**GPT_ARGS).parameters() if p.requires_grad)
+    assert sent == G * element_bytes, (name, sent, G)
+    plan = load_plan(_plan(tmp_path / f"{name}.json", GPT, GPT_ARGS, kw, 1))       # the plan the launch ran
+    g = capture_model_file(str(GPT), dict(GPT_ARGS), kw["micro_batch"])
+    assert priced_dp_wire_bytes(g, plan) == pytest.approx(2 * (2 - 1) / 2 * sent, rel=1e-12)

@@ -1,20 +1,29 @@
-"""``autopar run --elastic``: a node lost for good, a re-plan, the run goes on.
+"""``autopar run --elastic``: a node lost, a re-plan, the run goes on; the node comes back, a
+re-plan again, the run finishes on both.
 
 The launch: two "nodes" on this machine, each ``autopar run PLAN --elastic`` (its own torchrun
 agent of 2 gloo ranks, c10d rendezvous on 127.0.0.1); node 0 is started first and hosts the
 rendezvous store.  The plan is dp 2 x tp 2 (ZeRO-3) for the small GPT on a cluster of two
-2-device nodes.  After step 3 is logged, node 1 -- its ``autopar run``, its agent and its ranks
--- is killed with SIGKILL and never restarted.  Node 0's ranks fail on the dead peer, its
-``autopar run --elastic`` launches again, the rendezvous holds node 0 alone, and the round's
-rank 0 re-plans through the planner for one node (2 ranks) and resumes from the checkpoint of
-step 2.
+2-device nodes.
 
-Checked: the run ends well under the re-planned layout (2 ranks); each step after the
-checkpoint runs exactly once after the switch and the steps lost are the ones logged past the
-checkpoint before it; the losses and final parameters equal the plain loop's (the uninterrupted
-run, which every layout matches within 1e-5: tests/integration/test_runtime_parity.py) -- so
-the steps after the switch equal an uninterrupted run of the new layout from the same
-checkpoint; measured.json records the switch; the switch time is printed.  Bad input exits 2
+* Lost: after step 3 is logged, node 1 -- its ``autopar run``, its agent and its ranks -- is
+  killed with SIGKILL.  Node 0's ranks fail on the dead peer, its ``autopar run --elastic``
+  launches again, the rendezvous holds node 0 alone, and the round's rank 0 re-plans through
+  the planner for one node (2 ranks) and resumes from the checkpoint of step 2.
+* Back: once node 0 logged step 4 alone, node 1 is started again (the same command).  Its
+  agent waits in the rendezvous; torch's agent on node 0 sees it (``num_nodes_waiting``) and
+  restarts the round: node 0's ranks, sent SIGTERM, finish their step and save a checkpoint;
+  the round of both nodes re-plans for two nodes (4 ranks) and resumes from that checkpoint.
+  (Node 0's ranks are paused while node 1 starts, so they cannot finish the run first:
+  ``elastic_support``.)
+
+Checked: both nodes end well, under the second re-plan (4 ranks); each step runs exactly once
+after the checkpoint it resumed from and the steps lost are the ones logged past the
+checkpoint before the loss (none at the join: the stop saved them); the losses and final
+parameters equal the plain loop's (the uninterrupted run, which every layout matches within
+1e-5: tests/integration/test_runtime_parity.py) -- so the steps after each switch equal an
+uninterrupted run of the new layout from the same checkpoint; measured.json records both
+switches, "node lost" then "node joined"; the switch times are printed.  Bad input exits 2
 with one paragraph, in one process.
 """
 from __future__ import annotations
@@ -29,8 +38,9 @@ from cli_inprocess import run_cli
 from elastic_support import plan_on_cluster, run_losing_a_node
 from runtime_support import assert_matches_reference, reference
 
-STEPS = 6
+STEPS = 10
 KILL_AFTER = 3                 # node 1 dies once step 3 is logged; the newest checkpoint is step 2
+RETURN_AFTER = 4               # node 1 comes back once node 0, alone, logged step 4
 
 
 def _logged_steps(text: str) -> list[int]:
@@ -38,39 +48,64 @@ def _logged_steps(text: str) -> list[int]:
 
 
 @pytest.mark.multiproc
-def test_elastic_run_loses_a_node_replans_and_matches_the_plain_loop(tmp_path):
+def test_elastic_run_loses_a_node_takes_it_back_and_matches_the_plain_loop(tmp_path):
     plan = plan_on_cluster(tmp_path)
     ck = tmp_path / "ck"
     run = run_losing_a_node(tmp_path, plan, ck, STEPS, KILL_AFTER,
                             ("--checkpoint-every", "2", "--rendezvous-timeout", "2", "--replan-budget", "1",
-                             "--timing-warmup", "0"))
-    code, out = run.code, run.node0
-    assert code == 0, out[-6000:]
+                             "--timing-warmup", "0"), return_after=RETURN_AFTER, timeout_s=600)
+    out, back = run.node0, run.node1_back
+    assert run.code == 0 and run.back_code == 0, out[-6000:] + back[-4000:]
     m = json.loads((tmp_path / "measured.json").read_text())
-    assert m["world_size"] == 2 and m["plan"].endswith("plan_1.json"), m["plan"]
-    (switch,) = m["switches"]
-    assert switch["old_layout"] == "4 ranks, dp 2 x tp 2" and switch["new_layout"].startswith("2 ranks"), switch
-    assert len(switch["nodes_before"]) == 2 and len(switch["nodes_after"]) == 1, switch
-    assert switch["nodes_lost"] == [n for n in switch["nodes_before"] if n not in switch["nodes_after"]], switch
-    assert not switch["nodes_joined"], switch
-    ckpt_step = switch["checkpoint_step"]
-    assert ckpt_step == 2 and m["first_step"] == ckpt_step, (switch, m["first_step"])
-    # the steps: before the switch 1..last (logged by the round's rank 0, on either node), after it
-    # ckpt+1..STEPS on node 0, each once; the lost ones run again
-    first_round, _, second_round = out.partition("launching again with the nodes that remain")
-    assert second_round, out[-4000:]
+    assert m["world_size"] == 4 and m["plan"].endswith("plan_2.json"), m["plan"]
+    lost, joined = m["switches"]
+    # the loss: 4 ranks -> 2, node 1 gone
+    assert lost["reason"] == "node lost" and lost["why"].startswith("node lost: ranks failed"), lost
+    assert lost["old_layout"] == "4 ranks, dp 2 x tp 2" and lost["new_layout"].startswith("2 ranks"), lost
+    assert len(lost["nodes_before"]) == 2 and len(lost["nodes_after"]) == 1, lost
+    assert lost["nodes_lost"] == [n for n in lost["nodes_before"] if n not in lost["nodes_after"]], lost
+    assert not lost["nodes_joined"], lost
+    ckpt_step = lost["checkpoint_step"]
+    assert ckpt_step == 2, lost
+    # the return: 2 ranks -> 4, node 1 (a new autopar run) joined node 0
+    assert joined["reason"] == "node joined" and "joined the rendezvous" in joined["why"], joined
+    assert joined["nodes_before"] == lost["nodes_after"] and not joined["nodes_lost"], joined
+    (newcomer,) = joined["nodes_joined"]
+    assert sorted(joined["nodes_after"]) == sorted(lost["nodes_after"] + [newcomer]), joined
+    assert newcomer not in lost["nodes_before"], joined           # another autopar run: another name
+    assert joined["old_layout"] == lost["new_layout"] and joined["new_layout"].startswith("4 ranks"), joined
+    back_step = joined["checkpoint_step"]
+    assert RETURN_AFTER <= back_step < STEPS and m["first_step"] == back_step, (joined, m["first_step"])
+    assert joined["steps_lost"] == 0 and joined["last_step_before"] == back_step, joined
+    assert f"stopped by SIGTERM after step {back_step}/{STEPS}" in " ".join(out.split()), out[-4000:]
+    # the steps: before the loss 1..last (logged by the round's rank 0, on either node); after it
+    # ckpt+1..back_step on node 0 alone, then back_step+1..STEPS by the round of both nodes
+    # (its rank 0 on either): each once, the lost ones run again
+    first_round, _, later = out.partition("launching again with the nodes that remain")
+    assert later, out[-4000:]
     before = _logged_steps(first_round) + _logged_steps(run.node1)
-    after = _logged_steps(second_round)
-    assert before == list(range(1, before[-1] + 1)) and before[-1] >= KILL_AFTER, steps
-    assert after == list(range(ckpt_step + 1, STEPS + 1)), steps
-    assert switch["steps_lost"] == before[-1] - ckpt_step == switch["last_step_before"] - ckpt_step, switch
+    after = _logged_steps(later) + _logged_steps(back)
+    assert before == list(range(1, before[-1] + 1)) and before[-1] >= KILL_AFTER, before
+    assert after == list(range(ckpt_step + 1, STEPS + 1)), after
+    assert lost["steps_lost"] == before[-1] - ckpt_step == lost["last_step_before"] - ckpt_step, lost
     recorded = [json.loads(l)["step"] for l in (ck / "elastic" / "metrics.jsonl").read_text().splitlines()]
     assert recorded == list(range(1, STEPS + 1)), recorded
-    # the losses of every step (the resumed ones from the checkpoint) and the final weights: the plain loop's
-    assert_matches_reference(tmp_path / "measured.json", ck, reference(STEPS), "elastic 4 -> 2 ranks", steps=STEPS)
-    assert switch["measured_switch_s"] > 0 and switch["predicted_switch_s"]["total"] > 0, switch
-    assert re.search(r"measured switch time \d+\.\d+ s, from the failure to step 3 \(predicted \d+\.\d+ s\)", out), out
-    assert "predicted step time:" in out and "steps lost since it: " in out
+    # the losses of every step (the resumed ones from the checkpoints) and the final weights: the plain loop's
+    assert_matches_reference(tmp_path / "measured.json", ck, reference(STEPS), "elastic 4 -> 2 -> 4 ranks",
+                             steps=STEPS)
+    for switch in (lost, joined):
+        assert switch["measured_switch_s"] > 0 and switch["predicted_switch_s"]["total"] > 0, switch
+    assert joined["failure_time"] >= run.returned_at - 1, (joined, run.returned_at)
+    said = out + back
+    assert re.search(r"switch 1: measured switch time \d+\.\d+ s, from the failure to step 3 \(predicted "
+                     r"\d+\.\d+ s\)", said), said
+    assert re.search(rf"switch 2: measured switch time \d+\.\d+ s, from the joining node's launch to step "
+                     rf"{back_step + 1} \(predicted \d+\.\d+ s\)", said), said
+    assert "predicted step time:" in said and "steps lost since it: " in said
+    # each re-plan describes the checkpoint it resumes from (autopar replan's switch lines)
+    flat = " ".join(said.split())
+    assert "is step 2 saved by 4 ranks (dp2 x tp2, ZeRO-3)" in flat, said
+    assert f"is step {back_step} saved by 2 ranks" in flat, said
     assert not list(ck.glob("*.partial")) and not (ck / "lock.json").exists()
 
 

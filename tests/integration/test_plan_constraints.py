@@ -49,6 +49,7 @@ def test_fixed_pipeline_and_schedule_are_honoured(tmp_path):
     (["--tp", "3"], "does not divide"),                                 # 4 devices
     (["--dp", "2", "--tp", "2", "--pp", "2"], "must equal 4"),
     (["--offload", "cpu", "--zero", "1"], "needs --zero 2 or 3"),
+    (["--offload", "nvme+params+grads"], "--offload nvme+params+grads: cluster local-cpu gives no nvme entry"),
     (["--micro-batch", "3"], "does not divide --global-batch 8"),
 ])
 def test_impossible_constraint_exits_2(tmp_path, args, says):

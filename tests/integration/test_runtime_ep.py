@@ -7,8 +7,8 @@ its load-balancing loss in a dict output), ``hf_mixtral`` (transformers 5 ``Mixt
 ``mesh.ep = 2`` under ZeRO-0 (``replicate``), ZeRO-3 and recompute on 2 gloo ranks, and with
 FSDP over the ranks left (dp 4, ep 2 and ep 4), with tensor parallelism (dp 2 x tp 2, ep 2) and
 with context parallelism (cp 2, ep 2; dp 2 x cp 2, ep 4) on 2-4, with pipeline parallelism
-(dp 2 x pp 2, ep 2 -- GPipe, 1F1B with ZeRO-3, interleaved; HF Mixtral's stages cut from its
-torch.export graph) on 4, and resumed from a DCP checkpoint.  Each run's losses and its final parameters (read back
+(dp 2 x pp 2, ep 2 -- GPipe, 1F1B with ZeRO-3, interleaved, DualPipeV with its all-to-alls
+overlapped; HF Mixtral's stages cut from its torch.export graph) on 4, and resumed from a DCP checkpoint.  Each run's losses and its final parameters (read back
 from its DCP checkpoint by DCP's own converter) must match ``plain_loop.train_plain`` -- one process, no autopar runtime, the
 same initial weights and batches -- within 1e-5 (``assert_matches_plain``; elements whose gradient
 comes near zero at some step are held to steps x lr, see there).
@@ -34,6 +34,8 @@ import plain_loop  # noqa: E402
 ZOO = ROOT / "tests" / "zoo"
 WORKER = Path(__file__).resolve().parents[1] / "runtime_worker.py"
 GLOBAL_BATCH = 4
+# the kinds that need another: dp x micro_batch x num_microbatches
+GLOBAL_BATCHES = {"dp2_pp2_ep2_dualpipev_zero2_full": 8}
 STEPS = 3
 MODELS = ("moe", "moe_aux", "hf_mixtral", "deepseek_moe", "moe_grouped")
 
@@ -70,7 +72,14 @@ FOUR_RANKS = {"dp4_ep2_zero3": (dict(dp=4, micro_batch=1, zero=3), 2),     # FSD
                                               zero=3), 2),
               # two stages per rank, each exchanging over the same ep group
               "dp2_pp2_ep2_interleaved": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=2,
-                                               schedule="interleaved", virtual_stages=2), 2)}
+                                               schedule="interleaved", virtual_stages=2), 2),
+              # DualPipeV (at least a micro-batch per stage: a global batch of 8) with its
+              # forward-backward pairs run in turns, each handing over at the all-to-alls in flight
+              # (runtime/dualpipe_overlap.py), under FSDP2 and full recompute (the backward reruns
+              # its forward's exchanges)
+              "dp2_pp2_ep2_dualpipev_zero2_full": (dict(dp=2, pp=2, micro_batch=1, num_microbatches=4,
+                                                        schedule="dualpipev", virtual_stages=2, zero=2,
+                                                        recompute="full"), 2)}
 CASES_2 = ([(m, k) for m in MODELS for k in ("dp2_ep2", "dp2_ep2_zero3", "dp2_ep2_recompute")]
            + [("moe", "dp2_ep2_zero1"), ("moe", "dp2_ep2_accumulate")]
            # cp needs F.scaled_dot_product_attention (core/cp_support.py): the attention models
@@ -88,7 +97,10 @@ ARGS = {("deepseek_moe", "cp2_ep2"): {"experts": 8},
         # -- at ep 4, and DeepSeek-V3's ep inside pipeline stages
         ("hf_mixtral", "dp4_ep4"): {"layers": 2, "experts": 16, "top_k": 8, "heads": 4, "kv_heads": 2, "ffn": 16},
         ("deepseek_moe", "dp2_pp2_ep2_1f1b"): {"layers": 4, "dense_layers": 2, "experts": 32, "top_k": 8,
-                                               "expert_ffn": 8}}
+                                               "expert_ffn": 8},
+        # two layers per stage (the embedding or the head and a block at the ends): every pair's
+        # forward and backward exchange tokens
+        ("moe", "dp2_pp2_ep2_dualpipev_zero2_full"): {"layers": 6}}
 CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_zero3"),
             ("deepseek_moe", "dp4_ep4"), ("moe_grouped", "dp4_ep2_zero3"), ("hf_mixtral", "dp2_cp2_ep4_zero3")]
            + [(m, k) for m in ("hf_mixtral", "deepseek_moe") for k in ("dp2_tp2_ep2", "dp2_tp2_ep2_zero3")]
@@ -97,7 +109,7 @@ CASES_4 = ([("moe", "dp4_ep2_zero3"), ("moe", "dp4_ep4"), ("moe_aux", "dp4_ep2_z
            # and a 0-d router loss in a dict output merged over the micro-batches (moe_aux)
            + [("moe", "dp2_pp2_ep2_gpipe"), ("hf_mixtral", "dp2_pp2_ep2_1f1b_zero3"),
               ("deepseek_moe", "dp2_pp2_ep2_1f1b_zero3"), ("moe_aux", "dp2_pp2_ep2_gpipe"),
-              ("moe", "dp2_pp2_ep2_interleaved")]
+              ("moe", "dp2_pp2_ep2_interleaved"), ("moe", "dp2_pp2_ep2_dualpipev_zero2_full")]
            # the real-size models' structure, shrunk (``ARGS``)
            + [("hf_mixtral", "dp4_ep4"), ("deepseek_moe", "dp2_pp2_ep2_1f1b")]
            + [("hf_mixtral", "dp2_tp2_sp_ep2_zero3")])
@@ -110,7 +122,8 @@ def _graph(name: str, micro_batch: int, args_json: str = "{}"):
     return capture_model_file(str(ZOO / f"{name}.py"), json.loads(args_json), micro_batch)
 
 
-def ep_plan(name: str, kw: dict, ep: int, path: Path, args: dict | None = None) -> Path:
+def ep_plan(name: str, kw: dict, ep: int, path: Path, args: dict | None = None,
+            global_batch: int = GLOBAL_BATCH) -> Path:
     """The uniform plan of ``kw`` with ``mesh.ep = ep``."""
     from autopar.core.plan import ModelRef, save_plan, uniform_plan
 
@@ -125,7 +138,7 @@ def ep_plan(name: str, kw: dict, ep: int, path: Path, args: dict | None = None) 
     ref = ModelRef(file=str(ZOO / f"{name}.py"), args=args, name=name, fingerprint=g.fingerprint)
     plan = uniform_plan(model=ref, num_layers=len(g.layers), **kw)
     plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, ep=ep))
-    assert plan.global_batch == GLOBAL_BATCH
+    assert plan.global_batch == global_batch
     save_plan(plan, path)
     return path
 
@@ -137,7 +150,8 @@ def _launch(nproc: int, cases: list[tuple[str, str]], kinds: dict, tmp: Path) ->
     for name, kind in cases:
         kw, ep = kinds[kind.removesuffix("_resumed")]
         base = tmp / f"{name}-{kind}"
-        plan = str(ep_plan(name, kw, ep, base.with_suffix(".json"), ARGS.get((name, kind))))
+        plan = str(ep_plan(name, kw, ep, base.with_suffix(".json"), ARGS.get((name, kind)),
+                           GLOBAL_BATCHES.get(kind.removesuffix("_resumed"), GLOBAL_BATCH)))
         if kind.endswith("_resumed"):
             specs.append({"model": name, "kind": kind + "_first", "steps": STEPS - 1, "plan": plan,
                           "measured": f"{base}.first.json", "checkpoint_dir": f"{base}.ckpt",
@@ -167,8 +181,8 @@ def runs(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def plain(name: str, chunks: int, args_json: str = "{}"):
-    return plain_loop.train_plain(ZOO / f"{name}.py", json.loads(args_json), GLOBAL_BATCH, STEPS, chunks=chunks)
+def plain(name: str, chunks: int, args_json: str = "{}", global_batch: int = GLOBAL_BATCH):
+    return plain_loop.train_plain(ZOO / f"{name}.py", json.loads(args_json), global_batch, STEPS, chunks=chunks)
 
 
 # AdamW's update m / (sqrt(v) + eps) (Kingma & Ba 2015) changes by lr x eps / (|g| + eps)^2 per
@@ -207,7 +221,8 @@ def _check(got: dict, log: str, name: str, kind: str, dp: int) -> None:
     # moe_aux's load-balancing loss is computed over each rank's micro-batch, as the plain
     # loop's row blocks (plain_loop chunks) compute it
     chunks = dp * {**TWO_RANKS, **FOUR_RANKS}[kind.removesuffix("_resumed")][0].get("num_microbatches", 1)
-    ref = plain(name, chunks if name == "moe_aux" else 1, json.dumps(ARGS.get((name, kind), {}), sort_keys=True))
+    ref = plain(name, chunks if name == "moe_aux" else 1, json.dumps(ARGS.get((name, kind), {}), sort_keys=True),
+                GLOBAL_BATCHES.get(kind.removesuffix("_resumed"), GLOBAL_BATCH))
     assert_matches_plain(measured, ckpt, ref, f"{name} {kind}")
     norms = json.loads(Path(got["grad_norms"]).read_text())
     if kind.endswith("_resumed"):
@@ -229,6 +244,20 @@ def test_ep2_on_two_ranks_matches_plain_loop(runs, name, kind):
 def test_ep_with_fsdp_and_tp_on_four_ranks_matches_plain_loop(runs, name, kind):
     r = runs(4)
     _check(r[(name, kind)], r["_log"], name, kind, FOUR_RANKS[kind][0]["dp"])
+
+
+@pytest.mark.multiproc
+def test_dualpipev_pairs_hand_over_at_each_all_to_all(runs):
+    """The DualPipeV case above ran its pairs in turns (runtime/dualpipe_overlap.py).  The logging
+    rank, pp rank 0 (stages 0 and 3: the embedding or the head, and a block), runs 2m - 3p + 1 = 3
+    pairs a step (torch's ScheduleDualPipeV; simulator/axes/pp_zero_bubble.dualpipev_pairs), 9 in 3
+    steps.  A pair's forward launches 3 exchanges (the counts, the rows, the rows back), its
+    backward 5 (the recomputed forward's 3, then the two reverse exchanges); the passes alternate
+    at each launch and a hand-over to a finished pass does not count, so a pair hands over
+    2 min(3, 5) = 6 times: 54."""
+    r = runs(4)
+    assert "dualpipev: 9 forward-backward pairs ran in turns, handing over 54 times" in r["_log"], \
+        failure_summary(r["_log"])
 
 
 def _expert_bytes(name: str) -> tuple[int, int]:

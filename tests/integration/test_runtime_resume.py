@@ -15,11 +15,18 @@ one plan, saves, and the next plan resumes the same folder:
   then ZeRO-3 on 2;
 * ``tests/zoo/hf_qwen2.py`` (``tie_word_embeddings``; its pipeline stages are cut from the
   ``torch.export`` graph): pp2 -> ZeRO-3;
-* the NVMe tier (AdamW's moments in files under ``--nvme-path``, runtime/nvme_tier.py):
-  ZeRO-3 offload nvme -> DDP -> ZeRO-2 offload nvme (the checkpoint holds the moments' values,
-  and a load puts them back into the files);
+* the NVMe tier (AdamW's moments, and the sharded parameters and gradients, in files under
+  ``--nvme-path``, runtime/nvme_tier.py): ZeRO-3 offload nvme+params+grads -> DDP -> ZeRO-2
+  offload nvme+params (the checkpoint holds the states' values, and a load puts them back into
+  the files);
 * ``tests/zoo/hf_gpt2.py`` with attention and MLP split, the fused q/k/v ``c_attn`` per part
   (runtime/fused_tp.py): tp2 -> ZeRO-3 -> pp2 -> tp2.
+* PowerSGD (``powersgd:2``, torch's hook on DDP, compressing from the third step on): its hook
+  state -- error feedback, warm-start Q, step count, generator -- is saved per rank with the
+  checkpoint (runtime/powersgd_state.py), so a run interrupted after 3 steps and resumed for 2
+  more equals the same run made in one go (within 1e-5, losses and parameters; the resumed
+  run's first step sees DDP's first bucket order, not the rebuilt one that saved).  A third leg
+  under ZeRO-1 (another layout) restarts the state and says so in one line.
 
 The reference is ``plain_loop.train_plain`` -- one process, never entering autopar's
 runtime -- trained for the same total number of steps: every chain's losses (the resumed ones
@@ -28,10 +35,12 @@ last checkpoint by DCP's own converter) must match it within 1e-5.  The checkpoi
 the tied parameter once, under its canonical name (what lets every layout read it).
 
 * ``autopar replan`` then resume, 4 -> 2 ranks and 2 -> 4 on the zoo's nanoGPT
-  (``tests/zoo/nanogpt.py``, tied ``lm_head``), 4 -> 2 on Hugging Face's Llama
-  (``tests/zoo/hf_llama.py``; its re-plan is a pipeline cut from ``torch.export``): the first
-  leg runs a hand-made plan, the second the plan ``autopar replan --cluster`` wrote for a
-  cluster of 2 (or 4) devices, resumed from the first leg's checkpoint.
+  (``tests/zoo/nanogpt.py``, tied ``lm_head``) and on Hugging Face's Llama
+  (``tests/zoo/hf_llama.py``): the first leg runs a hand-made plan, the second the plan
+  ``autopar replan --cluster`` wrote for a cluster of 2 (or 4) devices, resumed from the first
+  leg's checkpoint.  Llama's 4 -> 2 re-plan is a pipeline cut from ``torch.export``; its 2 -> 4
+  goes on from there (a copy of that 2-rank checkpoint, 4 -> 2 -> 4), re-planned for one node
+  of 4 devices (dp 4).
 
 Three launches: the 4-rank one first (it writes the 4 -> 2 checkpoints), then one 2-rank launch
 for all 2-rank cases, in order (it writes the 2 -> 4 checkpoints, which a second 4-rank launch
@@ -77,8 +86,8 @@ CHAIN_OPTIONS = {"pp2_zero3_tp2": {"grad_clip": 5.0}}
 CHAINS = {
     "pp2_zero3_tp2": [("pp2", PP2), ("zero3", ZERO3), ("tp2_vocab", TP2_VOCAB)],
     "zero3_ppi_zero1_ddp": [("zero3", ZERO3), ("pp2_interleaved", PP2_INTERLEAVED), ("zero1", ZERO1), ("ddp", DDP)],
-    "nvme_ddp_nvme": [("zero3_nvme", dict(ZERO3, offload="nvme")), ("ddp", DDP),
-                      ("zero2_nvme", dict(ZERO3, zero=2, offload="nvme"))],
+    "nvme_ddp_nvme": [("zero3_nvme", dict(ZERO3, offload="nvme+params+grads")), ("ddp", DDP),
+                      ("zero2_nvme", dict(ZERO3, zero=2, offload="nvme+params"))],
 }
 # a Hugging Face model with tie_word_embeddings: its pipeline stages are cut from the
 # torch.export graph (each stage holds the tied tensor under one of its names)
@@ -103,9 +112,14 @@ def _has_transformers() -> bool:
 # autopar replan then resume (4 -> 2 and 2 -> 4): first legs by hand, second legs planned by
 # 'autopar replan --cluster' for 2 or 4 local CPU devices (one node of 2, two nodes of 2)
 REPLAN_MODELS = {"nanogpt": ZOO / "nanogpt.py", "hf_llama": ZOO / "hf_llama.py"}
-# the directions each model runs: Llama 4 -> 2 only, for the suite's time (its 2 -> 4 re-plan is a
-# 4-stage pipeline cut from torch.export, the launch's dearest case)
-REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2",)}
+REPLAN_DIRECTIONS = {"nanogpt": ("4to2", "2to4"), "hf_llama": ("4to2", "2to4")}
+# the cluster of each model's 2 -> 4 re-plan: (nodes, devices per node).  Llama's is one node of
+# 4: there the planner picks dp 4, where on two nodes of 2 it picks a 4-stage pipeline cut from
+# torch.export, which would make the 4-rank launch half a minute longer
+REPLAN_UP_CLUSTER = {"nanogpt": (2, 2), "hf_llama": (1, 4)}
+# models whose 2 -> 4 chain goes on from their 4 -> 2 chain's 2-rank checkpoint (a copy, made once
+# the 2-rank launch wrote it) instead of a 2-rank first leg of its own: 4 -> 2 -> 4
+REPLAN_UP_FROM_DOWN = {"hf_llama"}
 REPLAN_CLUSTER = """\
 name: cpu-nodes
 backend: gloo
@@ -114,27 +128,34 @@ groups:
   - name: cpu
     gpu: local-cpu
     nodes: NODES
-    gpus_per_node: 2
+    gpus_per_node: DEVICES
     host_memory_GB: 8
 """
 FOUR_ZERO3 = dict(dp=4, micro_batch=1, zero=3)
+# PowerSGD: (kind, plan, steps) -- 5 steps in one go into their own folder, then 3 + 2 on another
+# folder (the hook compresses from the third step on, so the checkpoint of step 3 holds its error
+# feedback and Q), then 1 more under ZeRO-1 (another layout: the state restarts)
+POWERSGD = dict(DDP, grad_compression="powersgd:2")
+POWERSGD_LEGS = [("whole", POWERSGD, 5), ("ddp", POWERSGD, 3), ("ddp", POWERSGD, 5),
+                 ("zero1", dict(ZERO1, grad_compression="powersgd:2"), 6)]
 
 
-def _replanned(plan: Path, nodes: int, out: Path) -> Path:
-    """``autopar replan PLAN --cluster`` (a cluster of ``nodes`` nodes of 2 CPU devices)."""
+def _replanned(plan: Path, nodes: int, out: Path, devices: int = 2) -> Path:
+    """``autopar replan PLAN --cluster`` (a cluster of ``nodes`` nodes of ``devices`` CPU devices)."""
     from cli_inprocess import run_cli
 
     cluster = out.with_suffix(".cluster.yaml")
-    cluster.write_text(REPLAN_CLUSTER.replace("NODES", str(nodes)))
+    cluster.write_text(REPLAN_CLUSTER.replace("NODES", str(nodes)).replace("DEVICES", str(devices)))
     got = run_cli("replan", plan, "--cluster", cluster, "--time-budget", 1, "-o", out)
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr
     assert "global batch: 4 samples per step, kept" in got.stdout, got.stdout
     return out
 
 
-def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
-    """(4-rank first legs, 2-rank cases, 4-rank second legs, runs by name) of the replan chains."""
-    first4, two, second4, runs = [], [], [], {}
+def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict, list[tuple[Path, Path]]]:
+    """(4-rank first legs, 2-rank cases, 4-rank second legs, runs by name, checkpoint folders to
+    copy once the 2-rank launch ran) of the replan chains."""
+    first4, two, second4, runs, copies = [], [], [], {}, []
     for name, model in REPLAN_MODELS.items():
         if name.startswith("hf_") and not _has_transformers():
             continue
@@ -148,13 +169,20 @@ def _replan_cases(tmp: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
             runs[f"replan_{name}_4to2"] = {"cases": [down, down_b], "steps": 2 * LEG, "model": model,
                                            "replanned": True}
         if "2to4" in REPLAN_DIRECTIONS[name]:
-            up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
-            up_b = dict(up, name=f"{name}.two_to_four", steps=2 * LEG, measured=str(tmp / f"{name}.24.measured.json"),
-                        plan=str(_replanned(Path(up["plan"]), 2, tmp / f"{name}.replan4.json")))
-            two.append(up)
+            if name in REPLAN_UP_FROM_DOWN:                  # 4 -> 2 -> 4: the 2-rank leg is down_b
+                up = down_b
+                copies.append((Path(down_b["checkpoint_dir"]), tmp / f"{name}_2to4.ckpt"))
+            else:
+                up = _case(tmp, f"{name}.two", ZERO3, tmp / f"{name}_2to4.ckpt", LEG, model=model)
+                two.append(up)
+            nodes, devices = REPLAN_UP_CLUSTER[name]
+            up_b = dict(up, name=f"{name}.two_to_four", steps=up["steps"] + LEG, checkpoint_dir=str(tmp / f"{name}_2to4.ckpt"),
+                        measured=str(tmp / f"{name}.24.measured.json"),
+                        plan=str(_replanned(Path(up["plan"]), nodes, tmp / f"{name}.replan4.json", devices)))
             second4.append(up_b)
-            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": 2 * LEG, "model": model, "replanned": True}
-    return first4, two, second4, runs
+            runs[f"replan_{name}_2to4"] = {"cases": [up, up_b], "steps": up_b["steps"], "model": model,
+                                           "replanned": True}
+    return first4, two, second4, runs, copies
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,11 +219,13 @@ def _case(tmp: Path, label: str, kw: dict, ckpt: Path, steps: int, model: Path =
     return out
 
 
-def _launch(nproc: int, cases: list[dict], tmp: Path, name: str) -> None:
+def _launch(nproc: int, cases: list[dict], tmp: Path, name: str) -> str:
+    """Run ``cases`` in one launch; returns its output."""
     spec = tmp / f"{name}.cases.json"
     spec.write_text(json.dumps(cases))
     out = torchrun(nproc, str(WORKER), str(spec), timeout_s=TIMEOUT_S)
     assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+    return out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +234,13 @@ def runs(tmp_path_factory):
     out: dict[str, dict] = {}
     # 4 ranks first: dp2 x pp2 writes the checkpoint that 2 ranks resume
     four = _case(tmp, "four_dp2pp2", DP2_PP2, tmp / "four_to_two.ckpt", LEG)
-    replan_first4, replan_two, replan_second4, replan_runs = _replan_cases(tmp)
+    replan_first4, replan_two, replan_second4, replan_runs, replan_copies = _replan_cases(tmp)
     out.update(replan_runs)
     _launch(4, [four, *replan_first4], tmp, "four")
     cases = []
     for chain, legs in CHAINS.items():
         for i, (kind, kw) in enumerate(legs):
-            nvme = {"nvme_path": str(tmp)} if kw.get("offload") == "nvme" else None
+            nvme = {"nvme_path": str(tmp)} if kw.get("offload", "").startswith("nvme") else None
             cases.append(_case(tmp, f"{chain}.{i}.{kind}", kw, tmp / f"{chain}.ckpt", LEG * (i + 1),
                                options=CHAIN_OPTIONS.get(chain) or nvme))
         out[chain] = {"cases": cases[-len(legs):], "steps": LEG * len(legs)}
@@ -225,11 +255,46 @@ def runs(tmp_path_factory):
     cases.append(_case(tmp, "four_to_two.zero3", ZERO3, tmp / "four_to_two.ckpt", 2 * LEG))
     out["four_to_two"] = {"cases": [four, cases[-1]], "steps": 2 * LEG}
     cases.append(_case(tmp, "two_to_four.ddp", DDP, tmp / "two_to_four.ckpt", LEG))
-    _launch(2, cases + replan_two, tmp, "two")
+    powersgd = [_case(tmp, f"powersgd.{i}.{kind}", kw, tmp / f"powersgd{'_whole' if kind == 'whole' else ''}.ckpt",
+                      steps) for i, (kind, kw, steps) in enumerate(POWERSGD_LEGS)]
+    out["powersgd"] = {"cases": powersgd, "log": _launch(2, cases + powersgd + replan_two, tmp, "two")}
+    for src, dst in replan_copies:
+        shutil.copytree(src, dst)
     back = _case(tmp, "two_to_four.dp2pp2", DP2_PP2, tmp / "two_to_four.ckpt", 2 * LEG)
     _launch(4, [back, *replan_second4], tmp, "four_again")
     out["two_to_four"] = {"cases": [cases[-1], back], "steps": 2 * LEG}
     return out
+
+
+@pytest.mark.multiproc
+def test_powersgd_resumed_equals_an_uninterrupted_powersgd_run(runs):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import torch
+
+    whole, first, second, zero1 = runs["powersgd"]["cases"]
+    log = runs["powersgd"]["log"]
+    m_whole, m_second = (json.loads(Path(c["measured"]).read_text()) for c in (whole, second))
+    assert m_second["first_step"] == first["steps"] and len(m_second["losses"]) == len(m_whole["losses"]) == 5
+    assert m_second["losses"] == pytest.approx(m_whole["losses"], abs=1e-5), (m_second["losses"], m_whole["losses"])
+
+    def params(folder: Path) -> dict:
+        dcp_to_torch_save(folder, folder.with_suffix(".pt"))
+        return torch.load(folder.with_suffix(".pt"), weights_only=False)["model"]
+
+    last = f"step_{second['steps']:08d}"        # (the ZeRO-1 leg saved a later one into the same folder)
+    want, got = params(Path(whole["checkpoint_dir"]) / last), params(Path(second["checkpoint_dir"]) / last)
+    assert set(got) == set(want)
+    for k in want:
+        assert (got[k].float() - want[k].float()).abs().max().item() <= 1e-5, k
+    # the state is each rank's, beside DCP's files, listed in the manifest with its checksum
+    manifest = json.loads((Path(second["checkpoint_dir"]) / last / "manifest.json").read_text())
+    assert {"powersgd_rank0.pt", "powersgd_rank1.pt"} <= set(manifest["files"]) and manifest["powersgd"] == "powersgd:2"
+    assert log.count("powersgd:2: error feedback, warm-start Q and step count restored") == 1, log[-3000:]
+    # under ZeRO-1 the layout differs: one line says the state restarts, and the run resumed
+    assert json.loads(Path(zero1["measured"]).read_text())["first_step"] == second["steps"]
+    restarts = [line for line in log.splitlines() if "its state restarts" in line]
+    assert len(restarts) == 1 and "zero 0" in restarts[0] and "zero 1" in restarts[0], restarts
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,3 +439,30 @@ def test_checkpoint_lacking_an_entry_is_refused_with_one_message(one_rank, tmp_p
                                                             r"layout.*blocks\.0.*new --checkpoint-dir") as e:
         checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
     assert e.value.exit_code == 2
+
+
+def test_powersgd_state_is_saved_hashed_and_read_back(one_rank, tmp_path):
+    """A rank's PowerSGD state goes into the checkpoint as powersgd_rank<R>.pt, listed in the
+    manifest with its checksum (verified on resume like every file), and comes back with
+    ``torch.load(weights_only=True)``; the resume returns the layout and the powersgd:R it was
+    saved under, which decide whether it continues (runtime/powersgd_state.restart_reason)."""
+    import torch
+
+    from autopar.runtime import checkpointing
+    from autopar.runtime.powersgd_state import restart_reason
+
+    model, opt = _tied_model_and_optimizer(seed=3)
+    identity = checkpointing.CheckpointIdentity(fingerprint="x", world_size=1, mesh={"dp": 1}, zero=0)
+    state = {"format": "autopar-powersgd", "iter": 7, "error": {"embed.weight": torch.arange(3.0)}}
+    path = checkpointing.save_checkpoint(tmp_path / "ckpt", 1, [model], [opt], identity, [0.0],
+                                         records={"powersgd": "powersgd:2"}, powersgd=state)
+    assert "powersgd_rank0.pt" in json.loads((path / "manifest.json").read_text())["files"]
+    resumed = checkpointing.resume(tmp_path / "ckpt", [model], [opt], identity, steps=2)
+    layout = {"world_size": 1, "mesh": {"dp": 1}, "zero": 0}
+    assert resumed.records["powersgd"] == "powersgd:2" and resumed.layout == layout
+    back = torch.load(path / checkpointing.powersgd_file(0), weights_only=True)
+    assert back["iter"] == 7 and torch.equal(back["error"]["embed.weight"], torch.arange(3.0))
+    assert restart_reason(layout, layout, "powersgd:2", "powersgd:2", True) is None
+    assert "zero 1" in restart_reason(layout, dict(layout, zero=1), "powersgd:2", "powersgd:2", True)
+    assert "powersgd:4" in restart_reason(layout, layout, "powersgd:2", "powersgd:4", True)
+    assert "no PowerSGD state" in restart_reason(layout, layout, None, "powersgd:2", False)

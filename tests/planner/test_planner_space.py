@@ -63,6 +63,26 @@ def test_every_move_gives_a_valid_plan():
     assert len(kinds) > 6                                 # the chain moves across the space
 
 
+def test_candidate_memos_key_by_the_choices_values():
+    """A candidate's choices keep tuple's own hash, and Candidate.to_plan's memo serves equal
+    choices held in two distinct tuples with one tuple of layer plans (a memo keyed by the
+    tuple's identity would build a second)."""
+    from autopar.core.plan import Mesh
+
+    L = 4
+    styles = [{f"l{i}.a": "colwise"} for i in range(L)]
+    model = ModelRef("m.py", {}, "m", "0" * 16)
+    make = lambda: tuple(LayerChoice(tp=True, zero=i % 2) for i in range(L))   # noqa: E731
+    a = Candidate(Mesh(dp=2, tp=2), 2, 1, "1f1b", equal_bounds(L, 1), make())
+    b = Candidate(Mesh(dp=2, tp=2), 2, 1, "1f1b", equal_bounds(L, 1), make())
+    assert a.choices is not b.choices and a == b and hash(a) == hash(b)
+    assert hash(a.choices) == hash(tuple(a.choices)) and a.choices == tuple(b.choices)
+    memo: dict = {}
+    pa = a.to_plan(model=model, styles=styles, precision="bf16", cluster="x", memo=memo)
+    pb = b.to_plan(model=model, styles=styles, precision="bf16", cluster="x", memo=memo)
+    assert pa.layers is pb.layers and [lp.zero for lp in pa.layers] == [0, 1, 0, 1]
+
+
 def test_move_kinds_are_drawn_as_numpy_draws_with_the_weights():
     """propose's draw of a kind equals numpy's Generator.choice over the kinds with the weights
     (4 for a layer move, 2 for a stage knob or a boundary, 1 for the others), on the same stream."""

@@ -17,12 +17,13 @@ from autopar.core.errors import UserError
 from autopar.runtime.nvme_tier import NvmeSpaceError, NvmeStates, check_nvme_path
 
 
-def _rss() -> int:
+def _rss(field: str = "VmRSS") -> int:
+    """Bytes of this process's resident memory (``RssAnon``: its anonymous part), /proc/self/status."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _model(seed: int) -> nn.Module:
@@ -138,3 +139,90 @@ def test_run_refuses_a_missing_nvme_path_before_launch(tmp_path):
     assert f"--nvme-path {tmp_path / 'nope'}: no such folder" in text, text
     out = run_cli("run", plan, "--steps", 1)
     assert out.returncode == 2 and "no --nvme-path was given" in " ".join(out.stderr.split()), out.stderr
+    plan = make_plan(tmp_path / "plan2.json", dp=2, micro_batch=2, zero=3, offload="nvme+params+grads")
+    out = run_cli("run", plan, "--steps", 1)
+    assert out.returncode == 2 and "no --nvme-path was given" in " ".join(out.stderr.split()), out.stderr
+
+
+# ------------------------------------------------------------- parameters and gradients in the file
+
+def _sharded(seed: int, offload: str):
+    """``_model(seed)`` under FSDP2 on this process's one rank, each Linear a unit, ``offload``'s
+    policy (runtime/apply_dp.py), AdamW as the runtime builds it, and the NVMe tier attached."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.runtime.apply_dp import offload_policy
+    from autopar.runtime.nvme_tier import attach_nvme_tier
+
+    model = _model(seed)
+    mesh = init_device_mesh("cpu", (1,))
+    policy = offload_policy(offload, torch.device("cpu"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt
+
+
+def _in_map(tier: NvmeStates, t: torch.Tensor) -> bool:
+    start = torch.frombuffer(tier.map, dtype=torch.uint8, count=1).data_ptr()
+    return start <= t.untyped_storage().data_ptr() < start + tier.nbytes
+
+
+def test_parameters_and_gradients_live_in_the_file(tmp_path, one_rank):
+    """offload "nvme+params+grads" under FSDP2: the sharded parameters and gradients are views of
+    the tier's file (FSDP2's all-gather source, the module's parameter, the reduce-scatter's
+    target), the process's anonymous memory does not hold them even after the backward, they
+    leave its resident memory after the step, a ``load_state_dict`` keeps them in the file, and
+    the training is the plain AdamW loop's to 1e-6."""
+    import ctypes
+
+    from autopar.runtime.nvme_tier import attach_nvme_tier
+
+    M_MMAP_THRESHOLD = -3                             # glibc malloc.h (see the test above)
+    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 16) == 1
+    plain = _model(0)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    torch.manual_seed(1)
+    batches = [torch.randn(4, 1024) for _ in range(2)]
+    for x in batches:                                 # the plain loop
+        plain(x).square().mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())        # 16.8 MB
+    del plain_opt
+    _sharded(0, "cpu")                                # FSDP2's one-time allocations, outside the measure
+    grow = {}
+    for offload in ("cpu", "nvme+params+grads"):
+        anon0, rss0 = _rss("RssAnon"), _rss()
+        model, opt = _sharded(0, offload)
+        tiers = attach_nvme_tier([model], [opt], tmp_path, "test") if offload != "cpu" else []
+        for x in batches:
+            model(x).square().mean().backward()
+            after_backward = _rss("RssAnon") - anon0
+            if tiers:
+                t = tiers[0]
+                fps = [fp for m in model for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+                assert len(fps) == 4 and all(_in_map(t, fp._sharded_param_data) and _in_map(t, p.to_local())
+                                             and _in_map(t, p.grad.to_local())
+                                             for fp, p in ((fp, fp.sharded_param) for fp in fps))
+                assert t.param_bytes == t.grad_bytes == nbytes and t.state_bytes == 2 * nbytes
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        grow[offload] = (after_backward, _rss() - rss0)
+        for p, q in zip(plain.parameters(), model.parameters()):
+            torch.testing.assert_close(q.full_tensor(), p, rtol=0, atol=1e-6)
+        if tiers:
+            sd = {k: v * 2 for k, v in model.state_dict().items()}      # a load lands in the file
+            model.load_state_dict(sd)
+            assert all(_in_map(tiers[0], p.to_local()) and torch.equal(p, sd[k])
+                       for k, p in model.named_parameters())
+            tiers[0].close()
+        del model, opt, tiers
+    in_memory, on_tier = grow["cpu"], grow["nvme+params+grads"]
+    # in memory: parameters and gradients (and moments) in anonymous memory after the second
+    # backward, parameters and moments resident after the step (at least two of each three: the
+    # allocator may reuse what the plain loop freed)
+    assert in_memory[0] >= 1.9 * nbytes and in_memory[1] >= 1.9 * nbytes, grow
+    assert on_tier[0] < 0.25 * nbytes and on_tier[1] < 0.25 * nbytes, grow

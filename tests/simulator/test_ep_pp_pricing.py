@@ -53,6 +53,9 @@ def test_ep_pairs_a_pipeline_stride_apart_cross_the_network(mixtral, h100):
     assert two.ep_comm_fwd_s - one.ep_comm_fwd_s == pytest.approx(2 * t, rel=1e-9)
     assert two.ep_comm_bwd_s - one.ep_comm_bwd_s == pytest.approx(2 * t, rel=1e-9)
     assert two.tp_wire_bytes - one.tp_wire_bytes == pytest.approx(4 * message / 2)
+    # the all-to-alls apart, for DualPipeV's pairs (axes/pp.expert_all_to_all_times)
+    assert (one.ep_comm_fwd_s, one.ep_a2a_bwd_s) == (0.0, 0.0)
+    assert (two.ep_comm_fwd_s, two.ep_a2a_bwd_s) == (pytest.approx(2 * t, rel=1e-9), pytest.approx(2 * t, rel=1e-9))
     # the stage's rank holds half of its layer's experts
     experts = EXPERTS * (HIDDEN * 2 * FFN + FFN * HIDDEN)
     assert one.param_numel - two.param_numel == pytest.approx(experts / 2)
@@ -66,3 +69,59 @@ def test_a_layers_ep_terms_do_not_depend_on_the_pipeline_inside_a_node(mixtral, 
     flat, piped = _cost(mixtral, Mesh(dp=2, ep=2), cluster, cm), _cost(mixtral, Mesh(dp=2, pp=2, ep=2), cluster, cm)
     for field in ("ep_comm_fwd_s", "ep_comm_bwd_s", "tp_comm_fwd_s", "tp_comm_bwd_s", "tp_wire_bytes", "param_numel"):
         assert getattr(piped, field) == pytest.approx(getattr(flat, field), rel=1e-12), field
+
+
+def test_a_full_recompute_reruns_the_forward_all_to_alls_in_backward(mixtral, h100):
+    """Of a fully recomputed layer's backward, the all-to-alls are its own two and the rerun
+    forward's two (runtime: the recomputed forward exchanges its tokens again)."""
+    cluster, cm = h100
+    mesh = Mesh(dp=2, pp=8, ep=2)
+    i = next(i for i, layer in enumerate(mixtral.layers) if layer.kind not in ("pre", "post"))
+    layout = propagate(mixtral, i, {}, 1, False)
+    full = compute_layer_cost(mixtral, i, layout, LayerPlan(layer=i, recompute="full"), mesh, 1, "bf16", cm,
+                              mesh_links(cluster, mesh))
+    assert full.ep_a2a_bwd_s == pytest.approx(2 * full.ep_comm_fwd_s, rel=1e-12) and full.ep_comm_fwd_s > 0
+
+
+@pytest.fixture(scope="module")
+def moe4():
+    """tests/zoo/moe.py with four blocks: one per model chunk of pp 2 in a V."""
+    return capture_model_file("tests/zoo/moe.py", {"layers": 4}, 1)
+
+
+def test_dualpipev_prices_its_pairs_with_the_all_to_alls_hidden(moe4, h100, monkeypatch):
+    """The evaluator hands DualPipeV's pipeline the chunks' all-to-alls (the layer table's
+    ep_a2a columns summed per chunk) and prices the pairs overlapped: the step is shorter than
+    with the pairs' passes one after the other by exactly what pp_zero_bubble.split_backward_time
+    says of the same chunks; other schedules and plans without ep get none."""
+    import autopar.simulator.axes.pp as pp_axis
+    import autopar.simulator.step.compose as compose
+    from autopar.simulator.configure import config_plan
+    from autopar.simulator.simulate import simulate_plan
+
+    cluster, cm = h100
+    calls = []
+    real = pp_axis.split_backward_time
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pp_axis, "split_backward_time", spy)
+    kw = dict(micro_batch=1, global_batch=8, virtual_stages=2, zero=0, recompute="none", offload="none",
+              precision="bf16", sequence_parallel=False)
+    plan = config_plan(moe4, degrees={"dp": 2, "pp": 2, "ep": 2}, schedule="dualpipev", **kw)
+    on = simulate_plan(moe4, plan, cluster, cm).step_time_s
+    args, kwargs = calls[-1]
+    assert kwargs["overlap_a2a"] and kwargs["a2a_f_vp"].min() >= 0 and kwargs["a2a_f_vp"].sum() > 0
+    monkeypatch.setattr(compose, "expert_all_to_all_times", lambda ctx, rows: None)
+    off = simulate_plan(moe4, plan, cluster, cm).step_time_s
+    assert not calls[-1][1]["overlap_a2a"]
+    hidden = real(*args, **kwargs) - real(*args, **{**kwargs, "overlap_a2a": False})
+    assert hidden < 0 and on - off == pytest.approx(hidden, rel=1e-9)
+    monkeypatch.undo()
+    monkeypatch.setattr(pp_axis, "split_backward_time", spy)
+    for other in (config_plan(moe4, degrees={"dp": 2, "pp": 2}, schedule="dualpipev", **kw),
+                  config_plan(moe4, degrees={"dp": 2, "pp": 2, "ep": 2}, schedule="zbv", **kw)):
+        simulate_plan(moe4, other, cluster, cm)
+        assert not calls[-1][1]["overlap_a2a"]

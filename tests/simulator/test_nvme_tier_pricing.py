@@ -36,18 +36,21 @@ def _with_tier(cluster, tier):
     return replace(cluster, groups=tuple(replace(g, nvme=tier) for g in cluster.groups))
 
 
-@pytest.mark.parametrize("m, read_GBps", [(1, 10.0), (4, 10.0), (1, 1e4)])
-def test_nvme_plan_moves_the_moments_and_stalls_by_what_compute_does_not_hide(m, read_GBps):
-    """Against the cpu-offload plan of the same layout: each layer's moments (trainable / dp x 8
-    bytes) leave host memory for the tier, and the step is longer by the sum over layers of
-    max(0, the node's moments read + written - m x the layer's forward + backward): the read and
-    write hide behind the step's compute and the rest stalls the optimizer step (a fast tier: none)."""
+@pytest.mark.parametrize("m, read_GBps, offload, per_param", [
+    (1, 10.0, "nvme", 8), (4, 10.0, "nvme", 8), (1, 1e4, "nvme", 8),
+    (1, 10.0, "nvme+grads", 8 + 4), (1, 10.0, "nvme+params+grads", 8 + 4 + 4)])
+def test_nvme_plan_moves_the_states_and_stalls_by_what_compute_does_not_hide(m, read_GBps, offload, per_param):
+    """Against the cpu-offload plan of the same layout: each layer's states on the tier (trainable
+    / dp x 8 bytes of moments, + 4 of fp32 gradient shard, + 4 of fp32 parameter shard) leave host
+    memory for the tier, and the step is longer by the sum over layers of max(0, the node's
+    states read + written - m x the layer's forward + backward): the read and write hide behind
+    the step's compute and the rest stalls (a fast tier: none)."""
     n, L, dp = 8e9, 4, 8
     tier = replace(TIER, read_GBps=read_GBps, write_GBps=read_GBps / 2)
     graph = dense_graph(n, L, fwd_flops_per_layer=1e12)
     ev = PlanEvaluator(graph, _with_tier(toy_cluster(), tier), CostModel.from_profile(PROFILE))
-    cpu, nvme = ev.evaluate(_plan(graph, "cpu", dp, m)), ev.evaluate(_plan(graph, "nvme", dp, m))
-    moments = n / L / dp * 8                              # per layer and device: two fp32 moments
+    cpu, nvme = ev.evaluate(_plan(graph, "cpu", dp, m)), ev.evaluate(_plan(graph, offload, dp, m))
+    moments = n / L / dp * per_param                      # per layer and device: the states on the tier
     assert nvme.nvme_bytes_per_node == pytest.approx(moments * L * dp)      # the node's 8 devices
     assert cpu.host_bytes_per_node - nvme.host_bytes_per_node == pytest.approx(moments * L * dp)
     assert nvme.nvme_fits and nvme.fits and nvme.nvme_capacity_bytes == TIER.capacity_bytes
@@ -94,10 +97,10 @@ def test_cluster_file_nvme_entry():
         parse_cluster(CLUSTER % "nvme: {path: /raid/x, capacity_GB: 3840, read_GBps: 1}")
 
 
-def _search(cluster, graph, **kw):
+def _search(cluster, graph, time_budget_s=0.3, **kw):
     from autopar.planner.search import PlanOptions, search
 
-    options = PlanOptions(global_batch=8, time_budget_s=0.3, algo="ilp", recompute=("full",), zero_families=("fsdp",),
+    options = PlanOptions(global_batch=8, time_budget_s=time_budget_s, algo="ilp", recompute=("full",), zero_families=("fsdp",),
                           schedules=("1f1b",), max_virtual_stages=1, sequence_parallel=False, precision="bf16", **kw)
     return search(graph, cluster, CostModel.from_profile(PROFILE), options)
 
@@ -168,3 +171,42 @@ def nvme_free(path) -> int:
 
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def _tight(host_GB: float):
+    """16 GB devices that cannot hold a 16e9-parameter model's state, ``host_GB`` of host memory
+    per node, an NVMe tier."""
+    tight = toy_cluster(mem=16 * 10**9)
+    return _with_tier(replace(tight, groups=(replace(tight.groups[0], host_memory_bytes=host_GB * 10**9),)), TIER)
+
+
+@pytest.mark.parametrize("host_GB, tier, said", [
+    (100, "nvme+grads", "AdamW's moments and the gradients go to the NVMe tier"),
+    (40, "nvme+params+grads", "AdamW's moments, the gradients and the parameters go to the NVMe tier")])
+def test_the_tier_takes_gradients_then_parameters_only_where_the_moments_are_not_enough(host_GB, tier, said):
+    """The 16e9-parameter model (bf16: 16 B/param offloaded, 256 GB on the node): with the
+    moments on the tier 128 GB stay on the host, with the gradients too 64 GB (fp32 shards: 4
+    B/param), with the parameters too none.  100 GB of host memory takes the gradients to the
+    tier, 40 GB the parameters as well; the reason says why at each step."""
+    from autopar.planner.nvme_choice import nvme_retry
+    from autopar.planner.search import PlanOptions
+
+    options = PlanOptions(global_batch=8, recompute=("full",), zero_families=("fsdp",), schedules=("1f1b",),
+                          max_virtual_stages=1, sequence_parallel=False, precision="bf16")
+    retry, why = nvme_retry(dense_graph(16e9, 16), _tight(host_GB), CostModel.from_profile(PROFILE), options)
+    assert retry.offload_tier == tier
+    assert why.startswith("no plan fits host memory (offloading to the host needs at least 256.0 GB per node")
+    assert "with AdamW's moments on the NVMe tier it still needs at least 128.0 GB per node" in why
+    assert why.endswith(said), why
+
+
+def test_planner_puts_parameters_and_gradients_on_the_tier_with_the_reason():
+    """The search (planner/search.py) takes the tier nvme_retry names: 40 GB of host memory hold
+    none of the state, so the plan keeps moments, gradients and parameters on the NVMe tier and
+    its host memory fits."""
+    result = _search(_tight(40), dense_graph(16e9, 16), time_budget_s=2.0)     # (the machine may be busy)
+    offloads = {lp.offload for lp in result.best.plan.layers}
+    assert "nvme+params+grads" in offloads and offloads <= {"nvme+params+grads", "none"}, offloads
+    pred = result.best.plan.predicted
+    assert pred["host_bytes_per_node"] <= 40 * 10**9 and pred["nvme_fits"]
+    assert result.tier_note.endswith("AdamW's moments, the gradients and the parameters go to the NVMe tier")

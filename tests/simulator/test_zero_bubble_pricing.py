@@ -147,6 +147,9 @@ def test_dualpipev_pairs_and_overlap():
     overlapped = dualpipev_time(1.0, 2.0, 1.0, m=4, p=2, a2a_f=0.5, a2a_b=0.5, overlap_a2a=True)
     assert overlapped == pytest.approx(32 - 3 * 1 + (3 + 2 - 2))
     assert _play(HAND["dualpipev"], 4, 1.0, 2.0, 1.0, pair=3.0) <= overlapped + 1e-12
+    # the published bubble is not a bound either way for unequal passes: F 2, B 1, W 1 draws 36,
+    # one more than its 35 (pp_zero_bubble's docstring)
+    assert _play(HAND["dualpipev"], 4, 2.0, 1.0, 1.0) == 36.0 and dualpipev_time(2.0, 1.0, 1.0, m=4, p=2) == 35.0
 
 
 def test_inflight_chunks_per_schedule():
@@ -197,3 +200,36 @@ def test_split_backward_plans_price_below_interleaved_1f1b(schedule):
     base = simulate_plan(graph, config_plan(graph, schedule="interleaved", **kw), cluster, cm)
     split = simulate_plan(graph, config_plan(graph, schedule=schedule, **kw), cluster, cm)
     assert split.bubble_fraction < base.bubble_fraction
+
+
+def test_dualpipev_with_and_without_the_all_to_all_overlap_is_the_drawn_length():
+    """Equal chunks, F = B = W = 1, each chunk's forward and input backward holding 0.5 of expert
+    all-to-all.  Run one after the other (torch's default, or without ep) a pair costs
+    F + B + W = 3 and the drawn schedule ends at 26 = 2m(F + B + W) + (p - 1)(F&B + B - 2W) =
+    24 + 2.  In turns (runtime/dualpipe_overlap.py) a pair costs F&B = max(compute 3 - 1,
+    all-to-all 0.5 + 0.5) = 2 (DeepSeek-V3 report Fig. 4): rank 0's 3 pairs save 1 each and the
+    bubble is F&B + B - 2W = 1, so 24 - 3 + 1 = 22 -- the drawn schedule's end with pairs of 2."""
+    grids = _grid("dualpipev", 1.0, 1.0, 1.0)
+    half = np.full((2, 2), 0.5)
+    assert _play(HAND["dualpipev"], 4, 1.0, 1.0, 1.0) == 26.0
+    assert _play(HAND["dualpipev"], 4, 1.0, 1.0, 1.0, pair=2.0) == 22.0
+    assert split_backward_time("dualpipev", *grids, m=4, a2a_f_vp=half, a2a_b_vp=half) == pytest.approx(26.0)
+    assert split_backward_time("dualpipev", *grids, m=4, overlap_a2a=True, a2a_f_vp=half,
+                               a2a_b_vp=half) == pytest.approx(22.0)
+    assert dualpipev_time(1.0, 1.0, 1.0, m=4, p=2, a2a_f=0.5, a2a_b=0.5, overlap_a2a=True) == pytest.approx(22.0)
+
+
+def test_dualpipev_pairs_join_the_forward_of_one_chunk_and_the_backward_of_the_other():
+    """Overlap priced per pair kind: on a rank whose chunk 0 holds all the all-to-all (1.0 in its
+    forward, 1.0 in its input backward) and chunk 1 none, a pair (F of 0, B of 1) hides chunk 0's
+    forward exchange behind chunk 1's backward compute -- max(3 - 1, 1) = 2, saving 1 -- and a
+    pair (F of 1, B of 0) chunk 0's backward exchange: saving 1 as well; pricing each chunk's
+    forward with its own backward would hide both exchanges in chunk 0's pairs (max(3 - 2, 2),
+    saving 1 per chunk 0 pair, none for chunk 1: 0.5 a pair).  m = 4, p = 2: 3 pairs of each
+    rank save 1 each."""
+    grids = _grid("dualpipev", 1.0, 1.0, 1.0)
+    a = np.array([[1.0, 1.0], [0.0, 0.0]])          # (chunk, rank)
+    off = split_backward_time("dualpipev", *grids, m=4, a2a_f_vp=a, a2a_b_vp=a)
+    on = split_backward_time("dualpipev", *grids, m=4, overlap_a2a=True, a2a_f_vp=a, a2a_b_vp=a)
+    # the work falls by 3 pairs x 1; the bubble keeps chunk 1's own F&B + B - 2W = 3 + 1 - 2
+    assert off == pytest.approx(26.0) and on == pytest.approx(24.0 - 3.0 + 2.0)
