@@ -36,10 +36,6 @@ import numpy as np
 from autopar.core.cluster_types import Cluster, Nvme
 from autopar.core.rules import nvme_states
 
-#: how the tier's reads and writes meet the compute: "overlapped" (the runtime's read-ahead and
-#: background write-back, module docstring) is the one priced; a serial swap (DeepSpeed's
-#: ``pipeline_read`` / ``pipeline_write`` false: each read and write waits) has no term
-SWAP = "overlapped"
 #: bytes on the tier per trainable parameter of the shard: AdamW's exp_avg and exp_avg_sq in fp32
 #: (torch.optim.AdamW's state; runtime/nvme_tier.py MOMENTS), whatever the training precision
 MOMENT_BYTES = 2 * 4
