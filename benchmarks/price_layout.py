@@ -42,7 +42,8 @@ def row_cluster(name_or_path: str, nodes: int, gpus_per_node: int | None = None)
 def training_code(code: dict):
     """``TrainingCode`` from a row's ``code``: ``sharded`` names a runtime of
     simulator/axes/sharded_dp.py (e.g. DEEPSPEED_ZERO3_2021), ``reduce_bytes`` the bytes of a
-    reduced gradient element; the rest keep TrainingCode's defaults (torch's AdamW, DDP)."""
+    reduced gradient element, ``nvme_swap_overlapped`` whether the NVMe tier's swap overlaps the
+    compute; the rest keep TrainingCode's defaults (torch's AdamW, DDP)."""
     from autopar.simulator.axes import sharded_dp
     from autopar.simulator.device.training_code import TrainingCode
 
@@ -51,6 +52,8 @@ def training_code(code: dict):
         kw["sharded"] = getattr(sharded_dp, code["sharded"])
     if code.get("reduce_bytes"):
         kw["reduce_bytes"] = float(code["reduce_bytes"])
+    if "nvme_swap_overlapped" in code:
+        kw["nvme_swap_overlapped"] = bool(code["nvme_swap_overlapped"])
     return TrainingCode(**kw)
 
 

@@ -196,7 +196,7 @@ def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: Co
     shard_params = trainable / (dp if zero >= 1 or dist_opt else 1)   # the optimizer steps trainable ones only
     if offload:                            # the copies and the host's Adam (offload.py)
         d.h2d_s, d.d2h_s = host_copies(cm, links.host, param_full_bytes, grad_sync_bytes, dp)
-        d.optimizer_s = host_optimizer_s(cm, shard_params)
+        d.optimizer_s = host_optimizer_s(cm, shard_params, node_processes)
     else:
         # FSDP2 holds every parameter as a DTensor; tensor parallelism those of its modules;
         # ZeroRedundancyOptimizer steps 1/dp of the tensors on each rank

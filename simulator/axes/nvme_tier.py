@@ -36,10 +36,6 @@ import numpy as np
 from autopar.core.cluster_types import Cluster, Nvme
 from autopar.core.rules import nvme_states
 
-#: how the tier's reads and writes meet the compute: "overlapped" (the runtime's read-ahead and
-#: background write-back, module docstring) is the one priced; a serial swap (DeepSpeed's
-#: ``pipeline_read`` / ``pipeline_write`` false: each read and write waits) has no term
-SWAP = "overlapped"
 #: bytes on the tier per trainable parameter of the shard: AdamW's exp_avg and exp_avg_sq in fp32
 #: (torch.optim.AdamW's state; runtime/nvme_tier.py MOMENTS), whatever the training precision
 MOMENT_BYTES = 2 * 4
@@ -100,7 +96,10 @@ def with_tier_stalls(rows, ctx, cluster: Cluster):
     if tier is None:
         return rows
     io = moment_io_s(b, ctx.processes, tier)
-    window = ctx.num_microbatches * (rows.fwd_s + rows.bwd_s + rows.recompute_s)
+    # what hides the disk's work: the step's compute where the code overlaps the swap, nothing
+    # where it swaps serially in the optimizer step (TrainingCode.nvme_swap_overlapped)
+    window = (ctx.num_microbatches * (rows.fwd_s + rows.bwd_s + rows.recompute_s)
+              if ctx.rank_cm[0].code.nvme_swap_overlapped else 0.0)
     return rows.with_columns(optimizer_s=rows.optimizer_s + exposed_io_s(io, window))
 
 

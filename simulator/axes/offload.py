@@ -15,8 +15,17 @@ Ren et al. 2021, USENIX ATC, Sec. 4: the Adam update on the CPU).  Priced here:
   FSDP's all-gathers and reduce-scatters: the "offload" traffic term (``offload_parts``,
   registered in step/builtin_terms.py; step/overlap.fsdp_traffic sums the traffic terms);
 * **optimizer** (``host_optimizer_s``): Adam on the host over the rank's shard
-  (``CostModel.host_optimizer_time``, the profile's ``host_adam_params_per_s``); it runs on the
-  host, so the node's compute sharing does not stretch it (step/layer_cost.compute_layer_cost).
+  (``CostModel.host_optimizer_time``).  The profile's ``host_adam_params_per_s`` is the rate of
+  one node's host, all its cores (profiles/*.json state it per node; docs/profiles.md), and every
+  rank of the node steps its shard at the same time, after its backward, on that host: each rank
+  process runs torch's AdamW on the CPU (runtime/apply_dp.py ``build_optimizer``), as each
+  DeepSpeed rank runs its CPU-Adam (DeepSpeed's ``--bind_cores_to_rank`` splits the host's cores
+  among the node's ranks for that reason: microsoft/DeepSpeed PR #7474).  So the node's ranks
+  share the rate: a rank's shard takes ``shard x ranks on the node / node rate``, the time the
+  node needs for all the shards at once.  The cost model holds no core count, so a rank that uses
+  fewer cores than its share (torchrun's default OMP_NUM_THREADS=1 with more cores than ranks) is
+  priced at its share all the same.  It runs on the host, so the device's compute sharing does
+  not stretch it (step/layer_cost.compute_layer_cost).
 
 The host memory these bytes need per node is checked in step/memory.py and step/assemble.py.
 """
@@ -52,9 +61,11 @@ def host_copies(cm: CostModel, host_link, param_full_bytes: float, grad_sync_byt
     return cm.h2d_time(param_full_bytes / dp, host_link), cm.h2d_time(grad_sync_bytes / dp, host_link)
 
 
-def host_optimizer_s(cm: CostModel, shard_params: float) -> float:
-    """Adam on the host over the ``shard_params`` parameters the rank steps."""
-    return cm.host_optimizer_time(shard_params)
+def host_optimizer_s(cm: CostModel, shard_params: float, node_processes: int | None) -> float:
+    """Adam on the host over the ``shard_params`` parameters the rank steps while the
+    ``node_processes`` ranks of its node (None: 1) step theirs on the same host, at the node's
+    rate (module docstring): the node's parameters at the node's rate."""
+    return cm.host_optimizer_time(shard_params * max(1, node_processes or 1))
 
 
 def offload_parts(src, zero, offload, pipeline_m: int | None = None):

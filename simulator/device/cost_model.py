@@ -438,7 +438,9 @@ class CostModel:
         return link.latency_s + nbytes / link.bandwidth_Bps
 
     def host_optimizer_time(self, num_params: float) -> float:
-        """CPU Adam on ``num_params`` fp32 parameters (profile's host_adam_params_per_s)."""
+        """CPU Adam on ``num_params`` fp32 parameters on one node's host, all its cores (the
+        profile's host_adam_params_per_s, a per-node rate; simulator/axes/offload.py shares it
+        among the node's ranks)."""
         return num_params / self.host_adam_params_per_s if num_params > 0 else 0.0
 
     def optimizer_time(self, num_params: float, num_tensors: float = 0.0, num_dtensor_tensors: float = 0.0) -> float:

@@ -32,7 +32,9 @@ names the module that owns its mechanism:
 * ``grad_clip``: whether the run clips the gradients by their global norm (``--grad-clip``,
   runtime/grad_norm.py; its cost: simulator/optimizer_step.py ``grad_clip_time``);
 * ``grad_compression``: how the data-parallel gradient reduce is compressed (the plan's
-  ``grad_compression``, core/grad_compression.py; its price: simulator/grad_compression.py).
+  ``grad_compression``, core/grad_compression.py; its price: simulator/grad_compression.py);
+* ``nvme_swap_overlapped``: whether the NVMe tier's reads and writes run beside the step's
+  compute or serially in the optimizer step (simulator/axes/nvme_tier.py ``with_tier_stalls``).
 """
 from __future__ import annotations
 
@@ -112,6 +114,16 @@ class TrainingCode:
     distributed_optimizer: bool = False
     grad_clip: bool = False
     grad_compression: str = "none"
+    #: the NVMe tier's read and write overlap the step's forward, backward and recompute
+    #: (simulator/axes/nvme_tier.py): autopar's runtime reads ahead from the end of the forward and
+    #: writes back in a background thread while the next step computes (runtime/nvme_tier.py).
+    #: False: code that swaps the optimizer state in and out inside its optimizer step, one
+    #: sub-group after another, each read and write waited for -- DeepSpeed's ZeRO-Infinity
+    #: optimizer swapper with ``offload_optimizer`` ``pipeline_read`` and ``pipeline_write`` at
+    #: their default, false ("For tile-based optimizer step processing, overlap read of next tile
+    #: with computation of current tile", deepspeedai/DeepSpeed
+    #: deepspeed/runtime/zero/offload_config.py ``DeepSpeedZeroOffloadOptimizerConfig``)
+    nvme_swap_overlapped: bool = True
 
     def __post_init__(self):
         if self.ep_dispatch not in EP_DISPATCHES:

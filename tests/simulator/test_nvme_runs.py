@@ -57,6 +57,12 @@ def test_priced_row_runs_through_the_simulator(bench):
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) == pytest.approx(p["predicted_iteration_s"])
     assert p["published_phases_s"] == pytest.approx({"forward_s": 53.56519, "backward_s": 152.70214,
                                                      "optimizer_s": 92.63716})
+    # the optimizer as DeepSpeed ran it, by hand: the node's 16 ranks step all its trainable
+    # parameters (the moments' bytes / 8) on one host at the profile's 1e9 per node, and the
+    # node's moments are read and written at the cluster file's 28 GB/s each, serially (the row's
+    # nvme_swap_overlapped false: no compute hides them)
+    moments = p["nvme_GB_per_node"] * 1e9
+    assert phases["optimizer_s"] == pytest.approx(moments / 8 / 1e9 + 2 * moments / 28e9, rel=1e-9)
 
 
 def test_issue_192_iteration_from_its_tflops(bench):

@@ -97,7 +97,7 @@ def test_cluster_file_nvme_entry():
         parse_cluster(CLUSTER % "nvme: {path: /raid/x, capacity_GB: 3840, read_GBps: 1}")
 
 
-def _search(cluster, graph, time_budget_s=0.3, **kw):
+def _search(cluster, graph, time_budget_s=30.0, **kw):
     from autopar.planner.search import PlanOptions, search
 
     options = PlanOptions(global_batch=8, time_budget_s=time_budget_s, algo="ilp", recompute=("full",), zero_families=("fsdp",),
