@@ -162,7 +162,8 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
                                         node_processes)
     if experts:
         extra_meetings += ep_cost.ep_layer_work(graph, experts, work, tpc, layout, mesh.ep, scale, precision, elem,
-                                                cm, links, node_processes, selective)
+                                                cm, links, node_processes, selective, work_cache,
+                                                (layer_index, lp.tp, tp, mesh.sequence_parallel, cm.code.loss_parallel))
     rec = recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
 
