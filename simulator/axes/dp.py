@@ -4,6 +4,7 @@ optimizer step on the rank's share (runtime/apply_dp.py's twin).  The ranks that
 weights are dp x cp; the routed experts' are dp x cp / ep (ep.py)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 
 from autopar.core.plan import LayerPlan, Mesh
@@ -49,12 +50,10 @@ def data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", 
     flat = mesh.grad_degree
     if mesh.ep <= 1 or not w.expert_names:
         return data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp, fp8_recipe)
-    from dataclasses import replace as _replace
-
-    dense = _replace(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
-                     param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
-    expert = _replace(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
-                      param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
+    dense = _with(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
+                  param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
+    expert = _with(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
+                   param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
     a = data_parallel(lp, mesh, precision, dense, cm, links, node_processes, flat, links.dp, fp8_recipe)
     b = data_parallel(lp, mesh, precision, expert, cm, links, node_processes, flat // mesh.ep, links.ep_dp or links.dp,
                        fp8_recipe)
@@ -62,6 +61,15 @@ def data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", 
     w.fwd_s += (dense.fwd_s - w.fwd_s) + (expert.fwd_s - w.fwd_s)
     w.bwd_s += (dense.bwd_s - w.bwd_s) + (expert.bwd_s - w.bwd_s)
     return DataParallel(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(DataParallel)})
+
+
+def _with(w: "OpWork", **changes) -> "OpWork":
+    """``dataclasses.replace(w, **changes)``: a shallow copy with ``changes`` set (OpWork has no
+    ``__post_init__``; replace would re-run ``__init__``, several times slower)."""
+    out = copy.copy(w)
+    for name, value in changes.items():
+        setattr(out, name, value)
+    return out
 
 
 def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: CostModel, links: MeshLinks,
