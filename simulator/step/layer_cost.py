@@ -157,7 +157,7 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     elem = float(precision_bytes(precision))
     extra_meetings = 0
     if mesh.cp > 1:
-        attention = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
+        attention = _attention_ops(graph, layer_index)
         extra_meetings += cp_layer_work(attention, work, tpc, layout, mesh.cp, scale, elem, cm, links.cp,
                                         node_processes)
     if experts:
@@ -193,6 +193,15 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         dp_wire_bytes_per_mb=dp.wire_bytes_per_mb, dp_wire_bytes_per_step=dp.wire_bytes_per_step,
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
         num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
+
+
+def _attention_ops(graph: OpGraph, layer_index: int) -> list:
+    """The layer's attention ops (those context parallelism exchanges K/V for), found once per
+    layer and kept on the graph (as ep.routed_experts keeps its experts)."""
+    cache = graph.__dict__.setdefault("_attention_ops", {})
+    if layer_index not in cache:
+        cache[layer_index] = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
+    return cache[layer_index]
 
 
 def _gradient_transient(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,
