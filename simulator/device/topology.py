@@ -64,8 +64,11 @@ def world_link(cluster: Cluster, mesh: Mesh) -> GroupLink:
 
 
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
-    if cluster.homogeneous:
-        return _uniform_group(cluster, ranks)
+    return _uniform_group(cluster, ranks) if cluster.homogeneous else _device_group(cluster, ranks)
+
+
+def _device_group(cluster: Cluster, ranks: list[int]) -> GroupLink:
+    """The link of the group ``ranks`` from each rank's device (any cluster)."""
     devs = [cluster.device(r) for r in ranks]
     nodes = {d.node for d in devs}
     if len(nodes) == 1:
