@@ -14,7 +14,7 @@ The moves are symmetric in kind (each has its inverse), as Metropolis-Hastings a
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -39,6 +39,17 @@ class MoveSpace:
     offload_tier: str = "cpu"             # what an offloaded layer uses: "cpu" or "nvme" (PlanOptions)
     recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES
     zero_families: tuple[str, ...] = ("ddp", "zero1", "fsdp")
+    #: per mesh (by value): its neighbours among ``meshes`` and the other meshes (``mesh_pools``)
+    _pools: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mesh_pools(self, cur: Mesh) -> tuple[list[Mesh], list[Mesh]]:
+        """(the admitted meshes next to ``cur`` (``_is_neighbour``), every admitted mesh but
+        ``cur``), in ``meshes``' order; worked out once per mesh."""
+        pools = self._pools.get(cur)
+        if pools is None:
+            others = [m for m in self.meshes if m != cur]
+            pools = self._pools[cur] = ([m for m in others if _is_neighbour(m, cur)], others)
+        return pools
 
 
 def _cumulative(weights: list[float]) -> list[float]:
@@ -237,9 +248,8 @@ def _is_neighbour(m: Mesh, cur: Mesh) -> bool:
 def _mesh_move(c: Candidate, rng, space: MoveSpace) -> Candidate | None:
     """Another admitted mesh, preferring neighbours (one axis doubled, another halved; ep doubled
     or halved)."""
-    cur = c.mesh
-    near = [m for m in space.meshes if m != cur and _is_neighbour(m, cur)]
-    pool = near if near and rng.random() < NEAR_MESH_PROBABILITY else [m for m in space.meshes if m != cur]
+    near, others = space.mesh_pools(c.mesh)
+    pool = near if near and rng.random() < NEAR_MESH_PROBABILITY else others
     if not pool:
         return None
     mesh = pool[int(rng.integers(len(pool)))]

@@ -5,6 +5,7 @@ twin).  The ranks that share the weights are dp x cp; the routed experts' are dp
 (ep.py)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 
 from autopar.core.plan import LayerPlan, Mesh
@@ -50,12 +51,10 @@ def data_parallel_parts(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", 
     flat = mesh.grad_degree
     if mesh.ep <= 1 or not w.expert_names:
         return data_parallel(lp, mesh, precision, w, cm, links, node_processes, flat, links.dp, fp8_recipe)
-    from dataclasses import replace as _replace
-
-    dense = _replace(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
-                     param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
-    expert = _replace(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
-                      param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
+    dense = _with(w, param_numel=w.param_numel - w.expert_numel, frozen_numel=w.frozen_numel - w.expert_frozen_numel,
+                  param_names=w.param_names - w.expert_names, frozen_names=w.frozen_names - w.expert_names)
+    expert = _with(w, param_numel=w.expert_numel, frozen_numel=w.expert_frozen_numel,
+                   param_names=set(w.expert_names), frozen_names=w.frozen_names & w.expert_names)
     a = data_parallel(lp, mesh, precision, dense, cm, links, node_processes, flat, links.dp, fp8_recipe)
     b = data_parallel(lp, mesh, precision, expert, cm, links, node_processes, flat // mesh.ep, links.ep_dp or links.dp,
                        fp8_recipe)
@@ -81,6 +80,15 @@ def ddp_reduce_bytes(precision: str, code) -> float:
     (``reduce_bytes`` 2: Megatron-LM 2021's fp16 gradients, Megatron Bridge's
     ``grad_reduce_in_fp32 = False``; benchmarks/published_runs.py)."""
     return max(STATE_BYTES[precision_class(precision)][1], float(code.reduce_bytes))
+
+
+def _with(w: "OpWork", **changes) -> "OpWork":
+    """``dataclasses.replace(w, **changes)``: a shallow copy with ``changes`` set (OpWork has no
+    ``__post_init__``; replace would re-run ``__init__``, several times slower)."""
+    out = copy.copy(w)
+    for name, value in changes.items():
+        setattr(out, name, value)
+    return out
 
 
 def data_parallel(lp: LayerPlan, mesh: Mesh, precision: str, w: "OpWork", cm: CostModel, links: MeshLinks,

@@ -399,15 +399,20 @@ def ep_degrees(graph: OpGraph, world_size: int) -> tuple[int, ...]:
 
 def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm", layout: TPLayout, ep: int,
                   scale: float, precision: str, elem: float, cm: CostModel, links: MeshLinks,
-                  node_processes: int | None, selective: str | None = None) -> EPLayerTerms:
+                  node_processes: int | None, selective: str | None = None, work_cache: dict | None = None,
+                  layout_key: tuple = ()) -> EPLayerTerms:
     """Expert parallelism's in-layer terms (``ep_layer_terms``), returned (the layer's
     ``ep_comm_*`` columns: step/layer_cost.py) and folded into ``w`` and ``tpc`` (step/op_work.py's
     ``OpWork``, tp.py's ``TensorParallelComm``): the experts' dispatch / combine all-to-alls are
     collectives on the critical path inside the layer, which a recompute reruns as it does the
     tensor-parallel ones (tp.fold_into_tp); the expert GEMMs are priced at their per-expert
     shapes and their parameters split ep ways (``expert_work``).  ``selective``: the code's
-    selective policy where the layer is selectively recomputed (tp.tensor_parallel).  Its
-    ``meetings``: the collectives where the ranks meet."""
+    selective policy where the layer is selectively recomputed (tp.tensor_parallel).
+    ``work_cache`` (step/layer_cost.py's): where ``expert_work`` is kept by what it reads --
+    ``layout_key`` (the layer and what fixes its tensor-parallel layout), ep, the scale,
+    precision, cost model and which expert GEMMs the ops' pricing holds -- the same for every
+    ZeRO, recompute, offload, dp and pp choice.  Its ``meetings``: the collectives where the ranks
+    meet."""
     e = ep_layer_terms(experts, ep, scale, elem, cm, links, node_processes)
     fold_into_tp(tpc, e)
     if selective is not None and ep > 1 and saves_collective("all_to_all", selective):
@@ -420,8 +425,16 @@ def ep_layer_work(graph: OpGraph, experts, w: "OpWork", tpc: "TensorParallelComm
         tpc.selective_fwd_s += e.fwd_s
         tpc.selective_wire += e.wire_fwd
         tpc.selective_meetings += e.meetings
-    x = expert_work(graph, experts, layout, ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s,
-                    capacity_factor=cm.code.expert_load)
+    key = None
+    if work_cache is not None:
+        priced = tuple((n in w.op_fwd_s, n in w.op_bwd_s) for r in experts for n in sorted(r.gemms))
+        key = ("expert_work", layout_key, ep, scale, precision, cm.name, cm.code.expert_load, priced)
+    x = work_cache.get(key) if key is not None else None
+    if x is None:
+        x = expert_work(graph, experts, layout, ep, scale, precision, cm, w.op_fwd_s, w.op_bwd_s,
+                        capacity_factor=cm.code.expert_load)
+        if key is not None:
+            work_cache[key] = x
     w.fwd_s += x.fwd_delta_s
     w.bwd_s += x.bwd_delta_s
     w.param_numel -= x.removed_numel

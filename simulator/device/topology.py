@@ -20,6 +20,7 @@ import numpy as np
 from autopar.core.cluster import Cluster, Link
 from autopar.core.errors import InfeasibleError
 from autopar.core.plan import Mesh
+from autopar.simulator.device.network import ring_bus_bandwidth_GBps
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def world_link(cluster: Cluster, mesh: Mesh) -> GroupLink:
 
 
 def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
+    return _uniform_group(cluster, ranks) if cluster.homogeneous else _device_group(cluster, ranks)
+
+
+def _device_group(cluster: Cluster, ranks: list[int]) -> GroupLink:
+    """The link of the group ``ranks`` from each rank's device (any cluster)."""
     devs = [cluster.device(r) for r in ranks]
     nodes = {d.node for d in devs}
     if len(nodes) == 1:
@@ -70,6 +76,30 @@ def _group(cluster: Cluster, ranks: list[int]) -> GroupLink:
     # a ring over nodes uses its ranks' adapters at once (simulator/network.py); the group's
     # slowest link is the inter-node one (Cluster.link)
     return GroupLink(_ring_link(cluster, devs, cluster.inter_node), "inter", len(ranks))
+
+
+def _uniform_group(cluster: Cluster, ranks: list[int]) -> GroupLink:
+    """``_group`` on a cluster of one node group, by arithmetic: rank r is on node
+    r // gpus_per_node (ranks fill the nodes in order: Cluster.devices), every device has the
+    group's node link, so a group on one node has that link and one over nodes the ring's
+    (``_ring_link``)."""
+    g = cluster.groups[0]
+    gpn = g.gpus_per_node
+    lo, hi = min(ranks), max(ranks)
+    if lo < 0 or hi >= g.num_devices:
+        cluster.device(hi if lo >= 0 else lo)           # raises Cluster.device's IndexError
+    if lo // gpn == hi // gpn:
+        return GroupLink(g.intra_node, "intra", len(ranks))
+    link = cluster.inter_node
+    bw = ring_bus_bandwidth_GBps(link.bandwidth_GBps, g.intra_node.bandwidth_GBps, _fewest_per_node(ranks, gpn))
+    return GroupLink(Link(bw, link.latency_us), "inter", len(ranks))
+
+
+def _fewest_per_node(ranks, gpus_per_node: int) -> int:
+    """The fewest of ``ranks`` on one of the nodes they use (a cluster of one node group)."""
+    from collections import Counter
+
+    return min(Counter(r // gpus_per_node for r in ranks).values())
 
 
 def _ring_link(cluster: Cluster, devs: list, link: Link) -> Link:
@@ -134,9 +164,14 @@ def _ep_links(cluster: Cluster, mesh: Mesh, dps) -> dict:
     firsts = [mesh.rank_at(dp=d, pp=p) for d in dps for p in range(mesh.pp)]
     groups = {mesh.ep_group(r) for r in firsts}
     ep = _slowest([_group(cluster, list(g)) for g in groups])
-    per_node = min(min(Counter(cluster.device(r).node for r in g).values()) for g in groups)
-    intra = min((cluster.groups[cluster.device(r).group].intra_node for g in groups for r in g),
-                key=lambda link: link.bandwidth_GBps)
+    if cluster.homogeneous:         # every device has the one group's node link (_uniform_group)
+        gpn = cluster.groups[0].gpus_per_node
+        per_node = min(_fewest_per_node(g, gpn) for g in groups)
+        intra = cluster.groups[0].intra_node
+    else:
+        per_node = min(min(Counter(cluster.device(r).node for r in g).values()) for g in groups)
+        intra = min((cluster.groups[cluster.device(r).group].intra_node for g in groups for r in g),
+                    key=lambda link: link.bandwidth_GBps)
     out = {"ep": ep, "ep_ranks_per_node": per_node, "ep_intra": intra}
     if ep.level == "inter":
         out["ep_network"] = cluster.inter_node

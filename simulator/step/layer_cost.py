@@ -176,12 +176,13 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
     extra_meetings = 0
     cp_c = ep_c = None
     if mesh.cp > 1:
-        attention = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
+        attention = _attention_ops(graph, layer_index)
         cp_c = cp_layer_work(attention, work, tpc, layout, mesh.cp, scale, elem, cm, links.cp, node_processes)
         extra_meetings += cp_c.meetings
     if experts:
         ep_c = ep_cost.ep_layer_work(graph, experts, work, tpc, layout, mesh.ep, scale, precision, elem,
-                                     cm, links, node_processes, selective)
+                                     cm, links, node_processes, selective, work_cache,
+                                     (layer_index, lp.tp, tp, mesh.sequence_parallel, cm.code.loss_parallel))
         extra_meetings += ep_c.meetings
     rec = recompute(lp, work, tpc, layer.input_bytes * scale * act_scale / sp_div, cm)
     dp = data_parallel_parts(lp, mesh, precision, work, cm, links, node_processes, fp8_recipe)
@@ -218,6 +219,15 @@ def compute_layer_cost(graph: OpGraph, layer_index: int, layout: TPLayout, lp: L
         meetings=float(meetings), num_measured=work.measured + tpc.measured + dp.measured,
         ep_a2a_bwd_s=(ep_c.bwd_s + (ep_c.fwd_s if rerun else 0.0)) if ep_c else 0.0,
         num_estimated=work.estimated + tpc.estimated + dp.estimated, **_tied_copy(work, lp, mesh, precision))
+
+
+def _attention_ops(graph: OpGraph, layer_index: int) -> list:
+    """The layer's attention ops (those context parallelism exchanges K/V for), found once per
+    layer and kept on the graph (as ep.routed_experts keeps its experts)."""
+    cache = graph.__dict__.setdefault("_attention_ops", {})
+    if layer_index not in cache:
+        cache[layer_index] = [o for o in graph.layer_ops(layer_index) if o.kind == "attention"]
+    return cache[layer_index]
 
 
 def _gradient_transient(graph: OpGraph, layer_index: int, layout: TPLayout, lp: LayerPlan, mesh: Mesh,

@@ -210,6 +210,23 @@ def test_ep_all_to_alls_and_expert_split_by_hand(mixtral, h100):
     assert i >= 0
 
 
+def test_ep_layer_costs_through_a_shared_work_cache_equal_fresh_ones(mixtral, h100):
+    """expert_work is kept in the work cache by what it reads (ep.ep_layer_work): costs priced
+    one after another through one cache, over choices and meshes that share it and some that
+    do not, equal each priced alone."""
+    cluster, cm = h100
+    i = _block(mixtral)
+    cache: dict = {}
+    for mesh in (Mesh(dp=8, ep=2), Mesh(dp=4, pp=2, ep=2), Mesh(dp=8, ep=4), Mesh(dp=4, tp=2, ep=2)):
+        layout = propagate(mixtral, i, {}, mesh.tp, mesh.sequence_parallel)
+        links = mesh_links(cluster, mesh)
+        for zero, recompute in ((0, "none"), (3, "none"), (1, "full"), (0, "selective")):
+            lp = LayerPlan(layer=i, zero=zero, recompute=recompute)
+            shared = compute_layer_cost(mixtral, i, layout, lp, mesh, 2, "bf16", cm, links, work_cache=cache)
+            assert shared == compute_layer_cost(mixtral, i, layout, lp, mesh, 2, "bf16", cm, links), (mesh, lp)
+    assert sum(1 for k in cache if k[0] == "expert_work") == 3     # one per (ep, layout)
+
+
 def test_ep_all_to_all_across_nodes_by_hand(h100):
     """An ep group of 16 over 2 nodes of 8: 7/16 of the buffer to the node's other ranks over
     NVLink, 8/16 over the rank's share of the network, at once; 15 network latencies."""

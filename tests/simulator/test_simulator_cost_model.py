@@ -56,6 +56,27 @@ def test_group_spanning_two_nodes_pays_inter_node_link():
     assert dp_links.dp.level == "inter" and dp_links.tp.level == "intra"
 
 
+def test_one_group_cluster_links_by_rank_arithmetic_match_devices():
+    """On a cluster of one node group a group's link comes from rank // gpus_per_node
+    (topology._uniform_group); the same as from each rank's Device (topology._device_group), for
+    groups on one node, straddling nodes unevenly and strided over nodes; a rank outside the
+    cluster is refused alike."""
+    from autopar.simulator.device.topology import _device_group, _uniform_group
+
+    cl = _cluster(nodes=3, gpus=4)
+    groups = [[0], [1, 2, 3], [2, 3, 4], [3, 4, 5, 6, 7, 8], [0, 4, 8], [1, 5, 9, 2, 6, 10, 3],
+              list(range(12)), [11, 0], [7, 4, 5, 6]]
+    for ranks in groups:
+        assert _uniform_group(cl, ranks) == _device_group(cl, ranks), ranks
+    assert _uniform_group(cl, [3, 4, 5, 6, 7, 8]).link == Link(min(INTRA.bandwidth_GBps, INTER.bandwidth_GBps),
+                                                              INTER.latency_us)   # node 2 holds one rank
+    for bad in ([0, 12], [-1, 2]):
+        with pytest.raises(IndexError):
+            _device_group(cl, bad)
+        with pytest.raises(IndexError):
+            _uniform_group(cl, bad)
+
+
 def test_roofline_and_measured_table_monotone():
     cm = CostModel.from_profile(PROFILE)
     t, measured = cm.compute_time_ex("linear", 1e12, 1e6, "bf16")
