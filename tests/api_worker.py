@@ -38,6 +38,9 @@ def main() -> None:
     import torch.distributed as dist
 
     import autopar
+    import capture_memo
+
+    capture_memo.install()      # one capture per model file, arguments and micro-batch in this process
 
     cases = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")           # the script's own group: prepare joins it, close keeps it

@@ -26,6 +26,10 @@ from autopar.runtime.mesh import shutdown
 from autopar.runtime.options import RunOptions
 from autopar.runtime.train import Trainer
 
+import capture_memo
+
+capture_memo.install()      # one capture per model file, arguments and micro-batch in this process
+
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 

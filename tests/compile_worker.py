@@ -13,6 +13,10 @@ from autopar.runtime.mesh import shutdown
 from autopar.runtime.options import RunOptions
 from autopar.runtime.train import run
 
+import capture_memo
+
+capture_memo.install()      # one capture per model file, arguments and micro-batch in this process
+
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())

@@ -15,6 +15,10 @@ from autopar.runtime.mesh import shutdown
 from autopar.runtime.options import RunOptions
 from autopar.runtime.train import Trainer, run
 
+import capture_memo
+
+capture_memo.install()      # one capture per model file, arguments and micro-batch in this process
+
 
 def _norms_run(opts: RunOptions, path: Path) -> None:
     trainer = Trainer(opts)

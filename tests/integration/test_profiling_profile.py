@@ -337,8 +337,9 @@ def test_best_of_passes_keeps_each_rows_fastest_pass():
 
 
 def test_profile_refuses_zero_passes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "profile", "--passes", "0", "-o", str(tmp_path / "p.json")],
-                          capture_output=True, text=True, timeout=120)
+    from cli_inprocess import run_cli
+
+    proc = run_cli("profile", "--passes", "0", "-o", tmp_path / "p.json")     # refused before any measuring
     # refused while parsing (core/cli_types.py), naming the flag and the value
     assert proc.returncode == 2 and "--passes" in proc.stderr and "'0' is not a whole number >= 1" in proc.stderr
     assert not (tmp_path / "p.json").exists()
