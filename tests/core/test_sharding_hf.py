@@ -307,21 +307,28 @@ def test_experts_that_tp_does_not_divide_are_refused_before_launch():
         check_tp_divisibility(bad)
 
 
+@functools.lru_cache(maxsize=None)
+def _zoo_gpt2_graph():
+    """tests/zoo/hf_gpt2.py captured once for the runtime plan-check cases."""
+    from pathlib import Path
+
+    from autopar.core.capture import capture_model_file
+
+    path = Path(__file__).resolve().parents[1] / "zoo" / "hf_gpt2.py"
+    return path, capture_model_file(str(path), {}, 2)
+
+
 @pytest.mark.parametrize("style,message", [("colwise", "'colwise:3'"), ("colwise:2", "into 3 equal parts"),
                                            ("colwise:3", None)])
 def test_runtime_plan_check_wants_the_parts_of_a_fused_projection(tmp_path, style, message):
     """The runtime's pre-launch check refuses a plan that splits GPT-2's c_attn evenly
     ("colwise": rank 0 would get all of q and half of k) or in the wrong number of parts, and
     takes "colwise:3"; "colwise:2" on the MLP's c_fc, which is not cut, is refused too."""
-    from pathlib import Path
-
-    from autopar.core.capture import capture_model_file
     from autopar.core.errors import PlanFileError
     from autopar.core.plan import ModelRef, save_plan, uniform_plan
     from autopar.runtime.plan_check import check_plan
 
-    path = Path(__file__).resolve().parents[1] / "zoo" / "hf_gpt2.py"
-    g = capture_model_file(str(path), {}, 2)
+    path, g = _zoo_gpt2_graph()
     styles = {i: {f"{layer.name}.attn.c_attn": style, f"{layer.name}.attn.c_proj": "rowwise"}
               for i, layer in enumerate(g.layers) if layer.name.startswith("transformer.h.")}
     plan = uniform_plan(model=ModelRef(str(path), {}, "hf_gpt2", g.fingerprint), num_layers=len(g.layers), tp=2,

@@ -89,7 +89,8 @@ def test_deepseek_v3_check_offers_ep():
     from autopar.planner.runtime_check import find_executable
 
     graph = capture_model_file("examples/moe.py", DEEPSEEK_V3, 1)
-    ex = find_executable(graph, load_model_file("examples/moe.py"), tp_degrees=(2, 8), precision="bf16")
+    # one tp degree: sequence parallelism is probed at the first degree kept, whatever the others
+    ex = find_executable(graph, load_model_file("examples/moe.py"), tp_degrees=(2,), precision="bf16")
     assert ex.ep and ex.ep_pipeline, ex.left_out
     assert set(ex.experts) == {256}
     left = {x.kind: x.reason for x in ex.left_out}

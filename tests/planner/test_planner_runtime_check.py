@@ -27,9 +27,15 @@ def _left(ex) -> dict[str, str]:
     return {x.kind: x.reason for x in ex.left_out}
 
 
-def test_gpt_keeps_every_kind():
-    graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 16,
-                                                             "vocab": 128}, degrees=(2, 4))
+@pytest.fixture(scope="module")
+def gpt_checked():
+    """The positive control's check, shared by the tests that read it."""
+    return _executable(ROOT / "examples" / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 16, "vocab": 128},
+                       degrees=(2, 4))
+
+
+def test_gpt_keeps_every_kind(gpt_checked):
+    graph, ex = gpt_checked
     assert ex.left_out == ()
     assert ex.tp_degrees == (2, 4) and all(ex.splittable)
     assert ex.pipeline and ex.cuttable == frozenset(range(1, len(graph.layers)))
@@ -81,7 +87,7 @@ def test_two_tower_pipeline_and_one_wide_column_split_are_left_out():
 
 def test_t5_pipeline_left_out():
     pytest.importorskip("transformers")
-    graph, ex = _executable(ZOO / "hf_t5.py")
+    graph, ex = _executable(ZOO / "hf_t5.py", degrees=())      # the pipeline is checked, not tp's splits
     names = [layer.name for layer in graph.layers]
     assert "encoder.block.0" in names and "decoder.block.0" in names
     assert not ex.pipeline and "pipeline" in _left(ex)
@@ -98,10 +104,9 @@ def test_sequence_parallel_left_out_where_an_attention_is_not_split():
     assert all(ex.splittable)                        # tensor parallelism itself stays offered
 
 
-def test_sequence_parallel_kept_where_attention_is_inside_the_pairs():
+def test_sequence_parallel_kept_where_attention_is_inside_the_pairs(gpt_checked):
     # the GPT's attention runs between its column-split qkv and row-split proj
-    graph, ex = _executable(ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 32, "heads": 4, "seq": 8,
-                                                             "vocab": 64})
+    graph, ex = gpt_checked
     assert ex.sequence_parallel, _left(ex)
 
 
@@ -114,10 +119,10 @@ def test_pipeline_check_merges_a_zero_dim_output_over_micro_batches(monkeypatch)
 
     from autopar.runtime import apply_pp
 
-    _, ex = _executable(ZOO / "moe_aux.py")
+    _, ex = _executable(ZOO / "moe_aux.py", degrees=())       # the pipeline is checked, not tp's splits
     assert ex.pipeline, _left(ex)
     monkeypatch.setattr(apply_pp, "merge_microbatch_outputs", lambda chunks: merge_chunks(chunks, None))
-    _, ex = _executable(ZOO / "moe_aux.py")
+    _, ex = _executable(ZOO / "moe_aux.py", degrees=())
     assert not ex.pipeline and "zero-dimensional tensor" in _left(ex)["pipeline"], _left(ex)
 
 

@@ -19,6 +19,13 @@ def rows(bench):
     return {r["id"]: r for r in bench.load_rows()}
 
 
+@pytest.fixture(scope="module")
+def graphs():
+    """price_row's capture cache, shared by the tests that price the same rows (each row's model
+    is captured once in the module)."""
+    return {}
+
+
 def test_megatron_row_step_matches_published_aggregate(bench, rows):
     # GPT 145.6B on 1536 A100, batch 2304: Eq. 3 FLOPs by hand; the paper's table gives the
     # aggregate 227.1 PFLOP/s for the row, so the step is FLOPs / 227.1e15 to the table's rounding
@@ -114,12 +121,12 @@ def test_zero3_table2_steps_from_the_published_tflops(bench, rows):
 @pytest.mark.parametrize("rid", ["megatron21_t2_ZeRO-3_174.6B_384gpu", "megatron21_t2_ZeRO-3_174.6B_1536gpu",
                                  "megatron21_t1_39.1B", "mpt_a100_80gb_125m_seq2048_8gpu_mbs32",
                                  "ibm_fsdp_llama2_7B_a100_128gpu"])
-def test_rows_priced_near_the_published_step(bench, rows, rid):
+def test_rows_priced_near_the_published_step(bench, rows, graphs, rid):
     """DeepSpeed ZeRO-3 (April 2021), Megatron-LM's fused softmax and the runs' flash-attention
     kernels priced as those runs ran (simulator/sharded_dp.py item 4, examples/gpt.py
     attention="megatron", profile attention_kernels): the predicted step against the step the
     published throughput implies, within 10%."""
-    r = bench.price_row(rows[rid], {})
+    r = bench.price_row(rows[rid], graphs)
     assert r["fits"]
     assert r["predicted_step_s"] == pytest.approx(bench.measured_step_s(rows[rid]), rel=0.10)
 
@@ -203,7 +210,7 @@ def test_table1_rows_run_the_papers_scripts(bench, rows, size, micro_batch, chun
         assert len(plan.pipeline.stages) == lay["pp"] * chunks
 
 
-def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
+def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows, graphs):
     """The fit prices each sharded row once per value of the constant it reads
     (``reads_ring_efficiency``): a row on a ring over nodes does not move with the overlap slowdown,
     a row within one node (or on DeepSpeed's per-GPU gathers) not with the ring efficiency."""
@@ -213,11 +220,10 @@ def test_each_sharded_row_reads_one_of_the_two_fitted_constants(bench, rows):
                                           "megatron21_t2_ZeRO-3_174.6B_384gpu"))
     assert bench.reads_ring_efficiency(ring) and not bench.reads_ring_efficiency(node)
     assert not bench.reads_ring_efficiency(zero3)
-    cache: dict = {}
     steps = {}
     for s, e in ((0.0, 0.3), (1.0, 0.3), (0.0, 0.85)):
         cal = Calibration(nccl_overlap_slowdown=s, sharded_ring_efficiency=e)
-        steps[s, e] = [bench.price_row(r, cache, cal)["predicted_step_s"] for r in (ring, node, zero3)]
+        steps[s, e] = [bench.price_row(r, graphs, cal)["predicted_step_s"] for r in (ring, node, zero3)]
     assert steps[0.0, 0.3][0] == steps[1.0, 0.3][0]                                # the ring row: efficiency only
     assert steps[0.0, 0.3][0] > steps[0.0, 0.85][0]
     for k in (1, 2):                                                                  # the others: slowdown only
@@ -271,7 +277,7 @@ def test_cp_family_is_torchtitans_context_parallel_table(bench, rows):
     assert {lp.precision for lp in plan.layers if graph.layers[lp.layer].kind not in ("pre", "post")} == {"fp8"}
 
 
-def test_ep_family_is_megatron_bridges_moe_table_priced_with_its_ep(bench, rows):
+def test_ep_family_is_megatron_bridges_moe_table_priced_with_its_ep(bench, rows, graphs):
     """Family EP: Megatron Bridge's DGX-H100 MoE rows (benchmarks/data/published_runs_cp_ep.json),
     each with its source, split in halves like the others; each is priced (a finite step) on
     examples/moe.py with a plan whose mesh has the row's ep, as Megatron-Core's code with the
@@ -295,15 +301,16 @@ def test_ep_family_is_megatron_bridges_moe_table_priced_with_its_ep(bench, rows)
     assert bench.row_code(rows["mbridge2604p1_gpt_oss_120b_64gpu_pp4_ep8"]).ep_dispatch == "all_to_all"
     from autopar.core.capture import capture_model_file
 
-    cache = {}
     for r in ep_rows:
         path, args = bench.model_spec(r)
         key = (path, tuple(sorted(args.items())), r["layout"]["micro_batch"])
-        graph = cache.setdefault(key, capture_model_file(path, args, r["layout"]["micro_batch"]))
+        if key not in graphs:                  # price_row's key: the row's model captured once
+            graphs[key] = capture_model_file(path, args, r["layout"]["micro_batch"])
+        graph = graphs[key]
         plan = bench.row_plan(r, graph, bench.row_cluster(r))
         lay = r["layout"]
         assert (plan.mesh.ep, plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (lay["ep"], lay["dp"], lay["tp"], lay["pp"])
-        priced = bench.price_row(r, {key: graph})
+        priced = bench.price_row(r, graphs)
         assert priced["ep"] == lay["ep"] and 0 < priced["predicted_step_s"] < float("inf")
 
 

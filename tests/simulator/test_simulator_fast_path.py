@@ -100,7 +100,7 @@ def test_a_walk_of_plans_matches_pricing_each_from_scratch(dp, tp, pp, schedule,
     derive = walker._derive
     monkeypatch.setattr(walker, "_derive", lambda rows, ctx: full.append(1) or derive(rows, ctx))
     layers = list(plan.layers)
-    warm, steps = 1500, 300
+    warm, steps = 600, 150
     for step in range(warm + steps):
         # one to three layers a move (now and then many), mostly among ZeRO 2/3 and the recompute
         # choices so that neighbourhoods recur; now and then ZeRO 0/1 or an offloaded layer
