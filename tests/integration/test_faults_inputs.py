@@ -92,9 +92,9 @@ def test_host_memory_is_a_constraint(capsys, tmp_path):
                   write(tmp_path / "c.yaml", ONE_A100_256GB), "--global-batch", "8", "--time-budget", "5",
                   "-o", out, code=3, words=("host memory", "256.0 GB", "host_memory_GB", "What would make one fit"))
     assert not out.exists() and "gpt3-175b" in msg
-    # Llama-7B's blocks, 4 of them (1 B parameters, 17 GB of fp32 Adam state), on local-cpu
+    # Llama-7B's blocks, 2 of them (0.67 B parameters, 10.7 GB of fp32 Adam state), on local-cpu
     # (8 GB of host memory): exit 3, no plan
-    refused(capsys, "plan", LLAMA, "--model-arg", "size=llama2-7b", "--model-arg", "layers=4", "--cluster", "local-cpu",
+    refused(capsys, "plan", LLAMA, "--model-arg", "size=llama2-7b", "--model-arg", "layers=2", "--cluster", "local-cpu",
             "--global-batch", "4",
             "--time-budget", "5", "-o", out, code=3, words=("host memory", "8.0 GB"))
     assert not out.exists()
@@ -113,7 +113,7 @@ def test_host_bytes_per_node_closed_form():
     from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
-    args = {"size": "llama2-7b"}
+    args = {"size": "llama2-7b", "layers": 2}               # 0.67 B parameters: 10.7 GB > the 8 GB host
     with torch.device("meta"):
         n_params = sum(p.numel() for p in load_model_file(LLAMA).build(**args).parameters())
     g = capture_model_file(LLAMA, args, 1)
