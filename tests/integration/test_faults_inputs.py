@@ -84,14 +84,18 @@ groups:
 
 
 def test_host_memory_is_a_constraint(capsys, tmp_path):
-    # gpt3-175b on one A100 with a 256 GB host: offloading 2.8 TB cannot fit; exit 3, no plan
+    # gpt3-175b's blocks, 12 of them (22 B parameters, so the plan's capture and dry runs are
+    # short), on one A100 with a 256 GB host: offloading their ~360 GB of fp32 Adam state
+    # cannot fit; exit 3, no plan
     out = tmp_path / "p.json"
-    msg = refused(capsys, "plan", GPT, "--model-arg", "size=gpt3-175b", "--cluster",
+    msg = refused(capsys, "plan", GPT, "--model-arg", "size=gpt3-175b", "--model-arg", "layers=12", "--cluster",
                   write(tmp_path / "c.yaml", ONE_A100_256GB), "--global-batch", "8", "--time-budget", "5",
                   "-o", out, code=3, words=("host memory", "256.0 GB", "host_memory_GB", "What would make one fit"))
     assert not out.exists() and "gpt3-175b" in msg
-    # Llama-7B on local-cpu (8 GB of host memory): exit 3, no plan
-    refused(capsys, "plan", LLAMA, "--model-arg", "size=llama2-7b", "--cluster", "local-cpu", "--global-batch", "4",
+    # Llama-7B's blocks, 2 of them (0.67 B parameters, 10.7 GB of fp32 Adam state), on local-cpu
+    # (8 GB of host memory): exit 3, no plan
+    refused(capsys, "plan", LLAMA, "--model-arg", "size=llama2-7b", "--model-arg", "layers=2", "--cluster", "local-cpu",
+            "--global-batch", "4",
             "--time-budget", "5", "-o", out, code=3, words=("host memory", "8.0 GB"))
     assert not out.exists()
 
@@ -109,7 +113,7 @@ def test_host_bytes_per_node_closed_form():
     from autopar.simulator.device.cost_model import CostModel
     from autopar.simulator.evaluator import PlanEvaluator
 
-    args = {"size": "llama2-7b"}
+    args = {"size": "llama2-7b", "layers": 2}               # 0.67 B parameters: 10.7 GB > the 8 GB host
     with torch.device("meta"):
         n_params = sum(p.numel() for p in load_model_file(LLAMA).build(**args).parameters())
     g = capture_model_file(LLAMA, args, 1)

@@ -25,6 +25,9 @@ Multi-rank cases are real torchrun launches (2 gloo ranks) of the small GPT; one
 writes the checkpoint folder that the checkpoint cases copy.  The damaged checkpoint is resumed
 through ``autopar run`` (message and exit code); the other refusals of a checkpoint call
 ``checkpointing.resume`` -- the checks every rank makes -- in this process on a one-rank group.
+Each fault that ends a run is its own launch (its own exit code); the reruns that follow four
+of them (damage, stale lock, failed save, SIGTERM) are cases of one shared launch (``faulted``).
+Refusals made before any process starts run the CLI in this process (``cli_inprocess``).
 """
 from __future__ import annotations
 
@@ -39,8 +42,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_support import (GPT, MODEL_ARGS, ROOT, assert_matches_reference, consolidated_params, make_plan,
-                             reference, worker_env)
+from cli_inprocess import run_cli
+from runtime_support import (GPT, MODEL_ARGS, ROOT, WORKER, assert_matches_reference, consolidated_params,
+                             failure_summary, make_plan, reference, torchrun, worker_env)
 
 TIMEOUT_S = 240
 
@@ -122,28 +126,6 @@ def test_keep_checkpoints_keeps_the_newest_n(trained, tmp_path):
     (copy / "step_00000005").mkdir()                  # an interrupted save (no manifest) is not counted
     prune(copy, keep=1)
     assert sorted(p.name for p in copy.iterdir()) == ["latest.json", "step_00000004", "step_00000005"]
-
-
-@pytest.mark.multiproc
-def test_damaged_checkpoint_is_refused_then_resumes_from_the_previous_one(trained, tmp_path):
-    plan, ckpt = _copy(trained, tmp_path)
-    shard = sorted((ckpt / "step_00000004").glob("*.distcp"))[-1]
-    data = bytearray(shard.read_bytes())
-    mid = len(data) // 2
-    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
-    shard.write_bytes(bytes(data))
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
-    assert_clean_refusal(out, 2, shard.name, "checksum", "step_00000004",
-                         "to resume from step_00000003")
-    assert out.stderr.count(f"file {shard.name}") <= 2      # said by one rank (and repeated once at the end)
-    assert not (tmp_path / "measured.json").exists()
-    # do what the message says: the run resumes from step 3 and matches the plain reference
-    shutil.rmtree(ckpt / "step_00000004")
-    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    assert "resumed from" in out.stdout and "step_00000003" in out.stdout
-    assert json.loads((tmp_path / "measured.json").read_text())["first_step"] == 3
-    assert_matches_reference(tmp_path / "measured.json", ckpt, reference(), "resume after damage")
 
 
 _PAYLOAD = """
@@ -277,7 +259,7 @@ def test_loss_fn_failing_on_the_last_stage_reaches_the_user(tmp_path):
 
 def test_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path):
     plan = make_plan(tmp_path / "plan.json", tp=3, micro_batch=4)
-    out = autopar_run(plan, "--steps", 1)
+    out = run_cli("run", plan, "--steps", 1)             # the CLI's own checks, in this process
     assert_clean_refusal(out, 2, "tp = 3", "does not divide by 3")
     assert "torch.distributed.run" not in out.stderr          # no process was started
 
@@ -286,10 +268,10 @@ def test_unwritable_outputs_are_refused_before_launch(tmp_path):
     plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder\n")
-    out = autopar_run(plan, "--steps", 1, "--checkpoint-dir", blocker / "ckpt")
+    out = run_cli("run", plan, "--steps", 1, "--checkpoint-dir", blocker / "ckpt")   # in this process
     assert_clean_refusal(out, 2, "--checkpoint-dir", str(blocker))
     assert "torch.distributed.run" not in out.stderr
-    out = autopar_run(plan, "--steps", 1, "--measured", blocker / "m.json")
+    out = run_cli("run", plan, "--steps", 1, "--measured", blocker / "m.json")
     assert_clean_refusal(out, 2, "--measured", str(blocker))
     assert "torch.distributed.run" not in out.stderr
 
@@ -359,66 +341,175 @@ def test_checkpoint_folder_without_manifests_is_refused(trained, tmp_path):
         checkpointing.resume(ckpt, [], [], identity, steps=10)
 
 
+# ------------------------------------------------------------------ faults whose rerun resumes
+
+def _damaged_refusal(trained: Path, d: Path) -> dict:
+    """64 bytes flipped in a shard of the newest checkpoint: 'autopar run' refuses to resume;
+    then what the message says is done (the damaged step deleted)."""
+    plan, ckpt = _copy(trained, d)
+    shard = sorted((ckpt / "step_00000004").glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    shard.write_bytes(bytes(data))
+    out = autopar_run(plan, "--steps", 5, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
+    got = {"out": out, "shard": shard.name, "measured_after_refusal": (d / "measured.json").exists()}
+    shutil.rmtree(ckpt / "step_00000004")
+    return got
+
+
+def _lock_refusal(d: Path) -> dict:
+    """A folder locked by this live process: 'autopar run' is refused; then the lock is
+    replaced by one whose process is gone (a run killed with -9)."""
+    import socket
+
+    from autopar.runtime import checkpoint_lock
+
+    plan = make_plan(d / "plan.json", dp=2, micro_batch=2)
+    ckpt = d / "ckpt"
+    ckpt.mkdir()
+    checkpoint_lock.acquire(ckpt, "the-other-run.json")
+    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt)
+    got = {"out": out, "after_refusal": sorted(p.name for p in ckpt.iterdir()),
+           "measured_after_refusal": (d / "measured.json").exists()}
+    checkpoint_lock.release(ckpt)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (ckpt / "lock.json").write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
+                                                "plan": "killed.json", "started": "earlier"}))
+    got["gone_pid"] = gone.stdout.strip()
+    return got
+
+
+def _failed_save(d: Path) -> dict:
+    """Rank 1's writer fails like a full disk in the save of step 4 (after writing part of its
+    shard), in a run of 6 steps with a checkpoint every 2."""
+    from runtime_support import free_port
+
+    plan = make_plan(d / "plan.json", dp=2, micro_batch=2)
+    ckpt = d / "ckpt"
+    worker = Path(__file__).resolve().parents[1] / "failing_save_worker.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "autopar.runtime.launch", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(worker), str(plan), "--steps", "6",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timing-warmup", "1",
+         "--measured", str(d / "measured.json")],
+        env=worker_env(AUTOPAR_TEST_FULL_DISK="1:step_00000004"), cwd=ROOT, capture_output=True, text=True,
+        timeout=TIMEOUT_S)
+    return {"out": out, "after_failure": sorted(p.name for p in ckpt.iterdir()),
+            "latest_after_failure": json.loads((ckpt / "latest.json").read_text())}
+
+
+def _sigterm(d: Path) -> dict:
+    """SIGTERM to 'autopar run' after step 3 of 1000 has been printed."""
+    import os
+    import signal
+    import time
+
+    plan = make_plan(d / "plan.json", dp=2, micro_batch=2)
+    ckpt, measured = d / "ckpt", d / "measured.json"
+    proc = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", str(plan), "--steps", "1000",
+                             "--checkpoint-dir", str(ckpt), "--measured", str(measured)],
+                            env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + TIMEOUT_S
+        while "step 3/1000" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        if "step 3/1000" in seen:
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    latest = json.loads((ckpt / "latest.json").read_text()) if (ckpt / "latest.json").exists() else None
+    return {"seen": seen, "returncode": proc.returncode, "err": err, "left": _processes_naming(d),
+            "latest": latest, "measured_after_stop": measured.exists()}
+
+
+@pytest.fixture(scope="module")
+def faulted(trained, tmp_path_factory):
+    """Four faults, each its own launch with its own exit code (a damaged checkpoint, a folder
+    locked by a live process, a save that fails like a full disk, a SIGTERM), what each leaves
+    on disk noted before anything else runs; then ONE torchrun launch (tests/runtime_worker.py)
+    runs the four reruns as cases of one process group: resume past the damage, take over the
+    stale lock, resume after the failed save, resume after the SIGTERM.  Each case logs its own
+    checkpoint folder's 'resumed from' / 'took over' line, so a test reads its own case."""
+    dirs = {k: tmp_path_factory.mktemp(k) for k in ("damaged", "locked", "failed_save", "sigterm")}
+    got = {"damaged": _damaged_refusal(trained, dirs["damaged"]), "locked": _lock_refusal(dirs["locked"]),
+           "failed_save": _failed_save(dirs["failed_save"]), "sigterm": _sigterm(dirs["sigterm"])}
+    k = got["sigterm"]["latest"]["step"] if got["sigterm"]["latest"] else None
+    steps = {"damaged": 5, "locked": 2, "failed_save": 4, "sigterm": None if k is None else k + 2}
+    cases = [{"name": name, "plan": str(d / "plan.json"), "steps": steps[name], "checkpoint_dir": str(d / "ckpt"),
+              "measured": str(d / "measured.json")}
+             for name, d in dirs.items() if steps[name] is not None]
+    spec = tmp_path_factory.mktemp("reruns") / "cases.json"
+    spec.write_text(json.dumps(cases))
+    got["reruns"] = torchrun(2, str(WORKER), str(spec), timeout_s=TIMEOUT_S)
+    got["dirs"] = dirs
+    return got
+
+
+def _rerun_ok(faulted: dict) -> str:
+    out = faulted["reruns"]
+    assert out.returncode == 0, failure_summary(out.stdout + out.stderr)
+    return out.stdout
+
+
+@pytest.mark.multiproc
+def test_damaged_checkpoint_is_refused_then_resumes_from_the_previous_one(faulted):
+    got, d = faulted["damaged"], faulted["dirs"]["damaged"]
+    out, shard = got["out"], got["shard"]
+    assert_clean_refusal(out, 2, shard, "checksum", "step_00000004", "to resume from step_00000003")
+    assert out.stderr.count(f"file {shard}") <= 2          # said by one rank (and repeated once at the end)
+    assert not got["measured_after_refusal"]
+    # do what the message says (step 4 deleted): the run resumes from step 3 and matches the plain reference
+    assert f"resumed from {d / 'ckpt' / 'step_00000003'}" in _rerun_ok(faulted)
+    assert json.loads((d / "measured.json").read_text())["first_step"] == 3
+    assert_matches_reference(d / "measured.json", d / "ckpt", reference(), "resume after damage")
+
+
 # ------------------------------------------------------------------ one run per folder, saves that fail
 
 @pytest.mark.multiproc
-def test_checkpoint_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
+def test_checkpoint_folder_in_use_is_refused_and_a_stale_lock_taken_over(faulted):
     """A folder locked by a live process (this test's, standing in for another run) is refused
     at start, naming the folder and the holder's pid and host, with nothing written; a lock
     whose process is gone (a run killed with -9) is taken over and removed at the end."""
     import os
     import socket
 
-    from autopar.runtime import checkpoint_lock
-
-    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    checkpoint_lock.acquire(ckpt, "the-other-run.json")
-    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt)
-    assert_clean_refusal(out, 2, f"--checkpoint-dir {ckpt} is in use by another run", f"pid {os.getpid()}",
+    got, d = faulted["locked"], faulted["dirs"]["locked"]
+    ckpt = d / "ckpt"
+    assert_clean_refusal(got["out"], 2, f"--checkpoint-dir {ckpt} is in use by another run", f"pid {os.getpid()}",
                          f"on host {socket.gethostname()}", "the-other-run.json", "another --checkpoint-dir")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["lock.json"]
-    assert not (tmp_path / "measured.json").exists()
-    checkpoint_lock.release(ckpt)
-    # a lock left by a process that no longer exists
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (ckpt / "lock.json").write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
-                                                "plan": "killed.json", "started": "earlier"}))
-    out = autopar_run(plan, "--steps", 2, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    assert f"took over {ckpt / 'lock.json'}" in out.stdout and f"pid {gone.stdout.strip()}" in out.stdout
+    assert got["after_refusal"] == ["lock.json"]
+    assert not got["measured_after_refusal"]
+    # the rerun, with a lock left by a process that no longer exists
+    flat = " ".join(_rerun_ok(faulted).split())
+    assert f"took over {ckpt / 'lock.json'}" in flat and f"pid {got['gone_pid']}" in flat
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
 
 
 @pytest.mark.multiproc
-def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(tmp_path):
+def test_failed_save_keeps_the_last_good_checkpoint_and_says_so_once(faulted):
     """Rank 1's writer fails like a full disk in the save of step 4 (after writing part of its
     shard): the run stops with one message (exit 2, no traceback), step 4 leaves no folder, step
     2 stays the newest checkpoint, and a rerun resumes from it to the reference's losses and
     weights."""
-    from runtime_support import free_port
-
-    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
-    ckpt = tmp_path / "ckpt"
-    worker = Path(__file__).resolve().parents[1] / "failing_save_worker.py"
-    out = subprocess.run(
-        [sys.executable, "-m", "autopar.runtime.launch", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(worker), str(plan), "--steps", "6",
-         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timing-warmup", "1",
-         "--measured", str(tmp_path / "measured.json")],
-        env=worker_env(AUTOPAR_TEST_FULL_DISK="1:step_00000004"), cwd=ROOT, capture_output=True, text=True,
-        timeout=TIMEOUT_S)
+    got, d = faulted["failed_save"], faulted["dirs"]["failed_save"]
+    out = got["out"]
     assert_clean_refusal(out, 2, "saving the checkpoint of step 4", "No space left on device",
                          "step_00000002, is kept; a rerun resumes from it")
     flat = "".join((out.stdout + out.stderr).split())
     assert flat.count("savingthecheckpointofstep4") == 1, out.stderr[-5000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step_00000002"]
-    assert json.loads((ckpt / "latest.json").read_text())["step"] == 2
-    out = autopar_run(plan, "--steps", 4, "--checkpoint-dir", ckpt, "--timing-warmup", 1)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    assert "resumed from" in out.stdout and "step_00000002" in out.stdout
-    assert_matches_reference(tmp_path / "measured.json", ckpt, reference(4), "after a failed save", steps=4)
+    assert got["after_failure"] == ["latest.json", "step_00000002"]
+    assert got["latest_after_failure"]["step"] == 2
+    assert f"resumed from {d / 'ckpt' / 'step_00000002'}" in _rerun_ok(faulted)
+    assert_matches_reference(d / "measured.json", d / "ckpt", reference(4), "after a failed save", steps=4)
 
 
 # ------------------------------------------------------------------ issue 32: signals, silent ranks
@@ -435,47 +526,27 @@ def _processes_naming(folder: Path) -> list[int]:
 
 
 @pytest.mark.multiproc
-def test_sigterm_stops_after_a_consistent_checkpoint_and_the_run_resumes(tmp_path):
+def test_sigterm_stops_after_a_consistent_checkpoint_and_the_run_resumes(faulted):
     """SIGTERM to 'autopar run' reaches torchrun and both ranks: they stop after the same step,
     save it, say how to resume, leave no process behind; resuming ends on the plain loop's
     losses and weights, as an uninterrupted run would."""
-    import os
     import signal
-    import time
 
-    plan = make_plan(tmp_path / "plan.json", dp=2, micro_batch=2)
-    ckpt, measured = tmp_path / "ckpt", tmp_path / "measured.json"
-    proc = subprocess.Popen([sys.executable, "-m", "autopar.cli", "run", str(plan), "--steps", "1000",
-                             "--checkpoint-dir", str(ckpt), "--measured", str(measured)],
-                            env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        seen = ""
-        deadline = time.monotonic() + TIMEOUT_S
-        while "step 3/1000" not in seen and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen += line
-        assert "step 3/1000" in seen, seen[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-5000:]
+    got, d = faulted["sigterm"], faulted["dirs"]["sigterm"]
+    err = got["err"]
+    assert "step 3/1000" in got["seen"], got["seen"][-3000:]
+    assert got["returncode"] == 128 + signal.SIGTERM, err[-5000:]
     assert "Traceback" not in err and "Connection closed" not in err, err[-5000:]
     flat = " ".join(err.split())
     assert "stopped by SIGTERM after step" in flat and "Resume with: autopar run" in flat, err[-3000:]
-    assert _processes_naming(tmp_path) == []                      # torchrun and the ranks are gone
-    latest = json.loads((ckpt / "latest.json").read_text())
+    assert got["left"] == []                                      # torchrun and the ranks are gone
+    ckpt, latest = d / "ckpt", got["latest"]
     k = latest["step"]
     assert k >= 3 and (ckpt / latest["path"] / "manifest.json").exists()
     assert f"after step {k}/1000" in flat                         # the checkpoint is the step it names
-    assert not measured.exists()
-    resumed = autopar_run(plan, "--steps", k + 2, "--checkpoint-dir", ckpt, "--measured", measured)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
-    assert_matches_reference(measured, ckpt, reference(k + 2), "stopped by SIGTERM, resumed", steps=k + 2)
+    assert not got["measured_after_stop"]
+    assert f"resumed from {ckpt / latest['path']}" in _rerun_ok(faulted)
+    assert_matches_reference(d / "measured.json", ckpt, reference(k + 2), "stopped by SIGTERM, resumed", steps=k + 2)
 
 
 @pytest.mark.multiproc

@@ -7,7 +7,8 @@
   127.0.0.1) train a dp2 x tp2 plan (ZeRO-3 on the dp axis) and a dp2 x tp2 ZeRO-0 plan
   (DDP semantics over TP) and a dp2 x pp2 plan, each matching the reference.
 * bad input: fingerprint mismatch, world size mismatch and a malformed plan exit with code 2
-  and a message naming the problem.
+  and a message naming the problem (the CLI's refusals, and the per-node commands it prints,
+  run in this process: nothing is launched for them).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_inprocess import run_cli
 from runtime_support import (ROOT, WORKER, assert_matches_reference, free_port, make_plan, reference, torchrun,
                              worker_env)
 
@@ -70,8 +72,9 @@ def test_two_nodes_on_one_machine(tmp_path):
 
 
 def _autopar_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "run", *args], env=worker_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    """``autopar run`` in this process (``cli_inprocess``): these checks refuse, or print the
+    per-node commands, before any process is started."""
+    return run_cli("run", *args, cwd=ROOT)
 
 
 def test_fingerprint_mismatch_exits_2(tmp_path):
