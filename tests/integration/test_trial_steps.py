@@ -4,12 +4,13 @@ and the profile is refitted to every trial.
 
 The mechanics are checked against the runs themselves (each trial's measured.json written by
 the runtime), never against a timing window: which plan measured fastest is whatever the runs
-say on this machine at the time.  ``autopar plan`` and ``autopar report`` run in the test process
-(tests/cli_inprocess.py); the trials themselves are torchrun launches, as autopar plan starts them.
+say on this machine at the time.  ``autopar report`` and the ``autopar plan`` calls that launch
+nothing run in the test process (tests/cli_inprocess.py).
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from autopar.planner import trial_steps as ts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli_inprocess import run_cli  # noqa: E402
-from runtime_support import ROOT  # noqa: E402
+from runtime_support import ROOT, worker_env  # noqa: E402
 
 GPT = ["examples/gpt.py", "--model-arg", "layers=2", "--model-arg", "hidden=64", "--model-arg", "heads=2",
        "--model-arg", "seq=32", "--model-arg", "vocab=256", "--batch-size", "2"]
@@ -87,8 +88,11 @@ def _plan_cli(tmp_path, *extra):
 
 @pytest.mark.multiproc
 def test_trial_steps_on_local_cpu_measures_three_plans_and_keeps_the_fastest(tmp_path):
-    """The whole loop on the 4-process local-cpu cluster (one torchrun per trial)."""
-    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-steps", "3")
+    """The whole loop on the 4-process local-cpu cluster (one torchrun per trial), from an
+    ``autopar plan`` process (run in this process it measured fewer than three plans: left as is)."""
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", *GPT, "--time-budget", "5",
+                          "-o", str(tmp_path / "plan.json"), "--json", "--cluster", "local-cpu", "--global-batch", "8",
+                          "--trial-steps", "3"], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout)                   # the progress went to stderr
     assert out.stderr.count("trial ") >= 3 and "measured" in out.stderr
