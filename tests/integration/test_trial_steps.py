@@ -4,7 +4,8 @@ and the profile is refitted to every trial.
 
 The mechanics are checked against the runs themselves (each trial's measured.json written by
 the runtime), never against a timing window: which plan measured fastest is whatever the runs
-say on this machine at the time.
+say on this machine at the time.  ``autopar report`` and the ``autopar plan`` calls that launch
+nothing run in the test process (tests/cli_inprocess.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from autopar.core.plan import ModelRef, load_plan, uniform_plan
 from autopar.planner import trial_steps as ts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_inprocess import run_cli  # noqa: E402
 from runtime_support import ROOT, worker_env  # noqa: E402
 
 GPT = ["examples/gpt.py", "--model-arg", "layers=2", "--model-arg", "hidden=64", "--model-arg", "heads=2",
@@ -80,16 +82,17 @@ def test_a_failed_trial_is_reported_and_the_fastest_measured_is_kept(tmp_path):
     assert ts.keep_fastest(trials).index == 1
 
 
-def _plan_cli(tmp_path, *extra, timeout=900):
-    return subprocess.run([sys.executable, "-m", "autopar.cli", "plan", *GPT, "--time-budget", "5",
-                           "-o", str(tmp_path / "plan.json"), "--json", *extra],
-                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+def _plan_cli(tmp_path, *extra):
+    return run_cli("plan", *GPT, "--time-budget", "5", "-o", tmp_path / "plan.json", "--json", *extra, cwd=ROOT)
 
 
 @pytest.mark.multiproc
 def test_trial_steps_on_local_cpu_measures_three_plans_and_keeps_the_fastest(tmp_path):
-    """The whole loop on the 4-process local-cpu cluster (one torchrun per trial)."""
-    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-steps", "3")
+    """The whole loop on the 4-process local-cpu cluster (one torchrun per trial), from an
+    ``autopar plan`` process (run in this process it measured fewer than three plans: left as is)."""
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", *GPT, "--time-budget", "5",
+                          "-o", str(tmp_path / "plan.json"), "--json", "--cluster", "local-cpu", "--global-batch", "8",
+                          "--trial-steps", "3"], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout)                   # the progress went to stderr
     assert out.stderr.count("trial ") >= 3 and "measured" in out.stderr
@@ -122,18 +125,17 @@ def test_trial_steps_on_local_cpu_measures_three_plans_and_keeps_the_fastest(tmp
 
     # report --calibrate --with: the same multi-run fit from the command line
     t1, t2 = trials[0], trials[1]
-    rep = subprocess.run([sys.executable, "-m", "autopar.cli", "report", t1["plan"], t1["measured"], "--calibrate",
-                          "-o", str(tmp_path / "two.json"), "--with", t2["plan"], t2["measured"], "--json"],
-                         cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    rep = run_cli("report", t1["plan"], t1["measured"], "--calibrate", "-o", tmp_path / "two.json",
+                  "--with", t2["plan"], t2["measured"], "--json", cwd=ROOT)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     cal = json.loads(rep.stdout)["calibration"]
     assert set(cal["errors_before"]) == {"plan", "2/plan"}
 
 
-@pytest.mark.slow          # an `autopar plan` process, about 9 s
+@pytest.mark.slow          # an `autopar plan` search, about 5 s
 def test_trial_steps_on_several_nodes_prints_the_commands(tmp_path):
     out = _plan_cli(tmp_path, "--cluster", "dgx-a100-4x8", "--global-batch", "64", "--trial-steps", "2",
-                    "--no-runtime-check", timeout=300)
+                    "--no-runtime-check")
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout)
     rec = summary["trial_steps"]
@@ -144,13 +146,12 @@ def test_trial_steps_on_several_nodes_prints_the_commands(tmp_path):
 
 def test_report_with_needs_calibrate_and_plan_trial_flags_need_trial_steps(tmp_path):
     """Flags that only make sense with another are refused with exit 2 before any work."""
-    rep = subprocess.run([sys.executable, "-m", "autopar.cli", "report", "a.json", "b.json", "--with", "c.json",
-                          "d.json"], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
+    rep = run_cli("report", "a.json", "b.json", "--with", "c.json", "d.json", cwd=ROOT)
     flat = lambda text: " ".join(text.split())  # noqa: E731  (messages are wrapped as paragraphs)
     assert rep.returncode == 2 and "--with adds runs to the --calibrate fit" in flat(rep.stderr)
-    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-plans", "2", timeout=120)
+    out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-plans", "2")
     assert out.returncode == 2 and "add --trial-steps N" in flat(out.stderr)
     out = _plan_cli(tmp_path, "--cluster", "local-cpu", "--global-batch", "8", "--trial-steps", "2",
-                    "--trial-plans", "5", timeout=120)
+                    "--trial-plans", "5")
     assert out.returncode == 2 and "raise --top-k to 4" in flat(out.stderr)
     assert not (tmp_path / "plan.json").exists() and not (tmp_path / "plan.trials").exists()

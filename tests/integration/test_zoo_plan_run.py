@@ -3,20 +3,33 @@
 kinds the planner picked, the runtime must run them: the planner offers only what it checked
 against the runtime's own code.
 
-3 steps, a global batch of 4.  The models are planned in this process (``autopar.cli.main``, what
-``autopar plan`` runs) and checked as ``autopar run`` checks a plan before it starts torchrun
-(``runtime.plan_check.check_plan``); then ONE torchrun launch trains every plan in turn
-(``tests/zoo_worker.py``: ``runtime.train.run`` per plan, one process group), instead of one
-``autopar run`` per model: 19 launches cost the suite ~6 minutes of interpreter and transformers
-start-up.  The BatchNorm models' runs also match the plain loop (tests/plain_loop.py, with
-BatchNorm's statistics over each micro-batch): whatever plan the planner chose trains the
-model the file wrote.  ``autopar run``'s own launch path (torchrun, its exit codes and messages) is tested by
-tests/integration/test_runtime_launch.py and test_trial_steps.py.
+3 steps (AdamW's first update moves each weight by lr times the sign of its gradient; the third
+loss follows a second update, which weighs the gradients' sizes), a global batch of 4, a 1 s
+search: whichever plan the search returns must run, and the parity checks compare that plan's
+run with the plain loop.  The models are planned in this process
+(``autopar.cli.main``, what ``autopar plan`` runs) and checked as ``autopar run`` checks a plan
+before it starts torchrun (``runtime.plan_check.check_plan``); then ONE torchrun launch trains
+every plan in turn (``tests/zoo_worker.py``: ``runtime.train.run`` per plan, one process group),
+instead of one ``autopar run`` per model: 19 launches cost the suite ~6 minutes of interpreter
+and transformers start-up.  The BatchNorm models' runs also match the plain loop
+(tests/plain_loop.py, with BatchNorm's statistics over each micro-batch): whatever plan the
+planner chose trains the model the file wrote.  ``autopar run``'s own launch path (torchrun, its
+exit codes and messages) is tested by tests/integration/test_runtime_launch.py and
+test_trial_steps.py.
+
+The same launch trains the 2-rank plans of ``autopar plan --cp 2`` (the zoo's Llama and GPT-2, both
+attending through SDPA; the zoo's nanoGPT writes its attention as matmul and softmax, which cp
+refuses) and ``autopar plan --ep 2`` (the zoo's Mixtral, MoE and DeepSeek-V3 style MoE), at a
+global batch of 2 (the cp plans hold it on one dp rank, the ep plans one sample per rank), 3 steps:
+the run says it ran cp = 2 / ep = 2 (``test_plan_with_cp_or_ep_then_run_trains``; the 4-rank ep x
+pp and cp x pp cases are tests/integration/test_plan_run_cp_ep.py's). They are planned only when
+that test is selected (it is marked slow).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -62,9 +75,19 @@ WORKER = ROOT / "tests" / "zoo_worker.py"
 
 # further plans of zoo models with fixed knobs: case -> (model, autopar plan flags)
 FIXED = {"lora_gpt_tp2": ("lora_gpt", ("--tp", "2"))}
+# plans with a fixed cp or ep degree, at a global batch of 2: case -> (model, the axis fixed at 2)
+CP_EP = {
+    "hf_llama_cp2": ("hf_llama", "cp"),
+    "hf_gpt2_cp2": ("hf_gpt2", "cp"),
+    "hf_mixtral_ep2": ("hf_mixtral", "ep"),
+    "moe_ep2": ("moe", "ep"),
+    "deepseek_moe_ep2": ("deepseek_moe", "ep"),
+}
+CP_EP_TEST = "test_plan_with_cp_or_ep_then_run_trains"
 
 
-def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] = (), case: str = "") -> dict:
+def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] = (), case: str = "",
+          batch: int = 4) -> dict:
     """Plan one model in this process and check the plan as ``autopar run`` would; the case for the
     shared launch, or why there is none."""
     from autopar.cli import main as cli_main
@@ -72,8 +95,8 @@ def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] =
 
     case = case or model
     plan_path = folder / f"{case}.plan.json"
-    rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", "4",
-                   "--time-budget", "2", "-o", str(plan_path), "--json", *flags])
+    rc = cli_main(["plan", str(ZOO / f"{model}.py"), "--cluster", str(cluster_file), "--global-batch", str(batch),
+                   "--time-budget", "1", "-o", str(plan_path), "--json", *flags])
     if rc != 0:
         return {"error": f"autopar plan {model} {' '.join(flags)} exited {rc}"}
     check_plan(plan_path, None)
@@ -84,8 +107,9 @@ def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] =
 
 
 @pytest.fixture(scope="module")
-def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
-    """model -> its case (plan, kinds, result file), after one torchrun launch trained them all."""
+def trained(cluster_file, tmp_path_factory, request) -> dict[str, dict]:
+    """model (or case of FIXED, CP_EP) -> its case (plan, kinds, result file, the launch's log),
+    after one torchrun launch trained them all."""
     from runtime_support import failure_summary, torchrun, worker_env
 
     folder = tmp_path_factory.mktemp("zoo_plans")
@@ -105,12 +129,20 @@ def trained(cluster_file, tmp_path_factory) -> dict[str, dict]:
             cases[case] = _plan(model, cluster_file, folder, flags, case)
         except Exception as e:  # noqa: BLE001
             cases[case] = {"error": f"{type(e).__name__}: {e}"}
+    if any(getattr(item, "originalname", "") == CP_EP_TEST for item in request.session.items):
+        for case, (model, axis) in CP_EP.items():
+            try:
+                cases[case] = _plan(model, cluster_file, folder, (f"--{axis}", "2"), case, batch=2)
+            except Exception as e:  # noqa: BLE001
+                cases[case] = {"error": f"{type(e).__name__}: {e}"}
     runnable = [c for c in cases.values() if "plan" in c]
     spec = folder / "cases.json"
     spec.write_text(json.dumps(runnable))
     out = torchrun(2, str(WORKER), str(spec), timeout_s=900, env=worker_env())
+    log = out.stdout + out.stderr
     for c in runnable:
-        c["launch"] = "" if out.returncode == 0 else failure_summary(out.stdout + out.stderr)
+        c["log"] = log
+        c["launch"] = "" if out.returncode == 0 else failure_summary(log)
     return cases
 
 
@@ -165,3 +197,34 @@ def test_lora_tp2_plan_trains_like_the_plain_loop(trained):
     want = plain_loop.train_plain(ZOO / "lora_gpt.py", {}, plan["global_batch"], STEPS).losses
     diff = max(abs(a - b) for a, b in zip(out["losses"], want))
     assert diff <= LOSS_ATOL, f"lora_gpt --tp 2 plan {case['kinds']}: losses {out['losses']} vs plain loop {want} ({diff:.3g})"
+
+
+def _trained(case: dict, needles: tuple[str, ...], world: int) -> tuple[dict, dict]:
+    """(the plan, its measured file) of a case a shared launch trained: it finished, the run's
+    own line for the plan names ``needles`` (what it ran), and the measured file is this plan's,
+    on ``world`` ranks, with the losses the worker recorded."""
+    assert "error" not in case, case.get("error")
+    plan = json.loads(open(case["plan"]).read())
+    assert os.path.exists(case["result"]), f"{plan['mesh']} did not finish in the shared launch:\n{case['launch']}"
+    out = json.loads(open(case["result"]).read())
+    assert "losses" in out, f"{plan['mesh']}: {out}"
+    line = next((l for l in case["log"].splitlines() if f"plan {case['plan']}: mesh" in l), "")
+    assert all(n in line for n in needles), case["log"][-3000:]
+    m = json.loads(open(case["measured"]).read())
+    assert m["plan"] == case["plan"] and m["world_size"] == world and m["losses"] == out["losses"]
+    return plan, m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CP_EP))
+def test_plan_with_cp_or_ep_then_run_trains(name, trained):
+    """``autopar plan --cp 2`` / ``--ep 2`` writes a plan with that degree, noted as fixed by the
+    flag, and the plan trains on 2 ranks with that degree, at the global batch planned."""
+    pytest.importorskip("transformers")
+    _model, axis = CP_EP[name]
+    plan, m = _trained(trained[name], (f" {axis}=2",), 2)
+    assert plan["mesh"][axis] == 2 and plan["mesh"]["world_size"] == 2, plan["mesh"]
+    left = {x["kind"]: x["reason"] for x in plan["provenance"]["left_out"]}
+    assert left[{"cp": "context parallel (used)", "ep": "expert parallel (used)"}[axis]] == f"{axis} 2 fixed by --{axis}"
+    assert m["global_batch"] == 2
+    assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"]), m["losses"]
