@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # price_layout.py beside this file
 DATA = ROOT / "benchmarks" / "data" / "published_runs_compression.json"
-RESULTS = ROOT / "benchmarks" / "results"
 #: the micro-batch pytorch/examples imagenet/main.py gives each of a node's 2 GPUs (256 per node)
 OTHER_MICRO_BATCH = 128
 
@@ -99,12 +98,9 @@ def main() -> int:
     lines, results = report(load_runs())
     print("\n".join(lines))
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "grad_compression_runs.txt").write_text("$ python benchmarks/grad_compression_runs.py\n"
-                                                           + "\n".join(lines) + "\n")
-        (RESULTS / "grad_compression_runs.json").write_text(json.dumps(
-            {"command": "python benchmarks/grad_compression_runs.py",
-             "error": "predicted speed-up / published speed-up - 1", "rows": results}, indent=1) + "\n")
+        from price_layout import write_results
+
+        write_results("grad_compression_runs", lines, results, "predicted speed-up / published speed-up - 1")
     return 0
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # price_layout.py beside this file
 DATA = ROOT / "benchmarks" / "data" / "published_runs_nvme.json"
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def load_runs(path: Path = DATA) -> dict:
@@ -130,11 +129,9 @@ def main() -> int:
     lines, priced = report(load_runs())
     print("\n".join(lines))
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "nvme_runs.txt").write_text("$ python benchmarks/nvme_runs.py\n" + "\n".join(lines) + "\n")
-        (RESULTS / "nvme_runs.json").write_text(json.dumps({"command": "python benchmarks/nvme_runs.py",
-                                                            "error": "predicted throughput / published - 1",
-                                                            "rows": priced}, indent=1) + "\n")
+        from price_layout import write_results
+
+        write_results("nvme_runs", lines, priced, "predicted throughput / published - 1")
     return 0
 
 

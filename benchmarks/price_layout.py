@@ -16,10 +16,22 @@ reports it: positive means the simulator promises more than the run delivered.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_results(script: str, lines: list[str], rows: list[dict], error: str) -> None:
+    """benchmarks/results/<script>.txt (the command and the printed ``lines``) and <script>.json
+    (the command, what the error means and the priced ``rows``)."""
+    results = ROOT / "benchmarks" / "results"
+    command = f"python benchmarks/{script}.py"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{script}.txt").write_text(f"$ {command}\n" + "\n".join(lines) + "\n")
+    (results / f"{script}.json").write_text(json.dumps({"command": command, "error": error, "rows": rows},
+                                                       indent=1) + "\n")
 
 
 def ratio_error(predicted: float, published: float) -> float:
