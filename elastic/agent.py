@@ -44,22 +44,30 @@ def _round_of(handler) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _wrap_once(cls, name: str, wrap) -> None:
+    """Replace ``cls.name`` by ``wrap(original)``, marked, unless it is already ours (torch's own
+    methods may carry a ``__wrapped__`` -- its @prof -- so the mark is an attribute of our own)."""
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapped = wrap(original)
+    setattr(wrapped, _MARK, True)
+    setattr(cls, name, wrapped)
+
+
 def install_round_export() -> None:
     """Wrap the agent's ``_rendezvous`` so the workers it starts next carry the round."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    original = SimpleElasticAgent._rendezvous
-    if getattr(original, _MARK, False):    # (torch's own ``_rendezvous`` has a ``__wrapped__``: its @prof)
-        return
+    def wrap(original):
+        def rendezvous(self, worker_group):
+            original(self, worker_group)
+            number = _round_of(worker_group.spec.rdzv_handler)
+            os.environ[ATTEMPT_ENV] = f"round_{number}" if number is not None else \
+                f"restart_{worker_group.spec.max_restarts - self._remaining_restarts}"
+        return rendezvous
 
-    def rendezvous(self, worker_group):
-        original(self, worker_group)
-        number = _round_of(worker_group.spec.rdzv_handler)
-        os.environ[ATTEMPT_ENV] = f"round_{number}" if number is not None else \
-            f"restart_{worker_group.spec.max_restarts - self._remaining_restarts}"
-
-    setattr(rendezvous, _MARK, True)
-    SimpleElasticAgent._rendezvous = rendezvous
+    _wrap_once(SimpleElasticAgent, "_rendezvous", wrap)
 
 
 def install_store_info_every_round() -> None:
@@ -68,23 +76,20 @@ def install_store_info_every_round() -> None:
     from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    original = DynamicRendezvousHandler.next_rendezvous
-    if getattr(original, _MARK, False):
-        return
+    def wrap(original):
+        def next_rendezvous(self):
+            info = original(self)
+            server = getattr(self, "_shared_tcp_store_server", None)
+            if not self.use_agent_store or (info.rank == 0 and server is None):
+                # torch's opt-out (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) publishes a new address every round itself
+                return info
+            fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._this_node.addr,
+                                              server_port=server.port if info.rank == 0 else None)
+            self._bootstrap_store_info = fresh
+            return RendezvousInfo(info.store, info.rank, info.world_size, fresh)
+        return next_rendezvous
 
-    def next_rendezvous(self):
-        info = original(self)
-        server = getattr(self, "_shared_tcp_store_server", None)
-        if not self.use_agent_store or (info.rank == 0 and server is None):
-            # torch's opt-out (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) publishes a new address every round itself
-            return info
-        fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._this_node.addr,
-                                          server_port=server.port if info.rank == 0 else None)
-        self._bootstrap_store_info = fresh
-        return RendezvousInfo(info.store, info.rank, info.world_size, fresh)
-
-    setattr(next_rendezvous, _MARK, True)
-    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    _wrap_once(DynamicRendezvousHandler, "next_rendezvous", wrap)
 
 
 def main(argv: list[str] | None = None) -> int:
