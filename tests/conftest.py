@@ -15,6 +15,26 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 
+def pytest_configure(config):
+    """One folder of captured graphs for the whole session, shared by every process the suite
+    starts (tests/capture_memo.py): set here in the first pytest process (xdist's workers inherit
+    its environment), removed when it ends."""
+    import os
+    import shutil
+    import tempfile
+
+    from capture_memo import DIR_ENV, uninstall_here
+
+    uninstall_here()
+    if os.environ.get(DIR_ENV):
+        return
+    folder = tempfile.mkdtemp(prefix="autopar-captures-")
+    os.environ[DIR_ENV] = folder
+    site = str(TESTS_DIR / "subprocess_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
 def pytest_collection_modifyitems(config, items):
     launches: dict[str, int] = {}
     for item in items:
