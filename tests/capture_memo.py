@@ -63,7 +63,10 @@ def uninstall_here() -> None:
         module.capture_loaded = module.capture_loaded._original
 
 
-def install(capture_module=None) -> None:
+def install(capture_module=None, every_call: bool = False) -> None:
+    """``every_call``: the planner's captures too (``capture_model_file``, which passes ``t0`` and
+    ``reuse``), for a test module that plans the same models several times in its own process
+    (``in_this_process``)."""
     if capture_module is None:
         import autopar.core.capture as capture_module
     if getattr(capture_module.capture_loaded, "_test_memo", False):
@@ -73,7 +76,7 @@ def install(capture_module=None) -> None:
 
     def capture_loaded(mf, model_args=None, batch_size=8, t0=None, reuse=None):
         file = getattr(mf.module, "__file__", None)
-        if (reuse is not None or t0 is not None or not file or not Path(file).is_file()
+        if (((reuse is not None or t0 is not None) and not every_call) or not file or not Path(file).is_file()
                 or os.environ.get("AUTOPAR_FAULT_AT")):
             return original(mf, model_args, batch_size, t0=t0, reuse=reuse)
         key = (str(file), hashlib.sha256(Path(file).read_bytes()).hexdigest(),
@@ -86,3 +89,21 @@ def install(capture_module=None) -> None:
     capture_loaded._test_memo = True
     capture_loaded._original = original
     capture_module.capture_loaded = capture_loaded
+
+
+def in_this_process():
+    """A context in which this process captures each (file, text, arguments, micro-batch) once,
+    the planner's captures included (``install(every_call=True)``); as before after it."""
+    import contextlib
+
+    import autopar.core.capture as capture_module
+
+    @contextlib.contextmanager
+    def memo():
+        before = capture_module.capture_loaded
+        install(capture_module, every_call=True)
+        try:
+            yield
+        finally:
+            capture_module.capture_loaded = before
+    return memo()

@@ -106,13 +106,8 @@ def _plan(model: str, cluster_file: Path, folder: Path, flags: tuple[str, ...] =
             "result": str(folder / f"{case}.result.json"), "kinds": repr(kinds)}
 
 
-@pytest.fixture(scope="module")
-def trained(cluster_file, tmp_path_factory, request) -> dict[str, dict]:
-    """model (or case of FIXED, CP_EP) -> its case (plan, kinds, result file, the launch's log),
-    after one torchrun launch trained them all."""
-    from runtime_support import failure_summary, torchrun, worker_env
-
-    folder = tmp_path_factory.mktemp("zoo_plans")
+def _plan_all(cluster_file: Path, folder: Path, request) -> dict[str, dict]:
+    """Every case planned (``_plan``): model (or case of FIXED, CP_EP) -> its case, or its error."""
     cases = {}
     for model in MODELS:
         if model.startswith("hf_"):
@@ -135,6 +130,20 @@ def trained(cluster_file, tmp_path_factory, request) -> dict[str, dict]:
                 cases[case] = _plan(model, cluster_file, folder, (f"--{axis}", "2"), case, batch=2)
             except Exception as e:  # noqa: BLE001
                 cases[case] = {"error": f"{type(e).__name__}: {e}"}
+    return cases
+
+
+@pytest.fixture(scope="module")
+def trained(cluster_file, tmp_path_factory, request) -> dict[str, dict]:
+    """model (or case of FIXED, CP_EP) -> its case (plan, kinds, result file, the launch's log),
+    after one torchrun launch trained them all."""
+    from runtime_support import failure_summary, torchrun, worker_env
+
+    import capture_memo
+
+    folder = tmp_path_factory.mktemp("zoo_plans")
+    with capture_memo.in_this_process():    # a model planned twice, and the plan check, capture it once
+        cases = _plan_all(cluster_file, folder, request)
     runnable = [c for c in cases.values() if "plan" in c]
     spec = folder / "cases.json"
     spec.write_text(json.dumps(runnable))
