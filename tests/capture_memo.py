@@ -107,3 +107,13 @@ def in_this_process():
         finally:
             capture_module.capture_loaded = before
     return memo()
+
+
+def captured(path, model_args: dict | None = None, micro_batch: int = 8):
+    """``capture_model_file`` for a test that makes plans for ranks to run: through the session's
+    folder, so the ranks' plan checks read the graph this process captured (or this process
+    reads the one a rank or the other worker captured)."""
+    from autopar.core.capture import capture_model_file
+
+    with in_this_process():
+        return capture_model_file(str(path), dict(model_args or {}), micro_batch)
