@@ -101,6 +101,7 @@ def in_this_process():
     @contextlib.contextmanager
     def memo():
         before = capture_module.capture_loaded
+        capture_module.capture_loaded = getattr(before, "_original", before)     # whatever memo was on
         install(capture_module, every_call=True)
         try:
             yield
