@@ -16,7 +16,8 @@ every rank, torchrun agent and ``autopar`` CLI process the suite starts installs
 first process to capture a key writes the graph there (pickled, then renamed into place) under a
 file lock, and every other process -- the ranks of one launch, later launches, the other xdist
 worker's -- reads it.  A key holds the file's text (sha256), so a model file a test edits is
-captured afresh.  A run with a fault injected (``AUTOPAR_FAULT_AT``) captures for itself.
+captured afresh; it does not hold the text of the modules the file imports (nothing in a test
+session edits one).  A run with a fault injected (``AUTOPAR_FAULT_AT``) captures for itself.
 """
 from __future__ import annotations
 
