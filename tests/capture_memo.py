@@ -21,6 +21,7 @@ session edits one).  A run with a fault injected (``AUTOPAR_FAULT_AT``) captures
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import hashlib
@@ -92,23 +93,19 @@ def install(capture_module=None, every_call: bool = False) -> None:
     capture_module.capture_loaded = capture_loaded
 
 
+@contextlib.contextmanager
 def in_this_process():
     """A context in which this process captures each (file, text, arguments, micro-batch) once,
     the planner's captures included (``install(every_call=True)``); as before after it."""
-    import contextlib
-
     import autopar.core.capture as capture_module
 
-    @contextlib.contextmanager
-    def memo():
-        before = capture_module.capture_loaded
-        capture_module.capture_loaded = getattr(before, "_original", before)     # whatever memo was on
-        install(capture_module, every_call=True)
-        try:
-            yield
-        finally:
-            capture_module.capture_loaded = before
-    return memo()
+    before = capture_module.capture_loaded
+    capture_module.capture_loaded = getattr(before, "_original", before)     # whatever memo was on
+    install(capture_module, every_call=True)
+    try:
+        yield
+    finally:
+        capture_module.capture_loaded = before
 
 
 def captured(path, model_args: dict | None = None, micro_batch: int = 8):

@@ -3,31 +3,22 @@
 Each case is a full ``autopar.runtime.train.run`` of one plan; a case the runtime refuses with
 a ``UserError`` (the same on every rank, before any collective) is recorded with its message
 and the next case runs.  The captured graph is computed once per (model, args, micro-batch)
-in this process: the cases of one model share it.
+(tests/capture_memo.py): the cases of one model share it.
 """
-import functools
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
-import autopar.core.capture as capture
 from autopar.core.errors import UserError
 from autopar.runtime.mesh import shutdown
 from autopar.runtime.options import RunOptions
 from autopar.runtime.train import run
 
-_capture = capture.capture_model_file
+import capture_memo
 
-
-@functools.lru_cache(maxsize=None)
-def _cached(path, args_json, micro_batch):
-    return _capture(path, json.loads(args_json), micro_batch)
-
-
-capture.capture_model_file = lambda path, args, micro_batch, *a, **k: (
-    _cached(path, json.dumps(args, sort_keys=True), micro_batch) if not (a or k) else _capture(path, args, micro_batch, *a, **k))
+capture_memo.install()      # one capture per model file, arguments and micro-batch in this process
 
 
 def main() -> None:
